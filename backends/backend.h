@@ -1,0 +1,124 @@
+#ifndef RDMA_AGENTD_BACKENDS_BACKEND_H_
+#define RDMA_AGENTD_BACKENDS_BACKEND_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "backends/buffer_directory.h"
+#include "backends/registration.h"
+#include "rdma/agent/v1/agent.pb.h"
+#include "rdma/agent/v1/remote_buffer.pb.h"
+
+namespace grpc {
+class Service;
+}
+
+namespace rdma_agent {
+
+// Who this agent is; every backend gets it at spawn.
+struct AgentIdentity {
+  std::string agent_id;
+  uint64_t epoch = 0;
+};
+
+// What a backend is given when it is spawned.
+struct BackendEnvironment {
+  AgentIdentity identity;
+  // Looks up local registrations when serving peers. Outlives the backend.
+  const BufferDirectory* directory = nullptr;
+  // Host peers should dial to reach this agent (never a wildcard address).
+  std::string advertise_host;
+  // "host:port" of this agent's Peer gRPC service, once it is listening; set
+  // before Start() is called.
+  std::string peer_address;
+};
+
+// One op as the agent hands it to a backend, already validated: the local
+// range lies inside `local` with the right access, the remote range inside
+// what `remote` advertises, and length > 0. The remote side is re-checked by
+// whoever serves it.
+struct Op {
+  // Position in the Submit batch, for messages ("op 3: ...").
+  size_t index = 0;
+  v1::OpType type = v1::OP_TYPE_UNSPECIFIED;
+  std::shared_ptr<Registration> local;  // pinned for the op's lifetime
+  uint64_t local_offset = 0;
+  uint64_t length = 0;
+  std::shared_ptr<const v1::RemoteBuffer> remote;
+  uint64_t remote_offset = 0;
+
+  bool reads_into_local() const {
+    return type == v1::OP_TYPE_READ_INTO_LOCAL;
+  }
+};
+
+// A transport that moves bytes between this agent's registrations and
+// remote ones: the seed's RdmaBackend.
+//
+// Thread-safe: Register, Submit and destruction of BackendRegistrations may
+// happen concurrently from many RPCs.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "memory", "tcp", "ibverbs": the name in remote contexts and results.
+  virtual const std::string& name() const = 0;
+  virtual v1::TransportLevel transport_level() const = 0;
+  // False when the backend cannot be used on this host (no device, disabled);
+  // the registry then skips it.
+  virtual bool available() const = 0;
+  // Why it is unavailable (empty when available).
+  virtual std::string unavailable_reason() const { return ""; }
+  // Devices, addresses and other details for GetInfo.
+  virtual v1::TransportInfo transport_info() const = 0;
+
+  // Services this backend serves to peer agents on the agent's Peer listener
+  // (e.g. the queue-pair handshake). Must stay valid while the backend lives.
+  virtual std::vector<grpc::Service*> peer_services() { return {}; }
+
+  // Called once, after the Peer listener is up and before any Register.
+  virtual absl::Status Start() { return absl::OkStatus(); }
+
+  // Makes `registration` reachable through this backend. Fills `endpoint`
+  // (its entry in the remote context) and returns what must live as long as
+  // the registration (dropping it undoes the registration).
+  virtual absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
+      const Registration& registration, v1::BackendEndpoint* endpoint) = 0;
+
+  // True when this backend can run ops against `remote`: it advertises an
+  // endpoint of this backend that this agent can use.
+  virtual bool CanReach(const v1::RemoteBuffer& remote) const = 0;
+
+  // Runs `ops` (all reachable by this backend) and returns one status per op,
+  // in order. Returns by `deadline` (DEADLINE_EXCEEDED for ops not done),
+  // and once it has returned no part of it reads or writes any op's local
+  // memory again.
+  virtual std::vector<absl::Status> Submit(absl::Span<const Op> ops,
+                                           absl::Time deadline) = 0;
+};
+
+// Spawns a backend from its configuration (captured by the factory) for an
+// agent. The daemon builds factories from flags; tests build them directly.
+using BackendFactory = std::function<absl::StatusOr<std::unique_ptr<Backend>>(
+    const BackendEnvironment& env)>;
+
+// The endpoint of `backend` in `remote`, or nullptr.
+const v1::BackendEndpoint* FindEndpoint(const v1::RemoteBuffer& remote,
+                                        absl::string_view backend);
+
+// "op N: message", keeping the status code.
+absl::Status AnnotateOp(const absl::Status& status, size_t op_index);
+
+// The ServeRequest a peer sends for `op`'s remote side.
+ServeRequest ServeRequestFor(const Op& op);
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_BACKEND_H_

@@ -1,0 +1,47 @@
+#include "backends/buffer_directory.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace rdma_agent {
+
+absl::Status CheckRange(uint64_t offset, uint64_t length, uint64_t size,
+                        absl::string_view what) {
+  if (length == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " length must be positive"));
+  }
+  if (offset > size || length > size - offset) {
+    return absl::OutOfRangeError(absl::StrCat(
+        what, " range [", offset, ", ", offset, "+", length,
+        ") is outside the buffer of ", size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+bool TokensEqual(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+absl::Status CheckServeRequest(const Registration& registration,
+                               const ServeRequest& request) {
+  if (!TokensEqual(registration.token(), request.token)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "wrong capability token for buffer ", request.buffer_id));
+  }
+  if (request.write ? !registration.writable() : !registration.readable()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "buffer ", request.buffer_id, " is not registered for ",
+        request.write ? "remote writes" : "remote reads", " (access ",
+        v1::Access_Name(registration.access()), ")"));
+  }
+  return CheckRange(request.offset, request.length, registration.size(),
+                    "remote");
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,56 @@
+#ifndef RDMA_AGENTD_BACKENDS_BUFFER_DIRECTORY_H_
+#define RDMA_AGENTD_BACKENDS_BUFFER_DIRECTORY_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "backends/registration.h"
+
+namespace rdma_agent {
+
+// A request from a peer (or from this agent's own memory backend) to touch a
+// local registration, as named by a remote context.
+struct ServeRequest {
+  uint64_t agent_epoch = 0;  // epoch the requester believes this agent has
+  uint64_t buffer_id = 0;
+  std::string token;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  // True when the requester will write into the buffer (its WRITE_FROM_LOCAL);
+  // false when it reads (its READ_INTO_LOCAL).
+  bool write = false;
+};
+
+// The agent's live registrations, as backends see them when serving peers.
+class BufferDirectory {
+ public:
+  virtual ~BufferDirectory() = default;
+
+  // Checks a peer request and pins the registration it names. Codes:
+  // stale epoch FAILED_PRECONDITION; unknown id NOT_FOUND; wrong token or
+  // access PERMISSION_DENIED; zero length INVALID_ARGUMENT; range outside
+  // the buffer (or overflowing) OUT_OF_RANGE.
+  // The caller keeps the returned pointer until it no longer touches memory.
+  virtual absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
+      const ServeRequest& request) const = 0;
+};
+
+// Checks that [offset, offset + length) lies inside a buffer of `size` bytes
+// without overflowing. `what` names the side in the error ("local", "remote").
+absl::Status CheckRange(uint64_t offset, uint64_t length, uint64_t size,
+                        absl::string_view what);
+
+// Compares tokens in constant time.
+bool TokensEqual(absl::string_view a, absl::string_view b);
+
+// The checks of ResolveForPeer against an already-found registration:
+// token, access and range. Shared by every BufferDirectory implementation.
+absl::Status CheckServeRequest(const Registration& registration,
+                               const ServeRequest& request);
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_BUFFER_DIRECTORY_H_

@@ -1,0 +1,43 @@
+#ifndef RDMA_AGENTD_BACKENDS_MEMORY_MEMORY_BACKEND_H_
+#define RDMA_AGENTD_BACKENDS_MEMORY_MEMORY_BACKEND_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/backend.h"
+
+namespace rdma_agent {
+
+// Same-host transport: both buffers are registrations of this agent, so an op
+// is a memcpy inside the agent. Reaches only contexts this agent issued.
+class MemoryBackend : public Backend {
+ public:
+  // Largest copy done between deadline checks.
+  static constexpr uint64_t kCopySliceBytes = 64ull << 20;
+
+  explicit MemoryBackend(BackendEnvironment env);
+
+  const std::string& name() const override { return name_; }
+  v1::TransportLevel transport_level() const override {
+    return v1::TRANSPORT_LEVEL_MEMORY;
+  }
+  bool available() const override { return true; }
+  v1::TransportInfo transport_info() const override;
+  absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
+      const Registration& registration,
+      v1::BackendEndpoint* endpoint) override;
+  bool CanReach(const v1::RemoteBuffer& remote) const override;
+  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
+                                   absl::Time deadline) override;
+
+ private:
+  absl::Status Run(const Op& op, absl::Time deadline) const;
+
+  const std::string name_ = "memory";
+  const BackendEnvironment env_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_MEMORY_MEMORY_BACKEND_H_

@@ -1,0 +1,114 @@
+#ifndef RDMA_AGENTD_BACKENDS_REGISTRATION_H_
+#define RDMA_AGENTD_BACKENDS_REGISTRATION_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/shared_memory.h"
+#include "rdma/agent/v1/types.pb.h"
+
+namespace rdma_agent {
+
+namespace v1 = ::rdma::agent::v1;
+
+// What a backend keeps for one registration (an MR, a table entry...). It is
+// destroyed when the registration is, after every op that pinned the
+// registration has finished, so its destructor is where a backend releases
+// what it registered (e.g. ibv_dereg_mr).
+class BackendRegistration {
+ public:
+  virtual ~BackendRegistration() = default;
+};
+
+// One registered buffer: its memory, its identity and what backends attached
+// to it.
+//
+// Held by std::shared_ptr. The agent's buffer directory holds one reference
+// until Release; every op holds one while it runs. The memory is unmapped (and
+// backend registrations dropped) when the last reference goes, so a Release
+// never pulls memory from under an op in flight.
+class Registration {
+ public:
+  Registration(uint64_t id, uid_t owner, v1::Access access, std::string label,
+               std::string token, SharedMemory memory, bool agent_allocated)
+      : id_(id),
+        owner_(owner),
+        access_(access),
+        label_(std::move(label)),
+        token_(std::move(token)),
+        agent_allocated_(agent_allocated),
+        memory_(std::move(memory)) {}
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+
+  uint64_t id() const { return id_; }
+  uid_t owner() const { return owner_; }
+  v1::Access access() const { return access_; }
+  const std::string& label() const { return label_; }
+  // Random capability that remote requests must present.
+  const std::string& token() const { return token_; }
+  bool agent_allocated() const { return agent_allocated_; }
+
+  std::byte* data() const { return memory_.data(); }
+  uint64_t size() const { return memory_.size(); }
+  // The memfd behind the mapping (to hand it back to its owner).
+  int fd() const { return memory_.fd(); }
+
+  bool readable() const {
+    return access_ == v1::ACCESS_READ || access_ == v1::ACCESS_READ_WRITE;
+  }
+  bool writable() const {
+    return access_ == v1::ACCESS_WRITE || access_ == v1::ACCESS_READ_WRITE;
+  }
+
+  // Backend state, in registry order. Set once by the backend registry before
+  // the registration is published; read-only afterwards.
+  void AddBackend(std::string name,
+                  std::unique_ptr<BackendRegistration> state) {
+    backends_.emplace_back(std::move(name), std::move(state));
+  }
+  // The state `backend` attached, or nullptr.
+  BackendRegistration* backend_state(const std::string& backend) const {
+    for (const auto& [name, state] : backends_) {
+      if (name == backend) return state.get();
+    }
+    return nullptr;
+  }
+  std::vector<std::string> backend_names() const {
+    std::vector<std::string> names;
+    for (const auto& entry : backends_) names.push_back(entry.first);
+    return names;
+  }
+
+  // Traffic counters for ListBuffers.
+  void CountMoved(uint64_t bytes) { bytes_moved_ += bytes; }
+  void CountServed(uint64_t bytes) { bytes_served_ += bytes; }
+  uint64_t bytes_moved() const { return bytes_moved_.load(); }
+  uint64_t bytes_served() const { return bytes_served_.load(); }
+
+ private:
+  const uint64_t id_;
+  const uid_t owner_;
+  const v1::Access access_;
+  const std::string label_;
+  const std::string token_;
+  const bool agent_allocated_;
+  std::atomic<uint64_t> bytes_moved_{0};
+  std::atomic<uint64_t> bytes_served_{0};
+  // Declared before backends_ so that backend state (MRs) is dropped before
+  // the memory it covers is unmapped.
+  SharedMemory memory_;
+  std::vector<std::pair<std::string, std::unique_ptr<BackendRegistration>>>
+      backends_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_REGISTRATION_H_

@@ -1,0 +1,147 @@
+#include "backends/registry.h"
+
+#include <algorithm>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace rdma_agent {
+
+BackendRegistry::BackendRegistry(
+    std::vector<std::unique_ptr<Backend>> backends)
+    : backends_(std::move(backends)) {
+  std::stable_sort(backends_.begin(), backends_.end(),
+                   [](const auto& a, const auto& b) {
+                     return a->transport_level() > b->transport_level();
+                   });
+}
+
+Backend* BackendRegistry::Find(absl::string_view name) const {
+  for (const auto& backend : backends_) {
+    if (backend->name() == name) return backend.get();
+  }
+  return nullptr;
+}
+
+absl::Status BackendRegistry::RegisterWithAll(
+    Registration& registration, v1::RemoteBuffer* context) const {
+  // Collected here first so that a failure drops (rolls back) every earlier
+  // backend's state before anything is attached to the registration.
+  std::vector<std::pair<std::string, std::unique_ptr<BackendRegistration>>>
+      done;
+  std::vector<v1::BackendEndpoint> endpoints;
+  for (const auto& backend : backends_) {
+    if (!backend->available()) continue;
+    v1::BackendEndpoint endpoint;
+    auto state = backend->Register(registration, &endpoint);
+    if (!state.ok()) {
+      return absl::Status(state.status().code(),
+                          absl::StrCat("registering with backend ",
+                                       backend->name(), ": ",
+                                       state.status().message()));
+    }
+    endpoint.set_backend(backend->name());
+    endpoints.push_back(std::move(endpoint));
+    done.emplace_back(backend->name(), std::move(*state));
+  }
+  if (done.empty()) {
+    return absl::FailedPreconditionError("no backend is available");
+  }
+  for (auto& [name, state] : done) {
+    registration.AddBackend(name, std::move(state));
+  }
+  for (auto& endpoint : endpoints) {
+    *context->add_endpoints() = std::move(endpoint);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<Backend*> BackendRegistry::Route(
+    const v1::RemoteBuffer& remote) const {
+  std::vector<Backend*> route;
+  for (const auto& backend : backends_) {
+    if (backend->available() && backend->CanReach(remote)) {
+      route.push_back(backend.get());
+    }
+  }
+  return route;
+}
+
+void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
+                            const std::vector<size_t>& indices,
+                            absl::Time deadline,
+                            std::vector<OpOutcome>& outcomes) const {
+  std::vector<Op> batch;
+  batch.reserve(indices.size());
+  for (size_t i : indices) batch.push_back(ops[i]);
+  std::vector<absl::Status> statuses = backend->Submit(batch, deadline);
+  for (size_t k = 0; k < indices.size(); ++k) {
+    OpOutcome& outcome = outcomes[indices[k]];
+    outcome.backend = backend->name();
+    outcome.status =
+        k < statuses.size()
+            ? AnnotateOp(statuses[k], ops[indices[k]].index)
+            : absl::InternalError(absl::StrCat(
+                  "op ", ops[indices[k]].index, ": backend ", backend->name(),
+                  " returned no result"));
+  }
+}
+
+std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
+                                               absl::Time deadline) const {
+  std::vector<OpOutcome> outcomes(ops.size());
+  std::vector<std::vector<Backend*>> routes(ops.size());
+  // Attempt number per op: 0 = best backend, 1 = the retry.
+  std::vector<size_t> attempt(ops.size(), 0);
+  std::vector<size_t> pending;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    routes[i] = Route(*ops[i].remote);
+    if (routes[i].empty()) {
+      std::vector<std::string> names;
+      for (const auto& endpoint : ops[i].remote->endpoints()) {
+        names.push_back(endpoint.backend());
+      }
+      outcomes[i].status = absl::UnavailableError(absl::StrCat(
+          "op ", ops[i].index,
+          ": no backend of this agent can reach the remote buffer (it "
+          "advertises [",
+          absl::StrJoin(names, ", "), "])"));
+      continue;
+    }
+    pending.push_back(i);
+  }
+
+  while (!pending.empty()) {
+    std::map<Backend*, std::vector<size_t>> groups;
+    for (size_t i : pending) groups[routes[i][attempt[i]]].push_back(i);
+
+    if (groups.size() == 1) {
+      RunOn(groups.begin()->first, ops, groups.begin()->second, deadline,
+            outcomes);
+    } else {
+      std::vector<std::thread> workers;
+      for (auto& [backend, indices] : groups) {
+        workers.emplace_back([&, backend = backend, &indices = indices] {
+          RunOn(backend, ops, indices, deadline, outcomes);
+        });
+      }
+      for (auto& worker : workers) worker.join();
+    }
+
+    std::vector<size_t> retry;
+    for (size_t i : pending) {
+      if (absl::IsUnavailable(outcomes[i].status) && attempt[i] == 0 &&
+          routes[i].size() > 1 && absl::Now() < deadline) {
+        attempt[i] = 1;
+        retry.push_back(i);
+      }
+    }
+    pending = std::move(retry);
+  }
+  return outcomes;
+}
+
+}  // namespace rdma_agent

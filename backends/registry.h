@@ -1,0 +1,63 @@
+#ifndef RDMA_AGENTD_BACKENDS_REGISTRY_H_
+#define RDMA_AGENTD_BACKENDS_REGISTRY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "backends/backend.h"
+
+namespace rdma_agent {
+
+// The outcome of one op: its status and the backend that ran it last.
+struct OpOutcome {
+  absl::Status status;
+  std::string backend;
+};
+
+// The agent's backends, fastest transport first, and the rules that use them
+// together: a registration is made with every available backend (or none),
+// and each op goes to the fastest backend both sides share.
+class BackendRegistry {
+ public:
+  // Keeps `backends` ordered by transport level, highest first; backends of
+  // the same level keep their given order.
+  explicit BackendRegistry(std::vector<std::unique_ptr<Backend>> backends);
+
+  const std::vector<std::unique_ptr<Backend>>& backends() const {
+    return backends_;
+  }
+  // The backend called `name`, or nullptr.
+  Backend* Find(absl::string_view name) const;
+
+  // Registers `registration` with every available backend, in order, adding
+  // each one's state to it and its endpoint to `context`. If one fails, the
+  // ones that succeeded are rolled back and its error is returned.
+  absl::Status RegisterWithAll(Registration& registration,
+                               v1::RemoteBuffer* context) const;
+
+  // Available backends that can reach `remote`, best first.
+  std::vector<Backend*> Route(const v1::RemoteBuffer& remote) const;
+
+  // Runs `ops`, each on the best common backend; an op that fails with
+  // UNAVAILABLE before the deadline is retried once on the next common
+  // backend. Backends run their share of the batch concurrently. Returns one
+  // outcome per op, in order.
+  std::vector<OpOutcome> Submit(absl::Span<const Op> ops,
+                                absl::Time deadline) const;
+
+ private:
+  // Runs ops[i] for i in `indices` on `backend`, writing into `outcomes`.
+  void RunOn(Backend* backend, absl::Span<const Op> ops,
+             const std::vector<size_t>& indices, absl::Time deadline,
+             std::vector<OpOutcome>& outcomes) const;
+
+  std::vector<std::unique_ptr<Backend>> backends_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_REGISTRY_H_
