@@ -1,0 +1,420 @@
+#include "client/rdma_agent_client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/internal/attach_socket.h"
+#include "common/shared_memory.h"
+#include "google/protobuf/duration.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "rdma/agent/v1/attach.pb.h"
+
+namespace rdma_agent::client {
+namespace internal {
+
+// What a client and every Buffer it made share: a Buffer may outlive its
+// AgentClient and still release itself.
+class ClientState {
+ public:
+  ClientState(ConnectOptions options, std::shared_ptr<grpc::Channel> channel,
+              absl::StatusOr<std::string> attach_socket)
+      : options_(std::move(options)),
+        channel_(std::move(channel)),
+        stub_(v1::RdmaAgent::NewStub(channel_)),
+        attach_socket_(std::move(attach_socket)) {}
+
+  const ConnectOptions& options() const { return options_; }
+  grpc::Channel& channel() { return *channel_; }
+  v1::RdmaAgent::Stub& stub() { return *stub_; }
+  const absl::StatusOr<std::string>& attach_socket() const {
+    return attach_socket_;
+  }
+
+  // Sets the deadline every non-Submit RPC gets.
+  void PrepareContext(grpc::ClientContext* context) const {
+    context->set_deadline(
+        absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  }
+
+ private:
+  const ConnectOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::RdmaAgent::Stub> stub_;
+  const absl::StatusOr<std::string> attach_socket_;
+};
+
+}  // namespace internal
+
+namespace {
+
+// gRPC and absl share the code numbering; the message is kept as is.
+absl::Status FromGrpc(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+absl::StatusOr<std::string> AttachSocketFor(
+    const absl::StatusOr<std::string>& attach_socket) {
+  if (!attach_socket.ok()) return attach_socket.status();
+  return *attach_socket;
+}
+
+absl::Status ReleaseWith(internal::ClientState& state, uint64_t buffer_id) {
+  grpc::ClientContext context;
+  state.PrepareContext(&context);
+  v1::ReleaseRequest request;
+  request.set_buffer_id(buffer_id);
+  v1::ReleaseResponse response;
+  return FromGrpc(state.stub().Release(&context, request, &response));
+}
+
+std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
+  return std::vector<std::string>(response.backends().begin(),
+                                  response.backends().end());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Buffer
+
+Buffer::Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
+               std::unique_ptr<SharedMemory> memory,
+               std::string remote_context, std::vector<std::string> backends)
+    : state_(std::move(state)),
+      id_(id),
+      memory_(std::move(memory)),
+      size_(memory_->size()),
+      data_(memory_->data()),
+      remote_context_(std::move(remote_context)),
+      backends_(std::move(backends)),
+      released_(false) {}
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : state_(std::move(other.state_)),
+      id_(std::exchange(other.id_, 0)),
+      memory_(std::move(other.memory_)),
+      size_(std::exchange(other.size_, 0)),
+      data_(std::exchange(other.data_, nullptr)),
+      remote_context_(std::move(other.remote_context_)),
+      backends_(std::move(other.backends_)),
+      released_(std::exchange(other.released_, true)) {}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    ReleaseBestEffort();
+    state_ = std::move(other.state_);
+    id_ = std::exchange(other.id_, 0);
+    memory_ = std::move(other.memory_);
+    size_ = std::exchange(other.size_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+    remote_context_ = std::move(other.remote_context_);
+    backends_ = std::move(other.backends_);
+    released_ = std::exchange(other.released_, true);
+  }
+  return *this;
+}
+
+Buffer::~Buffer() { ReleaseBestEffort(); }
+
+absl::Status Buffer::Release() {
+  if (released_ || state_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Release: buffer ", id_, " was already released"));
+  }
+  released_ = true;
+  return ReleaseWith(*state_, id_);
+}
+
+void Buffer::ReleaseBestEffort() {
+  // The registration goes first: the agent keeps its own mapping of the
+  // memory, so unmapping ours afterwards cannot race an op it runs.
+  if (!released_ && state_ != nullptr) {
+    released_ = true;
+    ReleaseWith(*state_, id_).IgnoreError();
+  }
+  memory_.reset();
+  data_ = nullptr;
+  size_ = 0;
+}
+
+// ----------------------------------------------------------- AgentClient
+
+AgentClient::AgentClient(std::shared_ptr<internal::ClientState> state)
+    : state_(std::move(state)) {}
+
+AgentClient::~AgentClient() = default;
+
+absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
+    ConnectOptions options) {
+  absl::StatusOr<std::string> attach_socket =
+      options.attach_socket.empty()
+          ? internal::AttachSocketNextTo(options.target)
+          : absl::StatusOr<std::string>(options.attach_socket);
+  grpc::ChannelArguments arguments;
+  // Chunks of ReadBuffer/WriteBuffer plus framing must fit.
+  const uint64_t max_message = std::max<uint64_t>(
+      4 << 20, options.transfer_chunk_bytes + (64 << 10));
+  arguments.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      options.target, grpc::InsecureChannelCredentials(), arguments);
+  if (options.connect_timeout > absl::ZeroDuration() &&
+      !channel->WaitForConnected(
+          absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot reach rdma-agentd at ", options.target,
+                     " within ", absl::FormatDuration(options.connect_timeout),
+                     " (is it running? is the socket path right?)"));
+  }
+  auto state = std::make_shared<internal::ClientState>(
+      std::move(options), std::move(channel), std::move(attach_socket));
+  return std::unique_ptr<AgentClient>(new AgentClient(std::move(state)));
+}
+
+v1::RdmaAgent::Stub& AgentClient::stub() { return state_->stub(); }
+
+const std::string& AgentClient::attach_socket() const {
+  static const std::string* const kNone = new std::string();
+  return state_->attach_socket().ok() ? *state_->attach_socket() : *kNone;
+}
+
+absl::StatusOr<v1::AgentInfo> AgentClient::GetInfo() {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::AgentInfo info;
+  grpc::Status status =
+      state_->stub().GetInfo(&context, v1::GetInfoRequest(), &info);
+  if (!status.ok()) return FromGrpc(status);
+  return info;
+}
+
+absl::StatusOr<v1::RegisterResponse> AgentClient::Register(
+    const v1::RegisterRequest& request) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::RegisterResponse response;
+  grpc::Status status = state_->stub().Register(&context, request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  return response;
+}
+
+absl::StatusOr<Registration> AgentClient::AllocateUnmapped(
+    uint64_t size, v1::Access access, const std::string& label) {
+  v1::RegisterRequest request;
+  request.set_allocate_bytes(size);
+  request.set_access(access);
+  request.set_label(label);
+  absl::StatusOr<v1::RegisterResponse> response = Register(request);
+  if (!response.ok()) return response.status();
+  Registration registration;
+  registration.id = response->buffer_id();
+  registration.size = response->size_bytes();
+  registration.remote_context = response->remote_context();
+  registration.backends = BackendsOf(*response);
+  return registration;
+}
+
+absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
+                                             const std::string& label) {
+  absl::StatusOr<std::string> attach_socket =
+      AttachSocketFor(state_->attach_socket());
+  if (!attach_socket.ok()) return attach_socket.status();
+  v1::RegisterRequest request;
+  request.set_allocate_bytes(size);
+  request.set_access(access);
+  request.set_label(label);
+  absl::StatusOr<v1::RegisterResponse> response = Register(request);
+  if (!response.ok()) return response.status();
+
+  // From here on, any failure must not leave the registration behind.
+  auto fail = [&](absl::Status status) -> absl::StatusOr<Buffer> {
+    ReleaseWith(*state_, response->buffer_id()).IgnoreError();
+    return status;
+  };
+  v1::AttachRequest open;
+  open.mutable_open()->set_buffer_id(response->buffer_id());
+  absl::StatusOr<internal::AttachReply> reply =
+      internal::ExchangeOnAttachSocket(*attach_socket, open, /*fd=*/-1,
+                                       state_->options().rpc_timeout);
+  if (!reply.ok()) return fail(reply.status());
+  if (absl::Status status = internal::ResponseStatus(reply->response);
+      !status.ok()) {
+    return fail(status);
+  }
+  if (!reply->fd) {
+    return fail(absl::InternalError(absl::StrCat(
+        "OpenBuffer ", response->buffer_id(), ": the agent sent no fd")));
+  }
+  absl::StatusOr<SharedMemory> memory = SharedMemory::Adopt(std::move(reply->fd));
+  if (!memory.ok()) return fail(memory.status());
+  if (memory->size() < size) {
+    return fail(absl::InternalError(absl::StrCat(
+        "OpenBuffer ", response->buffer_id(), ": the agent's memfd has ",
+        memory->size(), " bytes, ", size, " were registered")));
+  }
+  return Buffer(state_, response->buffer_id(),
+                std::make_unique<SharedMemory>(std::move(*memory)),
+                response->remote_context(), BackendsOf(*response));
+}
+
+absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
+                                           const std::string& label) {
+  absl::StatusOr<std::string> attach_socket =
+      AttachSocketFor(state_->attach_socket());
+  if (!attach_socket.ok()) return attach_socket.status();
+  // Creates, sizes, seals (F_SEAL_SHRINK) and maps the memfd.
+  absl::StatusOr<SharedMemory> memory = SharedMemory::Allocate(
+      size, label.empty() ? "rdma-agent-client" : label);
+  if (!memory.ok()) return memory.status();
+
+  v1::AttachRequest attach;
+  attach.mutable_attach();
+  absl::StatusOr<internal::AttachReply> reply =
+      internal::ExchangeOnAttachSocket(*attach_socket, attach, memory->fd(),
+                                       state_->options().rpc_timeout);
+  if (!reply.ok()) return reply.status();
+  if (absl::Status status = internal::ResponseStatus(reply->response);
+      !status.ok()) {
+    return status;
+  }
+
+  v1::RegisterRequest request;
+  request.set_attach_token(reply->response.attach_token());
+  request.set_access(access);
+  request.set_label(label);
+  absl::StatusOr<v1::RegisterResponse> response = Register(request);
+  if (!response.ok()) return response.status();
+  return Buffer(state_, response->buffer_id(),
+                std::make_unique<SharedMemory>(std::move(*memory)),
+                response->remote_context(), BackendsOf(*response));
+}
+
+absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
+    const std::vector<OpSpec>& ops, absl::Duration timeout) {
+  v1::SubmitRequest request;
+  for (const OpSpec& spec : ops) {
+    v1::Op* op = request.add_ops();
+    op->set_type(spec.type);
+    op->set_local_buffer_id(spec.local_buffer_id);
+    op->set_local_offset(spec.local_offset);
+    op->set_length(spec.length);
+    op->set_remote_context(spec.remote_context);
+    op->set_remote_offset(spec.remote_offset);
+  }
+  const bool agent_default =
+      timeout == absl::ZeroDuration() || timeout == absl::InfiniteDuration();
+  if (!agent_default) {
+    // Negative timeouts are sent as they are: the agent rejects them.
+    const int64_t nanos = absl::ToInt64Nanoseconds(timeout);
+    request.mutable_timeout()->set_seconds(nanos / 1000000000);
+    request.mutable_timeout()->set_nanos(static_cast<int32_t>(nanos % 1000000000));
+  }
+  grpc::ClientContext context;
+  const absl::Duration bound =
+      (agent_default || timeout < absl::ZeroDuration()
+           ? state_->options().rpc_timeout
+           : timeout) +
+      state_->options().submit_deadline_slack;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + bound));
+  v1::SubmitResponse response;
+  grpc::Status status = state_->stub().Submit(&context, request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  if (response.results_size() != request.ops_size()) {
+    return absl::InternalError(
+        absl::StrCat("Submit: the agent answered ", response.results_size(),
+                     " results for ", request.ops_size(), " ops"));
+  }
+  std::vector<OpResult> results;
+  results.reserve(response.results_size());
+  for (const v1::OpResult& result : response.results()) {
+    const bool known = result.code() >= 0 && result.code() <= 16;
+    results.push_back(OpResult{
+        absl::Status(known ? static_cast<absl::StatusCode>(result.code())
+                           : absl::StatusCode::kUnknown,
+                     result.message()),
+        result.backend()});
+  }
+  return results;
+}
+
+absl::Status AgentClient::Release(uint64_t buffer_id) {
+  return ReleaseWith(*state_, buffer_id);
+}
+
+absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers() {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ListBuffersResponse response;
+  grpc::Status status = state_->stub().ListBuffers(
+      &context, v1::ListBuffersRequest(), &response);
+  if (!status.ok()) return FromGrpc(status);
+  return std::vector<v1::BufferInfo>(response.buffers().begin(),
+                                     response.buffers().end());
+}
+
+absl::StatusOr<std::string> AgentClient::ReadBuffer(uint64_t id,
+                                                    uint64_t offset,
+                                                    uint64_t length) {
+  if (offset + length < offset) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "ReadBuffer of buffer ", id, ": offset ", offset, " + length ", length,
+        " overflows"));
+  }
+  const uint64_t chunk = std::max<uint64_t>(1, state_->options().transfer_chunk_bytes);
+  std::string data;
+  uint64_t done = 0;
+  // One RPC even for length 0, so the agent judges that request too.
+  do {
+    const uint64_t n = std::min(chunk, length - done);
+    grpc::ClientContext context;
+    state_->PrepareContext(&context);
+    v1::ReadBufferRequest request;
+    request.set_buffer_id(id);
+    request.set_offset(offset + done);
+    request.set_length(n);
+    v1::ReadBufferResponse response;
+    grpc::Status status =
+        state_->stub().ReadBuffer(&context, request, &response);
+    if (!status.ok()) return FromGrpc(status);
+    if (response.data().size() != n) {
+      return absl::InternalError(absl::StrCat(
+          "ReadBuffer of buffer ", id, " at ", offset + done, ": asked for ",
+          n, " bytes, got ", response.data().size()));
+    }
+    // The agent has checked the bounds once the first chunk came back;
+    // still, never trust `length` for a single huge allocation.
+    if (data.empty()) data.reserve(std::min<uint64_t>(length, 64 << 20));
+    data += response.data();
+    done += n;
+  } while (done < length);
+  return data;
+}
+
+absl::Status AgentClient::WriteBuffer(uint64_t id, uint64_t offset,
+                                      absl::string_view data) {
+  if (offset + data.size() < offset) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "WriteBuffer of buffer ", id, ": offset ", offset, " + length ",
+        data.size(), " overflows"));
+  }
+  const uint64_t chunk = std::max<uint64_t>(1, state_->options().transfer_chunk_bytes);
+  uint64_t done = 0;
+  do {
+    const uint64_t n = std::min<uint64_t>(chunk, data.size() - done);
+    grpc::ClientContext context;
+    state_->PrepareContext(&context);
+    v1::WriteBufferRequest request;
+    request.set_buffer_id(id);
+    request.set_offset(offset + done);
+    request.set_data(data.data() + done, n);
+    v1::WriteBufferResponse response;
+    grpc::Status status =
+        state_->stub().WriteBuffer(&context, request, &response);
+    if (!status.ok()) return FromGrpc(status);
+    done += n;
+  } while (done < data.size());
+  return absl::OkStatus();
+}
+
+}  // namespace rdma_agent::client
