@@ -1,0 +1,32 @@
+#ifndef RDMA_AGENTD_COMMON_NET_ADDRESS_H_
+#define RDMA_AGENTD_COMMON_NET_ADDRESS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace rdma_agent {
+
+// The address peers should dial to reach this host: the IPv4 address of the
+// interface that holds the default route, else the first non-loopback
+// address, else 127.0.0.1. Never a wildcard address.
+std::string DefaultAdvertiseHost();
+
+// Splits "host:port" / "[v6]:port". INVALID_ARGUMENT when malformed.
+struct HostPort {
+  std::string host;
+  uint16_t port = 0;
+};
+absl::StatusOr<HostPort> ParseHostPort(absl::string_view address);
+
+// "host:port", bracketing IPv6 literals.
+std::string JoinHostPort(absl::string_view host, uint16_t port);
+
+// True for 0.0.0.0, ::, and empty.
+bool IsWildcardHost(absl::string_view host);
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_COMMON_NET_ADDRESS_H_

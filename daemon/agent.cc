@@ -1,0 +1,210 @@
+#include "daemon/agent.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/net_address.h"
+#include "common/random.h"
+#include "daemon/attach_server.h"
+#include "daemon/attach_tokens.h"
+#include "daemon/buffer_registry.h"
+#include "daemon/service.h"
+#include "daemon/unix_socket.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/server_posix.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent {
+namespace {
+
+// Large enough for ReadBuffer/WriteBuffer at the per-call limit.
+constexpr int kMaxMessageBytes = 64 << 20;
+
+absl::Status MakeDirectory(const std::string& path) {
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::InternalError(
+        absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir) {
+  const std::string path = runtime_dir + "/agent-id";
+  {
+    std::ifstream in(path);
+    std::string id;
+    if (in && std::getline(in, id)) {
+      id = std::string(absl::StripAsciiWhitespace(id));
+      if (!id.empty()) return id;
+    }
+  }
+  const std::string id =
+      absl::StrCat("agent-", absl::BytesToHexString(RandomBytes(8)));
+  std::ofstream out(path, std::ios::trunc);
+  out << id << "\n";
+  if (!out) {
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  return id;
+}
+
+absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
+  std::unique_ptr<Agent> agent(new Agent(std::move(options)));
+  absl::Status status = agent->Init();
+  if (!status.ok()) return status;
+  return agent;
+}
+
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {}
+
+Agent::~Agent() { Shutdown(); }
+
+absl::Status Agent::Init() {
+  absl::Status status = MakeDirectory(options_.runtime_dir);
+  if (!status.ok()) return status;
+  if (options_.socket_path.empty()) {
+    options_.socket_path = options_.runtime_dir + "/agent.sock";
+  }
+  if (options_.attach_socket_path.empty()) {
+    options_.attach_socket_path = options_.runtime_dir + "/attach.sock";
+  }
+  if (options_.advertise_host.empty()) {
+    options_.advertise_host = DefaultAdvertiseHost();
+  }
+  if (options_.agent_id.empty()) {
+    auto id = LoadOrCreateAgentId(options_.runtime_dir);
+    if (!id.ok()) return id.status();
+    options_.agent_id = *id;
+  }
+  identity_.agent_id = options_.agent_id;
+  identity_.epoch = RandomNonZeroU64();
+
+  buffers_ = std::make_unique<BufferRegistry>(identity_.epoch);
+  attach_tokens_ = std::make_unique<AttachTokens>(
+      options_.attach_token_ttl, options_.max_pending_attach_per_user);
+
+  BackendEnvironment env;
+  env.identity = identity_;
+  env.directory = buffers_.get();
+  env.advertise_host = options_.advertise_host;
+  std::vector<std::unique_ptr<Backend>> backends;
+  for (const BackendFactory& factory : options_.backends) {
+    auto backend = factory(env);
+    if (!backend.ok()) {
+      return absl::Status(backend.status().code(),
+                          absl::StrCat("spawning a backend: ",
+                                       backend.status().message()));
+    }
+    backends.push_back(std::move(*backend));
+  }
+  registry_ = std::make_unique<BackendRegistry>(std::move(backends));
+
+  // The Peer listener, only when some backend serves peers.
+  std::vector<grpc::Service*> peer_services;
+  for (const auto& backend : registry_->backends()) {
+    if (!backend->available()) continue;
+    for (grpc::Service* service : backend->peer_services()) {
+      peer_services.push_back(service);
+    }
+  }
+  if (!peer_services.empty()) {
+    auto listen = ParseHostPort(options_.peer_listen);
+    if (!listen.ok()) return listen.status();
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(options_.peer_listen,
+                             grpc::InsecureServerCredentials(), &port);
+    for (grpc::Service* service : peer_services) {
+      builder.RegisterService(service);
+    }
+    peer_server_ = builder.BuildAndStart();
+    if (peer_server_ == nullptr || port == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen for peers on ", options_.peer_listen));
+    }
+    peer_address_ =
+        JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
+  }
+  for (const auto& backend : registry_->backends()) {
+    if (!backend->available()) continue;
+    status = backend->Start();
+    if (!status.ok()) {
+      return absl::Status(status.code(),
+                          absl::StrCat("starting backend ", backend->name(),
+                                       ": ", status.message()));
+    }
+  }
+
+  callers_ = std::make_unique<CallerTable>();
+  service_ = std::make_unique<RdmaAgentService>(
+      options_, identity_, registry_.get(), buffers_.get(),
+      attach_tokens_.get(), callers_.get());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.RegisterService(service_.get());
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) {
+    return absl::InternalError("cannot start the RdmaAgent gRPC server");
+  }
+
+  // The agent accepts its Unix socket itself to learn each caller's
+  // credentials (SO_PEERCRED), then lets gRPC serve the connection.
+  auto listener = UnixListener::Start(
+      options_.socket_path,
+      [this](UniqueFd fd, const PeerCredentials& peer) {
+        const int flags = ::fcntl(fd.get(), F_GETFL);
+        if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
+          spdlog::warn("cannot make connection non-blocking: {}",
+                       std::strerror(errno));
+          return;
+        }
+        callers_->Add(fd.get(), peer);
+        grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
+      });
+  if (!listener.ok()) return listener.status();
+  listener_ = std::move(*listener);
+
+  AttachServer::Options attach_options;
+  attach_options.path = options_.attach_socket_path;
+  auto attach = AttachServer::Start(attach_options, attach_tokens_.get(),
+                                    buffers_.get());
+  if (!attach.ok()) return attach.status();
+  attach_server_ = std::move(*attach);
+
+  spdlog::info("agent {} epoch {:016x} serving unix://{} (attach {}){}",
+               identity_.agent_id, identity_.epoch, options_.socket_path,
+               options_.attach_socket_path,
+               peer_address_.empty() ? "" : ", peers at " + peer_address_);
+  return absl::OkStatus();
+}
+
+void Agent::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  attach_server_.reset();
+  listener_.reset();
+  const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  if (server_ != nullptr) server_->Shutdown(grace);
+  if (peer_server_ != nullptr) peer_server_->Shutdown(grace);
+  if (buffers_ != nullptr) buffers_->Clear();
+  server_.reset();
+  peer_server_.reset();
+}
+
+}  // namespace rdma_agent

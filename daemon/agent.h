@@ -1,0 +1,78 @@
+#ifndef RDMA_AGENTD_DAEMON_AGENT_H_
+#define RDMA_AGENTD_DAEMON_AGENT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "backends/backend.h"
+#include "backends/registry.h"
+#include "daemon/agent_options.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace rdma_agent {
+
+class AttachServer;
+class AttachTokens;
+class BufferRegistry;
+class CallerTable;
+class RdmaAgentService;
+class UnixListener;
+
+// One rdma-agentd: its registrations, its backends and the servers in front
+// of them (the RdmaAgent Unix socket, the attach socket and the Peer TCP
+// listener). Several can run in one process (tests).
+class Agent {
+ public:
+  // Spawns the backends, starts every server and returns a running agent.
+  static absl::StatusOr<std::unique_ptr<Agent>> Start(AgentOptions options);
+
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+  ~Agent();
+
+  // Stops serving, removes the socket files and drops every registration.
+  // Idempotent.
+  void Shutdown();
+
+  const AgentIdentity& identity() const { return identity_; }
+  // "unix:///path/agent.sock", for grpc::CreateChannel.
+  std::string target() const { return "unix://" + options_.socket_path; }
+  const std::string& socket_path() const { return options_.socket_path; }
+  const std::string& attach_socket_path() const {
+    return options_.attach_socket_path;
+  }
+  // "host:port" of the Peer listener (empty when no backend serves peers).
+  const std::string& peer_address() const { return peer_address_; }
+  const BackendRegistry& registry() const { return *registry_; }
+
+ private:
+  explicit Agent(AgentOptions options);
+  absl::Status Init();
+
+  AgentOptions options_;
+  AgentIdentity identity_;
+  std::string peer_address_;
+  // Declaration order is teardown order in reverse: servers stop before the
+  // registries and backends they call into are destroyed.
+  std::unique_ptr<BufferRegistry> buffers_;
+  std::unique_ptr<AttachTokens> attach_tokens_;
+  std::unique_ptr<BackendRegistry> registry_;
+  std::unique_ptr<CallerTable> callers_;
+  std::unique_ptr<RdmaAgentService> service_;
+  std::unique_ptr<grpc::Server> peer_server_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixListener> listener_;
+  std::unique_ptr<AttachServer> attach_server_;
+  bool shut_down_ = false;
+};
+
+// The agent id kept in <runtime_dir>/agent-id, created if missing.
+absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir);
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_AGENT_H_

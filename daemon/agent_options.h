@@ -1,0 +1,45 @@
+#ifndef RDMA_AGENTD_DAEMON_AGENT_OPTIONS_H_
+#define RDMA_AGENTD_DAEMON_AGENT_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "backends/backend.h"
+
+namespace rdma_agent {
+
+// Everything an Agent is configured with. The daemon fills it from flags;
+// tests fill it directly (several agents per process).
+struct AgentOptions {
+  // Where the sockets and the persisted agent id live.
+  std::string runtime_dir = "/run/rdma-agentd";
+  // RdmaAgent socket; empty = <runtime_dir>/agent.sock.
+  std::string socket_path;
+  // Attach socket; empty = <runtime_dir>/attach.sock.
+  std::string attach_socket_path;
+  // Stable agent id; empty = read <runtime_dir>/agent-id, or create it.
+  std::string agent_id;
+  // TCP listener of the Peer gRPC service (backends' peer_services()).
+  std::string peer_listen = "0.0.0.0:0";
+  // Host peers dial; empty = DefaultAdvertiseHost().
+  std::string advertise_host;
+  // Spawned in order; the registry orders them by transport level.
+  std::vector<BackendFactory> backends;
+
+  // Limits.
+  size_t max_ops_per_submit = 65536;
+  absl::Duration default_submit_timeout = absl::Seconds(30);
+  absl::Duration max_submit_timeout = absl::Hours(1);
+  uint64_t max_buffer_bytes = uint64_t{64} << 30;
+  size_t max_buffers_per_user = 65536;
+  uint64_t max_transfer_bytes_per_rpc = uint64_t{32} << 20;
+  size_t max_label_bytes = 256;
+  absl::Duration attach_token_ttl = absl::Seconds(60);
+  size_t max_pending_attach_per_user = 1024;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_AGENT_OPTIONS_H_

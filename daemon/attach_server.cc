@@ -1,0 +1,160 @@
+#include "daemon/attach_server.h"
+
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/fd_message.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent {
+namespace {
+
+v1::AttachResponse ErrorResponse(const absl::Status& status) {
+  v1::AttachResponse response;
+  response.set_code(static_cast<int>(status.code()));
+  response.set_message(std::string(status.message()));
+  return response;
+}
+
+}  // namespace
+
+AttachServer::Reply AttachServer::ErrorReply(const absl::Status& status) {
+  Reply reply;
+  reply.response = ErrorResponse(status);
+  return reply;
+}
+
+absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
+    Options options, AttachTokens* tokens, const BufferRegistry* registry) {
+  std::unique_ptr<AttachServer> server(
+      new AttachServer(std::move(options), tokens, registry));
+  auto listener = UnixListener::Start(
+      server->options_.path,
+      [raw = server.get()](UniqueFd fd, const PeerCredentials& peer) {
+        raw->OnConnection(std::move(fd), peer);
+      });
+  if (!listener.ok()) return listener.status();
+  server->listener_ = std::move(*listener);
+  return server;
+}
+
+AttachServer::AttachServer(Options options, AttachTokens* tokens,
+                           const BufferRegistry* registry)
+    : options_(std::move(options)), tokens_(tokens), registry_(registry) {}
+
+AttachServer::~AttachServer() {
+  listener_.reset();  // no new connections after this
+  std::list<Connection> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (Connection& connection : connections_) {
+      ::shutdown(connection.fd.get(), SHUT_RDWR);
+    }
+    connections.swap(connections_);
+  }
+  for (Connection& connection : connections) connection.thread.join();
+}
+
+void AttachServer::ReapDoneLocked() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (it->done) {
+      it->thread.join();
+      it = connections_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void AttachServer::OnConnection(UniqueFd fd, const PeerCredentials& peer) {
+  // Bounds how long one silent client can hold a thread.
+  struct timeval timeout = {};
+  timeout.tv_sec = absl::ToInt64Seconds(options_.idle_timeout);
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+
+  absl::MutexLock lock(&mu_);
+  ReapDoneLocked();
+  if (stopping_) return;
+  if (connections_.size() >= options_.max_connections) {
+    (void)SendFdMessage(fd.get(), ErrorResponse(absl::ResourceExhaustedError(
+                                      "too many attach connections")));
+    return;
+  }
+  Connection& connection = connections_.emplace_back();
+  connection.fd = std::move(fd);
+  connection.peer = peer;
+  connection.thread = std::thread([this, &connection] { Serve(&connection); });
+}
+
+void AttachServer::Serve(Connection* connection) {
+  while (true) {
+    v1::AttachRequest request;
+    auto fd = ReceiveFdMessage(connection->fd.get(), &request);
+    if (!fd.ok()) {
+      if (!absl::IsUnavailable(fd.status())) {
+        spdlog::debug("attach connection from pid {}: {}",
+                      connection->peer.pid, fd.status().ToString());
+        if (absl::IsInvalidArgument(fd.status())) {
+          (void)SendFdMessage(connection->fd.get(), ErrorResponse(fd.status()));
+        }
+      }
+      break;
+    }
+    // `reply.buffer` pins the registration until its fd has been sent.
+    const Reply reply = Handle(request, std::move(*fd), connection->peer);
+    const int fd_out = reply.buffer ? reply.buffer->fd() : -1;
+    if (!SendFdMessage(connection->fd.get(), reply.response, fd_out).ok()) {
+      break;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  connection->done = true;
+}
+
+AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
+                                         UniqueFd fd,
+                                         const PeerCredentials& peer) {
+  switch (request.request_case()) {
+    case v1::AttachRequest::kAttach: {
+      if (!fd) {
+        return ErrorReply(absl::InvalidArgumentError(
+            "attach: no file descriptor came with the request"));
+      }
+      auto memory = SharedMemory::Adopt(std::move(fd));
+      if (!memory.ok()) {
+        return ErrorReply(absl::Status(
+            memory.status().code(),
+            absl::StrCat("attach: ", memory.status().message())));
+      }
+      const uint64_t size = memory->size();
+      auto token = tokens_->Park(std::move(*memory), peer.uid);
+      if (!token.ok()) return ErrorReply(token.status());
+      Reply reply;
+      reply.response.set_attach_token(*token);
+      reply.response.set_size_bytes(size);
+      spdlog::debug("pid {} uid {} attached {} bytes", peer.pid, peer.uid,
+                    size);
+      return reply;
+    }
+    case v1::AttachRequest::kOpen: {
+      auto registration = registry_->Find(request.open().buffer_id(), peer.uid);
+      if (!registration.ok()) {
+        return ErrorReply(absl::Status(
+            registration.status().code(),
+            absl::StrCat("open: ", registration.status().message())));
+      }
+      Reply reply;
+      reply.response.set_size_bytes((*registration)->size());
+      reply.buffer = std::move(*registration);
+      return reply;
+    }
+    default:
+      return ErrorReply(
+          absl::InvalidArgumentError("attach request names no operation"));
+  }
+}
+
+}  // namespace rdma_agent

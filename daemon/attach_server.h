@@ -1,0 +1,73 @@
+#ifndef RDMA_AGENTD_DAEMON_ATTACH_SERVER_H_
+#define RDMA_AGENTD_DAEMON_ATTACH_SERVER_H_
+
+#include <list>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/attach_tokens.h"
+#include "daemon/buffer_registry.h"
+#include "daemon/unix_socket.h"
+#include "rdma/agent/v1/attach.pb.h"
+
+namespace rdma_agent {
+
+// Serves the attach socket (proto/rdma/agent/v1/attach.proto): clients hand
+// memfds over (answered with an attach token) and ask for the fd of their
+// own registrations to map them. Each connection is served on its own
+// thread, at most `max_connections` at once.
+class AttachServer {
+ public:
+  struct Options {
+    std::string path;
+    size_t max_connections = 256;
+    // An idle connection is dropped after this long.
+    absl::Duration idle_timeout = absl::Minutes(5);
+  };
+
+  static absl::StatusOr<std::unique_ptr<AttachServer>> Start(
+      Options options, AttachTokens* tokens, const BufferRegistry* registry);
+  AttachServer(const AttachServer&) = delete;
+  AttachServer& operator=(const AttachServer&) = delete;
+  // Stops accepting, ends every connection and waits for their threads.
+  ~AttachServer();
+
+ private:
+  struct Connection {
+    UniqueFd fd;
+    PeerCredentials peer;
+    std::thread thread;
+    bool done = false;
+  };
+
+  AttachServer(Options options, AttachTokens* tokens,
+               const BufferRegistry* registry);
+  void OnConnection(UniqueFd fd, const PeerCredentials& peer);
+  void Serve(Connection* connection);
+  struct Reply {
+    v1::AttachResponse response;
+    // For OpenBuffer: the registration whose fd goes with the response.
+    std::shared_ptr<Registration> buffer;
+  };
+  static Reply ErrorReply(const absl::Status& status);
+  // Answers one request; `fd` is the descriptor that came with it, if any.
+  Reply Handle(const v1::AttachRequest& request, UniqueFd fd,
+               const PeerCredentials& peer);
+  void ReapDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  AttachTokens* const tokens_;
+  const BufferRegistry* const registry_;
+  std::unique_ptr<UnixListener> listener_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_ATTACH_SERVER_H_

@@ -1,0 +1,21 @@
+#include "daemon/backend_factories.h"
+
+#include "absl/strings/str_cat.h"
+#include "backends/memory/memory_backend.h"
+
+namespace rdma_agent {
+
+absl::StatusOr<BackendFactory> BackendFactoryFromFlags(
+    const std::string& name) {
+  if (name == "memory") {
+    return BackendFactory(
+        [](const BackendEnvironment& env)
+            -> absl::StatusOr<std::unique_ptr<Backend>> {
+          return std::make_unique<MemoryBackend>(env);
+        });
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown backend '", name, "' (known: memory, tcp, ibverbs)"));
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,101 @@
+#include "daemon/buffer_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdma_agent {
+
+uint64_t BufferRegistry::NextId() {
+  absl::MutexLock lock(&mu_);
+  return next_id_++;
+}
+
+absl::Status BufferRegistry::Add(std::shared_ptr<Registration> registration,
+                                 size_t max_per_owner) {
+  absl::MutexLock lock(&mu_);
+  size_t owned = 0;
+  for (const auto& [id, existing] : buffers_) {
+    if (existing->owner() == registration->owner()) ++owned;
+  }
+  if (owned >= max_per_owner) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "user ", registration->owner(), " already has ", owned,
+        " registrations (limit ", max_per_owner, ")"));
+  }
+  const uint64_t id = registration->id();
+  buffers_.emplace(id, std::move(registration));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::Find(
+    uint64_t id, uid_t caller) const {
+  absl::MutexLock lock(&mu_);
+  auto it = buffers_.find(id);
+  if (it == buffers_.end() || !MayUse(*it->second, caller)) {
+    return absl::NotFoundError(absl::StrCat("no buffer with id ", id));
+  }
+  return it->second;
+}
+
+absl::Status BufferRegistry::Remove(uint64_t id, uid_t caller) {
+  std::shared_ptr<Registration> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = buffers_.find(id);
+    if (it == buffers_.end() || !MayUse(*it->second, caller)) {
+      return absl::NotFoundError(absl::StrCat("no buffer with id ", id));
+    }
+    removed = std::move(it->second);
+    buffers_.erase(it);
+  }
+  // `removed` may be the last reference: unmap outside the lock.
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Registration>> BufferRegistry::List(
+    uid_t caller) const {
+  std::vector<std::shared_ptr<Registration>> visible;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, registration] : buffers_) {
+      if (MayUse(*registration, caller)) visible.push_back(registration);
+    }
+  }
+  std::sort(visible.begin(), visible.end(),
+            [](const auto& a, const auto& b) { return a->id() < b->id(); });
+  return visible;
+}
+
+void BufferRegistry::Clear() {
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped.swap(buffers_);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::ResolveForPeer(
+    const ServeRequest& request) const {
+  if (request.agent_epoch != epoch_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "remote context is stale: it names agent epoch ", request.agent_epoch,
+        " but the agent restarted and is now at epoch ", epoch_));
+  }
+  std::shared_ptr<Registration> registration;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = buffers_.find(request.buffer_id);
+    if (it == buffers_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "remote buffer ", request.buffer_id,
+          " is not registered (released or never existed)"));
+    }
+    registration = it->second;
+  }
+  absl::Status status = CheckServeRequest(*registration, request);
+  if (!status.ok()) return status;
+  return registration;
+}
+
+}  // namespace rdma_agent

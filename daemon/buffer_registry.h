@@ -1,0 +1,64 @@
+#ifndef RDMA_AGENTD_DAEMON_BUFFER_REGISTRY_H_
+#define RDMA_AGENTD_DAEMON_BUFFER_REGISTRY_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/buffer_directory.h"
+#include "backends/registration.h"
+
+namespace rdma_agent {
+
+// The agent's live registrations, by id, each owned by the local user that
+// registered it. Other users cannot tell a foreign id from an unknown one
+// (both NOT_FOUND); root sees every registration.
+class BufferRegistry : public BufferDirectory {
+ public:
+  explicit BufferRegistry(uint64_t epoch) : epoch_(epoch) {}
+
+  // A fresh, never reused id.
+  uint64_t NextId();
+
+  // Publishes a fully built registration. RESOURCE_EXHAUSTED past
+  // `max_per_owner` registrations of its owner.
+  absl::Status Add(std::shared_ptr<Registration> registration,
+                   size_t max_per_owner);
+
+  // The registration `id` if `caller` may use it; NOT_FOUND otherwise.
+  absl::StatusOr<std::shared_ptr<Registration>> Find(uint64_t id,
+                                                     uid_t caller) const;
+
+  // Unpublishes `id`. The memory lives on while ops still pin it.
+  absl::Status Remove(uint64_t id, uid_t caller);
+
+  // The registrations `caller` may see, by id.
+  std::vector<std::shared_ptr<Registration>> List(uid_t caller) const;
+
+  // Drops every registration (shutdown).
+  void Clear();
+
+  absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
+      const ServeRequest& request) const override;
+
+ private:
+  static bool MayUse(const Registration& registration, uid_t caller) {
+    return caller == 0 || registration.owner() == caller;
+  }
+
+  const uint64_t epoch_;
+  mutable absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> buffers_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_BUFFER_REGISTRY_H_

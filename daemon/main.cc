@@ -1,0 +1,125 @@
+// rdma-agentd: the per-host RDMA transfer agent.
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "backends/memory/memory_backend.h"
+#include "daemon/agent.h"
+#include "daemon/backend_factories.h"
+#include "daemon/version.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, runtime_dir, "/run/rdma-agentd",
+          "Directory for the sockets and the persisted agent id.");
+ABSL_FLAG(std::string, socket, "",
+          "RdmaAgent Unix socket path (or unix:// URI); default "
+          "<runtime_dir>/agent.sock.");
+ABSL_FLAG(std::string, attach_socket, "",
+          "Attach socket path; default <runtime_dir>/attach.sock.");
+ABSL_FLAG(std::string, agent_id, "",
+          "Stable agent id; default: kept in <runtime_dir>/agent-id.");
+ABSL_FLAG(std::vector<std::string>, backends,
+          std::vector<std::string>({"memory", "tcp", "ibverbs"}),
+          "Backends to spawn, comma separated (memory, tcp, ibverbs). "
+          "Unavailable ones are reported by GetInfo and skipped.");
+ABSL_FLAG(std::string, peer_listen, "0.0.0.0:7470",
+          "host:port of the agent-to-agent Peer gRPC listener.");
+ABSL_FLAG(std::string, advertise_host, "",
+          "Host peers dial to reach this agent; default: the address of the "
+          "default-route interface.");
+ABSL_FLAG(std::string, log_level, "info",
+          "trace, debug, info, warn, error, critical or off.");
+ABSL_FLAG(absl::Duration, default_submit_timeout, absl::Seconds(30),
+          "Timeout of a Submit that sets none.");
+ABSL_FLAG(absl::Duration, max_submit_timeout, absl::Hours(1),
+          "Largest timeout a Submit may ask for.");
+ABSL_FLAG(int64_t, max_ops_per_submit, 65536, "Largest op batch.");
+ABSL_FLAG(uint64_t, max_buffer_bytes, uint64_t{64} << 30,
+          "Largest registration in bytes.");
+ABSL_FLAG(int64_t, max_buffers_per_user, 65536,
+          "Most registrations one local user may hold.");
+ABSL_FLAG(absl::Duration, attach_token_ttl, absl::Seconds(60),
+          "How long an attach token stays valid.");
+
+namespace rdma_agent {
+namespace {
+
+std::string SocketPath(std::string flag) {
+  absl::string_view path = flag;
+  absl::ConsumePrefix(&path, "unix://");
+  return std::string(path);
+}
+
+int Run() {
+  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+
+  AgentOptions options;
+  options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
+  options.socket_path = SocketPath(absl::GetFlag(FLAGS_socket));
+  options.attach_socket_path = absl::GetFlag(FLAGS_attach_socket);
+  options.agent_id = absl::GetFlag(FLAGS_agent_id);
+  options.peer_listen = absl::GetFlag(FLAGS_peer_listen);
+  options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  options.default_submit_timeout = absl::GetFlag(FLAGS_default_submit_timeout);
+  options.max_submit_timeout = absl::GetFlag(FLAGS_max_submit_timeout);
+  options.max_ops_per_submit =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_per_submit));
+  options.max_buffer_bytes = absl::GetFlag(FLAGS_max_buffer_bytes);
+  options.max_buffers_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_buffers_per_user));
+  options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
+  for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
+    auto factory = BackendFactoryFromFlags(name);
+    if (!factory.ok()) {
+      spdlog::critical("--backends: {}", factory.status().ToString());
+      return 2;
+    }
+    options.backends.push_back(std::move(*factory));
+  }
+
+  // Signals are taken synchronously by this thread so that shutdown runs as
+  // ordinary code, not in a signal handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto agent = Agent::Start(std::move(options));
+  if (!agent.ok()) {
+    spdlog::critical("rdma-agentd cannot start: {}", agent.status().ToString());
+    return 1;
+  }
+  for (const auto& backend : (*agent)->registry().backends()) {
+    if (backend->available()) {
+      spdlog::info("backend {} available", backend->name());
+    } else {
+      spdlog::info("backend {} unavailable: {}", backend->name(),
+                   backend->unavailable_reason());
+    }
+  }
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  spdlog::info("signal {} received, shutting down", signal_number);
+  (*agent)->Shutdown();
+  spdlog::info("rdma-agentd stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace rdma_agent
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "rdma-agentd: per-host RDMA transfer agent. Serves rdma.agent.v1 on a "
+      "Unix socket.");
+  absl::ParseCommandLine(argc, argv);
+  return rdma_agent::Run();
+}

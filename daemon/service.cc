@@ -1,0 +1,409 @@
+#include "daemon/service.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "common/random.h"
+#include "daemon/version.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent {
+namespace {
+
+absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(prefix, ": ", status.message()));
+}
+
+bool ValidAccess(v1::Access access) {
+  return access == v1::ACCESS_READ || access == v1::ACCESS_WRITE ||
+         access == v1::ACCESS_READ_WRITE;
+}
+
+bool Readable(v1::Access access) {
+  return access == v1::ACCESS_READ || access == v1::ACCESS_READ_WRITE;
+}
+
+bool Writable(v1::Access access) {
+  return access == v1::ACCESS_WRITE || access == v1::ACCESS_READ_WRITE;
+}
+
+std::string HostName() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "";
+  return name;
+}
+
+// Parses and sanity-checks a serialized RemoteBuffer.
+absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> ParseRemoteContext(
+    const std::string& bytes) {
+  auto remote = std::make_shared<v1::RemoteBuffer>();
+  if (bytes.empty()) {
+    return absl::InvalidArgumentError("remote_context is empty");
+  }
+  if (!remote->ParseFromString(bytes)) {
+    return absl::InvalidArgumentError(
+        "remote_context is not a serialized RemoteBuffer (malformed or "
+        "truncated)");
+  }
+  if (remote->agent_id().empty() || remote->agent_epoch() == 0 ||
+      remote->size_bytes() == 0 || remote->token().empty() ||
+      remote->endpoints().empty() || !ValidAccess(remote->access())) {
+    return absl::InvalidArgumentError(
+        "remote_context is incomplete (missing agent, epoch, size, token, "
+        "access or endpoints): truncated or not issued by an agent");
+  }
+  return remote;
+}
+
+}  // namespace
+
+void CallerTable::Add(int fd, const PeerCredentials& peer) {
+  absl::MutexLock lock(&mu_);
+  by_fd_[fd] = peer;
+}
+
+absl::StatusOr<PeerCredentials> CallerTable::Lookup(
+    const grpc::ServerContext& context) const {
+  const std::string peer = context.peer();
+  absl::string_view fd_text = peer;
+  int fd = -1;
+  if (!absl::ConsumePrefix(&fd_text, "fd:") ||
+      !absl::SimpleAtoi(fd_text, &fd)) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("cannot identify the caller (peer '", peer, "')"));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = by_fd_.find(fd);
+  if (it == by_fd_.end()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("no credentials for connection ", peer));
+  }
+  return it->second;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+RdmaAgentService::RdmaAgentService(const AgentOptions& options,
+                                   const AgentIdentity& identity,
+                                   const BackendRegistry* backends,
+                                   BufferRegistry* buffers,
+                                   AttachTokens* attach_tokens,
+                                   const CallerTable* callers)
+    : options_(options),
+      identity_(identity),
+      backends_(backends),
+      buffers_(buffers),
+      attach_tokens_(attach_tokens),
+      callers_(callers) {}
+
+grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
+                                       const v1::GetInfoRequest*,
+                                       v1::AgentInfo* response) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "GetInfo"));
+  response->set_agent_id(identity_.agent_id);
+  response->set_epoch(identity_.epoch);
+  response->set_version(kAgentVersion);
+  response->set_hostname(HostName());
+  for (const auto& backend : backends_->backends()) {
+    v1::BackendInfo* info = response->add_backends();
+    info->set_name(backend->name());
+    info->set_transport_level(backend->transport_level());
+    info->set_available(backend->available());
+    info->set_unavailable_reason(backend->unavailable_reason());
+    *info->mutable_transport_info() = backend->transport_info();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::Register(grpc::ServerContext* context,
+                                        const v1::RegisterRequest* request,
+                                        v1::RegisterResponse* response) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Register"));
+  auto result = DoRegister(*request, caller->uid);
+  if (!result.ok()) return ToGrpcStatus(Prefixed(result.status(), "Register"));
+  *response = std::move(*result);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
+    const v1::RegisterRequest& request, uid_t caller) {
+  if (!ValidAccess(request.access())) {
+    return absl::InvalidArgumentError(
+        "access must be ACCESS_READ, ACCESS_WRITE or ACCESS_READ_WRITE");
+  }
+  if (request.label().size() > options_.max_label_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "label is longer than ", options_.max_label_bytes, " bytes"));
+  }
+  const uint64_t id = buffers_->NextId();
+  absl::StatusOr<SharedMemory> memory;
+  bool agent_allocated = false;
+  switch (request.memory_case()) {
+    case v1::RegisterRequest::kAllocateBytes:
+      if (request.allocate_bytes() == 0) {
+        return absl::InvalidArgumentError("allocate_bytes must be positive");
+      }
+      if (request.allocate_bytes() > options_.max_buffer_bytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("allocate_bytes ", request.allocate_bytes(),
+                         " exceeds the agent's limit of ",
+                         options_.max_buffer_bytes, " bytes"));
+      }
+      memory = SharedMemory::Allocate(request.allocate_bytes(),
+                                      absl::StrCat("rdma-agentd-buffer-", id));
+      agent_allocated = true;
+      break;
+    case v1::RegisterRequest::kAttachToken:
+      memory = attach_tokens_->Take(request.attach_token(), caller);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          "set allocate_bytes or attach_token to say where the memory is");
+  }
+  if (!memory.ok()) return memory.status();
+  if (memory->size() > options_.max_buffer_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attached memory of ", memory->size(),
+                     " bytes exceeds the agent's limit of ",
+                     options_.max_buffer_bytes, " bytes"));
+  }
+
+  auto registration = std::make_shared<Registration>(
+      id, caller, request.access(), request.label(), RandomBytes(16),
+      std::move(*memory), agent_allocated);
+  v1::RemoteBuffer context;
+  context.set_agent_id(identity_.agent_id);
+  context.set_agent_epoch(identity_.epoch);
+  context.set_buffer_id(id);
+  context.set_size_bytes(registration->size());
+  context.set_access(registration->access());
+  context.set_token(registration->token());
+  absl::Status status = backends_->RegisterWithAll(*registration, &context);
+  if (!status.ok()) return status;
+
+  v1::RegisterResponse response;
+  response.set_buffer_id(id);
+  response.set_size_bytes(registration->size());
+  for (const auto& name : registration->backend_names()) {
+    response.add_backends(name);
+  }
+  context.SerializeToString(response.mutable_remote_context());
+  status = buffers_->Add(registration, options_.max_buffers_per_user);
+  if (!status.ok()) return status;
+  spdlog::info("uid {} registered buffer {} ({} bytes, {}, '{}')", caller, id,
+               registration->size(), v1::Access_Name(registration->access()),
+               registration->label());
+  return response;
+}
+
+grpc::Status RdmaAgentService::Release(grpc::ServerContext* context,
+                                       const v1::ReleaseRequest* request,
+                                       v1::ReleaseResponse*) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Release"));
+  absl::Status status = buffers_->Remove(request->buffer_id(), caller->uid);
+  if (status.ok()) {
+    spdlog::info("uid {} released buffer {}", caller->uid,
+                 request->buffer_id());
+  }
+  return ToGrpcStatus(Prefixed(status, "Release"));
+}
+
+absl::StatusOr<absl::Time> RdmaAgentService::SubmitDeadline(
+    const grpc::ServerContext& context,
+    const v1::SubmitRequest& request) const {
+  absl::Duration timeout = options_.default_submit_timeout;
+  if (request.has_timeout()) {
+    const auto& t = request.timeout();
+    if (t.seconds() < 0 || t.nanos() < 0 || t.nanos() > 999999999 ||
+        (t.seconds() == 0 && t.nanos() == 0)) {
+      return absl::InvalidArgumentError(
+          "timeout must be a positive, well-formed Duration");
+    }
+    timeout = absl::Seconds(t.seconds()) + absl::Nanoseconds(t.nanos());
+    if (timeout > options_.max_submit_timeout) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("timeout ", absl::FormatDuration(timeout),
+                       " exceeds the agent's limit of ",
+                       absl::FormatDuration(options_.max_submit_timeout)));
+    }
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + timeout, absl::FromChrono(context.deadline()));
+  return deadline;
+}
+
+absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
+                                               uid_t caller) const {
+  Op op;
+  op.index = index;
+  op.type = wire.type();
+  if (op.type != v1::OP_TYPE_READ_INTO_LOCAL &&
+      op.type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
+    return absl::InvalidArgumentError(
+        "type must be OP_TYPE_READ_INTO_LOCAL or OP_TYPE_WRITE_FROM_LOCAL");
+  }
+  if (wire.length() == 0) {
+    return absl::InvalidArgumentError("length must be positive");
+  }
+  auto remote = ParseRemoteContext(wire.remote_context());
+  if (!remote.ok()) return remote.status();
+  auto local = buffers_->Find(wire.local_buffer_id(), caller);
+  if (!local.ok()) {
+    return absl::NotFoundError(absl::StrCat(
+        "local buffer ", wire.local_buffer_id(), " is not registered"));
+  }
+  absl::Status status = CheckRange(wire.local_offset(), wire.length(),
+                                   (*local)->size(), "local");
+  if (!status.ok()) return status;
+  status = CheckRange(wire.remote_offset(), wire.length(),
+                      (*remote)->size_bytes(), "remote");
+  if (!status.ok()) return status;
+  const bool reads = op.reads_into_local();
+  if (reads ? !(*local)->writable() : !(*local)->readable()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "local buffer ", wire.local_buffer_id(), " has access ",
+        v1::Access_Name((*local)->access()), "; ",
+        reads ? "reading into it needs WRITE" : "writing from it needs READ"));
+  }
+  if (reads ? !Readable((*remote)->access()) : !Writable((*remote)->access())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "remote buffer ", (*remote)->buffer_id(), " has access ",
+        v1::Access_Name((*remote)->access()), "; ",
+        reads ? "reading it needs READ" : "writing into it needs WRITE"));
+  }
+  op.local = std::move(*local);
+  op.local_offset = wire.local_offset();
+  op.length = wire.length();
+  op.remote = std::move(*remote);
+  op.remote_offset = wire.remote_offset();
+  return op;
+}
+
+grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
+                                      const v1::SubmitRequest* request,
+                                      v1::SubmitResponse* response) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Submit"));
+  if (request->ops().empty()) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("Submit: the op batch is empty"));
+  }
+  if (static_cast<size_t>(request->ops_size()) > options_.max_ops_per_submit) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "Submit: ", request->ops_size(), " ops exceed the limit of ",
+        options_.max_ops_per_submit, " per Submit")));
+  }
+  auto deadline = SubmitDeadline(*context, *request);
+  if (!deadline.ok()) return ToGrpcStatus(Prefixed(deadline.status(), "Submit"));
+
+  const size_t count = static_cast<size_t>(request->ops_size());
+  std::vector<absl::Status> statuses(count);
+  std::vector<std::string> used(count);
+  std::vector<Op> ready;
+  std::vector<size_t> ready_index;
+  for (size_t i = 0; i < count; ++i) {
+    auto op = PrepareOp(request->ops(static_cast<int>(i)), i, caller->uid);
+    if (!op.ok()) {
+      statuses[i] = AnnotateOp(op.status(), i);
+      continue;
+    }
+    ready.push_back(std::move(*op));
+    ready_index.push_back(i);
+  }
+  if (!ready.empty()) {
+    std::vector<OpOutcome> outcomes = backends_->Submit(ready, *deadline);
+    for (size_t k = 0; k < ready.size(); ++k) {
+      statuses[ready_index[k]] = std::move(outcomes[k].status);
+      used[ready_index[k]] = std::move(outcomes[k].backend);
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    v1::OpResult* result = response->add_results();
+    result->set_code(static_cast<int>(statuses[i].code()));
+    result->set_message(std::string(statuses[i].message()));
+    result->set_backend(used[i]);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::ListBuffers(grpc::ServerContext* context,
+                                           const v1::ListBuffersRequest*,
+                                           v1::ListBuffersResponse* response) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) {
+    return ToGrpcStatus(Prefixed(caller.status(), "ListBuffers"));
+  }
+  for (const auto& registration : buffers_->List(caller->uid)) {
+    v1::BufferInfo* info = response->add_buffers();
+    info->set_buffer_id(registration->id());
+    info->set_size_bytes(registration->size());
+    info->set_access(registration->access());
+    info->set_label(registration->label());
+    for (const auto& name : registration->backend_names()) {
+      info->add_backends(name);
+    }
+    info->set_bytes_moved(registration->bytes_moved());
+    info->set_bytes_served(registration->bytes_served());
+    info->set_agent_allocated(registration->agent_allocated());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
+                                          const v1::ReadBufferRequest* request,
+                                          v1::ReadBufferResponse* response) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "ReadBuffer"));
+  if (request->length() > options_.max_transfer_bytes_per_rpc) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "ReadBuffer: length ", request->length(), " exceeds the limit of ",
+        options_.max_transfer_bytes_per_rpc, " bytes per call")));
+  }
+  auto registration = buffers_->Find(request->buffer_id(), caller->uid);
+  if (!registration.ok()) {
+    return ToGrpcStatus(Prefixed(registration.status(), "ReadBuffer"));
+  }
+  absl::Status status = CheckRange(request->offset(), request->length(),
+                                   (*registration)->size(), "buffer");
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "ReadBuffer"));
+  response->set_data(reinterpret_cast<const char*>((*registration)->data() +
+                                                   request->offset()),
+                     request->length());
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::WriteBuffer(
+    grpc::ServerContext* context, const v1::WriteBufferRequest* request,
+    v1::WriteBufferResponse*) {
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) {
+    return ToGrpcStatus(Prefixed(caller.status(), "WriteBuffer"));
+  }
+  auto registration = buffers_->Find(request->buffer_id(), caller->uid);
+  if (!registration.ok()) {
+    return ToGrpcStatus(Prefixed(registration.status(), "WriteBuffer"));
+  }
+  absl::Status status = CheckRange(request->offset(), request->data().size(),
+                                   (*registration)->size(), "buffer");
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "WriteBuffer"));
+  std::memcpy((*registration)->data() + request->offset(),
+              request->data().data(), request->data().size());
+  return grpc::Status::OK;
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,86 @@
+#ifndef RDMA_AGENTD_DAEMON_SERVICE_H_
+#define RDMA_AGENTD_DAEMON_SERVICE_H_
+
+#include <sys/types.h>
+
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/registry.h"
+#include "daemon/agent_options.h"
+#include "daemon/attach_tokens.h"
+#include "daemon/buffer_registry.h"
+#include "daemon/unix_socket.h"
+#include "rdma/agent/v1/agent.grpc.pb.h"
+
+namespace rdma_agent {
+
+// Credentials of each connection the agent accepted on its Unix socket, by
+// the fd gRPC serves it on (ServerContext::peer() reads "fd:N").
+class CallerTable {
+ public:
+  void Add(int fd, const PeerCredentials& peer);
+  // The caller of the RPC in `context`; UNAUTHENTICATED if unknown.
+  absl::StatusOr<PeerCredentials> Lookup(const grpc::ServerContext& context) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<int, PeerCredentials> by_fd_ ABSL_GUARDED_BY(mu_);
+};
+
+// The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
+// whose credentials the caller table holds for its connection.
+class RdmaAgentService final : public v1::RdmaAgent::Service {
+ public:
+  RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
+                   const BackendRegistry* backends, BufferRegistry* buffers,
+                   AttachTokens* attach_tokens, const CallerTable* callers);
+
+  grpc::Status GetInfo(grpc::ServerContext* context,
+                       const v1::GetInfoRequest* request,
+                       v1::AgentInfo* response) override;
+  grpc::Status Register(grpc::ServerContext* context,
+                        const v1::RegisterRequest* request,
+                        v1::RegisterResponse* response) override;
+  grpc::Status Release(grpc::ServerContext* context,
+                       const v1::ReleaseRequest* request,
+                       v1::ReleaseResponse* response) override;
+  grpc::Status Submit(grpc::ServerContext* context,
+                      const v1::SubmitRequest* request,
+                      v1::SubmitResponse* response) override;
+  grpc::Status ListBuffers(grpc::ServerContext* context,
+                           const v1::ListBuffersRequest* request,
+                           v1::ListBuffersResponse* response) override;
+  grpc::Status ReadBuffer(grpc::ServerContext* context,
+                          const v1::ReadBufferRequest* request,
+                          v1::ReadBufferResponse* response) override;
+  grpc::Status WriteBuffer(grpc::ServerContext* context,
+                           const v1::WriteBufferRequest* request,
+                           v1::WriteBufferResponse* response) override;
+
+ private:
+  absl::StatusOr<v1::RegisterResponse> DoRegister(
+      const v1::RegisterRequest& request, uid_t caller);
+  // Validates op `index` of a Submit and resolves its buffers.
+  absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
+                               uid_t caller) const;
+  absl::StatusOr<absl::Time> SubmitDeadline(const grpc::ServerContext& context,
+                                            const v1::SubmitRequest& request) const;
+
+  const AgentOptions& options_;
+  const AgentIdentity identity_;
+  const BackendRegistry* const backends_;
+  BufferRegistry* const buffers_;
+  AttachTokens* const attach_tokens_;
+  const CallerTable* const callers_;
+};
+
+// absl::Status -> grpc::Status, keeping code and message.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_SERVICE_H_
