@@ -1,0 +1,44 @@
+#include "backends/tcp/flags.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "backends/tcp/tcp_backend.h"
+
+ABSL_FLAG(std::string, tcp_listen, "0.0.0.0:7471",
+          "Address of the TCP data plane, host:port (port 0 = any free port). "
+          "Serves only agent-to-agent transfers.");
+ABSL_FLAG(std::string, tcp_advertise_host, "",
+          "Host written into remote contexts for peers to dial (NAT, "
+          "containers). Empty: the agent's --advertise_host / auto-detected "
+          "address.");
+ABSL_FLAG(int32_t, tcp_connections_per_peer,
+          rdma_agent::tcp::DataClientOptions().connections_per_peer,
+          "Connections one Submit stripes its chunks over, per peer.");
+ABSL_FLAG(uint64_t, tcp_chunk_bytes,
+          rdma_agent::tcp::DataClientOptions().chunk_bytes,
+          "Largest payload of one data-plane request; longer ops are split.");
+ABSL_FLAG(int32_t, tcp_max_in_flight,
+          rdma_agent::tcp::DataClientOptions().max_in_flight,
+          "Requests pipelined on one connection before their responses.");
+
+namespace rdma_agent {
+
+BackendFactory MakeTcpBackendFactoryFromFlags() {
+  return [](const BackendEnvironment& env)
+             -> absl::StatusOr<std::unique_ptr<Backend>> {
+    TcpOptions options;
+    options.listen = absl::GetFlag(FLAGS_tcp_listen);
+    options.advertise_host = absl::GetFlag(FLAGS_tcp_advertise_host);
+    options.client.connections_per_peer =
+        absl::GetFlag(FLAGS_tcp_connections_per_peer);
+    options.client.chunk_bytes = absl::GetFlag(FLAGS_tcp_chunk_bytes);
+    options.client.max_in_flight = absl::GetFlag(FLAGS_tcp_max_in_flight);
+    auto backend = TcpBackend::Create(std::move(options), env);
+    if (!backend.ok()) return backend.status();
+    return std::unique_ptr<Backend>(std::move(*backend));
+  };
+}
+
+}  // namespace rdma_agent

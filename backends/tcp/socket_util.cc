@@ -1,0 +1,246 @@
+#include "backends/tcp/socket_util.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace rdma_agent::tcp {
+namespace {
+
+absl::Status ErrnoStatus(absl::StatusCode code, absl::string_view what,
+                         int error) {
+  return absl::Status(code, absl::StrCat(what, ": ", std::strerror(error)));
+}
+
+// Resolves `address` to socket addresses; the caller frees with freeaddrinfo.
+absl::StatusOr<addrinfo*> Resolve(const HostPort& address, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* result = nullptr;
+  const std::string port = std::to_string(address.port);
+  const char* host =
+      passive && IsWildcardHost(address.host) ? nullptr : address.host.c_str();
+  const int rc = getaddrinfo(host, port.c_str(), &hints, &result);
+  if (rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve ", FormatHostPort(address.host, address.port),
+                     ": ", gai_strerror(rc)));
+  }
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<HostPort> ParseHostPort(absl::string_view text) {
+  HostPort result;
+  absl::string_view port_text;
+  if (!text.empty() && text.front() == '[') {
+    const size_t close = text.find(']');
+    if (close == absl::string_view::npos || close + 1 >= text.size() ||
+        text[close + 1] != ':') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed address \"", text, "\": want [host]:port"));
+    }
+    result.host = std::string(text.substr(1, close - 1));
+    port_text = text.substr(close + 2);
+  } else {
+    const size_t colon = text.rfind(':');
+    if (colon == absl::string_view::npos ||
+        text.find(':') != colon) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed address \"", text, "\": want host:port"));
+    }
+    result.host = std::string(text.substr(0, colon));
+    port_text = text.substr(colon + 1);
+  }
+  uint32_t port = 0;
+  if (!absl::SimpleAtoi(port_text, &port) || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed port in address \"", text, "\""));
+  }
+  result.port = static_cast<uint16_t>(port);
+  return result;
+}
+
+std::string FormatHostPort(absl::string_view host, uint16_t port) {
+  if (host.find(':') != absl::string_view::npos) {
+    return absl::StrCat("[", host, "]:", port);
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+bool IsWildcardHost(absl::string_view host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]" ||
+         host == "*";
+}
+
+void ConfigureDataSocket(int fd) {
+  const int one = 1;
+  // Responses and small requests must not wait for Nagle.
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
+                                   uint16_t* bound_port) {
+  auto resolved = Resolve(address, /*passive=*/true);
+  if (!resolved.ok()) return resolved.status();
+  absl::Status last = absl::UnavailableError(
+      absl::StrCat("no address to listen on for ", address.host));
+  for (addrinfo* ai = *resolved; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC,
+                       ai->ai_protocol));
+    if (!fd) {
+      last = ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      last = ErrnoStatus(
+          absl::StatusCode::kUnavailable,
+          absl::StrCat("bind ", FormatHostPort(address.host, address.port)),
+          errno);
+      continue;
+    }
+    if (listen(fd.get(), SOMAXCONN) != 0) {
+      last = ErrnoStatus(absl::StatusCode::kInternal, "listen", errno);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t length = sizeof(bound);
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &length);
+    *bound_port = ntohs(bound.ss_family == AF_INET6
+                            ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    freeaddrinfo(*resolved);
+    return fd;
+  }
+  freeaddrinfo(*resolved);
+  return last;
+}
+
+absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline) {
+  const std::string name = FormatHostPort(address.host, address.port);
+  auto resolved = Resolve(address, /*passive=*/false);
+  if (!resolved.ok()) return resolved.status();
+  absl::Status last =
+      absl::UnavailableError(absl::StrCat("no address for ", name));
+  for (addrinfo* ai = *resolved; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(socket(ai->ai_family,
+                       ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                       ai->ai_protocol));
+    if (!fd) {
+      last = ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
+      continue;
+    }
+    ConfigureDataSocket(fd.get());
+    if (connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last = ErrnoStatus(absl::StatusCode::kUnavailable,
+                           absl::StrCat("connect to ", name), errno);
+        continue;
+      }
+      // Wait for the handshake, never past the deadline.
+      pollfd p{fd.get(), POLLOUT, 0};
+      int ready = 0;
+      while (true) {
+        const absl::Duration left = deadline - absl::Now();
+        if (left <= absl::ZeroDuration()) break;
+        const timespec timeout = absl::ToTimespec(left);
+        ready = ppoll(&p, 1, &timeout, nullptr);
+        if (ready >= 0 || errno != EINTR) break;
+      }
+      if (ready <= 0) {
+        freeaddrinfo(*resolved);
+        return absl::DeadlineExceededError(
+            absl::StrCat("deadline passed while connecting to ", name));
+      }
+      int error = 0;
+      socklen_t length = sizeof(error);
+      getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &length);
+      if (error != 0) {
+        last = ErrnoStatus(absl::StatusCode::kUnavailable,
+                           absl::StrCat("connect to ", name), error);
+        continue;
+      }
+    }
+    freeaddrinfo(*resolved);
+    return fd;
+  }
+  freeaddrinfo(*resolved);
+  return last;
+}
+
+absl::Status ReadFull(int fd, void* data, size_t size) {
+  auto* p = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t n = recv(fd, p, size, MSG_WAITALL);
+    if (n > 0) {
+      p += n;
+      size -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      return absl::UnavailableError("connection closed by peer");
+    } else if (errno != EINTR) {
+      return ErrnoStatus(absl::StatusCode::kUnavailable, "recv", errno);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFull(int fd, iovec* iov, int iov_count) {
+  while (iov_count > 0) {
+    msghdr message{};
+    message.msg_iov = iov;
+    message.msg_iovlen = static_cast<size_t>(iov_count);
+    ssize_t n = sendmsg(fd, &message, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(absl::StatusCode::kUnavailable, "send", errno);
+    }
+    // Skip what was sent.
+    while (iov_count > 0 && static_cast<size_t>(n) >= iov->iov_len) {
+      n -= static_cast<ssize_t>(iov->iov_len);
+      ++iov;
+      --iov_count;
+    }
+    if (iov_count > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+      iov->iov_len -= static_cast<size_t>(n);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Discard(int fd, uint64_t size) {
+  char scratch[64 * 1024];
+  while (size > 0) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, sizeof(scratch)));
+    if (absl::Status status = ReadFull(fd, scratch, n); !status.ok()) {
+      return status;
+    }
+    size -= n;
+  }
+  return absl::OkStatus();
+}
+
+bool IdleConnectionAlive(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 0) == 0) return true;
+  // Readable while idle: EOF, an error or bytes nobody asked for.
+  return false;
+}
+
+}  // namespace rdma_agent::tcp

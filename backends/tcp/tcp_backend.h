@@ -1,0 +1,81 @@
+#ifndef RDMA_AGENTD_BACKENDS_TCP_TCP_BACKEND_H_
+#define RDMA_AGENTD_BACKENDS_TCP_TCP_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "backends/backend.h"
+#include "backends/tcp/data_client.h"
+#include "backends/tcp/data_server.h"
+
+namespace rdma_agent {
+
+// Configuration of the TCP backend (flags --tcp_*).
+struct TcpOptions {
+  // Where the data plane listens, "host:port"; port 0 picks a free port.
+  std::string listen = "0.0.0.0:7471";
+  // Host written into remote contexts; empty = the agent's advertise host.
+  // Never a wildcard.
+  std::string advertise_host;
+  // Chunking, striping and pipelining of outgoing ops.
+  tcp::DataClientOptions client;
+};
+
+// The agent-to-agent TCP transport: serves this agent's registrations on its
+// own data port and runs ops against other agents' data ports.
+//
+// A registration's tcp endpoint is {advertised host, bound port}; the buffer
+// id, epoch and token travel in every request and are checked by the serving
+// agent (BufferDirectory::ResolveForPeer) before it touches memory.
+class TcpBackend : public Backend {
+ public:
+  // Starts listening at once, so the bound port is known (and served) before
+  // the first Register. INVALID_ARGUMENT for malformed options or a wildcard
+  // advertise host; UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<TcpBackend>> Create(
+      TcpOptions options, const BackendEnvironment& env);
+
+  // Stops serving and waits for serving threads to leave registration memory.
+  ~TcpBackend() override = default;
+
+  const std::string& name() const override { return name_; }
+  v1::TransportLevel transport_level() const override {
+    return v1::TRANSPORT_LEVEL_TCP;
+  }
+  bool available() const override { return true; }
+  v1::TransportInfo transport_info() const override;
+  absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
+      const Registration& registration,
+      v1::BackendEndpoint* endpoint) override;
+  // True when `remote` advertises a usable tcp endpoint (host and port).
+  bool CanReach(const v1::RemoteBuffer& remote) const override;
+  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
+                                   absl::Time deadline) override;
+
+  // The data port actually bound.
+  uint16_t port() const { return server_->port(); }
+  // The host written into remote contexts.
+  const std::string& advertise_host() const { return advertise_host_; }
+  // The connection pool (for tests).
+  tcp::DataClient& client() { return client_; }
+
+ private:
+  TcpBackend(TcpOptions options, BackendEnvironment env,
+             std::string advertise_host,
+             std::unique_ptr<tcp::DataServer> server);
+
+  const std::string name_ = "tcp";
+  const TcpOptions options_;
+  const BackendEnvironment env_;
+  const std::string advertise_host_;
+  tcp::DataClient client_;
+  // Last: destroyed first, so no serving thread outlives the rest.
+  const std::unique_ptr<tcp::DataServer> server_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_TCP_TCP_BACKEND_H_
