@@ -1,0 +1,817 @@
+#include "backends/ibverbs/soft_verbs.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+
+namespace rdma_agent {
+namespace verbs {
+namespace soft_internal {
+
+struct MrEntry {
+  uintptr_t addr = 0;
+  size_t length = 0;
+  int access = 0;
+  uint64_t pd_id = 0;
+};
+
+struct DeviceState {
+  SoftDeviceConfig config;
+  uint16_t lid = 0;
+  ibv_gid gid = {};
+  std::atomic<bool> reachable{true};
+  // Copies hold it shared; MR (de)registration exclusive, so that a
+  // deregistered MR is never touched again.
+  absl::Mutex mr_mu;
+  absl::flat_hash_map<uint32_t, MrEntry> mrs ABSL_GUARDED_BY(mr_mu);
+};
+
+struct QpState;
+
+struct CqState {
+  struct Entry {
+    ibv_wc wc;
+    std::weak_ptr<QpState> qp;
+  };
+  absl::Mutex mu;
+  std::deque<Entry> entries ABSL_GUARDED_BY(mu);
+  size_t capacity = 0;
+  bool armed ABSL_GUARDED_BY(mu) = false;
+  bool event ABSL_GUARDED_BY(mu) = false;
+  bool overrun ABSL_GUARDED_BY(mu) = false;
+};
+
+struct SoftWr {
+  uint64_t wr_id = 0;
+  ibv_wr_opcode opcode = IBV_WR_RDMA_WRITE;
+  bool signaled = false;
+  std::vector<ibv_sge> sges;
+  uint64_t remote_addr = 0;
+  uint32_t rkey = 0;
+  absl::Time ready_at = absl::InfinitePast();
+  enum class Fate { kExecute, kDrop, kFail } fate = Fate::kExecute;
+  ibv_wc_status fail_status = IBV_WC_GENERAL_ERR;
+};
+
+struct FabricState;
+
+struct QpState {
+  uint32_t qpn = 0;
+  std::shared_ptr<FabricState> fabric;
+  std::shared_ptr<DeviceState> device;
+  uint64_t pd_id = 0;
+  std::shared_ptr<CqState> cq;
+  std::weak_ptr<QpState> weak;  // itself, for completions
+  int max_send_wr = 0;
+  int max_send_sge = 0;
+  bool sq_sig_all = false;
+
+  absl::Mutex mu;
+  ibv_qp_state state ABSL_GUARDED_BY(mu) = IBV_QPS_RESET;
+  int access_flags ABSL_GUARDED_BY(mu) = 0;
+  uint32_t dest_qpn ABSL_GUARDED_BY(mu) = 0;
+  ibv_ah_attr ah ABSL_GUARDED_BY(mu) = {};
+  uint8_t timeout ABSL_GUARDED_BY(mu) = 0;
+  uint8_t retry_cnt ABSL_GUARDED_BY(mu) = 0;
+  uint8_t max_dest_rd_atomic ABSL_GUARDED_BY(mu) = 0;
+  int outstanding ABSL_GUARDED_BY(mu) = 0;
+  std::deque<SoftWr> queue ABSL_GUARDED_BY(mu);
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+};
+
+struct FabricState {
+  absl::Mutex mu;
+  std::map<std::string, std::shared_ptr<DeviceState>> devices
+      ABSL_GUARDED_BY(mu);
+  std::map<uint32_t, std::weak_ptr<QpState>> qps ABSL_GUARDED_BY(mu);
+  std::vector<SoftFault> faults ABSL_GUARDED_BY(mu);
+  uint32_t next_qpn ABSL_GUARDED_BY(mu) = 0x11;
+  uint32_t next_key ABSL_GUARDED_BY(mu) = 0x1000;
+  uint16_t next_lid ABSL_GUARDED_BY(mu) = 1;
+  uint64_t next_pd ABSL_GUARDED_BY(mu) = 1;
+  std::atomic<uint64_t> ok_count{0};
+  std::atomic<int> max_outstanding{0};
+
+  // The fault that applies to the next WR posted on `device`, consumed.
+  bool TakeFault(const std::string& device, SoftFault* out) {
+    absl::MutexLock lock(&mu);
+    for (auto it = faults.begin(); it != faults.end(); ++it) {
+      if (!it->device.empty() && it->device != device) continue;
+      *out = *it;
+      if (it->count > 0 && --it->count == 0) faults.erase(it);
+      return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace soft_internal
+
+namespace {
+
+using soft_internal::CqState;
+using soft_internal::DeviceState;
+using soft_internal::FabricState;
+using soft_internal::MrEntry;
+using soft_internal::QpState;
+using soft_internal::SoftWr;
+
+absl::Status Errno(absl::string_view call, int err, absl::string_view why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(call, ": ", std::strerror(err), " (", why, ")"));
+}
+
+// --- Completion queue -----------------------------------------------------
+
+class SoftCompletionQueue : public CompletionQueue {
+ public:
+  SoftCompletionQueue(std::shared_ptr<DeviceState> device, size_t capacity)
+      : device_(std::move(device)), state_(std::make_shared<CqState>()) {
+    state_->capacity = capacity;
+  }
+
+  absl::StatusOr<int> Poll(absl::Span<ibv_wc> wc) override {
+    std::vector<std::weak_ptr<QpState>> freed;
+    int n = 0;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->overrun) {
+        return absl::InternalError("ibv_poll_cq: completion queue overrun");
+      }
+      while (n < static_cast<int>(wc.size()) && !state_->entries.empty()) {
+        wc[n++] = state_->entries.front().wc;
+        freed.push_back(std::move(state_->entries.front().qp));
+        state_->entries.pop_front();
+      }
+    }
+    // A send-queue slot is free once its completion has been polled.
+    for (auto& weak : freed) {
+      if (auto qp = weak.lock()) {
+        absl::MutexLock lock(&qp->mu);
+        if (qp->outstanding > 0) --qp->outstanding;
+      }
+    }
+    return n;
+  }
+
+  absl::Status RequestNotify() override {
+    absl::MutexLock lock(&state_->mu);
+    state_->armed = true;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> WaitForEvent(absl::Duration timeout) override {
+    absl::MutexLock lock(&state_->mu);
+    state_->mu.AwaitWithTimeout(absl::Condition(&state_->event), timeout);
+    if (!state_->event) return false;
+    state_->event = false;
+    return true;
+  }
+
+  const std::shared_ptr<CqState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<DeviceState> device_;
+  std::shared_ptr<CqState> state_;
+};
+
+void PushCompletion(CqState& cq, const ibv_wc& wc,
+                    std::weak_ptr<QpState> qp) {
+  absl::MutexLock lock(&cq.mu);
+  if (cq.entries.size() >= cq.capacity) {
+    cq.overrun = true;
+    return;
+  }
+  cq.entries.push_back({wc, std::move(qp)});
+  if (cq.armed) {
+    cq.armed = false;
+    cq.event = true;
+  }
+}
+
+// --- Memory region --------------------------------------------------------
+
+class SoftMemoryRegion : public MemoryRegion {
+ public:
+  SoftMemoryRegion(std::shared_ptr<DeviceState> device, uint32_t key,
+                   void* addr, size_t length)
+      : device_(std::move(device)), key_(key), addr_(addr), length_(length) {}
+  ~SoftMemoryRegion() override {
+    // Exclusive: waits for copies in progress, and none starts after.
+    absl::WriterMutexLock lock(&device_->mr_mu);
+    device_->mrs.erase(key_);
+  }
+  uint32_t lkey() const override { return key_; }
+  uint32_t rkey() const override { return key_; }
+  void* addr() const override { return addr_; }
+  size_t length() const override { return length_; }
+
+ private:
+  std::shared_ptr<DeviceState> device_;
+  const uint32_t key_;
+  void* const addr_;
+  const size_t length_;
+};
+
+// --- Queue pair -----------------------------------------------------------
+
+absl::Duration TransportTimeout(uint8_t timeout, uint8_t retry_cnt) {
+  if (timeout == 0) return absl::InfiniteDuration();  // IB: 0 = infinite
+  return absl::Nanoseconds(4096) * (int64_t{1} << std::min<int>(timeout, 31)) *
+         (retry_cnt + 1);
+}
+
+class SoftQueuePair : public QueuePair {
+ public:
+  explicit SoftQueuePair(std::shared_ptr<QpState> state)
+      : state_(std::move(state)) {
+    worker_ = std::thread([qp = state_.get()] { Run(*qp); });
+  }
+
+  ~SoftQueuePair() override {
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->stopping = true;
+    }
+    // Joined before returning: the WR being executed has finished copying.
+    worker_.join();
+    absl::MutexLock lock(&state_->fabric->mu);
+    state_->fabric->qps.erase(state_->qpn);
+  }
+
+  uint32_t qp_num() const override { return state_->qpn; }
+
+  absl::StatusOr<ibv_qp_state> QueryState() override {
+    absl::MutexLock lock(&state_->mu);
+    return state_->state;
+  }
+
+  absl::Status Modify(ibv_qp_attr& attr, int mask) override {
+    QpState& qp = *state_;
+    absl::MutexLock lock(&qp.mu);
+    if (!(mask & IBV_QP_STATE)) {
+      return Errno("ibv_modify_qp", EINVAL, "only state transitions");
+    }
+    if ((mask & IBV_QP_CUR_STATE) && attr.cur_qp_state != qp.state) {
+      return Errno("ibv_modify_qp", EINVAL, "cur_qp_state mismatch");
+    }
+    const ibv_qp_state from = qp.state;
+    const auto need = [&](int required, absl::string_view what) {
+      return (mask & required) == required
+                 ? absl::OkStatus()
+                 : Errno("ibv_modify_qp", EINVAL,
+                         absl::StrCat(QpStateName(from), "->",
+                                      QpStateName(attr.qp_state),
+                                      " needs ", what));
+    };
+    switch (attr.qp_state) {
+      case IBV_QPS_RESET:
+        qp.queue.clear();
+        qp.outstanding = 0;
+        qp.state = IBV_QPS_RESET;
+        return absl::OkStatus();
+      case IBV_QPS_ERR:
+        qp.state = IBV_QPS_ERR;  // the worker flushes what is queued
+        return absl::OkStatus();
+      case IBV_QPS_INIT: {
+        if (from != IBV_QPS_RESET && from != IBV_QPS_INIT) break;
+        if (from == IBV_QPS_RESET) {
+          absl::Status s = need(IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                    IBV_QP_ACCESS_FLAGS,
+                                "PKEY_INDEX|PORT|ACCESS_FLAGS");
+          if (!s.ok()) return s;
+        }
+        if ((mask & IBV_QP_PORT) && attr.port_num != 1) {
+          return Errno("ibv_modify_qp", EINVAL, "no such port");
+        }
+        if (mask & IBV_QP_ACCESS_FLAGS) qp.access_flags = attr.qp_access_flags;
+        qp.state = IBV_QPS_INIT;
+        return absl::OkStatus();
+      }
+      case IBV_QPS_RTR: {
+        if (from != IBV_QPS_INIT) break;
+        absl::Status s = need(IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                  IBV_QP_MIN_RNR_TIMER,
+                              "AV|PATH_MTU|DEST_QPN|RQ_PSN|"
+                              "MAX_DEST_RD_ATOMIC|MIN_RNR_TIMER");
+        if (!s.ok()) return s;
+        if (attr.path_mtu > qp.device->config.active_mtu) {
+          return Errno("ibv_modify_qp", EINVAL,
+                       "path_mtu above the port's active MTU");
+        }
+        if (!attr.ah_attr.is_global && attr.ah_attr.dlid == 0) {
+          return Errno("ibv_modify_qp", EINVAL, "address has no GID or LID");
+        }
+        qp.dest_qpn = attr.dest_qp_num;
+        qp.ah = attr.ah_attr;
+        qp.max_dest_rd_atomic = attr.max_dest_rd_atomic;
+        qp.state = IBV_QPS_RTR;
+        return absl::OkStatus();
+      }
+      case IBV_QPS_RTS: {
+        if (from != IBV_QPS_RTR && from != IBV_QPS_RTS) break;
+        if (from == IBV_QPS_RTR) {
+          absl::Status s = need(IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                    IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                    IBV_QP_MAX_QP_RD_ATOMIC,
+                                "TIMEOUT|RETRY_CNT|RNR_RETRY|SQ_PSN|"
+                                "MAX_QP_RD_ATOMIC");
+          if (!s.ok()) return s;
+        }
+        if (mask & IBV_QP_TIMEOUT) qp.timeout = attr.timeout;
+        if (mask & IBV_QP_RETRY_CNT) qp.retry_cnt = attr.retry_cnt;
+        qp.state = IBV_QPS_RTS;
+        return absl::OkStatus();
+      }
+      default:
+        break;
+    }
+    return Errno("ibv_modify_qp", EINVAL,
+                 absl::StrCat("illegal transition ", QpStateName(from), "->",
+                              QpStateName(attr.qp_state)));
+  }
+
+  int PostSend(ibv_send_wr* wr, ibv_send_wr** bad_wr) override {
+    QpState& qp = *state_;
+    absl::MutexLock lock(&qp.mu);
+    for (; wr != nullptr; wr = wr->next) {
+      int err = 0;
+      if (qp.state == IBV_QPS_RESET || qp.state == IBV_QPS_INIT ||
+          qp.state == IBV_QPS_RTR) {
+        err = EINVAL;
+      } else if (wr->opcode != IBV_WR_RDMA_WRITE &&
+                 wr->opcode != IBV_WR_RDMA_READ) {
+        err = EINVAL;  // this NIC only does one-sided ops
+      } else if (wr->num_sge < 0 || wr->num_sge > qp.max_send_sge) {
+        err = EINVAL;
+      } else if (qp.outstanding >= qp.max_send_wr) {
+        err = ENOMEM;
+      }
+      if (err != 0) {
+        if (bad_wr != nullptr) *bad_wr = wr;
+        return err;
+      }
+      SoftWr soft;
+      soft.wr_id = wr->wr_id;
+      soft.opcode = wr->opcode;
+      soft.signaled = qp.sq_sig_all || (wr->send_flags & IBV_SEND_SIGNALED);
+      soft.sges.assign(wr->sg_list, wr->sg_list + wr->num_sge);
+      soft.remote_addr = wr->wr.rdma.remote_addr;
+      soft.rkey = wr->wr.rdma.rkey;
+      SoftFault fault;
+      if (qp.fabric->TakeFault(qp.device->config.name, &fault)) {
+        switch (fault.action) {
+          case SoftFault::Action::kDrop:
+            soft.fate = SoftWr::Fate::kDrop;
+            break;
+          case SoftFault::Action::kFail:
+            soft.fate = SoftWr::Fate::kFail;
+            soft.fail_status = fault.status;
+            break;
+          case SoftFault::Action::kDelay:
+            soft.ready_at = absl::Now() + fault.delay;
+            break;
+        }
+      }
+      qp.queue.push_back(std::move(soft));
+      ++qp.outstanding;
+      int seen = qp.fabric->max_outstanding.load();
+      while (qp.outstanding > seen &&
+             !qp.fabric->max_outstanding.compare_exchange_weak(
+                 seen, qp.outstanding)) {
+      }
+    }
+    return 0;
+  }
+
+ private:
+  // The per-QP "hardware": executes WRs in order, asynchronously.
+  static void Run(QpState& qp) {
+    while (true) {
+      SoftWr wr;
+      {
+        absl::MutexLock lock(&qp.mu);
+        while (true) {
+          qp.mu.Await(absl::Condition(
+              +[](QpState* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return q->stopping || !q->queue.empty();
+              },
+              &qp));
+          if (qp.stopping) return;
+          const absl::Time ready = qp.queue.front().ready_at;
+          if (qp.state == IBV_QPS_ERR || absl::Now() >= ready) break;
+          // Delayed WR: wait, unless the QP errors (then it is flushed).
+          qp.mu.AwaitWithDeadline(
+              absl::Condition(
+                  +[](QpState* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                    return q->stopping || q->queue.empty() ||
+                           q->state == IBV_QPS_ERR;
+                  },
+                  &qp),
+              ready);
+        }
+        wr = std::move(qp.queue.front());
+        qp.queue.pop_front();
+      }
+      Complete(qp, wr, Execute(qp, wr));
+    }
+  }
+
+  // Waits out the transport timeout of an unanswered WR.
+  static ibv_wc_status RetryExceeded(QpState& qp) {
+    absl::MutexLock lock(&qp.mu);
+    qp.mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](QpState* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return q->stopping || q->state == IBV_QPS_ERR;
+            },
+            &qp),
+        TransportTimeout(qp.timeout, qp.retry_cnt));
+    return qp.state == IBV_QPS_ERR ? IBV_WC_WR_FLUSH_ERR
+                                   : IBV_WC_RETRY_EXC_ERR;
+  }
+
+  static ibv_wc_status Execute(QpState& qp, const SoftWr& wr) {
+    uint32_t dest_qpn;
+    ibv_ah_attr ah;
+    {
+      absl::MutexLock lock(&qp.mu);
+      if (qp.state == IBV_QPS_ERR) return IBV_WC_WR_FLUSH_ERR;
+      dest_qpn = qp.dest_qpn;
+      ah = qp.ah;
+    }
+    if (wr.fate == SoftWr::Fate::kFail) return wr.fail_status;
+    if (wr.fate == SoftWr::Fate::kDrop || !qp.device->reachable) {
+      return RetryExceeded(qp);
+    }
+    uint64_t total = 0;
+    for (const ibv_sge& sge : wr.sges) total += sge.length;
+    if (total > qp.device->config.max_msg_sz) return IBV_WC_LOC_LEN_ERR;
+
+    // Find the responder. Looked up without holding our own QP's lock.
+    std::shared_ptr<QpState> peer;
+    {
+      absl::MutexLock lock(&qp.fabric->mu);
+      auto it = qp.fabric->qps.find(dest_qpn);
+      if (it != qp.fabric->qps.end()) peer = it->second.lock();
+    }
+    const bool addressed =
+        peer != nullptr &&
+        (ah.is_global ? std::memcmp(ah.grh.dgid.raw, peer->device->gid.raw,
+                                    sizeof(ibv_gid)) == 0
+                      : ah.dlid == peer->device->lid);
+    if (!addressed || !peer->device->reachable) return RetryExceeded(qp);
+    int peer_access;
+    uint8_t peer_rd_atomic;
+    {
+      absl::MutexLock lock(&peer->mu);
+      // A responder that is not connected back to us does not answer.
+      const bool listening =
+          (peer->state == IBV_QPS_RTR || peer->state == IBV_QPS_RTS) &&
+          peer->dest_qpn == qp.qpn;
+      if (!listening) {
+        peer.reset();
+      } else {
+        peer_access = peer->access_flags;
+        peer_rd_atomic = peer->max_dest_rd_atomic;
+      }
+    }
+    if (peer == nullptr) return RetryExceeded(qp);
+
+    const bool read = wr.opcode == IBV_WR_RDMA_READ;
+    ibv_wc_status status = IBV_WC_SUCCESS;
+    if (read && peer_rd_atomic == 0) {
+      status = IBV_WC_REM_INV_REQ_ERR;
+    } else if (!(peer_access &
+                 (read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE))) {
+      status = IBV_WC_REM_ACCESS_ERR;
+    } else {
+      status = Copy(qp, *peer, wr, read, total);
+    }
+    if (status == IBV_WC_REM_ACCESS_ERR || status == IBV_WC_REM_INV_REQ_ERR) {
+      absl::MutexLock lock(&peer->mu);
+      peer->state = IBV_QPS_ERR;  // the responder errors too
+    }
+    return status;
+  }
+
+  // Checks keys, PDs, bounds and access on both sides, then moves the bytes,
+  // holding both MR tables so that no MR is deregistered mid-copy.
+  static ibv_wc_status Copy(QpState& qp, QpState& peer, const SoftWr& wr,
+                            bool read, uint64_t total) {
+    DeviceState* a = qp.device.get();
+    DeviceState* b = peer.device.get();
+    if (b < a) std::swap(a, b);
+    absl::ReaderMutexLock lock_a(&a->mr_mu);
+    std::unique_ptr<absl::ReaderMutexLock> lock_b;
+    if (b != a) lock_b = std::make_unique<absl::ReaderMutexLock>(&b->mr_mu);
+
+    const auto& local_mrs = qp.device->mrs;
+    for (const ibv_sge& sge : wr.sges) {
+      auto it = local_mrs.find(sge.lkey);
+      if (it == local_mrs.end()) return IBV_WC_LOC_PROT_ERR;
+      const MrEntry& mr = it->second;
+      if (mr.pd_id != qp.pd_id || sge.addr < mr.addr ||
+          sge.length > mr.length || sge.addr - mr.addr > mr.length - sge.length) {
+        return IBV_WC_LOC_PROT_ERR;
+      }
+      if (read && !(mr.access & IBV_ACCESS_LOCAL_WRITE)) {
+        return IBV_WC_LOC_PROT_ERR;
+      }
+    }
+    const auto& remote_mrs = peer.device->mrs;
+    auto it = remote_mrs.find(wr.rkey);
+    if (it == remote_mrs.end()) return IBV_WC_REM_ACCESS_ERR;
+    const MrEntry& rmr = it->second;
+    if (rmr.pd_id != peer.pd_id || wr.remote_addr < rmr.addr ||
+        total > rmr.length || wr.remote_addr - rmr.addr > rmr.length - total ||
+        !(rmr.access &
+          (read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE))) {
+      return IBV_WC_REM_ACCESS_ERR;
+    }
+    uint64_t remote = wr.remote_addr;
+    for (const ibv_sge& sge : wr.sges) {
+      void* local = reinterpret_cast<void*>(sge.addr);
+      void* far = reinterpret_cast<void*>(remote);
+      if (read) {
+        std::memmove(local, far, sge.length);
+      } else {
+        std::memmove(far, local, sge.length);
+      }
+      remote += sge.length;
+    }
+    return IBV_WC_SUCCESS;
+  }
+
+  static void Complete(QpState& qp, const SoftWr& wr, ibv_wc_status status) {
+    bool report = wr.signaled || status != IBV_WC_SUCCESS;
+    {
+      absl::MutexLock lock(&qp.mu);
+      if (status != IBV_WC_SUCCESS && qp.state != IBV_QPS_RESET) {
+        qp.state = IBV_QPS_ERR;
+      }
+      if (!report && qp.outstanding > 0) --qp.outstanding;
+    }
+    if (status == IBV_WC_SUCCESS) ++qp.fabric->ok_count;
+    if (!report) return;
+    ibv_wc wc = {};
+    wc.wr_id = wr.wr_id;
+    wc.status = status;
+    wc.opcode =
+        wr.opcode == IBV_WR_RDMA_READ ? IBV_WC_RDMA_READ : IBV_WC_RDMA_WRITE;
+    uint64_t total = 0;
+    for (const ibv_sge& sge : wr.sges) total += sge.length;
+    wc.byte_len = static_cast<uint32_t>(total);
+    wc.qp_num = qp.qpn;
+    wc.vendor_err = status == IBV_WC_SUCCESS ? 0 : 0x80 + status;
+    PushCompletion(*qp.cq, wc, qp.weak);
+  }
+
+  std::shared_ptr<QpState> state_;
+  std::thread worker_;
+};
+
+// --- Protection domain and device -----------------------------------------
+
+class SoftProtectionDomain : public ProtectionDomain {
+ public:
+  SoftProtectionDomain(std::shared_ptr<FabricState> fabric,
+                       std::shared_ptr<DeviceState> device, uint64_t id)
+      : fabric_(std::move(fabric)), device_(std::move(device)), id_(id) {}
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(
+      void* addr, size_t length, int access) override {
+    if (addr == nullptr || length == 0) {
+      return Errno("ibv_reg_mr", EINVAL, "empty range");
+    }
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+      return Errno("ibv_reg_mr", EINVAL,
+                   "REMOTE_WRITE requires LOCAL_WRITE");
+    }
+    uint32_t key;
+    {
+      absl::MutexLock lock(&fabric_->mu);
+      // Keys are never reused, so a stale rkey never matches a new MR.
+      key = fabric_->next_key++;
+    }
+    {
+      absl::WriterMutexLock lock(&device_->mr_mu);
+      device_->mrs[key] = {reinterpret_cast<uintptr_t>(addr), length, access,
+                           id_};
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new SoftMemoryRegion(device_, key, addr, length));
+  }
+
+  absl::StatusOr<std::unique_ptr<QueuePair>> CreateQueuePair(
+      const QueuePairInit& init) override {
+    auto* cq = dynamic_cast<SoftCompletionQueue*>(init.send_cq);
+    if (cq == nullptr || init.recv_cq == nullptr) {
+      return Errno("ibv_create_qp", EINVAL, "needs soft CQs");
+    }
+    if (init.qp_type != IBV_QPT_RC) {
+      return Errno("ibv_create_qp", EOPNOTSUPP, "only RC queue pairs");
+    }
+    if (init.cap.max_send_wr == 0 ||
+        init.cap.max_send_wr >
+            static_cast<uint32_t>(device_->config.max_qp_wr) ||
+        init.cap.max_send_sge >
+            static_cast<uint32_t>(device_->config.max_sge)) {
+      return Errno("ibv_create_qp", EINVAL, "capabilities above the device's");
+    }
+    auto state = std::make_shared<QpState>();
+    state->fabric = fabric_;
+    state->device = device_;
+    state->pd_id = id_;
+    state->cq = cq->state();
+    state->max_send_wr = static_cast<int>(init.cap.max_send_wr);
+    state->max_send_sge = static_cast<int>(std::max(1u, init.cap.max_send_sge));
+    state->sq_sig_all = init.sq_sig_all;
+    state->weak = state;
+    {
+      absl::MutexLock lock(&fabric_->mu);
+      state->qpn = fabric_->next_qpn++;
+      fabric_->qps[state->qpn] = state;
+    }
+    return std::unique_ptr<QueuePair>(new SoftQueuePair(std::move(state)));
+  }
+
+ private:
+  std::shared_ptr<FabricState> fabric_;
+  std::shared_ptr<DeviceState> device_;
+  const uint64_t id_;
+};
+
+class SoftDevice : public Device {
+ public:
+  SoftDevice(std::shared_ptr<FabricState> fabric,
+             std::shared_ptr<DeviceState> device)
+      : fabric_(std::move(fabric)), device_(std::move(device)) {}
+
+  const std::string& name() const override { return device_->config.name; }
+
+  absl::StatusOr<ibv_device_attr> Query() override {
+    ibv_device_attr attr = {};
+    std::snprintf(attr.fw_ver, sizeof(attr.fw_ver), "soft-1.0");
+    attr.vendor_id = device_->config.vendor_id;
+    attr.vendor_part_id = device_->config.vendor_part_id;
+    attr.max_mr_size = uint64_t{1} << 46;
+    attr.max_qp = 1 << 16;
+    attr.max_qp_wr = device_->config.max_qp_wr;
+    attr.max_sge = device_->config.max_sge;
+    attr.max_cq = 1 << 16;
+    attr.max_cqe = device_->config.max_cqe;
+    attr.max_mr = 1 << 20;
+    attr.max_pd = 1 << 16;
+    attr.max_qp_rd_atom = 16;
+    attr.max_qp_init_rd_atom = 16;
+    attr.phys_port_cnt = 1;
+    return attr;
+  }
+
+  absl::StatusOr<ibv_port_attr> QueryPort(uint8_t port) override {
+    if (port != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ibv_query_port: ", name(), " has no port ", port));
+    }
+    ibv_port_attr attr = {};
+    attr.state = device_->config.port_state;
+    attr.max_mtu = IBV_MTU_4096;
+    attr.active_mtu = device_->config.active_mtu;
+    attr.gid_tbl_len = 1;
+    attr.max_msg_sz = device_->config.max_msg_sz;
+    attr.lid = device_->lid;
+    attr.link_layer = device_->config.link_layer;
+    attr.active_speed = 32;  // EDR lanes
+    attr.active_width = 2;   // 4x
+    return attr;
+  }
+
+  absl::StatusOr<ibv_gid> QueryGid(uint8_t port, int index) override {
+    if (port != 1 || index != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ibv_query_gid: ", name(), " has no GID ", index, " on port ", port));
+    }
+    return device_->gid;
+  }
+
+  absl::StatusOr<std::unique_ptr<ProtectionDomain>> AllocateProtectionDomain()
+      override {
+    uint64_t id;
+    {
+      absl::MutexLock lock(&fabric_->mu);
+      id = fabric_->next_pd++;
+    }
+    return std::unique_ptr<ProtectionDomain>(
+        new SoftProtectionDomain(fabric_, device_, id));
+  }
+
+  absl::StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(
+      int cqe) override {
+    if (cqe <= 0 || cqe > device_->config.max_cqe) {
+      return Errno("ibv_create_cq", EINVAL, "cqe out of the device's range");
+    }
+    return std::unique_ptr<CompletionQueue>(
+        new SoftCompletionQueue(device_, static_cast<size_t>(cqe)));
+  }
+
+ private:
+  std::shared_ptr<FabricState> fabric_;
+  std::shared_ptr<DeviceState> device_;
+};
+
+class SoftVerbs : public Verbs {
+ public:
+  SoftVerbs(std::shared_ptr<FabricState> fabric,
+            std::vector<std::string> devices)
+      : fabric_(std::move(fabric)), devices_(std::move(devices)) {}
+
+  absl::StatusOr<std::vector<std::string>> ListDevices() override {
+    absl::MutexLock lock(&fabric_->mu);
+    std::vector<std::string> names;
+    for (const auto& [name, device] : fabric_->devices) {
+      if (Visible(name)) names.push_back(name);
+    }
+    return names;
+  }
+
+  absl::StatusOr<std::unique_ptr<Device>> OpenDevice(
+      const std::string& name) override {
+    absl::MutexLock lock(&fabric_->mu);
+    auto it = fabric_->devices.find(name);
+    if (it == fabric_->devices.end() || !Visible(name)) {
+      return absl::NotFoundError(absl::StrCat("no RDMA device ", name));
+    }
+    return std::unique_ptr<Device>(new SoftDevice(fabric_, it->second));
+  }
+
+ private:
+  bool Visible(const std::string& name) const {
+    return devices_.empty() ||
+           std::find(devices_.begin(), devices_.end(), name) != devices_.end();
+  }
+
+  std::shared_ptr<FabricState> fabric_;
+  const std::vector<std::string> devices_;
+};
+
+}  // namespace
+
+SoftFabric::SoftFabric() : state_(std::make_shared<FabricState>()) {}
+SoftFabric::~SoftFabric() = default;
+
+absl::Status SoftFabric::AddDevice(const SoftDeviceConfig& config) {
+  absl::MutexLock lock(&state_->mu);
+  if (state_->devices.count(config.name) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("soft device ", config.name, " exists"));
+  }
+  auto device = std::make_shared<DeviceState>();
+  device->config = config;
+  device->lid = state_->next_lid++;
+  // fe80::<lid>: a link-local GID unique on this fabric.
+  device->gid.raw[0] = 0xfe;
+  device->gid.raw[1] = 0x80;
+  device->gid.raw[14] = static_cast<uint8_t>(device->lid >> 8);
+  device->gid.raw[15] = static_cast<uint8_t>(device->lid);
+  state_->devices[config.name] = std::move(device);
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Verbs> SoftFabric::MakeVerbs(std::vector<std::string> devices) {
+  return std::make_unique<SoftVerbs>(state_, std::move(devices));
+}
+
+void SoftFabric::SetReachable(const std::string& device, bool reachable) {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->devices.find(device);
+  if (it != state_->devices.end()) it->second->reachable = reachable;
+}
+
+void SoftFabric::InjectFault(const SoftFault& fault) {
+  absl::MutexLock lock(&state_->mu);
+  state_->faults.push_back(fault);
+}
+
+void SoftFabric::ClearFaults() {
+  absl::MutexLock lock(&state_->mu);
+  state_->faults.clear();
+}
+
+uint64_t SoftFabric::wrs_completed_ok() const { return state_->ok_count; }
+int SoftFabric::max_outstanding_seen() const {
+  return state_->max_outstanding;
+}
+
+}  // namespace verbs
+}  // namespace rdma_agent

@@ -1,0 +1,120 @@
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_VERBS_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_VERBS_H_
+
+// A software RC NIC: the Verbs interface implemented in process, so that the
+// ibverbs backend's logic runs where no RDMA hardware exists.
+//
+// Devices live on a SoftFabric; every device of a fabric reaches every other
+// one (also across backends and agents in one process). It behaves like an RC
+// NIC as far as a verbs consumer can tell:
+//  - PDs; MRs with lkey/rkey and IBV_ACCESS_* flags, checked on both sides
+//    (local key/PD/bounds/LOCAL_WRITE -> IBV_WC_LOC_PROT_ERR, remote key/
+//    PD/bounds/REMOTE_READ|WRITE -> IBV_WC_REM_ACCESS_ERR, message longer than
+//    the port's max_msg_sz -> IBV_WC_LOC_LEN_ERR);
+//  - QPs with the RESET -> INIT -> RTR -> RTS -> ERR state machine and the
+//    attribute masks ibv_modify_qp requires; ibv_post_send fails with EINVAL
+//    below RTS and with ENOMEM when max_send_wr WRs are outstanding (a WR's
+//    slot is freed when its completion is polled); WRs posted in, or pending
+//    at, ERR complete with IBV_WC_WR_FLUSH_ERR;
+//  - RDMA READ/WRITE executed asynchronously, in order per QP, by a worker
+//    thread per QP; completions on the CQ with the completion-channel
+//    semantics of ibv_req_notify_cq / ibv_get_cq_event;
+//  - a requester whose peer QP is gone, not connected back, or on an
+//    unreachable device gets IBV_WC_RETRY_EXC_ERR after the transport timeout
+//    (4.096 us * 2^timeout * (retry_cnt + 1)), as a real RC QP does; with
+//    timeout 0 (infinite) it waits until the QP is moved to ERR;
+//  - any error completion moves the QP to ERR (a remote access error moves
+//    the responder's QP to ERR too).
+// Destroying a QP waits for the WR it is executing, and deregistering an MR
+// waits for every copy touching it: after either returns, no byte is moved.
+// Fault injection: drop WRs (the requester retry-exceeds or times out), fail
+// WRs with a given status, or delay them.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "backends/ibverbs/verbs.h"
+
+namespace rdma_agent {
+namespace verbs {
+
+// One emulated device (one port).
+struct SoftDeviceConfig {
+  std::string name;
+  // 0x02c9 is Mellanox (mlx5 profile), 0x1d0f Amazon (EFA profile).
+  uint32_t vendor_id = 0;
+  uint32_t vendor_part_id = 0;
+  ibv_port_state port_state = IBV_PORT_ACTIVE;
+  uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
+  ibv_mtu active_mtu = IBV_MTU_4096;
+  uint32_t max_msg_sz = 1u << 30;
+  int max_qp_wr = 16384;
+  int max_sge = 30;
+  int max_cqe = 1 << 20;
+};
+
+// A fault applied to WRs as they are posted.
+struct SoftFault {
+  enum class Action {
+    // The WR is lost: never executed; the requester gets
+    // IBV_WC_RETRY_EXC_ERR after the transport timeout (or a flush on ERR).
+    kDrop,
+    // The WR is not executed and completes with `status`.
+    kFail,
+    // The WR is executed `delay` after it was posted (later WRs of the QP
+    // wait behind it, RC is ordered).
+    kDelay,
+  };
+  Action action = Action::kDrop;
+  ibv_wc_status status = IBV_WC_GENERAL_ERR;
+  absl::Duration delay = absl::ZeroDuration();
+  // Requester device it applies to; empty = any.
+  std::string device;
+  // How many WRs it applies to; negative = every WR until ClearFaults().
+  int count = 1;
+};
+
+namespace soft_internal {
+struct FabricState;
+}
+
+// The wire between soft devices. Verbs made from it, and every object made
+// from those, keep its state alive, so it may be destroyed first.
+class SoftFabric {
+ public:
+  SoftFabric();
+  ~SoftFabric();
+  SoftFabric(const SoftFabric&) = delete;
+  SoftFabric& operator=(const SoftFabric&) = delete;
+
+  // Adds a device. ALREADY_EXISTS for a duplicate name.
+  absl::Status AddDevice(const SoftDeviceConfig& config);
+  // A Verbs that sees `devices` of this fabric (all when empty), e.g. one
+  // per agent in a test.
+  std::unique_ptr<Verbs> MakeVerbs(std::vector<std::string> devices = {});
+
+  // Unplugs (false) or replugs a device: while unplugged nobody reaches its
+  // QPs (requesters retry-exceed) and its own WRs do not get through.
+  void SetReachable(const std::string& device, bool reachable);
+
+  void InjectFault(const SoftFault& fault);
+  void ClearFaults();
+
+  // WRs that moved bytes successfully, over the fabric's life.
+  uint64_t wrs_completed_ok() const;
+  // Highest number of WRs ever outstanding on one QP.
+  int max_outstanding_seen() const;
+
+ private:
+  std::shared_ptr<soft_internal::FabricState> state_;
+};
+
+}  // namespace verbs
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_VERBS_H_
