@@ -378,6 +378,14 @@ std::vector<absl::Status> DataClient::Run(const HostPort& peer,
     // Re-sending is safe: nothing reached local memory, and writing the same
     // bytes again to the remote range is idempotent.
     for (int attempt = 0; attempt < 2; ++attempt) {
+      if (absl::Now() >= deadline) {
+        // Nothing of this lane is sent once the deadline has passed.
+        for (size_t c : lane) {
+          chunk_status[c] = absl::DeadlineExceededError(absl::StrCat(
+              "deadline passed before sending to ", name));
+        }
+        return;
+      }
       auto checkout = CheckoutConnection(peer, fresh, deadline);
       if (!checkout.ok()) {
         for (size_t c : lane) chunk_status[c] = checkout.status();

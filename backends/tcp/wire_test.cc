@@ -1,0 +1,130 @@
+#include "backends/tcp/wire.h"
+
+#include <cstring>
+
+#include "backends/tcp/socket_util.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent::tcp {
+namespace {
+
+TEST(WireTest, RequestHeaderRoundTrips) {
+  RequestHeader header;
+  header.kind = RequestKind::kWrite;
+  header.request_id = 0x0102030405060708;
+  header.epoch = 0xfedcba9876543210;
+  header.buffer_id = 42;
+  header.offset = (1ull << 40) + 3;
+  header.length = kMaxPayloadBytes;
+  header.token_bytes = 32;
+  std::byte bytes[kRequestHeaderBytes];
+  EncodeRequestHeader(header, bytes);
+  // Little-endian on the wire whatever the host.
+  EXPECT_EQ(std::to_integer<int>(bytes[0]), 0x43);
+  EXPECT_EQ(std::to_integer<int>(bytes[8]), 0x08);
+  auto decoded = DecodeRequestHeader(bytes);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->kind, RequestKind::kWrite);
+  EXPECT_EQ(decoded->request_id, header.request_id);
+  EXPECT_EQ(decoded->epoch, header.epoch);
+  EXPECT_EQ(decoded->buffer_id, 42u);
+  EXPECT_EQ(decoded->offset, header.offset);
+  EXPECT_EQ(decoded->length, header.length);
+  EXPECT_EQ(decoded->token_bytes, 32u);
+}
+
+TEST(WireTest, MalformedRequestsAreInvalidArgument) {
+  RequestHeader header;
+  header.length = 1;
+  std::byte bytes[kRequestHeaderBytes];
+
+  EncodeRequestHeader(header, bytes);
+  bytes[0] = std::byte{0};  // magic
+  EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  EncodeRequestHeader(header, bytes);
+  bytes[4] = std::byte{9};  // version
+  EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  EncodeRequestHeader(header, bytes);
+  bytes[6] = std::byte{3};  // kind
+  EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  header.length = kMaxPayloadBytes + 1;
+  EncodeRequestHeader(header, bytes);
+  EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  header.length = 1;
+  header.token_bytes = kMaxTokenBytes + 1;
+  EncodeRequestHeader(header, bytes);
+  EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(WireTest, ResponseHeaderRoundTripsAndRejectsJunk) {
+  ResponseHeader header;
+  header.request_id = 77;
+  header.code = static_cast<uint32_t>(absl::StatusCode::kPermissionDenied);
+  header.message_bytes = 12;
+  header.payload_bytes = 0;
+  std::byte bytes[kResponseHeaderBytes];
+  EncodeResponseHeader(header, bytes);
+  auto decoded = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->request_id, 77u);
+  EXPECT_EQ(decoded->code, header.code);
+  EXPECT_EQ(decoded->message_bytes, 12u);
+
+  header.code = 99;
+  EncodeResponseHeader(header, bytes);
+  EXPECT_EQ(DecodeResponseHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  header.code = 0;
+  header.message_bytes = kMaxMessageBytes + 1;
+  EncodeResponseHeader(header, bytes);
+  EXPECT_EQ(DecodeResponseHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  header.message_bytes = 0;
+  header.payload_bytes = kMaxPayloadBytes + 1;
+  EncodeResponseHeader(header, bytes);
+  EXPECT_EQ(DecodeResponseHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SocketUtilTest, ParsesAndFormatsAddresses) {
+  auto v4 = ParseHostPort("10.1.2.3:7471");
+  ASSERT_TRUE(v4.ok());
+  EXPECT_EQ(v4->host, "10.1.2.3");
+  EXPECT_EQ(v4->port, 7471);
+  auto v6 = ParseHostPort("[::1]:0");
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(v6->host, "::1");
+  EXPECT_EQ(v6->port, 0);
+  EXPECT_EQ(FormatHostPort("::1", 5), "[::1]:5");
+  EXPECT_EQ(FormatHostPort("h", 5), "h:5");
+  for (const char* bad : {"nohost", "::1:5", "h:99999", "h:x", "[::1]5", "h:"}) {
+    EXPECT_EQ(ParseHostPort(bad).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_TRUE(IsWildcardHost("0.0.0.0"));
+  EXPECT_TRUE(IsWildcardHost("::"));
+  EXPECT_TRUE(IsWildcardHost(""));
+  EXPECT_FALSE(IsWildcardHost("127.0.0.1"));
+}
+
+TEST(SocketUtilTest, DialRefusedIsUnavailable) {
+  uint16_t port = 0;
+  auto listener = ListenTcp({"127.0.0.1", 0}, &port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  listener->reset();  // nobody listens there any more
+  auto fd = DialTcp({"127.0.0.1", port}, absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace rdma_agent::tcp
