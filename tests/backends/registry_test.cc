@@ -1,0 +1,254 @@
+// The backend registry: ordering, all-or-nothing registration, routing to the
+// best common backend and the one retry on UNAVAILABLE.
+#include "backends/registry.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Counts live registrations so tests can see rollbacks.
+class CountedState : public BackendRegistration {
+ public:
+  explicit CountedState(std::atomic<int>* live) : live_(live) { ++*live_; }
+  ~CountedState() override { --*live_; }
+
+ private:
+  std::atomic<int>* live_;
+};
+
+// A scripted backend: reaches contexts that advertise its name, and answers
+// each op with the next status of its script (OK when the script is empty).
+class FakeBackend : public Backend {
+ public:
+  FakeBackend(std::string name, v1::TransportLevel level, bool available = true)
+      : name_(std::move(name)), level_(level), available_(available) {}
+
+  const std::string& name() const override { return name_; }
+  v1::TransportLevel transport_level() const override { return level_; }
+  bool available() const override { return available_; }
+  v1::TransportInfo transport_info() const override { return {}; }
+
+  absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
+      const Registration&, v1::BackendEndpoint*) override {
+    ++register_calls;
+    if (!register_error.ok()) return register_error;
+    return std::make_unique<CountedState>(&live);
+  }
+  bool CanReach(const v1::RemoteBuffer& remote) const override {
+    return FindEndpoint(remote, name_) != nullptr;
+  }
+  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
+                                   absl::Time) override {
+    std::vector<absl::Status> results;
+    for (const Op& op : ops) {
+      submitted.push_back(op.index);
+      if (script.empty()) {
+        results.push_back(absl::OkStatus());
+      } else {
+        results.push_back(script.front());
+        script.erase(script.begin());
+      }
+    }
+    return results;
+  }
+
+  absl::Status register_error;
+  std::vector<absl::Status> script;
+  std::vector<size_t> submitted;
+  std::atomic<int> live{0};
+  int register_calls = 0;
+
+ private:
+  const std::string name_;
+  const v1::TransportLevel level_;
+  const bool available_;
+};
+
+std::shared_ptr<Registration> MakeRegistration() {
+  auto memory = SharedMemory::Allocate(4096, "test");
+  EXPECT_TRUE(memory.ok());
+  return std::make_shared<Registration>(1, 0, v1::ACCESS_READ_WRITE, "", "t",
+                                        std::move(*memory), true);
+}
+
+std::shared_ptr<const v1::RemoteBuffer> Advertising(
+    std::vector<std::string> backends) {
+  auto remote = std::make_shared<v1::RemoteBuffer>();
+  for (const auto& name : backends) remote->add_endpoints()->set_backend(name);
+  return remote;
+}
+
+Op MakeOp(size_t index, std::shared_ptr<const v1::RemoteBuffer> remote,
+          std::shared_ptr<Registration> local) {
+  Op op;
+  op.index = index;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local = std::move(local);
+  op.length = 1;
+  op.remote = std::move(remote);
+  return op;
+}
+
+struct Fakes {
+  FakeBackend* tcp;
+  FakeBackend* nic;
+  FakeBackend* memory;
+  std::unique_ptr<BackendRegistry> registry;
+};
+
+Fakes MakeRegistry(bool nic_available = true) {
+  auto tcp = std::make_unique<FakeBackend>("tcp", v1::TRANSPORT_LEVEL_TCP);
+  auto nic = std::make_unique<FakeBackend>("nic", v1::TRANSPORT_LEVEL_NIC,
+                                           nic_available);
+  auto memory =
+      std::make_unique<FakeBackend>("memory", v1::TRANSPORT_LEVEL_MEMORY);
+  Fakes fakes{tcp.get(), nic.get(), memory.get(), nullptr};
+  std::vector<std::unique_ptr<Backend>> backends;
+  backends.push_back(std::move(tcp));
+  backends.push_back(std::move(nic));
+  backends.push_back(std::move(memory));
+  fakes.registry = std::make_unique<BackendRegistry>(std::move(backends));
+  return fakes;
+}
+
+TEST(BackendRegistryTest, OrdersBackendsFastestFirst) {
+  Fakes fakes = MakeRegistry();
+  std::vector<std::string> names;
+  for (const auto& backend : fakes.registry->backends()) {
+    names.push_back(backend->name());
+  }
+  EXPECT_THAT(names, ElementsAre("memory", "nic", "tcp"));
+  EXPECT_EQ(fakes.registry->Find("nic"), fakes.nic);
+  EXPECT_EQ(fakes.registry->Find("none"), nullptr);
+}
+
+TEST(BackendRegistryTest, RegistersWithEveryAvailableBackend) {
+  Fakes fakes = MakeRegistry(/*nic_available=*/false);
+  auto registration = MakeRegistration();
+  v1::RemoteBuffer context;
+  ASSERT_TRUE(fakes.registry->RegisterWithAll(*registration, &context).ok());
+  EXPECT_THAT(registration->backend_names(), ElementsAre("memory", "tcp"));
+  ASSERT_EQ(context.endpoints_size(), 2);
+  EXPECT_EQ(context.endpoints(0).backend(), "memory");
+  EXPECT_EQ(context.endpoints(1).backend(), "tcp");
+  EXPECT_EQ(fakes.nic->register_calls, 0);
+  EXPECT_NE(registration->backend_state("tcp"), nullptr);
+  EXPECT_EQ(registration->backend_state("nic"), nullptr);
+  // State lives exactly as long as the registration.
+  EXPECT_EQ(fakes.tcp->live.load(), 1);
+  registration.reset();
+  EXPECT_EQ(fakes.tcp->live.load(), 0);
+  EXPECT_EQ(fakes.memory->live.load(), 0);
+}
+
+TEST(BackendRegistryTest, RollsBackWhenOneBackendFails) {
+  Fakes fakes = MakeRegistry();
+  fakes.tcp->register_error = absl::ResourceExhaustedError("no ports left");
+  auto registration = MakeRegistration();
+  v1::RemoteBuffer context;
+  absl::Status status = fakes.registry->RegisterWithAll(*registration, &context);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(status.message(), HasSubstr("tcp"));
+  EXPECT_EQ(fakes.memory->live.load(), 0) << "memory was not rolled back";
+  EXPECT_EQ(fakes.nic->live.load(), 0) << "nic was not rolled back";
+  EXPECT_TRUE(registration->backend_names().empty());
+  EXPECT_EQ(context.endpoints_size(), 0);
+}
+
+TEST(BackendRegistryTest, RoutesEachOpToTheBestCommonBackend) {
+  Fakes fakes = MakeRegistry();
+  auto local = MakeRegistration();
+  std::vector<Op> ops = {
+      MakeOp(0, Advertising({"tcp"}), local),
+      MakeOp(1, Advertising({"tcp", "nic"}), local),
+      MakeOp(2, Advertising({"memory", "nic", "tcp"}), local),
+      MakeOp(3, Advertising({"elsewhere"}), local),
+  };
+  auto outcomes = fakes.registry->Submit(ops, absl::Now() + absl::Seconds(5));
+  ASSERT_EQ(outcomes.size(), 4u);
+  EXPECT_EQ(outcomes[0].backend, "tcp");
+  EXPECT_EQ(outcomes[1].backend, "nic");
+  EXPECT_EQ(outcomes[2].backend, "memory");
+  EXPECT_TRUE(outcomes[0].status.ok());
+  EXPECT_EQ(outcomes[3].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(outcomes[3].status.message(), HasSubstr("op 3"));
+  EXPECT_THAT(outcomes[3].status.message(), HasSubstr("elsewhere"));
+  EXPECT_THAT(fakes.tcp->submitted, ElementsAre(0));
+  EXPECT_THAT(fakes.nic->submitted, ElementsAre(1));
+  EXPECT_THAT(fakes.memory->submitted, ElementsAre(2));
+}
+
+TEST(BackendRegistryTest, SkipsUnavailableBackendsWhenRouting) {
+  Fakes fakes = MakeRegistry(/*nic_available=*/false);
+  auto outcomes = fakes.registry->Submit(
+      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(outcomes[0].backend, "tcp");
+  EXPECT_TRUE(fakes.nic->submitted.empty());
+}
+
+TEST(BackendRegistryTest, RetriesUnavailableOnceOnTheNextBackend) {
+  Fakes fakes = MakeRegistry();
+  fakes.nic->script = {absl::UnavailableError("link down"),
+                       absl::PermissionDeniedError("bad key")};
+  auto local = MakeRegistration();
+  auto outcomes = fakes.registry->Submit(
+      {MakeOp(0, Advertising({"nic", "tcp"}), local),
+       MakeOp(1, Advertising({"nic", "tcp"}), local)},
+      absl::Now() + absl::Seconds(5));
+  EXPECT_TRUE(outcomes[0].status.ok()) << outcomes[0].status;
+  EXPECT_EQ(outcomes[0].backend, "tcp");
+  // Only UNAVAILABLE is retried.
+  EXPECT_EQ(outcomes[1].status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(outcomes[1].backend, "nic");
+  EXPECT_THAT(outcomes[1].status.message(), HasSubstr("op 1: bad key"));
+  EXPECT_THAT(fakes.tcp->submitted, ElementsAre(0));
+}
+
+TEST(BackendRegistryTest, RetriesAtMostOnce) {
+  Fakes fakes = MakeRegistry();
+  fakes.memory->script = {absl::UnavailableError("one")};
+  fakes.nic->script = {absl::UnavailableError("two")};
+  auto outcomes = fakes.registry->Submit(
+      {MakeOp(0, Advertising({"memory", "nic", "tcp"}), MakeRegistration())},
+      absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(outcomes[0].backend, "nic");
+  EXPECT_TRUE(fakes.tcp->submitted.empty());
+}
+
+TEST(BackendRegistryTest, DoesNotRetryAfterTheDeadline) {
+  Fakes fakes = MakeRegistry();
+  fakes.nic->script = {absl::UnavailableError("link down")};
+  auto outcomes = fakes.registry->Submit(
+      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      absl::Now() - absl::Seconds(1));
+  EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(fakes.tcp->submitted.empty());
+}
+
+TEST(RegistrationTest, MemoryOutlivesReleaseWhileAnOpPinsIt) {
+  auto registration = MakeRegistration();
+  std::memset(registration->data(), 'q', 4096);
+  Op op = MakeOp(0, Advertising({"tcp"}), registration);
+  std::weak_ptr<Registration> watch = registration;
+  registration.reset();  // the directory's reference is gone: "released"
+  ASSERT_FALSE(watch.expired());
+  EXPECT_EQ(static_cast<char>(op.local->data()[4095]), 'q');
+  op.local.reset();
+  EXPECT_TRUE(watch.expired());
+}
+
+}  // namespace
+}  // namespace rdma_agent
