@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/memory/memory_backend.h"
+#include "backends/tcp/flags.h"
 
 namespace rdma_agent {
 
@@ -14,6 +15,7 @@ absl::StatusOr<BackendFactory> BackendFactoryFromFlags(
           return std::make_unique<MemoryBackend>(env);
         });
   }
+  if (name == "tcp") return MakeTcpBackendFactoryFromFlags();
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown backend '", name, "' (known: memory, tcp, ibverbs)"));
 }
