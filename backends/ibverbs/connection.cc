@@ -1,0 +1,340 @@
+#include "backends/ibverbs/connection.h"
+
+#include <array>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdma_agent {
+
+// --- OpTracker ----------------------------------------------------------
+
+OpTracker::OpTracker(size_t ops) : ops_(ops), not_done_(ops) {}
+
+void OpTracker::WrPosted(size_t op) {
+  absl::MutexLock lock(&mu_);
+  ++ops_[op].pending;
+}
+
+void OpTracker::WrCompleted(size_t op, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  Progress& p = ops_[op];
+  if (p.status.ok() && !status.ok()) p.status = status;
+  if (--p.pending == 0 && p.posting_done) --not_done_;
+}
+
+void OpTracker::PostingFinished(size_t op, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  Progress& p = ops_[op];
+  if (p.posting_done) return;
+  if (p.status.ok() && !status.ok()) p.status = status;
+  p.posting_done = true;
+  if (p.pending == 0) --not_done_;
+}
+
+bool OpTracker::AllDone() const { return not_done_ == 0; }
+
+bool OpTracker::WaitAllDone(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithDeadline(absl::Condition(this, &OpTracker::AllDone), deadline);
+  return not_done_ == 0;
+}
+
+std::vector<size_t> OpTracker::NotDone() {
+  absl::MutexLock lock(&mu_);
+  std::vector<size_t> ops;
+  for (size_t i = 0; i < ops_.size(); ++i) {
+    if (!ops_[i].posting_done || ops_[i].pending > 0) ops.push_back(i);
+  }
+  return ops;
+}
+
+uint64_t OpTracker::OutstandingWrs() {
+  absl::MutexLock lock(&mu_);
+  uint64_t total = 0;
+  for (const Progress& p : ops_) total += p.pending;
+  return total;
+}
+
+std::vector<absl::Status> OpTracker::Results() {
+  absl::MutexLock lock(&mu_);
+  std::vector<absl::Status> results;
+  results.reserve(ops_.size());
+  for (const Progress& p : ops_) results.push_back(p.status);
+  return results;
+}
+
+void OpTracker::Override(size_t op, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  ops_[op].status = std::move(status);
+}
+
+// --- Completion statuses --------------------------------------------------
+
+absl::Status CompletionStatus(const ibv_wc& wc) {
+  if (wc.status == IBV_WC_SUCCESS) return absl::OkStatus();
+  const std::string what = absl::StrCat(
+      "RDMA work request completed with ", verbs::WcStatusName(wc.status),
+      " (vendor error 0x", absl::Hex(wc.vendor_err), ")");
+  switch (wc.status) {
+    case IBV_WC_REM_ACCESS_ERR:
+      return absl::PermissionDeniedError(absl::StrCat(
+          what, ": the remote NIC refused the access (buffer released, "
+                "or not registered for this access)"));
+    case IBV_WC_RETRY_EXC_ERR:
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return absl::UnavailableError(
+          absl::StrCat(what, ": the peer did not answer"));
+    case IBV_WC_WR_FLUSH_ERR:
+      return absl::UnavailableError(absl::StrCat(
+          what, ": flushed because the queue pair failed"));
+    case IBV_WC_REM_INV_REQ_ERR:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": the remote NIC rejected the request"));
+    default:
+      return absl::InternalError(what);
+  }
+}
+
+// --- Connection -----------------------------------------------------------
+
+namespace {
+
+uint32_t RandomPsn() {
+  std::random_device device;
+  return device() & 0xffffff;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
+    const LocalPort& local, const QueuePairParams& params,
+    absl::Duration busy_poll, absl::Duration drain_timeout) {
+  // Every WR is signaled and the send queue holds at most sq_depth, so a CQ
+  // of that size never overflows.
+  auto cq = local.device->CreateCompletionQueue(
+      static_cast<int>(params.sq_depth));
+  if (!cq.ok()) return cq.status();
+  verbs::QueuePairInit init;
+  init.send_cq = cq->get();
+  init.recv_cq = cq->get();
+  init.cap.max_send_wr = params.sq_depth;
+  init.cap.max_recv_wr = 1;
+  init.cap.max_send_sge = 1;
+  init.cap.max_recv_sge = 1;
+  init.qp_type = IBV_QPT_RC;
+  auto qp = local.pd->CreateQueuePair(init);
+  if (!qp.ok()) return qp.status();
+
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_INIT;
+  attr.pkey_index = 0;
+  attr.port_num = local.port;
+  attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
+                         IBV_ACCESS_REMOTE_WRITE;
+  absl::Status status = (*qp)->Modify(
+      attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                IBV_QP_ACCESS_FLAGS);
+  if (!status.ok()) return status;
+  return std::unique_ptr<Connection>(new Connection(
+      local, params, busy_poll, drain_timeout, std::move(*cq),
+      std::move(*qp)));
+}
+
+Connection::Connection(const LocalPort& local, const QueuePairParams& params,
+                       absl::Duration busy_poll, absl::Duration drain_timeout,
+                       std::unique_ptr<verbs::CompletionQueue> cq,
+                       std::unique_ptr<verbs::QueuePair> qp)
+    : local_(local),
+      params_(params),
+      busy_poll_(busy_poll),
+      drain_timeout_(drain_timeout),
+      psn_(RandomPsn()),
+      cq_(std::move(cq)),
+      qp_(std::move(qp)),
+      credits_(params.sq_depth) {
+  poller_ = std::thread([this] { Poll(); });
+}
+
+Connection::~Connection() {
+  MoveToErrorAndDrain(drain_timeout_);
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  poller_.join();
+}
+
+v1::QueuePairEndpoint Connection::local_endpoint() const {
+  v1::QueuePairEndpoint endpoint;
+  endpoint.set_device(local_.device->name());
+  endpoint.set_port(local_.port);
+  endpoint.set_lid(local_.lid);
+  endpoint.set_gid(std::string(reinterpret_cast<const char*>(local_.gid.raw),
+                               sizeof(local_.gid.raw)));
+  endpoint.set_gid_index(static_cast<uint32_t>(params_.gid_index));
+  endpoint.set_qp_num(qp_->qp_num());
+  endpoint.set_psn(psn_);
+  endpoint.set_mtu_bytes(params_.mtu_bytes);
+  endpoint.set_max_rd_atomic(params_.max_rd_atomic);
+  return endpoint;
+}
+
+absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
+  if (remote.gid().size() != sizeof(ibv_gid)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queue pair endpoint has a ", remote.gid().size(),
+                     "-byte GID, expected 16"));
+  }
+  auto mtu = verbs::MtuFromBytes(
+      std::min(params_.mtu_bytes, remote.mtu_bytes()));
+  if (!mtu.ok()) return mtu.status();
+
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_RTR;
+  attr.path_mtu = *mtu;
+  attr.dest_qp_num = remote.qp_num();
+  attr.rq_psn = remote.psn() & 0xffffff;
+  // Accept as many concurrent READs as the other side issues.
+  attr.max_dest_rd_atomic = static_cast<uint8_t>(
+      std::min<uint32_t>(std::max<uint32_t>(remote.max_rd_atomic(), 1),
+                         params_.max_rd_atomic));
+  attr.min_rnr_timer = 12;
+  attr.ah_attr.port_num = local_.port;
+  attr.ah_attr.dlid = static_cast<uint16_t>(remote.lid());
+  attr.ah_attr.sl = params_.service_level;
+  if (local_.global_routing || remote.lid() == 0) {
+    attr.ah_attr.is_global = 1;
+    std::memcpy(attr.ah_attr.grh.dgid.raw, remote.gid().data(),
+                sizeof(ibv_gid));
+    attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(params_.gid_index);
+    attr.ah_attr.grh.hop_limit = 64;
+    attr.ah_attr.grh.traffic_class = params_.traffic_class;
+  }
+  absl::Status status = qp_->Modify(
+      attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                IBV_QP_MIN_RNR_TIMER);
+  if (!status.ok()) return status;
+
+  attr = {};
+  attr.qp_state = IBV_QPS_RTS;
+  attr.timeout = params_.timeout;
+  attr.retry_cnt = params_.retry_cnt;
+  attr.rnr_retry = params_.rnr_retry;
+  attr.sq_psn = psn_;
+  attr.max_rd_atomic = params_.max_rd_atomic;
+  return qp_->Modify(attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                               IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                               IBV_QP_MAX_QP_RD_ATOMIC);
+}
+
+absl::Status Connection::Post(ibv_send_wr& wr,
+                              std::shared_ptr<OpTracker> tracker, size_t op,
+                              std::shared_ptr<Registration> pin,
+                              absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return credits_ > 0 || broken_.load() || stop_;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (broken_.load() || stop_) {
+    return absl::UnavailableError(
+        "the RDMA queue pair failed; the next submit reconnects");
+  }
+  if (credits_ == 0) {
+    return absl::DeadlineExceededError(
+        "deadline passed waiting for a send-queue slot");
+  }
+  const uint64_t id = next_wr_id_++;
+  wr.wr_id = id;
+  wr.next = nullptr;
+  wr.send_flags |= IBV_SEND_SIGNALED;
+  --credits_;
+  tracker->WrPosted(op);
+  in_flight_[id] = InFlight{tracker, op, std::move(pin)};
+  ibv_send_wr* bad = nullptr;
+  const int err = qp_->PostSend(&wr, &bad);
+  if (err == 0) return absl::OkStatus();
+  in_flight_.erase(id);
+  ++credits_;
+  const absl::Status status = absl::InternalError(
+      absl::StrCat("ibv_post_send: ", std::strerror(err)));
+  tracker->WrCompleted(op, status);
+  return status;
+}
+
+bool Connection::MoveToErrorAndDrain(absl::Duration limit) {
+  {
+    // Under mu_ so that credit waiters see it.
+    absl::MutexLock lock(&mu_);
+    broken_ = true;
+  }
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_ERR;
+  (void)qp_->Modify(attr, IBV_QP_STATE);  // ERR is reachable from any state
+  absl::MutexLock lock(&mu_);
+  const auto drained = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return in_flight_.empty();
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&drained), limit);
+  return in_flight_.empty();
+}
+
+uint64_t Connection::outstanding() const {
+  absl::MutexLock lock(&mu_);
+  return in_flight_.size();
+}
+
+void Connection::Reap(absl::Span<const ibv_wc> wcs) {
+  for (const ibv_wc& wc : wcs) {
+    InFlight done;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = in_flight_.find(wc.wr_id);
+      if (it == in_flight_.end()) continue;
+      done = std::move(it->second);
+      in_flight_.erase(it);
+      ++credits_;
+      if (wc.status != IBV_WC_SUCCESS) broken_ = true;
+    }
+    done.tracker->WrCompleted(done.op, CompletionStatus(wc));
+  }
+}
+
+void Connection::Poll() {
+  std::array<ibv_wc, 32> wcs;
+  absl::Time last_completion = absl::Now();
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+    }
+    absl::StatusOr<int> n = cq_->Poll(absl::MakeSpan(wcs));
+    if (n.ok() && *n > 0) {
+      Reap(absl::MakeConstSpan(wcs.data(), *n));
+      last_completion = absl::Now();
+      continue;
+    }
+    if (n.ok() && absl::Now() - last_completion < busy_poll_) {
+      std::this_thread::yield();
+      continue;
+    }
+    // Idle: arm the channel, catch completions that raced with arming, then
+    // block. The wait is bounded so that stop_ is noticed.
+    if (n.ok() && cq_->RequestNotify().ok()) {
+      n = cq_->Poll(absl::MakeSpan(wcs));
+      if (n.ok() && *n > 0) {
+        Reap(absl::MakeConstSpan(wcs.data(), *n));
+        last_completion = absl::Now();
+        continue;
+      }
+    }
+    (void)cq_->WaitForEvent(absl::Milliseconds(50));
+    last_completion = absl::Now();
+  }
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,155 @@
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_CONNECTION_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_CONNECTION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "backends/ibverbs/profiles.h"
+#include "backends/ibverbs/verbs.h"
+#include "backends/registration.h"
+#include "rdma/agent/v1/peer.pb.h"
+
+namespace rdma_agent {
+
+// Progress of one Submit's ops, fed by the completion pollers of the
+// connections its WRs went to. An op is done once all of its WRs were posted
+// (or posting stopped) and every posted WR completed; its status is the first
+// error seen. Thread-safe.
+class OpTracker {
+ public:
+  explicit OpTracker(size_t ops);
+
+  void WrPosted(size_t op);
+  void WrCompleted(size_t op, const absl::Status& status);
+  // No more WRs will be posted for `op`; a non-OK `status` is kept as its
+  // error (unless it already has one).
+  void PostingFinished(size_t op, const absl::Status& status);
+
+  // Waits until every op is done or `deadline`; true when all are done.
+  bool WaitAllDone(absl::Time deadline);
+  // Ops not done yet.
+  std::vector<size_t> NotDone();
+  // WRs still outstanding over all ops.
+  uint64_t OutstandingWrs();
+  std::vector<absl::Status> Results();
+  // Replaces op's status (used to report DEADLINE_EXCEEDED for ops the
+  // deadline cut short).
+  void Override(size_t op, absl::Status status);
+
+ private:
+  struct Progress {
+    uint64_t pending = 0;
+    bool posting_done = false;
+    absl::Status status;
+  };
+  bool AllDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  std::vector<Progress> ops_ ABSL_GUARDED_BY(mu_);
+  size_t not_done_ ABSL_GUARDED_BY(mu_);
+};
+
+// The gRPC code for a work completion status (DESIGN.md section 3):
+// REM_ACCESS_ERR -> PERMISSION_DENIED (rkey revoked or access refused),
+// RETRY_EXC_ERR / RNR_RETRY_EXC_ERR / WR_FLUSH_ERR -> UNAVAILABLE (peer
+// unreachable, or the QP failed), REM_INV_REQ_ERR -> INVALID_ARGUMENT,
+// local errors -> INTERNAL.
+absl::Status CompletionStatus(const ibv_wc& wc);
+
+// Where a connection's QP sits: the local half of the handshake.
+struct LocalPort {
+  verbs::Device* device = nullptr;
+  verbs::ProtectionDomain* pd = nullptr;
+  uint8_t port = 1;
+  uint16_t lid = 0;
+  ibv_gid gid = {};
+  // True when the link layer needs global routing (RoCE).
+  bool global_routing = true;
+};
+
+// One RC queue pair to one remote device, with its own CQ (sized to the send
+// queue, so it cannot overflow), its completion poller (busy-polls for
+// `busy_poll`, then blocks on the completion channel) and send-queue credits
+// so that outstanding WRs never exceed the queue depth.
+//
+// Any error completion breaks the connection (the QP is in ERR); owners then
+// replace it. Destruction moves the QP to ERR, waits for every posted WR to
+// complete (bounded by `drain_timeout`), then destroys QP and CQ; posted WRs
+// pin their local registration, so memory stays mapped even if the device
+// never drains.
+class Connection {
+ public:
+  // Creates the CQ and QP and moves the QP to INIT.
+  static absl::StatusOr<std::unique_ptr<Connection>> Create(
+      const LocalPort& local, const QueuePairParams& params,
+      absl::Duration busy_poll, absl::Duration drain_timeout);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // This side, for the other one.
+  v1::QueuePairEndpoint local_endpoint() const;
+  // Moves the QP to RTR then RTS against `remote`.
+  absl::Status ConnectTo(const v1::QueuePairEndpoint& remote);
+
+  // Posts one signaled WR (wr.wr_id is assigned here) once a send-queue
+  // credit is free. Its completion goes to `tracker` as op `op`; `pin` is
+  // held until then. DEADLINE_EXCEEDED if no credit frees up by `deadline`,
+  // UNAVAILABLE once the connection is broken.
+  absl::Status Post(ibv_send_wr& wr, std::shared_ptr<OpTracker> tracker,
+                    size_t op, std::shared_ptr<Registration> pin,
+                    absl::Time deadline);
+
+  // Moves the QP to ERR and waits until every posted WR has completed (they
+  // are flushed), at most `limit`. True when nothing is outstanding.
+  bool MoveToErrorAndDrain(absl::Duration limit);
+
+  bool broken() const { return broken_.load(); }
+  uint32_t qp_num() const { return qp_->qp_num(); }
+  uint64_t outstanding() const;
+
+ private:
+  struct InFlight {
+    std::shared_ptr<OpTracker> tracker;
+    size_t op = 0;
+    std::shared_ptr<Registration> pin;
+  };
+
+  Connection(const LocalPort& local, const QueuePairParams& params,
+             absl::Duration busy_poll, absl::Duration drain_timeout,
+             std::unique_ptr<verbs::CompletionQueue> cq,
+             std::unique_ptr<verbs::QueuePair> qp);
+  void Poll();
+  // Hands completions to trackers and frees their credits.
+  void Reap(absl::Span<const ibv_wc> wcs);
+
+  const LocalPort local_;
+  const QueuePairParams params_;
+  const absl::Duration busy_poll_;
+  const absl::Duration drain_timeout_;
+  const uint32_t psn_;
+  // Declared before qp_: the QP is destroyed first.
+  std::unique_ptr<verbs::CompletionQueue> cq_;
+  std::unique_ptr<verbs::QueuePair> qp_;
+  std::atomic<bool> broken_{false};
+
+  mutable absl::Mutex mu_;
+  uint32_t credits_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_wr_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread poller_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_CONNECTION_H_
