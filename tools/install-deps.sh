@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages rdma-agentd needs to build, run and test.
+# Idempotent: does nothing when everything is already there.
+set -euo pipefail
+
+PACKAGES=(
+  bazel-bootstrap bazel-rules-java
+  g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libibverbs-dev rdma-core ibverbs-utils
+  libspdlog-dev libabsl-dev libgtest-dev libgmock-dev
+  iproute2 procps python3 python3-grpcio python3-protobuf
+  iperf3 ucx-utils
+)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$pkg")
+  fi
+done
+
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing packages: ${missing[*]} (run as root to install)" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

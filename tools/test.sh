@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs what is missing and runs the whole test suite with Bazel, then
+# prints "N passed, N failed" counted from the test cases in Bazel's XML
+# results. Exits non-zero if any test failed or did not build.
+# Run as root: the cross-host tests create network namespaces.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+tools/install-deps.sh || exit 1
+
+bazel test //... --keep_going "$@"
+bazel_status=$?
+
+# Counts every test case of this run's test targets (not cached stale ones).
+read -r passed failed < <(python3 - <<'PY'
+import glob, xml.etree.ElementTree as ET
+passed = failed = 0
+for path in glob.glob("bazel-testlogs/**/test.xml", recursive=True):
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        failed += 1
+        continue
+    cases = root.iter("testcase")
+    found = False
+    for case in cases:
+        found = True
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed += 1
+        elif case.find("skipped") is not None or case.get("result") == "skipped":
+            continue
+        else:
+            passed += 1
+    if not found:
+        # A target whose runner wrote no test cases counts as one.
+        suites = list(root.iter("testsuite"))
+        bad = any(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+        failed += 1 if bad else 0
+        passed += 0 if bad else 1
+print(passed, failed)
+PY
+)
+
+# A target that failed to build or crashed leaves no test cases behind; make
+# sure the count can never read as green then.
+if [[ $bazel_status -ne 0 && ${failed:-0} -eq 0 ]]; then
+  failed=1
+fi
+echo "${passed:-0} passed, ${failed:-0} failed"
+[[ $bazel_status -eq 0 && ${failed:-0} -eq 0 ]]
