@@ -94,6 +94,10 @@ QueuePairParams ResolveParams(const QueuePairParams& defaults,
   if (o.service_level) p.service_level = *o.service_level;
   if (o.traffic_class) p.traffic_class = *o.traffic_class;
 
+  // InfiniBand routes by LID; GID 0 always exists there.
+  if (!o.gid_index && port.link_layer == IBV_LINK_LAYER_INFINIBAND) {
+    p.gid_index = 0;
+  }
   const uint32_t active = verbs::MtuBytes(port.active_mtu);
   if (active != 0) p.mtu_bytes = std::min(p.mtu_bytes, active);
   p.retry_cnt = std::min<uint8_t>(p.retry_cnt, 7);
