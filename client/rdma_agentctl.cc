@@ -329,11 +329,11 @@ Outcome Submit(AgentClient& client, const std::vector<std::string>& args) {
   for (size_t i = 0; i < results->size(); ++i) {
     const OpResult& result = (*results)[i];
     all_ok = all_ok && result.status.ok();
-    std::printf("op %zu: %s%s%s backend=%s\n", i,
+    std::printf("op %zu: %s backend=%s%s%s\n", i,
                 absl::StatusCodeToString(result.status.code()).c_str(),
-                result.status.ok() ? "" : ": ",
-                std::string(result.status.message()).c_str(),
-                result.backend.empty() ? "-" : result.backend.c_str());
+                result.backend.empty() ? "-" : result.backend.c_str(),
+                result.status.ok() ? "" : " message=",
+                std::string(result.status.message()).c_str());
   }
   if (!all_ok) return {kExitFailed, "submit: an op failed"};
   return Ok();

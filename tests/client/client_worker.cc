@@ -1,0 +1,276 @@
+// A client process driven by a test over stdin/stdout, one command per line,
+// one answer line per command. It owns the buffers it registers (mapped in
+// this process), so tests can check that bytes moved by the agent land in
+// the memory of a separate process.
+//
+//   allocate SIZE ACCESS        -> ok ID BASE64_CONTEXT | error CODE MESSAGE
+//   attach SIZE ACCESS          -> ok ID BASE64_CONTEXT | error CODE MESSAGE
+//   attach_and_drop SIZE SEED   -> ok ID BASE64_CONTEXT SHRINK_ERRNO_NAME
+//        attaches a memfd filled with pattern SEED, tries to shrink it, then
+//        unmaps and closes it (the agent keeps the memory)
+//   fill ID SEED                -> ok            (pattern SEED over buffer ID)
+//   verify ID IN_SEED IN_FROM OFFSET LENGTH OUT_SEED
+//                               -> ok | mismatch POSITION
+//   submit read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET BASE64_CONTEXT
+//                               -> result CODE BACKEND | error CODE MESSAGE
+//   release ID                  -> status CODE
+//   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
+//   writebuf ID OFFSET HEX_DATA -> status CODE
+//   open ID                     -> status CODE fd|nofd   (raw OpenBuffer)
+//   list                        -> ids ID,ID,...
+//   info                        -> status CODE
+//   exit                        -> (exits 0)
+//
+// CODE is an absl status code name (OK, NOT_FOUND, ...). Flags: --target,
+// --attach_socket; --uid/--gid make the worker drop to that user first.
+
+#include <fcntl.h>
+#include <grp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/internal/attach_socket.h"
+#include "client/rdma_agent_client.h"
+#include "common/shared_memory.h"
+#include "grpcpp/grpcpp.h"
+#include "tests/client/pattern.h"
+
+ABSL_FLAG(std::string, target, "", "agent target");
+ABSL_FLAG(std::string, attach_socket, "", "attach socket path");
+ABSL_FLAG(int, uid, -1, "drop to this uid before anything else");
+ABSL_FLAG(int, gid, -1, "drop to this gid before anything else");
+
+namespace rdma_agent::testing {
+namespace {
+
+using client::AgentClient;
+using client::Buffer;
+namespace v1 = ::rdma::agent::v1;
+
+std::string CodeName(const absl::Status& status) {
+  return absl::StatusCodeToString(status.code());
+}
+
+// Keeps answers on one line.
+std::string OneLine(absl::string_view text) {
+  std::string line(text);
+  for (char& c : line) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return line;
+}
+
+std::string Error(const absl::Status& status) {
+  return absl::StrCat("error ", CodeName(status), " ", OneLine(status.message()));
+}
+
+class Worker {
+ public:
+  explicit Worker(std::unique_ptr<AgentClient> client)
+      : client_(std::move(client)) {}
+
+  std::string Handle(const std::vector<std::string>& words) {
+    const std::string& command = words[0];
+    std::vector<uint64_t> n;
+    for (size_t i = 1; i < words.size(); ++i) {
+      uint64_t value = 0;
+      if (!absl::SimpleAtoi(words[i], &value)) value = 0;
+      n.push_back(value);
+    }
+    auto need = [&](size_t count) { return words.size() >= count + 1; };
+    if ((command == "allocate" || command == "attach") && need(2)) {
+      const v1::Access access = static_cast<v1::Access>(n[1]);
+      absl::StatusOr<Buffer> buffer = command == "allocate"
+                                          ? client_->Allocate(n[0], access)
+                                          : client_->Attach(n[0], access);
+      if (!buffer.ok()) return Error(buffer.status());
+      const uint64_t id = buffer->id();
+      const std::string context = absl::Base64Escape(buffer->remote_context());
+      buffers_.emplace(id, std::move(*buffer));
+      return absl::StrCat("ok ", id, " ", context);
+    }
+    if (command == "attach_and_drop" && need(2)) return AttachAndDrop(n[0], n[1]);
+    if (command == "fill" && need(2)) {
+      Buffer* buffer = Find(n[0]);
+      if (buffer == nullptr) return "error NOT_FOUND no such buffer here";
+      FillPattern(buffer->bytes(), n[1]);
+      return "ok";
+    }
+    if (command == "verify" && need(6)) {
+      Buffer* buffer = Find(n[0]);
+      if (buffer == nullptr) return "error NOT_FOUND no such buffer here";
+      const std::optional<uint64_t> bad =
+          FirstMismatch(buffer->bytes(), n[1], n[2], n[3], n[4], n[5]);
+      if (bad.has_value()) return absl::StrCat("mismatch ", *bad);
+      return "ok";
+    }
+    if (command == "submit" && need(6)) {
+      client::OpSpec op;
+      op.type = words[1] == "read" ? v1::OP_TYPE_READ_INTO_LOCAL
+                                   : v1::OP_TYPE_WRITE_FROM_LOCAL;
+      op.local_buffer_id = n[1];
+      op.local_offset = n[2];
+      op.length = n[3];
+      op.remote_offset = n[4];
+      if (!absl::Base64Unescape(words[6], &op.remote_context)) {
+        return "error INVALID_ARGUMENT bad base64";
+      }
+      absl::StatusOr<std::vector<client::OpResult>> results =
+          client_->Submit({op}, absl::Seconds(60));
+      if (!results.ok()) return Error(results.status());
+      const client::OpResult& result = results->at(0);
+      return absl::StrCat("result ", CodeName(result.status), " ",
+                          result.backend.empty() ? "-" : result.backend, " ",
+                          OneLine(result.status.message()));
+    }
+    if (command == "release" && need(1)) {
+      auto it = buffers_.find(n[0]);
+      if (it == buffers_.end()) {
+        // Not ours (another user's id, or already released): ask anyway.
+        return absl::StrCat("status ", CodeName(client_->Release(n[0])));
+      }
+      const absl::Status status = it->second.Release();
+      buffers_.erase(it);
+      return absl::StrCat("status ", CodeName(status));
+    }
+    if (command == "readbuf" && need(3)) {
+      absl::StatusOr<std::string> data = client_->ReadBuffer(n[0], n[1], n[2]);
+      if (!data.ok()) return absl::StrCat("status ", CodeName(data.status()));
+      return absl::StrCat("status OK ", absl::BytesToHexString(*data));
+    }
+    if (command == "writebuf" && need(3)) {
+      return absl::StrCat(
+          "status ", CodeName(client_->WriteBuffer(
+                         n[0], n[1], absl::HexStringToBytes(words[3]))));
+    }
+    if (command == "open" && need(1)) {
+      v1::AttachRequest request;
+      request.mutable_open()->set_buffer_id(n[0]);
+      absl::StatusOr<client::internal::AttachReply> reply =
+          client::internal::ExchangeOnAttachSocket(client_->attach_socket(),
+                                                   request, -1,
+                                                   absl::Seconds(30));
+      if (!reply.ok()) return Error(reply.status());
+      return absl::StrCat(
+          "status ", CodeName(client::internal::ResponseStatus(reply->response)),
+          reply->fd ? " fd" : " nofd");
+    }
+    if (command == "list") {
+      absl::StatusOr<std::vector<v1::BufferInfo>> buffers =
+          client_->ListBuffers();
+      if (!buffers.ok()) return Error(buffers.status());
+      std::vector<uint64_t> ids;
+      for (const v1::BufferInfo& info : *buffers) ids.push_back(info.buffer_id());
+      return absl::StrCat("ids ", absl::StrJoin(ids, ","));
+    }
+    if (command == "info") {
+      return absl::StrCat("status ", CodeName(client_->GetInfo().status()));
+    }
+    return absl::StrCat("error INVALID_ARGUMENT bad command: ", command);
+  }
+
+ private:
+  Buffer* Find(uint64_t id) {
+    auto it = buffers_.find(id);
+    return it == buffers_.end() ? nullptr : &it->second;
+  }
+
+  // Speaks the attach protocol by hand so that the memory can be taken away
+  // from under the registration afterwards.
+  std::string AttachAndDrop(uint64_t size, uint64_t seed) {
+    absl::StatusOr<SharedMemory> memory = SharedMemory::Allocate(size, "drop");
+    if (!memory.ok()) return Error(memory.status());
+    FillPattern(absl::MakeSpan(memory->data(), memory->size()), seed);
+    v1::AttachRequest request;
+    request.mutable_attach();
+    absl::StatusOr<client::internal::AttachReply> reply =
+        client::internal::ExchangeOnAttachSocket(
+            client_->attach_socket(), request, memory->fd(), absl::Seconds(30));
+    if (!reply.ok()) return Error(reply.status());
+    if (absl::Status status = client::internal::ResponseStatus(reply->response);
+        !status.ok()) {
+      return Error(status);
+    }
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::RegisterRequest registration;
+    registration.set_attach_token(reply->response.attach_token());
+    registration.set_access(v1::ACCESS_READ_WRITE);
+    v1::RegisterResponse response;
+    grpc::Status status =
+        client_->stub().Register(&context, registration, &response);
+    if (!status.ok()) {
+      return absl::StrCat("error ", status.error_code(), " ",
+                          OneLine(status.error_message()));
+    }
+    // The seal must refuse to shrink the memory under the agent.
+    const int shrink = ::ftruncate(memory->fd(), 0);
+    const std::string shrink_result =
+        shrink == 0 ? "SHRUNK" : (errno == EPERM ? "EPERM" : std::strerror(errno));
+    // Unmap and close: the agent must not care.
+    { SharedMemory dropped = std::move(*memory); }
+    return absl::StrCat("ok ", response.buffer_id(), " ",
+                        absl::Base64Escape(response.remote_context()), " ",
+                        shrink_result);
+  }
+
+  std::unique_ptr<AgentClient> client_;
+  std::map<uint64_t, Buffer> buffers_;
+};
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  // Before any other thread exists: the whole process becomes that user.
+  const int gid = absl::GetFlag(FLAGS_gid);
+  const int uid = absl::GetFlag(FLAGS_uid);
+  if (gid >= 0 && (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0)) {
+    std::perror("setgid");
+    return 3;
+  }
+  if (uid >= 0 && ::setuid(uid) != 0) {
+    std::perror("setuid");
+    return 3;
+  }
+  client::ConnectOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.attach_socket = absl::GetFlag(FLAGS_attach_socket);
+  absl::StatusOr<std::unique_ptr<AgentClient>> client =
+      AgentClient::Connect(options);
+  if (!client.ok()) {
+    std::cout << Error(client.status()) << std::endl;
+    return 1;
+  }
+  std::cout << "ready " << ::getuid() << std::endl;
+  Worker worker(std::move(*client));
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::vector<std::string> words =
+        absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (words.empty()) continue;
+    if (words[0] == "exit") return 0;
+    std::cout << worker.Handle(words) << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace rdma_agent::testing
+
+int main(int argc, char** argv) {
+  return rdma_agent::testing::Main(argc, argv);
+}

@@ -1,0 +1,92 @@
+#ifndef RDMA_AGENTD_TESTS_CLIENT_SUBPROCESS_H_
+#define RDMA_AGENTD_TESTS_CLIENT_SUBPROCESS_H_
+
+#include <sys/types.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/unique_fd.h"
+
+namespace rdma_agent::testing {
+
+// A child process for tests: spawned with fork/exec, killed (SIGKILL) if the
+// test process dies or the Subprocess is destroyed while it runs. Every wait
+// takes a timeout.
+class Subprocess {
+ public:
+  struct Options {
+    std::vector<std::string> argv;  // argv[0] is the path of the executable
+    // Talk to the child through pipes on its stdin/stdout (WriteLine,
+    // ReadLine). Otherwise its stdin is /dev/null.
+    bool pipe_stdio = false;
+    // Where the child's stdout (unless piped) and stderr go; empty: inherit.
+    std::string log_path;
+    // With pipe_stdio and no log_path: stderr goes into the stdout pipe too.
+    bool stderr_to_stdout = false;
+  };
+
+  static absl::StatusOr<Subprocess> Spawn(Options options);
+
+  Subprocess(Subprocess&& other) noexcept;
+  Subprocess& operator=(Subprocess&& other) noexcept;
+  ~Subprocess();
+
+  pid_t pid() const { return pid_; }
+
+  // Writes `line` and a newline to the child's stdin.
+  absl::Status WriteLine(absl::string_view line);
+  // The next line (without its newline) of the child's stdout.
+  // DEADLINE_EXCEEDED after `timeout`, UNAVAILABLE at end of output.
+  absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
+  // Closes the child's stdin (it sees end of input).
+  void CloseStdin() { stdin_.reset(); }
+
+  // Sends `signal` to the child, if it still runs.
+  void Signal(int signal);
+  // Waits for the child to end: its exit code, or 128+signal if a signal
+  // killed it. DEADLINE_EXCEEDED (and the child is left running) past
+  // `timeout`.
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+  // True while the child has not ended (does not reap it).
+  bool Running();
+
+ private:
+  Subprocess() = default;
+  void KillAndReap();
+
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;  // becomes readable when the child ends
+  UniqueFd stdin_;
+  UniqueFd stdout_;
+  std::string buffered_;  // stdout read but not yet returned as lines
+  std::optional<int> exit_code_;
+};
+
+// What Run gives back.
+struct RunResult {
+  int exit_code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+// Runs `argv` to completion with `input` on its stdin, capturing stdout and
+// stderr. DEADLINE_EXCEEDED (the child is killed) past `timeout`.
+absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv,
+                              absl::string_view input, absl::Duration timeout);
+
+// Path of a runfile of this workspace, e.g. "daemon/rdma-agentd".
+std::string RunfilePath(absl::string_view path);
+
+// A fresh directory with a short path under /tmp (Unix socket paths must stay
+// under 108 bytes; TEST_TMPDIR can be long). Removed by RemoveTree.
+absl::StatusOr<std::string> MakeShortTempDir();
+void RemoveTree(const std::string& path);
+
+}  // namespace rdma_agent::testing
+
+#endif  // RDMA_AGENTD_TESTS_CLIENT_SUBPROCESS_H_
