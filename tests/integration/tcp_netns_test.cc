@@ -1,0 +1,300 @@
+// Cross-host tests of the TCP backend: two rdma-agentd processes in two
+// network namespaces joined by veth, driven by the C++ client. Root only.
+
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "rdma/agent/v1/remote_buffer.pb.h"
+#include "tests/integration/tcp_checks.h"
+#include "tests/integration/tcp_netns.h"
+
+namespace rdma_agent::testing {
+namespace {
+
+using ::absl::StatusCode;
+
+class TcpNetnsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Not root: fail loudly, never pass silently.
+    ASSERT_TRUE(CheckNetnsPrivileges().ok()) << CheckNetnsPrivileges();
+    auto pair = NetnsPair::Create();
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    pair_ = std::move(*pair);
+    for (int side = 0; side < 2; ++side) {
+      TcpAgentProcess::Options options;
+      options.netns = pair_->netns(side);
+      options.host = pair_->address(side);
+      auto agent = TcpAgentProcess::Start(options);
+      ASSERT_TRUE(agent.ok()) << agent.status();
+      agents_[side] = std::move(*agent);
+    }
+  }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      for (auto& agent : agents_) {
+        if (agent) ADD_FAILURE() << "agent log:\n" << agent->Log();
+      }
+    }
+    // Agents first (they live in the namespaces), then the namespaces.
+    agents_[0].reset();
+    agents_[1].reset();
+    pair_.reset();
+  }
+
+  client::AgentClient& a() { return agents_[0]->client(); }
+  client::AgentClient& b() { return agents_[1]->client(); }
+
+  std::unique_ptr<NetnsPair> pair_;
+  std::unique_ptr<TcpAgentProcess> agents_[2];
+};
+
+TEST_F(TcpNetnsTest, ContextsAdvertiseTheHostAddress) {
+  auto buffer = b().Attach(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  v1::RemoteBuffer context;
+  ASSERT_TRUE(context.ParseFromString(buffer->remote_context()));
+  bool found = false;
+  for (const auto& endpoint : context.endpoints()) {
+    if (endpoint.backend() != "tcp") continue;
+    found = true;
+    EXPECT_EQ(endpoint.tcp().host(), pair_->address(1));
+    EXPECT_EQ(endpoint.tcp().port(), agents_[1]->tcp_port());
+  }
+  EXPECT_TRUE(found) << context.DebugString();
+}
+
+TEST_F(TcpNetnsTest, EveryByteOfEverySizeCrossesHosts) {
+  constexpr uint64_t kMax = 256ull << 20;
+  auto local = a().Attach(kMax + 64, v1::ACCESS_READ_WRITE, "sweep-local");
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = b().Attach(kMax + 64, v1::ACCESS_READ_WRITE, "sweep-remote");
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  SweepSizes(a(), *local, *remote,
+             {1, 2, 3, 4095, 65537, (1ull << 20) + 1, (17ull << 20) + 3,
+              kMax});
+}
+
+TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
+  constexpr int kClientsPerHost = 4;
+  constexpr uint64_t kSlice = 2ull << 20;
+  constexpr int kRounds = 6;
+  // Each host exposes one buffer; every client owns a slice of the other's.
+  auto shared_a = a().Attach(kClientsPerHost * kSlice, v1::ACCESS_READ_WRITE);
+  auto shared_b = b().Attach(kClientsPerHost * kSlice, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(shared_a.ok() && shared_b.ok());
+  const client::Buffer* shared[2] = {&*shared_b, &*shared_a};
+
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(2 * kClientsPerHost);
+  for (int host = 0; host < 2; ++host) {
+    for (int c = 0; c < kClientsPerHost; ++c) {
+      threads.emplace_back([&, host, c] {
+        std::string& failure = failures[host * kClientsPerHost + c];
+        auto agent = agents_[host]->NewClient();
+        if (!agent.ok()) {
+          failure = agent.status().ToString();
+          return;
+        }
+        auto local = (*agent)->Attach(2 * kSlice, v1::ACCESS_READ_WRITE);
+        if (!local.ok()) {
+          failure = local.status().ToString();
+          return;
+        }
+        const uint8_t seed = static_cast<uint8_t>(10 + host * 10 + c);
+        const uint64_t slice = c * kSlice;
+        for (int round = 0; round < kRounds && failure.empty(); ++round) {
+          FillPattern(local->data(), kSlice, round, seed);
+          auto results = (*agent)->Submit(
+              {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, kSlice,
+                      *shared[host], slice),
+               MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kSlice, kSlice,
+                      *shared[host], slice)},
+              absl::Seconds(60));
+          if (!results.ok()) {
+            failure = results.status().ToString();
+          } else {
+            for (const auto& result : *results) {
+              if (!result.status.ok()) failure = result.status.ToString();
+            }
+          }
+          // Ops of one Submit may run in any order: check the write landed
+          // by reading it back in a second Submit.
+          results = (*agent)->Submit(
+              {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kSlice, kSlice,
+                      *shared[host], slice)},
+              absl::Seconds(60));
+          if (!results.ok() || !(*results)[0].status.ok()) {
+            failure = "read back failed";
+          } else if (FindPatternMismatch(local->data() + kSlice, kSlice,
+                                         round, seed) != -1) {
+            failure = absl::StrCat("round ", round, ": wrong bytes read back");
+          }
+        }
+      });
+    }
+  }
+  for (auto& thread : threads) thread.join();
+  for (size_t i = 0; i < failures.size(); ++i) {
+    EXPECT_TRUE(failures[i].empty()) << "client " << i << ": " << failures[i];
+  }
+}
+
+TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
+  constexpr uint64_t kSize = 64ull << 20;
+  constexpr uint64_t kGuard = 4096;
+  constexpr int kOps = 64;  // 4 GiB in all: long enough to be cut short
+  auto local = a().Attach(kSize + 2 * kGuard, v1::ACCESS_READ_WRITE, "local");
+  auto remote = b().Attach(kSize, v1::ACCESS_READ_WRITE, "remote");
+  ASSERT_TRUE(local.ok() && remote.ok());
+  FillPattern(local->data(), local->size(), 0, 1);
+  FillPattern(remote->data(), remote->size(), 0, 2);
+  const uint64_t remote_id = remote->id();
+
+  std::vector<client::OpSpec> ops;
+  for (int i = 0; i < kOps; ++i) {
+    ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize,
+                         *remote, 0));
+  }
+  const absl::Duration timeout = absl::Seconds(60);
+  absl::StatusOr<std::vector<client::OpResult>> results;
+  std::atomic<bool> done{false};
+  std::thread submit([&] {
+    results = a().Submit(ops, timeout);
+    done = true;
+  });
+
+  // Kill the peer once bytes are flowing (bounded wait).
+  auto observer = agents_[1]->NewClient();
+  ASSERT_TRUE(observer.ok());
+  bool flowing = false;
+  for (int i = 0; i < 3000 && !flowing && !done; ++i) {
+    auto buffers = (*observer)->ListBuffers();
+    if (buffers.ok()) {
+      for (const auto& info : *buffers) {
+        if (info.buffer_id() == remote_id && info.bytes_served() > 0) {
+          flowing = true;
+        }
+      }
+    }
+    if (!flowing) absl::SleepFor(absl::Milliseconds(5));
+  }
+  observer->reset();
+  ASSERT_TRUE(flowing) << "no bytes were served";
+  const absl::Time killed = absl::Now();
+  agents_[1]->Kill();
+  submit.join();
+  const absl::Duration after_kill = absl::Now() - killed;
+
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), ops.size());
+  int unavailable = 0;
+  for (const auto& result : *results) {
+    if (result.status.code() == StatusCode::kUnavailable) {
+      ++unavailable;
+    } else {
+      EXPECT_TRUE(result.status.ok()) << result.status;
+    }
+  }
+  EXPECT_GT(unavailable, 0);
+  EXPECT_LT(after_kill, absl::Seconds(10)) << "not \"well before\" the "
+                                           << timeout << " deadline";
+  // The guards around the ops' range never changed.
+  EXPECT_EQ(FindPatternMismatch(local->data(), kGuard, 0, 1), -1);
+  EXPECT_EQ(FindPatternMismatch(local->data() + kGuard + kSize, kGuard,
+                                kGuard + kSize, 1),
+            -1);
+
+  // The local agent keeps serving: a same-host (memory) op.
+  auto other = a().Attach(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto local_op = a().Submit({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0,
+                                     100, *other, 0)},
+                             absl::Seconds(10));
+  ASSERT_TRUE(local_op.ok()) << local_op.status();
+  EXPECT_TRUE((*local_op)[0].status.ok()) << (*local_op)[0].status;
+  EXPECT_EQ((*local_op)[0].backend, "memory");
+
+  // The restarted peer refuses the old context as stale...
+  ASSERT_TRUE(agents_[1]->Restart().ok());
+  FillPattern(local->data(), local->size(), 0, 1);
+  auto stale = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
+                                  1 << 20, *remote, 0)},
+                          absl::Seconds(10));
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  EXPECT_EQ((*stale)[0].status.code(), StatusCode::kFailedPrecondition)
+      << (*stale)[0].status;
+  ExpectLayout(*local, 1, 0, 0, 1, 0, "local after a stale op");
+
+  // ...and serves a new one.
+  auto fresh = b().Attach(kSize, v1::ACCESS_READ_WRITE, "fresh");
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  FillPattern(fresh->data(), fresh->size(), 0, 3);
+  auto ok = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
+                               kSize, *fresh, 0)},
+                       absl::Seconds(30));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_TRUE((*ok)[0].status.ok()) << (*ok)[0].status;
+  ExpectLayout(*local, 1, kGuard, kSize, 3, 0, "local after the new peer");
+}
+
+TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
+  constexpr uint64_t kSize = 16ull << 20;
+  constexpr uint64_t kGuard = 4096;
+  auto local = a().Attach(2 * kSize + 2 * kGuard, v1::ACCESS_READ_WRITE);
+  auto remote = b().Attach(2 * kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok() && remote.ok());
+  FillPattern(local->data(), local->size(), 0, 1);
+  FillPattern(remote->data(), remote->size(), 0, 2);
+
+  // Warm the connection pool, then cut the wire on the peer's side.
+  auto warm = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
+                                 1, *remote, 0)},
+                         absl::Seconds(10));
+  ASSERT_TRUE(warm.ok() && (*warm)[0].status.ok());
+  FillPattern(local->data() + kGuard, 1, kGuard, 1);
+  ASSERT_TRUE(pair_->SetLink(1, false).ok());
+
+  const absl::Duration timeout = absl::Seconds(2);
+  for (int attempt = 0; attempt < 2; ++attempt) {  // pooled, then fresh dial
+    SCOPED_TRACE(absl::StrCat("attempt ", attempt));
+    const absl::Time start = absl::Now();
+    auto results = a().Submit(
+        {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize, *remote,
+                0),
+         MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, kGuard + kSize, kSize,
+                *remote, kSize)},
+        timeout);
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_TRUE(results.ok()) << results.status();
+    for (const auto& result : *results) {
+      EXPECT_EQ(result.status.code(), StatusCode::kDeadlineExceeded)
+          << result.status;
+    }
+    EXPECT_GE(took, timeout - absl::Milliseconds(50));
+    EXPECT_LT(took, timeout + absl::Seconds(3));
+    // Nothing landed locally, in or around the ranges.
+    ExpectLayout(*local, 1, 0, 0, 1, 0, "local after link down");
+  }
+
+  ASSERT_TRUE(pair_->SetLink(1, true).ok());
+  // Link back: a fresh connection carries the next Submit. The first attempt
+  // after carrier returns may still race the link coming up: bounded retries.
+  bool recovered = false;
+  for (int attempt = 0; attempt < 20 && !recovered; ++attempt) {
+    auto results = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local,
+                                      kGuard, kSize, *remote, 0)},
+                              absl::Seconds(2));
+    recovered = results.ok() && (*results)[0].status.ok();
+  }
+  ASSERT_TRUE(recovered);
+  ExpectLayout(*local, 1, kGuard, kSize, 2, 0, "local after recovery");
+}
+
+}  // namespace
+}  // namespace rdma_agent::testing
