@@ -1,0 +1,129 @@
+#include "backends/ibverbs/flags.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "backends/ibverbs/real_verbs.h"
+
+ABSL_FLAG(bool, ibverbs_enable, true,
+          "Use RDMA NICs through libibverbs when present. False: the ibverbs "
+          "backend reports itself unavailable.");
+ABSL_FLAG(std::string, ibverbs_device, "",
+          "RDMA device to use, e.g. mlx5_0. Empty: the first device with an "
+          "ACTIVE port.");
+ABSL_FLAG(int32_t, ibverbs_port, 0,
+          "1-based port of the device. 0: the first ACTIVE port.");
+ABSL_FLAG(std::string, ibverbs_profile, "auto",
+          "Device profile whose queue-pair defaults apply: auto (from the "
+          "device's vendor and name), generic, mlx5, efa.");
+ABSL_FLAG(int32_t, ibverbs_gid_index, -1,
+          "GID table index (RoCE). -1: the profile's default.");
+ABSL_FLAG(int32_t, ibverbs_mtu, 0,
+          "Path MTU in bytes (256, 512, 1024, 2048, 4096); the port's active "
+          "MTU caps it. 0: the profile's default.");
+ABSL_FLAG(int32_t, ibverbs_timeout, -1,
+          "Local ACK timeout exponent, 4.096 us * 2^N per try (0 = infinite, "
+          "max 31). -1: the profile's default (14, ~67 ms).");
+ABSL_FLAG(int32_t, ibverbs_retry_cnt, -1,
+          "Transport retries before a peer counts as unreachable (0-7). "
+          "-1: the profile's default (7).");
+ABSL_FLAG(int32_t, ibverbs_rnr_retry, -1,
+          "Receiver-not-ready retries (0-7, 7 = infinite). -1: profile "
+          "default (7).");
+ABSL_FLAG(int32_t, ibverbs_max_rd_atomic, -1,
+          "RDMA READs in flight per QP (initiator and responder depth); the "
+          "device caps it. -1: profile default (16).");
+ABSL_FLAG(int32_t, ibverbs_sq_depth, 0,
+          "Send-queue depth: WRs outstanding per QP. 0: profile default "
+          "(generic 256, mlx5 1024).");
+ABSL_FLAG(uint64_t, ibverbs_max_message_bytes, 0,
+          "Largest single RDMA work request; longer ops are split. The "
+          "port's max_msg_sz caps it. 0: profile default.");
+ABSL_FLAG(int32_t, ibverbs_service_level, -1,
+          "InfiniBand service level (0-15). -1: 0.");
+ABSL_FLAG(int32_t, ibverbs_traffic_class, -1,
+          "GRH traffic class (RoCE DSCP << 2). -1: 0.");
+ABSL_FLAG(absl::Duration, ibverbs_connect_timeout, absl::Seconds(5),
+          "Bound on one queue-pair handshake with a peer agent.");
+ABSL_FLAG(absl::Duration, ibverbs_busy_poll, absl::Microseconds(50),
+          "How long the completion poller spins before blocking on the "
+          "completion channel.");
+ABSL_FLAG(absl::Duration, ibverbs_drain_timeout, absl::Seconds(10),
+          "Bound on flushing a queue pair moved to ERROR after a deadline.");
+
+namespace rdma_agent {
+namespace {
+
+// Copies `value` into `out` unless it is the flag's "unset" value; checks
+// [low, high].
+template <typename T>
+absl::Status SetIf(int64_t value, int64_t unset, int64_t low, int64_t high,
+                   const char* flag, std::optional<T>& out) {
+  if (value == unset) return absl::OkStatus();
+  if (value < low || value > high) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", value, " is outside [", low, ", ", high, "]"));
+  }
+  out = static_cast<T>(value);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
+  IbverbsOptions options;
+  options.enabled = absl::GetFlag(FLAGS_ibverbs_enable);
+  options.device = absl::GetFlag(FLAGS_ibverbs_device);
+  const int32_t port = absl::GetFlag(FLAGS_ibverbs_port);
+  if (port < 0 || port > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ibverbs_port=", port, " is outside [0, 255]"));
+  }
+  options.port = static_cast<uint8_t>(port);
+  options.profile = absl::GetFlag(FLAGS_ibverbs_profile);
+  QueuePairOverrides& qp = options.qp;
+  for (absl::Status s : {
+           SetIf(absl::GetFlag(FLAGS_ibverbs_gid_index), -1, 0, 255,
+                 "ibverbs_gid_index", qp.gid_index),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_mtu), 0, 256, 4096,
+                 "ibverbs_mtu", qp.mtu_bytes),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_timeout), -1, 0, 31,
+                 "ibverbs_timeout", qp.timeout),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_retry_cnt), -1, 0, 7,
+                 "ibverbs_retry_cnt", qp.retry_cnt),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_rnr_retry), -1, 0, 7,
+                 "ibverbs_rnr_retry", qp.rnr_retry),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_max_rd_atomic), -1, 1, 255,
+                 "ibverbs_max_rd_atomic", qp.max_rd_atomic),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_sq_depth), 0, 1, 1 << 20,
+                 "ibverbs_sq_depth", qp.sq_depth),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_service_level), -1, 0, 15,
+                 "ibverbs_service_level", qp.service_level),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_traffic_class), -1, 0, 255,
+                 "ibverbs_traffic_class", qp.traffic_class),
+       }) {
+    if (!s.ok()) return s;
+  }
+  const uint64_t max_message = absl::GetFlag(FLAGS_ibverbs_max_message_bytes);
+  if (max_message != 0) qp.max_message_bytes = max_message;
+  options.connect_timeout = absl::GetFlag(FLAGS_ibverbs_connect_timeout);
+  options.busy_poll = absl::GetFlag(FLAGS_ibverbs_busy_poll);
+  options.drain_timeout = absl::GetFlag(FLAGS_ibverbs_drain_timeout);
+  return options;
+}
+
+BackendFactory MakeIbverbsBackendFactoryFromFlags() {
+  return [](const BackendEnvironment& env)
+             -> absl::StatusOr<std::unique_ptr<Backend>> {
+    auto options = IbverbsOptionsFromFlags();
+    if (!options.ok()) return options.status();
+    auto backend = IbverbsBackend::Create(env, std::move(*options),
+                                          verbs::MakeRealVerbs());
+    if (!backend.ok()) return backend.status();
+    return std::unique_ptr<Backend>(std::move(*backend));
+  };
+}
+
+}  // namespace rdma_agent
