@@ -1,0 +1,463 @@
+// The software RC NIC on its own: keys, access flags, the QP state machine,
+// completion codes, the send-queue depth limit and fault injection.
+#include "backends/ibverbs/soft_verbs.h"
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace rdma_agent {
+namespace verbs {
+namespace {
+
+constexpr int kAllAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
+                           IBV_ACCESS_REMOTE_WRITE;
+
+// One side: device, PD, CQ, QP and a 64 KiB buffer.
+struct Side {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<ProtectionDomain> pd;
+  std::unique_ptr<CompletionQueue> cq;
+  std::unique_ptr<QueuePair> qp;
+  std::vector<uint8_t> buffer = std::vector<uint8_t>(64 << 10);
+  std::unique_ptr<MemoryRegion> mr;
+};
+
+class SoftVerbsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SoftDeviceConfig a;
+    a.name = "soft_a";
+    a.max_msg_sz = 32 << 10;
+    ASSERT_TRUE(fabric_.AddDevice(a).ok());
+    SoftDeviceConfig b;
+    b.name = "soft_b";
+    ASSERT_TRUE(fabric_.AddDevice(b).ok());
+    verbs_ = fabric_.MakeVerbs();
+    MakeSide("soft_a", a_);
+    MakeSide("soft_b", b_);
+  }
+
+  void MakeSide(const std::string& name, Side& side, int depth = 16,
+                int access = kAllAccess) {
+    auto device = verbs_->OpenDevice(name);
+    ASSERT_TRUE(device.ok()) << device.status();
+    side.device = std::move(*device);
+    side.pd = *side.device->AllocateProtectionDomain();
+    side.cq = *side.device->CreateCompletionQueue(depth);
+    QueuePairInit init;
+    init.send_cq = side.cq.get();
+    init.recv_cq = side.cq.get();
+    init.cap.max_send_wr = depth;
+    init.cap.max_send_sge = 2;
+    auto qp = side.pd->CreateQueuePair(init);
+    ASSERT_TRUE(qp.ok()) << qp.status();
+    side.qp = std::move(*qp);
+    for (size_t i = 0; i < side.buffer.size(); ++i) {
+      side.buffer[i] = static_cast<uint8_t>(i * 7 + name.size());
+    }
+    auto mr = side.pd->RegisterMemory(side.buffer.data(), side.buffer.size(),
+                                      access);
+    ASSERT_TRUE(mr.ok()) << mr.status();
+    side.mr = std::move(*mr);
+  }
+
+  static absl::Status ToInit(QueuePair& qp) {
+    ibv_qp_attr attr = {};
+    attr.qp_state = IBV_QPS_INIT;
+    attr.port_num = 1;
+    attr.qp_access_flags = kAllAccess;
+    return qp.Modify(attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                               IBV_QP_ACCESS_FLAGS);
+  }
+
+  static absl::Status ToRtr(Side& self, Side& peer) {
+    ibv_qp_attr attr = {};
+    attr.qp_state = IBV_QPS_RTR;
+    attr.path_mtu = IBV_MTU_1024;
+    attr.dest_qp_num = peer.qp->qp_num();
+    attr.max_dest_rd_atomic = 4;
+    attr.min_rnr_timer = 12;
+    attr.ah_attr.is_global = 1;
+    attr.ah_attr.port_num = 1;
+    attr.ah_attr.grh.dgid = *peer.device->QueryGid(1, 0);
+    return self.qp->Modify(attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+                                     IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                     IBV_QP_MAX_DEST_RD_ATOMIC |
+                                     IBV_QP_MIN_RNR_TIMER);
+  }
+
+  static absl::Status ToRts(QueuePair& qp, uint8_t timeout = 8) {
+    ibv_qp_attr attr = {};
+    attr.qp_state = IBV_QPS_RTS;
+    attr.timeout = timeout;  // 4.096 us * 2^8 ~ 1 ms per try
+    attr.retry_cnt = 1;
+    attr.rnr_retry = 1;
+    attr.max_rd_atomic = 4;
+    return qp.Modify(attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                               IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                               IBV_QP_MAX_QP_RD_ATOMIC);
+  }
+
+  void Connect(uint8_t timeout = 8) {
+    ASSERT_TRUE(ToInit(*a_.qp).ok());
+    ASSERT_TRUE(ToInit(*b_.qp).ok());
+    ASSERT_TRUE(ToRtr(a_, b_).ok());
+    ASSERT_TRUE(ToRtr(b_, a_).ok());
+    ASSERT_TRUE(ToRts(*a_.qp, timeout).ok());
+    ASSERT_TRUE(ToRts(*b_.qp, timeout).ok());
+  }
+
+  // Posts one WR from a_ to b_; returns the post's errno.
+  int Post(ibv_wr_opcode opcode, uint64_t local_offset, uint32_t length,
+           uint64_t remote_offset, uint64_t wr_id = 1, uint32_t lkey = 0,
+           uint32_t rkey = 0) {
+    ibv_sge sge = {};
+    sge.addr = reinterpret_cast<uint64_t>(a_.buffer.data() + local_offset);
+    sge.length = length;
+    sge.lkey = lkey != 0 ? lkey : a_.mr->lkey();
+    ibv_send_wr wr = {};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = opcode;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr =
+        reinterpret_cast<uint64_t>(b_.buffer.data()) + remote_offset;
+    wr.wr.rdma.rkey = rkey != 0 ? rkey : b_.mr->rkey();
+    ibv_send_wr* bad = nullptr;
+    return a_.qp->PostSend(&wr, &bad);
+  }
+
+  // Waits (bounded) for the next completion on a_'s CQ.
+  ibv_wc NextCompletion(absl::Duration limit = absl::Seconds(5)) {
+    const absl::Time deadline = absl::Now() + limit;
+    ibv_wc wc = {};
+    while (absl::Now() < deadline) {
+      auto n = a_.cq->Poll(absl::MakeSpan(&wc, 1));
+      EXPECT_TRUE(n.ok());
+      if (*n == 1) return wc;
+      EXPECT_TRUE(a_.cq->RequestNotify().ok());
+      n = a_.cq->Poll(absl::MakeSpan(&wc, 1));
+      if (*n == 1) return wc;
+      (void)a_.cq->WaitForEvent(deadline - absl::Now());
+    }
+    ADD_FAILURE() << "no completion within " << limit;
+    wc.status = IBV_WC_GENERAL_ERR;
+    wc.wr_id = ~0ull;
+    return wc;
+  }
+
+  ibv_qp_state StateOf(QueuePair& qp) { return *qp.QueryState(); }
+
+  SoftFabric fabric_;
+  std::unique_ptr<Verbs> verbs_;
+  Side a_;
+  Side b_;
+};
+
+TEST_F(SoftVerbsTest, ListsAndOpensOnlyItsDevices) {
+  EXPECT_EQ(*fabric_.MakeVerbs({"soft_b"})->ListDevices(),
+            std::vector<std::string>({"soft_b"}));
+  EXPECT_EQ(fabric_.MakeVerbs({"soft_b"})->OpenDevice("soft_a").status().code(),
+            absl::StatusCode::kNotFound);
+  SoftDeviceConfig again;
+  again.name = "soft_a";
+  EXPECT_EQ(fabric_.AddDevice(again).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(SoftVerbsTest, WriteAndReadMoveExactlyTheRange) {
+  Connect();
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 3, 1001, 77, 42), 0);
+  ibv_wc wc = NextCompletion();
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wc.wr_id, 42u);
+  EXPECT_EQ(wc.opcode, IBV_WC_RDMA_WRITE);
+  EXPECT_EQ(wc.byte_len, 1001u);
+  for (size_t i = 0; i < b_.buffer.size(); ++i) {
+    const uint8_t want =
+        (i >= 77 && i < 77 + 1001) ? a_.buffer[i - 77 + 3] : before[i];
+    ASSERT_EQ(b_.buffer[i], want) << "byte " << i;
+  }
+  const std::vector<uint8_t> local_before = a_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 5000, 333, 9000, 43), 0);
+  wc = NextCompletion();
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wc.opcode, IBV_WC_RDMA_READ);
+  for (size_t i = 0; i < a_.buffer.size(); ++i) {
+    const uint8_t want = (i >= 5000 && i < 5333) ? b_.buffer[i - 5000 + 9000]
+                                                 : local_before[i];
+    ASSERT_EQ(a_.buffer[i], want) << "byte " << i;
+  }
+}
+
+TEST_F(SoftVerbsTest, PostingBelowRtsFailsWithEinval) {
+  EXPECT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), EINVAL);  // RESET
+  ASSERT_TRUE(ToInit(*a_.qp).ok());
+  EXPECT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), EINVAL);  // INIT
+  ASSERT_TRUE(ToInit(*b_.qp).ok());
+  ASSERT_TRUE(ToRtr(a_, b_).ok());
+  EXPECT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), EINVAL);  // RTR
+  ASSERT_TRUE(ToRts(*a_.qp).ok());
+  ASSERT_TRUE(ToRtr(b_, a_).ok());
+  EXPECT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+}
+
+TEST_F(SoftVerbsTest, IllegalTransitionsAndMissingAttributesFail) {
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_RTS;
+  EXPECT_EQ(a_.qp->Modify(attr, IBV_QP_STATE).code(),
+            absl::StatusCode::kInvalidArgument);  // RESET -> RTS
+  attr = {};
+  attr.qp_state = IBV_QPS_INIT;
+  attr.port_num = 1;
+  EXPECT_EQ(a_.qp->Modify(attr, IBV_QP_STATE | IBV_QP_PORT).code(),
+            absl::StatusCode::kInvalidArgument);  // no ACCESS_FLAGS
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_RESET);
+  ASSERT_TRUE(ToInit(*a_.qp).ok());
+  attr = {};
+  attr.qp_state = IBV_QPS_RTR;
+  attr.path_mtu = IBV_MTU_1024;
+  EXPECT_EQ(a_.qp->Modify(attr, IBV_QP_STATE | IBV_QP_PATH_MTU).code(),
+            absl::StatusCode::kInvalidArgument);  // no AV, DEST_QPN...
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_INIT);
+  ASSERT_TRUE(ToInit(*b_.qp).ok());
+  ASSERT_TRUE(ToRtr(a_, b_).ok());
+  attr = {};
+  attr.qp_state = IBV_QPS_RTS;
+  EXPECT_EQ(a_.qp->Modify(attr, IBV_QP_STATE).code(),
+            absl::StatusCode::kInvalidArgument);  // no TIMEOUT, RETRY_CNT...
+  ASSERT_TRUE(ToRts(*a_.qp).ok());
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_RTS);
+  attr = {};
+  attr.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(a_.qp->Modify(attr, IBV_QP_STATE).ok());
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_ERR);
+  attr.qp_state = IBV_QPS_RTS;
+  EXPECT_EQ(a_.qp->Modify(attr, IBV_QP_STATE | IBV_QP_TIMEOUT).code(),
+            absl::StatusCode::kInvalidArgument);  // ERR -> RTS
+  attr.qp_state = IBV_QPS_RESET;
+  ASSERT_TRUE(a_.qp->Modify(attr, IBV_QP_STATE).ok());
+  EXPECT_TRUE(ToInit(*a_.qp).ok());  // usable again from RESET
+}
+
+TEST_F(SoftVerbsTest, WrongRkeyIsRemoteAccessErrorAndBreaksBothQps) {
+  Connect();
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1, 0, b_.mr->rkey() + 1000), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_ERR);
+  EXPECT_EQ(StateOf(*b_.qp), IBV_QPS_ERR);
+  EXPECT_EQ(b_.buffer, before);
+  // Posting in ERR is allowed and flushes.
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
+  ibv_wc wc = NextCompletion();
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(wc.wr_id, 2u);
+  EXPECT_EQ(b_.buffer, before);
+}
+
+TEST_F(SoftVerbsTest, RemoteBoundsAndAccessFlagsAreChecked) {
+  Connect();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, b_.buffer.size() - 63), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+}
+
+TEST_F(SoftVerbsTest, ReadOnlyRemoteMrRefusesWritesButServesReads) {
+  b_.mr = *b_.pd->RegisterMemory(b_.buffer.data(), b_.buffer.size(),
+                                 IBV_ACCESS_REMOTE_READ);
+  Connect();
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+}
+
+TEST_F(SoftVerbsTest, LocalKeyAndLocalWriteAreChecked) {
+  Connect();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1, a_.mr->lkey() + 1000), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_LOC_PROT_ERR);
+}
+
+TEST_F(SoftVerbsTest, ReadIntoMrWithoutLocalWriteIsLocalProtectionError) {
+  a_.mr = *a_.pd->RegisterMemory(a_.buffer.data(), a_.buffer.size(),
+                                 IBV_ACCESS_REMOTE_READ);
+  Connect();
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 64, 0), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_LOC_PROT_ERR);
+}
+
+TEST_F(SoftVerbsTest, RemoteWriteWithoutLocalWriteCannotBeRegistered) {
+  EXPECT_EQ(a_.pd->RegisterMemory(a_.buffer.data(), 64,
+                                  IBV_ACCESS_REMOTE_WRITE)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SoftVerbsTest, MessageAboveMaxMsgSizeIsLocalLengthError) {
+  Connect();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, (32 << 10) + 1, 0), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_LOC_LEN_ERR);
+}
+
+TEST_F(SoftVerbsTest, DeregisteredMrIsNoLongerReachable) {
+  Connect();
+  const uint32_t rkey = b_.mr->rkey();
+  b_.mr.reset();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1, 0, rkey), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+}
+
+TEST_F(SoftVerbsTest, SendQueueDepthLimitsPostingUntilCompletionsArePolled) {
+  MakeSide("soft_a", a_, /*depth=*/4);
+  Connect();
+  SoftFault delay;
+  delay.action = SoftFault::Action::kDelay;
+  delay.delay = absl::Milliseconds(20);
+  delay.count = 4;
+  fabric_.InjectFault(delay);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0, i), 0);
+  }
+  EXPECT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0, 4), ENOMEM);
+  EXPECT_EQ(fabric_.max_outstanding_seen(), 4);
+  for (uint64_t i = 0; i < 4; ++i) {
+    ibv_wc wc = NextCompletion();
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+    EXPECT_EQ(wc.wr_id, i);  // RC completes in order
+  }
+  EXPECT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0, 5), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+}
+
+TEST_F(SoftVerbsTest, CompletionsAreAsynchronousAndDelayed) {
+  Connect();
+  SoftFault delay;
+  delay.action = SoftFault::Action::kDelay;
+  delay.delay = absl::Milliseconds(100);
+  fabric_.InjectFault(delay);
+  const absl::Time start = absl::Now();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), 0);
+  ibv_wc wc;
+  EXPECT_EQ(*a_.cq->Poll(absl::MakeSpan(&wc, 1)), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(100));
+}
+
+TEST_F(SoftVerbsTest, DroppedWrRetryExceedsAfterTheTransportTimeout) {
+  Connect(/*timeout=*/8);  // ~1 ms per try, 2 tries
+  SoftFault drop;
+  drop.action = SoftFault::Action::kDrop;
+  fabric_.InjectFault(drop);
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_RETRY_EXC_ERR);
+  ibv_wc wc = NextCompletion();
+  EXPECT_EQ(wc.wr_id, 2u);
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);  // behind the failed one
+  EXPECT_EQ(b_.buffer, before);
+}
+
+TEST_F(SoftVerbsTest, DroppedWrWithInfiniteTimeoutWaitsUntilErrorThenFlushes) {
+  Connect(/*timeout=*/0);
+  SoftFault drop;
+  drop.action = SoftFault::Action::kDrop;
+  fabric_.InjectFault(drop);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  ibv_wc wc;
+  EXPECT_EQ(*a_.cq->Poll(absl::MakeSpan(&wc, 1)), 0);
+  EXPECT_FALSE(*a_.cq->WaitForEvent(absl::Milliseconds(50)));
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(a_.qp->Modify(attr, IBV_QP_STATE).ok());
+  EXPECT_EQ(NextCompletion().status, IBV_WC_WR_FLUSH_ERR);
+}
+
+TEST_F(SoftVerbsTest, FailFaultCompletesWithTheGivenStatus) {
+  Connect();
+  SoftFault fail;
+  fail.action = SoftFault::Action::kFail;
+  fail.status = IBV_WC_REM_OP_ERR;
+  fail.device = "soft_a";
+  fabric_.InjectFault(fail);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_OP_ERR);
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_ERR);
+}
+
+TEST_F(SoftVerbsTest, FaultsForAnotherDeviceDoNotApply) {
+  Connect();
+  SoftFault fail;
+  fail.action = SoftFault::Action::kFail;
+  fail.device = "soft_b";
+  fabric_.InjectFault(fail);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+}
+
+TEST_F(SoftVerbsTest, GonePeerOrUnreachableDeviceRetryExceeds) {
+  Connect();
+  fabric_.SetReachable("soft_b", false);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_RETRY_EXC_ERR);
+  fabric_.SetReachable("soft_b", true);
+
+  // A fresh pair, then the responder QP disappears.
+  MakeSide("soft_a", a_);
+  MakeSide("soft_b", b_);
+  Connect();
+  b_.qp.reset();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_RETRY_EXC_ERR);
+}
+
+TEST_F(SoftVerbsTest, ErrorFlushesQueuedWorkRequests) {
+  Connect();
+  SoftFault delay;
+  delay.action = SoftFault::Action::kDelay;
+  delay.delay = absl::Seconds(30);
+  fabric_.InjectFault(delay);
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(a_.qp->Modify(attr, IBV_QP_STATE).ok());
+  EXPECT_EQ(NextCompletion(absl::Seconds(2)).status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(NextCompletion(absl::Seconds(2)).status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(b_.buffer, before);
+}
+
+TEST_F(SoftVerbsTest, CompletionChannelFiresOnlyWhenArmed) {
+  Connect();
+  EXPECT_FALSE(*a_.cq->WaitForEvent(absl::Milliseconds(10)));
+  ASSERT_TRUE(a_.cq->RequestNotify().ok());
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), 0);
+  EXPECT_TRUE(*a_.cq->WaitForEvent(absl::Seconds(5)));
+  ibv_wc wc;
+  EXPECT_EQ(*a_.cq->Poll(absl::MakeSpan(&wc, 1)), 1);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 8, 0), 0);  // not armed
+  EXPECT_FALSE(*a_.cq->WaitForEvent(absl::Milliseconds(50)));
+}
+
+TEST_F(SoftVerbsTest, DeviceReportsPortAndGid) {
+  auto port = a_.device->QueryPort(1);
+  ASSERT_TRUE(port.ok());
+  EXPECT_EQ(port->state, IBV_PORT_ACTIVE);
+  EXPECT_EQ(port->max_msg_sz, 32u << 10);
+  EXPECT_EQ(a_.device->QueryPort(2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(GidToString(*a_.device->QueryGid(1, 0)),
+            GidToString(*b_.device->QueryGid(1, 0)));
+}
+
+}  // namespace
+}  // namespace verbs
+}  // namespace rdma_agent
