@@ -17,7 +17,7 @@
 //   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
 //   writebuf ID OFFSET HEX_DATA -> status CODE
 //   open ID                     -> status CODE fd|nofd   (raw OpenBuffer)
-//   list                        -> ids ID,ID,...
+//   list                        -> ids ID,ID,...   (ascending)
 //   info                        -> status CODE
 //   exit                        -> (exits 0)
 //
@@ -29,6 +29,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -176,6 +177,7 @@ class Worker {
       if (!buffers.ok()) return Error(buffers.status());
       std::vector<uint64_t> ids;
       for (const v1::BufferInfo& info : *buffers) ids.push_back(info.buffer_id());
+      std::sort(ids.begin(), ids.end());
       return absl::StrCat("ids ", absl::StrJoin(ids, ","));
     }
     if (command == "info") {

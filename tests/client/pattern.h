@@ -38,9 +38,11 @@ inline void FillPattern(absl::Span<std::byte> bytes, uint64_t seed,
   }
   for (; i + 8 <= bytes.size(); i += 8) {
     const uint64_t word = PatternWord(seed, (first + i) / 8);
+    unsigned char little_endian[8];
     for (int b = 0; b < 8; ++b) {
-      bytes[i + b] = static_cast<std::byte>(word >> (8 * b));
+      little_endian[b] = static_cast<unsigned char>(word >> (8 * b));
     }
+    std::memcpy(bytes.data() + i, little_endian, 8);
   }
   for (; i < bytes.size(); ++i) bytes[i] = PatternByte(seed, first + i);
 }
