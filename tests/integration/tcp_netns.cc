@@ -199,6 +199,22 @@ absl::Status NetnsPair::SetLink(int side, bool up) {
   return done.status();
 }
 
+absl::Status NetnsPair::PinNeighbour(int side) {
+  const int other = 1 - side;
+  auto shown = RunCommand({"ip", "-n", netns_[other], "-o", "link", "show",
+                           link_[other]});
+  if (!shown.ok()) return shown.status();
+  const size_t at = shown->find("link/ether ");
+  if (at == std::string::npos) {
+    return absl::InternalError(absl::StrCat("no MAC in: ", *shown));
+  }
+  const std::string mac = shown->substr(at + 11, 17);
+  return RunCommand({"ip", "-n", netns_[side], "neigh", "replace",
+                     address_[other], "lladdr", mac, "dev", link_[side], "nud",
+                     "permanent"})
+      .status();
+}
+
 absl::StatusOr<std::unique_ptr<TcpAgentProcess>> TcpAgentProcess::Start(
     Options options) {
   char dir[] = "/tmp/ratcp.XXXXXX";

@@ -47,6 +47,11 @@ class NetnsPair {
   const std::string& link(int side) const { return link_[side]; }
   // Sets side's veth end up or down (from inside its namespace).
   absl::Status SetLink(int side, bool up);
+  // Makes `side` know the other side's MAC for good (a permanent neighbour
+  // entry), so that when the other side goes silent, packets to it vanish
+  // instead of failing neighbour resolution (EHOSTUNREACH): the peer "stops
+  // answering" rather than becoming "unreachable".
+  absl::Status PinNeighbour(int side);
 
  private:
   NetnsPair() = default;

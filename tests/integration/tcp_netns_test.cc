@@ -258,6 +258,9 @@ TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
                          absl::Seconds(10));
   ASSERT_TRUE(warm.ok() && (*warm)[0].status.ok());
   FillPattern(local->data() + kGuard, 1, kGuard, 1);
+  // The peer goes silent: its link is down and our side still knows its MAC,
+  // so nothing fails fast (a failed ARP would be UNAVAILABLE instead).
+  ASSERT_TRUE(pair_->PinNeighbour(0).ok()) << pair_->PinNeighbour(0);
   ASSERT_TRUE(pair_->SetLink(1, false).ok());
 
   const absl::Duration timeout = absl::Seconds(2);
