@@ -200,7 +200,7 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   return *exit_code_;
 }
 
-absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv,
+absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
                               absl::string_view input, absl::Duration timeout) {
   int in_pipe[2], out_pipe[2], err_pipe[2];
   if (::pipe2(in_pipe, O_CLOEXEC) != 0) return ErrnoStatus("pipe2");

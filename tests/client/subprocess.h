@@ -67,7 +67,7 @@ class Subprocess {
   std::optional<int> exit_code_;
 };
 
-// What Run gives back.
+// What RunToCompletion gives back.
 struct RunResult {
   int exit_code = -1;
   std::string out;  // stdout
@@ -76,7 +76,7 @@ struct RunResult {
 
 // Runs `argv` to completion with `input` on its stdin, capturing stdout and
 // stderr. DEADLINE_EXCEEDED (the child is killed) past `timeout`.
-absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv,
+absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
                               absl::string_view input, absl::Duration timeout);
 
 // Path of a runfile of this workspace, e.g. "daemon/rdma-agentd".

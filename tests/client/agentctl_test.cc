@@ -1,0 +1,286 @@
+// rdma-agentctl end to end, as a user runs it: the real binary against a
+// real rdma-agentd. register -> write from a file and from stdin -> read back
+// -> decode -> submit both ways -> list -> release; then the failure paths
+// and their exit codes (1 the agent refused, 2 usage, 3 local files).
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/agent_process.h"
+#include "tests/client/pattern.h"
+#include "tests/client/subprocess.h"
+
+namespace rdma_agent::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream data;
+  data << in.rdbuf();
+  return data.str();
+}
+
+void WriteFile(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+}
+
+// The value of "key: value" in rdma-agentctl register output.
+std::string Field(const std::string& output, absl::string_view key) {
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (absl::ConsumePrefix(&line, absl::StrCat(key, ": "))) {
+      return std::string(line);
+    }
+  }
+  return "";
+}
+
+class AgentctlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto agent = AgentProcess::Start();
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    agent_ = std::move(*agent);
+    auto dir = MakeShortTempDir();
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    files_ = *dir;
+  }
+  void TearDown() override {
+    if (!files_.empty()) RemoveTree(files_);
+  }
+
+  // Runs rdma-agentctl against the agent with `args` and `input` on stdin.
+  RunResult Ctl(std::vector<std::string> args, absl::string_view input = "") {
+    std::vector<std::string> argv = {RunfilePath("client/rdma-agentctl"),
+                                     "--target=" + agent_->target(),
+                                     "--timeout=30s"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<RunResult> result = RunToCompletion(argv, input, absl::Seconds(60));
+    if (!result.ok()) {
+      ADD_FAILURE() << result.status();
+      return RunResult();
+    }
+    return *result;
+  }
+
+  // Registers a buffer; returns its id and base64 context.
+  std::pair<std::string, std::string> Register(uint64_t size,
+                                               std::vector<std::string> more = {}) {
+    std::vector<std::string> args = {"register", absl::StrCat("--size=", size)};
+    args.insert(args.end(), more.begin(), more.end());
+    const RunResult r = Ctl(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return {Field(r.out, "buffer_id"), Field(r.out, "context")};
+  }
+
+  std::string File(absl::string_view name) { return absl::StrCat(files_, "/", name); }
+
+  std::unique_ptr<AgentProcess> agent_;
+  std::string files_;
+};
+
+TEST_F(AgentctlTest, RegisterWriteReadDecodeSubmitRelease) {
+  // register: id, size, backends and the context, also written raw to a file.
+  const std::string context_file = File("src.ctx");
+  RunResult r = Ctl({"register", "--size=4099", "--access=read_write",
+                     "--label=source", "--context_out=" + context_file});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string src = Field(r.out, "buffer_id");
+  const std::string context = Field(r.out, "context");
+  ASSERT_FALSE(src.empty()) << r.out;
+  EXPECT_EQ(Field(r.out, "size_bytes"), "4099");
+  EXPECT_EQ(Field(r.out, "backends"), "memory");
+  std::string raw_context;
+  ASSERT_TRUE(absl::Base64Unescape(context, &raw_context)) << context;
+  EXPECT_EQ(ReadFile(context_file), raw_context);
+
+  // write from a file at an odd offset, then from stdin.
+  const std::string payload = PatternString(7, 0, 1000);
+  WriteFile(File("payload"), payload);
+  r = Ctl({"write", src, "--offset=3", "--in=" + File("payload")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"write", src, "--offset=4096", "--in=-"}, "xyz");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  // read it all back, to a file and to stdout: every byte, zeros around.
+  std::string expected(4099, '\0');
+  expected.replace(3, payload.size(), payload);
+  expected.replace(4096, 3, "xyz");
+  r = Ctl({"read", src, "--length=4099", "--out=" + File("back")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(ReadFile(File("back")) == expected);
+  r = Ctl({"read", src, "--offset=2", "--length=1002"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out == expected.substr(2, 1002));
+
+  // decode, from base64 and from the raw file: the same text.
+  r = Ctl({"decode", context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("buffer_id: ", src, "\n")));
+  EXPECT_THAT(r.out, HasSubstr("size_bytes: 4099\n"));
+  EXPECT_THAT(r.out, HasSubstr("access: ACCESS_READ_WRITE\n"));
+  EXPECT_THAT(r.out, HasSubstr("backend: \"memory\""));
+  EXPECT_THAT(r.out, MatchesRegex("(.|\n)*token: \"[0-9a-f]{32,}\"\n(.|\n)*"));
+  const RunResult from_file = Ctl({"decode", "--context_file=" + context_file});
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.err;
+  EXPECT_EQ(from_file.out, r.out);
+
+  // submit read: a second buffer pulls bytes of the first through its
+  // context (base64).
+  auto [dst, dst_context] = Register(2048);
+  ASSERT_FALSE(dst.empty());
+  r = Ctl({"submit", "--op=read", "--local=" + dst, "--local_offset=1",
+           "--length=1000", "--remote_offset=3", "--context=" + context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "op 0: OK backend=memory\n");
+  r = Ctl({"read", dst, "--length=2048"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string dst_expected(2048, '\0');
+  dst_expected.replace(1, payload.size(), payload);
+  EXPECT_TRUE(r.out == dst_expected);
+
+  // submit write through the context file: one byte too far fails with
+  // OUT_OF_RANGE and exit 1, and writes nothing; in range it lands.
+  r = Ctl({"submit", "--op=write", "--local=" + dst, "--local_offset=1",
+           "--length=11", "--remote_offset=4089",
+           "--context_file=" + context_file});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("op 0: OUT_OF_RANGE backend="));
+  EXPECT_THAT(r.err, HasSubstr("an op failed"));
+  r = Ctl({"read", src, "--length=4099"});
+  EXPECT_TRUE(r.out == expected);
+  r = Ctl({"submit", "--op=write", "--local=" + dst, "--local_offset=1",
+           "--length=10", "--remote_offset=4089",
+           "--context_file=" + context_file});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expected.replace(4089, 10, payload.substr(0, 10));
+  r = Ctl({"read", src, "--length=4099"});
+  EXPECT_TRUE(r.out == expected);
+
+  // list shows both, with the label.
+  r = Ctl({"list"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat("(.|\n)*\n", src,
+                                               " +4099 +ACCESS_READ_WRITE +agent "
+                                               "+memory +[0-9]+ +[0-9]+ source\n(.|\n)*")));
+  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat("(.|\n)*\n", dst, " +2048 (.|\n)*")));
+
+  // release; a second release and a read of the released id are NOT_FOUND.
+  r = Ctl({"release", src});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"release", src});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("release ", src, ": NOT_FOUND")));
+  r = Ctl({"read", src, "--length=1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
+  r = Ctl({"list"});
+  EXPECT_THAT(r.out, ::testing::Not(MatchesRegex(
+                         absl::StrCat("(.|\n)*\n", src, " (.|\n)*"))));
+}
+
+TEST_F(AgentctlTest, InfoDescribesTheAgent) {
+  const RunResult r = Ctl({"info"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, MatchesRegex("(.|\n)*agent_id: \"[^\"]+\"\n(.|\n)*"));
+  EXPECT_THAT(r.out, HasSubstr("name: \"memory\""));
+  EXPECT_THAT(r.out, HasSubstr("available: true"));
+}
+
+TEST_F(AgentctlTest, BadUsageExitsTwoWithAMessage) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  auto [id, context] = Register(64);
+  std::string raw;
+  ASSERT_TRUE(absl::Base64Unescape(context, &raw));
+  // Cut inside the last (length-delimited) field: no longer a RemoteBuffer.
+  const std::string truncated = absl::Base64Escape(raw.substr(0, raw.size() - 3));
+  const std::vector<Case> cases = {
+      {{}, "no command given"},
+      {{"frobnicate"}, "unknown command 'frobnicate'"},
+      {{"register"}, "register needs --size N"},
+      {{"register", "--size=8", "--access=everything"},
+       "--access must be read, write or read_write"},
+      {{"release"}, "expected exactly one buffer ID"},
+      {{"release", "twelve"}, "expected exactly one buffer ID"},
+      {{"read", id}, "read needs --length L"},
+      {{"submit", "--local=" + id, "--length=1", "--context=" + context},
+       "submit needs --op read or --op write"},
+      {{"submit", "--op=read", "--length=1", "--context=" + context},
+       "submit needs --local ID"},
+      {{"submit", "--op=read", "--local=" + id, "--context=" + context},
+       "submit needs --length L"},
+      {{"submit", "--op=read", "--local=" + id, "--length=1"},
+       "give the remote context exactly once"},
+      {{"decode"}, "give the remote context exactly once"},
+      {{"decode", "not base64 at all!"}, "not base64"},
+      {{"decode", truncated}, "not a serialized RemoteBuffer"},
+      {{"decode", "--context_file=" + File("missing")}, "cannot open"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrJoin(c.args, " "));
+    const RunResult r = Ctl(c.args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+  }
+}
+
+TEST_F(AgentctlTest, UnreadableInputFileExitsThree) {
+  auto [id, context] = Register(64);
+  const RunResult r = Ctl({"write", id, "--in=" + File("no-such-file")});
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.err, HasSubstr("cannot open"));
+}
+
+TEST_F(AgentctlTest, AgentRefusalsExitOneWithTheStatusCode) {
+  auto [id, context] = Register(64, {"--access=read"});
+  // Offset past the end: OUT_OF_RANGE from the agent.
+  RunResult r = Ctl({"write", id, "--offset=64", "--in=-"}, "x");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("write ", id, ": OUT_OF_RANGE")));
+  // offset + length overflows uint64.
+  r = Ctl({"read", id, "--offset=18446744073709551615", "--length=2"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("OUT_OF_RANGE"));
+  // A READ-only remote buffer refuses a write into it.
+  auto [dst, dst_context] = Register(64);
+  r = Ctl({"submit", "--op=write", "--local=" + dst, "--length=8",
+           "--context=" + context});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("op 0: PERMISSION_DENIED"));
+  // Unknown local buffer.
+  r = Ctl({"submit", "--op=read", "--local=999999", "--length=8",
+           "--context=" + context});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("op 0: NOT_FOUND"));
+}
+
+TEST_F(AgentctlTest, UnreachableAgentExitsOneWithUnavailable) {
+  const absl::StatusOr<RunResult> r =
+      RunToCompletion({RunfilePath("client/rdma-agentctl"),
+           "--target=unix://" + File("nobody-listens.sock"), "--timeout=2s",
+           "info"},
+          "", absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 1);
+  EXPECT_THAT(r->err, HasSubstr("UNAVAILABLE"));
+  EXPECT_THAT(r->err, HasSubstr("cannot reach rdma-agentd"));
+}
+
+}  // namespace
+}  // namespace rdma_agent::testing
