@@ -1,0 +1,308 @@
+// The C++ client library (//client:client) against a real rdma-agentd
+// process: mapping of Allocate/Attach buffers, RAII release, chunked
+// ReadBuffer/WriteBuffer, per-op Submit results, and its error paths.
+
+#include <sys/mman.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/internal/attach_socket.h"
+#include "client/rdma_agent_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "rdma/agent/v1/remote_buffer.pb.h"
+#include "tests/client/agent_process.h"
+#include "tests/client/pattern.h"
+
+namespace rdma_agent::testing {
+namespace {
+
+using client::AgentClient;
+using client::Buffer;
+using client::ConnectOptions;
+using client::OpResult;
+using client::OpSpec;
+namespace v1 = ::rdma::agent::v1;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+constexpr uint64_t kMiB = 1 << 20;
+
+std::vector<uint64_t> ListedIds(AgentClient& client) {
+  auto buffers = client.ListBuffers();
+  EXPECT_TRUE(buffers.ok()) << buffers.status();
+  std::vector<uint64_t> ids;
+  if (buffers.ok()) {
+    for (const v1::BufferInfo& info : *buffers) ids.push_back(info.buffer_id());
+  }
+  return ids;
+}
+
+std::string AsString(absl::Span<const std::byte> bytes) {
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+class ClientLibraryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto agent = AgentProcess::Start();
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    agent_ = std::move(*agent);
+    client_ = Connect();
+    ASSERT_NE(client_, nullptr);
+  }
+
+  std::unique_ptr<AgentClient> Connect(ConnectOptions options = {}) {
+    options.target = agent_->target();
+    auto client = AgentClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  std::unique_ptr<AgentProcess> agent_;
+  std::unique_ptr<AgentClient> client_;
+};
+
+TEST(AttachSocketNextToTest, SitsNextToTheAgentSocket) {
+  EXPECT_EQ(*client::internal::AttachSocketNextTo("unix:///run/x/agent.sock"),
+            "/run/x/attach.sock");
+  EXPECT_EQ(*client::internal::AttachSocketNextTo("unix:/tmp/a/b.sock"),
+            "/tmp/a/attach.sock");
+  EXPECT_EQ(*client::internal::AttachSocketNextTo("unix:agent.sock"),
+            "attach.sock");
+  EXPECT_EQ(client::internal::AttachSocketNextTo("dns:///host:1234").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ConnectTest, UnreachableAgentIsUnavailable) {
+  ConnectOptions options;
+  options.target = "unix:///tmp/no-rdma-agentd-here/agent.sock";
+  options.connect_timeout = absl::Milliseconds(300);
+  auto client = AgentClient::Connect(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(client.status().message(), HasSubstr(options.target));
+}
+
+TEST_F(ClientLibraryTest, GetInfoNamesTheMemoryBackend) {
+  auto info = client_->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->agent_id().empty());
+  EXPECT_NE(info->epoch(), 0u);
+  ASSERT_EQ(info->backends_size(), 1);
+  EXPECT_EQ(info->backends(0).name(), "memory");
+}
+
+// Both kinds of buffers are the agent's bytes, not a copy: what the process
+// writes in its mapping ReadBuffer returns, and what WriteBuffer writes the
+// mapping shows.
+void ExpectSharedWithTheAgent(AgentClient& client, Buffer& buffer) {
+  ASSERT_NE(buffer.data(), nullptr);
+  EXPECT_EQ(buffer.bytes().data(), buffer.data());
+  EXPECT_EQ(buffer.bytes().size(), buffer.size());
+  // Zero-filled to start with.
+  EXPECT_EQ(AsString(buffer.bytes()), std::string(buffer.size(), '\0'));
+
+  FillPattern(buffer.bytes().subspan(5, 1000), 3);
+  auto read = client.ReadBuffer(buffer.id(), 0, buffer.size());
+  ASSERT_TRUE(read.ok()) << read.status();
+  std::string expected(buffer.size(), '\0');
+  expected.replace(5, 1000, PatternString(3, 0, 1000));
+  EXPECT_TRUE(*read == expected);
+
+  const std::string data = PatternString(4, 0, 333);
+  ASSERT_TRUE(client.WriteBuffer(buffer.id(), 2001, data).ok());
+  expected.replace(2001, 333, data);
+  EXPECT_TRUE(AsString(buffer.bytes()) == expected);
+
+  v1::RemoteBuffer context;
+  ASSERT_TRUE(context.ParseFromString(buffer.remote_context()));
+  EXPECT_EQ(context.buffer_id(), buffer.id());
+  EXPECT_EQ(context.size_bytes(), buffer.size());
+  EXPECT_EQ(context.access(), v1::ACCESS_READ_WRITE);
+  EXPECT_EQ(buffer.backends(), std::vector<std::string>{"memory"});
+}
+
+TEST_F(ClientLibraryTest, AllocatedBufferIsMappedAndShared) {
+  auto buffer = client_->Allocate(4099, v1::ACCESS_READ_WRITE, "allocated");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(buffer->size(), 4099u);
+  ExpectSharedWithTheAgent(*client_, *buffer);
+  auto listed = client_->ListBuffers();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].label(), "allocated");
+  EXPECT_TRUE((*listed)[0].agent_allocated());
+}
+
+TEST_F(ClientLibraryTest, AttachedBufferIsMappedAndShared) {
+  auto buffer = client_->Attach(4099, v1::ACCESS_READ_WRITE, "attached");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(buffer->size(), 4099u);
+  ExpectSharedWithTheAgent(*client_, *buffer);
+  auto listed = client_->ListBuffers();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].label(), "attached");
+  EXPECT_FALSE((*listed)[0].agent_allocated());
+}
+
+TEST_F(ClientLibraryTest, DestructorReleasesAndMoveTransfersOwnership) {
+  uint64_t id = 0;
+  {
+    auto buffer = client_->Attach(100, v1::ACCESS_READ_WRITE);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    id = buffer->id();
+    Buffer moved = std::move(*buffer);
+    // The moved-from buffer owns nothing: its destruction releases nothing.
+    EXPECT_EQ(buffer->data(), nullptr);
+    EXPECT_EQ(buffer->size(), 0u);
+    { Buffer sink = std::move(*buffer); }
+    EXPECT_EQ(ListedIds(*client_), std::vector<uint64_t>{id});
+    EXPECT_EQ(moved.id(), id);
+  }
+  EXPECT_THAT(ListedIds(*client_), IsEmpty());
+  EXPECT_EQ(client_->Release(id).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ClientLibraryTest, ExplicitReleaseHappensOnce) {
+  auto buffer = client_->Allocate(100, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  const uint64_t id = buffer->id();
+  ASSERT_TRUE(buffer->Release().ok());
+  EXPECT_EQ(buffer->Release().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(ListedIds(*client_), IsEmpty());
+  // The mapping outlives the registration until the Buffer goes.
+  buffer->data()[99] = std::byte{1};
+  EXPECT_EQ(client_->ReadBuffer(id, 0, 1).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ClientLibraryTest, BufferOutlivesItsClient) {
+  auto buffer = client_->Allocate(100, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client_.reset();
+  buffer->data()[0] = std::byte{7};
+  auto other = Connect();
+  ASSERT_NE(other, nullptr);
+  EXPECT_EQ(ListedIds(*other), std::vector<uint64_t>{buffer->id()});
+  { Buffer gone = std::move(*buffer); }
+  EXPECT_THAT(ListedIds(*other), IsEmpty());
+}
+
+TEST_F(ClientLibraryTest, ReadAndWriteBufferAreChunked) {
+  ConnectOptions options;
+  options.transfer_chunk_bytes = 4096;
+  auto client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  auto buffer = client->Allocate(3 * kMiB + 11, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  const std::string data = PatternString(9, 0, 3 * kMiB + 5);
+  ASSERT_TRUE(client->WriteBuffer(buffer->id(), 3, data).ok());
+  // Zeros outside the written range: compare against an explicit image.
+  std::string expected(buffer->size(), '\0');
+  expected.replace(3, data.size(), data);
+  EXPECT_TRUE(AsString(buffer->bytes()) == expected);
+  auto back = client->ReadBuffer(buffer->id(), 1, buffer->size() - 1);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == expected.substr(1));
+}
+
+TEST_F(ClientLibraryTest, ReadAndWriteBufferErrors) {
+  auto buffer = client_->Allocate(64, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(client_->ReadBuffer(buffer->id(), UINT64_MAX, 2).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(client_->WriteBuffer(buffer->id(), UINT64_MAX, "ab").code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(client_->ReadBuffer(buffer->id(), 60, 5).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(client_->WriteBuffer(buffer->id(), 64, "a").code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(client_->ReadBuffer(buffer->id() + 1000, 0, 1).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->WriteBuffer(buffer->id() + 1000, 0, "a").code(),
+            absl::StatusCode::kNotFound);
+  // Nothing was written by the failed calls.
+  EXPECT_EQ(AsString(buffer->bytes()), std::string(64, '\0'));
+}
+
+TEST_F(ClientLibraryTest, SubmitAnswersOneResultPerOp) {
+  auto source = client_->Attach(1000, v1::ACCESS_READ);
+  ASSERT_TRUE(source.ok()) << source.status();
+  auto target = client_->Allocate(1000, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(target.ok()) << target.status();
+  FillPattern(source->bytes(), 11);
+
+  std::vector<OpSpec> ops(3);
+  for (OpSpec& op : ops) {
+    op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+    op.local_buffer_id = target->id();
+    op.remote_context = source->remote_context();
+  }
+  ops[0].local_offset = 1;
+  ops[0].remote_offset = 2;
+  ops[0].length = 10;
+  ops[1].local_offset = 500;
+  ops[1].remote_offset = 995;  // 995 + 10 > 1000
+  ops[1].length = 10;
+  ops[2].type = v1::OP_TYPE_WRITE_FROM_LOCAL;  // into a READ-only buffer
+  ops[2].length = 10;
+  auto results = client_->Submit(ops, absl::Seconds(10));
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 3u);
+  EXPECT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
+  EXPECT_EQ((*results)[0].backend, "memory");
+  EXPECT_EQ((*results)[1].status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*results)[2].status.code(), absl::StatusCode::kPermissionDenied);
+  std::string expected(1000, '\0');
+  expected.replace(1, 10, PatternString(11, 2, 10));
+  EXPECT_TRUE(AsString(target->bytes()) == expected);
+  EXPECT_EQ(FirstMismatch(source->bytes(), 0, 0, 0, 0, 11), std::nullopt);
+
+  // The agent's default timeout when none is given.
+  auto default_timeout = client_->Submit({ops[0]}, absl::ZeroDuration());
+  ASSERT_TRUE(default_timeout.ok()) << default_timeout.status();
+  EXPECT_TRUE((*default_timeout)[0].status.ok());
+}
+
+TEST_F(ClientLibraryTest, SubmitOfAnEmptyBatchIsInvalid) {
+  auto results = client_->Submit({}, absl::Seconds(1));
+  EXPECT_EQ(results.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientLibraryTest, AllocateReleasesTheRegistrationWhenMappingFails) {
+  ConnectOptions options;
+  options.attach_socket = agent_->runtime_dir() + "/no-attach.sock";
+  auto client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  auto buffer = client->Allocate(100, v1::ACCESS_READ_WRITE);
+  EXPECT_EQ(buffer.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(ListedIds(*client), IsEmpty());
+  EXPECT_EQ(client->Attach(100, v1::ACCESS_READ_WRITE).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ClientLibraryTest, BadSizesAreInvalid) {
+  EXPECT_EQ(client_->Allocate(0, v1::ACCESS_READ_WRITE).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->Attach(0, v1::ACCESS_READ_WRITE).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ListedIds(*client_), IsEmpty());
+}
+
+TEST_F(ClientLibraryTest, NonUnixTargetNeedsAnExplicitAttachSocket) {
+  ConnectOptions options;
+  options.target = "dns:///localhost:1";
+  options.connect_timeout = absl::ZeroDuration();  // lazy: nothing listens
+  auto client = AgentClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->attach_socket(), "");
+  EXPECT_EQ((*client)->Attach(8, v1::ACCESS_READ).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace rdma_agent::testing
