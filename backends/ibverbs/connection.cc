@@ -300,6 +300,9 @@ void Connection::Reap(absl::Span<const ibv_wc> wcs) {
       ++credits_;
       if (wc.status != IBV_WC_SUCCESS) broken_ = true;
     }
+    // Unpinned before the op is reported, so that a Submit returning has
+    // no reference of ours left on its registrations.
+    done.pin.reset();
     done.tracker->WrCompleted(done.op, CompletionStatus(wc));
   }
 }

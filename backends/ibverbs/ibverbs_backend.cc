@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/net_address.h"
 
 namespace rdma_agent {
 
@@ -99,9 +100,12 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
     : env_(std::move(env)),
       options_(std::move(options)),
       verbs_(std::move(verbs)),
-      service_(std::make_unique<PeerService>(this)) {}
+      service_(std::make_unique<PeerService>(this)),
+      peer_address_(env_.peer_address) {}
 
 IbverbsBackend::~IbverbsBackend() {
+  // No handshake may run into a backend being destroyed.
+  if (own_server_ != nullptr) own_server_->Shutdown();
   // Connections drain and stop their pollers before the PD and device go.
   std::map<std::string, std::shared_ptr<Connection>> requesters;
   std::map<std::string, std::unique_ptr<Connection>> responders;
@@ -227,12 +231,33 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
   attributes["retry_cnt"] = absl::StrCat(params_.retry_cnt);
   attributes["rnr_retry"] = absl::StrCat(params_.rnr_retry);
   attributes["max_rd_atomic"] = absl::StrCat(params_.max_rd_atomic);
-  attributes["peer_address"] = env_.peer_address;
+  attributes["peer_address"] = peer_address_;
   return info;
 }
 
 std::vector<grpc::Service*> IbverbsBackend::peer_services() {
   return {service_.get()};
+}
+
+absl::Status IbverbsBackend::Start() {
+  if (!available() || !peer_address_.empty()) return absl::OkStatus();
+  const std::string host = env_.advertise_host.empty() ||
+                                   IsWildcardHost(env_.advertise_host)
+                               ? "127.0.0.1"
+                               : env_.advertise_host;
+  own_service_ = std::make_unique<PeerService>(this);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(JoinHostPort(host, 0),
+                           grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(own_service_.get());
+  own_server_ = builder.BuildAndStart();
+  if (own_server_ == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen for queue-pair handshakes on ", host));
+  }
+  peer_address_ = JoinHostPort(host, static_cast<uint16_t>(port));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
@@ -254,7 +279,7 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   ib->set_gid(GidBytes(local_.gid));
   ib->set_rkey((*mr)->rkey());
   ib->set_address(reinterpret_cast<uint64_t>(registration.data()));
-  ib->set_peer_address(env_.peer_address);
+  ib->set_peer_address(peer_address_);
   ib->set_max_message_bytes(params_.max_message_bytes);
   return std::unique_ptr<BackendRegistration>(
       new IbverbsRegistration(std::move(*mr)));

@@ -15,6 +15,10 @@
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
+namespace grpc {
+class Server;
+}
+
 namespace rdma_agent {
 
 // Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
@@ -72,6 +76,13 @@ class IbverbsBackend : public Backend {
   }
   v1::TransportInfo transport_info() const override;
   std::vector<grpc::Service*> peer_services() override;
+  // When the agent did not pass its Peer address (env.peer_address empty),
+  // serves the Peer service on a listener of its own at
+  // env.advertise_host:0 (127.0.0.1 when that is empty), so that contexts
+  // always carry a reachable handshake address.
+  absl::Status Start() override;
+  // "host:port" peers dial for the queue-pair handshake.
+  const std::string& peer_address() const { return peer_address_; }
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
       const Registration& registration,
       v1::BackendEndpoint* endpoint) override;
@@ -119,6 +130,12 @@ class IbverbsBackend : public Backend {
   ibv_port_attr port_attr_ = {};
   LocalPort local_;
   std::unique_ptr<PeerService> service_;
+  // Set at construction or by Start(); read-only once registrations exist.
+  std::string peer_address_;
+  // The fallback listener (see Start()), with its own service instance: a
+  // grpc::Service can be registered with one server only.
+  std::unique_ptr<PeerService> own_service_;
+  std::unique_ptr<grpc::Server> own_server_;
 
   // Serialises handshakes, so concurrent Submits connect a peer once.
   absl::Mutex connect_mu_;

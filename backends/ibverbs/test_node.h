@@ -1,0 +1,86 @@
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_TEST_NODE_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_TEST_NODE_H_
+
+// Test-only: a minimal "agent" around one IbverbsBackend on a soft device,
+// so that backend tests run several agents in one process without the
+// daemon: an identity, a buffer directory, and helpers to register buffers
+// and build ops.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "backends/backend.h"
+#include "backends/ibverbs/ibverbs_backend.h"
+#include "backends/ibverbs/soft_verbs.h"
+
+namespace rdma_agent {
+namespace testing {
+
+// Registrations by id, resolved like the agent does for peers.
+class TestDirectory : public BufferDirectory {
+ public:
+  explicit TestDirectory(uint64_t epoch) : epoch_(epoch) {}
+  absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
+      const ServeRequest& request) const override;
+  void Add(std::shared_ptr<Registration> registration);
+  // Drops the directory's reference (the agent's Release).
+  void Remove(uint64_t id);
+
+ private:
+  const uint64_t epoch_;
+  mutable absl::Mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Registration>> buffers_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// A registration and the remote context peers use for it.
+struct TestBuffer {
+  std::shared_ptr<Registration> registration;
+  std::shared_ptr<const v1::RemoteBuffer> context;
+  uint8_t* bytes() const {
+    return reinterpret_cast<uint8_t*>(registration->data());
+  }
+};
+
+class TestNode {
+ public:
+  // An agent `agent_id` whose ibverbs backend sees only `device` of
+  // `fabric`. Its backend serves handshakes on its own listener.
+  static std::unique_ptr<TestNode> Create(verbs::SoftFabric& fabric,
+                                          const std::string& agent_id,
+                                          const std::string& device,
+                                          IbverbsOptions options = {});
+
+  IbverbsBackend& backend() { return *backend_; }
+  const AgentIdentity& identity() const { return identity_; }
+
+  // Registers `size` bytes with `access`, filled with a pattern derived from
+  // `seed`. The directory holds it until Release().
+  TestBuffer Register(uint64_t size, v1::Access access, uint8_t seed);
+  void Release(const TestBuffer& buffer) {
+    directory_->Remove(buffer.registration->id());
+  }
+
+ private:
+  TestNode() = default;
+
+  AgentIdentity identity_;
+  // Before backend_: the backend's environment points at it.
+  std::unique_ptr<TestDirectory> directory_;
+  std::unique_ptr<IbverbsBackend> backend_;
+  uint64_t next_id_ = 1;
+};
+
+// An op of `type` moving `length` bytes between local[local_offset..] and
+// remote[remote_offset..].
+Op MakeOp(size_t index, v1::OpType type, const TestBuffer& local,
+          uint64_t local_offset, uint64_t length, const TestBuffer& remote,
+          uint64_t remote_offset);
+
+}  // namespace testing
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_TEST_NODE_H_
