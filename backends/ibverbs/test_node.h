@@ -53,6 +53,10 @@ class TestNode {
                                           const std::string& agent_id,
                                           const std::string& device,
                                           IbverbsOptions options = {});
+  // The same over any Verbs (the hardware test passes the real one).
+  static std::unique_ptr<TestNode> CreateWithVerbs(
+      std::unique_ptr<verbs::Verbs> verbs, const std::string& agent_id,
+      IbverbsOptions options = {});
 
   IbverbsBackend& backend() { return *backend_; }
   const AgentIdentity& identity() const { return identity_; }
