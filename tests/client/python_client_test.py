@@ -1,0 +1,272 @@
+"""Tests of client/python/rdma_agent_client.py against a real rdma-agentd.
+
+Run by python_client_test.sh with Debian's /usr/bin/python3:
+    python_client_test.py --agentd PATH/rdma-agentd
+The module also plays a second client process (--child) for the
+cross-process test.
+"""
+
+import argparse
+import base64
+import os
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+
+import grpc
+
+from rdma_agent_client import AgentClient, AgentError, Op, decode_context
+
+AGENTD = None
+MIB = 1 << 20
+
+
+def pattern(seed, size):
+    return random.Random(seed).randbytes(size)
+
+
+class Agent:
+    """A real rdma-agentd in a fresh short runtime dir; ready once it logs
+    that it serves its sockets."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="rac.", dir="/tmp")
+        self.socket = os.path.join(self.dir, "agent.sock")
+        self.log = []
+        self.process = subprocess.Popen(
+            [AGENTD, "--runtime_dir=" + self.dir, "--backends=memory",
+             "--peer_listen=127.0.0.1:0", "--log_level=debug"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        lines = queue.Queue()
+
+        def drain():
+            for raw in self.process.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.log.append(line)
+                lines.put(line)
+            lines.put(None)
+
+        self.drainer = threading.Thread(target=drain, daemon=True)
+        self.drainer.start()
+        while True:
+            line = lines.get(timeout=30)  # queue.Empty fails the test
+            if line is None:
+                raise RuntimeError("rdma-agentd exited:\n" + "\n".join(self.log))
+            if "serving unix://" in line:
+                return
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            code = self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait(timeout=30)
+            self.drainer.join(timeout=30)
+            self.process.stdout.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return code
+
+
+class PythonClientTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.agent = Agent()
+
+    @classmethod
+    def tearDownClass(cls):
+        # A clean SIGTERM shutdown removes the sockets.
+        code = cls.agent.stop()
+        assert code == 0, "rdma-agentd exited with %s" % code
+
+    def setUp(self):
+        self.client = AgentClient(self.agent.socket, timeout=30)
+
+    def tearDown(self):
+        for info in self.client.list_buffers():
+            self.client.release(info.buffer_id)
+        self.client.close()
+
+    def assertCode(self, code, call, *args):
+        with self.assertRaises(AgentError) as raised:
+            call(*args)
+        self.assertEqual(raised.exception.code, code, raised.exception)
+
+    def test_info(self):
+        info = self.client.info()
+        self.assertTrue(info.agent_id)
+        self.assertNotEqual(info.epoch, 0)
+        self.assertEqual([b.name for b in info.backends], ["memory"])
+
+    def check_shared(self, buffer):
+        """The mapping is the agent's memory: both ways, no copy."""
+        self.assertEqual(bytes(buffer.memory), bytes(buffer.size))
+        buffer.memory[5:1005] = pattern(1, 1000)
+        expected = bytearray(buffer.size)
+        expected[5:1005] = pattern(1, 1000)
+        self.assertEqual(self.client.read_buffer(buffer.id, 0, buffer.size), bytes(expected))
+        self.client.write_buffer(buffer.id, 2001, pattern(2, 333))
+        expected[2001:2334] = pattern(2, 333)
+        self.assertEqual(bytes(buffer.memory), bytes(expected))
+        context = decode_context(buffer.remote_context)
+        self.assertEqual(context.buffer_id, buffer.id)
+        self.assertEqual(context.size_bytes, buffer.size)
+        self.assertEqual(len(context.token), 16)
+        self.assertEqual(buffer.backends, ["memory"])
+
+    def test_allocate_maps_the_agents_memory(self):
+        with self.client.allocate(4099, "read_write", "py-allocated") as buffer:
+            self.assertEqual(buffer.size, 4099)
+            self.check_shared(buffer)
+            [info] = self.client.list_buffers()
+            self.assertEqual((info.buffer_id, info.label, info.agent_allocated),
+                             (buffer.id, "py-allocated", True))
+        # Leaving the block released it.
+        self.assertEqual(self.client.list_buffers(), [])
+
+    def test_attach_hands_over_our_memfd(self):
+        with self.client.attach(4099, "read_write", "py-attached") as buffer:
+            self.assertEqual(buffer.size, 4099)
+            self.check_shared(buffer)
+            [info] = self.client.list_buffers()
+            self.assertEqual((info.buffer_id, info.label, info.agent_allocated),
+                             (buffer.id, "py-attached", False))
+        self.assertEqual(self.client.list_buffers(), [])
+
+    def test_submit_moves_every_byte_both_ways(self):
+        size_a, size_b = 3 * MIB + 13, 3 * MIB + 7
+        with self.client.attach(size_a) as a, self.client.allocate(size_b) as b:
+            cases = [
+                # (local, remote, type, local_offset, length, remote_offset)
+                (b, a, "read", 3, 3 * MIB, 5),
+                (a, b, "read", 5, 3 * MIB, 3),
+                (b, a, "write", 7, 3 * MIB, 13),
+                (a, b, "write", 13, 3 * MIB, 7),
+                (b, a, "read", size_b - 1, 1, size_a - 1),
+                (a, b, "write", 1, 4097, 2),
+            ]
+            for local, remote, kind, local_offset, length, remote_offset in cases:
+                with self.subTest(kind=kind, local=local.id, length=length):
+                    local.memory[:] = pattern(10, local.size)
+                    remote.memory[:] = pattern(20, remote.size)
+                    local_before = bytearray(local.memory)
+                    remote_before = bytearray(remote.memory)
+                    [result] = self.client.submit(
+                        [Op(kind, local.id, local_offset, length, remote.remote_context,
+                            remote_offset)], timeout=30)
+                    self.assertTrue(result.ok, result)
+                    self.assertEqual(result.backend, "memory")
+                    if kind == "read":
+                        local_before[local_offset:local_offset + length] = \
+                            remote_before[remote_offset:remote_offset + length]
+                    else:
+                        remote_before[remote_offset:remote_offset + length] = \
+                            local_before[local_offset:local_offset + length]
+                    self.assertTrue(bytes(local.memory) == bytes(local_before))
+                    self.assertTrue(bytes(remote.memory) == bytes(remote_before))
+
+    def test_submit_reports_each_op(self):
+        with self.client.attach(100, "read") as source, self.client.allocate(100) as target:
+            results = self.client.submit([
+                Op("read", target.id, 0, 10, source.remote_context, 0),
+                Op("read", target.id, 0, 10, source.remote_context, 95),
+                Op("write", target.id, 0, 10, source.remote_context, 0),
+                Op("read", 999999, 0, 10, source.remote_context, 0),
+            ], timeout=10)
+            self.assertEqual([r.code for r in results],
+                             [grpc.StatusCode.OK, grpc.StatusCode.OUT_OF_RANGE,
+                              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND])
+            self.assertTrue(all(r.message for r in results[1:]), results)
+            self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.submit, [])
+
+    def test_errors_carry_status_codes(self):
+        buffer = self.client.allocate(64)
+        self.assertCode(grpc.StatusCode.OUT_OF_RANGE, self.client.read_buffer, buffer.id, 60, 5)
+        self.assertCode(grpc.StatusCode.OUT_OF_RANGE, self.client.read_buffer, buffer.id,
+                        (1 << 64) - 1, 2)
+        self.assertCode(grpc.StatusCode.OUT_OF_RANGE, self.client.write_buffer, buffer.id,
+                        64, b"x")
+        self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.read_buffer, 999999, 0, 1)
+        self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.allocate, 0)
+        self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.attach, 0)
+        buffer.release()
+        self.assertCode(grpc.StatusCode.FAILED_PRECONDITION, buffer.release)
+        self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.release, buffer.id)
+        buffer.close()  # does not release again
+        self.assertCode(grpc.StatusCode.UNAVAILABLE, AgentClient,
+                        os.path.join(self.agent.dir, "missing.sock"), None, 0.5)
+
+    def test_unmapped_registration_outlives_the_call(self):
+        response = self.client.register(128, "read", "unmapped")
+        self.client.write_buffer(response.buffer_id, 1, b"abc")
+        self.assertEqual(self.client.read_buffer(response.buffer_id, 0, 5), b"\0abc\0")
+        self.client.release(response.buffer_id)
+
+    def test_another_process_shares_bytes_through_the_agent(self):
+        # The child attaches a buffer with pattern 7 and prints its context.
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child", self.agent.socket],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline().split()
+            self.assertEqual(line[0], "ready", line)
+            context = base64.b64decode(line[1])
+            with self.client.allocate(MIB + 1) as mine:
+                mine.memory[:] = pattern(8, MIB + 1)
+                [result] = self.client.submit(
+                    [Op("read", mine.id, 1, MIB, context, 0)], timeout=30)
+                self.assertTrue(result.ok, result)
+                self.assertTrue(bytes(mine.memory[1:MIB + 1]) == pattern(7, MIB))
+                self.assertEqual(mine.memory[0], pattern(8, MIB + 1)[0])
+                [result] = self.client.submit(
+                    [Op("write", mine.id, 0, 10, context, 3)], timeout=30)
+                self.assertTrue(result.ok, result)
+                written = bytes(mine.memory[0:10])
+            # The child checks its own mapping: bytes 3..12 are ours now.
+            child.stdin.write("check %s\n" % written.hex())
+            child.stdin.flush()
+            self.assertEqual(child.stdout.readline().strip(), "ok")
+        finally:
+            child.stdin.close()
+            code = child.wait(timeout=30)
+            child.stdout.close()
+            self.assertEqual(code, 0)
+
+
+def child(socket_path):
+    with AgentClient(socket_path, timeout=30) as client:
+        with client.attach(MIB, "read_write") as buffer:
+            buffer.memory[:] = pattern(7, MIB)
+            print("ready", base64.b64encode(buffer.remote_context).decode(), flush=True)
+            for line in sys.stdin:
+                words = line.split()
+                if words and words[0] == "check":
+                    expected = bytearray(pattern(7, MIB))
+                    expected[3:13] = bytes.fromhex(words[1])
+                    print("ok" if bytes(buffer.memory) == bytes(expected) else "mismatch",
+                          flush=True)
+    return 0
+
+
+def main():
+    global AGENTD
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--agentd")
+    parser.add_argument("--child")
+    args, rest = parser.parse_known_args()
+    if args.child:
+        return child(args.child)
+    AGENTD = args.agentd
+    program = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    return 0 if program.result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
