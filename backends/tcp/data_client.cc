@@ -78,9 +78,9 @@ class Pipeline {
     while (next_recv_ < lane_.size()) {
       bool progress = false;
       bool want_write = false;
-      bool want_read = true;
-      absl::Status status = Send(&progress, &want_write);
-      if (status.ok()) status = Receive(&progress, &want_read);
+      bool want_read = false;
+      absl::Status status = Send(deadline, &progress, &want_write);
+      if (status.ok()) status = Receive(deadline, &progress, &want_read);
       if (!status.ok()) return Fail(status, outcome);
       if (next_recv_ == lane_.size()) break;
       const absl::Duration left = deadline - absl::Now();
@@ -88,9 +88,8 @@ class Pipeline {
         outcome.deadline_passed = true;
         return Fail(absl::DeadlineExceededError(DeadlineMessage()), outcome);
       }
-      if (progress) continue;
-      pollfd p{fd_, static_cast<short>((want_read ? POLLIN : 0) |
-                                       (want_write ? POLLOUT : 0)),
+      if (progress || (!want_read && !want_write)) continue;
+      pollfd p{fd_, static_cast<short>(POLLIN | (want_write ? POLLOUT : 0)),
                0};
       const timespec timeout = absl::ToTimespec(left);
       if (ppoll(&p, 1, &timeout, nullptr) < 0 && errno != EINTR) {
@@ -114,10 +113,29 @@ class Pipeline {
            (c.kind == RequestKind::kWrite ? c.length : 0);
   }
 
-  // Sends as much of the queued requests as the socket takes now.
-  absl::Status Send(bool* progress, bool* want_write) {
-    while (next_send_ < lane_.size() &&
-           next_send_ - next_recv_ < max_in_flight_) {
+  // True when the window lets another request (or the rest of one) go out.
+  bool CanSend() const {
+    return next_send_ < lane_.size() &&
+           next_send_ - next_recv_ < max_in_flight_;
+  }
+
+  // True when a READ payload may be on its way to us: then a blocking send
+  // could deadlock against a server blocked sending that payload.
+  bool ReadOutstanding() const {
+    const size_t end = std::min(lane_.size(), next_send_ + 1);
+    for (size_t i = next_recv_; i < end; ++i) {
+      if (chunk(i).kind == RequestKind::kRead && (i < next_send_ || send_pos_ > 0)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Sends as much of the queued requests as the window allows. Blocks (up to
+  // the deadline) only when no READ payload can be coming back meanwhile:
+  // responses to WRITEs are small enough to sit in socket buffers.
+  absl::Status Send(absl::Time deadline, bool* progress, bool* want_write) {
+    while (CanSend()) {
       iovec iov[kMaxIov];
       int count = 0;
       size_t skip = send_pos_;
@@ -143,11 +161,19 @@ class Pipeline {
       msghdr message{};
       message.msg_iov = iov;
       message.msg_iovlen = static_cast<size_t>(count);
-      ssize_t sent = sendmsg(fd_, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+      const bool block = !ReadOutstanding();
+      if (block) {
+        const absl::Duration left = deadline - absl::Now();
+        if (left <= absl::ZeroDuration()) return absl::OkStatus();
+        SetIoTimeout(fd_, /*receive=*/false, left);
+      }
+      ssize_t sent =
+          sendmsg(fd_, &message, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
       if (sent < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-          *want_write = true;
+          // Full socket (or, blocking, the deadline): the caller decides.
+          *want_write = !block;
           return absl::OkStatus();
         }
         return absl::UnavailableError(
@@ -172,8 +198,10 @@ class Pipeline {
   }
 
   // Receives what has arrived: response headers, messages, and READ payloads
-  // straight into local memory.
-  absl::Status Receive(bool* progress, bool* want_read) {
+  // straight into local memory. With nothing left to send it blocks (up to
+  // the deadline) for whole parts, which costs far fewer system calls than
+  // polling for each piece.
+  absl::Status Receive(absl::Time deadline, bool* progress, bool* want_read) {
     // Always read, even with nothing outstanding: an EOF must be noticed
     // while blocked on sending, and unsolicited bytes are a protocol error.
     while (next_recv_ < lane_.size()) {
@@ -193,8 +221,15 @@ class Pipeline {
           size = chunk(next_recv_).length - got_;
           break;
       }
-      ssize_t n = size == 0 ? 0 : recv(fd_, target, size, MSG_DONTWAIT);
       if (size != 0) {
+        const bool block = !CanSend() && next_recv_ < next_send_;
+        if (block) {
+          const absl::Duration left = deadline - absl::Now();
+          if (left <= absl::ZeroDuration()) return absl::OkStatus();
+          SetIoTimeout(fd_, /*receive=*/true, left);
+        }
+        const ssize_t n =
+            recv(fd_, target, size, block ? MSG_WAITALL : MSG_DONTWAIT);
         if (n == 0) {
           return absl::UnavailableError(
               absl::StrCat("connection to ", peer_, " closed by the peer"));
@@ -202,7 +237,7 @@ class Pipeline {
         if (n < 0) {
           if (errno == EINTR) continue;
           if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            *want_read = true;
+            *want_read = !block;
             return absl::OkStatus();
           }
           return absl::UnavailableError(absl::StrCat(
@@ -210,7 +245,13 @@ class Pipeline {
         }
         *progress = true;
         got_ += static_cast<size_t>(n);
-        if (static_cast<size_t>(n) < size) continue;
+        if (static_cast<size_t>(n) < size) {
+          // Blocking: cut short by the deadline or a signal; let the caller
+          // check. Non-blocking: drained for now.
+          *want_read = !block;
+          if (block) return absl::OkStatus();
+          continue;
+        }
       }
       // The current part is complete.
       if (absl::Status status = Advance(); !status.ok()) return status;

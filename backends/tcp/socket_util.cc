@@ -177,11 +177,20 @@ absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline) {
         continue;
       }
     }
+    // Blocking from now on: each call says whether it may wait.
+    const int flags = fcntl(fd.get(), F_GETFL);
+    fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
     freeaddrinfo(*resolved);
     return fd;
   }
   freeaddrinfo(*resolved);
   return last;
+}
+
+void SetIoTimeout(int fd, bool receive, absl::Duration timeout) {
+  const timeval tv = absl::ToTimeval(std::max(timeout, absl::Milliseconds(1)));
+  setsockopt(fd, SOL_SOCKET, receive ? SO_RCVTIMEO : SO_SNDTIMEO, &tv,
+             sizeof(tv));
 }
 
 absl::Status ReadFull(int fd, void* data, size_t size) {

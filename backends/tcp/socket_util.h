@@ -36,11 +36,16 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address, uint16_t* bound_port
 
 // Connects to `address` without blocking past `deadline`: DEADLINE_EXCEEDED
 // when it passes, UNAVAILABLE when the peer refuses or is unreachable. The
-// returned socket is non-blocking, with TCP_NODELAY.
+// returned socket is in blocking mode (callers pass MSG_DONTWAIT or set
+// SO_RCVTIMEO/SO_SNDTIMEO to bound each call), with TCP_NODELAY.
 absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline);
 
 // Sets the socket options both ends of a data connection use.
 void ConfigureDataSocket(int fd);
+
+// Bounds the next blocking receives (SO_RCVTIMEO) or sends (SO_SNDTIMEO) on
+// `fd` by `timeout` (at least 1 ms, since zero would mean "forever").
+void SetIoTimeout(int fd, bool receive, absl::Duration timeout);
 
 // Blocking reads/writes of exactly the given bytes (for blocking sockets).
 // UNAVAILABLE when the connection ends or fails first.

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Side-by-side bandwidth on loopback, in one run on one machine:
+#   iperf3 -l 1M, single stream            (the TCP ceiling)
+#   ucx_perftest, UCX_TLS=tcp, 1 MiB put and get
+#   rdma-agent-bench between two rdma-agentd (tcp backend)
+# then prints a table and the ratios the TCP backend is held to:
+#   256 MiB write and read >= 0.9x iperf3; 1 MiB put/get >= 3x ucx_perftest.
+#
+# Usage: bench/compare.sh [--bin_dir DIR] [--seconds N] [-- extra agent flags]
+#   Binaries come from DIR (default: bazel-bin of an optimised build, made
+#   with `bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench`
+#   when missing). Needs iperf3 and ucx-utils (Debian packages).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BIN_DIR=""
+SECONDS_PER_TEST=5
+AGENT_FLAGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --bin_dir) BIN_DIR="$2"; shift 2 ;;
+    --seconds) SECONDS_PER_TEST="$2"; shift 2 ;;
+    --) shift; AGENT_FLAGS=("$@"); break ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+if [[ -z "$BIN_DIR" ]]; then
+  if [[ -n "${RUNFILES_DIR:-}" && -x "$RUNFILES_DIR/rdma_agentd/daemon/rdma-agentd" ]]; then
+    AGENTD="$RUNFILES_DIR/rdma_agentd/daemon/rdma-agentd"
+    BENCH="$RUNFILES_DIR/rdma_agentd/bench/rdma-agent-bench"
+  else
+    (cd "$ROOT" && bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench >&2)
+    AGENTD="$(cd "$ROOT" && bazel cquery -c opt --output=files //daemon:rdma-agentd 2>/dev/null)"
+    BENCH="$(cd "$ROOT" && bazel cquery -c opt --output=files //bench:rdma-agent-bench 2>/dev/null)"
+    AGENTD="$ROOT/$AGENTD"; BENCH="$ROOT/$BENCH"
+  fi
+else
+  AGENTD="$BIN_DIR/daemon/rdma-agentd"
+  BENCH="$BIN_DIR/bench/rdma-agent-bench"
+fi
+for tool in iperf3 ucx_perftest "$AGENTD" "$BENCH"; do
+  command -v "$tool" >/dev/null || { echo "missing: $tool" >&2; exit 1; }
+done
+
+WORK="$(mktemp -d /tmp/rdma-bench.XXXXXX)"
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# A free TCP port on loopback.
+free_port() {
+  /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# Waits (bounded) for a file to appear.
+wait_for() {
+  for _ in $(seq 1 300); do [[ -e "$1" ]] && return 0; sleep 0.1; done
+  echo "timed out waiting for $1" >&2; return 1
+}
+
+# --- iperf3 ------------------------------------------------------------------
+port="$(free_port)"
+iperf3 -s -1 -p "$port" >"$WORK/iperf3-server.log" 2>&1 &
+PIDS+=($!)
+sleep 0.5
+iperf3 -c 127.0.0.1 -p "$port" -l 1M -t "$SECONDS_PER_TEST" -J >"$WORK/iperf3.json"
+IPERF_MIBS="$(/usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("%.1f" % (d["end"]["sum_received"]["bits_per_second"]/8/2**20))' "$WORK/iperf3.json")"
+
+# --- ucx_perftest --------------------------------------------------------------
+ucx() {  # test name -> overall bandwidth (MB/s as ucx_perftest prints it: MiB/s)
+  local test="$1" port
+  port="$(free_port)"
+  UCX_TLS=tcp ucx_perftest -p "$port" >"$WORK/ucx-server-$test.log" 2>&1 &
+  local server=$!
+  PIDS+=($server)
+  sleep 1
+  UCX_TLS=tcp ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s 1048576 -n 2000 \
+    >"$WORK/ucx-$test.log" 2>&1
+  wait "$server" 2>/dev/null || true
+  awk '/^Final:/ {print $7}' "$WORK/ucx-$test.log"
+}
+UCX_PUT="$(ucx ucp_put_bw)"
+UCX_GET="$(ucx ucp_get)"
+
+# --- rdma-agentd pair --------------------------------------------------------
+for side in a b; do
+  mkdir -p "$WORK/$side"
+  "$AGENTD" --runtime_dir="$WORK/$side" --backends=memory,tcp \
+    --tcp_listen=127.0.0.1:0 --peer_listen=127.0.0.1:0 \
+    --advertise_host=127.0.0.1 --log_level=warn "${AGENT_FLAGS[@]}" \
+    >"$WORK/agentd-$side.log" 2>&1 &
+  PIDS+=($!)
+done
+wait_for "$WORK/a/agent.sock"
+wait_for "$WORK/b/agent.sock"
+"$BENCH" --local="unix://$WORK/a/agent.sock" --remote="unix://$WORK/b/agent.sock" \
+  | tee "$WORK/bench.txt"
+
+value() { awk -v name="$1" '$1 ~ "^"name {print $4}' "$WORK/bench.txt"; }
+WRITE="$(value write_)"; READ="$(value read_)"
+PUT="$(value put_)"; GET="$(value get_)"
+
+ratio() { /usr/bin/python3 -c 'import sys; print("%.2f" % (float(sys.argv[1])/float(sys.argv[2])))' "$1" "$2"; }
+echo
+printf '%-34s %12s %12s %8s %s\n' "test" "rdma-agentd" "peer" "ratio" "target"
+printf '%-34s %12s %12s %8s %s\n' "256 MiB write vs iperf3 -l 1M" "$WRITE" "$IPERF_MIBS" "$(ratio "$WRITE" "$IPERF_MIBS")" ">= 0.90"
+printf '%-34s %12s %12s %8s %s\n' "256 MiB read  vs iperf3 -l 1M" "$READ" "$IPERF_MIBS" "$(ratio "$READ" "$IPERF_MIBS")" ">= 0.90"
+printf '%-34s %12s %12s %8s %s\n' "1 MiB put vs ucx_perftest put_bw" "$PUT" "$UCX_PUT" "$(ratio "$PUT" "$UCX_PUT")" ">= 3.00"
+printf '%-34s %12s %12s %8s %s\n' "1 MiB get vs ucx_perftest get" "$GET" "$UCX_GET" "$(ratio "$GET" "$UCX_GET")" ">= 3.00"
+echo "(MiB/s; $(nproc) cores; $(date -u +%Y-%m-%dT%H:%MZ))"
