@@ -1,9 +1,11 @@
 #include "client/internal/attach_socket.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -15,9 +17,10 @@ namespace rdma_agent::client::internal {
 namespace {
 
 absl::Status SocketError(absl::string_view what, int err) {
+  // SO_SNDTIMEO/SO_RCVTIMEO expired (connect to a full backlog, say).
   if (err == EAGAIN || err == EWOULDBLOCK) {
     return absl::DeadlineExceededError(
-        absl::StrCat(what, ": no answer from the attach socket in time"));
+        absl::StrCat(what, ": the attach socket did not answer in time"));
   }
   if (err == ENOENT || err == ECONNREFUSED || err == ECONNRESET ||
       err == EPIPE) {
@@ -77,26 +80,28 @@ absl::StatusOr<AttachReply> ExchangeOnAttachSocket(
     int fd, absl::Duration timeout) {
   absl::StatusOr<UniqueFd> sock = ConnectUnix(path, timeout);
   if (!sock.ok()) return sock.status();
-  // fd_message maps errno to statuses without knowing about our timeouts, so
-  // EAGAIN (SO_RCVTIMEO/SO_SNDTIMEO expired) is recognised here.
-  errno = 0;
   absl::Status sent = SendFdMessage(sock->get(), request, fd);
-  if (!sent.ok()) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      return SocketError("sending attach request", errno);
-    }
-    return sent;
+  if (!sent.ok()) return sent;
+  // Waiting here, rather than inside ReceiveFdMessage, tells a silent agent
+  // (DEADLINE_EXCEEDED) apart from a broken one; SO_RCVTIMEO stays as the
+  // bound of the reads that follow.
+  struct pollfd pfd = {sock->get(), POLLIN, 0};
+  int ready;
+  do {
+    ready = ::poll(&pfd, 1,
+                   static_cast<int>(std::clamp<int64_t>(
+                       absl::ToInt64Milliseconds(timeout), 0, INT32_MAX)));
+  } while (ready < 0 && errno == EINTR);
+  if (ready < 0) return SocketError("poll on the attach socket", errno);
+  if (ready == 0) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no answer from the attach socket ", path, " within ",
+        absl::FormatDuration(timeout)));
   }
   AttachReply reply;
-  errno = 0;
   absl::StatusOr<UniqueFd> received =
       ReceiveFdMessage(sock->get(), &reply.response);
-  if (!received.ok()) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      return SocketError("waiting for the attach response", errno);
-    }
-    return received.status();
-  }
+  if (!received.ok()) return received.status();
   reply.fd = std::move(*received);
   return reply;
 }

@@ -3,6 +3,8 @@
 // ReadBuffer/WriteBuffer, per-op Submit results, and its error paths.
 
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include <cstring>
 #include <string>
@@ -11,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
+#include "common/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
@@ -283,6 +286,32 @@ TEST_F(ClientLibraryTest, AllocateReleasesTheRegistrationWhenMappingFails) {
   EXPECT_THAT(ListedIds(*client), IsEmpty());
   EXPECT_EQ(client->Attach(100, v1::ACCESS_READ_WRITE).status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ClientLibraryTest, SilentAttachSocketIsADeadline) {
+  // A socket that takes connections (backlog) but never answers.
+  const std::string path = agent_->runtime_dir() + "/silent.sock";
+  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  struct sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<struct sockaddr*>(&addr),
+                   sizeof(addr)),
+            0);
+  ASSERT_EQ(::listen(listener.get(), 8), 0);
+  ConnectOptions options;
+  options.attach_socket = path;
+  options.rpc_timeout = absl::Seconds(2);
+  auto client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(client->Attach(100, v1::ACCESS_READ_WRITE).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(client->Allocate(100, v1::ACCESS_READ_WRITE).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  // The registration Allocate made was rolled back.
+  EXPECT_THAT(ListedIds(*client), IsEmpty());
 }
 
 TEST_F(ClientLibraryTest, BadSizesAreInvalid) {
