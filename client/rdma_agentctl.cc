@@ -195,18 +195,33 @@ absl::StatusOr<uint64_t> BufferIdArgument(const std::vector<std::string>& args) 
   return id;
 }
 
-absl::StatusOr<std::unique_ptr<AgentClient>> ConnectFromFlags() {
-  ConnectOptions options;
-  options.target = absl::GetFlag(FLAGS_target);
-  options.attach_socket = absl::GetFlag(FLAGS_attach_socket);
-  options.rpc_timeout = absl::GetFlag(FLAGS_timeout);
-  options.connect_timeout = std::min(options.rpc_timeout, absl::Seconds(5));
-  return AgentClient::Connect(options);
-}
+// Connects on first use, so that usage errors are reported without an agent.
+class LazyClient {
+ public:
+  absl::StatusOr<AgentClient*> Get() {
+    if (client_ == nullptr) {
+      ConnectOptions options;
+      options.target = absl::GetFlag(FLAGS_target);
+      options.attach_socket = absl::GetFlag(FLAGS_attach_socket);
+      options.rpc_timeout = absl::GetFlag(FLAGS_timeout);
+      options.connect_timeout = std::min(options.rpc_timeout, absl::Seconds(5));
+      absl::StatusOr<std::unique_ptr<AgentClient>> client =
+          AgentClient::Connect(options);
+      if (!client.ok()) return client.status();
+      client_ = std::move(*client);
+    }
+    return client_.get();
+  }
 
-Outcome Info(AgentClient& client, const std::vector<std::string>& args) {
+ private:
+  std::unique_ptr<AgentClient> client_;
+};
+
+Outcome Info(LazyClient& lazy, const std::vector<std::string>& args) {
   if (!args.empty()) return Usage("info takes no arguments");
-  absl::StatusOr<v1::AgentInfo> info = client.GetInfo();
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
+  absl::StatusOr<v1::AgentInfo> info = (*client)->GetInfo();
   if (!info.ok()) return Failed("info", info.status());
   std::string text;
   google::protobuf::TextFormat::PrintToString(*info, &text);
@@ -214,7 +229,7 @@ Outcome Info(AgentClient& client, const std::vector<std::string>& args) {
   return Ok();
 }
 
-Outcome Register(AgentClient& client, const std::vector<std::string>& args) {
+Outcome Register(LazyClient& lazy, const std::vector<std::string>& args) {
   if (!args.empty()) return Usage("register takes no positional arguments");
   const std::optional<uint64_t> size = absl::GetFlag(FLAGS_size);
   if (!size.has_value()) return Usage("register needs --size N");
@@ -223,8 +238,10 @@ Outcome Register(AgentClient& client, const std::vector<std::string>& args) {
   if (!access.has_value()) {
     return Usage("--access must be read, write or read_write");
   }
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
   absl::StatusOr<Registration> registration =
-      client.AllocateUnmapped(*size, *access, absl::GetFlag(FLAGS_label));
+      (*client)->AllocateUnmapped(*size, *access, absl::GetFlag(FLAGS_label));
   if (!registration.ok()) return Failed("register", registration.status());
   std::printf("buffer_id: %llu\nsize_bytes: %llu\nbackends: %s\ncontext: %s\n",
               static_cast<unsigned long long>(registration->id),
@@ -242,9 +259,11 @@ Outcome Register(AgentClient& client, const std::vector<std::string>& args) {
   return Ok();
 }
 
-Outcome List(AgentClient& client, const std::vector<std::string>& args) {
+Outcome List(LazyClient& lazy, const std::vector<std::string>& args) {
   if (!args.empty()) return Usage("list takes no arguments");
-  absl::StatusOr<std::vector<v1::BufferInfo>> buffers = client.ListBuffers();
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
+  absl::StatusOr<std::vector<v1::BufferInfo>> buffers = (*client)->ListBuffers();
   if (!buffers.ok()) return Failed("list", buffers.status());
   std::printf("%-20s %14s %-18s %-9s %-20s %14s %14s %s\n", "ID", "SIZE",
               "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED", "LABEL");
@@ -263,21 +282,25 @@ Outcome List(AgentClient& client, const std::vector<std::string>& args) {
   return Ok();
 }
 
-Outcome Release(AgentClient& client, const std::vector<std::string>& args) {
+Outcome Release(LazyClient& lazy, const std::vector<std::string>& args) {
   absl::StatusOr<uint64_t> id = BufferIdArgument(args);
   if (!id.ok()) return Usage(absl::StrCat("release: ", id.status().message()));
-  absl::Status status = client.Release(*id);
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
+  absl::Status status = (*client)->Release(*id);
   if (!status.ok()) return Failed(absl::StrCat("release ", *id), status);
   return Ok();
 }
 
-Outcome Write(AgentClient& client, const std::vector<std::string>& args) {
+Outcome Write(LazyClient& lazy, const std::vector<std::string>& args) {
   absl::StatusOr<uint64_t> id = BufferIdArgument(args);
   if (!id.ok()) return Usage(absl::StrCat("write: ", id.status().message()));
   absl::StatusOr<std::string> data = ReadAll(absl::GetFlag(FLAGS_in));
   if (!data.ok()) return LocalIo(absl::StrCat("write: ", data.status().message()));
   const uint64_t offset = absl::GetFlag(FLAGS_offset);
-  absl::Status status = client.WriteBuffer(*id, offset, *data);
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
+  absl::Status status = (*client)->WriteBuffer(*id, offset, *data);
   if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
   std::fprintf(stderr, "wrote %zu bytes into buffer %llu at offset %llu\n",
                data->size(), static_cast<unsigned long long>(*id),
@@ -285,20 +308,22 @@ Outcome Write(AgentClient& client, const std::vector<std::string>& args) {
   return Ok();
 }
 
-Outcome Read(AgentClient& client, const std::vector<std::string>& args) {
+Outcome Read(LazyClient& lazy, const std::vector<std::string>& args) {
   absl::StatusOr<uint64_t> id = BufferIdArgument(args);
   if (!id.ok()) return Usage(absl::StrCat("read: ", id.status().message()));
   const std::optional<uint64_t> length = absl::GetFlag(FLAGS_length);
   if (!length.has_value()) return Usage("read needs --length L");
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
   absl::StatusOr<std::string> data =
-      client.ReadBuffer(*id, absl::GetFlag(FLAGS_offset), *length);
+      (*client)->ReadBuffer(*id, absl::GetFlag(FLAGS_offset), *length);
   if (!data.ok()) return Failed(absl::StrCat("read ", *id), data.status());
   absl::Status written = WriteAll(absl::GetFlag(FLAGS_out), *data);
   if (!written.ok()) return LocalIo(absl::StrCat("read: ", written.message()));
   return Ok();
 }
 
-Outcome Submit(AgentClient& client, const std::vector<std::string>& args) {
+Outcome Submit(LazyClient& lazy, const std::vector<std::string>& args) {
   if (!args.empty()) return Usage("submit takes no positional arguments");
   OpSpec op;
   const std::string type = absl::GetFlag(FLAGS_op);
@@ -322,8 +347,10 @@ Outcome Submit(AgentClient& client, const std::vector<std::string>& args) {
   op.length = *length;
   op.remote_context = *std::move(context);
   op.remote_offset = absl::GetFlag(FLAGS_remote_offset);
+  absl::StatusOr<AgentClient*> client = lazy.Get();
+  if (!client.ok()) return Failed("connect", client.status());
   absl::StatusOr<std::vector<OpResult>> results =
-      client.Submit({op}, absl::GetFlag(FLAGS_timeout));
+      (*client)->Submit({op}, absl::GetFlag(FLAGS_timeout));
   if (!results.ok()) return Failed("submit", results.status());
   bool all_ok = true;
   for (size_t i = 0; i < results->size(); ++i) {
@@ -362,19 +389,18 @@ int Main(int argc, char** argv) {
   const std::vector<std::string> args(positional.begin() + 2, positional.end());
 
   using Command =
-      std::function<Outcome(AgentClient&, const std::vector<std::string>&)>;
+      std::function<Outcome(LazyClient&, const std::vector<std::string>&)>;
   const std::map<std::string, Command> commands = {
-      {"info", Info},   {"register", Register}, {"list", List},
-      {"release", Release}, {"write", Write},   {"read", Read},
+      {"info", Info},       {"register", Register}, {"list", List},
+      {"release", Release}, {"write", Write},       {"read", Read},
       {"submit", Submit},
   };
   Outcome outcome;
+  LazyClient lazy;
   if (command == "decode") {
     outcome = Decode(args);  // offline: needs no agent
   } else if (auto it = commands.find(command); it != commands.end()) {
-    absl::StatusOr<std::unique_ptr<AgentClient>> client = ConnectFromFlags();
-    outcome = client.ok() ? it->second(**client, args)
-                          : Failed("connect", client.status());
+    outcome = it->second(lazy, args);
   } else {
     outcome = Usage(absl::StrCat("unknown command '", command,
                                  "' (see rdma-agentctl --help)"));

@@ -280,6 +280,16 @@ TEST_F(AgentctlTest, UnreachableAgentExitsOneWithUnavailable) {
   EXPECT_EQ(r->exit_code, 1);
   EXPECT_THAT(r->err, HasSubstr("UNAVAILABLE"));
   EXPECT_THAT(r->err, HasSubstr("cannot reach rdma-agentd"));
+
+  // Usage is judged before connecting: exit 2 at once, agent or not.
+  const absl::StatusOr<RunResult> usage =
+      RunToCompletion({RunfilePath("client/rdma-agentctl"),
+                       "--target=unix://" + File("nobody-listens.sock"),
+                       "register"},
+                      "", absl::Seconds(30));
+  ASSERT_TRUE(usage.ok()) << usage.status();
+  EXPECT_EQ(usage->exit_code, 2);
+  EXPECT_THAT(usage->err, HasSubstr("register needs --size N"));
 }
 
 }  // namespace
