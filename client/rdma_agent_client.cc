@@ -79,8 +79,8 @@ std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
 // ---------------------------------------------------------------- Buffer
 
 Buffer::Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
-               std::unique_ptr<SharedMemory> memory,
-               std::string remote_context, std::vector<std::string> backends)
+               std::unique_ptr<SharedMemory> memory, std::string remote_context,
+               std::vector<std::string> backends)
     : state_(std::move(state)),
       id_(id),
       memory_(std::move(memory)),
@@ -153,8 +153,8 @@ absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
           : absl::StatusOr<std::string>(options.attach_socket);
   grpc::ChannelArguments arguments;
   // Chunks of ReadBuffer/WriteBuffer plus framing must fit.
-  const uint64_t max_message = std::max<uint64_t>(
-      4 << 20, options.transfer_chunk_bytes + (64 << 10));
+  const uint64_t max_message =
+      std::max<uint64_t>(4 << 20, options.transfer_chunk_bytes + (64 << 10));
   arguments.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
@@ -163,8 +163,8 @@ absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
       !channel->WaitForConnected(
           absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(
-        absl::StrCat("cannot reach rdma-agentd at ", options.target,
-                     " within ", absl::FormatDuration(options.connect_timeout),
+        absl::StrCat("cannot reach rdma-agentd at ", options.target, " within ",
+                     absl::FormatDuration(options.connect_timeout),
                      " (is it running? is the socket path right?)"));
   }
   auto state = std::make_shared<internal::ClientState>(
@@ -246,7 +246,8 @@ absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
     return fail(absl::InternalError(absl::StrCat(
         "OpenBuffer ", response->buffer_id(), ": the agent sent no fd")));
   }
-  absl::StatusOr<SharedMemory> memory = SharedMemory::Adopt(std::move(reply->fd));
+  absl::StatusOr<SharedMemory> memory =
+      SharedMemory::Adopt(std::move(reply->fd));
   if (!memory.ok()) return fail(memory.status());
   if (memory->size() < size) {
     return fail(absl::InternalError(absl::StrCat(
@@ -264,8 +265,8 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
       AttachSocketFor(state_->attach_socket());
   if (!attach_socket.ok()) return attach_socket.status();
   // Creates, sizes, seals (F_SEAL_SHRINK) and maps the memfd.
-  absl::StatusOr<SharedMemory> memory = SharedMemory::Allocate(
-      size, label.empty() ? "rdma-agent-client" : label);
+  absl::StatusOr<SharedMemory> memory =
+      SharedMemory::Allocate(size, label.empty() ? "rdma-agent-client" : label);
   if (!memory.ok()) return memory.status();
 
   v1::AttachRequest attach;
@@ -308,14 +309,14 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
     // Negative timeouts are sent as they are: the agent rejects them.
     const int64_t nanos = absl::ToInt64Nanoseconds(timeout);
     request.mutable_timeout()->set_seconds(nanos / 1000000000);
-    request.mutable_timeout()->set_nanos(static_cast<int32_t>(nanos % 1000000000));
+    request.mutable_timeout()->set_nanos(
+        static_cast<int32_t>(nanos % 1000000000));
   }
   grpc::ClientContext context;
-  const absl::Duration bound =
-      (agent_default || timeout < absl::ZeroDuration()
-           ? state_->options().rpc_timeout
-           : timeout) +
-      state_->options().submit_deadline_slack;
+  const absl::Duration bound = (agent_default || timeout < absl::ZeroDuration()
+                                    ? state_->options().rpc_timeout
+                                    : timeout) +
+                               state_->options().submit_deadline_slack;
   context.set_deadline(absl::ToChronoTime(absl::Now() + bound));
   v1::SubmitResponse response;
   grpc::Status status = state_->stub().Submit(&context, request, &response);
@@ -346,8 +347,8 @@ absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers() {
   grpc::ClientContext context;
   state_->PrepareContext(&context);
   v1::ListBuffersResponse response;
-  grpc::Status status = state_->stub().ListBuffers(
-      &context, v1::ListBuffersRequest(), &response);
+  grpc::Status status =
+      state_->stub().ListBuffers(&context, v1::ListBuffersRequest(), &response);
   if (!status.ok()) return FromGrpc(status);
   return std::vector<v1::BufferInfo>(response.buffers().begin(),
                                      response.buffers().end());
@@ -357,11 +358,12 @@ absl::StatusOr<std::string> AgentClient::ReadBuffer(uint64_t id,
                                                     uint64_t offset,
                                                     uint64_t length) {
   if (offset + length < offset) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "ReadBuffer of buffer ", id, ": offset ", offset, " + length ", length,
-        " overflows"));
+    return absl::OutOfRangeError(absl::StrCat("ReadBuffer of buffer ", id,
+                                              ": offset ", offset, " + length ",
+                                              length, " overflows"));
   }
-  const uint64_t chunk = std::max<uint64_t>(1, state_->options().transfer_chunk_bytes);
+  const uint64_t chunk =
+      std::max<uint64_t>(1, state_->options().transfer_chunk_bytes);
   std::string data;
   uint64_t done = 0;
   // One RPC even for length 0, so the agent judges that request too.
@@ -379,8 +381,8 @@ absl::StatusOr<std::string> AgentClient::ReadBuffer(uint64_t id,
     if (!status.ok()) return FromGrpc(status);
     if (response.data().size() != n) {
       return absl::InternalError(absl::StrCat(
-          "ReadBuffer of buffer ", id, " at ", offset + done, ": asked for ",
-          n, " bytes, got ", response.data().size()));
+          "ReadBuffer of buffer ", id, " at ", offset + done, ": asked for ", n,
+          " bytes, got ", response.data().size()));
     }
     // The agent has checked the bounds once the first chunk came back;
     // still, never trust `length` for a single huge allocation.
@@ -394,11 +396,12 @@ absl::StatusOr<std::string> AgentClient::ReadBuffer(uint64_t id,
 absl::Status AgentClient::WriteBuffer(uint64_t id, uint64_t offset,
                                       absl::string_view data) {
   if (offset + data.size() < offset) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "WriteBuffer of buffer ", id, ": offset ", offset, " + length ",
-        data.size(), " overflows"));
+    return absl::OutOfRangeError(absl::StrCat("WriteBuffer of buffer ", id,
+                                              ": offset ", offset, " + length ",
+                                              data.size(), " overflows"));
   }
-  const uint64_t chunk = std::max<uint64_t>(1, state_->options().transfer_chunk_bytes);
+  const uint64_t chunk =
+      std::max<uint64_t>(1, state_->options().transfer_chunk_bytes);
   uint64_t done = 0;
   do {
     const uint64_t n = std::min<uint64_t>(chunk, data.size() - done);

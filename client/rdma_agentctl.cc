@@ -50,7 +50,8 @@ ABSL_FLAG(std::optional<uint64_t>, length, std::nullopt,
           "read/submit: bytes to move");
 ABSL_FLAG(std::string, in, "-", "write: input file, - for stdin");
 ABSL_FLAG(std::string, out, "-", "read: output file, - for stdout");
-ABSL_FLAG(std::string, op, "", "submit: read (READ_INTO_LOCAL) or write (WRITE_FROM_LOCAL)");
+ABSL_FLAG(std::string, op, "",
+          "submit: read (READ_INTO_LOCAL) or write (WRITE_FROM_LOCAL)");
 ABSL_FLAG(std::optional<uint64_t>, local, std::nullopt,
           "submit: local buffer id");
 ABSL_FLAG(uint64_t, local_offset, 0, "submit: offset in the local buffer");
@@ -187,7 +188,8 @@ absl::StatusOr<std::string> RemoteContextArgument(
   return internal::DecodeBase64(base64.empty() ? args[0] : base64);
 }
 
-absl::StatusOr<uint64_t> BufferIdArgument(const std::vector<std::string>& args) {
+absl::StatusOr<uint64_t> BufferIdArgument(
+    const std::vector<std::string>& args) {
   uint64_t id;
   if (args.size() != 1 || !absl::SimpleAtoi(args[0], &id)) {
     return absl::InvalidArgumentError("expected exactly one buffer ID");
@@ -263,21 +265,21 @@ Outcome List(LazyClient& lazy, const std::vector<std::string>& args) {
   if (!args.empty()) return Usage("list takes no arguments");
   absl::StatusOr<AgentClient*> client = lazy.Get();
   if (!client.ok()) return Failed("connect", client.status());
-  absl::StatusOr<std::vector<v1::BufferInfo>> buffers = (*client)->ListBuffers();
+  absl::StatusOr<std::vector<v1::BufferInfo>> buffers =
+      (*client)->ListBuffers();
   if (!buffers.ok()) return Failed("list", buffers.status());
   std::printf("%-20s %14s %-18s %-9s %-20s %14s %14s %s\n", "ID", "SIZE",
               "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED", "LABEL");
   for (const v1::BufferInfo& buffer : *buffers) {
-    std::printf(
-        "%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %s\n",
-        static_cast<unsigned long long>(buffer.buffer_id()),
-        static_cast<unsigned long long>(buffer.size_bytes()),
-        v1::Access_Name(buffer.access()).c_str(),
-        buffer.agent_allocated() ? "agent" : "client",
-        absl::StrJoin(buffer.backends(), ",").c_str(),
-        static_cast<unsigned long long>(buffer.bytes_moved()),
-        static_cast<unsigned long long>(buffer.bytes_served()),
-        buffer.label().c_str());
+    std::printf("%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %s\n",
+                static_cast<unsigned long long>(buffer.buffer_id()),
+                static_cast<unsigned long long>(buffer.size_bytes()),
+                v1::Access_Name(buffer.access()).c_str(),
+                buffer.agent_allocated() ? "agent" : "client",
+                absl::StrJoin(buffer.backends(), ",").c_str(),
+                static_cast<unsigned long long>(buffer.bytes_moved()),
+                static_cast<unsigned long long>(buffer.bytes_served()),
+                buffer.label().c_str());
   }
   return Ok();
 }
@@ -296,7 +298,8 @@ Outcome Write(LazyClient& lazy, const std::vector<std::string>& args) {
   absl::StatusOr<uint64_t> id = BufferIdArgument(args);
   if (!id.ok()) return Usage(absl::StrCat("write: ", id.status().message()));
   absl::StatusOr<std::string> data = ReadAll(absl::GetFlag(FLAGS_in));
-  if (!data.ok()) return LocalIo(absl::StrCat("write: ", data.status().message()));
+  if (!data.ok())
+    return LocalIo(absl::StrCat("write: ", data.status().message()));
   const uint64_t offset = absl::GetFlag(FLAGS_offset);
   absl::StatusOr<AgentClient*> client = lazy.Get();
   if (!client.ok()) return Failed("connect", client.status());
@@ -373,7 +376,8 @@ Outcome Decode(const std::vector<std::string>& args) {
     return Usage(absl::StrCat("decode: ", context.status().message()));
   }
   absl::StatusOr<std::string> text = internal::RemoteContextToText(*context);
-  if (!text.ok()) return Usage(absl::StrCat("decode: ", text.status().message()));
+  if (!text.ok())
+    return Usage(absl::StrCat("decode: ", text.status().message()));
   std::fputs(text->c_str(), stdout);
   return Ok();
 }

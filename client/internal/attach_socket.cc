@@ -9,8 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/fd_message.h"
 
 namespace rdma_agent::client::internal {
@@ -38,9 +38,9 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path,
   struct sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attach socket path '", path, "' is empty or longer than ",
-        sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attach socket path '", path, "' is empty or longer than ",
+                     sizeof(addr.sun_path) - 1, " bytes"));
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -66,9 +66,9 @@ absl::StatusOr<std::string> AttachSocketNextTo(absl::string_view target) {
   if (absl::ConsumePrefix(&path, "unix://")) {
     // unix:///abs/path: what follows the authority is the absolute path.
   } else if (!absl::ConsumePrefix(&path, "unix:")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot find the attach socket next to non-unix target '", target,
-        "'; set the attach socket path explicitly"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot find the attach socket next to non-unix target '",
+                     target, "'; set the attach socket path explicitly"));
   }
   const size_t slash = path.rfind('/');
   if (slash == absl::string_view::npos) return std::string("attach.sock");
@@ -94,9 +94,9 @@ absl::StatusOr<AttachReply> ExchangeOnAttachSocket(
   } while (ready < 0 && errno == EINTR);
   if (ready < 0) return SocketError("poll on the attach socket", errno);
   if (ready == 0) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "no answer from the attach socket ", path, " within ",
-        absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(
+        absl::StrCat("no answer from the attach socket ", path, " within ",
+                     absl::FormatDuration(timeout)));
   }
   AttachReply reply;
   absl::StatusOr<UniqueFd> received =

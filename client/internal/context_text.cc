@@ -17,7 +17,8 @@ class HexBytesPrinter : public TextFormat::FastFieldValuePrinter {
  public:
   void PrintBytes(const std::string& value,
                   TextFormat::BaseTextGenerator* generator) const override {
-    generator->PrintString(absl::StrCat("\"", absl::BytesToHexString(value), "\""));
+    generator->PrintString(
+        absl::StrCat("\"", absl::BytesToHexString(value), "\""));
   }
 };
 

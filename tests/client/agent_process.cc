@@ -48,10 +48,10 @@ absl::StatusOr<std::unique_ptr<AgentProcess>> AgentProcess::Start(
     absl::StatusOr<std::string> line =
         agent->process_.ReadLine(deadline - absl::Now());
     if (!line.ok()) {
-      return absl::Status(line.status().code(),
-                          absl::StrCat("rdma-agentd did not start: ",
-                                       line.status().message(), "\n",
-                                       agent->Log()));
+      return absl::Status(
+          line.status().code(),
+          absl::StrCat("rdma-agentd did not start: ", line.status().message(),
+                       "\n", agent->Log()));
     }
     AppendLine(log_path, *line);
     if (absl::StrContains(*line, "serving unix://")) break;

@@ -68,7 +68,8 @@ class AgentctlTest : public ::testing::Test {
                                      "--target=" + agent_->target(),
                                      "--timeout=30s"};
     argv.insert(argv.end(), args.begin(), args.end());
-    absl::StatusOr<RunResult> result = RunToCompletion(argv, input, absl::Seconds(60));
+    absl::StatusOr<RunResult> result =
+        RunToCompletion(argv, input, absl::Seconds(60));
     if (!result.ok()) {
       ADD_FAILURE() << result.status();
       return RunResult();
@@ -77,8 +78,8 @@ class AgentctlTest : public ::testing::Test {
   }
 
   // Registers a buffer; returns its id and base64 context.
-  std::pair<std::string, std::string> Register(uint64_t size,
-                                               std::vector<std::string> more = {}) {
+  std::pair<std::string, std::string> Register(
+      uint64_t size, std::vector<std::string> more = {}) {
     std::vector<std::string> args = {"register", absl::StrCat("--size=", size)};
     args.insert(args.end(), more.begin(), more.end());
     const RunResult r = Ctl(args);
@@ -86,7 +87,9 @@ class AgentctlTest : public ::testing::Test {
     return {Field(r.out, "buffer_id"), Field(r.out, "context")};
   }
 
-  std::string File(absl::string_view name) { return absl::StrCat(files_, "/", name); }
+  std::string File(absl::string_view name) {
+    return absl::StrCat(files_, "/", name);
+  }
 
   std::unique_ptr<AgentProcess> agent_;
   std::string files_;
@@ -173,10 +176,12 @@ TEST_F(AgentctlTest, RegisterWriteReadDecodeSubmitRelease) {
   // list shows both, with the label.
   r = Ctl({"list"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat("(.|\n)*\n", src,
-                                               " +4099 +ACCESS_READ_WRITE +agent "
-                                               "+memory +[0-9]+ +[0-9]+ source\n(.|\n)*")));
-  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat("(.|\n)*\n", dst, " +2048 (.|\n)*")));
+  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat(
+                         "(.|\n)*\n", src,
+                         " +4099 +ACCESS_READ_WRITE +agent "
+                         "+memory +[0-9]+ +[0-9]+ source\n(.|\n)*")));
+  EXPECT_THAT(r.out,
+              MatchesRegex(absl::StrCat("(.|\n)*\n", dst, " +2048 (.|\n)*")));
 
   // release; a second release and a read of the released id are NOT_FOUND.
   r = Ctl({"release", src});
@@ -188,8 +193,9 @@ TEST_F(AgentctlTest, RegisterWriteReadDecodeSubmitRelease) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
   r = Ctl({"list"});
-  EXPECT_THAT(r.out, ::testing::Not(MatchesRegex(
-                         absl::StrCat("(.|\n)*\n", src, " (.|\n)*"))));
+  EXPECT_THAT(
+      r.out,
+      ::testing::Not(MatchesRegex(absl::StrCat("(.|\n)*\n", src, " (.|\n)*"))));
 }
 
 TEST_F(AgentctlTest, InfoDescribesTheAgent) {
@@ -209,7 +215,8 @@ TEST_F(AgentctlTest, BadUsageExitsTwoWithAMessage) {
   std::string raw;
   ASSERT_TRUE(absl::Base64Unescape(context, &raw));
   // Cut inside the last (length-delimited) field: no longer a RemoteBuffer.
-  const std::string truncated = absl::Base64Escape(raw.substr(0, raw.size() - 3));
+  const std::string truncated =
+      absl::Base64Escape(raw.substr(0, raw.size() - 3));
   const std::vector<Case> cases = {
       {{}, "no command given"},
       {{"frobnicate"}, "unknown command 'frobnicate'"},
@@ -273,20 +280,19 @@ TEST_F(AgentctlTest, AgentRefusalsExitOneWithTheStatusCode) {
 TEST_F(AgentctlTest, UnreachableAgentExitsOneWithUnavailable) {
   const absl::StatusOr<RunResult> r =
       RunToCompletion({RunfilePath("client/rdma-agentctl"),
-           "--target=unix://" + File("nobody-listens.sock"), "--timeout=2s",
-           "info"},
-          "", absl::Seconds(30));
+                       "--target=unix://" + File("nobody-listens.sock"),
+                       "--timeout=2s", "info"},
+                      "", absl::Seconds(30));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 1);
   EXPECT_THAT(r->err, HasSubstr("UNAVAILABLE"));
   EXPECT_THAT(r->err, HasSubstr("cannot reach rdma-agentd"));
 
   // Usage is judged before connecting: exit 2 at once, agent or not.
-  const absl::StatusOr<RunResult> usage =
-      RunToCompletion({RunfilePath("client/rdma-agentctl"),
-                       "--target=unix://" + File("nobody-listens.sock"),
-                       "register"},
-                      "", absl::Seconds(30));
+  const absl::StatusOr<RunResult> usage = RunToCompletion(
+      {RunfilePath("client/rdma-agentctl"),
+       "--target=unix://" + File("nobody-listens.sock"), "register"},
+      "", absl::Seconds(30));
   ASSERT_TRUE(usage.ok()) << usage.status();
   EXPECT_EQ(usage->exit_code, 2);
   EXPECT_THAT(usage->err, HasSubstr("register needs --size N"));

@@ -76,8 +76,9 @@ TEST(AttachSocketNextToTest, SitsNextToTheAgentSocket) {
             "/tmp/a/attach.sock");
   EXPECT_EQ(*client::internal::AttachSocketNextTo("unix:agent.sock"),
             "attach.sock");
-  EXPECT_EQ(client::internal::AttachSocketNextTo("dns:///host:1234").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      client::internal::AttachSocketNextTo("dns:///host:1234").status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ConnectTest, UnreachableAgentIsUnavailable) {

@@ -77,7 +77,8 @@ std::string OneLine(absl::string_view text) {
 }
 
 std::string Error(const absl::Status& status) {
-  return absl::StrCat("error ", CodeName(status), " ", OneLine(status.message()));
+  return absl::StrCat("error ", CodeName(status), " ",
+                      OneLine(status.message()));
 }
 
 class Worker {
@@ -105,7 +106,8 @@ class Worker {
       buffers_.emplace(id, std::move(*buffer));
       return absl::StrCat("ok ", id, " ", context);
     }
-    if (command == "attach_and_drop" && need(2)) return AttachAndDrop(n[0], n[1]);
+    if (command == "attach_and_drop" && need(2))
+      return AttachAndDrop(n[0], n[1]);
     if (command == "fill" && need(2)) {
       Buffer* buffer = Find(n[0]);
       if (buffer == nullptr) return "error NOT_FOUND no such buffer here";
@@ -155,20 +157,20 @@ class Worker {
       return absl::StrCat("status OK ", absl::BytesToHexString(*data));
     }
     if (command == "writebuf" && need(3)) {
-      return absl::StrCat(
-          "status ", CodeName(client_->WriteBuffer(
-                         n[0], n[1], absl::HexStringToBytes(words[3]))));
+      return absl::StrCat("status ",
+                          CodeName(client_->WriteBuffer(
+                              n[0], n[1], absl::HexStringToBytes(words[3]))));
     }
     if (command == "open" && need(1)) {
       v1::AttachRequest request;
       request.mutable_open()->set_buffer_id(n[0]);
       absl::StatusOr<client::internal::AttachReply> reply =
-          client::internal::ExchangeOnAttachSocket(client_->attach_socket(),
-                                                   request, -1,
-                                                   absl::Seconds(30));
+          client::internal::ExchangeOnAttachSocket(
+              client_->attach_socket(), request, -1, absl::Seconds(30));
       if (!reply.ok()) return Error(reply.status());
       return absl::StrCat(
-          "status ", CodeName(client::internal::ResponseStatus(reply->response)),
+          "status ",
+          CodeName(client::internal::ResponseStatus(reply->response)),
           reply->fd ? " fd" : " nofd");
     }
     if (command == "list") {
@@ -176,7 +178,8 @@ class Worker {
           client_->ListBuffers();
       if (!buffers.ok()) return Error(buffers.status());
       std::vector<uint64_t> ids;
-      for (const v1::BufferInfo& info : *buffers) ids.push_back(info.buffer_id());
+      for (const v1::BufferInfo& info : *buffers)
+        ids.push_back(info.buffer_id());
       std::sort(ids.begin(), ids.end());
       return absl::StrCat("ids ", absl::StrJoin(ids, ","));
     }
@@ -223,7 +226,8 @@ class Worker {
     // The seal must refuse to shrink the memory under the agent.
     const int shrink = ::ftruncate(memory->fd(), 0);
     const std::string shrink_result =
-        shrink == 0 ? "SHRUNK" : (errno == EPERM ? "EPERM" : std::strerror(errno));
+        shrink == 0 ? "SHRUNK"
+                    : (errno == EPERM ? "EPERM" : std::strerror(errno));
     // Unmap and close: the agent must not care.
     { SharedMemory dropped = std::move(*memory); }
     return absl::StrCat("ok ", response.buffer_id(), " ",

@@ -57,7 +57,8 @@ TEST(ContextTextTest, DecodesStandardAndWebSafeBase64) {
   EXPECT_EQ(*DecodeBase64(absl::Base64Escape(raw)), raw);
   EXPECT_EQ(*DecodeBase64(absl::WebSafeBase64Escape(raw)), raw);
   EXPECT_EQ(*DecodeBase64("  " + absl::Base64Escape(raw) + "\n"), raw);
-  EXPECT_EQ(DecodeBase64("").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeBase64("").status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(DecodeBase64("not base64!").status().code(),
             absl::StatusCode::kInvalidArgument);
 }

@@ -39,7 +39,8 @@ class MisbehavingClientTest : public ::testing::Test {
     auto reader = WorkerProcess::Start(*agent_);
     ASSERT_TRUE(reader.ok()) << reader.status();
     reader_.emplace(std::move(*reader));
-    auto buffer = reader_->CallWords(absl::StrCat("allocate ", kSize, " ", kReadWrite));
+    auto buffer =
+        reader_->CallWords(absl::StrCat("allocate ", kSize, " ", kReadWrite));
     ASSERT_TRUE(buffer.ok()) << buffer.status();
     auto parsed = ParseRegistered(*buffer);
     ASSERT_TRUE(parsed.ok()) << parsed.status();
@@ -52,8 +53,8 @@ class MisbehavingClientTest : public ::testing::Test {
     ASSERT_TRUE(agent_->Running()) << agent_->Log();
     EXPECT_EQ(reader_->Answer("info"), "status OK");
     EXPECT_EQ(reader_->Answer(absl::StrCat("fill ", local_.id, " 1")), "ok");
-    auto result = reader_->CallWords(absl::StrCat(
-        "submit read ", local_.id, " 0 ", kSize, " 0 ", context));
+    auto result = reader_->CallWords(
+        absl::StrCat("submit read ", local_.id, " 0 ", kSize, " 0 ", context));
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_GE(result->size(), 2u);
     EXPECT_EQ((*result)[1], "OK") << absl::StrJoin(*result, " ");
@@ -72,7 +73,8 @@ TEST_F(MisbehavingClientTest, UnmappedClosedAndShrunkMemoryKeepsServing) {
   ASSERT_TRUE(dropper.ok()) << dropper.status();
   // Attaches a memfd with pattern 5, tries to shrink it (the seal refuses),
   // then unmaps and closes it.
-  auto words = dropper->CallWords(absl::StrCat("attach_and_drop ", kSize, " 5"));
+  auto words =
+      dropper->CallWords(absl::StrCat("attach_and_drop ", kSize, " 5"));
   ASSERT_TRUE(words.ok()) << words.status();
   ASSERT_EQ(words->size(), 4u) << absl::StrJoin(*words, " ");
   ASSERT_EQ((*words)[0], "ok");
@@ -85,8 +87,8 @@ TEST_F(MisbehavingClientTest, UnmappedClosedAndShrunkMemoryKeepsServing) {
   // owner can still read over gRPC: bytes 7..10 from pattern 2, the ones
   // around them still pattern 5.
   ASSERT_EQ(reader_->Answer(absl::StrCat("fill ", local_.id, " 2")), "ok");
-  auto result = reader_->CallWords(absl::StrCat(
-      "submit write ", local_.id, " 0 4 7 ", dropped_context));
+  auto result = reader_->CallWords(
+      absl::StrCat("submit write ", local_.id, " 0 4 7 ", dropped_context));
   ASSERT_TRUE(result.ok()) << result.status();
   ASSERT_GE(result->size(), 2u);
   EXPECT_EQ((*result)[1], "OK");
@@ -100,7 +102,8 @@ TEST_F(MisbehavingClientTest, UnmappedClosedAndShrunkMemoryKeepsServing) {
 TEST_F(MisbehavingClientTest, KilledClientsMemoryKeepsServing) {
   auto victim = WorkerProcess::Start(*agent_);
   ASSERT_TRUE(victim.ok()) << victim.status();
-  auto words = victim->CallWords(absl::StrCat("attach ", kSize, " ", kReadWrite));
+  auto words =
+      victim->CallWords(absl::StrCat("attach ", kSize, " ", kReadWrite));
   ASSERT_TRUE(words.ok()) << words.status();
   auto attached = ParseRegistered(*words);
   ASSERT_TRUE(attached.ok()) << attached.status();
@@ -152,10 +155,13 @@ TEST_F(MisbehavingClientTest, BrokenAttachConversationsAreRefusedOrDropped) {
   int pipe_fds[2];
   ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
   UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
-  EXPECT_EQ(exchange(pipe_read.get()).code(), absl::StatusCode::kInvalidArgument);
-  UniqueFd unsealed(::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  EXPECT_EQ(exchange(pipe_read.get()).code(),
+            absl::StatusCode::kInvalidArgument);
+  UniqueFd unsealed(
+      ::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(::ftruncate(unsealed.get(), 4096), 0);
-  EXPECT_EQ(exchange(unsealed.get()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(exchange(unsealed.get()).code(),
+            absl::StatusCode::kInvalidArgument);
   UniqueFd empty(::memfd_create("empty", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(::fcntl(empty.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
   EXPECT_EQ(exchange(empty.get()).code(), absl::StatusCode::kInvalidArgument);
@@ -163,8 +169,9 @@ TEST_F(MisbehavingClientTest, BrokenAttachConversationsAreRefusedOrDropped) {
   ASSERT_TRUE(agent_->Running()) << agent_->Log();
   EXPECT_EQ(reader_->Answer("info"), "status OK");
   // And a well-formed attach still works afterwards.
-  EXPECT_EQ(reader_->Answer(absl::StrCat("attach 4096 ", kReadWrite)).substr(0, 3),
-            "ok ");
+  EXPECT_EQ(
+      reader_->Answer(absl::StrCat("attach 4096 ", kReadWrite)).substr(0, 3),
+      "ok ");
 }
 
 }  // namespace

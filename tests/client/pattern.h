@@ -69,8 +69,10 @@ inline std::optional<uint64_t> FirstMismatch(absl::Span<const std::byte> bytes,
   auto compare = [&](uint64_t begin, uint64_t end, uint64_t seed,
                      uint64_t from) -> std::optional<uint64_t> {
     for (uint64_t at = begin; at < end; at += kChunk) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, end - at));
-      FillPattern(absl::MakeSpan(expected.data(), n), seed, from + (at - begin));
+      const size_t n =
+          static_cast<size_t>(std::min<uint64_t>(kChunk, end - at));
+      FillPattern(absl::MakeSpan(expected.data(), n), seed,
+                  from + (at - begin));
       if (std::memcmp(bytes.data() + at, expected.data(), n) != 0) {
         for (size_t i = 0; i < n; ++i) {
           if (bytes[at + i] != expected[i]) return at + i;
@@ -81,7 +83,8 @@ inline std::optional<uint64_t> FirstMismatch(absl::Span<const std::byte> bytes,
   };
   const uint64_t size = bytes.size();
   const uint64_t inside_begin = std::min(offset, size);
-  const uint64_t inside_end = std::min(size, inside_begin + std::min(length, size));
+  const uint64_t inside_end =
+      std::min(size, inside_begin + std::min(length, size));
   if (auto bad = compare(0, inside_begin, outside_seed, 0)) return bad;
   if (auto bad = compare(inside_begin, inside_end, inside_seed, inside_from)) {
     return bad;

@@ -27,9 +27,7 @@ TEST(PatternTest, FirstMismatchFindsEveryWrongByte) {
   std::vector<std::byte> bytes(200000);
   FillPattern(absl::MakeSpan(bytes), 9);
   FillPattern(absl::MakeSpan(bytes).subspan(70001, 130000), 4, 3);
-  auto check = [&] {
-    return FirstMismatch(bytes, 4, 3, 70001, 130000, 9);
-  };
+  auto check = [&] { return FirstMismatch(bytes, 4, 3, 70001, 130000, 9); };
   EXPECT_EQ(check(), std::nullopt);
   for (uint64_t position : {0ul, 70000ul, 70001ul, 150000ul, 199999ul}) {
     const std::byte saved = bytes[position];

@@ -57,7 +57,8 @@ class SecondUserTest : public ::testing::Test {
 
 TEST_F(SecondUserTest, AnotherUsersBufferIdsAreNotFound) {
   // The owner's buffers: one agent-allocated, one attached; known bytes.
-  auto allocated = owner_->CallWords(absl::StrCat("allocate 4096 ", kReadWrite));
+  auto allocated =
+      owner_->CallWords(absl::StrCat("allocate 4096 ", kReadWrite));
   ASSERT_TRUE(allocated.ok()) << allocated.status();
   auto owned_allocated = ParseRegistered(*allocated);
   ASSERT_TRUE(owned_allocated.ok()) << owned_allocated.status();
@@ -111,8 +112,8 @@ TEST_F(SecondUserTest, AnotherUsersBufferIdsAreNotFound) {
               "status OK c0ffee00");
     EXPECT_EQ(owner_->Answer(absl::StrCat("open ", owned->id)), "status OK fd");
   }
-  EXPECT_EQ(owner_->Answer("list"), absl::StrCat("ids ", owned_allocated->id,
-                                                 ",", owned_attached->id));
+  EXPECT_EQ(owner_->Answer("list"),
+            absl::StrCat("ids ", owned_allocated->id, ",", owned_attached->id));
   // The owner still releases them.
   for (const WorkerBuffer* owned : {&*owned_allocated, &*owned_attached}) {
     EXPECT_EQ(owner_->Answer(absl::StrCat("release ", owned->id)), "status OK");

@@ -151,8 +151,9 @@ absl::StatusOr<std::string> Subprocess::ReadLine(absl::Duration timeout) {
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) return ErrnoStatus("poll");
     if (ready == 0) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "no line from child ", pid_, " within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("no line from child ", pid_, " within ",
+                       absl::FormatDuration(timeout)));
     }
     char chunk[4096];
     const ssize_t n = ::read(stdout_.get(), chunk, sizeof(chunk));
@@ -195,13 +196,13 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   while (::waitpid(pid_, &status, 0) < 0) {
     if (errno != EINTR) return ErrnoStatus("waitpid");
   }
-  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status)
-                                 : 128 + WTERMSIG(status);
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return *exit_code_;
 }
 
 absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
-                              absl::string_view input, absl::Duration timeout) {
+                                          absl::string_view input,
+                                          absl::Duration timeout) {
   int in_pipe[2], out_pipe[2], err_pipe[2];
   if (::pipe2(in_pipe, O_CLOEXEC) != 0) return ErrnoStatus("pipe2");
   UniqueFd child_in(in_pipe[0]), parent_in(in_pipe[1]);

@@ -77,7 +77,8 @@ struct RunResult {
 // Runs `argv` to completion with `input` on its stdin, capturing stdout and
 // stderr. DEADLINE_EXCEEDED (the child is killed) past `timeout`.
 absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
-                              absl::string_view input, absl::Duration timeout);
+                                          absl::string_view input,
+                                          absl::Duration timeout);
 
 // Path of a runfile of this workspace, e.g. "daemon/rdma-agentd".
 std::string RunfilePath(absl::string_view path);

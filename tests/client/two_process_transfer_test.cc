@@ -79,13 +79,13 @@ class TwoProcessTransferTest : public ::testing::Test {
     Side& source = read ? remote : local;
     const uint64_t written_offset = read ? t.local_offset : t.remote_offset;
     const uint64_t source_offset = read ? t.remote_offset : t.local_offset;
-    EXPECT_EQ(written.worker->Answer(absl::StrCat(
-                  "verify ", written.buffer.id, " ", source.seed, " ",
-                  source_offset, " ", written_offset, " ", t.length, " ",
-                  written.seed)),
-              "ok");
-    EXPECT_EQ(source.worker->Answer(absl::StrCat(
-                  "verify ", source.buffer.id, " 0 0 0 0 ", source.seed)),
+    EXPECT_EQ(
+        written.worker->Answer(absl::StrCat(
+            "verify ", written.buffer.id, " ", source.seed, " ", source_offset,
+            " ", written_offset, " ", t.length, " ", written.seed)),
+        "ok");
+    EXPECT_EQ(source.worker->Answer(absl::StrCat("verify ", source.buffer.id,
+                                                 " 0 0 0 0 ", source.seed)),
               "ok");
   }
 

@@ -13,13 +13,16 @@ absl::StatusOr<WorkerProcess> WorkerProcess::Start(const AgentProcess& agent,
   spawn.argv = {RunfilePath("tests/client/client_worker"),
                 "--target=" + agent.target(),
                 "--attach_socket=" + agent.attach_socket_path()};
-  if (options.uid >= 0) spawn.argv.push_back(absl::StrCat("--uid=", options.uid));
-  if (options.gid >= 0) spawn.argv.push_back(absl::StrCat("--gid=", options.gid));
+  if (options.uid >= 0)
+    spawn.argv.push_back(absl::StrCat("--uid=", options.uid));
+  if (options.gid >= 0)
+    spawn.argv.push_back(absl::StrCat("--gid=", options.gid));
   spawn.pipe_stdio = true;
   absl::StatusOr<Subprocess> process = Subprocess::Spawn(std::move(spawn));
   if (!process.ok()) return process.status();
   WorkerProcess worker(std::move(*process));
-  absl::StatusOr<std::string> ready = worker.process_.ReadLine(absl::Seconds(30));
+  absl::StatusOr<std::string> ready =
+      worker.process_.ReadLine(absl::Seconds(30));
   if (!ready.ok()) return ready.status();
   if (!absl::StartsWith(*ready, "ready ")) {
     return absl::InternalError(absl::StrCat("worker did not start: ", *ready));
@@ -37,7 +40,8 @@ absl::StatusOr<std::string> WorkerProcess::Call(absl::string_view command,
 std::string WorkerProcess::Answer(absl::string_view command,
                                   absl::Duration timeout) {
   absl::StatusOr<std::string> line = Call(command, timeout);
-  if (!line.ok()) return absl::StrCat("<transport error: ", line.status().ToString(), ">");
+  if (!line.ok())
+    return absl::StrCat("<transport error: ", line.status().ToString(), ">");
   return *line;
 }
 

@@ -50,7 +50,8 @@ struct WorkerBuffer {
   std::string id;
   std::string context;  // base64
 };
-absl::StatusOr<WorkerBuffer> ParseRegistered(const std::vector<std::string>& words);
+absl::StatusOr<WorkerBuffer> ParseRegistered(
+    const std::vector<std::string>& words);
 
 }  // namespace rdma_agent::testing
 
