@@ -79,12 +79,12 @@ std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
 // ---------------------------------------------------------------- Buffer
 
 Buffer::Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
-               std::unique_ptr<SharedMemory> memory, std::string remote_context,
-               std::vector<std::string> backends)
+               std::unique_ptr<SharedMemory> memory, uint64_t size,
+               std::string remote_context, std::vector<std::string> backends)
     : state_(std::move(state)),
       id_(id),
       memory_(std::move(memory)),
-      size_(memory_->size()),
+      size_(size),
       data_(memory_->data()),
       remote_context_(std::move(remote_context)),
       backends_(std::move(backends)),
@@ -249,13 +249,16 @@ absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
   absl::StatusOr<SharedMemory> memory =
       SharedMemory::Adopt(std::move(reply->fd));
   if (!memory.ok()) return fail(memory.status());
-  if (memory->size() < size) {
+  // The memfd may have grown since (its owner can grow it); the buffer is
+  // what was registered.
+  const uint64_t registered = response->size_bytes();
+  if (registered < size || memory->size() < registered) {
     return fail(absl::InternalError(absl::StrCat(
-        "OpenBuffer ", response->buffer_id(), ": the agent's memfd has ",
-        memory->size(), " bytes, ", size, " were registered")));
+        "OpenBuffer ", response->buffer_id(), ": ", size, " bytes asked for, ",
+        registered, " registered, the memfd has ", memory->size())));
   }
   return Buffer(state_, response->buffer_id(),
-                std::make_unique<SharedMemory>(std::move(*memory)),
+                std::make_unique<SharedMemory>(std::move(*memory)), registered,
                 response->remote_context(), BackendsOf(*response));
 }
 
@@ -286,8 +289,9 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
   request.set_label(label);
   absl::StatusOr<v1::RegisterResponse> response = Register(request);
   if (!response.ok()) return response.status();
+  const uint64_t attached = memory->size();
   return Buffer(state_, response->buffer_id(),
-                std::make_unique<SharedMemory>(std::move(*memory)),
+                std::make_unique<SharedMemory>(std::move(*memory)), attached,
                 response->remote_context(), BackendsOf(*response));
 }
 

@@ -109,14 +109,14 @@ class Buffer {
  private:
   friend class AgentClient;
   Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
-         std::unique_ptr<SharedMemory> memory, std::string remote_context,
-         std::vector<std::string> backends);
+         std::unique_ptr<SharedMemory> memory, uint64_t size,
+         std::string remote_context, std::vector<std::string> backends);
   void ReleaseBestEffort();
 
   std::shared_ptr<internal::ClientState> state_;
   uint64_t id_ = 0;
   std::unique_ptr<SharedMemory> memory_;  // the memfd and its mapping
-  uint64_t size_ = 0;                     // memory_'s, cached for inline use
+  uint64_t size_ = 0;                     // registered bytes, <= memory_'s
   std::byte* data_ = nullptr;             // memory_'s, cached for inline use
   std::string remote_context_;
   std::vector<std::string> backends_;
