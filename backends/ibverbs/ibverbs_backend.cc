@@ -1,5 +1,6 @@
 #include "backends/ibverbs/ibverbs_backend.h"
 
+#include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -36,6 +37,18 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
 };
 
 namespace {
+
+// gRPC shuts itself down when its last object goes, and that shutdown
+// blocks for seconds while a channel to a dead peer is in reconnect backoff
+// (seen as ~10 s agent shutdowns). Backends come and go (tests run many
+// agents per process), so the library is kept up for the process's life.
+void KeepGrpcAlive() {
+  static const bool initialized = [] {
+    grpc_init();
+    return true;
+  }();
+  (void)initialized;
+}
 
 // The MR of one registration; ibv_dereg_mr when the registration goes.
 class IbverbsRegistration : public BackendRegistration {
@@ -101,7 +114,9 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
       options_(std::move(options)),
       verbs_(std::move(verbs)),
       service_(std::make_unique<PeerService>(this)),
-      peer_address_(env_.peer_address) {}
+      peer_address_(env_.peer_address) {
+  KeepGrpcAlive();
+}
 
 IbverbsBackend::~IbverbsBackend() {
   // No handshake may run into a backend being destroyed.
