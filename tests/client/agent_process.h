@@ -18,7 +18,9 @@ namespace rdma_agent::testing {
 // kills it and removes the runtime dir.
 class AgentProcess {
  public:
-  // `extra_flags` are appended to the daemon's command line.
+  // `extra_flags` are appended to the daemon's command line; the last
+  // occurrence of a flag wins, so e.g. "--backends=memory,tcp" replaces the
+  // default.
   static absl::StatusOr<std::unique_ptr<AgentProcess>> Start(
       std::vector<std::string> extra_flags = {},
       absl::Duration timeout = absl::Seconds(30));
