@@ -80,16 +80,17 @@ absl::Status CompletionStatus(const ibv_wc& wc) {
       " (vendor error 0x", absl::Hex(wc.vendor_err), ")");
   switch (wc.status) {
     case IBV_WC_REM_ACCESS_ERR:
-      return absl::PermissionDeniedError(absl::StrCat(
-          what, ": the remote NIC refused the access (buffer released, "
-                "or not registered for this access)"));
+      return absl::PermissionDeniedError(
+          absl::StrCat(what,
+                       ": the remote NIC refused the access (buffer released, "
+                       "or not registered for this access)"));
     case IBV_WC_RETRY_EXC_ERR:
     case IBV_WC_RNR_RETRY_EXC_ERR:
       return absl::UnavailableError(
           absl::StrCat(what, ": the peer did not answer"));
     case IBV_WC_WR_FLUSH_ERR:
-      return absl::UnavailableError(absl::StrCat(
-          what, ": flushed because the queue pair failed"));
+      return absl::UnavailableError(
+          absl::StrCat(what, ": flushed because the queue pair failed"));
     case IBV_WC_REM_INV_REQ_ERR:
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": the remote NIC rejected the request"));
@@ -114,8 +115,8 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
     absl::Duration busy_poll, absl::Duration drain_timeout) {
   // Every WR is signaled and the send queue holds at most sq_depth, so a CQ
   // of that size never overflows.
-  auto cq = local.device->CreateCompletionQueue(
-      static_cast<int>(params.sq_depth));
+  auto cq =
+      local.device->CreateCompletionQueue(static_cast<int>(params.sq_depth));
   if (!cq.ok()) return cq.status();
   verbs::QueuePairInit init;
   init.send_cq = cq->get();
@@ -132,15 +133,14 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
   attr.qp_state = IBV_QPS_INIT;
   attr.pkey_index = 0;
   attr.port_num = local.port;
-  attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
-                         IBV_ACCESS_REMOTE_WRITE;
-  absl::Status status = (*qp)->Modify(
-      attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                IBV_QP_ACCESS_FLAGS);
+  attr.qp_access_flags =
+      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  absl::Status status =
+      (*qp)->Modify(attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                              IBV_QP_ACCESS_FLAGS);
   if (!status.ok()) return status;
   return std::unique_ptr<Connection>(new Connection(
-      local, params, busy_poll, drain_timeout, std::move(*cq),
-      std::move(*qp)));
+      local, params, busy_poll, drain_timeout, std::move(*cq), std::move(*qp)));
 }
 
 Connection::Connection(const LocalPort& local, const QueuePairParams& params,
@@ -184,12 +184,12 @@ v1::QueuePairEndpoint Connection::local_endpoint() const {
 
 absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
   if (remote.gid().size() != sizeof(ibv_gid)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queue pair endpoint has a ", remote.gid().size(),
-                     "-byte GID, expected 16"));
+    return absl::InvalidArgumentError(absl::StrCat("queue pair endpoint has a ",
+                                                   remote.gid().size(),
+                                                   "-byte GID, expected 16"));
   }
-  auto mtu = verbs::MtuFromBytes(
-      std::min(params_.mtu_bytes, remote.mtu_bytes()));
+  auto mtu =
+      verbs::MtuFromBytes(std::min(params_.mtu_bytes, remote.mtu_bytes()));
   if (!mtu.ok()) return mtu.status();
 
   ibv_qp_attr attr = {};
@@ -198,9 +198,8 @@ absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
   attr.dest_qp_num = remote.qp_num();
   attr.rq_psn = remote.psn() & 0xffffff;
   // Accept as many concurrent READs as the other side issues.
-  attr.max_dest_rd_atomic = static_cast<uint8_t>(
-      std::min<uint32_t>(std::max<uint32_t>(remote.max_rd_atomic(), 1),
-                         params_.max_rd_atomic));
+  attr.max_dest_rd_atomic = static_cast<uint8_t>(std::min<uint32_t>(
+      std::max<uint32_t>(remote.max_rd_atomic(), 1), params_.max_rd_atomic));
   attr.min_rnr_timer = 12;
   attr.ah_attr.port_num = local_.port;
   attr.ah_attr.dlid = static_cast<uint16_t>(remote.lid());
@@ -213,10 +212,10 @@ absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
     attr.ah_attr.grh.hop_limit = 64;
     attr.ah_attr.grh.traffic_class = params_.traffic_class;
   }
-  absl::Status status = qp_->Modify(
-      attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                IBV_QP_MIN_RNR_TIMER);
+  absl::Status status =
+      qp_->Modify(attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+                            IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                            IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
   if (!status.ok()) return status;
 
   attr = {};
@@ -260,8 +259,8 @@ absl::Status Connection::Post(ibv_send_wr& wr,
   if (err == 0) return absl::OkStatus();
   in_flight_.erase(id);
   ++credits_;
-  const absl::Status status = absl::InternalError(
-      absl::StrCat("ibv_post_send: ", std::strerror(err)));
+  const absl::Status status =
+      absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
   tracker->WrCompleted(op, status);
   return status;
 }

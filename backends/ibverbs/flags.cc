@@ -87,8 +87,8 @@ absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
   for (absl::Status s : {
            SetIf(absl::GetFlag(FLAGS_ibverbs_gid_index), -1, 0, 255,
                  "ibverbs_gid_index", qp.gid_index),
-           SetIf(absl::GetFlag(FLAGS_ibverbs_mtu), 0, 256, 4096,
-                 "ibverbs_mtu", qp.mtu_bytes),
+           SetIf(absl::GetFlag(FLAGS_ibverbs_mtu), 0, 256, 4096, "ibverbs_mtu",
+                 qp.mtu_bytes),
            SetIf(absl::GetFlag(FLAGS_ibverbs_timeout), -1, 0, 31,
                  "ibverbs_timeout", qp.timeout),
            SetIf(absl::GetFlag(FLAGS_ibverbs_retry_cnt), -1, 0, 7,

@@ -18,15 +18,14 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
  public:
   explicit PeerService(IbverbsBackend* backend) : backend_(backend) {}
 
-  grpc::Status ConnectQueuePair(grpc::ServerContext* /*context*/,
-                                const v1::ConnectQueuePairRequest* request,
-                                v1::ConnectQueuePairResponse* response)
-      override {
+  grpc::Status ConnectQueuePair(
+      grpc::ServerContext* /*context*/,
+      const v1::ConnectQueuePairRequest* request,
+      v1::ConnectQueuePairResponse* response) override {
     auto answer = backend_->AcceptQueuePair(*request);
     if (!answer.ok()) {
-      return grpc::Status(
-          static_cast<grpc::StatusCode>(answer.status().code()),
-          std::string(answer.status().message()));
+      return grpc::Status(static_cast<grpc::StatusCode>(answer.status().code()),
+                          std::string(answer.status().message()));
     }
     *response = std::move(*answer);
     return grpc::Status::OK;
@@ -72,12 +71,18 @@ absl::Status FromGrpc(const grpc::Status& status, absl::string_view what) {
 
 const char* PortStateName(ibv_port_state state) {
   switch (state) {
-    case IBV_PORT_DOWN: return "DOWN";
-    case IBV_PORT_INIT: return "INIT";
-    case IBV_PORT_ARMED: return "ARMED";
-    case IBV_PORT_ACTIVE: return "ACTIVE";
-    case IBV_PORT_ACTIVE_DEFER: return "ACTIVE_DEFER";
-    default: return "NOP";
+    case IBV_PORT_DOWN:
+      return "DOWN";
+    case IBV_PORT_INIT:
+      return "INIT";
+    case IBV_PORT_ARMED:
+      return "ARMED";
+    case IBV_PORT_ACTIVE:
+      return "ACTIVE";
+    case IBV_PORT_ACTIVE_DEFER:
+      return "ACTIVE_DEFER";
+    default:
+      return "NOP";
   }
 }
 
@@ -186,10 +191,10 @@ absl::Status IbverbsBackend::Discover() {
         return absl::FailedPreconditionError(
             absl::StrCat(name, ": ", profile_.unsupported_reason));
       }
-      params_ = ResolveParams(profile_.defaults, options_.qp, *attr,
-                              *port_attr);
-      auto gid = (*device)->QueryGid(static_cast<uint8_t>(port),
-                                     params_.gid_index);
+      params_ =
+          ResolveParams(profile_.defaults, options_.qp, *attr, *port_attr);
+      auto gid =
+          (*device)->QueryGid(static_cast<uint8_t>(port), params_.gid_index);
       if (!gid.ok()) {
         return absl::FailedPreconditionError(
             absl::StrCat(name, " port ", port, ": no GID at index ",
@@ -210,8 +215,8 @@ absl::Status IbverbsBackend::Discover() {
       return absl::OkStatus();
     }
   }
-  return absl::NotFoundError(absl::StrCat("no usable RDMA port: ",
-                                          absl::StrJoin(why, "; ")));
+  return absl::NotFoundError(
+      absl::StrCat("no usable RDMA port: ", absl::StrJoin(why, "; ")));
 }
 
 v1::TransportInfo IbverbsBackend::transport_info() const {
@@ -256,10 +261,10 @@ std::vector<grpc::Service*> IbverbsBackend::peer_services() {
 
 absl::Status IbverbsBackend::Start() {
   if (!available() || !peer_address_.empty()) return absl::OkStatus();
-  const std::string host = env_.advertise_host.empty() ||
-                                   IsWildcardHost(env_.advertise_host)
-                               ? "127.0.0.1"
-                               : env_.advertise_host;
+  const std::string host =
+      env_.advertise_host.empty() || IsWildcardHost(env_.advertise_host)
+          ? "127.0.0.1"
+          : env_.advertise_host;
   own_service_ = std::make_unique<PeerService>(this);
   grpc::ServerBuilder builder;
   int port = 0;
@@ -268,8 +273,8 @@ absl::Status IbverbsBackend::Start() {
   builder.RegisterService(own_service_.get());
   own_server_ = builder.BuildAndStart();
   if (own_server_ == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen for queue-pair handshakes on ", host));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for queue-pair handshakes on ", host));
   }
   peer_address_ = JoinHostPort(host, static_cast<uint16_t>(port));
   return absl::OkStatus();
@@ -284,8 +289,8 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   int access = IBV_ACCESS_LOCAL_WRITE;
   if (registration.readable()) access |= IBV_ACCESS_REMOTE_READ;
   if (registration.writable()) access |= IBV_ACCESS_REMOTE_WRITE;
-  auto mr = pd_->RegisterMemory(registration.data(), registration.size(),
-                                access);
+  auto mr =
+      pd_->RegisterMemory(registration.data(), registration.size(), access);
   if (!mr.ok()) return mr.status();
   v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
   ib->set_device(device_->name());
@@ -322,9 +327,8 @@ std::shared_ptr<v1::Peer::Stub> IbverbsBackend::StubFor(
 absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
     const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
     absl::Time deadline) {
-  const std::string key = absl::StrCat(remote.agent_id(), "/",
-                                       remote.agent_epoch(), "/",
-                                       endpoint.device());
+  const std::string key = absl::StrCat(
+      remote.agent_id(), "/", remote.agent_epoch(), "/", endpoint.device());
   std::shared_ptr<Connection> stale;  // destroyed (drained) outside mu_
   {
     absl::MutexLock lock(&mu_);
@@ -368,20 +372,19 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::Handshake(
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(
       std::min(deadline, absl::Now() + options_.connect_timeout)));
-  const grpc::Status status = StubFor(endpoint.peer_address())
-                                  ->ConnectQueuePair(&context, request,
-                                                     &response);
+  const grpc::Status status =
+      StubFor(endpoint.peer_address())
+          ->ConnectQueuePair(&context, request, &response);
   if (!status.ok()) {
-    return FromGrpc(status,
-                    absl::StrCat("queue-pair handshake with agent ",
-                                 remote.agent_id(), " at ",
-                                 endpoint.peer_address()));
+    return FromGrpc(status, absl::StrCat("queue-pair handshake with agent ",
+                                         remote.agent_id(), " at ",
+                                         endpoint.peer_address()));
   }
   absl::Status connected = connection->ConnectTo(response.responder());
   if (!connected.ok()) {
-    return absl::UnavailableError(absl::StrCat(
-        "connecting the queue pair to ", endpoint.peer_address(), ": ",
-        connected.message()));
+    return absl::UnavailableError(absl::StrCat("connecting the queue pair to ",
+                                               endpoint.peer_address(), ": ",
+                                               connected.message()));
   }
   return connection;
 }
@@ -389,15 +392,15 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::Handshake(
 absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
     const v1::ConnectQueuePairRequest& request) {
   if (!available()) {
-    return absl::UnavailableError(absl::StrCat(
-        "ibverbs backend unavailable on agent ", env_.identity.agent_id,
-        ": ", unavailable_reason_));
+    return absl::UnavailableError(
+        absl::StrCat("ibverbs backend unavailable on agent ",
+                     env_.identity.agent_id, ": ", unavailable_reason_));
   }
   if (request.expected_epoch() != env_.identity.epoch) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "stale remote context: agent ", env_.identity.agent_id,
-        " restarted (context epoch ", request.expected_epoch(),
-        ", current epoch ", env_.identity.epoch, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("stale remote context: agent ", env_.identity.agent_id,
+                     " restarted (context epoch ", request.expected_epoch(),
+                     ", current epoch ", env_.identity.epoch, ")"));
   }
   if (request.remote_device() != device_->name()) {
     return absl::NotFoundError(absl::StrCat(
@@ -422,8 +425,8 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
   std::unique_ptr<Connection> replaced = std::move(*created);
   {
     absl::MutexLock lock(&mu_);
-    responders_[absl::StrCat(request.agent_id(), "/", requester.device())]
-        .swap(replaced);
+    responders_[absl::StrCat(request.agent_id(), "/", requester.device())].swap(
+        replaced);
   }
   return response;
 }
@@ -435,15 +438,15 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
     if (absl::Now() >= deadline) {
-      tracker->PostingFinished(i, absl::DeadlineExceededError(
-                                      "deadline passed before posting"));
+      tracker->PostingFinished(
+          i, absl::DeadlineExceededError("deadline passed before posting"));
       continue;
     }
     const v1::BackendEndpoint* endpoint = FindEndpoint(*op.remote, name_);
     if (endpoint == nullptr || !endpoint->has_ibverbs()) {
       tracker->PostingFinished(
-          i, absl::InvalidArgumentError(
-                 "remote context has no ibverbs endpoint"));
+          i,
+          absl::InvalidArgumentError("remote context has no ibverbs endpoint"));
       continue;
     }
     const v1::IbverbsEndpoint& ib = endpoint->ibverbs();
@@ -451,9 +454,9 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
         op.local->backend_state(name_));
     if (local == nullptr) {
       tracker->PostingFinished(
-          i, absl::FailedPreconditionError(absl::StrCat(
-                 "local buffer ", op.local->id(),
-                 " is not registered with the ibverbs backend")));
+          i, absl::FailedPreconditionError(
+                 absl::StrCat("local buffer ", op.local->id(),
+                              " is not registered with the ibverbs backend")));
       continue;
     }
     // One-sided ops bypass the remote CPU: check here what the context
@@ -461,8 +464,7 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
     absl::Status range = CheckRange(op.remote_offset, op.length,
                                     op.remote->size_bytes(), "remote");
     if (range.ok()) {
-      range = CheckRange(op.local_offset, op.length, op.local->size(),
-                         "local");
+      range = CheckRange(op.local_offset, op.length, op.local->size(), "local");
     }
     if (range.ok() && ib.address() + op.remote_offset < ib.address()) {
       range = absl::OutOfRangeError("remote address overflows");
@@ -487,15 +489,14 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
     for (uint64_t done = 0; done < op.length && posted.ok();) {
       const uint64_t n = std::min(wr_bytes, op.length - done);
       ibv_sge sge = {};
-      sge.addr = reinterpret_cast<uint64_t>(op.local->data() +
-                                            op.local_offset + done);
+      sge.addr =
+          reinterpret_cast<uint64_t>(op.local->data() + op.local_offset + done);
       sge.length = static_cast<uint32_t>(n);
       sge.lkey = local->mr().lkey();
       ibv_send_wr wr = {};
       wr.sg_list = &sge;
       wr.num_sge = 1;
-      wr.opcode =
-          op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+      wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
       wr.wr.rdma.remote_addr = ib.address() + op.remote_offset + done;
       wr.wr.rdma.rkey = ib.rkey();
       posted = (*connection)->Post(wr, tracker, i, op.local, deadline);
@@ -512,9 +513,8 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
       if (connection->outstanding() == 0) continue;
       if (!connection->MoveToErrorAndDrain(options_.drain_timeout)) {
         // Should not happen: the registrations stay pinned by the WRs.
-        tracker->Override(
-            late.empty() ? 0 : late.front(),
-            absl::InternalError("RDMA queue pair did not drain"));
+        tracker->Override(late.empty() ? 0 : late.front(),
+                          absl::InternalError("RDMA queue pair did not drain"));
       }
     }
     tracker->WaitAllDone(absl::Now() + options_.drain_timeout);

@@ -84,8 +84,7 @@ class IbverbsBackend : public Backend {
   // "host:port" peers dial for the queue-pair handshake.
   const std::string& peer_address() const { return peer_address_; }
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
-      const Registration& registration,
-      v1::BackendEndpoint* endpoint) override;
+      const Registration& registration, v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    absl::Time deadline) override;

@@ -28,24 +28,23 @@ constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
 constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
 
 std::vector<uint8_t> Snapshot(const TestBuffer& buffer) {
-  return std::vector<uint8_t>(
-      buffer.bytes(), buffer.bytes() + buffer.registration->size());
+  return std::vector<uint8_t>(buffer.bytes(),
+                              buffer.bytes() + buffer.registration->size());
 }
 
 // Checks that `after` equals `before` except [offset, offset + length),
 // which must equal source[source_offset..].
 void ExpectOnlyRangeChanged(const std::vector<uint8_t>& before,
                             const TestBuffer& after, uint64_t offset,
-                            uint64_t length,
-                            const std::vector<uint8_t>& source,
+                            uint64_t length, const std::vector<uint8_t>& source,
                             uint64_t source_offset) {
   for (uint64_t i = 0; i < before.size(); ++i) {
     const bool inside = i >= offset && i < offset + length;
-    const uint8_t want = inside ? source[i - offset + source_offset]
-                                : before[i];
+    const uint8_t want =
+        inside ? source[i - offset + source_offset] : before[i];
     ASSERT_EQ(after.bytes()[i], want)
-        << "byte " << i << (inside ? " (inside" : " (outside") << " ["
-        << offset << ", +" << length << "))";
+        << "byte " << i << (inside ? " (inside" : " (outside") << " [" << offset
+        << ", +" << length << "))";
   }
 }
 
@@ -165,8 +164,8 @@ TEST_F(IbverbsBackendTest, UnavailableWithoutDeviceOrWhenDisabled) {
 
   auto memory = SharedMemory::Allocate(64, "x");
   ASSERT_TRUE(memory.ok());
-  Registration registration(1, 0, v1::ACCESS_READ, "", "t",
-                            std::move(*memory), true);
+  Registration registration(1, 0, v1::ACCESS_READ, "", "t", std::move(*memory),
+                            true);
   v1::BackendEndpoint endpoint;
   EXPECT_EQ((*inactive)->Register(registration, &endpoint).status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -176,10 +175,9 @@ TEST_F(IbverbsBackendTest, BadOptionsAreInvalidArguments) {
   BackendEnvironment env;
   IbverbsOptions profile;
   profile.profile = "cxl";
-  EXPECT_EQ(IbverbsBackend::Create(env, profile, fabric_.MakeVerbs())
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      IbverbsBackend::Create(env, profile, fabric_.MakeVerbs()).status().code(),
+      absl::StatusCode::kInvalidArgument);
   IbverbsOptions mtu;
   mtu.qp.mtu_bytes = 3000;
   EXPECT_EQ(
@@ -223,12 +221,18 @@ TEST_F(IbverbsBackendTest, MovesExactBytesAtOddOffsetsAcrossMaxMessageSize) {
     uint64_t local_offset, length, remote_offset;
   };
   const std::vector<Case> cases = {
-      {kWrite, 1, 1, 3},          {kWrite, 7, 2999, 11},
-      {kWrite, 13, 3000, 4097},   {kWrite, 5, 3001, 9001},
-      {kRead, 3, 4095, 17},       {kRead, 99, 4096, 4099},
-      {kRead, 1, 4097, 12345},    {kWrite, 333, 3 * 4096 + 5, 77777},
-      {kRead, 12347, 100003, 131071}, {kWrite, 0, kSize, 0},
-      {kRead, 0, kSize, 0},       {kWrite, kSize - 1, 1, kSize - 1},
+      {kWrite, 1, 1, 3},
+      {kWrite, 7, 2999, 11},
+      {kWrite, 13, 3000, 4097},
+      {kWrite, 5, 3001, 9001},
+      {kRead, 3, 4095, 17},
+      {kRead, 99, 4096, 4099},
+      {kRead, 1, 4097, 12345},
+      {kWrite, 333, 3 * 4096 + 5, 77777},
+      {kRead, 12347, 100003, 131071},
+      {kWrite, 0, kSize, 0},
+      {kRead, 0, kSize, 0},
+      {kWrite, kSize - 1, 1, kSize - 1},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message()
@@ -271,8 +275,8 @@ TEST_F(IbverbsBackendTest, ManyOpsObeyTheSendQueueDepth) {
   std::vector<Op> ops;
   for (uint64_t i = 0; i < kOps; ++i) {
     // Reverse placement so a mix-up between ops would show.
-    ops.push_back(MakeOp(i, kWrite, local, i * 64, 64, remote,
-                         (kOps - 1 - i) * 64));
+    ops.push_back(
+        MakeOp(i, kWrite, local, i * 64, 64, remote, (kOps - 1 - i) * 64));
   }
   const std::vector<absl::Status> results =
       a->backend().Submit(ops, In(absl::Seconds(60)));
@@ -340,10 +344,10 @@ TEST_F(IbverbsBackendTest, RemoteRangeOutsideTheContextIsOutOfRange) {
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  const auto results = a->backend().Submit(
-      {MakeOp(0, kWrite, local, 0, 100, remote, 4000),
-       MakeOp(1, kRead, local, 0, 1, remote, ~0ull)},
-      In(absl::Seconds(10)));
+  const auto results =
+      a->backend().Submit({MakeOp(0, kWrite, local, 0, 100, remote, 4000),
+                           MakeOp(1, kRead, local, 0, 1, remote, ~0ull)},
+                          In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(results[1].code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(a->backend().connections_established(), 0u);
@@ -357,9 +361,9 @@ TEST_F(IbverbsBackendTest, StaleEpochIsFailedPrecondition) {
   auto stale = std::make_shared<v1::RemoteBuffer>(*remote.context);
   stale->set_agent_epoch(remote.context->agent_epoch() + 2);
   TestBuffer stale_buffer{remote.registration, stale};
-  const auto results = a->backend().Submit(
-      {MakeOp(0, kWrite, local, 0, 10, stale_buffer, 0)},
-      In(absl::Seconds(10)));
+  const auto results =
+      a->backend().Submit({MakeOp(0, kWrite, local, 0, 10, stale_buffer, 0)},
+                          In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition)
       << results[0];
   EXPECT_NE(results[0].message().find("epoch"), std::string::npos);
@@ -372,10 +376,10 @@ TEST_F(IbverbsBackendTest, UnknownRemoteDeviceIsNotFound) {
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
   auto other = std::make_shared<v1::RemoteBuffer>(*remote.context);
   other->mutable_endpoints(0)->mutable_ibverbs()->set_device("nic_c");
-  const auto results = a->backend().Submit(
-      {MakeOp(0, kWrite, local, 0, 10, TestBuffer{remote.registration, other},
-              0)},
-      In(absl::Seconds(10)));
+  const auto results =
+      a->backend().Submit({MakeOp(0, kWrite, local, 0, 10,
+                                  TestBuffer{remote.registration, other}, 0)},
+                          In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kNotFound) << results[0];
 }
 
@@ -388,10 +392,10 @@ TEST_F(IbverbsBackendTest, UnreachablePeerAgentIsUnavailable) {
   // Port 1 on loopback: nobody listens there.
   moved->mutable_endpoints(0)->mutable_ibverbs()->set_peer_address(
       "127.0.0.1:1");
-  const auto results = a->backend().Submit(
-      {MakeOp(0, kWrite, local, 0, 10, TestBuffer{remote.registration, moved},
-              0)},
-      In(absl::Seconds(10)));
+  const auto results =
+      a->backend().Submit({MakeOp(0, kWrite, local, 0, 10,
+                                  TestBuffer{remote.registration, moved}, 0)},
+                          In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kUnavailable) << results[0];
 }
 
@@ -401,10 +405,10 @@ TEST_F(IbverbsBackendTest, LocalBufferWithoutMrIsFailedPrecondition) {
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
   auto memory = SharedMemory::Allocate(4096, "bare");
   ASSERT_TRUE(memory.ok());
-  TestBuffer bare{std::make_shared<Registration>(
-                      77, 0, v1::ACCESS_READ_WRITE, "", "t",
-                      std::move(*memory), true),
-                  nullptr};
+  TestBuffer bare{
+      std::make_shared<Registration>(77, 0, v1::ACCESS_READ_WRITE, "", "t",
+                                     std::move(*memory), true),
+      nullptr};
   const auto results = a->backend().Submit(
       {MakeOp(0, kWrite, bare, 0, 10, remote, 0)}, In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition);
@@ -424,10 +428,10 @@ TEST_F(IbverbsBackendTest, LostWorkRequestIsUnavailableThenReconnects) {
   drop.device = "nic_a";
   fabric_.InjectFault(drop);
   const std::vector<uint8_t> before = Snapshot(remote);
-  const auto lost = a->backend().Submit(
-      {MakeOp(0, kWrite, local, 100, 50, remote, 100),
-       MakeOp(1, kWrite, local, 200, 50, remote, 200)},
-      In(absl::Seconds(10)));
+  const auto lost =
+      a->backend().Submit({MakeOp(0, kWrite, local, 100, 50, remote, 100),
+                           MakeOp(1, kWrite, local, 200, 50, remote, 200)},
+                          In(absl::Seconds(10)));
   EXPECT_EQ(lost[0].code(), absl::StatusCode::kUnavailable) << lost[0];
   EXPECT_NE(lost[0].message().find("IBV_WC_RETRY_EXC_ERR"), std::string::npos);
   // Behind the lost WR on the same QP: flushed.
@@ -505,10 +509,10 @@ TEST_F(IbverbsBackendTest, DeadlineMovesQpToErrorDrainsAndNextSubmitWorks) {
   const std::vector<uint8_t> local_before = Snapshot(local);
   const std::vector<uint8_t> remote_before = Snapshot(remote);
   const absl::Time start = absl::Now();
-  const auto late = a->backend().Submit(
-      {MakeOp(0, kRead, local, 10, 100, remote, 1000),
-       MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
-      start + absl::Milliseconds(200));
+  const auto late =
+      a->backend().Submit({MakeOp(0, kRead, local, 10, 100, remote, 1000),
+                           MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
+                          start + absl::Milliseconds(200));
   const absl::Duration took = absl::Now() - start;
   EXPECT_EQ(late[0].code(), absl::StatusCode::kDeadlineExceeded) << late[0];
   EXPECT_EQ(late[1].code(), absl::StatusCode::kDeadlineExceeded) << late[1];
@@ -543,8 +547,7 @@ TEST_F(IbverbsBackendTest, DeadlineWhileWaitingForSendQueueCredits) {
   for (size_t i = 0; i < 5; ++i) {
     ops.push_back(MakeOp(i, kWrite, local, i * 10, 10, remote, i * 10));
   }
-  const auto results =
-      a->backend().Submit(ops, In(absl::Milliseconds(300)));
+  const auto results = a->backend().Submit(ops, In(absl::Milliseconds(300)));
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(results[i].code(), absl::StatusCode::kDeadlineExceeded)
         << i << ": " << results[i];
@@ -594,9 +597,8 @@ TEST_F(IbverbsBackendTest, RemoteReleaseDuringAnOpIsRefusedByTheNic) {
   fabric_.InjectFault(delay);
   const Op op = MakeOp(0, kWrite, local, 0, 4096, remote, 0);
   absl::Status result;
-  std::thread submit([&] {
-    result = a->backend().Submit({op}, In(absl::Seconds(10)))[0];
-  });
+  std::thread submit(
+      [&] { result = a->backend().Submit({op}, In(absl::Seconds(10)))[0]; });
   // The remote agent releases while the WR waits on the wire: its MR is
   // deregistered, so the write must not land.
   std::weak_ptr<Registration> watch = remote.registration;

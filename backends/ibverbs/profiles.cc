@@ -104,8 +104,7 @@ QueuePairParams ResolveParams(const QueuePairParams& defaults,
   p.rnr_retry = std::min<uint8_t>(p.rnr_retry, 7);
   p.timeout = std::min<uint8_t>(p.timeout, 31);
   if (device.max_qp_rd_atom > 0) {
-    p.max_rd_atomic =
-        std::min<int>(p.max_rd_atomic, device.max_qp_rd_atom);
+    p.max_rd_atomic = std::min<int>(p.max_rd_atomic, device.max_qp_rd_atom);
   }
   if (device.max_qp_wr > 0) {
     p.sq_depth = std::min<uint32_t>(p.sq_depth, device.max_qp_wr);

@@ -52,8 +52,7 @@ class RealMemoryRegion : public MemoryRegion {
 
 class RealCompletionQueue : public CompletionQueue {
  public:
-  RealCompletionQueue(ContextPtr context, ibv_comp_channel* channel,
-                      ibv_cq* cq)
+  RealCompletionQueue(ContextPtr context, ibv_comp_channel* channel, ibv_cq* cq)
       : context_(std::move(context)), channel_(channel), cq_(cq) {}
   ~RealCompletionQueue() override {
     if (unacked_ > 0) ibv_ack_cq_events(cq_, unacked_);

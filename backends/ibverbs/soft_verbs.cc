@@ -183,8 +183,7 @@ class SoftCompletionQueue : public CompletionQueue {
   std::shared_ptr<CqState> state_;
 };
 
-void PushCompletion(CqState& cq, const ibv_wc& wc,
-                    std::weak_ptr<QpState> qp) {
+void PushCompletion(CqState& cq, const ibv_wc& wc, std::weak_ptr<QpState> qp) {
   absl::MutexLock lock(&cq.mu);
   if (cq.entries.size() >= cq.capacity) {
     cq.overrun = true;
@@ -269,8 +268,8 @@ class SoftQueuePair : public QueuePair {
                  ? absl::OkStatus()
                  : Errno("ibv_modify_qp", EINVAL,
                          absl::StrCat(QpStateName(from), "->",
-                                      QpStateName(attr.qp_state),
-                                      " needs ", what));
+                                      QpStateName(attr.qp_state), " needs ",
+                                      what));
     };
     switch (attr.qp_state) {
       case IBV_QPS_RESET:
@@ -284,9 +283,9 @@ class SoftQueuePair : public QueuePair {
       case IBV_QPS_INIT: {
         if (from != IBV_QPS_RESET && from != IBV_QPS_INIT) break;
         if (from == IBV_QPS_RESET) {
-          absl::Status s = need(IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                    IBV_QP_ACCESS_FLAGS,
-                                "PKEY_INDEX|PORT|ACCESS_FLAGS");
+          absl::Status s =
+              need(IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
+                   "PKEY_INDEX|PORT|ACCESS_FLAGS");
           if (!s.ok()) return s;
         }
         if ((mask & IBV_QP_PORT) && attr.port_num != 1) {
@@ -298,11 +297,11 @@ class SoftQueuePair : public QueuePair {
       }
       case IBV_QPS_RTR: {
         if (from != IBV_QPS_INIT) break;
-        absl::Status s = need(IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                  IBV_QP_MIN_RNR_TIMER,
-                              "AV|PATH_MTU|DEST_QPN|RQ_PSN|"
-                              "MAX_DEST_RD_ATOMIC|MIN_RNR_TIMER");
+        absl::Status s =
+            need(IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                     IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
+                 "AV|PATH_MTU|DEST_QPN|RQ_PSN|"
+                 "MAX_DEST_RD_ATOMIC|MIN_RNR_TIMER");
         if (!s.ok()) return s;
         if (attr.path_mtu > qp.device->config.active_mtu) {
           return Errno("ibv_modify_qp", EINVAL,
@@ -320,11 +319,11 @@ class SoftQueuePair : public QueuePair {
       case IBV_QPS_RTS: {
         if (from != IBV_QPS_RTR && from != IBV_QPS_RTS) break;
         if (from == IBV_QPS_RTR) {
-          absl::Status s = need(IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                    IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                                    IBV_QP_MAX_QP_RD_ATOMIC,
-                                "TIMEOUT|RETRY_CNT|RNR_RETRY|SQ_PSN|"
-                                "MAX_QP_RD_ATOMIC");
+          absl::Status s =
+              need(IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                       IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+                   "TIMEOUT|RETRY_CNT|RNR_RETRY|SQ_PSN|"
+                   "MAX_QP_RD_ATOMIC");
           if (!s.ok()) return s;
         }
         if (mask & IBV_QP_TIMEOUT) qp.timeout = attr.timeout;
@@ -429,15 +428,13 @@ class SoftQueuePair : public QueuePair {
   // Waits out the transport timeout of an unanswered WR.
   static ibv_wc_status RetryExceeded(QpState& qp) {
     absl::MutexLock lock(&qp.mu);
-    qp.mu.AwaitWithTimeout(
-        absl::Condition(
-            +[](QpState* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return q->stopping || q->state == IBV_QPS_ERR;
-            },
-            &qp),
-        TransportTimeout(qp.timeout, qp.retry_cnt));
-    return qp.state == IBV_QPS_ERR ? IBV_WC_WR_FLUSH_ERR
-                                   : IBV_WC_RETRY_EXC_ERR;
+    qp.mu.AwaitWithTimeout(absl::Condition(
+                               +[](QpState* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                 return q->stopping || q->state == IBV_QPS_ERR;
+                               },
+                               &qp),
+                           TransportTimeout(qp.timeout, qp.retry_cnt));
+    return qp.state == IBV_QPS_ERR ? IBV_WC_WR_FLUSH_ERR : IBV_WC_RETRY_EXC_ERR;
   }
 
   static ibv_wc_status Execute(QpState& qp, const SoftWr& wr) {
@@ -521,7 +518,8 @@ class SoftQueuePair : public QueuePair {
       if (it == local_mrs.end()) return IBV_WC_LOC_PROT_ERR;
       const MrEntry& mr = it->second;
       if (mr.pd_id != qp.pd_id || sge.addr < mr.addr ||
-          sge.length > mr.length || sge.addr - mr.addr > mr.length - sge.length) {
+          sge.length > mr.length ||
+          sge.addr - mr.addr > mr.length - sge.length) {
         return IBV_WC_LOC_PROT_ERR;
       }
       if (read && !(mr.access & IBV_ACCESS_LOCAL_WRITE)) {
@@ -595,8 +593,7 @@ class SoftProtectionDomain : public ProtectionDomain {
     }
     if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
         !(access & IBV_ACCESS_LOCAL_WRITE)) {
-      return Errno("ibv_reg_mr", EINVAL,
-                   "REMOTE_WRITE requires LOCAL_WRITE");
+      return Errno("ibv_reg_mr", EINVAL, "REMOTE_WRITE requires LOCAL_WRITE");
     }
     uint32_t key;
     {
@@ -809,9 +806,7 @@ void SoftFabric::ClearFaults() {
 }
 
 uint64_t SoftFabric::wrs_completed_ok() const { return state_->ok_count; }
-int SoftFabric::max_outstanding_seen() const {
-  return state_->max_outstanding;
-}
+int SoftFabric::max_outstanding_seen() const { return state_->max_outstanding; }
 
 }  // namespace verbs
 }  // namespace rdma_agent

@@ -13,8 +13,8 @@ namespace rdma_agent {
 namespace verbs {
 namespace {
 
-constexpr int kAllAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
-                           IBV_ACCESS_REMOTE_WRITE;
+constexpr int kAllAccess =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
 
 // One side: device, PD, CQ, QP and a 64 KiB buffer.
 struct Side {
@@ -59,8 +59,8 @@ class SoftVerbsTest : public ::testing::Test {
     for (size_t i = 0; i < side.buffer.size(); ++i) {
       side.buffer[i] = static_cast<uint8_t>(i * 7 + name.size());
     }
-    auto mr = side.pd->RegisterMemory(side.buffer.data(), side.buffer.size(),
-                                      access);
+    auto mr =
+        side.pd->RegisterMemory(side.buffer.data(), side.buffer.size(), access);
     ASSERT_TRUE(mr.ok()) << mr.status();
     side.mr = std::move(*mr);
   }
@@ -189,8 +189,8 @@ TEST_F(SoftVerbsTest, WriteAndReadMoveExactlyTheRange) {
   EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
   EXPECT_EQ(wc.opcode, IBV_WC_RDMA_READ);
   for (size_t i = 0; i < a_.buffer.size(); ++i) {
-    const uint8_t want = (i >= 5000 && i < 5333) ? b_.buffer[i - 5000 + 9000]
-                                                 : local_before[i];
+    const uint8_t want =
+        (i >= 5000 && i < 5333) ? b_.buffer[i - 5000 + 9000] : local_before[i];
     ASSERT_EQ(a_.buffer[i], want) << "byte " << i;
   }
 }
@@ -293,8 +293,7 @@ TEST_F(SoftVerbsTest, ReadIntoMrWithoutLocalWriteIsLocalProtectionError) {
 }
 
 TEST_F(SoftVerbsTest, RemoteWriteWithoutLocalWriteCannotBeRegistered) {
-  EXPECT_EQ(a_.pd->RegisterMemory(a_.buffer.data(), 64,
-                                  IBV_ACCESS_REMOTE_WRITE)
+  EXPECT_EQ(a_.pd->RegisterMemory(a_.buffer.data(), 64, IBV_ACCESS_REMOTE_WRITE)
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);

@@ -69,13 +69,12 @@ std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
   return node;
 }
 
-TestBuffer TestNode::Register(uint64_t size, v1::Access access,
-                              uint8_t seed) {
+TestBuffer TestNode::Register(uint64_t size, v1::Access access, uint8_t seed) {
   TestBuffer buffer;
   auto memory = SharedMemory::Allocate(size, "ibverbs-test");
   EXPECT_TRUE(memory.ok()) << memory.status();
-  const std::string token = absl::StrCat("token-", identity_.agent_id, "-",
-                                         next_id_);
+  const std::string token =
+      absl::StrCat("token-", identity_.agent_id, "-", next_id_);
   auto registration = std::make_shared<Registration>(
       next_id_++, /*owner=*/0, access, "test", token, std::move(*memory),
       /*agent_allocated=*/true);

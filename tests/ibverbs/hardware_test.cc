@@ -70,21 +70,22 @@ TEST_F(HardwareTest, MovesExactBytesAtOddOffsets) {
   for (const Case& c : cases) {
     std::vector<uint8_t> local_before(local.bytes(), local.bytes() + kSize);
     std::vector<uint8_t> remote_before(remote.bytes(), remote.bytes() + kSize);
-    auto results = a_->backend().Submit(
-        {MakeOp(0, c.type, local, c.local_offset, c.length, remote,
-                c.remote_offset)},
-        absl::Now() + absl::Seconds(30));
+    auto results =
+        a_->backend().Submit({MakeOp(0, c.type, local, c.local_offset, c.length,
+                                     remote, c.remote_offset)},
+                             absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(results[0].ok()) << results[0];
     const bool write = c.type == v1::OP_TYPE_WRITE_FROM_LOCAL;
-    const std::vector<uint8_t>& dst_before = write ? remote_before : local_before;
+    const std::vector<uint8_t>& dst_before =
+        write ? remote_before : local_before;
     const std::vector<uint8_t>& src = write ? local_before : remote_before;
     const uint8_t* dst = write ? remote.bytes() : local.bytes();
     const uint64_t dst_offset = write ? c.remote_offset : c.local_offset;
     const uint64_t src_offset = write ? c.local_offset : c.remote_offset;
     for (uint64_t i = 0; i < kSize; ++i) {
       const bool inside = i >= dst_offset && i < dst_offset + c.length;
-      ASSERT_EQ(dst[i], inside ? src[i - dst_offset + src_offset]
-                               : dst_before[i])
+      ASSERT_EQ(dst[i],
+                inside ? src[i - dst_offset + src_offset] : dst_before[i])
           << "byte " << i;
     }
     for (uint64_t i = 0; i < kSize; i += 101) local.bytes()[i] ^= 0x3c;

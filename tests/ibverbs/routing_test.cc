@@ -48,18 +48,17 @@ class RoutingTest : public ::testing::Test {
       return std::unique_ptr<Backend>(std::move(*backend));
     });
     std::shared_ptr<verbs::SoftFabric> fabric = fabric_;
-    options.backends.push_back(
-        [fabric, device](const BackendEnvironment& env)
-            -> absl::StatusOr<std::unique_ptr<Backend>> {
-          IbverbsOptions ib;
-          ib.enabled = !device.empty();
-          ib.qp.timeout = 8;  // ~1 ms per try: a dead path fails fast
-          ib.qp.retry_cnt = 2;
-          auto backend = IbverbsBackend::Create(
-              env, ib, fabric->MakeVerbs({device.empty() ? "-" : device}));
-          if (!backend.ok()) return backend.status();
-          return std::unique_ptr<Backend>(std::move(*backend));
-        });
+    options.backends.push_back([fabric, device](const BackendEnvironment& env)
+                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
+      IbverbsOptions ib;
+      ib.enabled = !device.empty();
+      ib.qp.timeout = 8;  // ~1 ms per try: a dead path fails fast
+      ib.qp.retry_cnt = 2;
+      auto backend = IbverbsBackend::Create(
+          env, ib, fabric->MakeVerbs({device.empty() ? "-" : device}));
+      if (!backend.ok()) return backend.status();
+      return std::unique_ptr<Backend>(std::move(*backend));
+    });
     auto agent = InProcessAgent::Start(std::move(options));
     EXPECT_TRUE(agent.ok()) << agent.status();
     return agent.ok() ? std::move(*agent) : nullptr;
@@ -78,8 +77,7 @@ class RoutingTest : public ::testing::Test {
     request.set_buffer_id(response->buffer_id());
     request.set_data(data);
     v1::WriteBufferResponse ignored;
-    EXPECT_TRUE(
-        agent.stub().WriteBuffer(&context, request, &ignored).ok());
+    EXPECT_TRUE(agent.stub().WriteBuffer(&context, request, &ignored).ok());
     return *response;
   }
 
@@ -126,11 +124,11 @@ class RoutingTest : public ::testing::Test {
   // source[source_offset, +length).
   static void ExpectSpliced(const std::string& before, const std::string& after,
                             uint64_t offset, uint64_t length,
-                            const std::string& source,
-                            uint64_t source_offset) {
+                            const std::string& source, uint64_t source_offset) {
     ASSERT_EQ(after.size(), before.size());
     EXPECT_EQ(after.substr(0, offset), before.substr(0, offset));
-    EXPECT_EQ(after.substr(offset, length), source.substr(source_offset, length));
+    EXPECT_EQ(after.substr(offset, length),
+              source.substr(source_offset, length));
     EXPECT_EQ(after.substr(offset + length), before.substr(offset + length));
   }
 
@@ -151,11 +149,11 @@ TEST_F(RoutingTest, IbverbsIsChosenOverTcpWhenBothSidesHaveIt) {
   const std::string local_before = Contents(*a, local.buffer_id());
   const std::string remote_before = Contents(*b, remote.buffer_id());
 
-  const v1::SubmitResponse response = Submit(
-      *a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 3, 70001,
-                  remote, 11),
-           MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local.buffer_id(), 500001,
-                  12345, remote, 700003)});
+  const v1::SubmitResponse response =
+      Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 3,
+                         70001, remote, 11),
+                  MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local.buffer_id(), 500001,
+                         12345, remote, 700003)});
   ASSERT_EQ(response.results_size(), 2);
   for (const v1::OpResult& result : response.results()) {
     EXPECT_EQ(result.code(), 0) << result.message();
@@ -227,11 +225,11 @@ TEST_F(RoutingTest, DeadlineOnTheNicIsReportedAndLeavesMemoryAlone) {
   delay.action = verbs::SoftFault::Action::kDelay;
   delay.delay = absl::Seconds(1);
   fabric_->InjectFault(delay);
-  const v1::SubmitResponse response = Submit(
-      *a,
-      {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0, 1000,
-              remote, 0)},
-      absl::Milliseconds(200));
+  const v1::SubmitResponse response =
+      Submit(*a,
+             {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0, 1000,
+                     remote, 0)},
+             absl::Milliseconds(200));
   ASSERT_EQ(response.results_size(), 1);
   EXPECT_EQ(response.results(0).code(),
             static_cast<int>(absl::StatusCode::kDeadlineExceeded))
