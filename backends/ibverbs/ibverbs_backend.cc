@@ -330,6 +330,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
   const std::string key = absl::StrCat(
       remote.agent_id(), "/", remote.agent_epoch(), "/", endpoint.device());
   std::shared_ptr<Connection> stale;  // destroyed (drained) outside mu_
+  std::shared_ptr<absl::Mutex> connect_lock;
   {
     absl::MutexLock lock(&mu_);
     auto it = requesters_.find(key);
@@ -338,9 +339,12 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
       stale = std::move(it->second);
       requesters_.erase(it);
     }
+    auto& slot = connect_locks_[key];
+    if (slot == nullptr) slot = std::make_shared<absl::Mutex>();
+    connect_lock = slot;
   }
   stale.reset();
-  absl::MutexLock connecting(&connect_mu_);
+  absl::MutexLock connecting(connect_lock.get());
   {
     absl::MutexLock lock(&mu_);
     auto it = requesters_.find(key);

@@ -136,9 +136,12 @@ class IbverbsBackend : public Backend {
   std::unique_ptr<PeerService> own_service_;
   std::unique_ptr<grpc::Server> own_server_;
 
-  // Serialises handshakes, so concurrent Submits connect a peer once.
-  absl::Mutex connect_mu_;
   mutable absl::Mutex mu_;
+  // One per requester key: serialises handshakes to the same peer device,
+  // so concurrent Submits connect it once, while a slow peer does not hold
+  // up handshakes with others.
+  std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
+      ABSL_GUARDED_BY(mu_);
   // Requester QPs by "agent_id/epoch/device".
   std::map<std::string, std::shared_ptr<Connection>> requesters_
       ABSL_GUARDED_BY(mu_);
