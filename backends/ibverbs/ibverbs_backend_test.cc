@@ -3,7 +3,12 @@
 // release during in-flight ops, and the deadline drain.
 #include "backends/ibverbs/ibverbs_backend.h"
 
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <memory>
@@ -397,6 +402,48 @@ TEST_F(IbverbsBackendTest, UnreachablePeerAgentIsUnavailable) {
                                   TestBuffer{remote.registration, moved}, 0)},
                           In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kUnavailable) << results[0];
+}
+
+TEST_F(IbverbsBackendTest, SilentPeerDoesNotHoldUpHandshakesWithOthers) {
+  auto a = Node("agent-a", "nic_a");
+  auto b = Node("agent-b", "nic_b");
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  // A "peer" that accepts TCP connections (in the kernel backlog) and never
+  // answers: its handshake can only end at the deadline.
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(silent, 8), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  auto context = std::make_shared<v1::RemoteBuffer>(*remote.context);
+  context->set_agent_id("agent-silent");
+  context->mutable_endpoints(0)->mutable_ibverbs()->set_peer_address(
+      "127.0.0.1:" + std::to_string(ntohs(addr.sin_port)));
+  const TestBuffer silent_buffer{remote.registration, context};
+
+  absl::Status stuck;
+  std::thread slow([&] {
+    stuck = a->backend().Submit(
+        {MakeOp(0, kWrite, local, 0, 8, silent_buffer, 0)},
+        In(absl::Seconds(3)))[0];
+  });
+  // Wait until the slow handshake is knocking (a connection is pending).
+  pollfd pending = {silent, POLLIN, 0};
+  ASSERT_EQ(poll(&pending, 1, 5000), 1);
+  const absl::Time start = absl::Now();
+  const absl::Status fast = a->backend().Submit(
+      {MakeOp(0, kWrite, local, 0, 8, remote, 0)}, In(absl::Seconds(10)))[0];
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(fast.ok()) << fast;
+  EXPECT_LT(took, absl::Seconds(2));
+  slow.join();
+  EXPECT_EQ(stuck.code(), absl::StatusCode::kDeadlineExceeded) << stuck;
+  close(silent);
 }
 
 TEST_F(IbverbsBackendTest, LocalBufferWithoutMrIsFailedPrecondition) {
