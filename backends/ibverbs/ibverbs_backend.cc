@@ -7,9 +7,11 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/net_address.h"
+#include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 
@@ -351,10 +353,40 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
     if (it != requesters_.end() && !it->second->broken()) return it->second;
   }
   auto connection = Handshake(remote, endpoint, deadline);
-  if (!connection.ok()) return connection.status();
-  absl::MutexLock lock(&mu_);
-  requesters_[key] = *connection;
-  ++connections_established_;
+  if (!connection.ok()) {
+    spdlog::warn("ibverbs: connecting to agent {} device {} at {}: {}",
+                 remote.agent_id(), endpoint.device(), endpoint.peer_address(),
+                 connection.status().ToString());
+    return connection.status();
+  }
+  spdlog::info(
+      "ibverbs: connected QP {} to agent {} (epoch {:016x}) device "
+      "{} at {}",
+      (*connection)->qp_num(), remote.agent_id(), remote.agent_epoch(),
+      endpoint.device(), endpoint.peer_address());
+  // The agent answered with this epoch, so QPs to its earlier lives are
+  // dead: drop them (destroyed outside mu_).
+  std::vector<std::shared_ptr<Connection>> dead;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::string agent_prefix = absl::StrCat(remote.agent_id(), "/");
+    const std::string epoch_prefix =
+        absl::StrCat(agent_prefix, remote.agent_epoch(), "/");
+    for (auto it = requesters_.lower_bound(agent_prefix);
+         it != requesters_.end() &&
+         absl::StartsWith(it->first, agent_prefix);) {
+      if (absl::StartsWith(it->first, epoch_prefix)) {
+        ++it;
+        continue;
+      }
+      dead.push_back(std::move(it->second));
+      connect_locks_.erase(it->first);
+      it = requesters_.erase(it);
+    }
+    requesters_[key] = *connection;
+    ++connections_established_;
+  }
+  dead.clear();
   return connection;
 }
 
@@ -513,20 +545,33 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
     // Out of time with WRs on the wire: the QPs carrying them go to ERR and
     // are drained, so no WR of this batch touches memory after we return.
     const std::vector<size_t> late = tracker->NotDone();
+    bool drained = true;
     for (const auto& connection : used) {
       if (connection->outstanding() == 0) continue;
-      if (!connection->MoveToErrorAndDrain(options_.drain_timeout)) {
-        // Should not happen: the registrations stay pinned by the WRs.
-        tracker->Override(late.empty() ? 0 : late.front(),
-                          absl::InternalError("RDMA queue pair did not drain"));
-      }
+      drained &= connection->MoveToErrorAndDrain(options_.drain_timeout);
     }
-    tracker->WaitAllDone(absl::Now() + options_.drain_timeout);
+    if (drained) drained = tracker->WaitAllDone(absl::Now());
+    if (!drained) {
+      // Not seen with a working device. The WRs still pin their local
+      // registrations, so memory stays mapped whatever the NIC does.
+      spdlog::error(
+          "ibverbs: a queue pair moved to ERROR did not flush "
+          "within {}",
+          absl::FormatDuration(options_.drain_timeout));
+    }
+    spdlog::warn(
+        "ibverbs: deadline passed with {} op(s) in flight; queue "
+        "pair(s) moved to ERROR and drained",
+        late.size());
     for (size_t i : late) {
       tracker->Override(
           i, absl::DeadlineExceededError(
-                 "deadline passed with RDMA work requests in flight; the "
-                 "queue pair was moved to ERROR and drained"));
+                 drained ? "deadline passed with RDMA work requests in "
+                           "flight; the queue pair was moved to ERROR and "
+                           "drained"
+                         : "deadline passed with RDMA work requests in "
+                           "flight; the queue pair was moved to ERROR but "
+                           "did not drain"));
     }
   }
   std::vector<absl::Status> results = tracker->Results();
@@ -541,6 +586,11 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
 uint64_t IbverbsBackend::connections_established() const {
   absl::MutexLock lock(&mu_);
   return connections_established_;
+}
+
+size_t IbverbsBackend::requester_count() const {
+  absl::MutexLock lock(&mu_);
+  return requesters_.size();
 }
 
 size_t IbverbsBackend::responder_count() const {

@@ -95,6 +95,8 @@ class IbverbsBackend : public Backend {
 
   // Queue pairs this backend connected as requester, over its life.
   uint64_t connections_established() const;
+  // Queue pairs this backend holds as requester now.
+  size_t requester_count() const;
   // Queue pairs peers connected to this backend, alive now.
   size_t responder_count() const;
   // The queue-pair attributes in use.

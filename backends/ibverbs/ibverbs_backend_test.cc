@@ -428,9 +428,9 @@ TEST_F(IbverbsBackendTest, SilentPeerDoesNotHoldUpHandshakesWithOthers) {
 
   absl::Status stuck;
   std::thread slow([&] {
-    stuck = a->backend().Submit(
-        {MakeOp(0, kWrite, local, 0, 8, silent_buffer, 0)},
-        In(absl::Seconds(3)))[0];
+    stuck =
+        a->backend().Submit({MakeOp(0, kWrite, local, 0, 8, silent_buffer, 0)},
+                            In(absl::Seconds(3)))[0];
   });
   // Wait until the slow handshake is knocking (a connection is pending).
   pollfd pending = {silent, POLLIN, 0};
@@ -444,6 +444,28 @@ TEST_F(IbverbsBackendTest, SilentPeerDoesNotHoldUpHandshakesWithOthers) {
   slow.join();
   EXPECT_EQ(stuck.code(), absl::StatusCode::kDeadlineExceeded) << stuck;
   close(silent);
+}
+
+TEST_F(IbverbsBackendTest, RestartedPeerGetsANewQpAndTheOldOneIsDropped) {
+  auto a = Node("agent-a", "nic_a");
+  auto b = Node("agent-b", "nic_b");
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer old_remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  ASSERT_TRUE(a->backend()
+                  .Submit({MakeOp(0, kWrite, local, 0, 8, old_remote, 0)},
+                          In(absl::Seconds(10)))[0]
+                  .ok());
+  EXPECT_EQ(a->backend().requester_count(), 1u);
+  old_remote = TestBuffer{};
+  b.reset();  // the agent restarts: same id and device, new epoch
+  b = Node("agent-b", "nic_b");
+  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 3);
+  const auto results = a->backend().Submit(
+      {MakeOp(0, kRead, local, 0, 4096, remote, 0)}, In(absl::Seconds(10)));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(0, std::memcmp(local.bytes(), remote.bytes(), 4096));
+  EXPECT_EQ(a->backend().connections_established(), 2u);
+  EXPECT_EQ(a->backend().requester_count(), 1u);  // the dead QP was dropped
 }
 
 TEST_F(IbverbsBackendTest, LocalBufferWithoutMrIsFailedPrecondition) {

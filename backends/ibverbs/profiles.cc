@@ -114,7 +114,9 @@ QueuePairParams ResolveParams(const QueuePairParams& defaults,
     p.max_message_bytes =
         std::min<uint64_t>(p.max_message_bytes, port.max_msg_sz);
   }
-  p.max_message_bytes = std::max<uint64_t>(p.max_message_bytes, 1);
+  // An ibv_sge length is 32 bits; real ports report at most 2 GiB anyway.
+  p.max_message_bytes =
+      std::clamp<uint64_t>(p.max_message_bytes, 1, uint64_t{1} << 31);
   return p;
 }
 

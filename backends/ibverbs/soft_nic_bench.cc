@@ -53,9 +53,10 @@ int Run() {
   }
   const double write_s = absl::ToDoubleSeconds(absl::Now() - start);
   const double gb = static_cast<double>(kSize) * kRounds / 1e9;
-  std::printf("64 MiB ops in 1 MiB WRs: memcpy %.2f GB/s, soft NIC WRITE %.2f "
-              "GB/s (%.0f%% of memcpy)\n",
-              gb / memcpy_s, gb / write_s, 100 * memcpy_s / write_s);
+  std::printf(
+      "64 MiB ops in 1 MiB WRs: memcpy %.2f GB/s, soft NIC WRITE %.2f "
+      "GB/s (%.0f%% of memcpy)\n",
+      gb / memcpy_s, gb / write_s, 100 * memcpy_s / write_s);
 
   const uint64_t kOps = 20000;
   std::vector<Op> ops;
@@ -69,11 +70,11 @@ int Run() {
   for (const auto& status : results) {
     if (!status.ok()) return 1;
   }
-  std::printf("%llu x 64-byte READs in one Submit (SQ depth %u): %.0f ops/s, "
-              "%.1f us/op\n",
-              static_cast<unsigned long long>(kOps),
-              a->backend().params().sq_depth, kOps / small_s,
-              1e6 * small_s / kOps);
+  std::printf(
+      "%llu x 64-byte READs in one Submit (SQ depth %u): %.0f ops/s, "
+      "%.1f us/op\n",
+      static_cast<unsigned long long>(kOps), a->backend().params().sq_depth,
+      kOps / small_s, 1e6 * small_s / kOps);
   return 0;
 }
 
