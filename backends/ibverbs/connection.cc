@@ -231,8 +231,8 @@ absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
 }
 
 absl::Status Connection::Post(ibv_send_wr& wr,
-                              std::shared_ptr<OpTracker> tracker, size_t op,
-                              std::shared_ptr<Registration> pin,
+                              const std::shared_ptr<OpTracker>& tracker,
+                              size_t op, std::shared_ptr<Registration> pin,
                               absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -259,7 +259,7 @@ absl::Status Connection::Post(ibv_send_wr& wr,
   if (err == 0) return absl::OkStatus();
   in_flight_.erase(id);
   ++credits_;
-  const absl::Status status =
+  absl::Status status =
       absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
   tracker->WrCompleted(op, status);
   return status;

@@ -291,7 +291,9 @@ class SoftQueuePair : public QueuePair {
         if ((mask & IBV_QP_PORT) && attr.port_num != 1) {
           return Errno("ibv_modify_qp", EINVAL, "no such port");
         }
-        if (mask & IBV_QP_ACCESS_FLAGS) qp.access_flags = attr.qp_access_flags;
+        if (mask & IBV_QP_ACCESS_FLAGS) {
+          qp.access_flags = static_cast<int>(attr.qp_access_flags);
+        }
         qp.state = IBV_QPS_INIT;
         return absl::OkStatus();
       }
