@@ -105,7 +105,7 @@ class Connection {
   // credit is free. Its completion goes to `tracker` as op `op`; `pin` is
   // held until then. DEADLINE_EXCEEDED if no credit frees up by `deadline`,
   // UNAVAILABLE once the connection is broken.
-  absl::Status Post(ibv_send_wr& wr, std::shared_ptr<OpTracker> tracker,
+  absl::Status Post(ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker,
                     size_t op, std::shared_ptr<Registration> pin,
                     absl::Time deadline);
 
