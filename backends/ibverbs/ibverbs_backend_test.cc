@@ -118,6 +118,41 @@ TEST_F(IbverbsBackendTest, Mlx5DevicesGetTheMlx5Profile) {
   EXPECT_EQ(node->backend().params().max_message_bytes, 8u << 20);
 }
 
+TEST_F(IbverbsBackendTest, Mlx5OnRoceWithoutGidThreeIsUnavailable) {
+  SoftDeviceConfig config;
+  config.name = "mlx5_1";
+  config.vendor_id = 0x02c9;
+  ASSERT_TRUE(fabric_.AddDevice(config).ok());
+  auto node = Node("agent-m", "mlx5_1", IbverbsOptions());
+  EXPECT_FALSE(node->backend().available());
+  EXPECT_NE(node->backend().unavailable_reason().find("no GID at index 3"),
+            std::string::npos)
+      << node->backend().unavailable_reason();
+}
+
+TEST_F(IbverbsBackendTest, InfinibandPortsRouteByLid) {
+  for (const char* name : {"ib_0", "ib_1"}) {
+    SoftDeviceConfig config;
+    config.name = name;
+    config.link_layer = IBV_LINK_LAYER_INFINIBAND;
+    config.vendor_id = 0x02c9;  // mlx5: GID index 0 on InfiniBand
+    ASSERT_TRUE(fabric_.AddDevice(config).ok());
+  }
+  auto a = Node("agent-a", "ib_0");
+  auto b = Node("agent-b", "ib_1");
+  ASSERT_TRUE(a->backend().available()) << a->backend().unavailable_reason();
+  EXPECT_EQ(a->backend().transport_info().devices(0).link_layer(),
+            "InfiniBand");
+  EXPECT_EQ(a->backend().params().gid_index, 0);
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  EXPECT_NE(remote.context->endpoints(0).ibverbs().lid(), 0u);
+  const auto results = a->backend().Submit(
+      {MakeOp(0, kRead, local, 1, 4000, remote, 3)}, In(absl::Seconds(10)));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(0, std::memcmp(local.bytes() + 1, remote.bytes() + 3, 4000));
+}
+
 TEST_F(IbverbsBackendTest, EfaIsUnavailableWithAReason) {
   SoftDeviceConfig config;
   config.name = "efa_0";
