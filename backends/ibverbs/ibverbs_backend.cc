@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -326,11 +327,16 @@ std::shared_ptr<v1::Peer::Stub> IbverbsBackend::StubFor(
   return stub;
 }
 
+std::string IbverbsBackend::ConnectionKey(const v1::RemoteBuffer& remote,
+                                          const v1::IbverbsEndpoint& endpoint) {
+  return absl::StrCat(remote.agent_id(), "/", remote.agent_epoch(), "/",
+                      endpoint.device());
+}
+
 absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
     const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
     absl::Time deadline) {
-  const std::string key = absl::StrCat(
-      remote.agent_id(), "/", remote.agent_epoch(), "/", endpoint.device());
+  const std::string key = ConnectionKey(remote, endpoint);
   std::shared_ptr<Connection> stale;  // destroyed (drained) outside mu_
   std::shared_ptr<absl::Mutex> connect_lock;
   {
@@ -467,78 +473,112 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
   return response;
 }
 
+absl::Status IbverbsBackend::CheckOp(const Op& op) const {
+  const v1::BackendEndpoint* endpoint = FindEndpoint(*op.remote, name_);
+  if (endpoint == nullptr || !endpoint->has_ibverbs()) {
+    return absl::InvalidArgumentError("remote context has no ibverbs endpoint");
+  }
+  if (dynamic_cast<const IbverbsRegistration*>(
+          op.local->backend_state(name_)) == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("local buffer ", op.local->id(),
+                     " is not registered with the ibverbs backend"));
+  }
+  // One-sided ops bypass the remote CPU: check here what the context tells
+  // (the remote NIC checks keys and bounds again).
+  absl::Status range = CheckRange(op.remote_offset, op.length,
+                                  op.remote->size_bytes(), "remote");
+  if (range.ok()) {
+    range = CheckRange(op.local_offset, op.length, op.local->size(), "local");
+  }
+  const uint64_t address = endpoint->ibverbs().address();
+  if (range.ok() && address + op.remote_offset < address) {
+    range = absl::OutOfRangeError("remote address overflows");
+  }
+  return range;
+}
+
+absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
+                                    Connection& connection,
+                                    const std::shared_ptr<OpTracker>& tracker,
+                                    absl::Time deadline) const {
+  const v1::IbverbsEndpoint& ib = FindEndpoint(*op.remote, name_)->ibverbs();
+  const auto& local =
+      dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
+  uint64_t wr_bytes = params_.max_message_bytes;
+  if (ib.max_message_bytes() > 0) {
+    wr_bytes = std::min<uint64_t>(wr_bytes, ib.max_message_bytes());
+  }
+  absl::Status posted;
+  for (uint64_t done = 0; done < op.length && posted.ok();) {
+    const uint64_t n = std::min(wr_bytes, op.length - done);
+    ibv_sge sge = {};
+    sge.addr =
+        reinterpret_cast<uint64_t>(op.local->data() + op.local_offset + done);
+    sge.length = static_cast<uint32_t>(n);
+    sge.lkey = local.mr().lkey();
+    ibv_send_wr wr = {};
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+    wr.wr.rdma.remote_addr = ib.address() + op.remote_offset + done;
+    wr.wr.rdma.rkey = ib.rkey();
+    posted = connection.Post(wr, tracker, index, op.local, deadline);
+    done += n;
+  }
+  return posted;
+}
+
 std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
                                                  absl::Time deadline) {
   auto tracker = std::make_shared<OpTracker>(ops.size());
-  std::vector<std::shared_ptr<Connection>> used;
+  // Ops grouped by the QP they go through, each group in batch order.
+  std::map<std::string, std::vector<size_t>> groups;
   for (size_t i = 0; i < ops.size(); ++i) {
-    const Op& op = ops[i];
-    if (absl::Now() >= deadline) {
-      tracker->PostingFinished(
-          i, absl::DeadlineExceededError("deadline passed before posting"));
+    absl::Status checked =
+        absl::Now() >= deadline
+            ? absl::DeadlineExceededError("deadline passed before posting")
+            : CheckOp(ops[i]);
+    if (!checked.ok()) {
+      tracker->PostingFinished(i, checked);
       continue;
     }
-    const v1::BackendEndpoint* endpoint = FindEndpoint(*op.remote, name_);
-    if (endpoint == nullptr || !endpoint->has_ibverbs()) {
-      tracker->PostingFinished(
-          i,
-          absl::InvalidArgumentError("remote context has no ibverbs endpoint"));
-      continue;
-    }
-    const v1::IbverbsEndpoint& ib = endpoint->ibverbs();
-    auto* local = dynamic_cast<const IbverbsRegistration*>(
-        op.local->backend_state(name_));
-    if (local == nullptr) {
-      tracker->PostingFinished(
-          i, absl::FailedPreconditionError(
-                 absl::StrCat("local buffer ", op.local->id(),
-                              " is not registered with the ibverbs backend")));
-      continue;
-    }
-    // One-sided ops bypass the remote CPU: check here what the context
-    // tells (the remote NIC checks keys and bounds again).
-    absl::Status range = CheckRange(op.remote_offset, op.length,
-                                    op.remote->size_bytes(), "remote");
-    if (range.ok()) {
-      range = CheckRange(op.local_offset, op.length, op.local->size(), "local");
-    }
-    if (range.ok() && ib.address() + op.remote_offset < ib.address()) {
-      range = absl::OutOfRangeError("remote address overflows");
-    }
-    if (!range.ok()) {
-      tracker->PostingFinished(i, range);
-      continue;
-    }
-    auto connection = GetConnection(*op.remote, ib, deadline);
+    groups[ConnectionKey(*ops[i].remote,
+                         FindEndpoint(*ops[i].remote, name_)->ibverbs())]
+        .push_back(i);
+  }
+
+  absl::Mutex used_mu;
+  std::vector<std::shared_ptr<Connection>> used;
+  // Connects (if needed) and posts one group. Groups run concurrently, so
+  // a full send queue or a slow handshake with one peer does not hold up
+  // the others.
+  const auto run_group = [&](const std::vector<size_t>& indices) {
+    const Op& first = ops[indices.front()];
+    auto connection = GetConnection(
+        *first.remote, FindEndpoint(*first.remote, name_)->ibverbs(), deadline);
     if (!connection.ok()) {
-      tracker->PostingFinished(i, connection.status());
-      continue;
+      for (size_t i : indices) tracker->PostingFinished(i, connection.status());
+      return;
     }
-    if (std::find(used.begin(), used.end(), *connection) == used.end()) {
+    {
+      absl::MutexLock lock(&used_mu);
       used.push_back(*connection);
     }
-    uint64_t wr_bytes = params_.max_message_bytes;
-    if (ib.max_message_bytes() > 0) {
-      wr_bytes = std::min<uint64_t>(wr_bytes, ib.max_message_bytes());
+    for (size_t i : indices) {
+      tracker->PostingFinished(
+          i, PostOp(ops[i], i, **connection, tracker, deadline));
     }
-    absl::Status posted;
-    for (uint64_t done = 0; done < op.length && posted.ok();) {
-      const uint64_t n = std::min(wr_bytes, op.length - done);
-      ibv_sge sge = {};
-      sge.addr =
-          reinterpret_cast<uint64_t>(op.local->data() + op.local_offset + done);
-      sge.length = static_cast<uint32_t>(n);
-      sge.lkey = local->mr().lkey();
-      ibv_send_wr wr = {};
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
-      wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-      wr.wr.rdma.remote_addr = ib.address() + op.remote_offset + done;
-      wr.wr.rdma.rkey = ib.rkey();
-      posted = (*connection)->Post(wr, tracker, i, op.local, deadline);
-      done += n;
+  };
+  if (groups.size() == 1) {
+    run_group(groups.begin()->second);
+  } else if (groups.size() > 1) {
+    std::vector<std::thread> posters;
+    for (const auto& [key, indices] : groups) {
+      posters.emplace_back(
+          [&run_group, &indices = indices] { run_group(indices); });
     }
-    tracker->PostingFinished(i, posted);
+    for (std::thread& poster : posters) poster.join();
   }
 
   if (!tracker->WaitAllDone(deadline)) {

@@ -110,6 +110,16 @@ class IbverbsBackend : public Backend {
                  std::unique_ptr<verbs::Verbs> verbs);
   // Finds a device/port and sets up the PD; on failure sets the reason.
   absl::Status Discover();
+  // "agent_id/epoch/device": the requester QP an op needs.
+  static std::string ConnectionKey(const v1::RemoteBuffer& remote,
+                                   const v1::IbverbsEndpoint& endpoint);
+  // What can be checked before posting: endpoint, local MR, ranges.
+  absl::Status CheckOp(const Op& op) const;
+  // Posts `op` (checked) as WRs of at most the smaller max message size;
+  // returns the first posting error.
+  absl::Status PostOp(const Op& op, size_t index, Connection& connection,
+                      const std::shared_ptr<OpTracker>& tracker,
+                      absl::Time deadline) const;
   absl::StatusOr<std::shared_ptr<Connection>> GetConnection(
       const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
       absl::Time deadline);

@@ -663,6 +663,31 @@ TEST_F(IbverbsBackendTest, DeadlineWhileWaitingForSendQueueCredits) {
                   .ok());
 }
 
+TEST_F(IbverbsBackendTest, AStuckPeerDoesNotHoldUpOpsToOthersInTheBatch) {
+  IbverbsOptions options = Fast();
+  options.qp.sq_depth = 2;
+  options.qp.timeout = 0;  // WRs to a dark port wait until ERR
+  auto a = Node("agent-a", "nic_a", options);
+  auto b = Node("agent-b", "nic_b");
+  auto c = Node("agent-c", "nic_c");
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer to_b = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  TestBuffer to_c = c->Register(4096, v1::ACCESS_READ_WRITE, 3);
+  fabric_.SetReachable("nic_b", false);
+  std::vector<Op> ops;
+  for (size_t i = 0; i < 5; ++i) {
+    ops.push_back(MakeOp(i, kWrite, local, i, 10, to_b, i));
+  }
+  ops.push_back(MakeOp(5, kWrite, local, 100, 1000, to_c, 200));
+  const auto results = a->backend().Submit(ops, In(absl::Milliseconds(500)));
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(results[i].code(), absl::StatusCode::kDeadlineExceeded)
+        << i << ": " << results[i];
+  }
+  EXPECT_TRUE(results[5].ok()) << results[5];
+  EXPECT_EQ(0, std::memcmp(to_c.bytes() + 200, local.bytes() + 100, 1000));
+}
+
 TEST_F(IbverbsBackendTest, LocalReleaseDuringAnOpKeepsMemoryUntilItEnds) {
   auto a = Node("agent-a", "nic_a");
   auto b = Node("agent-b", "nic_b");
