@@ -1,6 +1,7 @@
 #include "daemon/backend_factories.h"
 
 #include "absl/strings/str_cat.h"
+#include "backends/ibverbs/flags.h"
 #include "backends/memory/memory_backend.h"
 #include "backends/tcp/flags.h"
 
@@ -16,6 +17,7 @@ absl::StatusOr<BackendFactory> BackendFactoryFromFlags(
         });
   }
   if (name == "tcp") return MakeTcpBackendFactoryFromFlags();
+  if (name == "ibverbs") return MakeIbverbsBackendFactoryFromFlags();
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown backend '", name, "' (known: memory, tcp, ibverbs)"));
 }
