@@ -303,6 +303,33 @@ TEST_F(IbverbsBackendTest, MovesExactBytesAtOddOffsetsAcrossMaxMessageSize) {
   EXPECT_EQ(b->backend().responder_count(), 1u);
 }
 
+TEST_F(IbverbsBackendTest, PollerWorksSpinningOnlyAndBlockingOnly) {
+  for (absl::Duration busy : {absl::ZeroDuration(), absl::Seconds(30)}) {
+    SCOPED_TRACE(absl::FormatDuration(busy));
+    IbverbsOptions options = Fast();
+    options.busy_poll = busy;  // 0: always arm and block on the channel
+    options.qp.mtu_bytes = 512;
+    auto a = Node("agent-a", "nic_a", options);
+    auto b = Node("agent-b", "nic_b", options);
+    EXPECT_EQ(a->backend().transport_info().attributes().at("path_mtu_bytes"),
+              "512");
+    TestBuffer local = a->Register(1 << 16, v1::ACCESS_READ_WRITE, 1);
+    TestBuffer remote = b->Register(1 << 16, v1::ACCESS_READ_WRITE, 2);
+    std::vector<Op> ops;
+    for (size_t i = 0; i < 64; ++i) {
+      ops.push_back(MakeOp(i, kRead, local, i * 1024, 1000, remote, i * 1024));
+    }
+    for (const absl::Status& status :
+         a->backend().Submit(ops, In(absl::Seconds(20)))) {
+      ASSERT_TRUE(status.ok()) << status;
+    }
+    for (size_t i = 0; i < 64; ++i) {
+      ASSERT_EQ(0, std::memcmp(local.bytes() + i * 1024,
+                               remote.bytes() + i * 1024, 1000));
+    }
+  }
+}
+
 TEST_F(IbverbsBackendTest, ManyOpsObeyTheSendQueueDepth) {
   IbverbsOptions shallow = Fast();
   shallow.qp.sq_depth = 8;
