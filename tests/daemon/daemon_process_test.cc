@@ -1,0 +1,152 @@
+// rdma-agentd as a process: flags and --flagfile, readiness, clean shutdown on
+// SIGTERM and SIGINT (socket files removed), and refusal of bad flags.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/rdma_agent_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/subprocess.h"
+
+namespace rdma_agent {
+namespace {
+
+using ::rdma_agent::testing::MakeShortTempDir;
+using ::rdma_agent::testing::RemoveTree;
+using ::rdma_agent::testing::RunfilePath;
+using ::rdma_agent::testing::RunToCompletion;
+using ::rdma_agent::testing::Subprocess;
+using ::testing::HasSubstr;
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+class DaemonProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dir = MakeShortTempDir();
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = *dir;
+  }
+  void TearDown() override { RemoveTree(dir_); }
+
+  // Starts the daemon and waits until it says it serves.
+  Subprocess Start(std::vector<std::string> flags) {
+    Subprocess::Options options;
+    options.argv = {RunfilePath("daemon/rdma-agentd")};
+    for (auto& flag : flags) options.argv.push_back(std::move(flag));
+    options.pipe_stdio = true;
+    options.stderr_to_stdout = true;
+    auto process = Subprocess::Spawn(std::move(options));
+    EXPECT_TRUE(process.ok()) << process.status();
+    for (int i = 0; i < 200; ++i) {
+      auto line = process->ReadLine(absl::Seconds(10));
+      if (!line.ok()) {
+        ADD_FAILURE() << "rdma-agentd did not start: " << line.status();
+        break;
+      }
+      if (absl::StrContains(*line, "serving unix://")) break;
+    }
+    return std::move(*process);
+  }
+
+  std::string dir_;
+};
+
+TEST_F(DaemonProcessTest, FlagfileConfiguresAndSigtermCleansUp) {
+  const std::string socket = dir_ + "/custom.sock";
+  const std::string attach = dir_ + "/custom-attach.sock";
+  const std::string flagfile = dir_ + "/agentd.flags";
+  {
+    std::ofstream out(flagfile);
+    out << "--runtime_dir=" << dir_ << "\n"
+        << "--socket=unix://" << socket << "\n"
+        << "--attach_socket=" << attach << "\n"
+        << "--agent_id=agent-from-flagfile\n"
+        << "--backends=memory\n"
+        << "--log_level=debug\n";
+  }
+  Subprocess daemon = Start({"--flagfile=" + flagfile});
+  EXPECT_TRUE(Exists(socket));
+  EXPECT_TRUE(Exists(attach));
+  struct stat st;
+  ASSERT_EQ(::stat(socket.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0666u) << "every local user may connect";
+
+  client::ConnectOptions options;
+  options.target = "unix://" + socket;
+  options.attach_socket = attach;
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto info = (*agent)->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->agent_id(), "agent-from-flagfile");
+  ASSERT_EQ(info->backends_size(), 1);
+  EXPECT_EQ(info->backends(0).name(), "memory");
+  auto buffer = (*agent)->Allocate(4096, ::rdma::agent::v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+
+  daemon.Signal(SIGTERM);
+  auto code = daemon.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_FALSE(Exists(socket)) << "agent socket left behind";
+  EXPECT_FALSE(Exists(attach)) << "attach socket left behind";
+}
+
+TEST_F(DaemonProcessTest, SigintStopsTooAndTheIdPersists) {
+  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  std::string id;
+  {
+    std::ifstream in(dir_ + "/agent-id");
+    std::getline(in, id);
+  }
+  EXPECT_THAT(id, HasSubstr("agent-"));
+  first.Signal(SIGINT);
+  auto code = first.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0);
+  EXPECT_FALSE(Exists(dir_ + "/agent.sock"));
+
+  Subprocess second = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  client::ConnectOptions options;
+  options.target = "unix://" + dir_ + "/agent.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto info = (*agent)->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->agent_id(), id);
+  second.Signal(SIGTERM);
+  EXPECT_TRUE(second.Wait(absl::Seconds(20)).ok());
+}
+
+TEST_F(DaemonProcessTest, UnknownBackendIsRefusedAtStart) {
+  auto result = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+       "--backends=memory,carrier-pigeon"},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 2);
+  EXPECT_THAT(result->out + result->err, HasSubstr("carrier-pigeon"));
+  EXPECT_FALSE(Exists(dir_ + "/agent.sock"));
+}
+
+TEST_F(DaemonProcessTest, UnusableSocketPathIsAClearError) {
+  auto result = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+       "--backends=memory", "--socket=" + dir_ + "/" + std::string(200, 's')},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 1);
+  EXPECT_THAT(result->out + result->err, HasSubstr("longer than"));
+}
+
+}  // namespace
+}  // namespace rdma_agent
