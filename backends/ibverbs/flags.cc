@@ -50,6 +50,9 @@ ABSL_FLAG(absl::Duration, ibverbs_connect_timeout, absl::Seconds(5),
 ABSL_FLAG(absl::Duration, ibverbs_busy_poll, absl::Microseconds(50),
           "How long the completion poller spins before blocking on the "
           "completion channel.");
+ABSL_FLAG(int32_t, ibverbs_max_responders, 1024,
+          "Queue pairs kept for peer agents at most (one per peer agent and "
+          "device); handshakes beyond it fail with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(absl::Duration, ibverbs_drain_timeout, absl::Seconds(10),
           "Bound on flushing a queue pair moved to ERROR after a deadline.");
 
@@ -111,6 +114,12 @@ absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
   options.connect_timeout = absl::GetFlag(FLAGS_ibverbs_connect_timeout);
   options.busy_poll = absl::GetFlag(FLAGS_ibverbs_busy_poll);
   options.drain_timeout = absl::GetFlag(FLAGS_ibverbs_drain_timeout);
+  const int32_t max_responders = absl::GetFlag(FLAGS_ibverbs_max_responders);
+  if (max_responders < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ibverbs_max_responders=", max_responders, " must be positive"));
+  }
+  options.max_responders = static_cast<size_t>(max_responders);
   return options;
 }
 

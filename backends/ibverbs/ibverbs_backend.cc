@@ -464,11 +464,19 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
   v1::ConnectQueuePairResponse response;
   *response.mutable_responder() = (*created)->local_endpoint();
   // One responder QP per requester QP source: a reconnect replaces it.
+  const std::string key =
+      absl::StrCat(request.agent_id(), "/", requester.device());
   std::unique_ptr<Connection> replaced = std::move(*created);
   {
     absl::MutexLock lock(&mu_);
-    responders_[absl::StrCat(request.agent_id(), "/", requester.device())].swap(
-        replaced);
+    if (responders_.count(key) == 0 &&
+        responders_.size() >= options_.max_responders) {
+      // Bounds what unauthenticated peers can make this agent allocate.
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "agent ", env_.identity.agent_id, " already serves ",
+          responders_.size(), " queue pairs (--ibverbs_max_responders)"));
+    }
+    responders_[key].swap(replaced);
   }
   return response;
 }

@@ -39,6 +39,8 @@ struct IbverbsOptions {
   absl::Duration busy_poll = absl::Microseconds(50);
   // Bound on waiting for a QP in ERR to flush its WRs.
   absl::Duration drain_timeout = absl::Seconds(10);
+  // Responder QPs kept for peers at most (one per peer agent and device).
+  size_t max_responders = 1024;
 };
 
 // One-sided RDMA READ/WRITE through a NIC ("ibverbs", level NIC).

@@ -774,8 +774,10 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   testing::TestDirectory directory(42);
   env.directory = &directory;
   env.peer_address = "set-by-the-agent:1";  // so Start() adds no listener
+  IbverbsOptions options = Fast();
+  options.max_responders = 1;
   auto backend =
-      IbverbsBackend::Create(env, Fast(), fabric_.MakeVerbs({"nic_b"}));
+      IbverbsBackend::Create(env, options, fabric_.MakeVerbs({"nic_b"}));
   ASSERT_TRUE(backend.ok());
   ASSERT_TRUE((*backend)->Start().ok());
   EXPECT_EQ((*backend)->peer_address(), "set-by-the-agent:1");
@@ -827,6 +829,11 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   EXPECT_EQ((*backend)->responder_count(), 1u);
   // A reconnect from the same requester device replaces it.
   ASSERT_TRUE(call(request).first.ok());
+  EXPECT_EQ((*backend)->responder_count(), 1u);
+  // Another requester would exceed max_responders (1 here).
+  request.set_agent_id("agent-z");
+  EXPECT_EQ(call(request).first.error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ((*backend)->responder_count(), 1u);
   server->Shutdown();
 }
