@@ -103,8 +103,14 @@ QueuePairParams ResolveParams(const QueuePairParams& defaults,
   p.retry_cnt = std::min<uint8_t>(p.retry_cnt, 7);
   p.rnr_retry = std::min<uint8_t>(p.rnr_retry, 7);
   p.timeout = std::min<uint8_t>(p.timeout, 31);
+  // The same value is our initiator depth and, through the handshake, the
+  // peer's responder depth: both device limits apply.
   if (device.max_qp_rd_atom > 0) {
     p.max_rd_atomic = std::min<int>(p.max_rd_atomic, device.max_qp_rd_atom);
+  }
+  if (device.max_qp_init_rd_atom > 0) {
+    p.max_rd_atomic =
+        std::min<int>(p.max_rd_atomic, device.max_qp_init_rd_atom);
   }
   if (device.max_qp_wr > 0) {
     p.sq_depth = std::min<uint32_t>(p.sq_depth, device.max_qp_wr);

@@ -22,7 +22,7 @@ struct QueuePairParams {
   // Receiver-not-ready retries (7 = infinite).
   uint8_t rnr_retry = 7;
   // Outstanding RDMA READs per QP, as initiator and as responder; the
-  // device's max_qp_rd_atom caps it.
+  // device's max_qp_rd_atom and max_qp_init_rd_atom cap it.
   uint8_t max_rd_atomic = 16;
   // Send-queue depth (max_send_wr): WRs outstanding per QP.
   uint32_t sq_depth = 256;

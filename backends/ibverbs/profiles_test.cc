@@ -5,10 +5,12 @@
 namespace rdma_agent {
 namespace {
 
-ibv_device_attr Device(int max_qp_wr = 32768, int max_rd_atom = 16) {
+ibv_device_attr Device(int max_qp_wr = 32768, int max_rd_atom = 16,
+                       int max_init_rd_atom = 16) {
   ibv_device_attr attr = {};
   attr.max_qp_wr = max_qp_wr;
   attr.max_qp_rd_atom = max_rd_atom;
+  attr.max_qp_init_rd_atom = max_init_rd_atom;
   return attr;
 }
 
