@@ -6,7 +6,10 @@
 # then prints a table and the ratios the TCP backend is held to:
 #   256 MiB write and read >= 0.9x iperf3; 1 MiB put/get >= 3x ucx_perftest.
 #
-# Usage: bench/compare.sh [--bin_dir DIR] [--seconds N] [-- extra agent flags]
+# Usage: bench/compare.sh [--bin_dir DIR] [--seconds N] [--rounds N]
+#                         [-- extra rdma-agentd flags, e.g. --tcp_chunk_bytes=N]
+#   Each round runs iperf3 (N seconds), ucx_perftest put and get and the bench
+#   once, interleaved; the table shows each tool's best round.
 #   Binaries come from DIR (default: bazel-bin of an optimised build, made
 #   with `bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench`
 #   when missing). Needs iperf3 and ucx-utils (Debian packages).
@@ -14,12 +17,14 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR=""
-SECONDS_PER_TEST=5
+SECONDS_PER_TEST=3
+ROUNDS=3
 AGENT_FLAGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --bin_dir) BIN_DIR="$2"; shift 2 ;;
     --seconds) SECONDS_PER_TEST="$2"; shift 2 ;;
+    --rounds) ROUNDS="$2"; shift 2 ;;
     --) shift; AGENT_FLAGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -63,16 +68,23 @@ wait_for() {
   echo "timed out waiting for $1" >&2; return 1
 }
 
-# --- iperf3 ------------------------------------------------------------------
-port="$(free_port)"
-iperf3 -s -1 -p "$port" >"$WORK/iperf3-server.log" 2>&1 &
-PIDS+=($!)
-sleep 0.5
-iperf3 -c 127.0.0.1 -p "$port" -l 1M -t "$SECONDS_PER_TEST" -J >"$WORK/iperf3.json"
-IPERF_MIBS="$(/usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("%.1f" % (d["end"]["sum_received"]["bits_per_second"]/8/2**20))' "$WORK/iperf3.json")"
+# Each round runs every tool once, interleaved, so that the noise of a shared
+# 2-core machine hits all of them alike; each figure is the best round.
+best() { /usr/bin/python3 -c 'import sys; v=[float(x) for x in sys.argv[1:] if x]; print("%.1f" % max(v) if v else "nan")' "$@"; }
 
-# --- ucx_perftest --------------------------------------------------------------
-ucx() {  # test name -> overall bandwidth (MB/s as ucx_perftest prints it: MiB/s)
+iperf_once() {
+  local port
+  port="$(free_port)"
+  iperf3 -s -1 -p "$port" >"$WORK/iperf3-server.log" 2>&1 &
+  local server=$!
+  PIDS+=($server)
+  sleep 0.5
+  iperf3 -c 127.0.0.1 -p "$port" -l 1M -t "$SECONDS_PER_TEST" -J >"$WORK/iperf3.json"
+  wait "$server" 2>/dev/null || true
+  /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("%.1f" % (d["end"]["sum_received"]["bits_per_second"]/8/2**20))' "$WORK/iperf3.json"
+}
+
+ucx_once() {  # test name -> overall bandwidth (ucx_perftest's "MB/s" = MiB/s)
   local test="$1" port
   port="$(free_port)"
   UCX_TLS=tcp ucx_perftest -p "$port" >"$WORK/ucx-server-$test.log" 2>&1 &
@@ -84,26 +96,37 @@ ucx() {  # test name -> overall bandwidth (MB/s as ucx_perftest prints it: MiB/s
   wait "$server" 2>/dev/null || true
   awk '/^Final:/ {print $7}' "$WORK/ucx-$test.log"
 }
-UCX_PUT="$(ucx ucp_put_bw)"
-UCX_GET="$(ucx ucp_get)"
 
-# --- rdma-agentd pair --------------------------------------------------------
+# The rdma-agentd pair, started once.
 for side in a b; do
   mkdir -p "$WORK/$side"
   "$AGENTD" --runtime_dir="$WORK/$side" --backends=memory,tcp \
     --tcp_listen=127.0.0.1:0 --peer_listen=127.0.0.1:0 \
-    --advertise_host=127.0.0.1 --log_level=warn "${AGENT_FLAGS[@]}" \
+    --advertise_host=127.0.0.1 --log_level=warn ${AGENT_FLAGS[@]+"${AGENT_FLAGS[@]}"} \
     >"$WORK/agentd-$side.log" 2>&1 &
   PIDS+=($!)
 done
 wait_for "$WORK/a/agent.sock"
 wait_for "$WORK/b/agent.sock"
-"$BENCH" --local="unix://$WORK/a/agent.sock" --remote="unix://$WORK/b/agent.sock" \
-  | tee "$WORK/bench.txt"
 
-value() { awk -v name="$1" '$1 ~ "^"name {print $4}' "$WORK/bench.txt"; }
-WRITE="$(value write_)"; READ="$(value read_)"
-PUT="$(value put_)"; GET="$(value get_)"
+value() { awk -v name="$1" '$1 ~ "^"name {print $4}' "$2"; }
+IPERF=(); UCX_PUT=(); UCX_GET=(); WRITE=(); READ=(); PUT=(); GET=()
+for round in $(seq 1 "$ROUNDS"); do
+  IPERF+=("$(iperf_once)")
+  UCX_PUT+=("$(ucx_once ucp_put_bw)")
+  UCX_GET+=("$(ucx_once ucp_get)")
+  "$BENCH" --local="unix://$WORK/a/agent.sock" --remote="unix://$WORK/b/agent.sock" \
+    >"$WORK/bench-$round.txt"
+  WRITE+=("$(value write_ "$WORK/bench-$round.txt")")
+  READ+=("$(value read_ "$WORK/bench-$round.txt")")
+  PUT+=("$(value put_ "$WORK/bench-$round.txt")")
+  GET+=("$(value get_ "$WORK/bench-$round.txt")")
+  echo "round $round (MiB/s): iperf3 ${IPERF[-1]}  ucx put ${UCX_PUT[-1]} get ${UCX_GET[-1]}  agent write ${WRITE[-1]} read ${READ[-1]} put ${PUT[-1]} get ${GET[-1]}"
+done
+IPERF_MIBS="$(best "${IPERF[@]}")"
+UCX_PUT="$(best "${UCX_PUT[@]}")"; UCX_GET="$(best "${UCX_GET[@]}")"
+WRITE="$(best "${WRITE[@]}")"; READ="$(best "${READ[@]}")"
+PUT="$(best "${PUT[@]}")"; GET="$(best "${GET[@]}")"
 
 ratio() { /usr/bin/python3 -c 'import sys; print("%.2f" % (float(sys.argv[1])/float(sys.argv[2])))' "$1" "$2"; }
 echo
@@ -112,4 +135,4 @@ printf '%-34s %12s %12s %8s %s\n' "256 MiB write vs iperf3 -l 1M" "$WRITE" "$IPE
 printf '%-34s %12s %12s %8s %s\n' "256 MiB read  vs iperf3 -l 1M" "$READ" "$IPERF_MIBS" "$(ratio "$READ" "$IPERF_MIBS")" ">= 0.90"
 printf '%-34s %12s %12s %8s %s\n' "1 MiB put vs ucx_perftest put_bw" "$PUT" "$UCX_PUT" "$(ratio "$PUT" "$UCX_PUT")" ">= 3.00"
 printf '%-34s %12s %12s %8s %s\n' "1 MiB get vs ucx_perftest get" "$GET" "$UCX_GET" "$(ratio "$GET" "$UCX_GET")" ">= 3.00"
-echo "(MiB/s; $(nproc) cores; $(date -u +%Y-%m-%dT%H:%MZ))"
+echo "(MiB/s, best of $ROUNDS rounds; $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%Y-%m-%dT%H:%MZ))"

@@ -8,6 +8,7 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -50,8 +51,9 @@ class Pipeline {
   Pipeline(int fd, const std::vector<Chunk>& chunks,
            const std::vector<size_t>& lane, int max_in_flight,
            std::atomic<uint64_t>& next_request_id, absl::string_view peer,
-           std::vector<absl::Status>& statuses)
-      : fd_(fd),
+           std::vector<absl::Status>& statuses, bool zero_copy_send)
+      : zero_copy_send_(zero_copy_send),
+        fd_(fd),
         chunks_(chunks),
         lane_(lane),
         max_in_flight_(static_cast<size_t>(std::max(1, max_in_flight))),
@@ -81,7 +83,10 @@ class Pipeline {
       bool want_read = false;
       absl::Status status = Send(deadline, &progress, &want_write);
       if (status.ok()) status = Receive(deadline, &progress, &want_read);
-      if (!status.ok()) return Fail(status, outcome);
+      if (!status.ok()) {
+        outcome.deadline_passed = absl::IsDeadlineExceeded(status);
+        return Fail(status, outcome);
+      }
       if (next_recv_ == lane_.size()) break;
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) {
@@ -136,11 +141,20 @@ class Pipeline {
   // responses to WRITEs are small enough to sit in socket buffers.
   absl::Status Send(absl::Time deadline, bool* progress, bool* want_write) {
     while (CanSend()) {
+      const bool block = !ReadOutstanding();
+      if (block && Spliceable(next_send_)) {
+        if (absl::Status status = SendSpliced(deadline, progress);
+            !status.ok()) {
+          return status;
+        }
+        continue;
+      }
       iovec iov[kMaxIov];
       int count = 0;
       size_t skip = send_pos_;
       for (size_t i = next_send_; i < lane_.size() && count + 3 <= kMaxIov &&
-                                  i - next_recv_ < max_in_flight_;
+                                  i - next_recv_ < max_in_flight_ &&
+                                  !(block && i > next_send_ && Spliceable(i));
            ++i) {
         const Chunk& c = chunk(i);
         const std::pair<const void*, size_t> parts[3] = {
@@ -161,7 +175,6 @@ class Pipeline {
       msghdr message{};
       message.msg_iov = iov;
       message.msg_iovlen = static_cast<size_t>(count);
-      const bool block = !ReadOutstanding();
       if (block) {
         const absl::Duration left = deadline - absl::Now();
         if (left <= absl::ZeroDuration()) return absl::OkStatus();
@@ -193,6 +206,77 @@ class Pipeline {
           left = 0;
         }
       }
+    }
+    return absl::OkStatus();
+  }
+
+  // True when request i's payload should go out with vmsplice/splice.
+  bool Spliceable(size_t i) const {
+    const Chunk& c = chunk(i);
+    return zero_copy_send_ && c.kind == RequestKind::kWrite &&
+           c.length >= kSpliceMinBytes;
+  }
+
+  // Sends the rest of request next_send_ (blocking, up to the deadline): its
+  // header and token with sendmsg, its payload lent page by page.
+  absl::Status SendSpliced(absl::Time deadline, bool* progress) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(DeadlineMessage());
+    }
+    if (!pages_.has_value()) {
+      auto created = PageSender::Create();
+      if (!created.ok()) {
+        zero_copy_send_ = false;  // plain sendmsg from now on
+        return absl::OkStatus();
+      }
+      pages_.emplace(std::move(*created));
+    }
+    SetIoTimeout(fd_, /*receive=*/false, left);
+    const Chunk& c = chunk(next_send_);
+    const size_t prefix = kRequestHeaderBytes + c.remote->token().size();
+    if (send_pos_ < prefix) {
+      iovec iov[2];
+      int count = 0;
+      if (send_pos_ < kRequestHeaderBytes) {
+        iov[count++] = {headers_[next_send_].data() + send_pos_,
+                        kRequestHeaderBytes - send_pos_};
+      }
+      const size_t token_skip =
+          send_pos_ > kRequestHeaderBytes ? send_pos_ - kRequestHeaderBytes : 0;
+      iov[count++] = {const_cast<char*>(c.remote->token().data()) + token_skip,
+                      c.remote->token().size() - token_skip};
+      msghdr message{};
+      message.msg_iov = iov;
+      message.msg_iovlen = static_cast<size_t>(count);
+      const ssize_t sent = sendmsg(fd_, &message, MSG_NOSIGNAL | MSG_MORE);
+      if (sent < 0) {
+        if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) {
+          return absl::OkStatus();  // the caller re-checks the deadline
+        }
+        return absl::UnavailableError(
+            absl::StrCat("send to ", peer_, ": ", std::strerror(errno)));
+      }
+      *progress = true;
+      send_pos_ += static_cast<size_t>(sent);
+      if (send_pos_ < prefix) return absl::OkStatus();
+    }
+    const size_t payload_done = send_pos_ - prefix;
+    size_t sent = 0;
+    const absl::Status status =
+        pages_->Send(fd_, c.local + payload_done, c.length - payload_done,
+                     /*more=*/false, &sent);
+    if (sent > 0) *progress = true;
+    send_pos_ += sent;
+    if (send_pos_ == RequestBytes(next_send_)) {
+      ++next_send_;
+      send_pos_ = 0;
+    }
+    if (!status.ok()) {
+      // Bytes may be stuck in the pipe: this connection is finished.
+      return absl::Status(status.code(),
+                          absl::StrCat("sending to ", peer_, ": ",
+                                       status.message()));
     }
     return absl::OkStatus();
   }
@@ -325,6 +409,8 @@ class Pipeline {
 
   enum class Phase { kHeader, kMessage, kPayload };
 
+  bool zero_copy_send_;  // cleared if no PageSender can be made
+  std::optional<PageSender> pages_;
   const int fd_;
   const std::vector<Chunk>& chunks_;
   const std::vector<size_t>& lane_;
@@ -434,7 +520,7 @@ std::vector<absl::Status> DataClient::Run(const HostPort& peer,
       }
       Pipeline pipeline(checkout->fd.get(), chunks, lane,
                         options_.max_in_flight, next_request_id_, name,
-                        chunk_status);
+                        chunk_status, options_.zero_copy_send);
       const PipelineOutcome outcome = pipeline.Run(deadline);
       if (outcome.healthy) {
         ReturnConnection(peer, std::move(checkout->fd));

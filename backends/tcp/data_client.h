@@ -20,12 +20,22 @@ namespace rdma_agent::tcp {
 
 // How a DataClient moves bytes.
 struct DataClientOptions {
-  // Connections one Submit stripes its chunks over, per peer.
+  // Connections one Submit stripes its chunks over, per peer. Measured on
+  // loopback (bench/README.md): 2 beat 1 by ~1.3-2x (two cores copy at
+  // once) and 4 gained nothing over 2.
   int connections_per_peer = 2;
   // Largest payload of one request; longer ops are split (<= kMaxPayloadBytes).
-  uint64_t chunk_bytes = 8ull << 20;
+  // 1-16 MiB measured alike within noise; 4 MiB stripes a 256 MiB op into 64
+  // requests while keeping per-request overhead negligible.
+  uint64_t chunk_bytes = 4ull << 20;
   // Requests sent on one connection before their responses arrive.
   int max_in_flight = 16;
+  // Send WRITE payloads of at least kSpliceMinBytes with vmsplice/splice
+  // (no sender-side copy) when nothing else could deadlock against it. Off
+  // by default: on loopback here it cost ~25% more agent CPU per byte than
+  // send() (page pinning, and the receiver then copies from cold pages
+  // instead of cache-warm socket buffers); worth trying on real NICs.
+  bool zero_copy_send = false;
 };
 
 // The requesting half of the TCP data plane: runs ops against one peer's

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,7 +17,8 @@
 namespace rdma_agent::tcp {
 
 absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
-    const HostPort& address, const BufferDirectory* directory) {
+    const HostPort& address, const BufferDirectory* directory,
+    bool zero_copy_send) {
   uint16_t port = 0;
   auto listener = ListenTcp(address, &port);
   if (!listener.ok()) return listener.status();
@@ -26,15 +28,17 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
         absl::StrCat("eventfd: ", std::strerror(errno)));
   }
   return std::unique_ptr<DataServer>(
-      new DataServer(std::move(*listener), std::move(wakeup), port, directory));
+      new DataServer(std::move(*listener), std::move(wakeup), port, directory,
+                     zero_copy_send));
 }
 
 DataServer::DataServer(UniqueFd listener, UniqueFd wakeup, uint16_t port,
-                       const BufferDirectory* directory)
+                       const BufferDirectory* directory, bool zero_copy_send)
     : listener_(std::move(listener)),
       wakeup_(std::move(wakeup)),
       port_(port),
-      directory_(directory) {
+      directory_(directory),
+      zero_copy_send_(zero_copy_send) {
   accept_thread_ = std::thread([this] { AcceptLoop(); });
 }
 
@@ -91,6 +95,9 @@ void DataServer::Serve(Connection* connection) {
   const int fd = connection->fd.get();
   std::byte header_bytes[kRequestHeaderBytes];
   std::string token;
+  // Made on first use; without it payloads are sent with send().
+  std::optional<PageSender> pages;
+  bool pages_failed = !zero_copy_send_;
   while (ReadFull(fd, header_bytes, sizeof(header_bytes)).ok()) {
     auto header = DecodeRequestHeader(header_bytes);
     // A peer that speaks something else cannot be resynchronised: drop it.
@@ -128,13 +135,31 @@ void DataServer::Serve(Connection* connection) {
     response.payload_bytes = send_payload ? request.length : 0;
     std::byte response_bytes[kResponseHeaderBytes];
     EncodeResponseHeader(response, response_bytes);
+    std::byte* payload =
+        send_payload ? (*registration)->data() + request.offset : nullptr;
+    const bool splice_payload =
+        send_payload && request.length >= kSpliceMinBytes && !pages_failed &&
+        (pages.has_value() || [&] {
+          auto created = PageSender::Create();
+          if (created.ok()) pages.emplace(std::move(*created));
+          pages_failed = !created.ok();
+          return created.ok();
+        }());
     iovec iov[3] = {
         {response_bytes, sizeof(response_bytes)},
         {const_cast<char*>(message.data()), message.size()},
-        {send_payload ? (*registration)->data() + request.offset : nullptr,
-         static_cast<size_t>(response.payload_bytes)},
+        {payload, splice_payload ? 0 : static_cast<size_t>(response.payload_bytes)},
     };
-    if (!WriteFull(fd, iov, 3).ok()) break;
+    if (!WriteFull(fd, iov, 3, splice_payload ? MSG_MORE : 0).ok()) break;
+    if (splice_payload) {
+      // Lent pages hold their own references: they stay valid even if the
+      // registration is released before the requester has read them.
+      size_t sent = 0;
+      if (!pages->Send(fd, payload, request.length, /*more=*/false, &sent)
+               .ok()) {
+        break;
+      }
+    }
     if (send_payload) (*registration)->CountServed(request.length);
   }
   // The thread may still be joined later; the fd is closed with the object.

@@ -28,8 +28,11 @@ class DataServer {
  public:
   // Listens on `address` and serves until destroyed. `directory` must outlive
   // the server.
+  // With `zero_copy_send`, READ payloads of at least kSpliceMinBytes go to
+  // the socket with vmsplice/splice instead of send (see PageSender).
   static absl::StatusOr<std::unique_ptr<DataServer>> Start(
-      const HostPort& address, const BufferDirectory* directory);
+      const HostPort& address, const BufferDirectory* directory,
+      bool zero_copy_send = false);
 
   // Stops accepting, cuts every connection and waits for all serving threads
   // to leave registration memory.
@@ -49,7 +52,7 @@ class DataServer {
   };
 
   DataServer(UniqueFd listener, UniqueFd wakeup, uint16_t port,
-             const BufferDirectory* directory);
+             const BufferDirectory* directory, bool zero_copy_send);
   void AcceptLoop();
   void Serve(Connection* connection);
   // Joins and drops connections whose thread has finished. Requires mu_.
@@ -60,6 +63,7 @@ class DataServer {
   const UniqueFd wakeup_;
   const uint16_t port_;
   const BufferDirectory* const directory_;
+  const bool zero_copy_send_;
 
   std::mutex mu_;
   bool stopping_ = false;  // guarded by mu_

@@ -23,6 +23,11 @@ ABSL_FLAG(int32_t, tcp_max_in_flight,
           rdma_agent::tcp::DataClientOptions().max_in_flight,
           "Requests pipelined on one connection before their responses.");
 
+ABSL_FLAG(bool, tcp_zero_copy_send,
+          rdma_agent::tcp::DataClientOptions().zero_copy_send,
+          "Send large payloads with vmsplice/splice (no sender-side copy) "
+          "instead of send().");
+
 namespace rdma_agent {
 
 BackendFactory MakeTcpBackendFactoryFromFlags() {
@@ -35,6 +40,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
         absl::GetFlag(FLAGS_tcp_connections_per_peer);
     options.client.chunk_bytes = absl::GetFlag(FLAGS_tcp_chunk_bytes);
     options.client.max_in_flight = absl::GetFlag(FLAGS_tcp_max_in_flight);
+    options.client.zero_copy_send = absl::GetFlag(FLAGS_tcp_zero_copy_send);
     auto backend = TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));

@@ -209,12 +209,12 @@ absl::Status ReadFull(int fd, void* data, size_t size) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFull(int fd, iovec* iov, int iov_count) {
+absl::Status WriteFull(int fd, iovec* iov, int iov_count, int flags) {
   while (iov_count > 0) {
     msghdr message{};
     message.msg_iov = iov;
     message.msg_iovlen = static_cast<size_t>(iov_count);
-    ssize_t n = sendmsg(fd, &message, MSG_NOSIGNAL);
+    ssize_t n = sendmsg(fd, &message, MSG_NOSIGNAL | flags);
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus(absl::StatusCode::kUnavailable, "send", errno);
@@ -242,6 +242,61 @@ absl::Status Discard(int fd, uint64_t size) {
     }
     size -= n;
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PageSender> PageSender::Create() {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    return ErrnoStatus(absl::StatusCode::kInternal, "pipe2", errno);
+  }
+  UniqueFd read(fds[0]);
+  UniqueFd write(fds[1]);
+  const int capacity = fcntl(write.get(), F_SETPIPE_SZ, static_cast<int>(kPipeBytes));
+  const int actual = capacity > 0 ? capacity : fcntl(write.get(), F_GETPIPE_SZ);
+  if (actual <= 0) {
+    return ErrnoStatus(absl::StatusCode::kInternal, "F_GETPIPE_SZ", errno);
+  }
+  return PageSender(std::move(read), std::move(write),
+                    static_cast<size_t>(actual));
+}
+
+absl::Status PageSender::Send(int fd, const std::byte* data, size_t size,
+                              bool more, size_t* sent) {
+  auto failure = [](absl::string_view what, int error) {
+    return error == EAGAIN || error == EWOULDBLOCK
+               ? absl::DeadlineExceededError(
+                     absl::StrCat(what, ": send timed out"))
+               : ErrnoStatus(absl::StatusCode::kUnavailable, what, error);
+  };
+  size_t done = 0;
+  while (done < size) {
+    iovec iov{const_cast<std::byte*>(data + done),
+              std::min(size - done, capacity_)};
+    const ssize_t lent = vmsplice(write_.get(), &iov, 1, 0);
+    if (lent < 0) {
+      if (errno == EINTR) continue;
+      return failure("vmsplice", errno);
+    }
+    for (ssize_t moved = 0; moved < lent;) {
+      const bool last = done + static_cast<size_t>(lent) == size;
+      const ssize_t n = splice(read_.get(), nullptr, fd, nullptr,
+                               static_cast<size_t>(lent - moved),
+                               SPLICE_F_MOVE | (more || !last ? SPLICE_F_MORE : 0));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        *sent += done + static_cast<size_t>(moved);
+        return failure("splice", errno);
+      }
+      if (n == 0) {
+        *sent += done + static_cast<size_t>(moved);
+        return absl::UnavailableError("splice: connection closed");
+      }
+      moved += n;
+    }
+    done += static_cast<size_t>(lent);
+  }
+  *sent += done;
   return absl::OkStatus();
 }
 

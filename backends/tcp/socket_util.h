@@ -50,9 +50,41 @@ void SetIoTimeout(int fd, bool receive, absl::Duration timeout);
 // Blocking reads/writes of exactly the given bytes (for blocking sockets).
 // UNAVAILABLE when the connection ends or fails first.
 absl::Status ReadFull(int fd, void* data, size_t size);
-absl::Status WriteFull(int fd, iovec* iov, int iov_count);
+// `flags` are added to MSG_NOSIGNAL (e.g. MSG_MORE when a payload follows).
+absl::Status WriteFull(int fd, iovec* iov, int iov_count, int flags = 0);
 // Reads and drops `size` bytes.
 absl::Status Discard(int fd, uint64_t size);
+
+// Sends user memory into a TCP socket without the sender-side copy: vmsplice
+// lends the pages to a pipe and splice moves them into the socket, whose
+// buffers then reference them (loopback and NICs alike) until the bytes are
+// consumed/acknowledged. The caller must keep the memory mapped and unchanged
+// until the receiver has the bytes (for the data plane: until the response).
+// One owner, not thread-safe.
+class PageSender {
+ public:
+  // Bytes moved per vmsplice (the pipe's capacity).
+  static constexpr size_t kPipeBytes = 1 << 20;
+
+  // A pipe sized kPipeBytes (or the system's smaller maximum).
+  static absl::StatusOr<PageSender> Create();
+
+  // Sends `size` bytes at `data` into blocking socket `fd` (a send timeout
+  // set with SetIoTimeout bounds it); `more` = more bytes of the same message
+  // follow (MSG_MORE on the last piece). Adds what reached the socket to
+  // `*sent`. DEADLINE_EXCEEDED on the send timeout, UNAVAILABLE when the
+  // connection fails; after an error bytes may remain in the pipe, so the
+  // connection and this sender must be dropped.
+  absl::Status Send(int fd, const std::byte* data, size_t size, bool more,
+                    size_t* sent);
+
+ private:
+  PageSender(UniqueFd read, UniqueFd write, size_t capacity)
+      : read_(std::move(read)), write_(std::move(write)), capacity_(capacity) {}
+  UniqueFd read_;
+  UniqueFd write_;
+  size_t capacity_;
+};
 
 // True when an idle connection can be reused: the peer has not closed it and
 // sent nothing unsolicited.

@@ -37,7 +37,8 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
     advertise = tcp::IsWildcardHost(listen->host) ? "127.0.0.1" : listen->host;
   }
 
-  auto server = tcp::DataServer::Start(*listen, env.directory);
+  auto server = tcp::DataServer::Start(*listen, env.directory,
+                                      options.client.zero_copy_send);
   if (!server.ok()) {
     return absl::Status(server.status().code(),
                         absl::StrCat("tcp data plane: ",
@@ -65,6 +66,8 @@ v1::TransportInfo TcpBackend::transport_info() const {
       absl::StrCat(options_.client.connections_per_peer);
   attributes["chunk_bytes"] = absl::StrCat(options_.client.chunk_bytes);
   attributes["max_in_flight"] = absl::StrCat(options_.client.max_in_flight);
+  attributes["zero_copy_send"] =
+      options_.client.zero_copy_send ? "true" : "false";
   return info;
 }
 

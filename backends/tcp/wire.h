@@ -30,6 +30,9 @@ inline constexpr uint32_t kMaxTokenBytes = 256;
 // Largest payload of one request: bounds what a server discards after
 // refusing a WRITE and what one chunk may be. Longer ops are chunked.
 inline constexpr uint64_t kMaxPayloadBytes = 64ull << 20;
+// Payloads at least this long are sent with vmsplice/splice when zero-copy
+// sending is on; shorter ones are cheaper batched into one sendmsg.
+inline constexpr uint64_t kSpliceMinBytes = 64 << 10;
 // Longest error message a response may carry.
 inline constexpr uint32_t kMaxMessageBytes = 4096;
 
