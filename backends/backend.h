@@ -35,9 +35,6 @@ struct BackendEnvironment {
   const BufferDirectory* directory = nullptr;
   // Host peers should dial to reach this agent (never a wildcard address).
   std::string advertise_host;
-  // "host:port" of this agent's Peer gRPC service, once it is listening; set
-  // before Start() is called.
-  std::string peer_address;
 };
 
 // One op as the agent hands it to a backend, already validated: the local
@@ -83,8 +80,13 @@ class Backend {
   // (e.g. the queue-pair handshake). Must stay valid while the backend lives.
   virtual std::vector<grpc::Service*> peer_services() { return {}; }
 
-  // Called once, after the Peer listener is up and before any Register.
-  virtual absl::Status Start() { return absl::OkStatus(); }
+  // Called once, after the agent's Peer listener is up and before any
+  // Register. `peer_address` is the "host:port" peers dial to reach this
+  // backend's peer_services() (empty when the agent runs no Peer listener).
+  virtual absl::Status Start(const std::string& peer_address) {
+    (void)peer_address;
+    return absl::OkStatus();
+  }
 
   // Makes `registration` reachable through this backend. Fills `endpoint`
   // (its entry in the remote context) and returns what must live as long as

@@ -140,7 +140,7 @@ absl::Status Agent::Init() {
   }
   for (const auto& backend : registry_->backends()) {
     if (!backend->available()) continue;
-    status = backend->Start();
+    status = backend->Start(peer_address_);
     if (!status.ok()) {
       return absl::Status(status.code(),
                           absl::StrCat("starting backend ", backend->name(),

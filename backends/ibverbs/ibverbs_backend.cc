@@ -121,8 +121,7 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
     : env_(std::move(env)),
       options_(std::move(options)),
       verbs_(std::move(verbs)),
-      service_(std::make_unique<PeerService>(this)),
-      peer_address_(env_.peer_address) {
+      service_(std::make_unique<PeerService>(this)) {
   KeepGrpcAlive();
 }
 
@@ -262,7 +261,8 @@ std::vector<grpc::Service*> IbverbsBackend::peer_services() {
   return {service_.get()};
 }
 
-absl::Status IbverbsBackend::Start() {
+absl::Status IbverbsBackend::Start(const std::string& peer_address) {
+  if (!peer_address.empty()) peer_address_ = peer_address;
   if (!available() || !peer_address_.empty()) return absl::OkStatus();
   const std::string host =
       env_.advertise_host.empty() || IsWildcardHost(env_.advertise_host)

@@ -78,11 +78,11 @@ class IbverbsBackend : public Backend {
   }
   v1::TransportInfo transport_info() const override;
   std::vector<grpc::Service*> peer_services() override;
-  // When the agent did not pass its Peer address (env.peer_address empty),
-  // serves the Peer service on a listener of its own at
-  // env.advertise_host:0 (127.0.0.1 when that is empty), so that contexts
-  // always carry a reachable handshake address.
-  absl::Status Start() override;
+  // Advertises the agent's Peer listener (`peer_address`) for the handshake.
+  // Without one (a backend used on its own, as in tests), serves the Peer
+  // service on a listener of its own at env.advertise_host:0 (127.0.0.1 when
+  // that is empty), so that contexts always carry a reachable address.
+  absl::Status Start(const std::string& peer_address) override;
   // "host:port" peers dial for the queue-pair handshake.
   const std::string& peer_address() const { return peer_address_; }
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(

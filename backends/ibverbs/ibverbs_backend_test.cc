@@ -774,13 +774,13 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   env.identity.epoch = 42;
   testing::TestDirectory directory(42);
   env.directory = &directory;
-  env.peer_address = "set-by-the-agent:1";  // so Start() adds no listener
   IbverbsOptions options = Fast();
   options.max_responders = 1;
   auto backend =
       IbverbsBackend::Create(env, options, fabric_.MakeVerbs({"nic_b"}));
   ASSERT_TRUE(backend.ok());
-  ASSERT_TRUE((*backend)->Start().ok());
+  // The agent's address: Start() adds no listener of its own.
+  ASSERT_TRUE((*backend)->Start("set-by-the-agent:1").ok());
   EXPECT_EQ((*backend)->peer_address(), "set-by-the-agent:1");
   grpc::ServerBuilder builder;
   int port = 0;

@@ -63,7 +63,7 @@ std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
   if (!backend.ok()) return nullptr;
   node->backend_ = std::move(*backend);
   if (node->backend_->available()) {
-    const absl::Status started = node->backend_->Start();
+    const absl::Status started = node->backend_->Start("");
     EXPECT_TRUE(started.ok()) << started;
   }
   return node;
