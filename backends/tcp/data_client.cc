@@ -152,9 +152,14 @@ class Pipeline {
       iovec iov[kMaxIov];
       int count = 0;
       size_t skip = send_pos_;
-      for (size_t i = next_send_; i < lane_.size() && count + 3 <= kMaxIov &&
-                                  i - next_recv_ < max_in_flight_ &&
-                                  !(block && i > next_send_ && Spliceable(i));
+      // A blocking batch ends after its first READ: from then on a payload
+      // may be coming back, and only a non-blocking send can interleave
+      // with receiving it.
+      for (size_t i = next_send_;
+           i < lane_.size() && count + 3 <= kMaxIov &&
+           i - next_recv_ < max_in_flight_ &&
+           !(block && i > next_send_ &&
+             (Spliceable(i) || chunk(i - 1).kind == RequestKind::kRead));
            ++i) {
         const Chunk& c = chunk(i);
         const std::pair<const void*, size_t> parts[3] = {

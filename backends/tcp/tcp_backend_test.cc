@@ -172,14 +172,28 @@ void Apply(const Op& op, TestAgent::Buffer& local, TestAgent::Buffer& remote) {
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
-class TcpBackendTest : public ::testing::Test {
+tcp::DataClientOptions ClientOptions(bool zero_copy_send) {
+  tcp::DataClientOptions options;
+  options.zero_copy_send = zero_copy_send;
+  return options;
+}
+
+// Every case runs with payloads sent by send() and by vmsplice/splice.
+class TcpBackendTest : public ::testing::TestWithParam<bool> {
  protected:
-  TcpBackendTest() : a_(/*epoch=*/11), b_(/*epoch=*/22) {}
+  TcpBackendTest()
+      : a_(/*epoch=*/11, 0, ClientOptions(GetParam())),
+        b_(/*epoch=*/22, 0, ClientOptions(GetParam())) {}
   TestAgent a_;
   TestAgent b_;
 };
 
-TEST_F(TcpBackendTest, AdvertisesHostAndBoundPort) {
+INSTANTIATE_TEST_SUITE_P(SendPaths, TcpBackendTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Splice" : "Send";
+                         });
+
+TEST_P(TcpBackendTest, AdvertisesHostAndBoundPort) {
   EXPECT_EQ(a_.backend->name(), "tcp");
   EXPECT_EQ(a_.backend->transport_level(), v1::TRANSPORT_LEVEL_TCP);
   EXPECT_NE(a_.backend->port(), 0);
@@ -229,7 +243,7 @@ TEST(TcpBackendCreateTest, NeverAdvertisesAWildcard) {
             StatusCode::kInvalidArgument);
 }
 
-TEST_F(TcpBackendTest, WritesAndReadsOddOffsetsAndSizes) {
+TEST_P(TcpBackendTest, WritesAndReadsOddOffsetsAndSizes) {
   constexpr uint64_t kMax = 64ull << 20;
   auto local = a_.Register(kMax + 64, v1::ACCESS_READ_WRITE, 3);
   auto remote = b_.Register(kMax + 64, v1::ACCESS_READ_WRITE, 200);
@@ -262,7 +276,7 @@ TEST_F(TcpBackendTest, WritesAndReadsOddOffsetsAndSizes) {
             local.registration->bytes_moved());
 }
 
-TEST_F(TcpBackendTest, PipelinesManyOpsInOneSubmit) {
+TEST_P(TcpBackendTest, PipelinesManyOpsInOneSubmit) {
   auto local = a_.Register(1 << 20, v1::ACCESS_READ_WRITE, 5);
   auto remote = b_.Register(1 << 20, v1::ACCESS_READ_WRITE, 6);
   std::vector<Op> ops;
@@ -287,7 +301,37 @@ TEST_F(TcpBackendTest, PipelinesManyOpsInOneSubmit) {
   EXPECT_GE(a_.backend->client().idle_connections(peer), 1u);
 }
 
-TEST_F(TcpBackendTest, ConcurrentSubmitsToOnePeer) {
+TEST_P(TcpBackendTest, LargeReadsAndWritesShareOneConnection) {
+  // One connection, so READ payloads coming back and WRITE payloads going
+  // out interleave on it: blocking the wrong way would deadlock until the
+  // deadline.
+  tcp::DataClientOptions options = ClientOptions(GetParam());
+  options.connections_per_peer = 1;
+  options.chunk_bytes = 3 << 20;
+  TestAgent a(31, 0, options);
+  TestAgent b(32, 0, options);
+  constexpr uint64_t kOp = (9ull << 20) + 7;
+  constexpr int kOps = 8;
+  auto local = a.Register(kOps * kOp + 16, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b.Register(kOps * kOp + 16, v1::ACCESS_READ_WRITE, 2);
+  std::vector<Op> ops;
+  for (int i = 0; i < kOps; ++i) {
+    ops.push_back(MakeOp(i % 2 ? v1::OP_TYPE_READ_INTO_LOCAL
+                               : v1::OP_TYPE_WRITE_FROM_LOCAL,
+                         local, i * kOp + 3, kOp, remote, i * kOp + 5, i));
+  }
+  const absl::Time start = absl::Now();
+  auto results = a.backend->Submit(ops, start + absl::Seconds(60));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  for (int i = 0; i < kOps; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i << ": " << results[i];
+    Apply(ops[i], local, remote);
+  }
+  ExpectBytes(local, "local");
+  ExpectBytes(remote, "remote");
+}
+
+TEST_P(TcpBackendTest, ConcurrentSubmitsToOnePeer) {
   constexpr int kThreads = 6;
   auto remote = b_.Register(kThreads << 20, v1::ACCESS_READ_WRITE, 9);
   std::vector<TestAgent::Buffer> locals;
@@ -318,7 +362,7 @@ TEST_F(TcpBackendTest, ConcurrentSubmitsToOnePeer) {
   }
 }
 
-TEST_F(TcpBackendTest, EveryRefusalHasItsCodeAndChangesNothing) {
+TEST_P(TcpBackendTest, EveryRefusalHasItsCodeAndChangesNothing) {
   auto local = a_.Register(4096, v1::ACCESS_READ_WRITE, 1);
   auto remote = b_.Register(4096, v1::ACCESS_READ_WRITE, 2);
   auto read_only = b_.Register(4096, v1::ACCESS_READ, 3);
@@ -436,7 +480,7 @@ std::shared_ptr<v1::RemoteBuffer> ContextAt(uint16_t port, uint64_t size) {
   return context;
 }
 
-TEST_F(TcpBackendTest, SilentPeerGivesDeadlineExceededAndLateBytesAreDropped) {
+TEST_P(TcpBackendTest, SilentPeerGivesDeadlineExceededAndLateBytesAreDropped) {
   FakePeer peer;
   constexpr uint64_t kSize = 1 << 20;
   auto local = a_.Register(kSize + 32, v1::ACCESS_READ_WRITE, 7);
@@ -479,7 +523,7 @@ TEST_F(TcpBackendTest, SilentPeerGivesDeadlineExceededAndLateBytesAreDropped) {
   EXPECT_EQ(local.registration->bytes_moved(), 0u);
 }
 
-TEST_F(TcpBackendTest, PeerClosingMidResponseIsUnavailableAtOnce) {
+TEST_P(TcpBackendTest, PeerClosingMidResponseIsUnavailableAtOnce) {
   FakePeer peer;
   constexpr uint64_t kSize = 1 << 20;
   auto local = a_.Register(kSize + 32, v1::ACCESS_READ_WRITE, 8);
@@ -516,7 +560,7 @@ TEST_F(TcpBackendTest, PeerClosingMidResponseIsUnavailableAtOnce) {
             -1);
 }
 
-TEST_F(TcpBackendTest, RefusedDialIsUnavailable) {
+TEST_P(TcpBackendTest, RefusedDialIsUnavailable) {
   FakePeer gone;
   const uint16_t port = gone.port();
   { FakePeer moved = std::move(gone); }  // closes the listener
@@ -529,7 +573,7 @@ TEST_F(TcpBackendTest, RefusedDialIsUnavailable) {
   EXPECT_EQ(results[0].code(), StatusCode::kUnavailable) << results[0];
 }
 
-TEST_F(TcpBackendTest, PassedDeadlineIsDeadlineExceeded) {
+TEST_P(TcpBackendTest, PassedDeadlineIsDeadlineExceeded) {
   auto local = a_.Register(64, v1::ACCESS_READ_WRITE, 1);
   auto remote = b_.Register(64, v1::ACCESS_READ_WRITE, 2);
   auto results = a_.backend->Submit(
@@ -566,7 +610,7 @@ TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
   ExpectBytes(new_remote, "new remote");
 }
 
-TEST_F(TcpBackendTest, ReleaseDuringInFlightOpsIsSafe) {
+TEST_P(TcpBackendTest, ReleaseDuringInFlightOpsIsSafe) {
   constexpr uint64_t kSize = 48ull << 20;
   auto local = a_.Register(kSize, v1::ACCESS_READ_WRITE, 1);
   auto remote = b_.Register(kSize, v1::ACCESS_READ_WRITE, 2);
