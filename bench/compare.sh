@@ -10,9 +10,10 @@
 #                         [-- extra rdma-agentd flags, e.g. --tcp_chunk_bytes=N]
 #   Each round runs iperf3 (N seconds), ucx_perftest put and get and the bench
 #   once, interleaved; the table shows each tool's best round.
-#   Binaries come from DIR (default: bazel-bin of an optimised build, made
-#   with `bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench`
-#   when missing). Needs iperf3 and ucx-utils (Debian packages).
+#   Binaries come from DIR, else from the runfiles of
+#   `bazel run -c opt //bench:compare`, else from an optimised build made
+#   here (`bazel build -c opt ...`, then `bazel info -c opt bazel-bin`).
+#   Needs iperf3 and ucx-utils (Debian packages) and python3.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,20 +31,16 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-if [[ -z "$BIN_DIR" ]]; then
-  if [[ -n "${RUNFILES_DIR:-}" && -x "$RUNFILES_DIR/rdma_agentd/daemon/rdma-agentd" ]]; then
-    AGENTD="$RUNFILES_DIR/rdma_agentd/daemon/rdma-agentd"
-    BENCH="$RUNFILES_DIR/rdma_agentd/bench/rdma-agent-bench"
-  else
-    (cd "$ROOT" && bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench >&2)
-    AGENTD="$(cd "$ROOT" && bazel cquery -c opt --output=files //daemon:rdma-agentd 2>/dev/null)"
-    BENCH="$(cd "$ROOT" && bazel cquery -c opt --output=files //bench:rdma-agent-bench 2>/dev/null)"
-    AGENTD="$ROOT/$AGENTD"; BENCH="$ROOT/$BENCH"
-  fi
-else
-  AGENTD="$BIN_DIR/daemon/rdma-agentd"
-  BENCH="$BIN_DIR/bench/rdma-agent-bench"
+RUNFILES="${BASH_SOURCE[0]}.runfiles/rdma_agentd"
+if [[ -z "$BIN_DIR" && -x "$RUNFILES/daemon/rdma-agentd" ]]; then
+  # bazel run -c opt //bench:compare
+  BIN_DIR="$RUNFILES"
+elif [[ -z "$BIN_DIR" ]]; then
+  (cd "$ROOT" && bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench >&2)
+  BIN_DIR="$(cd "$ROOT" && bazel info -c opt bazel-bin 2>/dev/null)"
 fi
+AGENTD="$BIN_DIR/daemon/rdma-agentd"
+BENCH="$BIN_DIR/bench/rdma-agent-bench"
 for tool in iperf3 ucx_perftest "$AGENTD" "$BENCH"; do
   command -v "$tool" >/dev/null || { echo "missing: $tool" >&2; exit 1; }
 done
@@ -110,7 +107,7 @@ wait_for "$WORK/a/agent.sock"
 wait_for "$WORK/b/agent.sock"
 
 value() { awk -v name="$1" '$1 ~ "^"name {print $4}' "$2"; }
-IPERF=(); UCX_PUT=(); UCX_GET=(); WRITE=(); READ=(); PUT=(); GET=()
+IPERF=(); UCX_PUT=(); UCX_GET=(); WRITE=(); READ=(); PUT=(); GET=(); COLD=(); HOT=()
 for round in $(seq 1 "$ROUNDS"); do
   IPERF+=("$(iperf_once)")
   UCX_PUT+=("$(ucx_once ucp_put_bw)")
@@ -121,12 +118,15 @@ for round in $(seq 1 "$ROUNDS"); do
   READ+=("$(value read_ "$WORK/bench-$round.txt")")
   PUT+=("$(value put_ "$WORK/bench-$round.txt")")
   GET+=("$(value get_ "$WORK/bench-$round.txt")")
-  echo "round $round (MiB/s): iperf3 ${IPERF[-1]}  ucx put ${UCX_PUT[-1]} get ${UCX_GET[-1]}  agent write ${WRITE[-1]} read ${READ[-1]} put ${PUT[-1]} get ${GET[-1]}"
+  COLD+=("$(value socket_cold "$WORK/bench-$round.txt")")
+  HOT+=("$(value socket_hot "$WORK/bench-$round.txt")")
+  echo "round $round (MiB/s): iperf3 ${IPERF[-1]}  ucx put ${UCX_PUT[-1]} get ${UCX_GET[-1]}  agent write ${WRITE[-1]} read ${READ[-1]} put ${PUT[-1]} get ${GET[-1]}  socket cold ${COLD[-1]} hot ${HOT[-1]}"
 done
 IPERF_MIBS="$(best "${IPERF[@]}")"
 UCX_PUT="$(best "${UCX_PUT[@]}")"; UCX_GET="$(best "${UCX_GET[@]}")"
 WRITE="$(best "${WRITE[@]}")"; READ="$(best "${READ[@]}")"
 PUT="$(best "${PUT[@]}")"; GET="$(best "${GET[@]}")"
+COLD="$(best "${COLD[@]}")"; HOT="$(best "${HOT[@]}")"
 
 ratio() { /usr/bin/python3 -c 'import sys; print("%.2f" % (float(sys.argv[1])/float(sys.argv[2])))' "$1" "$2"; }
 echo
@@ -135,4 +135,10 @@ printf '%-34s %12s %12s %8s %s\n' "256 MiB write vs iperf3 -l 1M" "$WRITE" "$IPE
 printf '%-34s %12s %12s %8s %s\n' "256 MiB read  vs iperf3 -l 1M" "$READ" "$IPERF_MIBS" "$(ratio "$READ" "$IPERF_MIBS")" ">= 0.90"
 printf '%-34s %12s %12s %8s %s\n' "1 MiB put vs ucx_perftest put_bw" "$PUT" "$UCX_PUT" "$(ratio "$PUT" "$UCX_PUT")" ">= 3.00"
 printf '%-34s %12s %12s %8s %s\n' "1 MiB get vs ucx_perftest get" "$GET" "$UCX_GET" "$(ratio "$GET" "$UCX_GET")" ">= 3.00"
+echo
+echo "References (no agent; one loopback TCP stream in rdma-agent-bench, send/recv 1 MiB calls):"
+printf '%-34s %12s\n' "socket, 256 MiB cold buffers" "$COLD"
+printf '%-34s %12s\n' "socket, 1 MiB hot buffer" "$HOT"
+printf '%-34s %12s %8s\n' "256 MiB write vs cold socket" "$WRITE" "$(ratio "$WRITE" "$COLD")"
+printf '%-34s %12s %8s\n' "256 MiB read  vs cold socket" "$READ" "$(ratio "$READ" "$COLD")"
 echo "(MiB/s, best of $ROUNDS rounds; $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%Y-%m-%dT%H:%MZ))"
