@@ -583,6 +583,55 @@ TEST_P(TcpBackendTest, PassedDeadlineIsDeadlineExceeded) {
   ExpectBytes(remote, "remote");
 }
 
+TEST(TcpBackendShutdownTest, ServerGoingAwayMidTransferIsUnavailableAtOnce) {
+  tcp::DataClientOptions options;
+  options.chunk_bytes = 1 << 20;  // many requests: the transfer is cut mid-way
+  TestAgent a(41, 0, options);
+  auto b = std::make_unique<TestAgent>(42, 0, options);
+  constexpr uint64_t kSize = 32ull << 20;
+  constexpr uint64_t kGuard = 4096;
+  auto local = a.Register(kSize + 2 * kGuard, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(kSize, v1::ACCESS_READ_WRITE, 2);
+  std::vector<Op> ops;
+  for (int i = 0; i < 64; ++i) {  // 2 GiB of reads in all
+    ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local, kGuard, kSize,
+                         remote, 0, i));
+  }
+  std::vector<absl::Status> results;
+  absl::Notification done;
+  std::thread submit([&] {
+    results = a.backend->Submit(ops, In(absl::Seconds(60)));
+    done.Notify();
+  });
+  // Bounded wait until bytes flow, then the serving side goes away.
+  for (int i = 0; i < 10000 && remote.registration->bytes_served() == 0 &&
+                  !done.HasBeenNotified();
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GT(remote.registration->bytes_served(), 0u);
+  const absl::Time gone = absl::Now();
+  b->backend.reset();  // cuts its connections, waits for its threads
+  submit.join();
+  EXPECT_LT(absl::Now() - gone, absl::Seconds(5));
+  int unavailable = 0;
+  for (const absl::Status& status : results) {
+    if (status.code() == StatusCode::kUnavailable) {
+      ++unavailable;
+    } else {
+      EXPECT_TRUE(status.ok()) << status;
+    }
+  }
+  EXPECT_GT(unavailable, 0);
+  // Only the ops' range may have changed.
+  EXPECT_EQ(FirstDifference(local.registration->data(), local.expected.data(),
+                            kGuard),
+            -1);
+  EXPECT_EQ(FirstDifference(local.registration->data() + kGuard + kSize,
+                            local.expected.data() + kGuard + kSize, kGuard),
+            -1);
+}
+
 TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
   TestAgent a(1);
   auto b = std::make_unique<TestAgent>(2);

@@ -243,6 +243,69 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
   ExpectLayout(*local, 1, kGuard, kSize, 3, 0, "local after the new peer");
 }
 
+TEST_F(TcpNetnsTest, ReleaseDuringTransferIsSafeOnBothSides) {
+  constexpr uint64_t kSize = 64ull << 20;
+  constexpr uint64_t kGuard = 4096;
+  auto local = a().Attach(kSize + 2 * kGuard, v1::ACCESS_READ_WRITE);
+  auto remote = b().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok() && remote.ok());
+  FillPattern(local->data(), local->size(), 0, 1);
+  FillPattern(remote->data(), remote->size(), 0, 2);
+  std::vector<client::OpSpec> ops;
+  for (int i = 0; i < 32; ++i) {  // 2 GiB: still running when released
+    ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize,
+                         *remote, 0));
+  }
+  absl::StatusOr<std::vector<client::OpResult>> results;
+  std::atomic<bool> done{false};
+  std::thread submit([&] {
+    results = a().Submit(ops, absl::Seconds(60));
+    done = true;
+  });
+  bool flowing = false;
+  for (int i = 0; i < 3000 && !flowing && !done; ++i) {
+    auto buffers = b().ListBuffers();
+    if (buffers.ok()) {
+      for (const auto& info : *buffers) {
+        if (info.buffer_id() == remote->id() && info.bytes_served() > 0) {
+          flowing = true;
+        }
+      }
+    }
+    if (!flowing) absl::SleepFor(absl::Milliseconds(5));
+  }
+  // Both sides drop their registration while ops on it are in flight.
+  EXPECT_TRUE(remote->Release().ok());
+  EXPECT_TRUE(local->Release().ok());
+  submit.join();
+  ASSERT_TRUE(flowing) << "no bytes were served";
+  ASSERT_TRUE(results.ok()) << results.status();
+  int refused = 0;
+  for (const auto& result : *results) {
+    // Served before the release reached the peer, or refused after it.
+    if (result.status.code() == StatusCode::kNotFound) {
+      ++refused;
+    } else {
+      EXPECT_TRUE(result.status.ok()) << result.status;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_EQ(FindPatternMismatch(local->data(), kGuard, 0, 1), -1);
+  EXPECT_EQ(FindPatternMismatch(local->data() + kGuard + kSize, kGuard,
+                                kGuard + kSize, 1),
+            -1);
+  // Both agents carry on.
+  auto fresh_local = a().Attach(1 << 20, v1::ACCESS_READ_WRITE);
+  auto fresh_remote = b().Attach(1 << 20, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(fresh_local.ok() && fresh_remote.ok());
+  FillPattern(fresh_remote->data(), fresh_remote->size(), 0, 5);
+  auto after = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *fresh_local,
+                                  0, 1 << 20, *fresh_remote, 0)},
+                          absl::Seconds(10));
+  ASSERT_TRUE(after.ok() && (*after)[0].status.ok());
+  EXPECT_EQ(FindPatternMismatch(fresh_local->data(), 1 << 20, 0, 5), -1);
+}
+
 TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
   constexpr uint64_t kSize = 16ull << 20;
   constexpr uint64_t kGuard = 4096;
