@@ -83,6 +83,7 @@ void DataServer::AcceptLoop() {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
     ReapFinishedLocked();
+    if (connections_.size() >= kMaxConnections) continue;  // closes `fd`
     auto connection = std::make_unique<Connection>();
     connection->fd = std::move(fd);
     Connection* raw = connection.get();

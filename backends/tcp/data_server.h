@@ -26,6 +26,9 @@ namespace rdma_agent::tcp {
 // is read and dropped so the connection stays usable.
 class DataServer {
  public:
+  // Connections served at once; more are closed at accept (one thread each).
+  static constexpr size_t kMaxConnections = 4096;
+
   // Listens on `address` and serves until destroyed. `directory` must outlive
   // the server.
   // With `zero_copy_send`, READ payloads of at least kSpliceMinBytes go to

@@ -91,6 +91,18 @@ void ConfigureDataSocket(int fd) {
   const int one = 1;
   // Responses and small requests must not wait for Nagle.
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A peer that vanished (host down, link cut) must not hold a serving thread
+  // and the registration it pinned forever: keepalive probes find an idle
+  // dead connection within ~45 s, and unacknowledged data gives up after
+  // 60 s. Client ops are bounded by their deadline anyway.
+  const int idle_seconds = 30, interval_seconds = 5, probes = 3;
+  const unsigned int user_timeout_ms = 60000;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_seconds, sizeof(int));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_seconds, sizeof(int));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(int));
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms,
+             sizeof(user_timeout_ms));
 }
 
 absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,

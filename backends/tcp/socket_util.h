@@ -34,13 +34,16 @@ bool IsWildcardHost(absl::string_view host);
 // SO_REUSEADDR. The port actually bound goes to `*bound_port`.
 absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address, uint16_t* bound_port);
 
-// Connects to `address` without blocking past `deadline`: DEADLINE_EXCEEDED
+// Connects to `address` without blocking past `deadline` (name resolution
+// excepted: pass literal addresses, as remote contexts do): DEADLINE_EXCEEDED
 // when it passes, UNAVAILABLE when the peer refuses or is unreachable. The
 // returned socket is in blocking mode (callers pass MSG_DONTWAIT or set
 // SO_RCVTIMEO/SO_SNDTIMEO to bound each call), with TCP_NODELAY.
 absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline);
 
-// Sets the socket options both ends of a data connection use.
+// Sets the socket options both ends of a data connection use: TCP_NODELAY,
+// and keepalive / TCP_USER_TIMEOUT so that a vanished peer is noticed within
+// about a minute even by a thread blocked on an idle connection.
 void ConfigureDataSocket(int fd);
 
 // Bounds the next blocking receives (SO_RCVTIMEO) or sends (SO_SNDTIMEO) on
