@@ -252,7 +252,7 @@ TEST_F(TcpNetnsTest, ReleaseDuringTransferIsSafeOnBothSides) {
   FillPattern(local->data(), local->size(), 0, 1);
   FillPattern(remote->data(), remote->size(), 0, 2);
   std::vector<client::OpSpec> ops;
-  for (int i = 0; i < 32; ++i) {  // 2 GiB: still running when released
+  for (int i = 0; i < 64; ++i) {  // 4 GiB: still running when released
     ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize,
                          *remote, 0));
   }
