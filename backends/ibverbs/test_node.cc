@@ -9,35 +9,6 @@
 namespace rdma_agent {
 namespace testing {
 
-absl::StatusOr<std::shared_ptr<Registration>> TestDirectory::ResolveForPeer(
-    const ServeRequest& request) const {
-  if (request.agent_epoch != epoch_) {
-    return absl::FailedPreconditionError("stale epoch");
-  }
-  absl::MutexLock lock(&mu_);
-  auto it = buffers_.find(request.buffer_id);
-  if (it == buffers_.end()) {
-    return absl::NotFoundError(absl::StrCat("no buffer ", request.buffer_id));
-  }
-  absl::Status status = CheckServeRequest(*it->second, request);
-  if (!status.ok()) return status;
-  return it->second;
-}
-
-void TestDirectory::Add(std::shared_ptr<Registration> registration) {
-  absl::MutexLock lock(&mu_);
-  buffers_[registration->id()] = std::move(registration);
-}
-
-void TestDirectory::Remove(uint64_t id) {
-  std::shared_ptr<Registration> dropped;  // released outside mu_
-  absl::MutexLock lock(&mu_);
-  auto it = buffers_.find(id);
-  if (it == buffers_.end()) return;
-  dropped = std::move(it->second);
-  buffers_.erase(it);
-}
-
 std::unique_ptr<TestNode> TestNode::Create(verbs::SoftFabric& fabric,
                                            const std::string& agent_id,
                                            const std::string& device,

@@ -7,34 +7,16 @@
 // and build ops.
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 
-#include "absl/synchronization/mutex.h"
 #include "backends/backend.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft_verbs.h"
+#include "backends/testing/test_directory.h"
 
 namespace rdma_agent {
 namespace testing {
-
-// Registrations by id, resolved like the agent does for peers.
-class TestDirectory : public BufferDirectory {
- public:
-  explicit TestDirectory(uint64_t epoch) : epoch_(epoch) {}
-  absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
-      const ServeRequest& request) const override;
-  void Add(std::shared_ptr<Registration> registration);
-  // Drops the directory's reference (the agent's Release).
-  void Remove(uint64_t id);
-
- private:
-  const uint64_t epoch_;
-  mutable absl::Mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Registration>> buffers_
-      ABSL_GUARDED_BY(mu_);
-};
 
 // A registration and the remote context peers use for it.
 struct TestBuffer {

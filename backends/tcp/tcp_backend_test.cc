@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "backends/tcp/socket_util.h"
+#include "backends/testing/test_directory.h"
 #include "backends/tcp/wire.h"
 #include "common/shared_memory.h"
 #include "gtest/gtest.h"
@@ -24,44 +25,7 @@ namespace {
 
 using ::absl::StatusCode;
 
-// A minimal agent-side directory over real Registrations.
-class TestDirectory : public BufferDirectory {
- public:
-  explicit TestDirectory(uint64_t epoch) : epoch_(epoch) {}
-
-  absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
-      const ServeRequest& request) const override {
-    if (request.agent_epoch != epoch_) {
-      return absl::FailedPreconditionError("stale epoch");
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = buffers_.find(request.buffer_id);
-    if (it == buffers_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("no buffer ", request.buffer_id));
-    }
-    if (absl::Status status = CheckServeRequest(*it->second, request);
-        !status.ok()) {
-      return status;
-    }
-    return it->second;
-  }
-
-  void Add(std::shared_ptr<Registration> registration) {
-    std::lock_guard<std::mutex> lock(mu_);
-    buffers_[registration->id()] = std::move(registration);
-  }
-  void Remove(uint64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    buffers_.erase(id);
-  }
-  uint64_t epoch() const { return epoch_; }
-
- private:
-  const uint64_t epoch_;
-  mutable std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Registration>> buffers_;
-};
+using ::rdma_agent::testing::TestDirectory;
 
 // Fills `size` bytes with a pattern that differs per `seed` and position.
 void Fill(std::byte* data, uint64_t size, uint8_t seed) {
