@@ -16,9 +16,10 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/client/agent_process.h"
-#include "tests/client/pattern.h"
-#include "tests/client/subprocess.h"
+#include "tests/testing/agent_process.h"
+#include "tests/testing/pattern.h"
+#include "tests/testing/process.h"
+#include "tests/testing/temp_dir.h"
 
 namespace rdma_agent::testing {
 namespace {

@@ -17,8 +17,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
-#include "tests/client/agent_process.h"
-#include "tests/client/pattern.h"
+#include "tests/testing/agent_process.h"
+#include "tests/testing/pattern.h"
 
 namespace rdma_agent::testing {
 namespace {

@@ -49,7 +49,7 @@
 #include "client/rdma_agent_client.h"
 #include "common/shared_memory.h"
 #include "grpcpp/grpcpp.h"
-#include "tests/client/pattern.h"
+#include "tests/testing/pattern.h"
 
 ABSL_FLAG(std::string, target, "", "agent target");
 ABSL_FLAG(std::string, attach_socket, "", "attach socket path");

@@ -7,8 +7,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "tests/client/agent_process.h"
-#include "tests/client/subprocess.h"
+#include "tests/testing/agent_process.h"
+#include "tests/testing/process.h"
 
 namespace rdma_agent::testing {
 

@@ -6,12 +6,13 @@
 #include <fstream>
 #include <string>
 
-#include "absl/strings/match.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "client/rdma_agent_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/client/subprocess.h"
+#include "tests/testing/process.h"
+#include "tests/testing/temp_dir.h"
 
 namespace rdma_agent {
 namespace {
@@ -46,14 +47,9 @@ class DaemonProcessTest : public ::testing::Test {
     options.stderr_to_stdout = true;
     auto process = Subprocess::Spawn(std::move(options));
     EXPECT_TRUE(process.ok()) << process.status();
-    for (int i = 0; i < 200; ++i) {
-      auto line = process->ReadLine(absl::Seconds(10));
-      if (!line.ok()) {
-        ADD_FAILURE() << "rdma-agentd did not start: " << line.status();
-        break;
-      }
-      if (absl::StrContains(*line, "serving unix://")) break;
-    }
+    const absl::Status serving =
+        process->WaitForLine("serving unix://", absl::Seconds(30));
+    EXPECT_TRUE(serving.ok()) << "rdma-agentd did not start: " << serving;
     return std::move(*process);
   }
 

@@ -3,10 +3,21 @@
 
 #include <string>
 
+#include "absl/status/statusor.h"
+
 namespace rdma_agent::testing {
 
-// A fresh directory under /tmp (short, so Unix socket paths inside it fit in
-// sun_path), removed with its contents on destruction.
+// A fresh directory (mode 0700) with a short path under /tmp: Unix socket
+// paths inside it must stay under 108 bytes, and TEST_TMPDIR can be long.
+// The caller removes it, e.g. with RemoveTree.
+absl::StatusOr<std::string> MakeShortTempDir();
+
+// Removes `path` and everything below it; errors are ignored (cleanup).
+void RemoveTree(const std::string& path);
+
+// RAII over MakeShortTempDir: the directory is made mode 0755 (processes of
+// other users can reach sockets inside) and removed with its contents on
+// destruction. Aborts the test process if no directory can be made.
 class TempDir {
  public:
   TempDir();

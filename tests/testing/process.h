@@ -1,12 +1,16 @@
-#ifndef RDMA_AGENTD_TESTS_CLIENT_SUBPROCESS_H_
-#define RDMA_AGENTD_TESTS_CLIENT_SUBPROCESS_H_
+#ifndef RDMA_AGENTD_TESTS_TESTING_PROCESS_H_
+#define RDMA_AGENTD_TESTS_TESTING_PROCESS_H_
+
+// Real processes for tests: spawning, talking to, and running to completion.
 
 #include <sys/types.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -15,12 +19,13 @@
 namespace rdma_agent::testing {
 
 // A child process for tests: spawned with fork/exec, killed (SIGKILL) if the
-// test process dies or the Subprocess is destroyed while it runs. Every wait
-// takes a timeout.
+// thread that spawned it ends (for a test: the test process dies) or the
+// Subprocess is destroyed while it runs. Every wait takes a timeout.
 class Subprocess {
  public:
   struct Options {
-    std::vector<std::string> argv;  // argv[0] is the path of the executable
+    // argv[0] is the executable: a path, or a bare name looked up in PATH.
+    std::vector<std::string> argv;
     // Talk to the child through pipes on its stdin/stdout (WriteLine,
     // ReadLine). Otherwise its stdin is /dev/null.
     bool pipe_stdio = false;
@@ -30,6 +35,7 @@ class Subprocess {
     bool stderr_to_stdout = false;
   };
 
+  // NOT_FOUND when argv[0] is a bare name not found in PATH.
   static absl::StatusOr<Subprocess> Spawn(Options options);
 
   Subprocess(Subprocess&& other) noexcept;
@@ -43,6 +49,12 @@ class Subprocess {
   // The next line (without its newline) of the child's stdout.
   // DEADLINE_EXCEEDED after `timeout`, UNAVAILABLE at end of output.
   absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
+  // Reads lines until one contains `text`, all within `timeout`; `on_line`
+  // (when set) sees every line read, that one included. Fails as ReadLine
+  // does (DEADLINE_EXCEEDED, or UNAVAILABLE when the output ends first).
+  absl::Status WaitForLine(
+      absl::string_view text, absl::Duration timeout,
+      const std::function<void(const std::string&)>& on_line = nullptr);
   // Closes the child's stdin (it sees end of input).
   void CloseStdin() { stdin_.reset(); }
 
@@ -74,20 +86,25 @@ struct RunResult {
   std::string err;  // stderr
 };
 
-// Runs `argv` to completion with `input` on its stdin, capturing stdout and
-// stderr. DEADLINE_EXCEEDED (the child is killed) past `timeout`.
+// Runs `argv` (argv[0] as in Subprocess::Options) to completion with `input`
+// on its stdin, capturing stdout and stderr. DEADLINE_EXCEEDED (the child is
+// killed) past `timeout`.
 absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
                                           absl::string_view input,
                                           absl::Duration timeout);
 
-// Path of a runfile of this workspace, e.g. "daemon/rdma-agentd".
-std::string RunfilePath(absl::string_view path);
+// Runs a command (no shell, empty stdin) that must succeed: its stdout, or
+// INTERNAL naming the command with its exit code and output when it exits
+// non-zero; other failures as RunToCompletion.
+absl::StatusOr<std::string> RunCommand(
+    const std::vector<std::string>& argv,
+    absl::Duration timeout = absl::Seconds(20));
 
-// A fresh directory with a short path under /tmp (Unix socket paths must stay
-// under 108 bytes; TEST_TMPDIR can be long). Removed by RemoveTree.
-absl::StatusOr<std::string> MakeShortTempDir();
-void RemoveTree(const std::string& path);
+// Path of a runfile of this workspace, e.g. "daemon/rdma-agentd"; outside
+// `bazel test` (no TEST_SRCDIR), `path` itself, for runs by hand from the
+// runfiles tree.
+std::string RunfilePath(absl::string_view path);
 
 }  // namespace rdma_agent::testing
 
-#endif  // RDMA_AGENTD_TESTS_CLIENT_SUBPROCESS_H_
+#endif  // RDMA_AGENTD_TESTS_TESTING_PROCESS_H_

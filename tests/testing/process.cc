@@ -1,9 +1,8 @@
-#include "tests/client/subprocess.h"
+#include "tests/testing/process.h"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -11,9 +10,13 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
+#include <cstdlib>
+#include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace rdma_agent::testing {
 namespace {
@@ -29,10 +32,54 @@ int PollTimeoutMs(absl::Time deadline) {
       std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 60000));
 }
 
+// argv[0] as a path to exec: as given when it holds a '/', else the first
+// executable of that name in PATH. Looked up before fork, because after it
+// only async-signal-safe calls may run.
+absl::StatusOr<std::string> ResolveExecutable(const std::string& name) {
+  if (absl::StrContains(name, '/')) return name;
+  const char* path = std::getenv("PATH");
+  for (absl::string_view dir :
+       absl::StrSplit(path != nullptr ? path : "/usr/sbin:/usr/bin:/sbin:/bin",
+                      ':', absl::SkipEmpty())) {
+    std::string candidate = absl::StrCat(dir, "/", name);
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return absl::NotFoundError(absl::StrCat(name, " not found in PATH"));
+}
+
+// Forks a child that execs `argv` with `stdin_fd`, `stdout_fd` and
+// `stderr_fd` (-1: inherited) as its standard streams; the child is killed
+// when the calling thread ends. Returns the child's pid.
+absl::StatusOr<pid_t> ForkExec(const std::vector<std::string>& argv,
+                               int stdin_fd, int stdout_fd, int stderr_fd) {
+  if (argv.empty()) return absl::InvalidArgumentError("empty argv");
+  absl::StatusOr<std::string> executable = ResolveExecutable(argv[0]);
+  if (!executable.ok()) return executable.status();
+  // Everything the child needs is prepared before fork: after it, only
+  // async-signal-safe calls (the parent has threads).
+  std::vector<std::string> args = argv;
+  std::vector<char*> raw;
+  for (std::string& arg : args) raw.push_back(arg.data());
+  raw.push_back(nullptr);
+  const pid_t parent = ::getpid();
+
+  const pid_t pid = ::fork();
+  if (pid < 0) return ErrnoStatus("fork");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    if (stdin_fd >= 0) ::dup2(stdin_fd, STDIN_FILENO);
+    if (stdout_fd >= 0) ::dup2(stdout_fd, STDOUT_FILENO);
+    if (stderr_fd >= 0) ::dup2(stderr_fd, STDERR_FILENO);
+    ::execv(executable->c_str(), raw.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
 }  // namespace
 
 absl::StatusOr<Subprocess> Subprocess::Spawn(Options options) {
-  if (options.argv.empty()) return absl::InvalidArgumentError("empty argv");
   int in_pipe[2] = {-1, -1};
   int out_pipe[2] = {-1, -1};
   if (options.pipe_stdio) {
@@ -54,36 +101,25 @@ absl::StatusOr<Subprocess> Subprocess::Spawn(Options options) {
   UniqueFd dev_null(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   if (!dev_null) return ErrnoStatus("open /dev/null");
 
-  // Everything the child needs is prepared before fork: after it, only
-  // async-signal-safe calls (the parent has threads).
-  std::vector<char*> argv;
-  for (std::string& arg : options.argv) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  const pid_t parent = ::getpid();
-
-  const pid_t pid = ::fork();
-  if (pid < 0) return ErrnoStatus("fork");
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    const int stdin_fd = options.pipe_stdio ? child_in.get() : dev_null.get();
-    ::dup2(stdin_fd, STDIN_FILENO);
-    if (options.pipe_stdio) {
-      ::dup2(child_out.get(), STDOUT_FILENO);
-    } else if (log) {
-      ::dup2(log.get(), STDOUT_FILENO);
-    }
-    if (log) {
-      ::dup2(log.get(), STDERR_FILENO);
-    } else if (options.pipe_stdio && options.stderr_to_stdout) {
-      ::dup2(child_out.get(), STDERR_FILENO);
-    }
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
+  const int stdin_fd = options.pipe_stdio ? child_in.get() : dev_null.get();
+  int stdout_fd = -1;
+  if (options.pipe_stdio) {
+    stdout_fd = child_out.get();
+  } else if (log) {
+    stdout_fd = log.get();
   }
+  int stderr_fd = -1;
+  if (log) {
+    stderr_fd = log.get();
+  } else if (options.pipe_stdio && options.stderr_to_stdout) {
+    stderr_fd = child_out.get();
+  }
+  absl::StatusOr<pid_t> pid =
+      ForkExec(options.argv, stdin_fd, stdout_fd, stderr_fd);
+  if (!pid.ok()) return pid.status();
   Subprocess process;
-  process.pid_ = pid;
-  process.pidfd_.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+  process.pid_ = *pid;
+  process.pidfd_.reset(static_cast<int>(::syscall(SYS_pidfd_open, *pid, 0)));
   if (!process.pidfd_) return ErrnoStatus("pidfd_open");
   process.stdin_ = std::move(parent_in);
   process.stdout_ = std::move(parent_out);
@@ -167,6 +203,22 @@ absl::StatusOr<std::string> Subprocess::ReadLine(absl::Duration timeout) {
   }
 }
 
+absl::Status Subprocess::WaitForLine(
+    absl::string_view text, absl::Duration timeout,
+    const std::function<void(const std::string&)>& on_line) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    absl::StatusOr<std::string> line = ReadLine(deadline - absl::Now());
+    if (!line.ok()) {
+      return absl::Status(line.status().code(),
+                          absl::StrCat("waiting for \"", text,
+                                       "\": ", line.status().message()));
+    }
+    if (on_line) on_line(*line);
+    if (absl::StrContains(*line, text)) return absl::OkStatus();
+  }
+}
+
 void Subprocess::Signal(int signal) {
   if (pid_ > 0 && !exit_code_.has_value()) ::kill(pid_, signal);
 }
@@ -211,22 +263,10 @@ absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
   if (::pipe2(err_pipe, O_CLOEXEC) != 0) return ErrnoStatus("pipe2");
   UniqueFd parent_err(err_pipe[0]), child_err(err_pipe[1]);
 
-  std::vector<std::string> args = argv;
-  std::vector<char*> raw;
-  for (std::string& arg : args) raw.push_back(arg.data());
-  raw.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) return ErrnoStatus("fork");
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    ::dup2(child_in.get(), STDIN_FILENO);
-    ::dup2(child_out.get(), STDOUT_FILENO);
-    ::dup2(child_err.get(), STDERR_FILENO);
-    ::execv(raw[0], raw.data());
-    ::_exit(127);
-  }
+  absl::StatusOr<pid_t> spawned =
+      ForkExec(argv, child_in.get(), child_out.get(), child_err.get());
+  if (!spawned.ok()) return spawned.status();
+  const pid_t pid = *spawned;
   child_in.reset();
   child_out.reset();
   child_err.reset();
@@ -312,20 +352,25 @@ absl::StatusOr<RunResult> RunToCompletion(const std::vector<std::string>& argv,
   return result;
 }
 
+absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
+                                       absl::Duration timeout) {
+  absl::StatusOr<RunResult> result = RunToCompletion(argv, "", timeout);
+  if (!result.ok()) return result.status();
+  if (result->exit_code != 0) {
+    return absl::InternalError(absl::StrCat(
+        "`", absl::StrJoin(argv, " "), "` failed (exit ", result->exit_code,
+        "): ", result->out, result->err));
+  }
+  return std::move(result->out);
+}
+
 std::string RunfilePath(absl::string_view path) {
   const char* srcdir = std::getenv("TEST_SRCDIR");
-  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/rdma_agentd/", path);
-}
-
-absl::StatusOr<std::string> MakeShortTempDir() {
-  char name[] = "/tmp/rac.XXXXXX";
-  if (::mkdtemp(name) == nullptr) return ErrnoStatus("mkdtemp");
-  return std::string(name);
-}
-
-void RemoveTree(const std::string& path) {
-  std::error_code ignored;
-  std::filesystem::remove_all(path, ignored);
+  if (srcdir == nullptr) return std::string(path);
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  return absl::StrCat(srcdir, "/",
+                      workspace != nullptr ? workspace : "rdma_agentd", "/",
+                      path);
 }
 
 }  // namespace rdma_agent::testing

@@ -1,4 +1,4 @@
-#include "tests/client/pattern.h"
+#include "tests/testing/pattern.h"
 
 #include <vector>
 
@@ -20,6 +20,22 @@ TEST(PatternTest, FillMatchesPatternByteAtAnyStart) {
 TEST(PatternTest, SeedsAndPositionsDiffer) {
   EXPECT_NE(PatternString(1, 0, 64), PatternString(2, 0, 64));
   EXPECT_NE(PatternString(1, 0, 64), PatternString(1, 1, 64));
+}
+
+TEST(PatternTest, FindMismatchFindsTheFirstWrongByteFromAnyStart) {
+  std::vector<std::byte> bytes(100000);
+  FillPattern(absl::MakeSpan(bytes), 6, 77);
+  EXPECT_EQ(FindMismatch(bytes, 6, 77), std::nullopt);
+  EXPECT_EQ(FindMismatch({}, 6, 77), std::nullopt);
+  for (uint64_t position : {0ul, 65535ul, 65536ul, 99999ul}) {
+    const std::byte saved = bytes[position];
+    bytes[position] ^= std::byte{0x80};
+    EXPECT_EQ(FindMismatch(bytes, 6, 77), position);
+    bytes[position] = saved;
+  }
+  // Another seed, or the same pattern one position off, fails at once.
+  EXPECT_EQ(FindMismatch(bytes, 7, 77), 0u);
+  EXPECT_EQ(FindMismatch(bytes, 6, 78), 0u);
 }
 
 TEST(PatternTest, FirstMismatchFindsEveryWrongByte) {
