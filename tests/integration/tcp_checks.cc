@@ -1,10 +1,24 @@
 #include "tests/integration/tcp_checks.h"
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "gtest/gtest.h"
-#include "tests/integration/tcp_netns.h"
+#include "tests/testing/pattern.h"
 
 namespace rdma_agent::testing {
+
+AgentProcess::Options TcpAgentOptions(const std::string& host,
+                                      const std::string& netns) {
+  AgentProcess::Options options;
+  options.backends = "memory,tcp";
+  options.netns = netns;
+  options.listen_host = host;
+  options.advertise_host = host;
+  options.log_level = "info";
+  return options;
+}
 
 client::OpSpec MakeOp(v1::OpType type, const client::Buffer& local,
                       uint64_t local_offset, uint64_t length,
@@ -22,25 +36,29 @@ client::OpSpec MakeOp(v1::OpType type, const client::Buffer& local,
 void ExpectLayout(const client::Buffer& buffer, uint8_t seed, uint64_t offset,
                   uint64_t length, uint8_t inner_seed, uint64_t inner_start,
                   absl::string_view what) {
-  const std::byte* data = buffer.data();
-  const int64_t before = FindPatternMismatch(data, offset, 0, seed);
-  EXPECT_EQ(before, -1) << what << ": byte " << before
-                        << " before the op's range changed";
-  const int64_t inside =
-      FindPatternMismatch(data + offset, length, inner_start, inner_seed);
-  EXPECT_EQ(inside, -1) << what << ": byte " << offset + inside
-                        << " inside the op's range is wrong";
+  // Each region checked on its own, so that a failure says which it was.
+  const absl::Span<const std::byte> bytes = buffer.bytes();
   const uint64_t end = offset + length;
-  const int64_t after =
-      FindPatternMismatch(data + end, buffer.size() - end, end, seed);
-  EXPECT_EQ(after, -1) << what << ": byte " << end + after
-                       << " after the op's range changed";
+  const std::optional<uint64_t> before =
+      FindMismatch(bytes.subspan(0, offset), seed, 0);
+  EXPECT_EQ(before, std::nullopt)
+      << what << ": byte " << before.value_or(0)
+      << " before the op's range changed";
+  const std::optional<uint64_t> inside =
+      FindMismatch(bytes.subspan(offset, length), inner_seed, inner_start);
+  EXPECT_EQ(inside, std::nullopt)
+      << what << ": byte " << offset + inside.value_or(0)
+      << " inside the op's range is wrong";
+  const std::optional<uint64_t> after =
+      FindMismatch(bytes.subspan(end), seed, end);
+  EXPECT_EQ(after, std::nullopt) << what << ": byte " << end + after.value_or(0)
+                                 << " after the op's range changed";
 }
 
 void SweepSizes(client::AgentClient& local_agent, client::Buffer& local,
                 client::Buffer& remote, const std::vector<uint64_t>& sizes) {
-  FillPattern(local.data(), local.size(), 0, 1);
-  FillPattern(remote.data(), remote.size(), 0, 2);
+  FillPattern(local.bytes(), 1);
+  FillPattern(remote.bytes(), 2);
   for (uint64_t size : sizes) {
     SCOPED_TRACE(absl::StrCat("size ", size));
     const uint64_t local_offset = 1 + size % 7;
@@ -57,7 +75,7 @@ void SweepSizes(client::AgentClient& local_agent, client::Buffer& local,
     ExpectLayout(remote, 2, remote_offset, size, 1, local_offset,
                  "remote after write");
     ExpectLayout(local, 1, 0, 0, 1, 0, "local after write");
-    FillPattern(remote.data() + remote_offset, size, remote_offset, 2);
+    FillPattern(remote.bytes().subspan(remote_offset, size), 2, remote_offset);
 
     // Read a different remote range into a different local one.
     const uint64_t read_local = 5 + size % 13;
@@ -72,7 +90,7 @@ void SweepSizes(client::AgentClient& local_agent, client::Buffer& local,
     ExpectLayout(local, 1, read_local, size, 2, read_remote,
                  "local after read");
     ExpectLayout(remote, 2, 0, 0, 2, 0, "remote after read");
-    FillPattern(local.data() + read_local, size, read_local, 1);
+    FillPattern(local.bytes().subspan(read_local, size), 1, read_local);
   }
 }
 

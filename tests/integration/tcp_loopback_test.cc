@@ -5,15 +5,15 @@
 
 #include "gtest/gtest.h"
 #include "tests/integration/tcp_checks.h"
-#include "tests/integration/tcp_netns.h"
+#include "tests/testing/agent_process.h"
 
 namespace rdma_agent::testing {
 namespace {
 
 TEST(TcpLoopbackTest, SameHostPairMovesEveryByteOverTcp) {
-  auto a = TcpAgentProcess::Start({});
+  auto a = AgentProcess::Start(TcpAgentOptions());
   ASSERT_TRUE(a.ok()) << a.status();
-  auto b = TcpAgentProcess::Start({});
+  auto b = AgentProcess::Start(TcpAgentOptions());
   ASSERT_TRUE(b.ok()) << b.status();
   constexpr uint64_t kMax = 64ull << 20;
   auto local = (*a)->client().Attach(kMax + 64, v1::ACCESS_READ_WRITE);

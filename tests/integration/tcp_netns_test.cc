@@ -3,14 +3,17 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
+#include "tests/integration/netns.h"
 #include "tests/integration/tcp_checks.h"
-#include "tests/integration/tcp_netns.h"
+#include "tests/testing/agent_process.h"
+#include "tests/testing/pattern.h"
 
 namespace rdma_agent::testing {
 namespace {
@@ -26,10 +29,8 @@ class TcpNetnsTest : public ::testing::Test {
     ASSERT_TRUE(pair.ok()) << pair.status();
     pair_ = std::move(*pair);
     for (int side = 0; side < 2; ++side) {
-      TcpAgentProcess::Options options;
-      options.netns = pair_->netns(side);
-      options.host = pair_->address(side);
-      auto agent = TcpAgentProcess::Start(options);
+      auto agent = AgentProcess::Start(
+          TcpAgentOptions(pair_->address(side), pair_->netns(side)));
       ASSERT_TRUE(agent.ok()) << agent.status();
       agents_[side] = std::move(*agent);
     }
@@ -51,7 +52,7 @@ class TcpNetnsTest : public ::testing::Test {
   client::AgentClient& b() { return agents_[1]->client(); }
 
   std::unique_ptr<NetnsPair> pair_;
-  std::unique_ptr<TcpAgentProcess> agents_[2];
+  std::unique_ptr<AgentProcess> agents_[2];
 };
 
 TEST_F(TcpNetnsTest, ContextsAdvertiseTheHostAddress) {
@@ -109,7 +110,7 @@ TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
         const uint8_t seed = static_cast<uint8_t>(10 + host * 10 + c);
         const uint64_t slice = c * kSlice;
         for (int round = 0; round < kRounds && failure.empty(); ++round) {
-          FillPattern(local->data(), kSlice, round, seed);
+          FillPattern(local->bytes().subspan(0, kSlice), seed, round);
           auto results = (*agent)->Submit(
               {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, kSlice,
                       *shared[host], slice),
@@ -131,8 +132,9 @@ TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
               absl::Seconds(60));
           if (!results.ok() || !(*results)[0].status.ok()) {
             failure = "read back failed";
-          } else if (FindPatternMismatch(local->data() + kSlice, kSlice,
-                                         round, seed) != -1) {
+          } else if (FindMismatch(local->bytes().subspan(kSlice, kSlice),
+                                  seed, round)
+                         .has_value()) {
             failure = absl::StrCat("round ", round, ": wrong bytes read back");
           }
         }
@@ -152,8 +154,8 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
   auto local = a().Attach(kSize + 2 * kGuard, v1::ACCESS_READ_WRITE, "local");
   auto remote = b().Attach(kSize, v1::ACCESS_READ_WRITE, "remote");
   ASSERT_TRUE(local.ok() && remote.ok());
-  FillPattern(local->data(), local->size(), 0, 1);
-  FillPattern(remote->data(), remote->size(), 0, 2);
+  FillPattern(local->bytes(), 1);
+  FillPattern(remote->bytes(), 2);
   const uint64_t remote_id = remote->id();
 
   std::vector<client::OpSpec> ops;
@@ -205,10 +207,10 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
   EXPECT_LT(after_kill, absl::Seconds(10)) << "not \"well before\" the "
                                            << timeout << " deadline";
   // The guards around the ops' range never changed.
-  EXPECT_EQ(FindPatternMismatch(local->data(), kGuard, 0, 1), -1);
-  EXPECT_EQ(FindPatternMismatch(local->data() + kGuard + kSize, kGuard,
-                                kGuard + kSize, 1),
-            -1);
+  EXPECT_EQ(FindMismatch(local->bytes().subspan(0, kGuard), 1), std::nullopt);
+  EXPECT_EQ(FindMismatch(local->bytes().subspan(kGuard + kSize, kGuard), 1,
+                         kGuard + kSize),
+            std::nullopt);
 
   // The local agent keeps serving: a same-host (memory) op.
   auto other = a().Attach(4096, v1::ACCESS_READ_WRITE);
@@ -222,7 +224,7 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
 
   // The restarted peer refuses the old context as stale...
   ASSERT_TRUE(agents_[1]->Restart().ok());
-  FillPattern(local->data(), local->size(), 0, 1);
+  FillPattern(local->bytes(), 1);
   auto stale = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
                                   1 << 20, *remote, 0)},
                           absl::Seconds(10));
@@ -234,7 +236,7 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
   // ...and serves a new one.
   auto fresh = b().Attach(kSize, v1::ACCESS_READ_WRITE, "fresh");
   ASSERT_TRUE(fresh.ok()) << fresh.status();
-  FillPattern(fresh->data(), fresh->size(), 0, 3);
+  FillPattern(fresh->bytes(), 3);
   auto ok = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
                                kSize, *fresh, 0)},
                        absl::Seconds(30));
@@ -249,8 +251,8 @@ TEST_F(TcpNetnsTest, ReleaseDuringTransferIsSafeOnBothSides) {
   auto local = a().Attach(kSize + 2 * kGuard, v1::ACCESS_READ_WRITE);
   auto remote = b().Attach(kSize, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(local.ok() && remote.ok());
-  FillPattern(local->data(), local->size(), 0, 1);
-  FillPattern(remote->data(), remote->size(), 0, 2);
+  FillPattern(local->bytes(), 1);
+  FillPattern(remote->bytes(), 2);
   std::vector<client::OpSpec> ops;
   for (int i = 0; i < 64; ++i) {  // 4 GiB: still running when released
     ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize,
@@ -290,20 +292,21 @@ TEST_F(TcpNetnsTest, ReleaseDuringTransferIsSafeOnBothSides) {
     }
   }
   EXPECT_GT(refused, 0);
-  EXPECT_EQ(FindPatternMismatch(local->data(), kGuard, 0, 1), -1);
-  EXPECT_EQ(FindPatternMismatch(local->data() + kGuard + kSize, kGuard,
-                                kGuard + kSize, 1),
-            -1);
+  EXPECT_EQ(FindMismatch(local->bytes().subspan(0, kGuard), 1), std::nullopt);
+  EXPECT_EQ(FindMismatch(local->bytes().subspan(kGuard + kSize, kGuard), 1,
+                         kGuard + kSize),
+            std::nullopt);
   // Both agents carry on.
   auto fresh_local = a().Attach(1 << 20, v1::ACCESS_READ_WRITE);
   auto fresh_remote = b().Attach(1 << 20, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(fresh_local.ok() && fresh_remote.ok());
-  FillPattern(fresh_remote->data(), fresh_remote->size(), 0, 5);
+  FillPattern(fresh_remote->bytes(), 5);
   auto after = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *fresh_local,
                                   0, 1 << 20, *fresh_remote, 0)},
                           absl::Seconds(10));
   ASSERT_TRUE(after.ok() && (*after)[0].status.ok());
-  EXPECT_EQ(FindPatternMismatch(fresh_local->data(), 1 << 20, 0, 5), -1);
+  EXPECT_EQ(FindMismatch(fresh_local->bytes().subspan(0, 1 << 20), 5),
+            std::nullopt);
 }
 
 TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
@@ -312,15 +315,15 @@ TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
   auto local = a().Attach(2 * kSize + 2 * kGuard, v1::ACCESS_READ_WRITE);
   auto remote = b().Attach(2 * kSize, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(local.ok() && remote.ok());
-  FillPattern(local->data(), local->size(), 0, 1);
-  FillPattern(remote->data(), remote->size(), 0, 2);
+  FillPattern(local->bytes(), 1);
+  FillPattern(remote->bytes(), 2);
 
   // Warm the connection pool, then cut the wire on the peer's side.
   auto warm = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
                                  1, *remote, 0)},
                          absl::Seconds(10));
   ASSERT_TRUE(warm.ok() && (*warm)[0].status.ok());
-  FillPattern(local->data() + kGuard, 1, kGuard, 1);
+  FillPattern(local->bytes().subspan(kGuard, 1), 1, kGuard);
   // The peer goes silent: its link is down and our side still knows its MAC,
   // so nothing fails fast (a failed ARP would be UNAVAILABLE instead).
   ASSERT_TRUE(pair_->PinNeighbour(0).ok()) << pair_->PinNeighbour(0);
