@@ -41,9 +41,8 @@ void ExpectLayout(const client::Buffer& buffer, uint8_t seed, uint64_t offset,
   const uint64_t end = offset + length;
   const std::optional<uint64_t> before =
       FindMismatch(bytes.subspan(0, offset), seed, 0);
-  EXPECT_EQ(before, std::nullopt)
-      << what << ": byte " << before.value_or(0)
-      << " before the op's range changed";
+  EXPECT_EQ(before, std::nullopt) << what << ": byte " << before.value_or(0)
+                                  << " before the op's range changed";
   const std::optional<uint64_t> inside =
       FindMismatch(bytes.subspan(offset, length), inner_seed, inner_start);
   EXPECT_EQ(inside, std::nullopt)
@@ -64,10 +63,10 @@ void SweepSizes(client::AgentClient& local_agent, client::Buffer& local,
     const uint64_t local_offset = 1 + size % 7;
     const uint64_t remote_offset = 3 + size % 11;
 
-    auto results = local_agent.Submit(
-        {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local, local_offset, size,
-                remote, remote_offset)},
-        absl::Seconds(120));
+    auto results =
+        local_agent.Submit({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local,
+                                   local_offset, size, remote, remote_offset)},
+                           absl::Seconds(120));
     ASSERT_TRUE(results.ok()) << results.status();
     ASSERT_EQ(results->size(), 1u);
     ASSERT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
@@ -80,10 +79,10 @@ void SweepSizes(client::AgentClient& local_agent, client::Buffer& local,
     // Read a different remote range into a different local one.
     const uint64_t read_local = 5 + size % 13;
     const uint64_t read_remote = 2 + size % 17;
-    results = local_agent.Submit(
-        {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local, read_local, size, remote,
-                read_remote)},
-        absl::Seconds(120));
+    results =
+        local_agent.Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local,
+                                   read_local, size, remote, read_remote)},
+                           absl::Seconds(120));
     ASSERT_TRUE(results.ok()) << results.status();
     ASSERT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
     EXPECT_EQ((*results)[0].backend, "tcp");

@@ -132,8 +132,8 @@ TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
               absl::Seconds(60));
           if (!results.ok() || !(*results)[0].status.ok()) {
             failure = "read back failed";
-          } else if (FindMismatch(local->bytes().subspan(kSlice, kSlice),
-                                  seed, round)
+          } else if (FindMismatch(local->bytes().subspan(kSlice, kSlice), seed,
+                                  round)
                          .has_value()) {
             failure = absl::StrCat("round ", round, ": wrong bytes read back");
           }

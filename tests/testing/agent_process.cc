@@ -61,8 +61,8 @@ absl::Status AgentProcess::Launch() {
     spawn.argv.push_back(absl::StrCat("--tcp_listen=", options_.listen_host,
                                       ":", options_.tcp_port));
   }
-  spawn.argv.push_back(absl::StrCat("--peer_listen=", options_.listen_host,
-                                    ":0"));
+  spawn.argv.push_back(
+      absl::StrCat("--peer_listen=", options_.listen_host, ":0"));
   if (!options_.advertise_host.empty()) {
     spawn.argv.push_back("--advertise_host=" + options_.advertise_host);
   }
@@ -94,10 +94,10 @@ absl::Status AgentProcess::Launch() {
       std::max(deadline - absl::Now(), absl::Milliseconds(1));
   auto connected = client::AgentClient::Connect(connect);
   if (!connected.ok()) {
-    return absl::Status(connected.status().code(),
-                        absl::StrCat("cannot connect to rdma-agentd: ",
-                                     connected.status().message(), "\n",
-                                     Log()));
+    return absl::Status(
+        connected.status().code(),
+        absl::StrCat("cannot connect to rdma-agentd: ",
+                     connected.status().message(), "\n", Log()));
   }
   auto info = (*connected)->GetInfo();
   if (!info.ok()) {
@@ -164,7 +164,8 @@ absl::Status AgentProcess::Restart() {
 
 absl::StatusOr<int> AgentProcess::Stop(int signal, absl::Duration timeout) {
   client_.reset();
-  if (!process_) return absl::FailedPreconditionError("rdma-agentd not started");
+  if (!process_)
+    return absl::FailedPreconditionError("rdma-agentd not started");
   process_->Signal(signal);
   absl::StatusOr<int> code = process_->Wait(timeout);
   if (code.ok() && drain_.joinable()) drain_.join();

@@ -57,12 +57,13 @@ std::optional<uint64_t> FirstMismatch(absl::Span<const std::byte> bytes,
   const uint64_t inside_begin = std::min(offset, size);
   const uint64_t inside_end =
       std::min(size, inside_begin + std::min(length, size));
-  if (auto bad = FindMismatch(bytes.subspan(0, inside_begin), outside_seed, 0)) {
+  if (auto bad =
+          FindMismatch(bytes.subspan(0, inside_begin), outside_seed, 0)) {
     return bad;
   }
-  if (auto bad = FindMismatch(
-          bytes.subspan(inside_begin, inside_end - inside_begin), inside_seed,
-          inside_from)) {
+  if (auto bad =
+          FindMismatch(bytes.subspan(inside_begin, inside_end - inside_begin),
+                       inside_seed, inside_from)) {
     return inside_begin + *bad;
   }
   if (auto bad =

@@ -9,8 +9,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -357,9 +357,9 @@ absl::StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
   absl::StatusOr<RunResult> result = RunToCompletion(argv, "", timeout);
   if (!result.ok()) return result.status();
   if (result->exit_code != 0) {
-    return absl::InternalError(absl::StrCat(
-        "`", absl::StrJoin(argv, " "), "` failed (exit ", result->exit_code,
-        "): ", result->out, result->err));
+    return absl::InternalError(
+        absl::StrCat("`", absl::StrJoin(argv, " "), "` failed (exit ",
+                     result->exit_code, "): ", result->out, result->err));
   }
   return std::move(result->out);
 }
@@ -368,9 +368,8 @@ std::string RunfilePath(absl::string_view path) {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   if (srcdir == nullptr) return std::string(path);
   const char* workspace = std::getenv("TEST_WORKSPACE");
-  return absl::StrCat(srcdir, "/",
-                      workspace != nullptr ? workspace : "rdma_agentd", "/",
-                      path);
+  return absl::StrCat(
+      srcdir, "/", workspace != nullptr ? workspace : "rdma_agentd", "/", path);
 }
 
 }  // namespace rdma_agent::testing

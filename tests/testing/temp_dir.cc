@@ -17,8 +17,7 @@ namespace rdma_agent::testing {
 absl::StatusOr<std::string> MakeShortTempDir() {
   char name[] = "/tmp/rat.XXXXXX";
   if (::mkdtemp(name) == nullptr) {
-    return absl::InternalError(
-        absl::StrCat("mkdtemp: ", std::strerror(errno)));
+    return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
   }
   return std::string(name);
 }
