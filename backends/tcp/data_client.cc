@@ -453,7 +453,7 @@ absl::StatusOr<DataClient::Checkout> DataClient::CheckoutConnection(
       if (IdleConnectionAlive(fd.get())) return Checkout{std::move(fd), true};
     }
   }
-  auto fd = DialTcp(peer, deadline);
+  auto fd = DialTcp(peer, deadline, options_.socket_buffer_bytes);
   if (!fd.ok()) return fd.status();
   return Checkout{std::move(*fd), false};
 }

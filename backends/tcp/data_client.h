@@ -30,6 +30,13 @@ struct DataClientOptions {
   uint64_t chunk_bytes = 4ull << 20;
   // Requests sent on one connection before their responses arrive.
   int max_in_flight = 16;
+  // SO_SNDBUF/SO_RCVBUF of data connections, both ends (0: kernel
+  // autotuning). Measured on loopback (bench/README.md): autotuned buffers
+  // grow to MiBs, and the bytes a sender copies in are evicted from cache
+  // before the receiver copies them out; 256 KiB kept 256 MiB ops at ~1.7-2x
+  // the autotuned rate. Enough for a 100 Gb/s path up to ~20 us RTT per
+  // connection; raise it (or 0) for longer paths.
+  int socket_buffer_bytes = 256 << 10;
   // Send WRITE payloads of at least kSpliceMinBytes with vmsplice/splice
   // (no sender-side copy) when nothing else could deadlock against it. Off
   // by default: on loopback here it cost ~25% more agent CPU per byte than

@@ -18,7 +18,7 @@ namespace rdma_agent::tcp {
 
 absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
     const HostPort& address, const BufferDirectory* directory,
-    bool zero_copy_send) {
+    bool zero_copy_send, int socket_buffer_bytes) {
   uint16_t port = 0;
   auto listener = ListenTcp(address, &port);
   if (!listener.ok()) return listener.status();
@@ -29,16 +29,18 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
   }
   return std::unique_ptr<DataServer>(
       new DataServer(std::move(*listener), std::move(wakeup), port, directory,
-                     zero_copy_send));
+                     zero_copy_send, socket_buffer_bytes));
 }
 
 DataServer::DataServer(UniqueFd listener, UniqueFd wakeup, uint16_t port,
-                       const BufferDirectory* directory, bool zero_copy_send)
+                       const BufferDirectory* directory, bool zero_copy_send,
+                       int socket_buffer_bytes)
     : listener_(std::move(listener)),
       wakeup_(std::move(wakeup)),
       port_(port),
       directory_(directory),
-      zero_copy_send_(zero_copy_send) {
+      zero_copy_send_(zero_copy_send),
+      socket_buffer_bytes_(socket_buffer_bytes) {
   accept_thread_ = std::thread([this] { AcceptLoop(); });
 }
 
@@ -79,7 +81,7 @@ void DataServer::AcceptLoop() {
     if (fds[1].revents != 0) return;
     UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!fd) continue;  // e.g. the peer gave up, or out of fds for a moment
-    ConfigureDataSocket(fd.get());
+    ConfigureDataSocket(fd.get(), socket_buffer_bytes_);
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
     ReapFinishedLocked();

@@ -33,9 +33,11 @@ class DataServer {
   // the server.
   // With `zero_copy_send`, READ payloads of at least kSpliceMinBytes go to
   // the socket with vmsplice/splice instead of send (see PageSender).
+  // `socket_buffer_bytes` as in ConfigureDataSocket, for accepted
+  // connections.
   static absl::StatusOr<std::unique_ptr<DataServer>> Start(
       const HostPort& address, const BufferDirectory* directory,
-      bool zero_copy_send = false);
+      bool zero_copy_send = false, int socket_buffer_bytes = 0);
 
   // Stops accepting, cuts every connection and waits for all serving threads
   // to leave registration memory.
@@ -55,7 +57,8 @@ class DataServer {
   };
 
   DataServer(UniqueFd listener, UniqueFd wakeup, uint16_t port,
-             const BufferDirectory* directory, bool zero_copy_send);
+             const BufferDirectory* directory, bool zero_copy_send,
+             int socket_buffer_bytes);
   void AcceptLoop();
   void Serve(Connection* connection);
   // Joins and drops connections whose thread has finished. Requires mu_.
@@ -67,6 +70,7 @@ class DataServer {
   const uint16_t port_;
   const BufferDirectory* const directory_;
   const bool zero_copy_send_;
+  const int socket_buffer_bytes_;
 
   std::mutex mu_;
   bool stopping_ = false;  // guarded by mu_

@@ -23,6 +23,12 @@ ABSL_FLAG(int32_t, tcp_max_in_flight,
           rdma_agent::tcp::DataClientOptions().max_in_flight,
           "Requests pipelined on one connection before their responses.");
 
+ABSL_FLAG(int32_t, tcp_socket_buffer_bytes,
+          rdma_agent::tcp::DataClientOptions().socket_buffer_bytes,
+          "SO_SNDBUF/SO_RCVBUF of data connections (0: kernel autotuning). "
+          "Small buffers keep loopback/low-RTT copies in cache; raise it for "
+          "long, fast paths.");
+
 ABSL_FLAG(bool, tcp_zero_copy_send,
           rdma_agent::tcp::DataClientOptions().zero_copy_send,
           "Send large payloads with vmsplice/splice (no sender-side copy) "
@@ -41,6 +47,8 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.client.chunk_bytes = absl::GetFlag(FLAGS_tcp_chunk_bytes);
     options.client.max_in_flight = absl::GetFlag(FLAGS_tcp_max_in_flight);
     options.client.zero_copy_send = absl::GetFlag(FLAGS_tcp_zero_copy_send);
+    options.client.socket_buffer_bytes =
+        absl::GetFlag(FLAGS_tcp_socket_buffer_bytes);
     auto backend = TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));

@@ -87,7 +87,7 @@ bool IsWildcardHost(absl::string_view host) {
          host == "*";
 }
 
-void ConfigureDataSocket(int fd) {
+void ConfigureDataSocket(int fd, int socket_buffer_bytes) {
   const int one = 1;
   // Responses and small requests must not wait for Nagle.
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -103,6 +103,10 @@ void ConfigureDataSocket(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(int));
   setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms,
              sizeof(user_timeout_ms));
+  if (socket_buffer_bytes > 0) {
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &socket_buffer_bytes, sizeof(int));
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &socket_buffer_bytes, sizeof(int));
+  }
 }
 
 absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
@@ -144,7 +148,8 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
   return last;
 }
 
-absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline) {
+absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline,
+                                 int socket_buffer_bytes) {
   const std::string name = FormatHostPort(address.host, address.port);
   auto resolved = Resolve(address, /*passive=*/false);
   if (!resolved.ok()) return resolved.status();
@@ -158,7 +163,8 @@ absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline) {
       last = ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
       continue;
     }
-    ConfigureDataSocket(fd.get());
+    // Before connect, so the window scale matches the buffer.
+    ConfigureDataSocket(fd.get(), socket_buffer_bytes);
     if (connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
         last = ErrnoStatus(absl::StatusCode::kUnavailable,

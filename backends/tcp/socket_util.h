@@ -39,12 +39,16 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address, uint16_t* bound_port
 // when it passes, UNAVAILABLE when the peer refuses or is unreachable. The
 // returned socket is in blocking mode (callers pass MSG_DONTWAIT or set
 // SO_RCVTIMEO/SO_SNDTIMEO to bound each call), with TCP_NODELAY.
-absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline);
+// `socket_buffer_bytes` as in ConfigureDataSocket.
+absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline,
+                                 int socket_buffer_bytes = 0);
 
 // Sets the socket options both ends of a data connection use: TCP_NODELAY,
 // and keepalive / TCP_USER_TIMEOUT so that a vanished peer is noticed within
-// about a minute even by a thread blocked on an idle connection.
-void ConfigureDataSocket(int fd);
+// about a minute even by a thread blocked on an idle connection. A positive
+// `socket_buffer_bytes` fixes SO_SNDBUF and SO_RCVBUF (the kernel doubles it
+// and caps it at net.core.wmem_max/rmem_max); 0 keeps kernel autotuning.
+void ConfigureDataSocket(int fd, int socket_buffer_bytes = 0);
 
 // Bounds the next blocking receives (SO_RCVTIMEO) or sends (SO_SNDTIMEO) on
 // `fd` by `timeout` (at least 1 ms, since zero would mean "forever").

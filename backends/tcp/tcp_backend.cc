@@ -17,11 +17,12 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
   }
   if (options.client.connections_per_peer < 1 ||
       options.client.max_in_flight < 1 || options.client.chunk_bytes < 1 ||
-      options.client.chunk_bytes > tcp::kMaxPayloadBytes) {
+      options.client.chunk_bytes > tcp::kMaxPayloadBytes ||
+      options.client.socket_buffer_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tcp options out of range: connections per peer and max in flight "
         "must be >= 1, chunk bytes in [1, ",
-        tcp::kMaxPayloadBytes, "]"));
+        tcp::kMaxPayloadBytes, "], socket buffer bytes >= 0"));
   }
   auto listen = tcp::ParseHostPort(options.listen);
   if (!listen.ok()) return listen.status();
@@ -38,7 +39,8 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
   }
 
   auto server = tcp::DataServer::Start(*listen, env.directory,
-                                      options.client.zero_copy_send);
+                                      options.client.zero_copy_send,
+                                      options.client.socket_buffer_bytes);
   if (!server.ok()) {
     return absl::Status(server.status().code(),
                         absl::StrCat("tcp data plane: ",

@@ -205,6 +205,26 @@ TEST(TcpBackendCreateTest, NeverAdvertisesAWildcard) {
   options.client.chunk_bytes = tcp::kMaxPayloadBytes + 1;
   EXPECT_EQ(TcpBackend::Create(options, env).status().code(),
             StatusCode::kInvalidArgument);
+  options.client.chunk_bytes = 1 << 20;
+  options.client.socket_buffer_bytes = -1;
+  EXPECT_EQ(TcpBackend::Create(options, env).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(TcpSocketTest, SocketBufferSizeIsFixedOnlyWhenAsked) {
+  auto read_sndbuf = [](int fd) {
+    int bytes = 0;
+    socklen_t len = sizeof(bytes);
+    EXPECT_EQ(getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, &len), 0);
+    return bytes;
+  };
+  UniqueFd fixed(socket(AF_INET, SOCK_STREAM, 0));
+  tcp::ConfigureDataSocket(fixed.get(), 96 << 10);
+  EXPECT_EQ(read_sndbuf(fixed.get()), 2 * (96 << 10)) << "the kernel doubles it";
+  UniqueFd autotuned(socket(AF_INET, SOCK_STREAM, 0));
+  const int before = read_sndbuf(autotuned.get());
+  tcp::ConfigureDataSocket(autotuned.get(), 0);
+  EXPECT_EQ(read_sndbuf(autotuned.get()), before);
 }
 
 TEST_P(TcpBackendTest, WritesAndReadsOddOffsetsAndSizes) {
