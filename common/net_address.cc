@@ -71,9 +71,9 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view address) {
     port_text = address.substr(close + 2);
   } else {
     const size_t colon = address.rfind(':');
-    if (colon == absl::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("address '", address, "' has no port"));
+    if (colon == absl::string_view::npos || address.find(':') != colon) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "malformed address '", address, "': want host:port or [host]:port"));
     }
     result.host = std::string(address.substr(0, colon));
     port_text = address.substr(colon + 1);
@@ -95,7 +95,8 @@ std::string JoinHostPort(absl::string_view host, uint16_t port) {
 }
 
 bool IsWildcardHost(absl::string_view host) {
-  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]" ||
+         host == "*";
 }
 
 }  // namespace rdma_agent

@@ -14,7 +14,8 @@ namespace rdma_agent {
 // address, else 127.0.0.1. Never a wildcard address.
 std::string DefaultAdvertiseHost();
 
-// Splits "host:port" / "[v6]:port". INVALID_ARGUMENT when malformed.
+// Splits "host:port" / "[v6-literal]:port". INVALID_ARGUMENT when malformed
+// (a bare IPv6 literal is ambiguous and refused).
 struct HostPort {
   std::string host;
   uint16_t port = 0;
@@ -24,7 +25,7 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view address);
 // "host:port", bracketing IPv6 literals.
 std::string JoinHostPort(absl::string_view host, uint16_t port);
 
-// True for 0.0.0.0, ::, and empty.
+// True for addresses that mean "every interface" ("", 0.0.0.0, ::, [::], *).
 bool IsWildcardHost(absl::string_view host);
 
 }  // namespace rdma_agent

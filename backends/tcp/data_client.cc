@@ -442,7 +442,7 @@ DataClient::DataClient(DataClientOptions options)
 
 absl::StatusOr<DataClient::Checkout> DataClient::CheckoutConnection(
     const HostPort& peer, bool fresh, absl::Time deadline) {
-  const std::string key = FormatHostPort(peer.host, peer.port);
+  const std::string key = JoinHostPort(peer.host, peer.port);
   if (!fresh) {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<UniqueFd>& idle = idle_[key];
@@ -460,7 +460,7 @@ absl::StatusOr<DataClient::Checkout> DataClient::CheckoutConnection(
 
 void DataClient::ReturnConnection(const HostPort& peer, UniqueFd fd) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<UniqueFd>& idle = idle_[FormatHostPort(peer.host, peer.port)];
+  std::vector<UniqueFd>& idle = idle_[JoinHostPort(peer.host, peer.port)];
   // Concurrent Submits may dial more; keep a bounded number for reuse.
   if (idle.size() < static_cast<size_t>(2 * options_.connections_per_peer)) {
     idle.push_back(std::move(fd));
@@ -469,13 +469,13 @@ void DataClient::ReturnConnection(const HostPort& peer, UniqueFd fd) {
 
 size_t DataClient::idle_connections(const HostPort& peer) {
   std::lock_guard<std::mutex> lock(mu_);
-  return idle_[FormatHostPort(peer.host, peer.port)].size();
+  return idle_[JoinHostPort(peer.host, peer.port)].size();
 }
 
 std::vector<absl::Status> DataClient::Run(const HostPort& peer,
                                           absl::Span<const Op> ops,
                                           absl::Time deadline) {
-  const std::string name = FormatHostPort(peer.host, peer.port);
+  const std::string name = JoinHostPort(peer.host, peer.port);
   const uint64_t chunk_bytes =
       std::clamp<uint64_t>(options_.chunk_bytes, 1, kMaxPayloadBytes);
   std::vector<Chunk> chunks;

@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace rdma_agent::tcp {
@@ -36,56 +35,13 @@ absl::StatusOr<addrinfo*> Resolve(const HostPort& address, bool passive) {
   const int rc = getaddrinfo(host, port.c_str(), &hints, &result);
   if (rc != 0) {
     return absl::UnavailableError(
-        absl::StrCat("cannot resolve ", FormatHostPort(address.host, address.port),
+        absl::StrCat("cannot resolve ", JoinHostPort(address.host, address.port),
                      ": ", gai_strerror(rc)));
   }
   return result;
 }
 
 }  // namespace
-
-absl::StatusOr<HostPort> ParseHostPort(absl::string_view text) {
-  HostPort result;
-  absl::string_view port_text;
-  if (!text.empty() && text.front() == '[') {
-    const size_t close = text.find(']');
-    if (close == absl::string_view::npos || close + 1 >= text.size() ||
-        text[close + 1] != ':') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("malformed address \"", text, "\": want [host]:port"));
-    }
-    result.host = std::string(text.substr(1, close - 1));
-    port_text = text.substr(close + 2);
-  } else {
-    const size_t colon = text.rfind(':');
-    if (colon == absl::string_view::npos ||
-        text.find(':') != colon) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("malformed address \"", text, "\": want host:port"));
-    }
-    result.host = std::string(text.substr(0, colon));
-    port_text = text.substr(colon + 1);
-  }
-  uint32_t port = 0;
-  if (!absl::SimpleAtoi(port_text, &port) || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed port in address \"", text, "\""));
-  }
-  result.port = static_cast<uint16_t>(port);
-  return result;
-}
-
-std::string FormatHostPort(absl::string_view host, uint16_t port) {
-  if (host.find(':') != absl::string_view::npos) {
-    return absl::StrCat("[", host, "]:", port);
-  }
-  return absl::StrCat(host, ":", port);
-}
-
-bool IsWildcardHost(absl::string_view host) {
-  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]" ||
-         host == "*";
-}
 
 void ConfigureDataSocket(int fd, int socket_buffer_bytes) {
   const int one = 1;
@@ -127,7 +83,7 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
     if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
       last = ErrnoStatus(
           absl::StatusCode::kUnavailable,
-          absl::StrCat("bind ", FormatHostPort(address.host, address.port)),
+          absl::StrCat("bind ", JoinHostPort(address.host, address.port)),
           errno);
       continue;
     }
@@ -150,7 +106,7 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
 
 absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline,
                                  int socket_buffer_bytes) {
-  const std::string name = FormatHostPort(address.host, address.port);
+  const std::string name = JoinHostPort(address.host, address.port);
   auto resolved = Resolve(address, /*passive=*/false);
   if (!resolved.ok()) return resolved.status();
   absl::Status last =

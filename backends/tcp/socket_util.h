@@ -11,24 +11,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/net_address.h"
 #include "common/unique_fd.h"
 
 namespace rdma_agent::tcp {
-
-struct HostPort {
-  std::string host;
-  uint16_t port = 0;
-};
-
-// Parses "host:port" or "[v6-literal]:port"; INVALID_ARGUMENT when malformed
-// (a bare IPv6 literal is ambiguous and refused).
-absl::StatusOr<HostPort> ParseHostPort(absl::string_view text);
-
-// "host:port", bracketing IPv6 literals.
-std::string FormatHostPort(absl::string_view host, uint16_t port);
-
-// True for addresses that mean "every interface" ("", 0.0.0.0, ::, [::]).
-bool IsWildcardHost(absl::string_view host);
 
 // A listening TCP socket on `address` (port 0 picks a free port), with
 // SO_REUSEADDR. The port actually bound goes to `*bound_port`.

@@ -24,18 +24,18 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
         "must be >= 1, chunk bytes in [1, ",
         tcp::kMaxPayloadBytes, "], socket buffer bytes >= 0"));
   }
-  auto listen = tcp::ParseHostPort(options.listen);
+  auto listen = ParseHostPort(options.listen);
   if (!listen.ok()) return listen.status();
 
   std::string advertise = options.advertise_host;
-  if (!advertise.empty() && tcp::IsWildcardHost(advertise)) {
+  if (!advertise.empty() && IsWildcardHost(advertise)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tcp advertise host \"", advertise, "\" is a wildcard address"));
   }
   if (advertise.empty()) advertise = env.advertise_host;
-  if (tcp::IsWildcardHost(advertise)) {
+  if (IsWildcardHost(advertise)) {
     // Nothing better known: the listen address if it is a specific one.
-    advertise = tcp::IsWildcardHost(listen->host) ? "127.0.0.1" : listen->host;
+    advertise = IsWildcardHost(listen->host) ? "127.0.0.1" : listen->host;
   }
 
   auto server = tcp::DataServer::Start(*listen, env.directory,
@@ -61,7 +61,7 @@ TcpBackend::TcpBackend(TcpOptions options, BackendEnvironment env,
 
 v1::TransportInfo TcpBackend::transport_info() const {
   v1::TransportInfo info;
-  info.add_addresses(tcp::FormatHostPort(advertise_host_, port()));
+  info.add_addresses(JoinHostPort(advertise_host_, port()));
   auto& attributes = *info.mutable_attributes();
   attributes["listen"] = options_.listen;
   attributes["connections_per_peer"] =
@@ -85,7 +85,7 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> TcpBackend::Register(
 bool TcpBackend::CanReach(const v1::RemoteBuffer& remote) const {
   const v1::BackendEndpoint* endpoint = FindEndpoint(remote, name_);
   return endpoint != nullptr && endpoint->has_tcp() &&
-         !tcp::IsWildcardHost(endpoint->tcp().host()) &&
+         !IsWildcardHost(endpoint->tcp().host()) &&
          endpoint->tcp().port() != 0 && endpoint->tcp().port() <= 65535;
 }
 
@@ -93,7 +93,7 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
                                              absl::Time deadline) {
   std::vector<absl::Status> results(ops.size());
   // Ops grouped by the data port that serves them.
-  std::map<std::string, std::pair<tcp::HostPort, std::vector<size_t>>> peers;
+  std::map<std::string, std::pair<HostPort, std::vector<size_t>>> peers;
   for (size_t i = 0; i < ops.size(); ++i) {
     if (!CanReach(*ops[i].remote)) {
       results[i] = absl::InvalidArgumentError(
@@ -102,14 +102,14 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
     }
     const v1::TcpEndpoint& endpoint =
         FindEndpoint(*ops[i].remote, name_)->tcp();
-    tcp::HostPort peer{endpoint.host(),
+    HostPort peer{endpoint.host(),
                        static_cast<uint16_t>(endpoint.port())};
-    auto& group = peers[tcp::FormatHostPort(peer.host, peer.port)];
+    auto& group = peers[JoinHostPort(peer.host, peer.port)];
     group.first = peer;
     group.second.push_back(i);
   }
 
-  auto run_peer = [&](const tcp::HostPort& peer,
+  auto run_peer = [&](const HostPort& peer,
                       const std::vector<size_t>& indices) {
     std::vector<Op> batch;
     batch.reserve(indices.size());

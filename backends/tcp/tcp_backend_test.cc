@@ -281,7 +281,7 @@ TEST_P(TcpBackendTest, PipelinesManyOpsInOneSubmit) {
   ExpectBytes(local, "local");
   ExpectBytes(remote, "remote");
   // The connections went back to the pool for the next Submit.
-  tcp::HostPort peer{"127.0.0.1", b_.backend->port()};
+  HostPort peer{"127.0.0.1", b_.backend->port()};
   EXPECT_GE(a_.backend->client().idle_connections(peer), 1u);
 }
 
@@ -624,7 +624,7 @@ TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
   auto old_remote = b->Register(1 << 16, v1::ACCESS_READ_WRITE, 2);
   Op op = MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local, 1, 1000, old_remote, 2);
   ASSERT_TRUE(a.backend->Submit({op}, In(absl::Seconds(10)))[0].ok());
-  tcp::HostPort peer{"127.0.0.1", port};
+  HostPort peer{"127.0.0.1", port};
   ASSERT_GE(a.backend->client().idle_connections(peer), 1u);
 
   // The peer dies (its pooled connections with it) and comes back on the same

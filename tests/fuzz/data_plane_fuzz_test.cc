@@ -46,7 +46,7 @@ std::string Request(tcp::RequestKind kind, uint64_t buffer_id,
 
 // Sends `bytes` on a fresh connection, half-closes it and reads until the
 // server closes (bounded). Returns false if the server never closed.
-bool SendAndDrain(const tcp::HostPort& server, const std::string& bytes) {
+bool SendAndDrain(const HostPort& server, const std::string& bytes) {
   auto fd = tcp::DialTcp(server, absl::Now() + absl::Seconds(5));
   if (!fd.ok()) return false;
   (void)::send(fd->get(), bytes.data(), bytes.size(), MSG_NOSIGNAL);
@@ -88,7 +88,7 @@ TEST(DataPlaneFuzzTest, MutatedRequestsAreRefusedOrServedSafely) {
   directory.Add(readonly);
   const std::string before(reinterpret_cast<const char*>(readonly->data()),
                            kSize);
-  const tcp::HostPort server{endpoint.tcp().host(),
+  const HostPort server{endpoint.tcp().host(),
                              static_cast<uint16_t>(endpoint.tcp().port())};
 
   const std::string seeds[] = {
