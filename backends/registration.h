@@ -18,6 +18,14 @@ namespace rdma_agent {
 
 namespace v1 = ::rdma::agent::v1;
 
+// Whether `access` lets ops read from / write into a buffer.
+inline bool AllowsRead(v1::Access access) {
+  return access == v1::ACCESS_READ || access == v1::ACCESS_READ_WRITE;
+}
+inline bool AllowsWrite(v1::Access access) {
+  return access == v1::ACCESS_WRITE || access == v1::ACCESS_READ_WRITE;
+}
+
 // What a backend keeps for one registration (an MR, a table entry...). It is
 // destroyed when the registration is, after every op that pinned the
 // registration has finished, so its destructor is where a backend releases
@@ -61,12 +69,8 @@ class Registration {
   // The memfd behind the mapping (to hand it back to its owner).
   int fd() const { return memory_.fd(); }
 
-  bool readable() const {
-    return access_ == v1::ACCESS_READ || access_ == v1::ACCESS_READ_WRITE;
-  }
-  bool writable() const {
-    return access_ == v1::ACCESS_WRITE || access_ == v1::ACCESS_READ_WRITE;
-  }
+  bool readable() const { return AllowsRead(access_); }
+  bool writable() const { return AllowsWrite(access_); }
 
   // Backend state, in registry order. Set once by the backend registry before
   // the registration is published; read-only afterwards.

@@ -23,16 +23,7 @@ absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
 }
 
 bool ValidAccess(v1::Access access) {
-  return access == v1::ACCESS_READ || access == v1::ACCESS_WRITE ||
-         access == v1::ACCESS_READ_WRITE;
-}
-
-bool Readable(v1::Access access) {
-  return access == v1::ACCESS_READ || access == v1::ACCESS_READ_WRITE;
-}
-
-bool Writable(v1::Access access) {
-  return access == v1::ACCESS_WRITE || access == v1::ACCESS_READ_WRITE;
+  return AllowsRead(access) || AllowsWrite(access);
 }
 
 std::string HostName() {
@@ -280,7 +271,8 @@ absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
         v1::Access_Name((*local)->access()), "; ",
         reads ? "reading into it needs WRITE" : "writing from it needs READ"));
   }
-  if (reads ? !Readable((*remote)->access()) : !Writable((*remote)->access())) {
+  if (reads ? !AllowsRead((*remote)->access())
+            : !AllowsWrite((*remote)->access())) {
     return absl::PermissionDeniedError(absl::StrCat(
         "remote buffer ", (*remote)->buffer_id(), " has access ",
         v1::Access_Name((*remote)->access()), "; ",
