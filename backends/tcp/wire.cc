@@ -25,6 +25,28 @@ T Get(const std::byte*& in) {
 
 }  // namespace
 
+void EncodeServerHello(std::byte* out) {
+  std::byte* p = out;
+  Put<uint32_t>(p, kServerHelloMagic);
+  Put<uint16_t>(p, kWireVersion);
+  Put<uint16_t>(p, 0);  // reserved
+  Put<uint64_t>(p, 0);  // reserved
+}
+
+absl::Status DecodeServerHello(const std::byte* in) {
+  const std::byte* p = in;
+  const auto magic = Get<uint32_t>(p);
+  const auto version = Get<uint16_t>(p);
+  if (magic != kServerHelloMagic) {
+    return absl::InvalidArgumentError("not an rdma-agentd data port");
+  }
+  if (version != kWireVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported tcp data-plane version ", version));
+  }
+  return absl::OkStatus();
+}
+
 void EncodeRequestHeader(const RequestHeader& header, std::byte* out) {
   std::byte* p = out;
   Put<uint32_t>(p, kRequestMagic);

@@ -3,6 +3,8 @@
 
 // The TCP data plane's framing. Every integer is little-endian.
 //
+// Connection = ServerHello (server -> client, sent at accept), then requests
+//              and responses.
 // Request  = RequestHeader (kRequestHeaderBytes) + token + payload (WRITE only)
 // Response = ResponseHeader (kResponseHeaderBytes) + message + payload (READ
 //            with status OK only)
@@ -22,6 +24,8 @@ namespace rdma_agent::tcp {
 
 inline constexpr uint32_t kRequestMagic = 0x52415443;   // "RATC"
 inline constexpr uint32_t kResponseMagic = 0x52415452;  // "RATR"
+inline constexpr uint32_t kServerHelloMagic = 0x52415448;  // "RATH"
+inline constexpr size_t kServerHelloBytes = 16;
 inline constexpr uint16_t kWireVersion = 1;
 inline constexpr size_t kRequestHeaderBytes = 56;
 inline constexpr size_t kResponseHeaderBytes = 32;
@@ -58,6 +62,16 @@ struct ResponseHeader {
   uint32_t message_bytes = 0;  // the message follows the header
   uint64_t payload_bytes = 0;  // then the payload (READ, OK only)
 };
+
+// The first bytes of every data connection, sent by the serving agent as
+// soon as it accepts. A client sends nothing before it has read a valid
+// hello, so an endpoint that is not an rdma-agentd (a forged remote context
+// naming some other service) never receives a byte the caller chose.
+// Layout: magic, version, 10 reserved zero bytes.
+void EncodeServerHello(std::byte* out);
+// Checks kServerHelloBytes bytes. INVALID_ARGUMENT when they are not an
+// rdma-agentd hello of this wire version.
+absl::Status DecodeServerHello(const std::byte* in);
 
 // Serializes `header` into exactly kRequestHeaderBytes bytes at `out`.
 void EncodeRequestHeader(const RequestHeader& header, std::byte* out);

@@ -106,3 +106,23 @@ TEST(SocketUtilTest, DialRefusedIsUnavailable) {
 
 }  // namespace
 }  // namespace rdma_agent::tcp
+
+namespace rdma_agent::tcp {
+namespace {
+
+TEST(WireTest, ServerHelloRoundTripsAndRejectsOtherServices) {
+  std::byte hello[kServerHelloBytes];
+  EncodeServerHello(hello);
+  EXPECT_TRUE(DecodeServerHello(hello).ok());
+  // What an HTTP or SMTP server says first is not a hello.
+  const char banner[kServerHelloBytes + 1] = "220 smtp ready\r\n";
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      DecodeServerHello(reinterpret_cast<const std::byte*>(banner))));
+  std::byte wrong_version[kServerHelloBytes];
+  EncodeServerHello(wrong_version);
+  wrong_version[4] = std::byte{9};
+  EXPECT_TRUE(absl::IsInvalidArgument(DecodeServerHello(wrong_version)));
+}
+
+}  // namespace
+}  // namespace rdma_agent::tcp
