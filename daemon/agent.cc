@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/net_address.h"
 #include "common/random.h"
+#include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/buffer_registry.h"
@@ -150,9 +151,13 @@ absl::Status Agent::Init() {
   }
 
   callers_ = std::make_unique<CallerTable>();
+  InFlightLimits limits;
+  limits.max_ops = options_.max_ops_in_flight;
+  limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
+  calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, registry_.get(), buffers_.get(),
-      attach_tokens_.get(), callers_.get());
+      attach_tokens_.get(), callers_.get(), calls_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -205,7 +210,13 @@ void Agent::Shutdown() {
   shut_down_ = true;
   attach_server_.reset();
   listener_.reset();
-  const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  // Transfers in flight stop now (their ops end UNAVAILABLE), so the grace
+  // below is spent only on RPCs that are already finishing.
+  if (calls_ != nullptr) {
+    calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
+  }
+  const auto grace =
+      absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   if (server_ != nullptr) server_->Shutdown(grace);
   if (peer_server_ != nullptr) peer_server_->Shutdown(grace);
   if (buffers_ != nullptr) buffers_->Clear();

@@ -15,6 +15,7 @@ class Server;
 
 namespace rdma_agent {
 
+class ActiveCalls;
 class AttachServer;
 class AttachTokens;
 class BufferRegistry;
@@ -62,6 +63,7 @@ class Agent {
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;
+  std::unique_ptr<ActiveCalls> calls_;
   std::unique_ptr<RdmaAgentService> service_;
   std::unique_ptr<grpc::Server> peer_server_;
   std::unique_ptr<grpc::Server> server_;

@@ -38,6 +38,11 @@ struct AgentOptions {
   size_t max_label_bytes = 256;
   absl::Duration attach_token_ttl = absl::Seconds(60);
   size_t max_pending_attach_per_user = 1024;
+  // Ops of running Submits, per user and in total.
+  size_t max_ops_in_flight = 262144;
+  size_t max_ops_in_flight_per_user = 65536;
+  // Longest Shutdown() waits for RPCs once their work is cancelled.
+  absl::Duration shutdown_grace = absl::Seconds(5);
 };
 
 }  // namespace rdma_agent

@@ -46,6 +46,14 @@ ABSL_FLAG(int64_t, max_buffers_per_user, 65536,
           "Most registrations one local user may hold.");
 ABSL_FLAG(absl::Duration, attach_token_ttl, absl::Seconds(60),
           "How long an attach token stays valid.");
+ABSL_FLAG(int64_t, max_ops_in_flight, 262144,
+          "Most ops of running Submits, over all users; beyond, Submit is "
+          "refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_ops_in_flight_per_user, 65536,
+          "Most ops of running Submits for one local user.");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
+          "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
+          "agent waits at most this long for RPCs to finish.");
 
 namespace rdma_agent {
 namespace {
@@ -74,6 +82,11 @@ int Run() {
   options.max_buffers_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_buffers_per_user));
   options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
+  options.max_ops_in_flight =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight));
+  options.max_ops_in_flight_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
+  options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
     auto factory = BackendFactoryFromFlags(name);
     if (!factory.ok()) {

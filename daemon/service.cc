@@ -91,13 +91,15 @@ RdmaAgentService::RdmaAgentService(const AgentOptions& options,
                                    const BackendRegistry* backends,
                                    BufferRegistry* buffers,
                                    AttachTokens* attach_tokens,
-                                   const CallerTable* callers)
+                                   const CallerTable* callers,
+                                   ActiveCalls* calls)
     : options_(options),
       identity_(identity),
       backends_(backends),
       buffers_(buffers),
       attach_tokens_(attach_tokens),
-      callers_(callers) {}
+      callers_(callers),
+      calls_(calls) {}
 
 grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
                                        const v1::GetInfoRequest*,
@@ -304,6 +306,11 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   if (!deadline.ok()) return ToGrpcStatus(Prefixed(deadline.status(), "Submit"));
 
   const size_t count = static_cast<size_t>(request->ops_size());
+  // Admitted before anything is built for it; stopped when its client goes
+  // away or the agent shuts down.
+  auto call = calls_->Start(context, caller->uid, count);
+  if (!call.ok()) return ToGrpcStatus(Prefixed(call.status(), "Submit"));
+  const StopToken stop = (*call)->stop_token(*deadline);
   std::vector<absl::Status> statuses(count);
   std::vector<std::string> used(count);
   std::vector<Op> ready;
@@ -318,7 +325,7 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
     ready_index.push_back(i);
   }
   if (!ready.empty()) {
-    std::vector<OpOutcome> outcomes = backends_->Submit(ready, *deadline);
+    std::vector<OpOutcome> outcomes = backends_->Submit(ready, stop);
     for (size_t k = 0; k < ready.size(); ++k) {
       statuses[ready_index[k]] = std::move(outcomes[k].status);
       used[ready_index[k]] = std::move(outcomes[k].backend);

@@ -49,7 +49,7 @@ class FakeBackend : public Backend {
     return FindEndpoint(remote, name_) != nullptr;
   }
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   absl::Time) override {
+                                   const StopToken&) override {
     std::vector<absl::Status> results;
     for (const Op& op : ops) {
       submitted.push_back(op.index);
