@@ -101,7 +101,12 @@ void DataServer::Serve(Connection* connection) {
   // Made on first use; without it payloads are sent with send().
   std::optional<PageSender> pages;
   bool pages_failed = !zero_copy_send_;
-  while (ReadFull(fd, header_bytes, sizeof(header_bytes)).ok()) {
+  // The hello first: clients send nothing before they have read it.
+  std::byte hello[kServerHelloBytes];
+  EncodeServerHello(hello);
+  iovec hello_iov = {hello, sizeof(hello)};
+  const bool greeted = WriteFull(fd, &hello_iov, 1).ok();
+  while (greeted && ReadFull(fd, header_bytes, sizeof(header_bytes)).ok()) {
     auto header = DecodeRequestHeader(header_bytes);
     // A peer that speaks something else cannot be resynchronised: drop it.
     if (!header.ok()) break;

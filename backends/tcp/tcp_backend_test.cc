@@ -424,10 +424,15 @@ class FakePeer {
     listener_ = std::move(*listener);
   }
   uint16_t port() const { return port_; }
-  // Accepts a connection and reads one request header (and token, payload).
+  // Accepts a connection, greets it as an agent would and reads one request
+  // header (and token, payload).
   absl::StatusOr<tcp::RequestHeader> AcceptAndReadRequest() {
     conn_.reset(accept(listener_.get(), nullptr, nullptr));
     if (!conn_) return absl::InternalError("accept failed");
+    std::byte hello[tcp::kServerHelloBytes];
+    tcp::EncodeServerHello(hello);
+    iovec hello_iov = {hello, sizeof(hello)};
+    if (auto s = tcp::WriteFull(conn_.get(), &hello_iov, 1); !s.ok()) return s;
     std::byte bytes[tcp::kRequestHeaderBytes];
     if (auto s = tcp::ReadFull(conn_.get(), bytes, sizeof(bytes)); !s.ok()) {
       return s;
