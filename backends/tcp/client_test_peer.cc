@@ -108,8 +108,8 @@ void ScriptedPeer::Serve(UniqueFd fd) {
             header->kind == RequestKind::kWrite ? header->length : 0;
         bool ok = true;
         while (ok && left > 0) {
-          const size_t n = static_cast<size_t>(
-              std::min<uint64_t>(left, payload.size()));
+          const size_t n =
+              static_cast<size_t>(std::min<uint64_t>(left, payload.size()));
           ok = ReadExactly(conn, payload.data(), n);
           left -= n;
         }

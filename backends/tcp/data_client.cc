@@ -138,8 +138,8 @@ class DataClient::PeerRun {
     // Not mu_: lanes on pooled connections keep taking chunks meanwhile.
     absl::MutexLock lock(&resolve_mu_);
     if (!addresses_.has_value()) {
-      auto resolved = ResolvePeer(peer_, until,
-                                  [this] { return stop_.cancelled(); });
+      auto resolved =
+          ResolvePeer(peer_, until, [this] { return stop_.cancelled(); });
       // A wait cut short is not an answer: the next lane tries again.
       if (!resolved.ok() && !absl::IsUnavailable(resolved.status())) {
         return resolved.status();
@@ -163,8 +163,8 @@ class DataClient::PeerRun {
         result = gave_up_;
       } else if (stop_.stopped()) {
         // Its lanes were dropped from the queue before they ran.
-        result = stop_.StopStatus(
-            absl::StrCat("before ", name_, " was contacted"));
+        result =
+            stop_.StopStatus(absl::StrCat("before ", name_, " was contacted"));
       } else {
         result = absl::InternalError(
             absl::StrCat("no connection to ", name_, " ran the op"));
@@ -254,8 +254,7 @@ class Pipeline {
         return Ended(absl::DeadlineExceededError(DeadlineMessage()), outcome);
       }
       if (progress || (!want_read && !want_write)) continue;
-      pollfd p{fd_, static_cast<short>(POLLIN | (want_write ? POLLOUT : 0)),
-               0};
+      pollfd p{fd_, static_cast<short>(POLLIN | (want_write ? POLLOUT : 0)), 0};
       const timespec timeout = absl::ToTimespec(left);
       if (ppoll(&p, 1, &timeout, nullptr) < 0 && errno != EINTR) {
         return Ended(absl::UnavailableError(
@@ -270,7 +269,8 @@ class Pipeline {
 
   // Fails every chunk still in the window with `status`.
   void FailWindow(const absl::Status& status) {
-    for (const InFlight& request : window_) source_.ChunkDone(request.chunk, status);
+    for (const InFlight& request : window_)
+      source_.ChunkDone(request.chunk, status);
     window_.clear();
     sent_ = 0;
     send_pos_ = 0;
@@ -530,8 +530,8 @@ class Pipeline {
             *want_read = !block;
             return absl::OkStatus();
           }
-          return absl::UnavailableError(absl::StrCat(
-              "receive from ", peer_, ": ", std::strerror(errno)));
+          return absl::UnavailableError(
+              absl::StrCat("receive from ", peer_, ": ", std::strerror(errno)));
         }
         *progress = true;
         got_ += static_cast<size_t>(n);
@@ -666,12 +666,13 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
   const int threads = client->options_.threads;
   for (int i = 0; i < threads; ++i) {
     try {
-      client->workers_.emplace_back([raw = client.get()] { raw->WorkerLoop(); });
+      client->workers_.emplace_back(
+          [raw = client.get()] { raw->WorkerLoop(); });
     } catch (const std::system_error& error) {
       // The destructor stops and joins the workers already started.
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tcp client: cannot start worker thread ", i + 1, " of ", threads,
-          ": ", error.what()));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tcp client: cannot start worker thread ", i + 1, " of ",
+                       threads, ": ", error.what()));
     }
   }
   return client;
@@ -707,8 +708,8 @@ std::vector<absl::Status> DataClient::Run(absl::Span<const Op> ops,
   {
     absl::MutexLock lock(&mu_);
     for (const auto& peer : peers) {
-      const size_t lanes = peer->LanesWanted(
-          static_cast<size_t>(options_.connections_per_peer));
+      const size_t lanes =
+          peer->LanesWanted(static_cast<size_t>(options_.connections_per_peer));
       for (size_t l = 0; l < lanes; ++l) {
         queue_.push_back(LaneJob{&submit, peer.get()});
         ++submit.unfinished_jobs;
@@ -746,11 +747,10 @@ void DataClient::AbortLocked(SubmitRun& submit) {
   if (submit.aborted) return;
   submit.aborted = true;
   const size_t before = queue_.size();
-  queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
-                              [&](const LaneJob& job) {
-                                return job.submit == &submit;
-                              }),
-               queue_.end());
+  queue_.erase(
+      std::remove_if(queue_.begin(), queue_.end(),
+                     [&](const LaneJob& job) { return job.submit == &submit; }),
+      queue_.end());
   submit.unfinished_jobs -= before - queue_.size();
   // Wakes every blocked send, receive, poll and connect of its lanes.
   for (int fd : submit.active) shutdown(fd, SHUT_RDWR);
@@ -759,9 +759,8 @@ void DataClient::AbortLocked(SubmitRun& submit) {
 void DataClient::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   // Wake now and then even without work, so idle connections expire.
-  const absl::Duration tick = std::clamp(options_.idle_timeout / 4,
-                                         absl::Milliseconds(10),
-                                         absl::Seconds(5));
+  const absl::Duration tick = std::clamp(
+      options_.idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(5));
   while (true) {
     if (queue_.empty() && !stopping_) work_cv_.WaitWithTimeout(&mu_, tick);
     ExpireIdleLocked();
@@ -878,12 +877,11 @@ absl::StatusOr<DataClient::Connection> DataClient::Dial(SubmitRun& submit,
       std::min(stop.deadline(), absl::Now() + options_.connect_timeout);
   auto failed = [&](const absl::Status& why) -> absl::Status {
     if (stop.stopped()) {
-      return stop.StopStatus(
-          absl::StrCat("before ", peer.name(), " answered"));
+      return stop.StopStatus(absl::StrCat("before ", peer.name(), " answered"));
     }
     if (absl::IsResourceExhausted(why)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no socket for ", peer.name(), ": ", why.message()));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no socket for ", peer.name(), ": ", why.message()));
     }
     spdlog::debug("tcp: peer {} is unreachable: {}", LogSafe(peer.name()),
                   LogSafe(why.message()));

@@ -130,7 +130,8 @@ absl::Status WaitForEvents(int fd, short events, absl::Time until,
     if (left <= absl::ZeroDuration()) {
       return absl::DeadlineExceededError("timed out");
     }
-    const timespec timeout = absl::ToTimespec(std::min(left, kStopCheckInterval));
+    const timespec timeout =
+        absl::ToTimespec(std::min(left, kStopCheckInterval));
     pollfd p{fd, events, 0};
     const int ready = ppoll(&p, 1, &timeout, nullptr);
     if (ready > 0) return absl::OkStatus();
@@ -181,8 +182,8 @@ struct NameLookup {
 
 // Lookups that outlived their caller's wait, freed once glibc is done.
 absl::Mutex orphans_mu(absl::kConstInit);
-std::vector<std::unique_ptr<NameLookup>>* orphans
-    ABSL_GUARDED_BY(orphans_mu) = nullptr;
+std::vector<std::unique_ptr<NameLookup>>* orphans ABSL_GUARDED_BY(orphans_mu) =
+    nullptr;
 
 void ReapFinishedLookups() {
   absl::MutexLock lock(&orphans_mu);
@@ -297,8 +298,8 @@ absl::StatusOr<UniqueFd> OpenDataSocket(const PeerAddress& address,
   return fd;
 }
 
-absl::Status ConnectSocket(int fd, const PeerAddress& address,
-                           absl::Time until, const StopCheck& stopped) {
+absl::Status ConnectSocket(int fd, const PeerAddress& address, absl::Time until,
+                           const StopCheck& stopped) {
   if (connect(fd, reinterpret_cast<const sockaddr*>(&address.storage),
               address.length) == 0) {
     return absl::OkStatus();
@@ -340,8 +341,8 @@ absl::Status ReadServerHello(int fd, absl::Time until,
     got += static_cast<size_t>(n);
   }
   if (absl::Status valid = DecodeServerHello(hello); !valid.ok()) {
-    return absl::UnavailableError(absl::StrCat(
-        "not an rdma-agentd data port (", valid.message(), ")"));
+    return absl::UnavailableError(
+        absl::StrCat("not an rdma-agentd data port (", valid.message(), ")"));
   }
   return absl::OkStatus();
 }

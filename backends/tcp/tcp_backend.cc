@@ -41,12 +41,12 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
   auto client = tcp::DataClient::Create(options.client);
   if (!client.ok()) return client.status();
   auto server = tcp::DataServer::Start(*listen, env.directory,
-                                      options.client.zero_copy_send,
-                                      options.client.socket_buffer_bytes);
+                                       options.client.zero_copy_send,
+                                       options.client.socket_buffer_bytes);
   if (!server.ok()) {
-    return absl::Status(server.status().code(),
-                        absl::StrCat("tcp data plane: ",
-                                     server.status().message()));
+    return absl::Status(
+        server.status().code(),
+        absl::StrCat("tcp data plane: ", server.status().message()));
   }
   return std::unique_ptr<TcpBackend>(
       new TcpBackend(std::move(options), env, std::move(advertise),

@@ -51,8 +51,7 @@ class TcpBackend : public Backend {
   bool available() const override { return true; }
   v1::TransportInfo transport_info() const override;
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
-      const Registration& registration,
-      v1::BackendEndpoint* endpoint) override;
+      const Registration& registration, v1::BackendEndpoint* endpoint) override;
   // True when `remote` advertises a usable tcp endpoint (host and port).
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   // Runs the ops on the client's worker threads (no thread is started
@@ -70,7 +69,8 @@ class TcpBackend : public Backend {
 
  private:
   TcpBackend(TcpOptions options, BackendEnvironment env,
-             std::string advertise_host, std::unique_ptr<tcp::DataClient> client,
+             std::string advertise_host,
+             std::unique_ptr<tcp::DataClient> client,
              std::unique_ptr<tcp::DataServer> server);
   // The peer serving `op`, or why the op cannot be run.
   absl::StatusOr<HostPort> PeerOf(const Op& op) const;

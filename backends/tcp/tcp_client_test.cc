@@ -51,8 +51,8 @@ class Agent {
     auto memory = SharedMemory::Allocate(buffer, "tcp-client-test");
     EXPECT_TRUE(memory.ok()) << memory.status();
     local_ = std::make_shared<Registration>(1, 0, v1::ACCESS_READ_WRITE, "l",
-                                            "token-local-x",
-                                            std::move(*memory), true);
+                                            "token-local-x", std::move(*memory),
+                                            true);
     directory_.Add(local_);
   }
 
@@ -296,10 +296,10 @@ TEST(TcpClientBoundsTest, ConnectionLimitQueuesDials) {
   ScriptedPeer b(Behavior::kRefuseAll, "0.0.0.0");
   std::vector<Op> ops;
   for (int i = 0; i < 8; ++i) {
-    ops.push_back(agent.MakeOp(
-        kWrite, ContextFor(absl::StrCat("127.0.2.", i + 1),
-                           i % 2 ? a.port() : b.port(), 64),
-        64, i));
+    ops.push_back(agent.MakeOp(kWrite,
+                               ContextFor(absl::StrCat("127.0.2.", i + 1),
+                                          i % 2 ? a.port() : b.port(), 64),
+                               64, i));
   }
   auto results = agent.backend().Submit(ops, absl::Now() + absl::Seconds(20));
   for (const absl::Status& result : results) {

@@ -8,8 +8,8 @@
 
 #include <cerrno>
 #include <cstring>
-#include <iterator>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,9 +54,9 @@ class Cgroup {
         absl::StrCat("/sys/fs/cgroup/", controller, "/rat-tcp-client-",
                      getpid(), "-", counter_++);
     if (mkdir(path.c_str(), 0755) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot create ", path, " (cgroup v1 and root needed): ",
-          std::strerror(errno)));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot create ", path,
+                       " (cgroup v1 and root needed): ", std::strerror(errno)));
     }
     return std::unique_ptr<Cgroup>(new Cgroup(path));
   }
@@ -162,19 +162,18 @@ TEST(TcpClientLimitsTest, HugeOpsInAOneGibMemoryCgroupGetResults) {
 TEST(TcpClientLimitsTest, SixHundredPeersUnderAPidsLimitGetPerOpErrors) {
   // Silent peers hold a dial for its whole connect timeout: keep it short so
   // the bounded workers get through many of them within the Submit.
-  auto agent = AgentProcess::Start(
-      AgentOptions({"--tcp_client_connect_timeout=200ms"}));
+  auto agent =
+      AgentProcess::Start(AgentOptions({"--tcp_client_connect_timeout=200ms"}));
   ASSERT_TRUE(agent.ok()) << agent.status();
   auto cgroup = Cgroup::Create("pids");
   ASSERT_TRUE(cgroup.ok()) << cgroup.status();
   ASSERT_TRUE((*cgroup)->Set("pids.max", "300").ok());
   ASSERT_TRUE((*cgroup)->Add((*agent)->pid()).ok());
   const int tasks = std::stoi((*cgroup)->Get("pids.current"));
-  ASSERT_LT(tasks, 150) << "the agent alone already has " << tasks
-                        << " tasks";
+  ASSERT_LT(tasks, 150) << "the agent alone already has " << tasks << " tasks";
 
-  auto local = (*agent)->client().AllocateUnmapped(1 << 20,
-                                                  v1::ACCESS_READ_WRITE);
+  auto local =
+      (*agent)->client().AllocateUnmapped(1 << 20, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(local.ok()) << local.status();
   // 600 distinct peers (127.0.x.y): every third a closed port, the others a
   // listener that accepts and never answers, so nothing ends on its own.
@@ -197,8 +196,7 @@ TEST(TcpClientLimitsTest, SixHundredPeersUnderAPidsLimitGetPerOpErrors) {
   for (size_t i = 0; i < ops.size(); ++i) {
     const absl::Status& status = (*results)[i].status;
     // Unreachable when its turn came, or still queued at the deadline.
-    EXPECT_TRUE(absl::IsUnavailable(status) ||
-                absl::IsDeadlineExceeded(status))
+    EXPECT_TRUE(absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status))
         << i << ": " << status;
     if (absl::IsUnavailable(status)) ++unavailable;
   }

@@ -76,11 +76,11 @@ bool Eventually(Condition condition, absl::Duration limit) {
 // request (header, then the caller-chosen token: here an HTTP request) at
 // once, and its errors told refused from timed out from "not an agent".
 TEST(TcpClientStrangersTest, NonAgentsReceiveNothingAndReadLikeClosedPorts) {
-  auto agent = AgentProcess::Start(
-      AgentOptions({"--tcp_client_connect_timeout=500ms"}));
+  auto agent =
+      AgentProcess::Start(AgentOptions({"--tcp_client_connect_timeout=500ms"}));
   ASSERT_TRUE(agent.ok()) << agent.status();
-  auto local = (*agent)->client().AllocateUnmapped(1 << 20,
-                                                  v1::ACCESS_READ_WRITE);
+  auto local =
+      (*agent)->client().AllocateUnmapped(1 << 20, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(local.ok()) << local.status();
   ScriptedPeer http_like(Behavior::kSilent);
   ScriptedPeer smtp_like(Behavior::kBanner);
@@ -115,11 +115,12 @@ TEST(TcpClientStrangersTest, NonAgentsReceiveNothingAndReadLikeClosedPorts) {
 
 // Problem 8, the pool: one idle fd per distinct peer, kept forever.
 TEST(TcpClientStrangersTest, FdsOfThreeHundredFakePeersGoAway) {
-  auto agent = AgentProcess::Start(AgentOptions(
-      {"--tcp_client_idle_timeout=1s", "--tcp_client_max_idle_connections=32"}));
+  auto agent = AgentProcess::Start(
+      AgentOptions({"--tcp_client_idle_timeout=1s",
+                    "--tcp_client_max_idle_connections=32"}));
   ASSERT_TRUE(agent.ok()) << agent.status();
-  auto local = (*agent)->client().AllocateUnmapped(1 << 20,
-                                                  v1::ACCESS_READ_WRITE);
+  auto local =
+      (*agent)->client().AllocateUnmapped(1 << 20, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(local.ok()) << local.status();
   // Fake agents: hello, then every request refused; the connections are
   // healthy, so the agent pools them.
@@ -129,9 +130,9 @@ TEST(TcpClientStrangersTest, FdsOfThreeHundredFakePeersGoAway) {
   ASSERT_GT(baseline, 0);
   std::vector<client::OpSpec> ops;
   for (int i = 0; i < 300; ++i) {
-    ops.push_back(ForgedOp(local->id,
-                           absl::StrCat("127.0.", 20 + i / 250, ".", 1 + i % 250),
-                           fake.port()));
+    ops.push_back(ForgedOp(
+        local->id, absl::StrCat("127.0.", 20 + i / 250, ".", 1 + i % 250),
+        fake.port()));
   }
   auto results = (*agent)->client().Submit(ops, absl::Seconds(30));
   ASSERT_TRUE(results.ok()) << results.status();
@@ -178,8 +179,8 @@ TEST(TcpClientStrangersTest, HostNamesAreRefusedOrResolvedWithinTheDeadline) {
     options.advertise_host = (*pair)->address(0);
     auto agent = AgentProcess::Start(options);
     ASSERT_TRUE(agent.ok()) << agent.status();
-    auto local = (*agent)->client().AllocateUnmapped(1 << 20,
-                                                    v1::ACCESS_READ_WRITE);
+    auto local =
+        (*agent)->client().AllocateUnmapped(1 << 20, v1::ACCESS_READ_WRITE);
     ASSERT_TRUE(local.ok()) << local.status();
     const absl::Time start = absl::Now();
     auto results = (*agent)->client().Submit({ForgedOp(local->id, name, 7471)},
