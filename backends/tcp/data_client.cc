@@ -46,6 +46,8 @@ struct DataClient::SubmitRun {
   bool aborted ABSL_GUARDED_BY(DataClient::mu_) = false;
   // Sockets its lanes use right now (dialling or carrying requests).
   std::vector<int> active ABSL_GUARDED_BY(DataClient::mu_);
+  // Lanes not started yet: one entry per connection wanted to a peer.
+  std::deque<PeerRun*> queued ABSL_GUARDED_BY(DataClient::mu_);
 };
 
 struct DataClient::Connection {
@@ -705,19 +707,7 @@ std::vector<absl::Status> DataClient::Run(absl::Span<const Op> ops,
   for (const PeerBatch& batch : batches) {
     peers.push_back(std::make_unique<PeerRun>(batch, ops, chunk_bytes, stop));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& peer : peers) {
-      const size_t lanes =
-          peer->LanesWanted(static_cast<size_t>(options_.connections_per_peer));
-      for (size_t l = 0; l < lanes; ++l) {
-        queue_.push_back(LaneJob{&submit, peer.get()});
-        ++submit.unfinished_jobs;
-      }
-    }
-    work_cv_.SignalAll();
-  }
-
+  QueueLanes(submit, peers);
   // Cancellation shuts the Run's sockets down at once (the callback must not
   // block: it takes mu_ only briefly).
   std::unique_ptr<Cancellation::Callback> on_cancel = stop.OnCancel([&] {
@@ -725,17 +715,7 @@ std::vector<absl::Status> DataClient::Run(absl::Span<const Op> ops,
     AbortLocked(submit);
     changed_cv_.SignalAll();
   });
-  {
-    absl::MutexLock lock(&mu_);
-    while (submit.unfinished_jobs > 0) {
-      if (!submit.aborted && stop.stopped()) {
-        AbortLocked(submit);  // may have dropped the last queued job
-        continue;
-      }
-      changed_cv_.WaitWithDeadline(
-          &mu_, submit.aborted ? absl::InfiniteFuture() : stop.deadline());
-    }
-  }
+  WaitForLanes(submit);
   // Not under mu_: unregistering waits for a callback running right now.
   on_cancel.reset();
   // After this no lane of this Run touches any op's memory: all have ended.
@@ -743,17 +723,52 @@ std::vector<absl::Status> DataClient::Run(absl::Span<const Op> ops,
   return results;
 }
 
+void DataClient::QueueLanes(
+    SubmitRun& submit, const std::vector<std::unique_ptr<PeerRun>>& peers) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& peer : peers) {
+    const size_t lanes =
+        peer->LanesWanted(static_cast<size_t>(options_.connections_per_peer));
+    for (size_t l = 0; l < lanes; ++l) submit.queued.push_back(peer.get());
+  }
+  submit.unfinished_jobs = submit.queued.size();
+  if (!submit.queued.empty()) runs_.push_back(&submit);
+  work_cv_.SignalAll();
+}
+
+void DataClient::WaitForLanes(SubmitRun& submit) {
+  absl::MutexLock lock(&mu_);
+  while (submit.unfinished_jobs > 0) {
+    if (!submit.aborted && submit.stop.stopped()) {
+      AbortLocked(submit);  // may have dropped the last queued job
+      continue;
+    }
+    changed_cv_.WaitWithDeadline(
+        &mu_, submit.aborted ? absl::InfiniteFuture() : submit.stop.deadline());
+  }
+}
+
 void DataClient::AbortLocked(SubmitRun& submit) {
   if (submit.aborted) return;
   submit.aborted = true;
-  const size_t before = queue_.size();
-  queue_.erase(
-      std::remove_if(queue_.begin(), queue_.end(),
-                     [&](const LaneJob& job) { return job.submit == &submit; }),
-      queue_.end());
-  submit.unfinished_jobs -= before - queue_.size();
+  submit.unfinished_jobs -= submit.queued.size();
+  submit.queued.clear();
+  auto it = std::find(runs_.begin(), runs_.end(), &submit);
+  if (it != runs_.end()) runs_.erase(it);
   // Wakes every blocked send, receive, poll and connect of its lanes.
   for (int fd : submit.active) shutdown(fd, SHUT_RDWR);
+}
+
+std::optional<DataClient::LaneJob> DataClient::NextJobLocked() {
+  if (runs_.empty()) return std::nullopt;
+  // Round robin over the Runs with queued lanes: a Submit naming hundreds
+  // of peers does not make the next Submit wait for all of them.
+  SubmitRun* submit = runs_.front();
+  runs_.pop_front();
+  LaneJob job{submit, submit->queued.front()};
+  submit->queued.pop_front();
+  if (!submit->queued.empty()) runs_.push_back(submit);
+  return job;
 }
 
 void DataClient::WorkerLoop() {
@@ -762,16 +777,15 @@ void DataClient::WorkerLoop() {
   const absl::Duration tick = std::clamp(
       options_.idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(5));
   while (true) {
-    if (queue_.empty() && !stopping_) work_cv_.WaitWithTimeout(&mu_, tick);
+    if (runs_.empty() && !stopping_) work_cv_.WaitWithTimeout(&mu_, tick);
     ExpireIdleLocked();
     if (stopping_) return;
-    if (queue_.empty()) continue;
-    const LaneJob job = queue_.front();
-    queue_.pop_front();
+    const std::optional<LaneJob> job = NextJobLocked();
+    if (!job.has_value()) continue;
     mu_.Unlock();
-    RunLane(job);
+    RunLane(*job);
     mu_.Lock();
-    --job.submit->unfinished_jobs;
+    --job->submit->unfinished_jobs;
     changed_cv_.SignalAll();
   }
 }

@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -146,6 +147,13 @@ class DataClient {
 
   explicit DataClient(DataClientOptions options);
 
+  // Queues a lane job per connection wanted to each peer.
+  void QueueLanes(SubmitRun& submit,
+                  const std::vector<std::unique_ptr<PeerRun>>& peers);
+  // Until every lane job of `submit` has ended; aborts it at its deadline.
+  void WaitForLanes(SubmitRun& submit);
+  // The next lane job, taking Runs in turn.
+  std::optional<LaneJob> NextJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
   // One lane: a connection to the job's peer carrying chunks until none are
   // left, the connection fails or the Run stops.
@@ -183,7 +191,8 @@ class DataClient {
   // Runs wait here for their jobs, dialers for connection slots.
   absl::CondVar changed_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<LaneJob> queue_ ABSL_GUARDED_BY(mu_);
+  // Runs with lane jobs not started yet, served in turn.
+  std::deque<SubmitRun*> runs_ ABSL_GUARDED_BY(mu_);
   // Idle connections per peer ("host:port"), oldest first.
   std::map<std::string, std::deque<IdleConnection>> idle_ ABSL_GUARDED_BY(mu_);
   size_t idle_total_ ABSL_GUARDED_BY(mu_) = 0;

@@ -259,6 +259,38 @@ TEST(TcpClientBoundsTest, ManyPeersUseOnlyTheWorkerThreads) {
   EXPECT_LE(most_threads.load(), threads_before + 1 + peer.accepted() + 1);
 }
 
+TEST(TcpClientBoundsTest, SubmitsTakeTurnsOnTheWorkers) {
+  tcp::DataClientOptions options;
+  options.threads = 2;
+  options.connect_timeout = absl::Milliseconds(500);
+  Agent agent(options);
+  ScriptedPeer silent(Behavior::kSilent, "0.0.0.0");
+  ScriptedPeer fake(Behavior::kRefuseAll);
+  // 100 peers that each hold a worker for the connect timeout: 25 s of work
+  // for two workers.
+  std::vector<Op> slow;
+  for (int i = 0; i < 100; ++i) {
+    slow.push_back(agent.MakeOp(
+        kWrite, ContextFor(absl::StrCat("127.0.3.", i + 1), silent.port(), 64),
+        64, i));
+  }
+  Cancellation cancel_slow;
+  std::thread slow_submit([&] {
+    agent.backend().Submit(
+        slow, StopToken(absl::Now() + absl::Seconds(60), &cancel_slow));
+  });
+  ASSERT_TRUE(Eventually([&] { return silent.accepted() >= 2; }));
+  // The next Submit gets the next free worker, not the 99th.
+  const absl::Time start = absl::Now();
+  auto results = agent.backend().Submit(
+      {agent.MakeOp(kWrite, ContextFor("127.0.0.1", fake.port(), 64), 64)},
+      absl::Now() + absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(results[0].code(), StatusCode::kNotFound) << results[0];
+  cancel_slow.Cancel(absl::CancelledError("done"));
+  slow_submit.join();
+}
+
 TEST(TcpClientBoundsTest, IdlePoolIsBoundedAndExpires) {
   tcp::DataClientOptions options;
   options.max_idle_connections = 5;
