@@ -78,7 +78,8 @@ class DataClient::PeerRun {
   size_t LanesWanted(size_t limit) const {
     uint64_t chunks = 0;
     for (size_t i : indices_) {
-      chunks += (ops_[i].length + chunk_bytes_ - 1) / chunk_bytes_;
+      const uint64_t length = ops_[i].length;
+      chunks += length / chunk_bytes_ + (length % chunk_bytes_ != 0 ? 1 : 0);
       if (chunks >= limit) return limit;
     }
     return static_cast<size_t>(chunks);
