@@ -93,9 +93,9 @@ absl::Status Agent::Init() {
   identity_.agent_id = options_.agent_id;
   identity_.epoch = RandomNonZeroU64();
 
+  SetUpQuotas();
   buffers_ = std::make_unique<BufferRegistry>(identity_.epoch);
-  attach_tokens_ = std::make_unique<AttachTokens>(
-      options_.attach_token_ttl, options_.max_pending_attach_per_user);
+  attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
 
   BackendEnvironment env;
   env.identity = identity_;
@@ -152,7 +152,7 @@ absl::Status Agent::Init() {
   callers_ = std::make_unique<CallerTable>();
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, registry_.get(), buffers_.get(),
-      attach_tokens_.get(), callers_.get());
+      attach_tokens_.get(), callers_.get(), quotas_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -188,6 +188,8 @@ absl::Status Agent::Init() {
 
   AttachServer::Options attach_options;
   attach_options.path = options_.attach_socket_path;
+  attach_options.max_buffer_bytes = options_.max_buffer_bytes;
+  attach_options.quotas = quotas_;
   auto attach = AttachServer::Start(attach_options, attach_tokens_.get(),
                                     buffers_.get());
   if (!attach.ok()) return attach.status();
@@ -198,6 +200,39 @@ absl::Status Agent::Init() {
                options_.attach_socket_path,
                peer_address_.empty() ? "" : ", peers at " + peer_address_);
   return absl::OkStatus();
+}
+
+void Agent::SetUpQuotas() {
+  QuotaLimits limits;
+  limits.bytes = {options_.max_registered_bytes_per_user,
+                  options_.max_registered_bytes_total};
+  limits.registrations = {options_.max_buffers_per_user,
+                          options_.max_buffers_total};
+  limits.pending_attach = {options_.max_pending_attach_per_user,
+                           options_.max_pending_attach_total};
+  limits.attach_connections = {options_.max_attach_connections_per_user,
+                               options_.max_attach_connections_total};
+  const HostLimits host = ReadHostLimits();
+  limits = DeriveQuotaLimits(limits, host);
+  options_.max_registered_bytes_per_user = limits.bytes.per_user;
+  options_.max_registered_bytes_total = limits.bytes.total;
+  options_.max_buffers_per_user = limits.registrations.per_user;
+  options_.max_buffers_total = limits.registrations.total;
+  options_.max_pending_attach_per_user = limits.pending_attach.per_user;
+  options_.max_pending_attach_total = limits.pending_attach.total;
+  options_.max_attach_connections_per_user = limits.attach_connections.per_user;
+  options_.max_attach_connections_total = limits.attach_connections.total;
+  spdlog::info(
+      "admission limits (per user / total), from {} open files, "
+      "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "
+      "registrations {} / {}, parked attachments {} / {}, attach connections "
+      "{} / {}",
+      host.open_files, host.max_map_count, host.memory_bytes,
+      limits.bytes.per_user, limits.bytes.total, limits.registrations.per_user,
+      limits.registrations.total, limits.pending_attach.per_user,
+      limits.pending_attach.total, limits.attach_connections.per_user,
+      limits.attach_connections.total);
+  quotas_ = MakeAgentQuotas(limits);
 }
 
 void Agent::Shutdown() {

@@ -8,6 +8,7 @@
 #include "backends/backend.h"
 #include "backends/registry.h"
 #include "daemon/agent_options.h"
+#include "daemon/quota.h"
 
 namespace grpc {
 class Server;
@@ -48,14 +49,20 @@ class Agent {
   // "host:port" of the Peer listener (empty when no backend serves peers).
   const std::string& peer_address() const { return peer_address_; }
   const BackendRegistry& registry() const { return *registry_; }
+  // The options in force: socket paths and admission limits filled in.
+  const AgentOptions& options() const { return options_; }
 
  private:
   explicit Agent(AgentOptions options);
   absl::Status Init();
+  // Fills the admission limits left at 0 from the host, logs them and makes
+  // the quotas.
+  void SetUpQuotas();
 
   AgentOptions options_;
   AgentIdentity identity_;
   std::string peer_address_;
+  AgentQuotas quotas_;
   // Declaration order is teardown order in reverse: servers stop before the
   // registries and backends they call into are destroyed.
   std::unique_ptr<BufferRegistry> buffers_;

@@ -12,6 +12,7 @@
 #include "backends/memory/memory_backend.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
+#include "daemon/quota.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
@@ -42,8 +43,31 @@ ABSL_FLAG(absl::Duration, max_submit_timeout, absl::Hours(1),
 ABSL_FLAG(int64_t, max_ops_per_submit, 65536, "Largest op batch.");
 ABSL_FLAG(uint64_t, max_buffer_bytes, uint64_t{64} << 30,
           "Largest registration in bytes.");
-ABSL_FLAG(int64_t, max_buffers_per_user, 65536,
-          "Most registrations one local user may hold.");
+// Admission limits: 0 derives a default from the host at start (logged).
+ABSL_FLAG(uint64_t, max_registered_bytes_per_user, 0,
+          "Bytes one local user may have registered or attached (not yet "
+          "registered) at once; 0: a quarter of the total.");
+ABSL_FLAG(uint64_t, max_registered_bytes_total, 0,
+          "Bytes all users together may have registered or attached; 0: the "
+          "host's physical memory.");
+ABSL_FLAG(uint64_t, max_buffers_per_user, 0,
+          "Registrations one local user may hold; 0: a quarter of the total.");
+ABSL_FLAG(uint64_t, max_buffers_total, 0,
+          "Registrations all users together may hold; 0: 3/4 of what the "
+          "open-file limit and vm.max_map_count leave after a reserve.");
+ABSL_FLAG(uint64_t, max_pending_attach_per_user, 0,
+          "Attached memfds one local user may have waiting for Register; 0: "
+          "a quarter of the total.");
+ABSL_FLAG(uint64_t, max_pending_attach_total, 0,
+          "Attached memfds all users together may have waiting for Register; "
+          "0: 1/4 of what the open-file limit and vm.max_map_count leave "
+          "after a reserve.");
+ABSL_FLAG(uint64_t, max_attach_connections_per_user, 0,
+          "Attach-socket connections one local user may hold open; 0: a "
+          "quarter of the total.");
+ABSL_FLAG(uint64_t, max_attach_connections_total, 0,
+          "Attach-socket connections all users together may hold open; 0: "
+          "256.");
 ABSL_FLAG(absl::Duration, attach_token_ttl, absl::Seconds(60),
           "How long an attach token stays valid.");
 
@@ -58,6 +82,9 @@ std::string SocketPath(std::string flag) {
 
 int Run() {
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  // Every registration and parked attachment holds an fd: take what the
+  // hard limit allows. The admission defaults are derived from the result.
+  spdlog::info("open-file limit {}", RaiseOpenFileLimit());
 
   AgentOptions options;
   options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
@@ -71,9 +98,21 @@ int Run() {
   options.max_ops_per_submit =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_per_submit));
   options.max_buffer_bytes = absl::GetFlag(FLAGS_max_buffer_bytes);
-  options.max_buffers_per_user =
-      static_cast<size_t>(absl::GetFlag(FLAGS_max_buffers_per_user));
   options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
+  options.max_registered_bytes_per_user =
+      absl::GetFlag(FLAGS_max_registered_bytes_per_user);
+  options.max_registered_bytes_total =
+      absl::GetFlag(FLAGS_max_registered_bytes_total);
+  options.max_buffers_per_user = absl::GetFlag(FLAGS_max_buffers_per_user);
+  options.max_buffers_total = absl::GetFlag(FLAGS_max_buffers_total);
+  options.max_pending_attach_per_user =
+      absl::GetFlag(FLAGS_max_pending_attach_per_user);
+  options.max_pending_attach_total =
+      absl::GetFlag(FLAGS_max_pending_attach_total);
+  options.max_attach_connections_per_user =
+      absl::GetFlag(FLAGS_max_attach_connections_per_user);
+  options.max_attach_connections_total =
+      absl::GetFlag(FLAGS_max_attach_connections_total);
   for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
     auto factory = BackendFactoryFromFlags(name);
     if (!factory.ok()) {

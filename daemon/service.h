@@ -13,6 +13,7 @@
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/buffer_registry.h"
+#include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
@@ -37,7 +38,8 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
  public:
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferRegistry* buffers,
-                   AttachTokens* attach_tokens, const CallerTable* callers);
+                   AttachTokens* attach_tokens, const CallerTable* callers,
+                   AgentQuotas quotas);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -76,6 +78,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   BufferRegistry* const buffers_;
   AttachTokens* const attach_tokens_;
   const CallerTable* const callers_;
+  const AgentQuotas quotas_;
 };
 
 // absl::Status -> grpc::Status, keeping code and message.

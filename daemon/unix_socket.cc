@@ -9,11 +9,24 @@
 #include <cerrno>
 #include <cstring>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 namespace {
+
+// Out of fds (or kernel memory), accept fails at once while the connection
+// stays queued: without a pause the loop spins and logs as fast as it can.
+// The pause doubles from kFirstPause to kLongestPause while it lasts; the
+// first accept that works resets it.
+constexpr absl::Duration kFirstPause = absl::Milliseconds(10);
+constexpr absl::Duration kLongestPause = absl::Seconds(1);
+
+bool OutOfResources(int err) {
+  return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+}
 
 absl::Status ErrnoError(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
@@ -90,9 +103,17 @@ UnixListener::~UnixListener() {
   ::unlink(path_.c_str());
 }
 
+bool UnixListener::PauseUnlessStopped(absl::Duration pause) {
+  struct pollfd wake = {wake_fd_.get(), POLLIN, 0};
+  const int ready =
+      ::poll(&wake, 1, static_cast<int>(absl::ToInt64Milliseconds(pause)));
+  return !(ready > 0 && wake.revents != 0);
+}
+
 void UnixListener::AcceptLoop() {
   struct pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0},
                           {wake_fd_.get(), POLLIN, 0}};
+  absl::Duration pause = kFirstPause;
   while (true) {
     if (::poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
@@ -104,11 +125,26 @@ void UnixListener::AcceptLoop() {
     UniqueFd connection(
         ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!connection) {
-      if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
-        spdlog::warn("accept on {} failed: {}", path_, std::strerror(errno));
+      const int err = errno;
+      if (OutOfResources(err)) {
+        if (auto suppressed = out_of_fds_log_.Allow()) {
+          spdlog::warn(
+              "accept on {} failed: {}; retrying in up to {} ({} more such "
+              "failures not logged)",
+              path_, std::strerror(err), absl::FormatDuration(kLongestPause),
+              *suppressed);
+        }
+        if (!PauseUnlessStopped(pause)) return;
+        pause = std::min(pause * 2, kLongestPause);
+      } else if (err != EINTR && err != EAGAIN && err != ECONNABORTED) {
+        if (auto suppressed = other_errors_log_.Allow()) {
+          spdlog::warn("accept on {} failed: {} ({} more not logged)", path_,
+                       std::strerror(err), *suppressed);
+        }
       }
       continue;
     }
+    pause = kFirstPause;
     auto peer = ReadPeerCredentials(connection.get());
     if (!peer.ok()) {
       spdlog::warn("dropping connection on {}: {}", path_,
