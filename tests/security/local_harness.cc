@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <cerrno>
 #include <fstream>
 #include <sstream>
 
@@ -87,13 +88,14 @@ bool Eventually(const std::function<bool()>& condition,
   return true;
 }
 
-ScopedFileLimit::ScopedFileLimit(rlim_t limit) {
-  ::getrlimit(RLIMIT_NOFILE, &saved_);
-  struct rlimit lowered = {limit, limit};
-  ::setrlimit(RLIMIT_NOFILE, &lowered);
+absl::Status LowerFileLimit(pid_t pid, rlim_t limit) {
+  const struct rlimit lowered = {limit, limit};
+  if (::prlimit(pid, RLIMIT_NOFILE, &lowered, nullptr) != 0) {
+    return absl::InternalError(
+        absl::StrCat("prlimit(", pid, ", RLIMIT_NOFILE): ", errno));
+  }
+  return absl::OkStatus();
 }
-
-ScopedFileLimit::~ScopedFileLimit() { ::setrlimit(RLIMIT_NOFILE, &saved_); }
 
 absl::StatusOr<std::unique_ptr<AgentProcess>> StartSharedAgent(
     std::vector<std::string> extra_flags) {

@@ -49,19 +49,10 @@ size_t CountOf(absl::string_view text, absl::string_view needle);
 bool Eventually(const std::function<bool()>& condition,
                 absl::Duration timeout);
 
-// While alive, processes this one spawns inherit RLIMIT_NOFILE = `limit`
-// (soft and hard, so the agent cannot raise it). Restores the old limit
-// (needs root to raise the hard limit back).
-class ScopedFileLimit {
- public:
-  explicit ScopedFileLimit(rlim_t limit);
-  ScopedFileLimit(const ScopedFileLimit&) = delete;
-  ScopedFileLimit& operator=(const ScopedFileLimit&) = delete;
-  ~ScopedFileLimit();
-
- private:
-  struct rlimit saved_ = {};
-};
+// Lowers RLIMIT_NOFILE of the running process `pid` to `limit`, soft and
+// hard (lowering needs no CAP_SYS_RESOURCE, which test containers may lack;
+// raising a limit back would).
+absl::Status LowerFileLimit(pid_t pid, rlim_t limit);
 
 // Starts a real agent (memory backend) whose runtime dir other users can
 // reach, with `extra_flags`.
