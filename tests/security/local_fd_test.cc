@@ -74,14 +74,14 @@ TEST_F(LocalFdTest, OneUserRegisteringUntilRefusedLeavesRoomForOthers) {
   StartAgent();
   // The defaults, derived from the agent's open-file limit, are logged at
   // start: per user a quarter of the total, the total below the fd limit.
-  ASSERT_TRUE(Eventually(
+  EXPECT_TRUE(Eventually(
       [&] { return absl::StrContains(agent_->Log(), "admission limits"); },
       absl::Seconds(5)));
   const uint64_t open_files = LoggedNumber("from ");
   const uint64_t per_user = LoggedNumber("registrations ");
   const uint64_t total = LoggedNumber(absl::StrCat("registrations ", per_user,
                                                    " / "));
-  ASSERT_GT(per_user, 0u) << agent_->Log();
+  EXPECT_GT(per_user, 0u) << agent_->Log();
   EXPECT_LE(per_user, total / 4);
   EXPECT_LT(total, open_files);
 
