@@ -10,6 +10,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "backends/memory/memory_backend.h"
+#include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
 #include "daemon/quota.h"
@@ -141,7 +142,7 @@ int Run() {
       spdlog::info("backend {} available", backend->name());
     } else {
       spdlog::info("backend {} unavailable: {}", backend->name(),
-                   backend->unavailable_reason());
+                   LogSafe(backend->unavailable_reason()));
     }
   }
   int signal_number = 0;

@@ -114,6 +114,7 @@ void UnixListener::AcceptLoop() {
   struct pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0},
                           {wake_fd_.get(), POLLIN, 0}};
   absl::Duration pause = kFirstPause;
+  bool starved = false;  // accept failed for want of fds since the last one
   while (true) {
     if (::poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
@@ -134,6 +135,7 @@ void UnixListener::AcceptLoop() {
               path_, std::strerror(err), absl::FormatDuration(kLongestPause),
               *suppressed);
         }
+        starved = true;
         if (!PauseUnlessStopped(pause)) return;
         pause = std::min(pause * 2, kLongestPause);
       } else if (err != EINTR && err != EAGAIN && err != ECONNABORTED) {
@@ -145,10 +147,16 @@ void UnixListener::AcceptLoop() {
       continue;
     }
     pause = kFirstPause;
+    if (starved) {
+      starved = false;
+      if (recovered_log_.Allow()) spdlog::info("accepting on {} again", path_);
+    }
     auto peer = ReadPeerCredentials(connection.get());
     if (!peer.ok()) {
-      spdlog::warn("dropping connection on {}: {}", path_,
-                   peer.status().ToString());
+      if (auto suppressed = other_errors_log_.Allow()) {
+        spdlog::warn("dropping connection on {}: {} ({} more not logged)",
+                     path_, peer.status().ToString(), *suppressed);
+      }
       continue;
     }
     on_connection_(std::move(connection), *peer);

@@ -62,6 +62,7 @@ class UnixListener {
   ConnectionHandler on_connection_;
   LogRateLimiter out_of_fds_log_{absl::Seconds(10)};
   LogRateLimiter other_errors_log_{absl::Seconds(10)};
+  LogRateLimiter recovered_log_{absl::Seconds(10)};
   std::thread thread_;
 };
 
