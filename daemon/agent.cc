@@ -21,6 +21,7 @@
 #include "daemon/unix_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -43,7 +44,8 @@ absl::Status MakeDirectory(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir) {
+absl::StatusOr<std::string> LoadOrCreateAgentId(
+    const std::string& runtime_dir) {
   const std::string path = runtime_dir + "/agent-id";
   {
     std::ifstream in(path);
@@ -106,9 +108,9 @@ absl::Status Agent::Init() {
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
     if (!backend.ok()) {
-      return absl::Status(backend.status().code(),
-                          absl::StrCat("spawning a backend: ",
-                                       backend.status().message()));
+      return absl::Status(
+          backend.status().code(),
+          absl::StrCat("spawning a backend: ", backend.status().message()));
     }
     backends.push_back(std::move(*backend));
   }
@@ -134,8 +136,8 @@ absl::Status Agent::Init() {
     }
     peer_server_ = builder.BuildAndStart();
     if (peer_server_ == nullptr || port == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot listen for peers on ", options_.peer_listen));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen for peers on ", options_.peer_listen));
     }
     peer_address_ =
         JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
@@ -154,6 +156,7 @@ absl::Status Agent::Init() {
   InFlightLimits limits;
   limits.max_ops = options_.max_ops_in_flight;
   limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
+  limits.max_calls_per_user = options_.max_rpcs_per_user;
   calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, registry_.get(), buffers_.get(),
@@ -162,6 +165,11 @@ absl::Status Agent::Init() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(service_.get());
+  // Every sync RPC holds a thread: bounded here (RESOURCE_EXHAUSTED beyond),
+  // and per user by ActiveCalls well below this bound.
+  grpc::ResourceQuota quota("rdma-agentd");
+  quota.SetMaxThreads(static_cast<int>(options_.max_rpcs));
+  builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server_ = builder.BuildAndStart();
@@ -172,8 +180,7 @@ absl::Status Agent::Init() {
   // The agent accepts its Unix socket itself to learn each caller's
   // credentials (SO_PEERCRED), then lets gRPC serve the connection.
   auto listener = UnixListener::Start(
-      options_.socket_path,
-      [this](UniqueFd fd, const PeerCredentials& peer) {
+      options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
         const int flags = ::fcntl(fd.get(), F_GETFL);
         if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
           spdlog::warn("cannot make connection non-blocking: {}",
@@ -185,7 +192,15 @@ absl::Status Agent::Init() {
         const int buffer_bytes = 4 << 20;
         ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer_bytes,
                      sizeof(buffer_bytes));
-        callers_->Add(fd.get(), peer);
+        const absl::Status admitted =
+            callers_->Admit(fd.get(), peer, options_.max_connections_per_user,
+                            options_.max_connections);
+        if (!admitted.ok()) {
+          // Closing is the answer: the client sees its connection refused.
+          spdlog::warn("refusing a connection from uid {} pid {}: {}", peer.uid,
+                       peer.pid, std::string(admitted.message()));
+          return;
+        }
         grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
       });
   if (!listener.ok()) return listener.status();
@@ -193,8 +208,8 @@ absl::Status Agent::Init() {
 
   AttachServer::Options attach_options;
   attach_options.path = options_.attach_socket_path;
-  auto attach = AttachServer::Start(attach_options, attach_tokens_.get(),
-                                    buffers_.get());
+  auto attach =
+      AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
   if (!attach.ok()) return attach.status();
   attach_server_ = std::move(*attach);
 
@@ -215,8 +230,7 @@ void Agent::Shutdown() {
   if (calls_ != nullptr) {
     calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
   }
-  const auto grace =
-      absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
+  const auto grace = absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   if (server_ != nullptr) server_->Shutdown(grace);
   if (peer_server_ != nullptr) peer_server_->Shutdown(grace);
   if (buffers_ != nullptr) buffers_->Clear();

@@ -51,6 +51,14 @@ ABSL_FLAG(int64_t, max_ops_in_flight, 262144,
           "refused with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_ops_in_flight_per_user, 65536,
           "Most ops of running Submits for one local user.");
+ABSL_FLAG(int64_t, max_rpcs, 256,
+          "RdmaAgent RPCs served at once (gRPC server threads).");
+ABSL_FLAG(int64_t, max_rpcs_per_user, 64,
+          "RdmaAgent RPCs one local user may have running at once.");
+ABSL_FLAG(int64_t, max_connections, 1024,
+          "Connections to the RdmaAgent socket, over all users.");
+ABSL_FLAG(int64_t, max_connections_per_user, 128,
+          "Connections to the RdmaAgent socket one local user may hold.");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
           "agent waits at most this long for RPCs to finish.");
@@ -87,6 +95,13 @@ int Run() {
   options.max_ops_in_flight_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));
+  options.max_rpcs_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs_per_user));
+  options.max_connections =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_connections));
+  options.max_connections_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_connections_per_user));
   for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
     auto factory = BackendFactoryFromFlags(name);
     if (!factory.ok()) {
