@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "backends/buffer_directory.h"
 #include "backends/registration.h"
+#include "common/stop_token.h"
 #include "rdma/agent/v1/agent.pb.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 
@@ -99,11 +100,12 @@ class Backend {
   virtual bool CanReach(const v1::RemoteBuffer& remote) const = 0;
 
   // Runs `ops` (all reachable by this backend) and returns one status per op,
-  // in order. Returns by `deadline` (DEADLINE_EXCEEDED for ops not done),
-  // and once it has returned no part of it reads or writes any op's local
-  // memory again.
+  // in order. Returns by `stop.deadline()` (DEADLINE_EXCEEDED for ops not
+  // done) or soon after `stop` is cancelled (ops not done get the
+  // cancellation's reason; "soon" is well under a second), and once it has
+  // returned no part of it reads or writes any op's local memory again.
   virtual std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                           absl::Time deadline) = 0;
+                                           const StopToken& stop) = 0;
 };
 
 // Spawns a backend from its configuration (captured by the factory) for an

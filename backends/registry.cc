@@ -72,12 +72,12 @@ std::vector<Backend*> BackendRegistry::Route(
 
 void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
                             const std::vector<size_t>& indices,
-                            absl::Time deadline,
+                            const StopToken& stop,
                             std::vector<OpOutcome>& outcomes) const {
   std::vector<Op> batch;
   batch.reserve(indices.size());
   for (size_t i : indices) batch.push_back(ops[i]);
-  std::vector<absl::Status> statuses = backend->Submit(batch, deadline);
+  std::vector<absl::Status> statuses = backend->Submit(batch, stop);
   for (size_t k = 0; k < indices.size(); ++k) {
     OpOutcome& outcome = outcomes[indices[k]];
     outcome.backend = backend->name();
@@ -91,7 +91,7 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
 }
 
 std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
-                                               absl::Time deadline) const {
+                                               const StopToken& stop) const {
   std::vector<OpOutcome> outcomes(ops.size());
   std::vector<std::vector<Backend*>> routes(ops.size());
   // Attempt number per op: 0 = best backend, 1 = the retry.
@@ -119,13 +119,13 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
     for (size_t i : pending) groups[routes[i][attempt[i]]].push_back(i);
 
     if (groups.size() == 1) {
-      RunOn(groups.begin()->first, ops, groups.begin()->second, deadline,
+      RunOn(groups.begin()->first, ops, groups.begin()->second, stop,
             outcomes);
     } else {
       std::vector<std::thread> workers;
       for (auto& [backend, indices] : groups) {
         workers.emplace_back([&, backend = backend, &indices = indices] {
-          RunOn(backend, ops, indices, deadline, outcomes);
+          RunOn(backend, ops, indices, stop, outcomes);
         });
       }
       for (auto& worker : workers) worker.join();
@@ -134,7 +134,7 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
     std::vector<size_t> retry;
     for (size_t i : pending) {
       if (absl::IsUnavailable(outcomes[i].status) && attempt[i] == 0 &&
-          routes[i].size() > 1 && absl::Now() < deadline) {
+          routes[i].size() > 1 && !stop.stopped()) {
         attempt[i] = 1;
         retry.push_back(i);
       }

@@ -43,16 +43,17 @@ class BackendRegistry {
   std::vector<Backend*> Route(const v1::RemoteBuffer& remote) const;
 
   // Runs `ops`, each on the best common backend; an op that fails with
-  // UNAVAILABLE before the deadline is retried once on the next common
+  // UNAVAILABLE before `stop` fires is retried once on the next common
   // backend. Backends run their share of the batch concurrently. Returns one
-  // outcome per op, in order.
+  // outcome per op, in order, with Backend::Submit's guarantee: nothing
+  // touches local memory after it has returned.
   std::vector<OpOutcome> Submit(absl::Span<const Op> ops,
-                                absl::Time deadline) const;
+                                const StopToken& stop) const;
 
  private:
   // Runs ops[i] for i in `indices` on `backend`, writing into `outcomes`.
   void RunOn(Backend* backend, absl::Span<const Op> ops,
-             const std::vector<size_t>& indices, absl::Time deadline,
+             const std::vector<size_t>& indices, const StopToken& stop,
              std::vector<OpOutcome>& outcomes) const;
 
   std::vector<std::unique_ptr<Backend>> backends_;

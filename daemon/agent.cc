@@ -12,7 +12,9 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/net_address.h"
+#include "common/rate_limited_log.h"
 #include "common/random.h"
+#include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/buffer_registry.h"
@@ -20,6 +22,7 @@
 #include "daemon/unix_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -42,7 +45,8 @@ absl::Status MakeDirectory(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir) {
+absl::StatusOr<std::string> LoadOrCreateAgentId(
+    const std::string& runtime_dir) {
   const std::string path = runtime_dir + "/agent-id";
   {
     std::ifstream in(path);
@@ -105,9 +109,9 @@ absl::Status Agent::Init() {
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
     if (!backend.ok()) {
-      return absl::Status(backend.status().code(),
-                          absl::StrCat("spawning a backend: ",
-                                       backend.status().message()));
+      return absl::Status(
+          backend.status().code(),
+          absl::StrCat("spawning a backend: ", backend.status().message()));
     }
     backends.push_back(std::move(*backend));
   }
@@ -133,8 +137,8 @@ absl::Status Agent::Init() {
     }
     peer_server_ = builder.BuildAndStart();
     if (peer_server_ == nullptr || port == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot listen for peers on ", options_.peer_listen));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen for peers on ", options_.peer_listen));
     }
     peer_address_ =
         JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
@@ -150,13 +154,23 @@ absl::Status Agent::Init() {
   }
 
   callers_ = std::make_unique<CallerTable>();
+  InFlightLimits limits;
+  limits.max_ops = options_.max_ops_in_flight;
+  limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
+  limits.max_calls_per_user = options_.max_rpcs_per_user;
+  calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, registry_.get(), buffers_.get(),
-      attach_tokens_.get(), callers_.get(), quotas_);
+      attach_tokens_.get(), callers_.get(), calls_.get(), quotas_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(service_.get());
+  // Every sync RPC holds a thread: bounded here (RESOURCE_EXHAUSTED beyond),
+  // and per user by ActiveCalls well below this bound.
+  grpc::ResourceQuota quota("rdma-agentd");
+  quota.SetMaxThreads(static_cast<int>(options_.max_rpcs));
+  builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server_ = builder.BuildAndStart();
@@ -167,8 +181,7 @@ absl::Status Agent::Init() {
   // The agent accepts its Unix socket itself to learn each caller's
   // credentials (SO_PEERCRED), then lets gRPC serve the connection.
   auto listener = UnixListener::Start(
-      options_.socket_path,
-      [this](UniqueFd fd, const PeerCredentials& peer) {
+      options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
         const int flags = ::fcntl(fd.get(), F_GETFL);
         if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
           spdlog::warn("cannot make connection non-blocking: {}",
@@ -180,7 +193,22 @@ absl::Status Agent::Init() {
         const int buffer_bytes = 4 << 20;
         ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer_bytes,
                      sizeof(buffer_bytes));
-        callers_->Add(fd.get(), peer);
+        const absl::Status admitted =
+            callers_->Admit(fd.get(), peer, options_.max_connections_per_user,
+                            options_.max_connections);
+        if (!admitted.ok()) {
+          // Closing is the answer: the client sees its connection refused.
+          // Rate-limited: a flood of refused connections is one line per
+          // interval, not one per connection.
+          if (auto suppressed = refused_connection_log_.Allow()) {
+            spdlog::warn(
+                "refusing a connection from uid {} pid {}: {} ({} more "
+                "refusals not logged)",
+                peer.uid, peer.pid, std::string(admitted.message()),
+                *suppressed);
+          }
+          return;
+        }
         grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
       });
   if (!listener.ok()) return listener.status();
@@ -240,7 +268,12 @@ void Agent::Shutdown() {
   shut_down_ = true;
   attach_server_.reset();
   listener_.reset();
-  const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  // Transfers in flight stop now (their ops end UNAVAILABLE), so the grace
+  // below is spent only on RPCs that are already finishing.
+  if (calls_ != nullptr) {
+    calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
+  }
+  const auto grace = absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   if (server_ != nullptr) server_->Shutdown(grace);
   if (peer_server_ != nullptr) peer_server_->Shutdown(grace);
   if (buffers_ != nullptr) buffers_->Clear();

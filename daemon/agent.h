@@ -7,6 +7,7 @@
 #include "absl/status/statusor.h"
 #include "backends/backend.h"
 #include "backends/registry.h"
+#include "common/rate_limited_log.h"
 #include "daemon/agent_options.h"
 #include "daemon/quota.h"
 
@@ -16,6 +17,7 @@ class Server;
 
 namespace rdma_agent {
 
+class ActiveCalls;
 class AttachServer;
 class AttachTokens;
 class BufferRegistry;
@@ -63,12 +65,14 @@ class Agent {
   AgentIdentity identity_;
   std::string peer_address_;
   AgentQuotas quotas_;
+  LogRateLimiter refused_connection_log_{absl::Seconds(10)};
   // Declaration order is teardown order in reverse: servers stop before the
   // registries and backends they call into are destroyed.
   std::unique_ptr<BufferRegistry> buffers_;
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;
+  std::unique_ptr<ActiveCalls> calls_;
   std::unique_ptr<RdmaAgentService> service_;
   std::unique_ptr<grpc::Server> peer_server_;
   std::unique_ptr<grpc::Server> server_;

@@ -52,6 +52,17 @@ struct AgentOptions {
   // Open attach-socket connections (an fd and a thread each).
   uint64_t max_attach_connections_per_user = 0;
   uint64_t max_attach_connections_total = 0;
+  // Ops of running Submits, per user and in total.
+  size_t max_ops_in_flight = 262144;
+  size_t max_ops_in_flight_per_user = 65536;
+  // RdmaAgent RPCs served at once (gRPC server threads), and per user.
+  size_t max_rpcs = 256;
+  size_t max_rpcs_per_user = 64;
+  // Connections to the RdmaAgent socket, in total and per user.
+  size_t max_connections = 1024;
+  size_t max_connections_per_user = 128;
+  // Longest Shutdown() waits for RPCs once their work is cancelled.
+  absl::Duration shutdown_grace = absl::Seconds(5);
 };
 
 }  // namespace rdma_agent

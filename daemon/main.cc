@@ -71,6 +71,22 @@ ABSL_FLAG(uint64_t, max_attach_connections_total, 0,
           "256.");
 ABSL_FLAG(absl::Duration, attach_token_ttl, absl::Seconds(60),
           "How long an attach token stays valid.");
+ABSL_FLAG(int64_t, max_ops_in_flight, 262144,
+          "Most ops of running Submits, over all users; beyond, Submit is "
+          "refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_ops_in_flight_per_user, 65536,
+          "Most ops of running Submits for one local user.");
+ABSL_FLAG(int64_t, max_rpcs, 256,
+          "RdmaAgent RPCs served at once (gRPC server threads).");
+ABSL_FLAG(int64_t, max_rpcs_per_user, 64,
+          "RdmaAgent RPCs one local user may have running at once.");
+ABSL_FLAG(int64_t, max_connections, 1024,
+          "Connections to the RdmaAgent socket, over all users.");
+ABSL_FLAG(int64_t, max_connections_per_user, 128,
+          "Connections to the RdmaAgent socket one local user may hold.");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
+          "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
+          "agent waits at most this long for RPCs to finish.");
 
 namespace rdma_agent {
 namespace {
@@ -114,6 +130,18 @@ int Run() {
       absl::GetFlag(FLAGS_max_attach_connections_per_user);
   options.max_attach_connections_total =
       absl::GetFlag(FLAGS_max_attach_connections_total);
+  options.max_ops_in_flight =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight));
+  options.max_ops_in_flight_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
+  options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));
+  options.max_rpcs_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs_per_user));
+  options.max_connections =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_connections));
+  options.max_connections_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_connections_per_user));
   for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
     auto factory = BackendFactoryFromFlags(name);
     if (!factory.ok()) {

@@ -8,6 +8,12 @@
 #include "absl/strings/str_cat.h"
 
 namespace rdma_agent {
+namespace {
+
+// How often a wait that nothing else wakes checks for cancellation.
+constexpr absl::Duration kCancellationCheckInterval = absl::Milliseconds(50);
+
+}  // namespace
 
 // --- OpTracker ----------------------------------------------------------
 
@@ -36,9 +42,19 @@ void OpTracker::PostingFinished(size_t op, const absl::Status& status) {
 
 bool OpTracker::AllDone() const { return not_done_ == 0; }
 
+bool OpTracker::DoneOrInterrupted() const {
+  return not_done_ == 0 || interrupted_;
+}
+
+void OpTracker::Interrupt() {
+  absl::MutexLock lock(&mu_);
+  interrupted_ = true;
+}
+
 bool OpTracker::WaitAllDone(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  mu_.AwaitWithDeadline(absl::Condition(this, &OpTracker::AllDone), deadline);
+  mu_.AwaitWithDeadline(absl::Condition(this, &OpTracker::DoneOrInterrupted),
+                        deadline);
   return not_done_ == 0;
 }
 
@@ -233,19 +249,24 @@ absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
 absl::Status Connection::Post(ibv_send_wr& wr,
                               const std::shared_ptr<OpTracker>& tracker,
                               size_t op, std::shared_ptr<Registration> pin,
-                              absl::Time deadline) {
+                              const StopToken& stop) {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return credits_ > 0 || broken_.load() || stop_;
   };
-  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  // A cancellation does not touch mu_, so the wait is sliced to notice it.
+  while (!mu_.AwaitWithDeadline(
+             absl::Condition(&ready),
+             std::min(stop.deadline(),
+                      absl::Now() + kCancellationCheckInterval)) &&
+         !stop.stopped()) {
+  }
   if (broken_.load() || stop_) {
     return absl::UnavailableError(
         "the RDMA queue pair failed; the next submit reconnects");
   }
   if (credits_ == 0) {
-    return absl::DeadlineExceededError(
-        "deadline passed waiting for a send-queue slot");
+    return stop.StopStatus("waiting for a send-queue slot");
   }
   const uint64_t id = next_wr_id_++;
   wr.wr_id = id;

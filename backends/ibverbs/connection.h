@@ -16,6 +16,7 @@
 #include "backends/ibverbs/profiles.h"
 #include "backends/ibverbs/verbs.h"
 #include "backends/registration.h"
+#include "common/stop_token.h"
 #include "rdma/agent/v1/peer.pb.h"
 
 namespace rdma_agent {
@@ -34,8 +35,12 @@ class OpTracker {
   // error (unless it already has one).
   void PostingFinished(size_t op, const absl::Status& status);
 
-  // Waits until every op is done or `deadline`; true when all are done.
+  // Waits until every op is done, `deadline` passes or Interrupt() is
+  // called; true when all are done.
   bool WaitAllDone(absl::Time deadline);
+  // Ends every WaitAllDone now (and every later one at once): the batch was
+  // cancelled. Callable from any thread; does not block.
+  void Interrupt();
   // Ops not done yet.
   std::vector<size_t> NotDone();
   // WRs still outstanding over all ops.
@@ -52,10 +57,12 @@ class OpTracker {
     absl::Status status;
   };
   bool AllDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool DoneOrInterrupted() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   std::vector<Progress> ops_ ABSL_GUARDED_BY(mu_);
   size_t not_done_ ABSL_GUARDED_BY(mu_);
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The gRPC code for a work completion status (DESIGN.md section 3):
@@ -103,11 +110,12 @@ class Connection {
 
   // Posts one signaled WR (wr.wr_id is assigned here) once a send-queue
   // credit is free. Its completion goes to `tracker` as op `op`; `pin` is
-  // held until then. DEADLINE_EXCEEDED if no credit frees up by `deadline`,
-  // UNAVAILABLE once the connection is broken.
+  // held until then. If no credit frees up before `stop` fires: its status
+  // (DEADLINE_EXCEEDED, or the cancellation's reason). UNAVAILABLE once the
+  // connection is broken.
   absl::Status Post(ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker,
                     size_t op, std::shared_ptr<Registration> pin,
-                    absl::Time deadline);
+                    const StopToken& stop);
 
   // Moves the QP to ERR and waits until every posted WR has completed (they
   // are flushed), at most `limit`. True when nothing is outstanding.

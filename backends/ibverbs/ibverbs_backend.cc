@@ -509,7 +509,7 @@ absl::Status IbverbsBackend::CheckOp(const Op& op) const {
 absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
                                     Connection& connection,
                                     const std::shared_ptr<OpTracker>& tracker,
-                                    absl::Time deadline) const {
+                                    const StopToken& stop) const {
   const v1::IbverbsEndpoint& ib = FindEndpoint(*op.remote, name_)->ibverbs();
   const auto& local =
       dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
@@ -531,22 +531,24 @@ absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
     wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
     wr.wr.rdma.remote_addr = ib.address() + op.remote_offset + done;
     wr.wr.rdma.rkey = ib.rkey();
-    posted = connection.Post(wr, tracker, index, op.local, deadline);
+    posted = connection.Post(wr, tracker, index, op.local, stop);
     done += n;
   }
   return posted;
 }
 
 std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
-                                                 absl::Time deadline) {
+                                                 const StopToken& stop) {
+  const absl::Time deadline = stop.deadline();
   auto tracker = std::make_shared<OpTracker>(ops.size());
+  // A cancellation ends the wait for completions below; the QPs are then
+  // moved to ERR and drained exactly as at the deadline.
+  const auto on_cancel = stop.OnCancel([tracker] { tracker->Interrupt(); });
   // Ops grouped by the QP they go through, each group in batch order.
   std::map<std::string, std::vector<size_t>> groups;
   for (size_t i = 0; i < ops.size(); ++i) {
-    absl::Status checked =
-        absl::Now() >= deadline
-            ? absl::DeadlineExceededError("deadline passed before posting")
-            : CheckOp(ops[i]);
+    absl::Status checked = stop.Check("before posting");
+    if (checked.ok()) checked = CheckOp(ops[i]);
     if (!checked.ok()) {
       tracker->PostingFinished(i, checked);
       continue;
@@ -575,7 +577,8 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
     }
     for (size_t i : indices) {
       tracker->PostingFinished(
-          i, PostOp(ops[i], i, **connection, tracker, deadline));
+          i, stop.cancelled() ? stop.StopStatus("before posting")
+                              : PostOp(ops[i], i, **connection, tracker, stop));
     }
   };
   if (groups.size() == 1) {
@@ -590,8 +593,9 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
   }
 
   if (!tracker->WaitAllDone(deadline)) {
-    // Out of time with WRs on the wire: the QPs carrying them go to ERR and
-    // are drained, so no WR of this batch touches memory after we return.
+    // Out of time (or cancelled) with WRs on the wire: the QPs carrying them
+    // go to ERR and are drained, so no WR of this batch touches memory after
+    // we return.
     const std::vector<size_t> late = tracker->NotDone();
     bool drained = true;
     for (const auto& connection : used) {
@@ -607,19 +611,22 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
           "within {}",
           absl::FormatDuration(options_.drain_timeout));
     }
+    const bool cancelled = stop.cancelled();
     spdlog::warn(
-        "ibverbs: deadline passed with {} op(s) in flight; queue "
-        "pair(s) moved to ERROR and drained",
-        late.size());
+        "ibverbs: {} with {} op(s) in flight; queue pair(s) moved to ERROR "
+        "and drained",
+        cancelled ? "batch cancelled" : "deadline passed", late.size());
+    const std::string what =
+        drained ? "with RDMA work requests in flight; the queue pair was "
+                  "moved to ERROR and drained"
+                : "with RDMA work requests in flight; the queue pair was "
+                  "moved to ERROR but did not drain";
+    const absl::Status cut = stop.StopStatus(what);
     for (size_t i : late) {
       tracker->Override(
-          i, absl::DeadlineExceededError(
-                 drained ? "deadline passed with RDMA work requests in "
-                           "flight; the queue pair was moved to ERROR and "
-                           "drained"
-                         : "deadline passed with RDMA work requests in "
-                           "flight; the queue pair was moved to ERROR but "
-                           "did not drain"));
+          i, cancelled ? absl::Status(cut.code(),
+                                      absl::StrCat(cut.message(), " ", what))
+                       : cut);
     }
   }
   std::vector<absl::Status> results = tracker->Results();

@@ -89,7 +89,7 @@ class IbverbsBackend : public Backend {
       const Registration& registration, v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   absl::Time deadline) override;
+                                   const StopToken& stop) override;
 
   // The responder half of the handshake (what the Peer service calls).
   absl::StatusOr<v1::ConnectQueuePairResponse> AcceptQueuePair(
@@ -121,7 +121,7 @@ class IbverbsBackend : public Backend {
   // returns the first posting error.
   absl::Status PostOp(const Op& op, size_t index, Connection& connection,
                       const std::shared_ptr<OpTracker>& tracker,
-                      absl::Time deadline) const;
+                      const StopToken& stop) const;
   absl::StatusOr<std::shared_ptr<Connection>> GetConnection(
       const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
       absl::Time deadline);

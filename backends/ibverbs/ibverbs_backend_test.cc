@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "backends/ibverbs/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
@@ -837,6 +838,88 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ((*backend)->responder_count(), 1u);
   server->Shutdown();
+}
+
+TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
+  auto a = Node("agent-a", "nic_a");
+  auto b = Node("agent-b", "nic_b");
+  TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(8192, v1::ACCESS_READ_WRITE, 2);
+  ASSERT_TRUE(a->backend()
+                  .Submit({MakeOp(0, kRead, local, 0, 8, remote, 0)},
+                          In(absl::Seconds(10)))[0]
+                  .ok());
+  const uint64_t ok_before = fabric_.wrs_completed_ok();
+  SoftFault delay;
+  delay.action = SoftFault::Action::kDelay;
+  delay.delay = absl::Seconds(1);
+  delay.count = 2;
+  fabric_.InjectFault(delay);
+  const std::vector<uint8_t> local_before = Snapshot(local);
+  const std::vector<uint8_t> remote_before = Snapshot(remote);
+  Cancellation cancellation;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancellation.Cancel(absl::CancelledError("the client went away"));
+  });
+  const absl::Time start = absl::Now();
+  const auto cut = a->backend().Submit(
+      {MakeOp(0, kRead, local, 10, 100, remote, 1000),
+       MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
+      StopToken(start + absl::Seconds(30), &cancellation));
+  const absl::Duration took = absl::Now() - start;
+  canceller.join();
+  for (const absl::Status& status : cut) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), "the client went away"))
+        << status;
+  }
+  EXPECT_LT(took, absl::Milliseconds(900));  // not the 1 s delayed WRs
+  // The delayed WRs were flushed: once their delay is over no byte moved.
+  absl::SleepFor(absl::Milliseconds(1200));
+  EXPECT_EQ(Snapshot(local), local_before);
+  EXPECT_EQ(Snapshot(remote), remote_before);
+  EXPECT_EQ(fabric_.wrs_completed_ok(), ok_before);
+  const auto again = a->backend().Submit(
+      {MakeOp(0, kRead, local, 10, 100, remote, 1000)}, In(absl::Seconds(10)));
+  EXPECT_TRUE(again[0].ok()) << again[0];
+}
+
+TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
+  IbverbsOptions shallow = Fast();
+  shallow.qp.sq_depth = 2;
+  shallow.qp.timeout = 0;  // a lost WR is never retried out: only ERR ends it
+  auto a = Node("agent-a", "nic_a", shallow);
+  auto b = Node("agent-b", "nic_b");
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  SoftFault drop;
+  drop.action = SoftFault::Action::kDrop;
+  drop.count = -1;
+  fabric_.InjectFault(drop);
+  std::vector<Op> ops;
+  for (size_t i = 0; i < 5; ++i) {
+    ops.push_back(MakeOp(i, kWrite, local, i * 10, 10, remote, i * 10));
+  }
+  Cancellation cancellation;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancellation.Cancel(absl::UnavailableError("the agent is shutting down"));
+  });
+  const absl::Time start = absl::Now();
+  const auto results = a->backend().Submit(
+      ops, StopToken(start + absl::Seconds(30), &cancellation));
+  canceller.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(results[i].code(), absl::StatusCode::kUnavailable)
+        << i << ": " << results[i];
+  }
+  fabric_.ClearFaults();
+  EXPECT_TRUE(a->backend()
+                  .Submit({MakeOp(0, kWrite, local, 0, 10, remote, 0)},
+                          In(absl::Seconds(10)))[0]
+                  .ok());
 }
 
 }  // namespace

@@ -29,16 +29,17 @@ bool MemoryBackend::CanReach(const v1::RemoteBuffer& remote) const {
 }
 
 std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
-                                                absl::Time deadline) {
+                                                const StopToken& stop) {
   std::vector<absl::Status> results;
   results.reserve(ops.size());
-  for (const Op& op : ops) results.push_back(Run(op, deadline));
+  for (const Op& op : ops) results.push_back(Run(op, stop));
   return results;
 }
 
-absl::Status MemoryBackend::Run(const Op& op, absl::Time deadline) const {
-  if (absl::Now() >= deadline) {
-    return absl::DeadlineExceededError("deadline passed before the copy began");
+absl::Status MemoryBackend::Run(const Op& op, const StopToken& stop) const {
+  if (absl::Status stopped = stop.Check("before the copy began");
+      !stopped.ok()) {
+    return stopped;
   }
   auto remote = env_.directory->ResolveForPeer(ServeRequestFor(op));
   if (!remote.ok()) return remote.status();
@@ -50,9 +51,9 @@ absl::Status MemoryBackend::Run(const Op& op, absl::Time deadline) const {
   // Sliced so that a huge copy still honours the deadline between slices;
   // memmove because both sides may be the same registration.
   for (uint64_t done = 0; done < op.length;) {
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "deadline passed after ", done, " of ", op.length, " bytes"));
+    if (stop.stopped()) {
+      return stop.StopStatus(
+          absl::StrCat("after ", done, " of ", op.length, " bytes"));
     }
     const uint64_t n = std::min(kCopySliceBytes, op.length - done);
     std::memmove(dst + done, src + done, n);

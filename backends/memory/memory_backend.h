@@ -13,7 +13,7 @@ namespace rdma_agent {
 // is a memcpy inside the agent. Reaches only contexts this agent issued.
 class MemoryBackend : public Backend {
  public:
-  // Largest copy done between deadline checks.
+  // Largest copy done between deadline and cancellation checks.
   static constexpr uint64_t kCopySliceBytes = 64ull << 20;
 
   explicit MemoryBackend(BackendEnvironment env);
@@ -29,10 +29,10 @@ class MemoryBackend : public Backend {
       v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   absl::Time deadline) override;
+                                   const StopToken& stop) override;
 
  private:
-  absl::Status Run(const Op& op, absl::Time deadline) const;
+  absl::Status Run(const Op& op, const StopToken& stop) const;
 
   const std::string name_ = "memory";
   const BackendEnvironment env_;

@@ -90,7 +90,8 @@ bool TcpBackend::CanReach(const v1::RemoteBuffer& remote) const {
 }
 
 std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
-                                             absl::Time deadline) {
+                                             const StopToken& stop) {
+  const absl::Time deadline = stop.deadline();
   std::vector<absl::Status> results(ops.size());
   // Ops grouped by the data port that serves them.
   std::map<std::string, std::pair<HostPort, std::vector<size_t>>> peers;

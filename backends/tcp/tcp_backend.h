@@ -53,7 +53,7 @@ class TcpBackend : public Backend {
   // True when `remote` advertises a usable tcp endpoint (host and port).
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   absl::Time deadline) override;
+                                   const StopToken& stop) override;
 
   // The data port actually bound.
   uint16_t port() const { return server_->port(); }

@@ -49,7 +49,7 @@ class FakeBackend : public Backend {
     return FindEndpoint(remote, name_) != nullptr;
   }
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   absl::Time) override {
+                                   const StopToken&) override {
     std::vector<absl::Status> results;
     for (const Op& op : ops) {
       submitted.push_back(op.index);
@@ -234,6 +234,18 @@ TEST(BackendRegistryTest, DoesNotRetryAfterTheDeadline) {
   auto outcomes = fakes.registry->Submit(
       {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
       absl::Now() - absl::Seconds(1));
+  EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(fakes.tcp->submitted.empty());
+}
+
+TEST(BackendRegistryTest, DoesNotRetryOnceCancelled) {
+  Fakes fakes = MakeRegistry();
+  fakes.nic->script = {absl::UnavailableError("link down")};
+  Cancellation cancellation;
+  cancellation.Cancel(absl::CancelledError("client went away"));
+  auto outcomes = fakes.registry->Submit(
+      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      StopToken(absl::Now() + absl::Seconds(5), &cancellation));
   EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(fakes.tcp->submitted.empty());
 }

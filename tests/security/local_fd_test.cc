@@ -124,7 +124,12 @@ UniqueFd ConnectNonBlocking(const std::string& path) {
 }
 
 TEST_F(LocalFdTest, ConnectionFloodBacksOffLogsRarelyAndRecovers) {
-  StartAgent();
+  // Connection caps high enough that the fd limit is reached first (as with
+  // many users, each within its own cap).
+  auto agent = StartSharedAgent(
+      {"--max_connections=100000", "--max_connections_per_user=100000"});
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  agent_ = std::move(*agent);
   // As if started under `prlimit --nofile=256`: soon out of fds.
   ASSERT_TRUE(LowerFileLimit(agent_->pid(), 256).ok());
   const size_t log_before = agent_->Log().size();
