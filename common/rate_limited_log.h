@@ -17,7 +17,7 @@ namespace rdma_agent {
 //
 //   static LogRateLimiter limiter(absl::Seconds(10));
 //   if (auto suppressed = limiter.Allow()) {
-//     spdlog::warn("accept failed: {} ({} similar suppressed)", ..., *suppressed);
+//     spdlog::warn("accept failed: {} ({} not logged)", why, *suppressed);
 //   }
 class LogRateLimiter {
  public:

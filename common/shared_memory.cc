@@ -15,11 +15,11 @@ namespace {
 
 absl::Status ErrnoStatus(absl::string_view what) {
   const int err = errno;
-  return absl::Status(err == ENOMEM || err == ENOSPC || err == EMFILE ||
-                              err == ENFILE
-                          ? absl::StatusCode::kResourceExhausted
-                          : absl::StatusCode::kInternal,
-                      absl::StrCat(what, ": ", std::strerror(err)));
+  return absl::Status(
+      err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE
+          ? absl::StatusCode::kResourceExhausted
+          : absl::StatusCode::kInternal,
+      absl::StrCat(what, ": ", std::strerror(err)));
 }
 
 absl::StatusOr<std::byte*> MapShared(int fd, uint64_t size) {

@@ -76,9 +76,6 @@ void AttachServer::OnConnection(UniqueFd fd, const PeerCredentials& peer) {
   ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
 
-  absl::MutexLock lock(&mu_);
-  ReapDoneLocked();
-  if (stopping_) return;
   // Admitted before a thread exists; refused, the fd closes on return.
   auto charge = options_.quotas.attach_connections->Reserve(peer.uid, 1);
   if (!charge.ok()) {
@@ -88,6 +85,9 @@ void AttachServer::OnConnection(UniqueFd fd, const PeerCredentials& peer) {
                       absl::StrCat("attach: ", charge.status().message()))));
     return;
   }
+  absl::MutexLock lock(&mu_);
+  ReapDoneLocked();
+  if (stopping_) return;
   Connection& connection = connections_.emplace_back();
   connection.fd = std::move(fd);
   connection.peer = peer;
@@ -101,8 +101,8 @@ void AttachServer::Serve(Connection* connection) {
     auto fd = ReceiveFdMessage(connection->fd.get(), &request);
     if (!fd.ok()) {
       if (!absl::IsUnavailable(fd.status())) {
-        spdlog::debug("attach connection from pid {}: {}",
-                      connection->peer.pid, LogSafe(fd.status().ToString()));
+        spdlog::debug("attach connection from pid {}: {}", connection->peer.pid,
+                      LogSafe(fd.status().ToString()));
         if (absl::IsInvalidArgument(fd.status())) {
           (void)SendFdMessage(connection->fd.get(), ErrorResponse(fd.status()));
         }
@@ -136,9 +136,9 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       uint64_t size = 0;
       auto token = Attach(std::move(fd), peer, &size);
       if (!token.ok()) {
-        return ErrorReply(absl::Status(
-            token.status().code(),
-            absl::StrCat("attach: ", token.status().message())));
+        return ErrorReply(
+            absl::Status(token.status().code(),
+                         absl::StrCat("attach: ", token.status().message())));
       }
       Reply reply;
       reply.response.set_attach_token(*token);

@@ -56,8 +56,7 @@ ResourceQuota::ResourceQuota(std::string what, std::string per_user_flag,
       total_flag_(std::move(total_flag)),
       limits_(limits) {}
 
-absl::StatusOr<QuotaCharge> ResourceQuota::Reserve(uid_t uid,
-                                                   uint64_t amount) {
+absl::StatusOr<QuotaCharge> ResourceQuota::Reserve(uid_t uid, uint64_t amount) {
   absl::MutexLock lock(&mu_);
   uint64_t& mine = by_user_[uid];
   // Subtractions, not additions: `amount` comes from a caller and may be
@@ -72,10 +71,10 @@ absl::StatusOr<QuotaCharge> ResourceQuota::Reserve(uid_t uid,
   }
   if (amount > limits_.total || total_ > limits_.total - amount) {
     if (mine == 0) by_user_.erase(uid);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the agent holds ", total_, " ", what_, " for all users; ", amount,
-        " more would pass the limit of ", limits_.total, " (--", total_flag_,
-        ")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the agent holds ", total_, " ", what_, " for all users; ",
+                     amount, " more would pass the limit of ", limits_.total,
+                     " (--", total_flag_, ")"));
   }
   mine += amount;
   total_ += amount;
@@ -126,17 +125,17 @@ void QuotaCharge::Reset() {
 HostLimits ReadHostLimits() {
   HostLimits host;
   struct rlimit files = {};
-  host.open_files = ::getrlimit(RLIMIT_NOFILE, &files) == 0 &&
-                            files.rlim_cur != RLIM_INFINITY
-                        ? files.rlim_cur
-                        : 1024;
+  host.open_files =
+      ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY
+          ? files.rlim_cur
+          : 1024;
   host.max_map_count = ReadMaxMapCount();
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page_size = ::sysconf(_SC_PAGESIZE);
-  host.memory_bytes = pages > 0 && page_size > 0
-                          ? static_cast<uint64_t>(pages) *
-                                static_cast<uint64_t>(page_size)
-                          : uint64_t{1} << 30;
+  host.memory_bytes =
+      pages > 0 && page_size > 0
+          ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
+          : uint64_t{1} << 30;
   return host;
 }
 
@@ -165,9 +164,8 @@ QuotaLimits DeriveQuotaLimits(QuotaLimits limits, const HostLimits& host) {
 AgentQuotas MakeAgentQuotas(const QuotaLimits& limits) {
   AgentQuotas quotas;
   quotas.bytes = ResourceQuota::Create(
-      "bytes of registered or attached memory",
-      "max_registered_bytes_per_user", "max_registered_bytes_total",
-      limits.bytes);
+      "bytes of registered or attached memory", "max_registered_bytes_per_user",
+      "max_registered_bytes_total", limits.bytes);
   quotas.registrations =
       ResourceQuota::Create("registrations", "max_buffers_per_user",
                             "max_buffers_total", limits.registrations);

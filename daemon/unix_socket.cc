@@ -6,10 +6,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-
-#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
@@ -48,9 +47,9 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
   struct sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Unix socket path '", path, "' is empty or longer than ",
-        sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Unix socket path '", path, "' is empty or longer than ",
+                     sizeof(addr.sun_path) - 1, " bytes"));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
 

@@ -62,8 +62,8 @@ TEST_F(AttachTokensTest, TimerExpiresParkedMemoryWithoutAnotherCall) {
   EXPECT_EQ(bytes_quota_->used(kOwner), 4096u);
   EXPECT_EQ(pending_quota_->used(kOwner), 1u);
   // Nothing but the clock: no Park, no Take.
-  ASSERT_TRUE(Eventually([&] { return tokens.pending() == 0; },
-                         absl::Seconds(10)));
+  ASSERT_TRUE(
+      Eventually([&] { return tokens.pending() == 0; }, absl::Seconds(10)));
   // Unmapped and closed, and the quota given back.
   EXPECT_TRUE(Eventually([&] { return bytes_quota_->used_total() == 0; },
                          absl::Seconds(1)));

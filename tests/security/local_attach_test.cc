@@ -84,8 +84,8 @@ TEST_F(LocalAttachTest, BytesQuotaBoundsParkedMemoryAndTheTimerExpiresIt) {
   auto root = LocalWorker::Start(**agent, -1);
   ASSERT_TRUE(root.ok()) << root.status();
   // Workers are connected: what the agent holds from here on is the attack.
-  ASSERT_TRUE(Eventually([&] { return OpenFdCount(pid) > 0; },
-                         absl::Seconds(1)));
+  ASSERT_TRUE(
+      Eventually([&] { return OpenFdCount(pid) > 0; }, absl::Seconds(1)));
   const int fds_before = OpenFdCount(pid);
   const uint64_t vm_before = VmSizeBytes(pid);
 

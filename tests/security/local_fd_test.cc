@@ -79,8 +79,8 @@ TEST_F(LocalFdTest, OneUserRegisteringUntilRefusedLeavesRoomForOthers) {
       absl::Seconds(5)));
   const uint64_t open_files = LoggedNumber("from ");
   const uint64_t per_user = LoggedNumber("registrations ");
-  const uint64_t total = LoggedNumber(absl::StrCat("registrations ", per_user,
-                                                   " / "));
+  const uint64_t total =
+      LoggedNumber(absl::StrCat("registrations ", per_user, " / "));
   EXPECT_GT(per_user, 0u) << agent_->Log();
   EXPECT_LE(per_user, total / 4);
   EXPECT_LT(total, open_files);

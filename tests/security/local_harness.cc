@@ -38,9 +38,11 @@ absl::StatusOr<LocalWorker> LocalWorker::Start(const AgentProcess& agent,
 std::string LocalWorker::Ask(absl::string_view command,
                              absl::Duration timeout) {
   absl::Status written = process_.WriteLine(command);
-  if (!written.ok()) return absl::StrCat("<no answer: ", written.ToString(), ">");
+  if (!written.ok())
+    return absl::StrCat("<no answer: ", written.ToString(), ">");
   absl::StatusOr<std::string> line = process_.ReadLine(timeout);
-  if (!line.ok()) return absl::StrCat("<no answer: ", line.status().ToString(), ">");
+  if (!line.ok())
+    return absl::StrCat("<no answer: ", line.status().ToString(), ">");
   return *line;
 }
 

@@ -46,8 +46,7 @@ int OpenFdCount(pid_t pid);
 size_t CountOf(absl::string_view text, absl::string_view needle);
 
 // Polls `condition` every 10 ms until it holds (true) or `timeout` passes.
-bool Eventually(const std::function<bool()>& condition,
-                absl::Duration timeout);
+bool Eventually(const std::function<bool()>& condition, absl::Duration timeout);
 
 // Lowers RLIMIT_NOFILE of the running process `pid` to `limit`, soft and
 // hard (lowering needs no CAP_SYS_RESOURCE, which test containers may lack;

@@ -29,8 +29,8 @@ TEST(LocalLogTest, LabelsCannotForgeLogLinesOrSmuggleEscapes) {
   auto attacker = LocalWorker::Start(**agent, kNobody);
   ASSERT_TRUE(attacker.ok()) << attacker.status();
 
-  const std::string label = absl::StrCat("innocent\n", kForged,
-                                         " buffer 424242\r\x1b[2K\x1b[31mred");
+  const std::string label =
+      absl::StrCat("innocent\n", kForged, " buffer 424242\r\x1b[2K\x1b[31mred");
   const std::string registered = attacker->Ask(
       absl::StrCat("allocate 4096 ", absl::BytesToHexString(label)));
   ASSERT_THAT(registered, StartsWith("ok ")) << registered;

@@ -227,12 +227,11 @@ class Worker {
         ++served;
         connections_.push_back(std::move(sock));
       } else if (refused++ == 0) {
-        first_refusal = absl::StrCat(" ", CodeName(status), " ",
-                                     OneLine(status.message()));
+        first_refusal =
+            absl::StrCat(" ", CodeName(status), " ", OneLine(status.message()));
       }
     }
-    return absl::StrCat("served ", served, " refused ", refused,
-                        first_refusal);
+    return absl::StrCat("served ", served, " refused ", refused, first_refusal);
   }
 
   std::unique_ptr<AgentClient> client_;
