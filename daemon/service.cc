@@ -203,7 +203,14 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   // until unmapped) is charged first, then the bytes, before any memfd is
   // created; whatever is refused leaves nothing behind.
   auto slot = quotas_.registrations->Reserve(caller, 1);
-  if (!slot.ok()) return slot.status();
+  if (!slot.ok()) {
+    // Refused, an attachment is not kept parked for a retry: its fd,
+    // mapping and bytes go now.
+    if (request.memory_case() == v1::RegisterRequest::kAttachToken) {
+      (void)attach_tokens_->Take(request.attach_token(), caller);
+    }
+    return slot.status();
+  }
   const uint64_t id = buffers_->NextId();
   absl::StatusOr<SharedMemory> memory;
   bool agent_allocated = false;
@@ -213,11 +220,10 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
         return absl::InvalidArgumentError("allocate_bytes must be positive");
       }
       if (request.allocate_bytes() > options_.max_buffer_bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("allocate_bytes ", request.allocate_bytes(),
-                         " exceeds the agent's limit of ",
-                         options_.max_buffer_bytes,
-                         " bytes (--max_buffer_bytes)"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "allocate_bytes ", request.allocate_bytes(),
+            " exceeds the agent's limit of ", options_.max_buffer_bytes,
+            " bytes (--max_buffer_bytes)"));
       }
       memory = SharedMemory::Allocate(
           request.allocate_bytes(), absl::StrCat("rdma-agentd-buffer-", id),
