@@ -24,6 +24,12 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
         "must be >= 1, chunk bytes in [1, ",
         tcp::kMaxPayloadBytes, "], socket buffer bytes >= 0"));
   }
+  if (options.listen.empty()) {
+    // Serve where peers are told to dial, not on every interface.
+    options.listen = JoinHostPort(
+        IsWildcardHost(env.advertise_host) ? "127.0.0.1" : env.advertise_host,
+        TcpOptions::kDefaultPort);
+  }
   auto listen = ParseHostPort(options.listen);
   if (!listen.ok()) return listen.status();
 
@@ -38,9 +44,10 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
     advertise = IsWildcardHost(listen->host) ? "127.0.0.1" : listen->host;
   }
 
-  auto server = tcp::DataServer::Start(*listen, env.directory,
-                                      options.client.zero_copy_send,
-                                      options.client.socket_buffer_bytes);
+  tcp::DataServerOptions server_options = options.server;
+  server_options.zero_copy_send = options.client.zero_copy_send;
+  server_options.socket_buffer_bytes = options.client.socket_buffer_bytes;
+  auto server = tcp::DataServer::Start(*listen, env.directory, server_options);
   if (!server.ok()) {
     return absl::Status(server.status().code(),
                         absl::StrCat("tcp data plane: ",
