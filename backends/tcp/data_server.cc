@@ -323,14 +323,23 @@ void DataServer::Admit(UniqueFd fd, std::string source) {
 void DataServer::WatchdogLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
-    // Woken early when a thread finished, so its fd goes back at once.
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](DataServer* server) {
-                               return server->stopping_ ||
-                                      server->finished_ > 0;
-                             },
-                             this),
-                         kWatchdogTick);
+    if (connections_.empty()) {
+      // Nothing to watch: sleep until a connection is admitted.
+      mu_.Await(absl::Condition(
+          +[](DataServer* server) {
+            return server->stopping_ || !server->connections_.empty();
+          },
+          this));
+    } else {
+      // Woken early when a thread finished, so its fd goes back at once.
+      mu_.AwaitWithTimeout(absl::Condition(
+                               +[](DataServer* server) {
+                                 return server->stopping_ ||
+                                        server->finished_ > 0;
+                               },
+                               this),
+                           kWatchdogTick);
+    }
     if (stopping_) return;
     ReapFinishedLocked();
     const int64_t now = absl::ToUnixNanos(absl::Now());
@@ -384,10 +393,12 @@ void DataServer::Serve(Connection* connection) {
       // A peer that speaks something else cannot be resynchronised: drop it.
       if (uint64_t suppressed = 0; !absl::IsUnavailable(header.status()) &&
                                    garbage_log_.Allow(&suppressed)) {
+        // The peer's bytes in the message are already LogSafe-escaped.
         spdlog::warn(
             "tcp data plane: closed a connection from {}: {} ({} similar "
             "suppressed)",
-            connection->source, LogSafe(header.status().message()), suppressed);
+            connection->source, std::string(header.status().message()),
+            suppressed);
       }
       break;
     }
