@@ -10,7 +10,9 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -406,6 +408,58 @@ TEST_F(DataServerTest, OutOfFdsBacksOffAndRecovers) {
       << OpenFds() << " fds open, " << baseline << " before";
   UniqueFd later = Connect(port());
   EXPECT_TRUE(ReadHello(later.get()).ok()) << "the server does not recover";
+}
+
+// Virtual memory of this process (VmSize), or 0 if unknown.
+uint64_t VirtualMemoryBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    uint64_t kib = 0;
+    if (sscanf(line.c_str(), "VmSize: %lu kB", &kib) == 1) return kib << 10;
+  }
+  return 0;
+}
+
+// A connection whose thread cannot be created is closed; the server goes on.
+TEST_F(DataServerTest, ConnectionWithoutAThreadIsClosedAndServingGoesOn) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "address-space limits do not mix with AddressSanitizer";
+#endif
+  StartServer(Patient());
+  Register(1, 4096);
+  // Connections held open while the limit is on: their threads take every
+  // stack glibc keeps cached from finished threads, and the accept thread's
+  // allocator is warm, so only a new thread needs new memory.
+  std::vector<UniqueFd> held;
+  for (int i = 0; i < 16; ++i) {
+    held.push_back(Connect(port()));
+    ASSERT_TRUE(ReadHello(held.back().get()).ok());
+  }
+  ASSERT_TRUE(
+      WaitFor([&] { return server_->connections() == 16; }, absl::Seconds(5)));
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  const uint64_t used = VirtualMemoryBytes();
+  ASSERT_GT(used, 0u);
+  // Room for small allocations, none for a thread's 8 MiB stack.
+  rlimit tight = saved;
+  tight.rlim_cur = used + (2 << 20);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &tight), 0);
+  UniqueFd refused = Connect(port());
+  auto received = ReadUntilClosed(refused.get(), absl::Seconds(5));
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(server_->connections(), 16u);
+
+  UniqueFd served = Connect(port());
+  ASSERT_TRUE(ReadHello(served.get()).ok());
+  SendAll(served.get(), Header(RequestKind::kRead, 1, 0, 8, "token-1"));
+  std::byte bytes[kResponseHeaderBytes];
+  ASSERT_TRUE(ReadFull(served.get(), bytes, sizeof(bytes)).ok());
+  auto response = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->code, 0u);
 }
 
 TEST_F(DataServerTest, RejectsLimitsOutOfRange) {
