@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "backends/tcp/flags.h"
 #include "backends/tcp/socket_util.h"
@@ -47,6 +48,18 @@ TEST(TcpServerListenTest, DefaultsToTheAdvertiseHostOnPort7471) {
   EXPECT_TRUE(Greets("127.0.0.5", TcpOptions::kDefaultPort));
   EXPECT_FALSE(Greets("127.0.0.1", TcpOptions::kDefaultPort))
       << "the data plane listens on more than the advertise host";
+}
+
+TEST(TcpServerListenTest, AnAdvertiseHostNotOfThisHostSaysWhatToSet) {
+  TestDirectory directory(1);
+  BackendEnvironment env;
+  env.directory = &directory;
+  env.advertise_host = "192.0.2.1";  // TEST-NET-1: never this host's (NAT)
+  auto backend = TcpBackend::Create(TcpOptions(), env);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(backend.status().message(), "--tcp_listen"))
+      << backend.status();
 }
 
 TEST(TcpServerListenTest, EveryInterfaceWhenAskedExplicitly) {
