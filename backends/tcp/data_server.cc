@@ -182,7 +182,8 @@ DataServer::~DataServer() {
 const char* DataServer::PhaseText(Phase phase) {
   switch (phase) {
     case Phase::kHandshake:
-      return "sent no whole request header within the handshake timeout";
+      return "sent no whole request (header and token) within the handshake "
+             "timeout";
     case Phase::kIdle:
       return "idled past the idle timeout";
     case Phase::kRequest:
@@ -368,53 +369,72 @@ void DataServer::WatchdogLoop() {
   }
 }
 
+bool DataServer::ReceiveRequest(Connection* connection, bool first,
+                                bool trusted, RequestHeader* header,
+                                std::string* token) {
+  const int fd = connection->fd.get();
+  if (!first) {
+    // Between requests: wait for the next one's first byte, at most the
+    // idle timeout, or, on a connection that never named a registration
+    // with its token, the handshake timeout (which then also covers header
+    // and token): a stranger's well-formed but refused requests do not buy
+    // it a long-lived slot.
+    connection->Enter(
+        trusted ? Phase::kIdle : Phase::kHandshake,
+        trusted ? options_.idle_timeout : options_.handshake_timeout);
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, -1) < 0 && errno != EINTR) return false;
+    if (trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
+  }
+  std::byte bytes[kRequestHeaderBytes];
+  const absl::Status received = ReadRequestHeader(fd, bytes);
+  absl::StatusOr<RequestHeader> decoded =
+      received.ok() ? DecodeRequestHeader(bytes)
+                    : absl::StatusOr<RequestHeader>(received);
+  if (!decoded.ok()) {
+    // A peer that speaks something else cannot be resynchronised: drop it.
+    if (uint64_t suppressed = 0; !absl::IsUnavailable(decoded.status()) &&
+                                 garbage_log_.Allow(&suppressed)) {
+      // The peer's bytes in the message are already LogSafe-escaped.
+      spdlog::warn(
+          "tcp data plane: closed a connection from {}: {} ({} similar "
+          "suppressed)",
+          connection->source, std::string(decoded.status().message()),
+          suppressed);
+    }
+    return false;
+  }
+  *header = *decoded;
+  token->resize(header->token_bytes);
+  if (!ReadFull(fd, token->data(), token->size()).ok()) return false;
+  // The rest (payload, response) is timed as a request.
+  if (!trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
+  return true;
+}
+
 void DataServer::Serve(Connection* connection) {
   const int fd = connection->fd.get();
-  std::byte header_bytes[kRequestHeaderBytes];
+  RequestHeader header;
   std::string token;
   // Made on first use; without it payloads are sent with send().
   std::optional<PageSender> pages;
   bool pages_failed = !options_.zero_copy_send;
+  // Set once a request has named a registration with its token.
+  bool trusted = false;
   for (bool first = true;; first = false) {
-    if (!first) {
-      // Between requests: wait for the next one's first byte (or the
-      // watchdog's cut at the idle deadline), then time the request.
-      connection->Enter(Phase::kIdle, options_.idle_timeout);
-      pollfd p{fd, POLLIN, 0};
-      if (poll(&p, 1, -1) < 0 && errno != EINTR) break;
-      connection->Enter(Phase::kRequest, options_.request_timeout);
-    }
-    // The first header is timed from accept by the handshake deadline.
-    const absl::Status header_read = ReadRequestHeader(fd, header_bytes);
-    if (first) connection->Enter(Phase::kRequest, options_.request_timeout);
-    auto header = header_read.ok() ? DecodeRequestHeader(header_bytes)
-                                   : absl::StatusOr<RequestHeader>(header_read);
-    if (!header.ok()) {
-      // A peer that speaks something else cannot be resynchronised: drop it.
-      if (uint64_t suppressed = 0; !absl::IsUnavailable(header.status()) &&
-                                   garbage_log_.Allow(&suppressed)) {
-        // The peer's bytes in the message are already LogSafe-escaped.
-        spdlog::warn(
-            "tcp data plane: closed a connection from {}: {} ({} similar "
-            "suppressed)",
-            connection->source, std::string(header.status().message()),
-            suppressed);
-      }
-      break;
-    }
-    token.resize(header->token_bytes);
-    if (!ReadFull(fd, token.data(), token.size()).ok()) break;
+    if (!ReceiveRequest(connection, first, trusted, &header, &token)) break;
 
     ServeRequest request;
-    request.agent_epoch = header->epoch;
-    request.buffer_id = header->buffer_id;
+    request.agent_epoch = header.epoch;
+    request.buffer_id = header.buffer_id;
     request.token = token;
-    request.offset = header->offset;
-    request.length = header->length;
-    request.write = header->kind == RequestKind::kWrite;
+    request.offset = header.offset;
+    request.length = header.length;
+    request.write = header.kind == RequestKind::kWrite;
     // Pinned until the end of this iteration, and no later: a connection cut
     // mid-request (request timeout, shutdown) lets it go by leaving the loop.
     auto registration = directory_->ResolveForPeer(request);
+    trusted = trusted || registration.ok();
 
     if (request.write) {
       const absl::Status received =
@@ -430,7 +450,7 @@ void DataServer::Serve(Connection* connection) {
     const std::string message(status.message().substr(
         0, std::min<size_t>(status.message().size(), kMaxMessageBytes)));
     ResponseHeader response;
-    response.request_id = header->request_id;
+    response.request_id = header.request_id;
     response.code = static_cast<uint32_t>(status.code());
     response.message_bytes = static_cast<uint32_t>(message.size());
     const bool send_payload = !request.write && registration.ok();
@@ -439,15 +459,14 @@ void DataServer::Serve(Connection* connection) {
     EncodeResponseHeader(response, response_bytes);
     std::byte* payload =
         send_payload ? (*registration)->data() + request.offset : nullptr;
-    const bool splice_payload = send_payload &&
-                                request.length >= kSpliceMinBytes &&
-                                !pages_failed && (pages.has_value() || [&] {
-                                  auto created = PageSender::Create();
-                                  if (created.ok())
-                                    pages.emplace(std::move(*created));
-                                  pages_failed = !created.ok();
-                                  return created.ok();
-                                }());
+    bool splice_payload =
+        send_payload && request.length >= kSpliceMinBytes && !pages_failed;
+    if (splice_payload && !pages.has_value()) {
+      auto created = PageSender::Create();
+      if (created.ok()) pages.emplace(std::move(*created));
+      pages_failed = !created.ok();
+      splice_payload = created.ok();
+    }
     iovec iov[3] = {
         {response_bytes, sizeof(response_bytes)},
         {const_cast<char*>(message.data()), message.size()},

@@ -17,6 +17,7 @@
 #include "backends/buffer_directory.h"
 #include "backends/tcp/log_limiter.h"
 #include "backends/tcp/socket_util.h"
+#include "backends/tcp/wire.h"
 #include "common/unique_fd.h"
 
 namespace rdma_agent::tcp {
@@ -128,6 +129,11 @@ class DataServer {
   // thread, or closes it.
   void Admit(UniqueFd fd, std::string source);
   void Serve(Connection* connection);
+  // Reads the next request's header and token into `*header` and `*token`,
+  // timing each wait by the phase it is in; false when the connection is to
+  // be dropped (closed, cut, or not speaking the protocol).
+  bool ReceiveRequest(Connection* connection, bool first, bool trusted,
+                      RequestHeader* header, std::string* token);
   // Cuts connections past their deadline and reaps finished ones until
   // the server stops.
   void WatchdogLoop();

@@ -212,6 +212,45 @@ TEST_F(DataServerTest, SilentConnectionIsClosedAfterTheHandshakeTimeout) {
       WaitFor([&] { return server_->connections() == 0; }, absl::Seconds(2)));
 }
 
+// Well-formed requests are no key: until one names a registration with its
+// token, a connection gets no more than the handshake timeout between them.
+TEST_F(DataServerTest, RefusedRequestsDoNotBuyAStrangerTime) {
+  DataServerOptions options = Patient();
+  options.handshake_timeout = absl::Milliseconds(400);
+  StartServer(options);
+  Register(1, 4096);
+  UniqueFd stranger = Connect(port());
+  UniqueFd peer = Connect(port());
+  ASSERT_TRUE(ReadHello(stranger.get()).ok());
+  ASSERT_TRUE(ReadHello(peer.get()).ok());
+  SendAll(stranger.get(), Header(RequestKind::kRead, 1, 0, 10, "guess"));
+  SendAll(peer.get(), Header(RequestKind::kRead, 1, 0, 10, "token-1"));
+  std::byte bytes[kResponseHeaderBytes];
+  ASSERT_TRUE(ReadFull(stranger.get(), bytes, sizeof(bytes)).ok());
+  auto refused = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->code,
+            static_cast<uint32_t>(absl::StatusCode::kPermissionDenied));
+  std::string rest(refused->message_bytes, '\0');
+  ASSERT_TRUE(ReadFull(stranger.get(), rest.data(), rest.size()).ok());
+  const absl::Time answered = absl::Now();
+  auto received = ReadUntilClosed(stranger.get(), absl::Seconds(5));
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(*received, "");
+  EXPECT_GE(absl::Now() - answered, absl::Milliseconds(300));
+  // The token holder's connection idles on (30 s idle timeout).
+  ASSERT_TRUE(ReadFull(peer.get(), bytes, sizeof(bytes)).ok());
+  auto served = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(served->code, 0u);
+  std::string payload(served->message_bytes + 10, '\0');
+  ASSERT_TRUE(ReadFull(peer.get(), payload.data(), payload.size()).ok());
+  absl::SleepFor(absl::Milliseconds(600));
+  pollfd p{peer.get(), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 0), 0) << "the token holder's connection was closed";
+  EXPECT_EQ(server_->connections(), 1u);
+}
+
 TEST_F(DataServerTest, GarbageFirstBytesAreClosedAtOnce) {
   StartServer(Patient());  // a 30 s handshake: only the garbage can end it
   for (const std::string& garbage :
