@@ -62,9 +62,10 @@ int DefaultMaxConnections();
 // Strangers are refused cheaply: a connection over the per-source or total
 // cap is closed at accept, before anything is sent or spawned; an accepted
 // one gets the server hello (wire.h) at once and is closed when its first
-// bytes are not a request, when no whole request header came within the
-// handshake timeout, when it idles past the idle timeout, or when a request
-// makes no complete progress within the request timeout. One thread serves
+// bytes are not a request, when no whole request header and token came
+// within the handshake timeout (between requests too, until one of them has
+// named a registration with its token), when it idles past the idle
+// timeout, or when a request does not complete within the request timeout. One thread serves
 // each accepted connection (bounded by the caps); a watchdog thread cuts
 // connections past their deadline and reaps finished ones, so their fds go
 // back at once. Accept failures (EMFILE...) back off from 10 ms to 1 s
