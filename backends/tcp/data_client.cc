@@ -455,6 +455,19 @@ absl::StatusOr<DataClient::Checkout> DataClient::CheckoutConnection(
   }
   auto fd = DialTcp(peer, deadline, options_.socket_buffer_bytes);
   if (!fd.ok()) return fd.status();
+  // The server speaks first (wire.h): nothing is sent to an endpoint that
+  // is not an rdma-agentd data port.
+  std::byte hello[kServerHelloBytes];
+  SetIoTimeout(fd->get(), /*receive=*/true, deadline - absl::Now());
+  absl::Status greeted = ReadFull(fd->get(), hello, sizeof(hello));
+  if (greeted.ok()) greeted = DecodeServerHello(hello);
+  if (!greeted.ok()) {
+    return absl::Now() >= deadline
+               ? absl::DeadlineExceededError(absl::StrCat(
+                     "deadline passed waiting for the hello of ", key))
+               : absl::UnavailableError(absl::StrCat(
+                     "no valid hello from ", key, ": ", greeted.message()));
+  }
   return Checkout{std::move(*fd), false};
 }
 

@@ -428,6 +428,9 @@ class FakePeer {
   absl::StatusOr<tcp::RequestHeader> AcceptAndReadRequest() {
     conn_.reset(accept(listener_.get(), nullptr, nullptr));
     if (!conn_) return absl::InternalError("accept failed");
+    std::byte hello[tcp::kServerHelloBytes];
+    tcp::EncodeServerHello(hello);  // as a DataServer does at accept
+    (void)send(conn_.get(), hello, sizeof(hello), MSG_NOSIGNAL);
     std::byte bytes[tcp::kRequestHeaderBytes];
     if (auto s = tcp::ReadFull(conn_.get(), bytes, sizeof(bytes)); !s.ok()) {
       return s;
