@@ -44,6 +44,10 @@ ABSL_FLAG(absl::Duration, max_submit_timeout, absl::Hours(1),
 ABSL_FLAG(int64_t, max_ops_per_submit, 65536, "Largest op batch.");
 ABSL_FLAG(uint64_t, max_buffer_bytes, uint64_t{64} << 30,
           "Largest registration in bytes.");
+ABSL_FLAG(uint64_t, open_files_limit, 0,
+          "Soft open-file limit (RLIMIT_NOFILE) the agent runs with; 0: raised "
+          "to the hard limit. The admission defaults below are derived from "
+          "it.");
 // Admission limits: 0 derives a default from the host at start (logged).
 ABSL_FLAG(uint64_t, max_registered_bytes_per_user, 0,
           "Bytes one local user may have registered or attached (not yet "
@@ -101,7 +105,8 @@ int Run() {
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
   // Every registration and parked attachment holds an fd: take what the
   // hard limit allows. The admission defaults are derived from the result.
-  spdlog::info("open-file limit {}", RaiseOpenFileLimit());
+  spdlog::info("open-file limit {}",
+               SetOpenFileLimit(absl::GetFlag(FLAGS_open_files_limit)));
 
   AgentOptions options;
   options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);

@@ -16,11 +16,12 @@ namespace {
 constexpr uint64_t kDefaultMaxMapCount = 65530;
 constexpr uint64_t kDefaultAttachConnections = 256;
 
-uint64_t ReadMaxMapCount() {
-  std::ifstream in("/proc/sys/vm/max_map_count");
-  uint64_t count = 0;
-  if (in >> count && count > 0) return count;
-  return kDefaultMaxMapCount;
+// A positive number from a /proc file, or `fallback`.
+uint64_t ReadProcNumber(const char* path, uint64_t fallback) {
+  std::ifstream in(path);
+  uint64_t value = 0;
+  if (in >> value && value > 0) return value;
+  return fallback;
 }
 
 // What stays free of registrations and parked attachments out of `limit`:
@@ -129,7 +130,8 @@ HostLimits ReadHostLimits() {
       ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY
           ? files.rlim_cur
           : 1024;
-  host.max_map_count = ReadMaxMapCount();
+  host.max_map_count =
+      ReadProcNumber("/proc/sys/vm/max_map_count", kDefaultMaxMapCount);
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page_size = ::sysconf(_SC_PAGESIZE);
   host.memory_bytes =
@@ -139,11 +141,18 @@ HostLimits ReadHostLimits() {
   return host;
 }
 
-uint64_t RaiseOpenFileLimit() {
+uint64_t SetOpenFileLimit(uint64_t soft_limit) {
   struct rlimit files = {};
   if (::getrlimit(RLIMIT_NOFILE, &files) != 0) return 0;
-  if (files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
+  // An unlimited hard limit still cannot pass fs.nr_open for fds.
+  const rlim_t ceiling =
+      files.rlim_max == RLIM_INFINITY
+          ? static_cast<rlim_t>(ReadProcNumber("/proc/sys/fs/nr_open", 1 << 20))
+          : files.rlim_max;
+  const rlim_t wanted =
+      soft_limit == 0 ? ceiling : std::min<rlim_t>(soft_limit, ceiling);
+  if (files.rlim_cur != wanted) {
+    files.rlim_cur = wanted;
     (void)::setrlimit(RLIMIT_NOFILE, &files);
     (void)::getrlimit(RLIMIT_NOFILE, &files);
   }

@@ -129,9 +129,10 @@ struct HostLimits {
 // conservative fallbacks when one cannot be read.
 HostLimits ReadHostLimits();
 
-// Raises the soft RLIMIT_NOFILE to the hard limit: every registration and
-// parked attachment holds an fd. Returns the soft limit in force afterwards.
-uint64_t RaiseOpenFileLimit();
+// Sets the soft RLIMIT_NOFILE to `soft_limit`, or, when 0, raises it to the
+// hard limit (every registration and parked attachment holds an fd); never
+// above the hard limit. Returns the soft limit in force afterwards.
+uint64_t SetOpenFileLimit(uint64_t soft_limit);
 
 // Resource limits of the agent; zero means "derive from the host" (see
 // DeriveQuotaLimits).

@@ -1,5 +1,7 @@
 #include "daemon/quota.h"
 
+#include <sys/resource.h>
+
 #include <limits>
 
 #include "gmock/gmock.h"
@@ -132,6 +134,18 @@ TEST(DeriveQuotaLimitsTest, SetLimitsAreKeptAndPerUserNeverExceedsTotal) {
   EXPECT_EQ(limits.registrations.per_user, 100u);
   EXPECT_EQ(limits.bytes.total, 4096u);
   EXPECT_EQ(limits.bytes.per_user, 1024u);
+}
+
+TEST(SetOpenFileLimitTest, SetsTheSoftLimitWithinTheHardOne) {
+  struct rlimit saved = {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_GE(saved.rlim_max, 512u);
+  EXPECT_EQ(SetOpenFileLimit(256), 256u);
+  EXPECT_EQ(ReadHostLimits().open_files, 256u);
+  // 0 raises it to the hard limit; more than the hard limit is capped.
+  EXPECT_EQ(SetOpenFileLimit(0), saved.rlim_max);
+  EXPECT_EQ(SetOpenFileLimit(saved.rlim_max + 1), saved.rlim_max);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 TEST(HostLimitsTest, ReadsSomethingPlausible) {
