@@ -3,7 +3,6 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
-#include <cerrno>
 #include <fstream>
 #include <sstream>
 
@@ -88,15 +87,6 @@ bool Eventually(const std::function<bool()>& condition,
     absl::SleepFor(absl::Milliseconds(10));
   }
   return true;
-}
-
-absl::Status LowerFileLimit(pid_t pid, rlim_t limit) {
-  const struct rlimit lowered = {limit, limit};
-  if (::prlimit(pid, RLIMIT_NOFILE, &lowered, nullptr) != 0) {
-    return absl::InternalError(
-        absl::StrCat("prlimit(", pid, ", RLIMIT_NOFILE): ", errno));
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<AgentProcess>> StartSharedAgent(

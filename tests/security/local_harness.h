@@ -2,10 +2,8 @@
 #define RDMA_AGENTD_TESTS_SECURITY_LOCAL_HARNESS_H_
 
 // What the local-attack tests share: a local_worker process as some user,
-// the agent's memory and fd footprint read from /proc, bounded polling, and
-// a lower open-file limit for the agent under test.
+// the agent's memory and fd footprint read from /proc, and bounded polling.
 
-#include <sys/resource.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -47,11 +45,6 @@ size_t CountOf(absl::string_view text, absl::string_view needle);
 
 // Polls `condition` every 10 ms until it holds (true) or `timeout` passes.
 bool Eventually(const std::function<bool()>& condition, absl::Duration timeout);
-
-// Lowers RLIMIT_NOFILE of the running process `pid` to `limit`, soft and
-// hard (lowering needs no CAP_SYS_RESOURCE, which test containers may lack;
-// raising a limit back would).
-absl::Status LowerFileLimit(pid_t pid, rlim_t limit);
 
 // Starts a real agent (memory backend) whose runtime dir other users can
 // reach, with `extra_flags`.
