@@ -48,15 +48,19 @@ absl::Time AttachTokens::EarliestExpiryLocked() const {
 }
 
 void AttachTokens::ExpireLoop() {
-  absl::MutexLock lock(&mu_);
-  while (!stopping_) {
-    changed_.WaitWithDeadline(&mu_, EarliestExpiryLocked());
-    PendingMap expired = TakeExpiredLocked(absl::Now());
-    if (expired.empty()) continue;
-    // Unmapping terabytes of address space takes a while: not under the lock.
-    mu_.Unlock();
-    expired.clear();
-    mu_.Lock();
+  while (true) {
+    PendingMap expired;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      // Recomputed under the lock each time, so a Park between two waits is
+      // never missed.
+      changed_.WaitWithDeadline(&mu_, EarliestExpiryLocked());
+      if (stopping_) return;
+      expired = TakeExpiredLocked(absl::Now());
+    }
+    // `expired` goes here: unmapping terabytes of address space takes a
+    // while, and must not hold up Park and Take.
   }
 }
 
