@@ -438,11 +438,9 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
         absl::StrCat("ibverbs backend unavailable on agent ",
                      env_.identity.agent_id, ": ", unavailable_reason_));
   }
+  // Never the current epoch: a stranger must not learn it.
   if (request.expected_epoch() != env_.identity.epoch) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("stale remote context: agent ", env_.identity.agent_id,
-                     " restarted (context epoch ", request.expected_epoch(),
-                     ", current epoch ", env_.identity.epoch, ")"));
+    return StaleContextError();
   }
   if (request.remote_device() != device_->name()) {
     return absl::NotFoundError(absl::StrCat(

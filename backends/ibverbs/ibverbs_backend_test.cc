@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "backends/ibverbs/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
@@ -434,7 +435,14 @@ TEST_F(IbverbsBackendTest, StaleEpochIsFailedPrecondition) {
                           In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition)
       << results[0];
-  EXPECT_NE(results[0].message().find("epoch"), std::string::npos);
+  EXPECT_NE(results[0].message().find("stale"), std::string::npos);
+  // The agent's current epoch is not given away.
+  EXPECT_EQ(
+      results[0].message().find(absl::StrCat(remote.context->agent_epoch())),
+      std::string::npos);
+  EXPECT_EQ(results[0].message().find(
+                absl::StrCat(absl::Hex(remote.context->agent_epoch()))),
+            std::string::npos);
 }
 
 TEST_F(IbverbsBackendTest, UnknownRemoteDeviceIsNotFound) {
