@@ -13,8 +13,7 @@
 namespace rdma_agent {
 namespace {
 
-absl::StatusOr<std::string> ReadPem(const std::string& path,
-                                    const char* what) {
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream text;
   text << in.rdbuf();
@@ -32,8 +31,7 @@ absl::StatusOr<PeerTls> LoadPeerTls(const std::string& cert_path,
                                     const std::string& ca_path,
                                     const std::string& server_name) {
   PeerTls tls;
-  const int given =
-      !cert_path.empty() + !key_path.empty() + !ca_path.empty();
+  const int given = !cert_path.empty() + !key_path.empty() + !ca_path.empty();
   if (given == 0) {
     if (!server_name.empty()) {
       return absl::InvalidArgumentError(

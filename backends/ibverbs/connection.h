@@ -105,8 +105,7 @@ class Connection {
   // Creates the CQ and QP in local.pd and moves the QP to INIT.
   static absl::StatusOr<std::unique_ptr<Connection>> Create(
       const LocalPort& local, const QueuePairParams& params,
-      absl::Duration busy_poll, absl::Duration drain_timeout,
-      Inbound inbound);
+      absl::Duration busy_poll, absl::Duration drain_timeout, Inbound inbound);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;

@@ -182,9 +182,9 @@ class IbverbsBackend::PeerSession {
                                  }),
                   tables_.end());
     if (tables_.size() >= limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this peer already holds ", tables_.size(),
-          " buffer grants (--ibverbs_max_grants_per_peer)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("this peer already holds ", tables_.size(),
+                       " buffer grants (--ibverbs_max_grants_per_peer)"));
     }
     int access = 0;
     if (registration.readable()) access |= IBV_ACCESS_REMOTE_READ;
@@ -689,9 +689,9 @@ absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
   const grpc::Status status = StubFor(endpoint.peer_address())
                                   ->GrantBuffer(&context, request, &response);
   if (!status.ok()) {
-    return FromGrpc(status, absl::StrCat("access to a buffer of agent ",
-                                         remote.agent_id(), " at ",
-                                         endpoint.peer_address()));
+    return FromGrpc(
+        status, absl::StrCat("access to a buffer of agent ", remote.agent_id(),
+                             " at ", endpoint.peer_address()));
   }
   RemoteGrant grant;
   grant.token = remote.token();
@@ -700,8 +700,7 @@ absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
   grant.size_bytes = response.grant().size_bytes();
   absl::MutexLock lock(&mu_);
   auto it = links_.find(key);
-  if (it != links_.end() &&
-      it->second.connection.lock().get() == &connection) {
+  if (it != links_.end() && it->second.connection.lock().get() == &connection) {
     it->second.grants[remote.buffer_id()] = grant;
   }
   return grant;

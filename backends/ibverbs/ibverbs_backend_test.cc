@@ -795,9 +795,9 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   // A registration whose token the handshake proves.
   auto memory = SharedMemory::Allocate(4096, "proof");
   ASSERT_TRUE(memory.ok());
-  auto registration = std::make_shared<Registration>(
-      7, 0, v1::ACCESS_READ_WRITE, "proof", "token-7", std::move(*memory),
-      true);
+  auto registration =
+      std::make_shared<Registration>(7, 0, v1::ACCESS_READ_WRITE, "proof",
+                                     "token-7", std::move(*memory), true);
   v1::BackendEndpoint endpoint;
   auto state = (*backend)->Register(*registration, &endpoint);
   ASSERT_TRUE(state.ok()) << state.status();

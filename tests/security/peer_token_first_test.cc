@@ -68,8 +68,7 @@ v1::OpResult SubmitOne(InProcessAgent& agent, const v1::Op& op) {
 uint64_t EpochOf(InProcessAgent& agent) {
   grpc::ClientContext context;
   v1::AgentInfo info;
-  EXPECT_TRUE(
-      agent.stub().GetInfo(&context, v1::GetInfoRequest(), &info).ok());
+  EXPECT_TRUE(agent.stub().GetInfo(&context, v1::GetInfoRequest(), &info).ok());
   return info.epoch();
 }
 
@@ -142,7 +141,8 @@ void CheckAnswers(InProcessAgent& caller, uint64_t local,
     ExpectNoEpoch(stale, epoch);
 
     // The real context still works, so the refusals were not about the path.
-    const v1::OpResult good = SubmitOne(caller, MakeOp(type, local, contexts.good));
+    const v1::OpResult good =
+        SubmitOne(caller, MakeOp(type, local, contexts.good));
     EXPECT_EQ(good.code(), 0) << good.message();
     EXPECT_EQ(good.backend(), expected_backend);
   }
@@ -183,16 +183,16 @@ TEST(PeerTokenFirstTest, AccessIsCheckedOnlyAfterTheToken) {
   v1::RemoteBuffer lying;
   ASSERT_TRUE(lying.ParseFromString(read_only->remote_context()));
   lying.set_access(v1::ACCESS_READ_WRITE);
-  const v1::OpResult holder = SubmitOne(
-      *a, MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local->buffer_id(),
-                 lying.SerializeAsString()));
+  const v1::OpResult holder =
+      SubmitOne(*a, MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local->buffer_id(),
+                           lying.SerializeAsString()));
   EXPECT_EQ(holder.code(),
             static_cast<int>(absl::StatusCode::kPermissionDenied))
       << holder.message();
   lying.set_token(std::string(lying.token().size(), 'x'));
-  const v1::OpResult stranger = SubmitOne(
-      *a, MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local->buffer_id(),
-                 lying.SerializeAsString()));
+  const v1::OpResult stranger =
+      SubmitOne(*a, MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local->buffer_id(),
+                           lying.SerializeAsString()));
   EXPECT_EQ(stranger.code(), static_cast<int>(absl::StatusCode::kNotFound))
       << stranger.message();
 }
