@@ -654,7 +654,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
 }
 
 absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
-    const Op& op, const Connection& connection, absl::Time deadline) {
+    const Op& op, const Connection& connection, const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;
   const v1::IbverbsEndpoint& endpoint = FindEndpoint(remote, name_)->ibverbs();
   const std::string key = ConnectionKey(remote, endpoint);
@@ -685,9 +685,14 @@ absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
   v1::GrantBufferResponse response;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(
-      std::min(deadline, absl::Now() + options_.connect_timeout)));
+      std::min(stop.deadline(), absl::Now() + options_.connect_timeout)));
+  // A cancelled Submit does not wait for a slow peer's answer.
+  const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
   const grpc::Status status = StubFor(endpoint.peer_address())
                                   ->GrantBuffer(&context, request, &response);
+  if (!status.ok() && stop.cancelled()) {
+    return stop.StopStatus("while asking the peer for buffer access");
+  }
   if (!status.ok()) {
     return FromGrpc(
         status, absl::StrCat("access to a buffer of agent ", remote.agent_id(),
@@ -877,7 +882,7 @@ absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
                                     const std::shared_ptr<OpTracker>& tracker,
                                     const StopToken& stop) {
   const v1::IbverbsEndpoint& ib = FindEndpoint(*op.remote, name_)->ibverbs();
-  auto grant = GrantFor(op, connection, stop.deadline());
+  auto grant = GrantFor(op, connection, stop);
   if (!grant.ok()) return grant.status();
   const auto& local =
       dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));

@@ -174,10 +174,10 @@ class IbverbsBackend : public Backend {
                                        const v1::IbverbsEndpoint& endpoint,
                                        absl::Time deadline);
   // The grant for op's remote buffer over `connection`: cached, or asked
-  // for with GrantBuffer.
+  // for with GrantBuffer (cut short by `stop`).
   absl::StatusOr<RemoteGrant> GrantFor(const Op& op,
                                        const Connection& connection,
-                                       absl::Time deadline);
+                                       const StopToken& stop);
   std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
   // The session `id` names, or nullptr.
   std::shared_ptr<PeerSession> FindSession(const std::string& id) const;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +16,7 @@
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
+#include "common/stop_token.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
@@ -485,6 +487,18 @@ class RogueResponder : public v1::Peer::Service {
     return grpc::Status::OK;
   }
 
+  // Hangs until Unblock() (at most 10 s): a peer slow to grant.
+  grpc::Status GrantBuffer(grpc::ServerContext*, const v1::GrantBufferRequest*,
+                           v1::GrantBufferResponse*) override {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&unblocked_), absl::Seconds(10));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "too slow");
+  }
+  void Unblock() {
+    absl::MutexLock lock(&mu_);
+    unblocked_ = true;
+  }
+
   // The QP of the last handshake, connected to the requester's.
   std::unique_ptr<Connection> TakeConnection() {
     absl::MutexLock lock(&mu_);
@@ -495,36 +509,55 @@ class RogueResponder : public v1::Peer::Service {
   RoguePeer* const rogue_;
   absl::Mutex mu_;
   std::unique_ptr<Connection> connection_ ABSL_GUARDED_BY(mu_);
+  bool unblocked_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A fake agent serving `service` on a listener of its own, and contexts of
+// its buffers pointing at it.
+struct FakeAgent {
+  FakeAgent(RoguePeer& rogue, grpc::Service* service) {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port);
+    builder.RegisterService(service);
+    server = builder.BuildAndStart();
+    EXPECT_NE(server, nullptr);
+    address = absl::StrCat("127.0.0.1:", port);
+    gid = std::string(reinterpret_cast<const char*>(rogue.local().gid.raw), 16);
+  }
+  ~FakeAgent() { server->Shutdown(); }
+
+  TestBuffer Context(uint64_t buffer_id) const {
+    auto context = std::make_shared<v1::RemoteBuffer>();
+    context->set_agent_id("agent-rogue");
+    context->set_agent_epoch(99);
+    context->set_buffer_id(buffer_id);
+    context->set_size_bytes(kRogueBytes);
+    context->set_access(v1::ACCESS_READ_WRITE);
+    context->set_token("rogue-token");
+    v1::BackendEndpoint* endpoint = context->add_endpoints();
+    endpoint->set_backend("ibverbs");
+    v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
+    ib->set_device("nic_r");
+    ib->set_port(1);
+    ib->set_gid(gid);
+    ib->set_peer_address(address);
+    return TestBuffer{nullptr, context};
+  }
+
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+  std::string gid;
 };
 
 TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
   RoguePeer rogue(fabric_, "nic_r", "agent-rogue");
   RogueResponder service(&rogue);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-
+  service.Unblock();
+  FakeAgent fake(rogue, &service);
   // A context the rogue made up, pointing at itself.
-  auto context = std::make_shared<v1::RemoteBuffer>();
-  context->set_agent_id("agent-rogue");
-  context->set_agent_epoch(99);
-  context->set_buffer_id(1);
-  context->set_size_bytes(kRogueBytes);
-  context->set_access(v1::ACCESS_READ_WRITE);
-  context->set_token("rogue-token");
-  v1::BackendEndpoint* endpoint = context->add_endpoints();
-  endpoint->set_backend("ibverbs");
-  v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
-  ib->set_device("nic_r");
-  ib->set_port(1);
-  ib->set_gid(
-      std::string(reinterpret_cast<const char*>(rogue.local().gid.raw), 16));
-  ib->set_peer_address(absl::StrCat("127.0.0.1:", port));
-  TestBuffer rogue_buffer{nullptr, context};
+  const TestBuffer rogue_buffer = fake.Context(1);
 
   for (const ibv_wr_opcode opcode : {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_READ}) {
     SCOPED_TRACE(opcode == IBV_WR_RDMA_WRITE ? "rogue writes" : "rogue reads");
@@ -552,7 +585,35 @@ TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
     EXPECT_EQ(Snapshot(local), before);
     EXPECT_EQ(rogue.memory()[0], 0x5a);
   }
-  server->Shutdown();
+}
+
+// A Submit cancelled while a peer is slow to answer GrantBuffer returns at
+// once with CANCELLED, not when the peer answers.
+TEST_F(PeerIsolationTest, CancellationCutsAGrantRequestShort) {
+  RoguePeer rogue(fabric_, "nic_r", "agent-rogue");
+  RogueResponder service(&rogue);
+  FakeAgent fake(rogue, &service);
+  auto a = TestNode::Create(fabric_, "agent-a", "nic_a", FastOptions());
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 9);
+  // Buffer 1 is granted by the handshake; buffer 2 needs GrantBuffer.
+  const TestBuffer first = fake.Context(1);
+  const TestBuffer second = fake.Context(2);
+  Cancellation cancellation;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    cancellation.Cancel(absl::CancelledError("client went away"));
+  });
+  const absl::Time start = absl::Now();
+  const auto results = a->backend().Submit(
+      {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, first, 0),
+       MakeOp(1, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, second, 0)},
+      StopToken(absl::Now() + absl::Seconds(30), &cancellation));
+  const absl::Duration took = absl::Now() - start;
+  canceller.join();
+  service.Unblock();
+  EXPECT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(results[1].code(), absl::StatusCode::kCancelled) << results[1];
+  EXPECT_LT(took, absl::Seconds(3));
 }
 
 }  // namespace
