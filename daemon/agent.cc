@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "backends/peer_tls.h"
 #include "common/net_address.h"
 #include "common/random.h"
 #include "daemon/active_calls.h"
@@ -104,6 +105,7 @@ absl::Status Agent::Init() {
   env.identity = identity_;
   env.directory = buffers_.get();
   env.advertise_host = options_.advertise_host;
+  env.peer_tls = options_.peer_tls;
   std::vector<std::unique_ptr<Backend>> backends;
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
@@ -129,8 +131,9 @@ absl::Status Agent::Init() {
     if (!listen.ok()) return listen.status();
     grpc::ServerBuilder builder;
     int port = 0;
+    // With TLS material, peers must present a certificate from the CA.
     builder.AddListeningPort(options_.peer_listen,
-                             grpc::InsecureServerCredentials(), &port);
+                             PeerServerCredentials(options_.peer_tls), &port);
     for (grpc::Service* service : peer_services) {
       builder.RegisterService(service);
     }
@@ -141,6 +144,15 @@ absl::Status Agent::Init() {
     }
     peer_address_ =
         JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
+    if (options_.peer_tls.enabled()) {
+      spdlog::info("Peer listener {} requires client certificates (mTLS)",
+                   options_.peer_listen);
+    } else {
+      spdlog::warn(
+          "Peer listener {} is plaintext: any host reaching it may call the "
+          "Peer service (set --peer_tls_cert/--peer_tls_key/--peer_tls_ca)",
+          options_.peer_listen);
+    }
   }
   for (const auto& backend : registry_->backends()) {
     if (!backend->available()) continue;

@@ -25,6 +25,9 @@ struct AgentOptions {
   std::string peer_listen = "0.0.0.0:0";
   // Host peers dial; empty = DefaultAdvertiseHost().
   std::string advertise_host;
+  // Mutual TLS for the Peer listener and for backends calling peers' Peer
+  // services (LoadPeerTls()); not enabled = plaintext.
+  PeerTls peer_tls;
   // Spawned in order; the registry orders them by transport level.
   std::vector<BackendFactory> backends;
 
