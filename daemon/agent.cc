@@ -35,6 +35,13 @@ namespace {
 // Large enough for ReadBuffer/WriteBuffer at the per-call limit.
 constexpr int kMaxMessageBytes = 64 << 20;
 
+// The Peer listener: port when --peer_listen names none, and its bounds.
+constexpr uint16_t kDefaultPeerPort = 7470;
+constexpr int kPeerMaxThreads = 32;
+constexpr int kPeerMaxMessageBytes = 64 << 10;
+constexpr int kPeerMaxStreamsPerConnection = 8;
+constexpr int kPeerMaxIdleMs = 5 * 60 * 1000;
+
 absl::Status MakeDirectory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
     return absl::InternalError(
@@ -127,9 +134,24 @@ absl::Status Agent::Init() {
     }
   }
   if (!peer_services.empty()) {
+    if (options_.peer_listen.empty()) {
+      // Where peers are told to dial, and nowhere else.
+      options_.peer_listen =
+          JoinHostPort(options_.advertise_host, kDefaultPeerPort);
+    }
     auto listen = ParseHostPort(options_.peer_listen);
     if (!listen.ok()) return listen.status();
     grpc::ServerBuilder builder;
+    // Anyone on the network may connect here: Peer requests are small and
+    // few, so threads, streams, message size and idle connections are bound
+    // tightly (a stranger holds nothing for long).
+    grpc::ResourceQuota peer_quota("rdma-agentd-peer");
+    peer_quota.SetMaxThreads(kPeerMaxThreads);
+    builder.SetResourceQuota(peer_quota);
+    builder.SetMaxReceiveMessageSize(kPeerMaxMessageBytes);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               kPeerMaxStreamsPerConnection);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kPeerMaxIdleMs);
     int port = 0;
     // With TLS material, peers must present a certificate from the CA.
     builder.AddListeningPort(options_.peer_listen,

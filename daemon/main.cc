@@ -29,8 +29,9 @@ ABSL_FLAG(std::vector<std::string>, backends,
           std::vector<std::string>({"memory", "tcp", "ibverbs"}),
           "Backends to spawn, comma separated (memory, tcp, ibverbs). "
           "Unavailable ones are reported by GetInfo and skipped.");
-ABSL_FLAG(std::string, peer_listen, "0.0.0.0:7470",
-          "host:port of the agent-to-agent Peer gRPC listener.");
+ABSL_FLAG(std::string, peer_listen, "",
+          "host:port of the agent-to-agent Peer gRPC listener; default "
+          "<advertise_host>:7470. 0.0.0.0:7470 serves every interface.");
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
