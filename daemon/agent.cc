@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "backends/peer_tls.h"
 #include "common/net_address.h"
 #include "common/rate_limited_log.h"
 #include "common/random.h"
@@ -34,6 +35,13 @@ namespace {
 
 // Large enough for ReadBuffer/WriteBuffer at the per-call limit.
 constexpr int kMaxMessageBytes = 64 << 20;
+
+// The Peer listener: port when --peer_listen names none, and its bounds.
+constexpr uint16_t kDefaultPeerPort = 7470;
+constexpr int kPeerMaxThreads = 32;
+constexpr int kPeerMaxMessageBytes = 64 << 10;
+constexpr int kPeerMaxStreamsPerConnection = 8;
+constexpr int kPeerMaxIdleMs = 5 * 60 * 1000;
 
 absl::Status MakeDirectory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
@@ -105,6 +113,7 @@ absl::Status Agent::Init() {
   env.identity = identity_;
   env.directory = buffers_.get();
   env.advertise_host = options_.advertise_host;
+  env.peer_tls = options_.peer_tls;
   std::vector<std::unique_ptr<Backend>> backends;
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
@@ -126,12 +135,28 @@ absl::Status Agent::Init() {
     }
   }
   if (!peer_services.empty()) {
+    if (options_.peer_listen.empty()) {
+      // Where peers are told to dial, and nowhere else.
+      options_.peer_listen =
+          JoinHostPort(options_.advertise_host, kDefaultPeerPort);
+    }
     auto listen = ParseHostPort(options_.peer_listen);
     if (!listen.ok()) return listen.status();
     grpc::ServerBuilder builder;
+    // Anyone on the network may connect here: Peer requests are small and
+    // few, so threads, streams, message size and idle connections are bound
+    // tightly (a stranger holds nothing for long).
+    grpc::ResourceQuota peer_quota("rdma-agentd-peer");
+    peer_quota.SetMaxThreads(kPeerMaxThreads);
+    builder.SetResourceQuota(peer_quota);
+    builder.SetMaxReceiveMessageSize(kPeerMaxMessageBytes);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               kPeerMaxStreamsPerConnection);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kPeerMaxIdleMs);
     int port = 0;
+    // With TLS material, peers must present a certificate from the CA.
     builder.AddListeningPort(options_.peer_listen,
-                             grpc::InsecureServerCredentials(), &port);
+                             PeerServerCredentials(options_.peer_tls), &port);
     for (grpc::Service* service : peer_services) {
       builder.RegisterService(service);
     }
@@ -142,6 +167,15 @@ absl::Status Agent::Init() {
     }
     peer_address_ =
         JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
+    if (options_.peer_tls.enabled()) {
+      spdlog::info("Peer listener {} requires client certificates (mTLS)",
+                   options_.peer_listen);
+    } else {
+      spdlog::warn(
+          "Peer listener {} is plaintext: any host reaching it may call the "
+          "Peer service (set --peer_tls_cert/--peer_tls_key/--peer_tls_ca)",
+          options_.peer_listen);
+    }
   }
   for (const auto& backend : registry_->backends()) {
     if (!backend->available()) continue;

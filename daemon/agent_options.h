@@ -22,9 +22,13 @@ struct AgentOptions {
   // Stable agent id; empty = read <runtime_dir>/agent-id, or create it.
   std::string agent_id;
   // TCP listener of the Peer gRPC service (backends' peer_services()).
+  // Empty: <advertise_host>:7470.
   std::string peer_listen = "0.0.0.0:0";
   // Host peers dial; empty = DefaultAdvertiseHost().
   std::string advertise_host;
+  // Mutual TLS for the Peer listener and for backends calling peers' Peer
+  // services (LoadPeerTls()); not enabled = plaintext.
+  PeerTls peer_tls;
   // Spawned in order; the registry orders them by transport level.
   std::vector<BackendFactory> backends;
 

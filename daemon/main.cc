@@ -10,6 +10,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "backends/memory/memory_backend.h"
+#include "backends/peer_tls.h"
 #include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
@@ -30,8 +31,9 @@ ABSL_FLAG(std::vector<std::string>, backends,
           std::vector<std::string>({"memory", "tcp", "ibverbs"}),
           "Backends to spawn, comma separated (memory, tcp, ibverbs). "
           "Unavailable ones are reported by GetInfo and skipped.");
-ABSL_FLAG(std::string, peer_listen, "0.0.0.0:7470",
-          "host:port of the agent-to-agent Peer gRPC listener.");
+ABSL_FLAG(std::string, peer_listen, "",
+          "host:port of the agent-to-agent Peer gRPC listener; default "
+          "<advertise_host>:7470. 0.0.0.0:7470 serves every interface.");
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
@@ -92,6 +94,20 @@ ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
           "agent waits at most this long for RPCs to finish.");
 
+// Mutual TLS for the agent-to-agent Peer gRPC service (listener and stubs).
+ABSL_FLAG(std::string, peer_tls_cert, "",
+          "PEM certificate chain this agent presents to peers; with "
+          "--peer_tls_key and --peer_tls_ca it turns on mutual TLS for the "
+          "Peer service. Default: plaintext.");
+ABSL_FLAG(std::string, peer_tls_key, "", "PEM private key of --peer_tls_cert.");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "PEM CA certificate(s) peers' certificates must chain to (both "
+          "directions).");
+ABSL_FLAG(std::string, peer_tls_server_name, "",
+          "Name expected in peers' certificates instead of the host dialled "
+          "(one name shared by every agent's certificate); default: the "
+          "host dialled.");
+
 namespace rdma_agent {
 namespace {
 
@@ -147,6 +163,15 @@ int Run() {
       static_cast<size_t>(absl::GetFlag(FLAGS_max_connections));
   options.max_connections_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_connections_per_user));
+  auto peer_tls = LoadPeerTls(absl::GetFlag(FLAGS_peer_tls_cert),
+                              absl::GetFlag(FLAGS_peer_tls_key),
+                              absl::GetFlag(FLAGS_peer_tls_ca),
+                              absl::GetFlag(FLAGS_peer_tls_server_name));
+  if (!peer_tls.ok()) {
+    spdlog::critical("{}", peer_tls.status().ToString());
+    return 2;
+  }
+  options.peer_tls = std::move(*peer_tls);
   for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
     auto factory = BackendFactoryFromFlags(name);
     if (!factory.ok()) {

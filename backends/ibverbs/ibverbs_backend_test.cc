@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "backends/ibverbs/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
@@ -226,7 +227,7 @@ TEST_F(IbverbsBackendTest, BadOptionsAreInvalidArguments) {
       absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(IbverbsBackendTest, RegisterAdvertisesKeyAddressAndPeer) {
+TEST_F(IbverbsBackendTest, RegisterAdvertisesAddressAndPeerButNoKey) {
   auto a = Node("agent-a", "nic_a");
   TestBuffer buffer = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   ASSERT_EQ(buffer.context->endpoints_size(), 1);
@@ -234,7 +235,9 @@ TEST_F(IbverbsBackendTest, RegisterAdvertisesKeyAddressAndPeer) {
   EXPECT_EQ(ib.device(), "nic_a");
   EXPECT_EQ(ib.port(), 1u);
   EXPECT_EQ(ib.gid().size(), 16u);
-  EXPECT_NE(ib.rkey(), 0u);
+  // The context is no NIC capability: peers get an rkey for their own PD
+  // in return for the token.
+  EXPECT_EQ(ib.rkey(), 0u);
   EXPECT_EQ(ib.address(),
             reinterpret_cast<uint64_t>(buffer.registration->data()));
   EXPECT_EQ(ib.peer_address(), a->backend().peer_address());
@@ -434,7 +437,14 @@ TEST_F(IbverbsBackendTest, StaleEpochIsFailedPrecondition) {
                           In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition)
       << results[0];
-  EXPECT_NE(results[0].message().find("epoch"), std::string::npos);
+  EXPECT_NE(results[0].message().find("stale"), std::string::npos);
+  // The agent's current epoch is not given away.
+  EXPECT_EQ(
+      results[0].message().find(absl::StrCat(remote.context->agent_epoch())),
+      std::string::npos);
+  EXPECT_EQ(results[0].message().find(
+                absl::StrCat(absl::Hex(remote.context->agent_epoch()))),
+            std::string::npos);
 }
 
 TEST_F(IbverbsBackendTest, UnknownRemoteDeviceIsNotFound) {
@@ -782,6 +792,17 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   ASSERT_TRUE(backend.ok());
   // The agent's address: Start() adds no listener of its own.
   ASSERT_TRUE((*backend)->Start("set-by-the-agent:1").ok());
+  // A registration whose token the handshake proves.
+  auto memory = SharedMemory::Allocate(4096, "proof");
+  ASSERT_TRUE(memory.ok());
+  auto registration =
+      std::make_shared<Registration>(7, 0, v1::ACCESS_READ_WRITE, "proof",
+                                     "token-7", std::move(*memory), true);
+  v1::BackendEndpoint endpoint;
+  auto state = (*backend)->Register(*registration, &endpoint);
+  ASSERT_TRUE(state.ok()) << state.status();
+  registration->AddBackend("ibverbs", std::move(*state));
+  directory.Add(registration);
   EXPECT_EQ((*backend)->peer_address(), "set-by-the-agent:1");
   grpc::ServerBuilder builder;
   int port = 0;
@@ -804,9 +825,18 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   request.set_agent_id("agent-a");
   request.set_expected_epoch(42);
   request.set_remote_device("nic_b");
+  request.set_buffer_id(7);
+  request.set_token("token-7");
   request.mutable_requester()->set_qp_num(0);
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  v1::QueuePairEndpoint* side = request.mutable_requester();
+  side->set_device("nic_a");
+  side->set_port(1);
+  side->set_gid(std::string(16, '\x01'));
+  side->set_qp_num(12345);
+  side->set_mtu_bytes(1024);
+  side->set_max_rd_atomic(4);
   request.set_expected_epoch(41);
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
@@ -816,28 +846,31 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
 
   // A well-formed request gets an RTS responder QP back.
   request.set_remote_device("nic_b");
-  v1::QueuePairEndpoint* side = request.mutable_requester();
-  side->set_device("nic_a");
-  side->set_port(1);
-  side->set_gid(std::string(16, '\x01'));
-  side->set_qp_num(12345);
-  side->set_mtu_bytes(1024);
-  side->set_max_rd_atomic(4);
   auto [status, response] = call(request);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.responder().device(), "nic_b");
   EXPECT_NE(response.responder().qp_num(), 0u);
   EXPECT_EQ(response.responder().gid().size(), 16u);
+  EXPECT_EQ(response.session().size(), 16u);
+  EXPECT_EQ(response.grant().buffer_id(), 7u);
+  EXPECT_NE(response.grant().rkey(), 0u);
+  EXPECT_EQ(response.grant().size_bytes(), 4096u);
   EXPECT_EQ((*backend)->responder_count(), 1u);
-  // A reconnect from the same requester device replaces it.
+  EXPECT_EQ((*backend)->grant_count(), 1u);
+  // A reconnect from the same requester device replaces it (and its
+  // grants).
   ASSERT_TRUE(call(request).first.ok());
   EXPECT_EQ((*backend)->responder_count(), 1u);
+  EXPECT_EQ((*backend)->grant_count(), 1u);
   // Another requester would exceed max_responders (1 here).
   request.set_agent_id("agent-z");
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ((*backend)->responder_count(), 1u);
   server->Shutdown();
+  directory.Remove(7);
+  registration.reset();
+  EXPECT_EQ((*backend)->grant_count(), 0u);
 }
 
 TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {

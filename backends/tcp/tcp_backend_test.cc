@@ -377,9 +377,9 @@ TEST_P(TcpBackendTest, EveryRefusalHasItsCodeAndChangesNothing) {
   const auto R = v1::OP_TYPE_READ_INTO_LOCAL;
   std::vector<Case> cases = {
       {"bad token write", MakeOp(W, local, 0, 100, bad_token, 0),
-       StatusCode::kPermissionDenied},
+       StatusCode::kNotFound},
       {"bad token read", MakeOp(R, local, 0, 100, bad_token, 0),
-       StatusCode::kPermissionDenied},
+       StatusCode::kNotFound},
       {"write into read-only", MakeOp(W, local, 0, 100, read_only, 0),
        StatusCode::kPermissionDenied},
       {"read from write-only", MakeOp(R, local, 0, 100, write_only, 0),
