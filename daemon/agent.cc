@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "backends/peer_tls.h"
 #include "common/net_address.h"
+#include "common/rate_limited_log.h"
 #include "common/random.h"
 #include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
@@ -104,9 +105,9 @@ absl::Status Agent::Init() {
   identity_.agent_id = options_.agent_id;
   identity_.epoch = RandomNonZeroU64();
 
+  SetUpQuotas();
   buffers_ = std::make_unique<BufferRegistry>(identity_.epoch);
-  attach_tokens_ = std::make_unique<AttachTokens>(
-      options_.attach_token_ttl, options_.max_pending_attach_per_user);
+  attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
 
   BackendEnvironment env;
   env.identity = identity_;
@@ -194,7 +195,7 @@ absl::Status Agent::Init() {
   calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, registry_.get(), buffers_.get(),
-      attach_tokens_.get(), callers_.get(), calls_.get());
+      attach_tokens_.get(), callers_.get(), calls_.get(), quotas_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -231,8 +232,15 @@ absl::Status Agent::Init() {
                             options_.max_connections);
         if (!admitted.ok()) {
           // Closing is the answer: the client sees its connection refused.
-          spdlog::warn("refusing a connection from uid {} pid {}: {}", peer.uid,
-                       peer.pid, std::string(admitted.message()));
+          // Rate-limited: a flood of refused connections is one line per
+          // interval, not one per connection.
+          if (auto suppressed = refused_connection_log_.Allow()) {
+            spdlog::warn(
+                "refusing a connection from uid {} pid {}: {} ({} more "
+                "refusals not logged)",
+                peer.uid, peer.pid, std::string(admitted.message()),
+                *suppressed);
+          }
           return;
         }
         grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
@@ -242,8 +250,10 @@ absl::Status Agent::Init() {
 
   AttachServer::Options attach_options;
   attach_options.path = options_.attach_socket_path;
-  auto attach =
-      AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
+  attach_options.max_buffer_bytes = options_.max_buffer_bytes;
+  attach_options.quotas = quotas_;
+  auto attach = AttachServer::Start(attach_options, attach_tokens_.get(),
+                                    buffers_.get());
   if (!attach.ok()) return attach.status();
   attach_server_ = std::move(*attach);
 
@@ -252,6 +262,39 @@ absl::Status Agent::Init() {
                options_.attach_socket_path,
                peer_address_.empty() ? "" : ", peers at " + peer_address_);
   return absl::OkStatus();
+}
+
+void Agent::SetUpQuotas() {
+  QuotaLimits limits;
+  limits.bytes = {options_.max_registered_bytes_per_user,
+                  options_.max_registered_bytes_total};
+  limits.registrations = {options_.max_buffers_per_user,
+                          options_.max_buffers_total};
+  limits.pending_attach = {options_.max_pending_attach_per_user,
+                           options_.max_pending_attach_total};
+  limits.attach_connections = {options_.max_attach_connections_per_user,
+                               options_.max_attach_connections_total};
+  const HostLimits host = ReadHostLimits();
+  limits = DeriveQuotaLimits(limits, host);
+  options_.max_registered_bytes_per_user = limits.bytes.per_user;
+  options_.max_registered_bytes_total = limits.bytes.total;
+  options_.max_buffers_per_user = limits.registrations.per_user;
+  options_.max_buffers_total = limits.registrations.total;
+  options_.max_pending_attach_per_user = limits.pending_attach.per_user;
+  options_.max_pending_attach_total = limits.pending_attach.total;
+  options_.max_attach_connections_per_user = limits.attach_connections.per_user;
+  options_.max_attach_connections_total = limits.attach_connections.total;
+  spdlog::info(
+      "admission limits (per user / total), from {} open files, "
+      "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "
+      "registrations {} / {}, parked attachments {} / {}, attach connections "
+      "{} / {}",
+      host.open_files, host.max_map_count, host.memory_bytes,
+      limits.bytes.per_user, limits.bytes.total, limits.registrations.per_user,
+      limits.registrations.total, limits.pending_attach.per_user,
+      limits.pending_attach.total, limits.attach_connections.per_user,
+      limits.attach_connections.total);
+  quotas_ = MakeAgentQuotas(limits);
 }
 
 void Agent::Shutdown() {

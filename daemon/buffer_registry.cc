@@ -11,21 +11,10 @@ uint64_t BufferRegistry::NextId() {
   return next_id_++;
 }
 
-absl::Status BufferRegistry::Add(std::shared_ptr<Registration> registration,
-                                 size_t max_per_owner) {
+void BufferRegistry::Add(std::shared_ptr<Registration> registration) {
   absl::MutexLock lock(&mu_);
-  size_t owned = 0;
-  for (const auto& [id, existing] : buffers_) {
-    if (existing->owner() == registration->owner()) ++owned;
-  }
-  if (owned >= max_per_owner) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "user ", registration->owner(), " already has ", owned,
-        " registrations (limit ", max_per_owner, ")"));
-  }
   const uint64_t id = registration->id();
   buffers_.emplace(id, std::move(registration));
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::Find(

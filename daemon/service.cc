@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/log_text.h"
 #include "common/random.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
@@ -135,14 +136,16 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 RdmaAgentService::RdmaAgentService(
     const AgentOptions& options, const AgentIdentity& identity,
     const BackendRegistry* backends, BufferRegistry* buffers,
-    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls)
+    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
+    AgentQuotas quotas)
     : options_(options),
       identity_(identity),
       backends_(backends),
       buffers_(buffers),
       attach_tokens_(attach_tokens),
       callers_(callers),
-      calls_(calls) {}
+      calls_(calls),
+      quotas_(std::move(quotas)) {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -196,6 +199,18 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
     return absl::InvalidArgumentError(absl::StrCat(
         "label is longer than ", options_.max_label_bytes, " bytes"));
   }
+  // Admission before allocation: the registration (an fd and a mapping
+  // until unmapped) is charged first, then the bytes, before any memfd is
+  // created; whatever is refused leaves nothing behind.
+  auto slot = quotas_.registrations->Reserve(caller, 1);
+  if (!slot.ok()) {
+    // Refused, an attachment is not kept parked for a retry: its fd,
+    // mapping and bytes go now.
+    if (request.memory_case() == v1::RegisterRequest::kAttachToken) {
+      (void)attach_tokens_->Take(request.attach_token(), caller);
+    }
+    return slot.status();
+  }
   const uint64_t id = buffers_->NextId();
   absl::StatusOr<SharedMemory> memory;
   bool agent_allocated = false;
@@ -205,16 +220,23 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
         return absl::InvalidArgumentError("allocate_bytes must be positive");
       }
       if (request.allocate_bytes() > options_.max_buffer_bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("allocate_bytes ", request.allocate_bytes(),
-                         " exceeds the agent's limit of ",
-                         options_.max_buffer_bytes, " bytes"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "allocate_bytes ", request.allocate_bytes(),
+            " exceeds the agent's limit of ", options_.max_buffer_bytes,
+            " bytes (--max_buffer_bytes)"));
       }
-      memory = SharedMemory::Allocate(request.allocate_bytes(),
-                                      absl::StrCat("rdma-agentd-buffer-", id));
+      memory = SharedMemory::Allocate(
+          request.allocate_bytes(), absl::StrCat("rdma-agentd-buffer-", id),
+          [&](uint64_t bytes)
+              -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+            auto charge = quotas_.bytes->Reserve(caller, bytes);
+            if (!charge.ok()) return charge.status();
+            return MemoryCharge::Of(std::move(*charge));
+          });
       agent_allocated = true;
       break;
     case v1::RegisterRequest::kAttachToken:
+      // Its bytes were charged when it was attached, and stay charged.
       memory = attach_tokens_->Take(request.attach_token(), caller);
       break;
     default:
@@ -222,12 +244,7 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
           "set allocate_bytes or attach_token to say where the memory is");
   }
   if (!memory.ok()) return memory.status();
-  if (memory->size() > options_.max_buffer_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attached memory of ", memory->size(),
-                     " bytes exceeds the agent's limit of ",
-                     options_.max_buffer_bytes, " bytes"));
-  }
+  memory->HoldCharge(MemoryCharge::Of(std::move(*slot)));
 
   auto registration = std::make_shared<Registration>(
       id, caller, request.access(), request.label(), RandomBytes(16),
@@ -249,11 +266,11 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
     response.add_backends(name);
   }
   context.SerializeToString(response.mutable_remote_context());
-  status = buffers_->Add(registration, options_.max_buffers_per_user);
-  if (!status.ok()) return status;
-  spdlog::info("uid {} registered buffer {} ({} bytes, {}, '{}')", caller, id,
-               registration->size(), v1::Access_Name(registration->access()),
-               registration->label());
+  buffers_->Add(registration);
+  spdlog::info("uid {} registered buffer {} ({} bytes, {}, label \"{}\")",
+               caller, id, registration->size(),
+               v1::Access_Name(registration->access()),
+               LogSafe(registration->label()));
   return response;
 }
 

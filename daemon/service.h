@@ -14,6 +14,7 @@
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/buffer_registry.h"
+#include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
@@ -57,7 +58,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferRegistry* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
-                   ActiveCalls* calls);
+                   ActiveCalls* calls, AgentQuotas quotas);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -106,6 +107,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   AttachTokens* const attach_tokens_;
   const CallerTable* const callers_;
   ActiveCalls* const calls_;
+  const AgentQuotas quotas_;
 };
 
 // absl::Status -> grpc::Status, keeping code and message.

@@ -218,6 +218,9 @@ class DataServerAttackTest : public ::testing::Test {
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
     AgentProcess::Options options = TcpAgent();
     options.extra_flags = std::move(victim_flags);
+    // The agent raises its soft limit to the hard one unless told not to.
+    options.extra_flags.push_back(absl::StrCat("--open_files_limit=",
+                                               kAgentFdLimit));
     auto victim = AgentProcess::Start(options);
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &current), 0);
     ASSERT_TRUE(victim.ok()) << victim.status();
