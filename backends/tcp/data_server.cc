@@ -248,11 +248,11 @@ void DataServer::AcceptLoop() {
       backoff = backoff == absl::ZeroDuration()
                     ? kFirstAcceptBackoff
                     : std::min(2 * backoff, kMaxAcceptBackoff);
-      if (uint64_t suppressed = 0; accept_error_log_.Allow(&suppressed)) {
+      if (const auto suppressed = accept_error_log_.Allow()) {
         spdlog::warn(
             "tcp data plane: accept: {}; retrying in {} ({} similar "
             "suppressed)",
-            std::strerror(error), absl::FormatDuration(backoff), suppressed);
+            std::strerror(error), absl::FormatDuration(backoff), *suppressed);
       }
       continue;
     }
@@ -278,11 +278,11 @@ void DataServer::Admit(UniqueFd fd, std::string source) {
     }
   }
   if (refusal != nullptr) {
-    if (uint64_t suppressed = 0; refused_log_.Allow(&suppressed)) {
+    if (const auto suppressed = refused_log_.Allow()) {
       spdlog::warn(
           "tcp data plane: refused a connection from {}: {} connections, at "
           "{} ({} similar suppressed)",
-          source, count, refusal, suppressed);
+          source, count, refusal, *suppressed);
     }
     return;  // closes `fd`: nothing sent, nothing spawned
   }
@@ -310,11 +310,11 @@ void DataServer::Admit(UniqueFd fd, std::string source) {
   } catch (const std::system_error& e) {
     // Out of threads (or memory for a stack): refuse this one, keep serving.
     connections_.pop_back();
-    if (uint64_t suppressed = 0; refused_log_.Allow(&suppressed)) {
+    if (const auto suppressed = refused_log_.Allow()) {
       spdlog::warn(
           "tcp data plane: refused a connection from {}: cannot start a "
           "thread: {} ({} similar suppressed)",
-          source, e.what(), suppressed);
+          source, e.what(), *suppressed);
     }
     return;
   }
@@ -359,11 +359,11 @@ void DataServer::WatchdogLoop() {
         // Routine: pooled connections a peer stopped using.
         spdlog::debug("tcp data plane: closed a connection from {}: it {}",
                       connection->source, PhaseText(phase));
-      } else if (uint64_t suppressed = 0; timeout_log_.Allow(&suppressed)) {
+      } else if (const auto suppressed = timeout_log_.Allow()) {
         spdlog::warn(
             "tcp data plane: closed a connection from {}: it {} ({} similar "
             "suppressed)",
-            connection->source, PhaseText(phase), suppressed);
+            connection->source, PhaseText(phase), *suppressed);
       }
     }
   }
@@ -393,14 +393,15 @@ bool DataServer::ReceiveRequest(Connection* connection, bool first,
                     : absl::StatusOr<RequestHeader>(received);
   if (!decoded.ok()) {
     // A peer that speaks something else cannot be resynchronised: drop it.
-    if (uint64_t suppressed = 0; !absl::IsUnavailable(decoded.status()) &&
-                                 garbage_log_.Allow(&suppressed)) {
+    if (const auto suppressed = !absl::IsUnavailable(decoded.status())
+                                    ? garbage_log_.Allow()
+                                    : std::nullopt) {
       // The peer's bytes in the message are already LogSafe-escaped.
       spdlog::warn(
           "tcp data plane: closed a connection from {}: {} ({} similar "
           "suppressed)",
           connection->source, std::string(decoded.status().message()),
-          suppressed);
+          *suppressed);
     }
     return false;
   }

@@ -15,7 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backends/buffer_directory.h"
-#include "backends/tcp/log_limiter.h"
+#include "common/rate_limited_log.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
 #include "common/unique_fd.h"
@@ -151,10 +151,10 @@ class DataServer {
   const DataServerOptions options_;
 
   // What strangers can trigger, each logged at most once per interval.
-  LogLimiter refused_log_{absl::Seconds(1)};
-  LogLimiter accept_error_log_{absl::Seconds(1)};
-  LogLimiter timeout_log_{absl::Seconds(1)};
-  LogLimiter garbage_log_{absl::Seconds(1)};
+  LogRateLimiter refused_log_{absl::Seconds(1)};
+  LogRateLimiter accept_error_log_{absl::Seconds(1)};
+  LogRateLimiter timeout_log_{absl::Seconds(1)};
+  LogRateLimiter garbage_log_{absl::Seconds(1)};
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
