@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "backends/buffer_directory.h"
+#include "backends/peer_tls.h"
 #include "backends/registration.h"
 #include "common/stop_token.h"
 #include "rdma/agent/v1/agent.pb.h"
@@ -36,6 +37,9 @@ struct BackendEnvironment {
   const BufferDirectory* directory = nullptr;
   // Host peers should dial to reach this agent (never a wildcard address).
   std::string advertise_host;
+  // Credentials for calling peers' Peer services (and for a backend's own
+  // Peer listener, when it runs one). Not enabled = plaintext.
+  PeerTls peer_tls;
 };
 
 // One op as the agent hands it to a backend, already validated: the local

@@ -5,6 +5,19 @@
 
 namespace rdma_agent {
 
+absl::Status StaleContextError() {
+  return absl::FailedPreconditionError(
+      "remote context is stale: agent restarted since it was issued");
+}
+
+absl::Status NotRegisteredError() {
+  // No id in the message: refusals of a forged context and of an unknown id
+  // are byte-identical (the op index already says which op it was).
+  return absl::NotFoundError(
+      "remote buffer is not registered here (released, never registered, or "
+      "the context's token does not match)");
+}
+
 absl::Status CheckRange(uint64_t offset, uint64_t length, uint64_t size,
                         absl::string_view what) {
   if (length == 0) {
@@ -12,9 +25,9 @@ absl::Status CheckRange(uint64_t offset, uint64_t length, uint64_t size,
         absl::StrCat(what, " length must be positive"));
   }
   if (offset > size || length > size - offset) {
-    return absl::OutOfRangeError(absl::StrCat(
-        what, " range [", offset, ", ", offset, "+", length,
-        ") is outside the buffer of ", size, " bytes"));
+    return absl::OutOfRangeError(
+        absl::StrCat(what, " range [", offset, ", ", offset, "+", length,
+                     ") is outside the buffer of ", size, " bytes"));
   }
   return absl::OkStatus();
 }
@@ -31,14 +44,14 @@ bool TokensEqual(absl::string_view a, absl::string_view b) {
 absl::Status CheckServeRequest(const Registration& registration,
                                const ServeRequest& request) {
   if (!TokensEqual(registration.token(), request.token)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "wrong capability token for buffer ", request.buffer_id));
+    return NotRegisteredError();
   }
+  if (request.proof_only) return absl::OkStatus();
   if (request.write ? !registration.writable() : !registration.readable()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "buffer ", request.buffer_id, " is not registered for ",
-        request.write ? "remote writes" : "remote reads", " (access ",
-        v1::Access_Name(registration.access()), ")"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("buffer ", request.buffer_id, " is not registered for ",
+                     request.write ? "remote writes" : "remote reads",
+                     " (access ", v1::Access_Name(registration.access()), ")"));
   }
   return CheckRange(request.offset, request.length, registration.size(),
                     "remote");

@@ -22,6 +22,10 @@ struct ServeRequest {
   // True when the requester will write into the buffer (its WRITE_FROM_LOCAL);
   // false when it reads (its READ_INTO_LOCAL).
   bool write = false;
+  // True when the requester only proves it holds the capability (epoch, id
+  // and token), e.g. to be granted NIC access: access and range are then the
+  // caller's to enforce (offset, length and write are ignored).
+  bool proof_only = false;
 };
 
 // The agent's live registrations, as backends see them when serving peers.
@@ -29,14 +33,26 @@ class BufferDirectory {
  public:
   virtual ~BufferDirectory() = default;
 
-  // Checks a peer request and pins the registration it names. Codes:
-  // stale epoch FAILED_PRECONDITION; unknown id NOT_FOUND; wrong token or
-  // access PERMISSION_DENIED; zero length INVALID_ARGUMENT; range outside
-  // the buffer (or overflowing) OUT_OF_RANGE.
+  // Checks a peer request and pins the registration it names, token first:
+  // a requester without the buffer's token learns neither this agent's
+  // epoch nor which ids exist. Codes, in order: stale epoch
+  // FAILED_PRECONDITION (StaleContextError(), which never names the current
+  // epoch); unknown id or wrong token NOT_FOUND (NotRegisteredError(), one
+  // message for both); then, only for a matching token, access
+  // PERMISSION_DENIED, zero length INVALID_ARGUMENT, range outside the buffer
+  // (or overflowing) OUT_OF_RANGE.
   // The caller keeps the returned pointer until it no longer touches memory.
   virtual absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
       const ServeRequest& request) const = 0;
 };
+
+// The answer to a context from an earlier life of this agent. It says the
+// context is stale, never what the current epoch is.
+absl::Status StaleContextError();
+
+// The answer to an unknown buffer id and to a wrong token alike, so that a
+// requester without the token cannot tell which ids exist.
+absl::Status NotRegisteredError();
 
 // Checks that [offset, offset + length) lies inside a buffer of `size` bytes
 // without overflowing. `what` names the side in the error ("local", "remote").
@@ -47,7 +63,8 @@ absl::Status CheckRange(uint64_t offset, uint64_t length, uint64_t size,
 bool TokensEqual(absl::string_view a, absl::string_view b);
 
 // The checks of ResolveForPeer against an already-found registration:
-// token, access and range. Shared by every BufferDirectory implementation.
+// token (NotRegisteredError()), then access and range unless
+// request.proof_only. Shared by every BufferDirectory implementation.
 absl::Status CheckServeRequest(const Registration& registration,
                                const ServeRequest& request);
 

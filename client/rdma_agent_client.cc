@@ -1,11 +1,21 @@
 #include "client/rdma_agent_client.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "client/internal/attach_socket.h"
 #include "common/shared_memory.h"
+#include "common/unique_fd.h"
 #include "google/protobuf/duration.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "rdma/agent/v1/attach.pb.h"
@@ -26,6 +36,9 @@ class ClientState {
 
   const ConnectOptions& options() const { return options_; }
   grpc::Channel& channel() { return *channel_; }
+  const std::shared_ptr<grpc::Channel>& shared_channel() const {
+    return channel_;
+  }
   v1::RdmaAgent::Stub& stub() { return *stub_; }
   const absl::StatusOr<std::string>& attach_socket() const {
     return attach_socket_;
@@ -145,8 +158,69 @@ AgentClient::AgentClient(std::shared_ptr<internal::ClientState> state)
 
 AgentClient::~AgentClient() = default;
 
+std::string ResolveAgentTarget(absl::string_view target) {
+  std::string resolved(target);
+  if (resolved.empty()) {
+    const char* from_env = std::getenv(kAgentSocketEnv);
+    resolved = from_env != nullptr && *from_env != '\0' ? from_env
+                                                        : kDefaultAgentTarget;
+  }
+  if (absl::StartsWith(resolved, "/")) return absl::StrCat("unix://", resolved);
+  if (absl::StartsWith(resolved, "./") || absl::StartsWith(resolved, "../")) {
+    return absl::StrCat("unix:", resolved);
+  }
+  return resolved;
+}
+
+namespace {
+
+// The socket path of a unix: target (empty for other targets).
+std::string UnixSocketPath(absl::string_view target) {
+  if (absl::ConsumePrefix(&target, "unix://") ||
+      absl::ConsumePrefix(&target, "unix:")) {
+    return std::string(target);
+  }
+  return "";
+}
+
+// A Unix socket that cannot be connected to at all fails now, naming why,
+// rather than after the connect timeout.
+absl::Status ProbeUnixSocket(const std::string& target) {
+  const std::string path = UnixSocketPath(target);
+  sockaddr_un address = {};
+  if (path.empty() || path.size() >= sizeof(address.sun_path)) {
+    return absl::OkStatus();  // gRPC judges other targets
+  }
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return absl::OkStatus();
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&address),
+                sizeof(address)) == 0) {
+    return absl::OkStatus();
+  }
+  const int error = errno;
+  const std::string message = absl::StrCat(
+      "cannot reach rdma-agentd at ", target, ": ", std::strerror(error),
+      error == EACCES ? " (this user may not use the socket)"
+                      : " (is it running? is the socket path "
+                        "right? see $RDMA_AGENT_SOCKET)");
+  return error == EACCES || error == EPERM
+             ? absl::PermissionDeniedError(message)
+             : absl::UnavailableError(message);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
     ConnectOptions options) {
+  options.target = ResolveAgentTarget(options.target);
+  if (options.connect_timeout > absl::ZeroDuration()) {
+    if (absl::Status reachable = ProbeUnixSocket(options.target);
+        !reachable.ok()) {
+      return reachable;
+    }
+  }
   absl::StatusOr<std::string> attach_socket =
       options.attach_socket.empty()
           ? internal::AttachSocketNextTo(options.target)
@@ -173,6 +247,10 @@ absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
 }
 
 v1::RdmaAgent::Stub& AgentClient::stub() { return state_->stub(); }
+
+std::shared_ptr<grpc::Channel> AgentClient::channel() const {
+  return state_->shared_channel();
+}
 
 const std::string& AgentClient::attach_socket() const {
   static const std::string* const kNone = new std::string();

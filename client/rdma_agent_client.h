@@ -30,13 +30,28 @@ namespace rdma_agent::client {
 
 namespace v1 = ::rdma::agent::v1;
 
+// Where the agent is when nothing says otherwise.
+inline constexpr char kDefaultAgentTarget[] =
+    "unix:///run/rdma-agentd/agent.sock";
+// The environment variable naming the agent's socket (a gRPC target such as
+// "unix:///path/agent.sock", or a bare socket path) for clients given none.
+inline constexpr char kAgentSocketEnv[] = "RDMA_AGENT_SOCKET";
+
+// The gRPC target for `target`: empty -> $RDMA_AGENT_SOCKET, else
+// kDefaultAgentTarget; a bare path ("/run/x.sock", "./x.sock") -> a unix:
+// target; anything else as given.
+std::string ResolveAgentTarget(absl::string_view target);
+
 struct ConnectOptions {
-  // gRPC target of the agent's RdmaAgent service.
-  std::string target = "unix:///run/rdma-agentd/agent.sock";
+  // gRPC target of the agent's RdmaAgent service, or a bare socket path;
+  // empty: $RDMA_AGENT_SOCKET, else kDefaultAgentTarget.
+  std::string target;
   // empty: the attach.sock next to the agent socket
   std::string attach_socket;
   // Connect fails with UNAVAILABLE if the agent is not reachable within this;
-  // zero: do not wait, connect lazily on the first call.
+  // zero: do not wait, connect lazily on the first call. A Unix socket that
+  // is missing, refuses connections or is forbidden fails at once (naming
+  // the errno; PERMISSION_DENIED when forbidden) instead of waiting.
   absl::Duration connect_timeout = absl::Seconds(5);
   // Deadline of each RPC other than Submit, and of each attach-socket
   // exchange.
@@ -179,6 +194,8 @@ class AgentClient {
 
   // Raw access, for tests.
   v1::RdmaAgent::Stub& stub();
+  // The channel to the agent, for other services it serves (grpc.health.v1).
+  std::shared_ptr<grpc::Channel> channel() const;
 
   // The attach socket this client uses (empty if none could be derived).
   const std::string& attach_socket() const;

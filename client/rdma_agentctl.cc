@@ -1,94 +1,58 @@
 // rdma-agentctl: talk to the host's rdma-agentd from a shell.
 //
-// Exit codes: 0 success; 1 the agent refused or an op failed; 2 bad usage;
-// 3 a local file could not be read or written.
+// Every command has its own --help. Exit codes: 0 success; 1 the agent
+// refused, an op failed or the agent is not serving; 2 bad usage; 3 a local
+// file could not be read or written.
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
+#include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/internal/context_text.h"
 #include "client/rdma_agent_client.h"
 #include "common/unique_fd.h"
 #include "google/protobuf/text_format.h"
-
-ABSL_FLAG(std::string, target, "unix:///run/rdma-agentd/agent.sock",
-          "gRPC target of the agent");
-ABSL_FLAG(std::string, attach_socket, "",
-          "attach socket; empty: attach.sock next to the agent socket");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30),
-          "deadline of each RPC, and the op timeout of submit");
-ABSL_FLAG(std::optional<uint64_t>, size, std::nullopt,
-          "register: bytes to allocate");
-ABSL_FLAG(std::string, access, "read_write",
-          "register: read, write or read_write");
-ABSL_FLAG(std::string, label, "", "register: label shown by list");
-ABSL_FLAG(std::string, context_out, "",
-          "register: also write the raw remote context to this file");
-ABSL_FLAG(uint64_t, offset, 0, "write/read: offset in the buffer");
-ABSL_FLAG(std::optional<uint64_t>, length, std::nullopt,
-          "read/submit: bytes to move");
-ABSL_FLAG(std::string, in, "-", "write: input file, - for stdin");
-ABSL_FLAG(std::string, out, "-", "read: output file, - for stdout");
-ABSL_FLAG(std::string, op, "",
-          "submit: read (READ_INTO_LOCAL) or write (WRITE_FROM_LOCAL)");
-ABSL_FLAG(std::optional<uint64_t>, local, std::nullopt,
-          "submit: local buffer id");
-ABSL_FLAG(uint64_t, local_offset, 0, "submit: offset in the local buffer");
-ABSL_FLAG(uint64_t, remote_offset, 0, "submit: offset in the remote buffer");
-ABSL_FLAG(std::string, context, "",
-          "submit: remote context, base64 (as register prints it)");
-ABSL_FLAG(std::string, context_file, "",
-          "submit/decode: file holding the raw remote context");
+#include "google/protobuf/util/json_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "rdma/agent/v1/remote_buffer.pb.h"
 
 namespace rdma_agent::client {
 namespace {
+
+namespace health = ::grpc::health::v1;
 
 constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitLocalIo = 3;
 
-constexpr char kUsage[] = R"(talks to the host's rdma-agentd.
-
-usage: rdma-agentctl [--target=unix:///run/rdma-agentd/agent.sock] COMMAND ...
-
-  info                                   agent id, epoch, version, backends
-  register --size N [--access read|write|read_write] [--label L]
-           [--context_out FILE]          agent-allocated buffer; prints its id
-                                         and base64 remote context
-  list                                   this user's buffers
-  release ID                             drop a registration
-  write ID [--offset O] [--in FILE|-]    bytes from a file (or stdin) into ID
-  read ID [--offset O] --length L [--out FILE|-]
-                                         bytes of ID to a file (or stdout)
-  submit --op read|write --local ID [--local_offset O] --length L
-         [--remote_offset R] (--context BASE64 | --context_file FILE)
-                                         one one-sided op; prints its result
-  decode (BASE64 | --context_file FILE)  print a remote context
-
-exit codes: 0 ok, 1 the agent refused or an op failed, 2 bad usage,
-3 a local file could not be read or written.)";
+constexpr char kDescription[] =
+    "Talks to the host's rdma-agentd.\n\n"
+    "The agent is found from --target, else $RDMA_AGENT_SOCKET, else "
+    "unix:///run/rdma-agentd/agent.sock; a bare socket path works too.\n"
+    "Exit codes: 0 ok, 1 the agent refused or an op failed (or, for health, "
+    "the agent is not serving), 2 bad usage, 3 a local file could not be "
+    "read or written.";
 
 // What a command ends with: an exit code and, unless OK, why.
 struct Outcome {
@@ -168,9 +132,8 @@ std::optional<v1::Access> ParseAccess(absl::string_view text) {
 // A remote context from --context (base64), --context_file (raw bytes) or
 // the positional argument (base64), exactly one of them.
 absl::StatusOr<std::string> RemoteContextArgument(
+    const std::string& base64, const std::string& file,
     const std::vector<std::string>& args) {
-  const std::string base64 = absl::GetFlag(FLAGS_context);
-  const std::string file = absl::GetFlag(FLAGS_context_file);
   const int given = !base64.empty() + !file.empty() + !args.empty();
   if (given != 1) {
     return absl::InvalidArgumentError(
@@ -197,15 +160,52 @@ absl::StatusOr<uint64_t> BufferIdArgument(
   return id;
 }
 
+// Options every command shares.
+struct Global {
+  std::string target;
+  std::string attach_socket;
+  std::string timeout = "30s";
+  std::string output = "text";
+
+  bool json() const { return output == "json"; }
+  absl::Duration rpc_timeout() const {
+    absl::Duration value;
+    return absl::ParseDuration(timeout, &value) ? value : absl::Seconds(30);
+  }
+};
+
+// `message` as JSON (proto field names, every field), one object.
+std::string ToJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  return json;
+}
+
+void Print(const Global& global, const google::protobuf::Message& message) {
+  std::string text;
+  if (global.json()) {
+    text = ToJson(message);
+  } else {
+    google::protobuf::TextFormat::PrintToString(message, &text);
+  }
+  std::fputs(text.c_str(), stdout);
+}
+
 // Connects on first use, so that usage errors are reported without an agent.
 class LazyClient {
  public:
+  explicit LazyClient(const Global& global) : global_(global) {}
+
   absl::StatusOr<AgentClient*> Get() {
     if (client_ == nullptr) {
       ConnectOptions options;
-      options.target = absl::GetFlag(FLAGS_target);
-      options.attach_socket = absl::GetFlag(FLAGS_attach_socket);
-      options.rpc_timeout = absl::GetFlag(FLAGS_timeout);
+      options.target = global_.target;
+      options.attach_socket = global_.attach_socket;
+      options.rpc_timeout = global_.rpc_timeout();
       options.connect_timeout = std::min(options.rpc_timeout, absl::Seconds(5));
       absl::StatusOr<std::unique_ptr<AgentClient>> client =
           AgentClient::Connect(options);
@@ -216,198 +216,490 @@ class LazyClient {
   }
 
  private:
+  const Global& global_;
   std::unique_ptr<AgentClient> client_;
 };
 
-Outcome Info(LazyClient& lazy, const std::vector<std::string>& args) {
-  if (!args.empty()) return Usage("info takes no arguments");
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::StatusOr<v1::AgentInfo> info = (*client)->GetInfo();
-  if (!info.ok()) return Failed("info", info.status());
-  std::string text;
-  google::protobuf::TextFormat::PrintToString(*info, &text);
-  std::fputs(text.c_str(), stdout);
-  return Ok();
+// One subcommand: its options (bound into the CLI11 parser) and its action.
+class Command {
+ public:
+  virtual ~Command() = default;
+  virtual Outcome Run(LazyClient& lazy, const Global& global) = 0;
+};
+
+class InfoCommand : public Command {
+ public:
+  explicit InfoCommand(CLI::App& app) {
+    app.add_subcommand("info", "agent id, epoch, version and backends");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<v1::AgentInfo> info = (*client)->GetInfo();
+    if (!info.ok()) return Failed("info", info.status());
+    Print(global, *info);
+    return Ok();
+  }
+};
+
+class HealthCommand : public Command {
+ public:
+  explicit HealthCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "health",
+        "the agent's grpc.health.v1 status; exit 0 only when SERVING "
+        "(for probes)");
+    sub->add_option("--service", service_,
+                    "service to check; empty: the agent as a whole");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("health", client.status());
+    auto stub = health::Health::NewStub((*client)->channel());
+    grpc::ClientContext context;
+    context.set_deadline(
+        absl::ToChronoTime(absl::Now() + global.rpc_timeout()));
+    health::HealthCheckRequest request;
+    request.set_service(service_);
+    health::HealthCheckResponse response;
+    const grpc::Status status = stub->Check(&context, request, &response);
+    if (!status.ok()) {
+      return Failed(
+          "health",
+          absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                       status.error_message()));
+    }
+    if (global.json()) {
+      Print(global, response);
+    } else {
+      std::printf("%s\n", health::HealthCheckResponse::ServingStatus_Name(
+                              response.status())
+                              .c_str());
+    }
+    if (response.status() != health::HealthCheckResponse::SERVING) {
+      return {kExitFailed, "health: the agent is not serving"};
+    }
+    return Ok();
+  }
+
+ private:
+  std::string service_;
+};
+
+class RegisterCommand : public Command {
+ public:
+  explicit RegisterCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "register",
+        "register an agent-allocated buffer; prints its id and base64 remote "
+        "context");
+    sub->add_option("--size", size_, "bytes to allocate");
+    sub->add_option("--access", access_, "read, write or read_write")
+        ->capture_default_str();
+    sub->add_option("--label", label_, "label shown by list");
+    sub->add_option("--context_out", context_out_,
+                    "also write the raw remote context to this file");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    if (!size_.has_value()) return Usage("register needs --size N");
+    const std::optional<v1::Access> access = ParseAccess(access_);
+    if (!access.has_value()) {
+      return Usage("--access must be read, write or read_write");
+    }
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<Registration> registration =
+        (*client)->AllocateUnmapped(*size_, *access, label_);
+    if (!registration.ok()) return Failed("register", registration.status());
+    if (global.json()) {
+      v1::RegisterResponse response;
+      response.set_buffer_id(registration->id);
+      response.set_size_bytes(registration->size);
+      response.set_remote_context(registration->remote_context);
+      for (const std::string& name : registration->backends) {
+        response.add_backends(name);
+      }
+      Print(global, response);
+    } else {
+      std::printf(
+          "buffer_id: %llu\nsize_bytes: %llu\nbackends: %s\ncontext: %s\n",
+          static_cast<unsigned long long>(registration->id),
+          static_cast<unsigned long long>(registration->size),
+          absl::StrJoin(registration->backends, ",").c_str(),
+          absl::Base64Escape(registration->remote_context).c_str());
+    }
+    if (!context_out_.empty()) {
+      absl::Status written =
+          WriteAll(context_out_, registration->remote_context);
+      if (!written.ok()) {
+        return LocalIo(absl::StrCat("register: buffer ", registration->id,
+                                    " is registered, but ", written.message()));
+      }
+    }
+    return Ok();
+  }
+
+ private:
+  std::optional<uint64_t> size_;
+  std::string access_ = "read_write";
+  std::string label_;
+  std::string context_out_;
+};
+
+class ListCommand : public Command {
+ public:
+  explicit ListCommand(CLI::App& app) {
+    app.add_subcommand("list", "this user's buffers (root: everyone's)");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<std::vector<v1::BufferInfo>> buffers =
+        (*client)->ListBuffers();
+    if (!buffers.ok()) return Failed("list", buffers.status());
+    if (global.json()) {
+      v1::ListBuffersResponse response;
+      for (const v1::BufferInfo& buffer : *buffers) {
+        *response.add_buffers() = buffer;
+      }
+      Print(global, response);
+      return Ok();
+    }
+    std::printf("%-20s %14s %-18s %-9s %-20s %14s %14s %s\n", "ID", "SIZE",
+                "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED", "LABEL");
+    for (const v1::BufferInfo& buffer : *buffers) {
+      std::printf("%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %s\n",
+                  static_cast<unsigned long long>(buffer.buffer_id()),
+                  static_cast<unsigned long long>(buffer.size_bytes()),
+                  v1::Access_Name(buffer.access()).c_str(),
+                  buffer.agent_allocated() ? "agent" : "client",
+                  absl::StrJoin(buffer.backends(), ",").c_str(),
+                  static_cast<unsigned long long>(buffer.bytes_moved()),
+                  static_cast<unsigned long long>(buffer.bytes_served()),
+                  buffer.label().c_str());
+    }
+    return Ok();
+  }
+};
+
+// Commands that take one buffer ID.
+class BufferCommand : public Command {
+ protected:
+  void AddId(CLI::App* sub) { sub->add_option("ID", ids_, "buffer id"); }
+  absl::StatusOr<uint64_t> Id() const { return BufferIdArgument(ids_); }
+
+ private:
+  std::vector<std::string> ids_;
+};
+
+class ReleaseCommand : public BufferCommand {
+ public:
+  explicit ReleaseCommand(CLI::App& app) {
+    AddId(app.add_subcommand("release", "drop a registration"));
+  }
+  Outcome Run(LazyClient& lazy, const Global&) override {
+    absl::StatusOr<uint64_t> id = Id();
+    if (!id.ok())
+      return Usage(absl::StrCat("release: ", id.status().message()));
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Status status = (*client)->Release(*id);
+    if (!status.ok()) return Failed(absl::StrCat("release ", *id), status);
+    return Ok();
+  }
+};
+
+class WriteCommand : public BufferCommand {
+ public:
+  explicit WriteCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "write", "bytes from a file (or stdin) into a buffer, over gRPC");
+    AddId(sub);
+    sub->add_option("--offset", offset_, "offset in the buffer");
+    sub->add_option("--in", in_, "input file, - for stdin")
+        ->capture_default_str();
+  }
+  Outcome Run(LazyClient& lazy, const Global&) override {
+    absl::StatusOr<uint64_t> id = Id();
+    if (!id.ok()) return Usage(absl::StrCat("write: ", id.status().message()));
+    absl::StatusOr<std::string> data = ReadAll(in_);
+    if (!data.ok()) {
+      return LocalIo(absl::StrCat("write: ", data.status().message()));
+    }
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Status status = (*client)->WriteBuffer(*id, offset_, *data);
+    if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
+    std::fprintf(stderr, "wrote %zu bytes into buffer %llu at offset %llu\n",
+                 data->size(), static_cast<unsigned long long>(*id),
+                 static_cast<unsigned long long>(offset_));
+    return Ok();
+  }
+
+ private:
+  uint64_t offset_ = 0;
+  std::string in_ = "-";
+};
+
+class ReadCommand : public BufferCommand {
+ public:
+  explicit ReadCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "read", "bytes of a buffer to a file (or stdout), over gRPC");
+    AddId(sub);
+    sub->add_option("--offset", offset_, "offset in the buffer");
+    sub->add_option("--length", length_, "bytes to read");
+    sub->add_option("--out", out_, "output file, - for stdout")
+        ->capture_default_str();
+  }
+  Outcome Run(LazyClient& lazy, const Global&) override {
+    absl::StatusOr<uint64_t> id = Id();
+    if (!id.ok()) return Usage(absl::StrCat("read: ", id.status().message()));
+    if (!length_.has_value()) return Usage("read needs --length L");
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<std::string> data =
+        (*client)->ReadBuffer(*id, offset_, *length_);
+    if (!data.ok()) return Failed(absl::StrCat("read ", *id), data.status());
+    absl::Status written = WriteAll(out_, *data);
+    if (!written.ok())
+      return LocalIo(absl::StrCat("read: ", written.message()));
+    return Ok();
+  }
+
+ private:
+  uint64_t offset_ = 0;
+  std::optional<uint64_t> length_;
+  std::string out_ = "-";
+};
+
+// Options naming a remote context: --context BASE64 or --context_file FILE.
+struct ContextOptions {
+  std::string base64;
+  std::string file;
+  void Add(CLI::App* sub) {
+    sub->add_option("--context", base64,
+                    "remote context, base64 (as register prints it)");
+    sub->add_option("--context_file", file,
+                    "file holding the raw remote context");
+  }
+};
+
+class SubmitCommand : public Command {
+ public:
+  explicit SubmitCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "submit", "one one-sided op between a local buffer and a remote one");
+    sub->add_option("--op", op_,
+                    "read (READ_INTO_LOCAL) or write (WRITE_FROM_LOCAL)");
+    sub->add_option("--local", local_, "local buffer id");
+    sub->add_option("--local_offset", local_offset_,
+                    "offset in the local buffer");
+    sub->add_option("--length", length_, "bytes to move");
+    sub->add_option("--remote_offset", remote_offset_,
+                    "offset in the remote buffer");
+    context_.Add(sub);
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    OpSpec op;
+    if (op_ == "read") {
+      op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+    } else if (op_ == "write") {
+      op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+    } else {
+      return Usage("submit needs --op read or --op write");
+    }
+    if (!local_.has_value()) return Usage("submit needs --local ID");
+    if (!length_.has_value()) return Usage("submit needs --length L");
+    absl::StatusOr<std::string> context =
+        RemoteContextArgument(context_.base64, context_.file, {});
+    if (!context.ok()) {
+      return Usage(absl::StrCat("submit: ", context.status().message()));
+    }
+    op.local_buffer_id = *local_;
+    op.local_offset = local_offset_;
+    op.length = *length_;
+    op.remote_context = *std::move(context);
+    op.remote_offset = remote_offset_;
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<std::vector<OpResult>> results =
+        (*client)->Submit({op}, global.rpc_timeout());
+    if (!results.ok()) return Failed("submit", results.status());
+    bool all_ok = true;
+    v1::SubmitResponse response;
+    for (size_t i = 0; i < results->size(); ++i) {
+      const OpResult& result = (*results)[i];
+      all_ok = all_ok && result.status.ok();
+      v1::OpResult* printed = response.add_results();
+      printed->set_code(static_cast<int>(result.status.code()));
+      printed->set_message(std::string(result.status.message()));
+      printed->set_backend(result.backend);
+      if (!global.json()) {
+        std::printf("op %zu: %s backend=%s%s%s\n", i,
+                    absl::StatusCodeToString(result.status.code()).c_str(),
+                    result.backend.empty() ? "-" : result.backend.c_str(),
+                    result.status.ok() ? "" : " message=",
+                    std::string(result.status.message()).c_str());
+      }
+    }
+    if (global.json()) Print(global, response);
+    if (!all_ok) return {kExitFailed, "submit: an op failed"};
+    return Ok();
+  }
+
+ private:
+  std::string op_;
+  std::optional<uint64_t> local_;
+  uint64_t local_offset_ = 0;
+  std::optional<uint64_t> length_;
+  uint64_t remote_offset_ = 0;
+  ContextOptions context_;
+};
+
+class DecodeCommand : public Command {
+ public:
+  explicit DecodeCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "decode", "print a remote context (offline: needs no agent)");
+    sub->add_option("BASE64", args_, "remote context, base64");
+    context_.Add(sub);
+  }
+  Outcome Run(LazyClient&, const Global& global) override {
+    if (args_.size() > 1) return Usage("decode takes at most one argument");
+    absl::StatusOr<std::string> context =
+        RemoteContextArgument(context_.base64, context_.file, args_);
+    if (!context.ok()) {
+      return Usage(absl::StrCat("decode: ", context.status().message()));
+    }
+    absl::StatusOr<std::string> text = internal::RemoteContextToText(*context);
+    if (!text.ok()) {
+      return Usage(absl::StrCat("decode: ", text.status().message()));
+    }
+    if (global.json()) {
+      v1::RemoteBuffer remote;
+      remote.ParseFromString(*context);  // checked by RemoteContextToText
+      Print(global, remote);
+    } else {
+      std::fputs(text->c_str(), stdout);
+    }
+    return Ok();
+  }
+
+ private:
+  std::vector<std::string> args_;
+  ContextOptions context_;
+};
+
+// Options of the whole tool that take a value in the next argument.
+bool TakesValue(absl::string_view option) {
+  return option == "--target" || option == "--attach_socket" ||
+         option == "--timeout" || option == "-o" || option == "--output";
 }
 
-Outcome Register(LazyClient& lazy, const std::vector<std::string>& args) {
-  if (!args.empty()) return Usage("register takes no positional arguments");
-  const std::optional<uint64_t> size = absl::GetFlag(FLAGS_size);
-  if (!size.has_value()) return Usage("register needs --size N");
-  const std::optional<v1::Access> access =
-      ParseAccess(absl::GetFlag(FLAGS_access));
-  if (!access.has_value()) {
-    return Usage("--access must be read, write or read_write");
+// "help" and "help COMMAND" as CLI11 understands them: "--help" and
+// "COMMAND --help". Returns the arguments reversed, as CLI11 parses them.
+std::vector<std::string> HelpAsFlag(std::vector<std::string> args,
+                                    const std::vector<CLI::App*>& commands) {
+  size_t i = 0;
+  while (i < args.size() && absl::StartsWith(args[i], "-")) {
+    i += TakesValue(args[i]) ? 2 : 1;
   }
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::StatusOr<Registration> registration =
-      (*client)->AllocateUnmapped(*size, *access, absl::GetFlag(FLAGS_label));
-  if (!registration.ok()) return Failed("register", registration.status());
-  std::printf("buffer_id: %llu\nsize_bytes: %llu\nbackends: %s\ncontext: %s\n",
-              static_cast<unsigned long long>(registration->id),
-              static_cast<unsigned long long>(registration->size),
-              absl::StrJoin(registration->backends, ",").c_str(),
-              absl::Base64Escape(registration->remote_context).c_str());
-  const std::string context_out = absl::GetFlag(FLAGS_context_out);
-  if (!context_out.empty()) {
-    absl::Status written = WriteAll(context_out, registration->remote_context);
-    if (!written.ok()) {
-      return LocalIo(absl::StrCat("register: buffer ", registration->id,
-                                  " is registered, but ", written.message()));
+  if (i < args.size() && args[i] == "help") {
+    const bool known_topic =
+        i + 1 < args.size() &&
+        std::any_of(commands.begin(), commands.end(), [&](CLI::App* command) {
+          return command->get_name() == args[i + 1];
+        });
+    if (i + 1 == args.size() || known_topic) {
+      args.erase(args.begin() + i);
+      args.insert(
+          args.begin() + std::min(args.size(), i + (known_topic ? 1 : 0)),
+          "--help");
+    } else {
+      args[i] = args[i + 1];  // an unknown topic is an unknown command
+      args.erase(args.begin() + i + 1);
     }
   }
-  return Ok();
-}
-
-Outcome List(LazyClient& lazy, const std::vector<std::string>& args) {
-  if (!args.empty()) return Usage("list takes no arguments");
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::StatusOr<std::vector<v1::BufferInfo>> buffers =
-      (*client)->ListBuffers();
-  if (!buffers.ok()) return Failed("list", buffers.status());
-  std::printf("%-20s %14s %-18s %-9s %-20s %14s %14s %s\n", "ID", "SIZE",
-              "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED", "LABEL");
-  for (const v1::BufferInfo& buffer : *buffers) {
-    std::printf("%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %s\n",
-                static_cast<unsigned long long>(buffer.buffer_id()),
-                static_cast<unsigned long long>(buffer.size_bytes()),
-                v1::Access_Name(buffer.access()).c_str(),
-                buffer.agent_allocated() ? "agent" : "client",
-                absl::StrJoin(buffer.backends(), ",").c_str(),
-                static_cast<unsigned long long>(buffer.bytes_moved()),
-                static_cast<unsigned long long>(buffer.bytes_served()),
-                buffer.label().c_str());
-  }
-  return Ok();
-}
-
-Outcome Release(LazyClient& lazy, const std::vector<std::string>& args) {
-  absl::StatusOr<uint64_t> id = BufferIdArgument(args);
-  if (!id.ok()) return Usage(absl::StrCat("release: ", id.status().message()));
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::Status status = (*client)->Release(*id);
-  if (!status.ok()) return Failed(absl::StrCat("release ", *id), status);
-  return Ok();
-}
-
-Outcome Write(LazyClient& lazy, const std::vector<std::string>& args) {
-  absl::StatusOr<uint64_t> id = BufferIdArgument(args);
-  if (!id.ok()) return Usage(absl::StrCat("write: ", id.status().message()));
-  absl::StatusOr<std::string> data = ReadAll(absl::GetFlag(FLAGS_in));
-  if (!data.ok())
-    return LocalIo(absl::StrCat("write: ", data.status().message()));
-  const uint64_t offset = absl::GetFlag(FLAGS_offset);
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::Status status = (*client)->WriteBuffer(*id, offset, *data);
-  if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
-  std::fprintf(stderr, "wrote %zu bytes into buffer %llu at offset %llu\n",
-               data->size(), static_cast<unsigned long long>(*id),
-               static_cast<unsigned long long>(offset));
-  return Ok();
-}
-
-Outcome Read(LazyClient& lazy, const std::vector<std::string>& args) {
-  absl::StatusOr<uint64_t> id = BufferIdArgument(args);
-  if (!id.ok()) return Usage(absl::StrCat("read: ", id.status().message()));
-  const std::optional<uint64_t> length = absl::GetFlag(FLAGS_length);
-  if (!length.has_value()) return Usage("read needs --length L");
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::StatusOr<std::string> data =
-      (*client)->ReadBuffer(*id, absl::GetFlag(FLAGS_offset), *length);
-  if (!data.ok()) return Failed(absl::StrCat("read ", *id), data.status());
-  absl::Status written = WriteAll(absl::GetFlag(FLAGS_out), *data);
-  if (!written.ok()) return LocalIo(absl::StrCat("read: ", written.message()));
-  return Ok();
-}
-
-Outcome Submit(LazyClient& lazy, const std::vector<std::string>& args) {
-  if (!args.empty()) return Usage("submit takes no positional arguments");
-  OpSpec op;
-  const std::string type = absl::GetFlag(FLAGS_op);
-  if (type == "read") {
-    op.type = v1::OP_TYPE_READ_INTO_LOCAL;
-  } else if (type == "write") {
-    op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
-  } else {
-    return Usage("submit needs --op read or --op write");
-  }
-  const std::optional<uint64_t> local = absl::GetFlag(FLAGS_local);
-  if (!local.has_value()) return Usage("submit needs --local ID");
-  const std::optional<uint64_t> length = absl::GetFlag(FLAGS_length);
-  if (!length.has_value()) return Usage("submit needs --length L");
-  absl::StatusOr<std::string> context = RemoteContextArgument({});
-  if (!context.ok()) {
-    return Usage(absl::StrCat("submit: ", context.status().message()));
-  }
-  op.local_buffer_id = *local;
-  op.local_offset = absl::GetFlag(FLAGS_local_offset);
-  op.length = *length;
-  op.remote_context = *std::move(context);
-  op.remote_offset = absl::GetFlag(FLAGS_remote_offset);
-  absl::StatusOr<AgentClient*> client = lazy.Get();
-  if (!client.ok()) return Failed("connect", client.status());
-  absl::StatusOr<std::vector<OpResult>> results =
-      (*client)->Submit({op}, absl::GetFlag(FLAGS_timeout));
-  if (!results.ok()) return Failed("submit", results.status());
-  bool all_ok = true;
-  for (size_t i = 0; i < results->size(); ++i) {
-    const OpResult& result = (*results)[i];
-    all_ok = all_ok && result.status.ok();
-    std::printf("op %zu: %s backend=%s%s%s\n", i,
-                absl::StatusCodeToString(result.status.code()).c_str(),
-                result.backend.empty() ? "-" : result.backend.c_str(),
-                result.status.ok() ? "" : " message=",
-                std::string(result.status.message()).c_str());
-  }
-  if (!all_ok) return {kExitFailed, "submit: an op failed"};
-  return Ok();
-}
-
-Outcome Decode(const std::vector<std::string>& args) {
-  if (args.size() > 1) return Usage("decode takes at most one argument");
-  absl::StatusOr<std::string> context = RemoteContextArgument(args);
-  if (!context.ok()) {
-    return Usage(absl::StrCat("decode: ", context.status().message()));
-  }
-  absl::StatusOr<std::string> text = internal::RemoteContextToText(*context);
-  if (!text.ok())
-    return Usage(absl::StrCat("decode: ", text.status().message()));
-  std::fputs(text->c_str(), stdout);
-  return Ok();
+  std::reverse(args.begin(), args.end());
+  return args;
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(kUsage);
-  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
-  if (positional.size() < 2) {
-    std::fprintf(stderr, "rdma-agentctl: no command given\n\n%s\n", kUsage);
+  CLI::App app(kDescription, "rdma-agentctl");
+  app.fallthrough();  // global options may follow the command too
+  Global global;
+  app.add_option("--target", global.target,
+                 "the agent: a gRPC target (unix:///path) or a socket path; "
+                 "default $RDMA_AGENT_SOCKET, else "
+                 "unix:///run/rdma-agentd/agent.sock");
+  app.add_option("--attach_socket", global.attach_socket,
+                 "attach socket; default: attach.sock next to the agent "
+                 "socket");
+  app.add_option("--timeout", global.timeout,
+                 "deadline of each RPC, and the op timeout of submit (e.g. "
+                 "30s, 500ms)")
+      ->capture_default_str()
+      ->check([](const std::string& text) {
+        absl::Duration value;
+        return absl::ParseDuration(text, &value) && value > absl::ZeroDuration()
+                   ? std::string()
+                   : "not a positive duration such as 30s or 500ms";
+      });
+  app.add_option("-o,--output", global.output, "output format")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"text", "json"}));
+
+  // Each command adds its subcommand; `subs` and `owned` stay in step.
+  std::vector<std::unique_ptr<Command>> owned;
+  owned.push_back(std::make_unique<InfoCommand>(app));
+  owned.push_back(std::make_unique<HealthCommand>(app));
+  owned.push_back(std::make_unique<RegisterCommand>(app));
+  owned.push_back(std::make_unique<ListCommand>(app));
+  owned.push_back(std::make_unique<ReleaseCommand>(app));
+  owned.push_back(std::make_unique<WriteCommand>(app));
+  owned.push_back(std::make_unique<ReadCommand>(app));
+  owned.push_back(std::make_unique<SubmitCommand>(app));
+  owned.push_back(std::make_unique<DecodeCommand>(app));
+  // Subcommands are kept in the order they were added.
+  const std::vector<CLI::App*> subs = app.get_subcommands({});
+  app.footer(
+      "rdma-agentctl help COMMAND (or COMMAND --help): a command's "
+      "options.");
+
+  try {
+    app.parse(
+        HelpAsFlag(std::vector<std::string>(argv + 1, argv + argc), subs));
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ExtrasError& e) {
+    const std::vector<std::string> extras = app.remaining();
+    if (app.get_subcommands().empty() && !extras.empty()) {
+      std::fprintf(stderr,
+                   "rdma-agentctl: unknown command '%s' (see rdma-agentctl "
+                   "--help)\n",
+                   extras.front().c_str());
+    } else {
+      std::fprintf(stderr, "rdma-agentctl: %s\n", e.what());
+    }
+    return kExitUsage;
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "rdma-agentctl: %s\n", e.what());
     return kExitUsage;
   }
-  const std::string command = positional[1];
-  const std::vector<std::string> args(positional.begin() + 2, positional.end());
 
-  using Command =
-      std::function<Outcome(LazyClient&, const std::vector<std::string>&)>;
-  const std::map<std::string, Command> commands = {
-      {"info", Info},       {"register", Register}, {"list", List},
-      {"release", Release}, {"write", Write},       {"read", Read},
-      {"submit", Submit},
-  };
+  const std::vector<CLI::App*> chosen = app.get_subcommands();
+  if (chosen.empty()) {
+    std::fprintf(stderr, "rdma-agentctl: no command given\n\n%s",
+                 app.help().c_str());
+    return kExitUsage;
+  }
+  LazyClient lazy(global);
   Outcome outcome;
-  LazyClient lazy;
-  if (command == "decode") {
-    outcome = Decode(args);  // offline: needs no agent
-  } else if (auto it = commands.find(command); it != commands.end()) {
-    outcome = it->second(lazy, args);
-  } else {
-    outcome = Usage(absl::StrCat("unknown command '", command,
-                                 "' (see rdma-agentctl --help)"));
+  for (size_t i = 0; i < subs.size(); ++i) {
+    if (subs[i] == chosen.front()) outcome = owned[i]->Run(lazy, global);
   }
   if (outcome.code != kExitOk) {
     std::fprintf(stderr, "rdma-agentctl: %s\n", outcome.message.c_str());

@@ -15,10 +15,11 @@ namespace {
 
 absl::Status ErrnoStatus(absl::string_view what) {
   const int err = errno;
-  return absl::Status(err == ENOMEM || err == ENOSPC
-                          ? absl::StatusCode::kResourceExhausted
-                          : absl::StatusCode::kInternal,
-                      absl::StrCat(what, ": ", std::strerror(err)));
+  return absl::Status(
+      err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE
+          ? absl::StatusCode::kResourceExhausted
+          : absl::StatusCode::kInternal,
+      absl::StrCat(what, ": ", std::strerror(err)));
 }
 
 absl::StatusOr<std::byte*> MapShared(int fd, uint64_t size) {
@@ -27,11 +28,27 @@ absl::StatusOr<std::byte*> MapShared(int fd, uint64_t size) {
   return static_cast<std::byte*>(addr);
 }
 
+absl::StatusOr<std::unique_ptr<MappingCharge>> AdmitAll(uint64_t) {
+  return nullptr;
+}
+
 }  // namespace
 
 absl::StatusOr<SharedMemory> SharedMemory::Allocate(uint64_t size,
                                                     const std::string& name) {
+  return Allocate(size, name, AdmitAll);
+}
+
+absl::StatusOr<SharedMemory> SharedMemory::Adopt(UniqueFd fd) {
+  return Adopt(std::move(fd), AdmitAll);
+}
+
+absl::StatusOr<SharedMemory> SharedMemory::Allocate(uint64_t size,
+                                                    const std::string& name,
+                                                    Admission admit) {
   if (size == 0) return absl::InvalidArgumentError("size must be positive");
+  auto charge = admit(size);
+  if (!charge.ok()) return charge.status();
   UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd) return ErrnoStatus("memfd_create");
   if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
@@ -44,10 +61,12 @@ absl::StatusOr<SharedMemory> SharedMemory::Allocate(uint64_t size,
   }
   auto data = MapShared(fd.get(), size);
   if (!data.ok()) return data.status();
-  return SharedMemory(std::move(fd), *data, size);
+  SharedMemory memory(std::move(fd), *data, size);
+  memory.HoldCharge(std::move(*charge));
+  return memory;
 }
 
-absl::StatusOr<SharedMemory> SharedMemory::Adopt(UniqueFd fd) {
+absl::StatusOr<SharedMemory> SharedMemory::Adopt(UniqueFd fd, Admission admit) {
   const int seals = ::fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0) {
     return absl::InvalidArgumentError(
@@ -67,32 +86,50 @@ absl::StatusOr<SharedMemory> SharedMemory::Adopt(UniqueFd fd) {
     return absl::InvalidArgumentError("attached memfd is empty");
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
+  // Before mmap: a sparse memfd can claim terabytes that cost its owner
+  // nothing but would cost the agent its address space.
+  auto charge = admit(size);
+  if (!charge.ok()) return charge.status();
   auto data = MapShared(fd.get(), size);
   if (!data.ok()) return data.status();
-  return SharedMemory(std::move(fd), *data, size);
+  SharedMemory memory(std::move(fd), *data, size);
+  memory.HoldCharge(std::move(*charge));
+  return memory;
 }
 
 SharedMemory::SharedMemory(SharedMemory&& other) noexcept
     : fd_(std::move(other.fd_)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      charges_(std::move(other.charges_)) {
+  other.charges_.clear();
+}
 
 SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
   if (this != &other) {
-    Unmap();
+    Reset();
     fd_ = std::move(other.fd_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    charges_ = std::move(other.charges_);
+    other.charges_.clear();
   }
   return *this;
 }
 
-SharedMemory::~SharedMemory() { Unmap(); }
+SharedMemory::~SharedMemory() { Reset(); }
 
-void SharedMemory::Unmap() {
+void SharedMemory::HoldCharge(std::unique_ptr<MappingCharge> charge) {
+  if (charge != nullptr) charges_.push_back(std::move(charge));
+}
+
+void SharedMemory::Reset() {
   if (data_ != nullptr) ::munmap(data_, size_);
   data_ = nullptr;
   size_ = 0;
+  fd_.reset();
+  // Last: what the charges account for is gone now.
+  charges_.clear();
 }
 
 }  // namespace rdma_agent

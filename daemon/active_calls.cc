@@ -27,7 +27,14 @@ absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
     const grpc::ServerContext* context, uid_t uid, size_t ops) {
   absl::MutexLock lock(&mu_);
   if (closed_) return closed_reason_;
-  const size_t mine = ops_by_uid_.contains(uid) ? ops_by_uid_[uid] : 0;
+  auto found = by_uid_.find(uid);
+  const UserLoad load = found == by_uid_.end() ? UserLoad() : found->second;
+  if (load.calls >= limits_.max_calls_per_user) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "user ", uid, " already has ", load.calls, " calls running (limit ",
+        limits_.max_calls_per_user, ", --max_rpcs_per_user)"));
+  }
+  const size_t mine = load.ops;
   if (mine + ops > limits_.max_ops_per_user) {
     return absl::ResourceExhaustedError(
         absl::StrCat("user ", uid, " has ", mine, " ops in flight; ", ops,
@@ -41,7 +48,9 @@ absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
                      " (--max_ops_in_flight)"));
   }
   std::unique_ptr<Call> call(new Call(this, context, uid, ops));
-  ops_by_uid_[uid] = mine + ops;
+  UserLoad& updated = by_uid_[uid];
+  ++updated.calls;
+  updated.ops += ops;
   ops_total_ += ops;
   calls_.push_front(call.get());
   call->position_ = calls_.begin();
@@ -52,9 +61,10 @@ void ActiveCalls::End(Call* call) {
   absl::MutexLock lock(&mu_);
   calls_.erase(call->position_);
   ops_total_ -= call->ops_;
-  auto it = ops_by_uid_.find(call->uid_);
-  it->second -= call->ops_;
-  if (it->second == 0) ops_by_uid_.erase(it);
+  auto it = by_uid_.find(call->uid_);
+  --it->second.calls;
+  it->second.ops -= call->ops_;
+  if (it->second.calls == 0) by_uid_.erase(it);
 }
 
 void ActiveCalls::CancelAll(const absl::Status& reason) {
@@ -70,8 +80,8 @@ void ActiveCalls::CancelAll(const absl::Status& reason) {
 
 size_t ActiveCalls::ops_in_flight(uid_t uid) const {
   absl::MutexLock lock(&mu_);
-  auto it = ops_by_uid_.find(uid);
-  return it == ops_by_uid_.end() ? 0 : it->second;
+  auto it = by_uid_.find(uid);
+  return it == by_uid_.end() ? 0 : it->second.ops;
 }
 
 size_t ActiveCalls::ops_in_flight() const {

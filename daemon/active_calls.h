@@ -22,18 +22,23 @@ class ServerContext;
 
 namespace rdma_agent {
 
-// Bounds on data-path work in flight (flags --max_ops_in_flight*).
+// Bounds on RPCs and data-path work in flight (flags --max_ops_in_flight*,
+// --max_rpcs_per_user).
 struct InFlightLimits {
   // Ops of running Submits, over all users and for one user.
   size_t max_ops = 262144;
   size_t max_ops_per_user = 65536;
+  // RPCs of one user running at once. Each holds a gRPC server thread, so
+  // this stays well below the server's thread bound: one user cannot take
+  // every thread.
+  size_t max_calls_per_user = 64;
 };
 
-// The agent's running data-path calls (Submits): what they may hold and how
-// they are stopped.
+// The agent's running RPCs: what they may hold and how they are stopped.
 //
-// - Admission: a call is admitted only if its ops fit under the per-user
-//   and total bounds; beyond, RESOURCE_EXHAUSTED before anything is built.
+// - Admission: a call is admitted only if the user has a call slot left and
+//   its ops (Submit) fit under the per-user and total bounds; beyond,
+//   RESOURCE_EXHAUSTED before anything is built for it.
 // - Abandonment: one long-lived thread checks every `poll_interval` whether
 //   each call's client has cancelled or disconnected
 //   (grpc::ServerContext::IsCancelled) and cancels its work (CANCELLED).
@@ -78,7 +83,8 @@ class ActiveCalls {
   // must be gone first.
   ~ActiveCalls();
 
-  // Admits a call of `ops` ops for `uid` and starts watching `context`
+  // Admits a call of `ops` ops (0 for RPCs other than Submit) for `uid` and
+  // starts watching `context`
   // (nullptr: never abandoned, e.g. in-process callers). RESOURCE_EXHAUSTED
   // when the ops would pass a bound; UNAVAILABLE after CancelAll().
   absl::StatusOr<std::unique_ptr<Call>> Start(
@@ -103,7 +109,11 @@ class ActiveCalls {
   absl::Status closed_reason_ ABSL_GUARDED_BY(mu_);
   std::list<Call*> calls_ ABSL_GUARDED_BY(mu_);
   size_t ops_total_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<uid_t, size_t> ops_by_uid_ ABSL_GUARDED_BY(mu_);
+  struct UserLoad {
+    size_t calls = 0;
+    size_t ops = 0;
+  };
+  absl::flat_hash_map<uid_t, UserLoad> by_uid_ ABSL_GUARDED_BY(mu_);
   std::thread watcher_;
 };
 

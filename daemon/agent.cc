@@ -11,7 +11,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "backends/peer_tls.h"
 #include "common/net_address.h"
+#include "common/rate_limited_log.h"
 #include "common/random.h"
 #include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
@@ -21,6 +23,7 @@
 #include "daemon/unix_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -33,6 +36,13 @@ namespace {
 // Large enough for ReadBuffer/WriteBuffer at the per-call limit.
 constexpr int kMaxMessageBytes = 64 << 20;
 
+// The Peer listener: port when --peer_listen names none, and its bounds.
+constexpr uint16_t kDefaultPeerPort = 7470;
+constexpr int kPeerMaxThreads = 32;
+constexpr int kPeerMaxMessageBytes = 64 << 10;
+constexpr int kPeerMaxStreamsPerConnection = 8;
+constexpr int kPeerMaxIdleMs = 5 * 60 * 1000;
+
 absl::Status MakeDirectory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
     return absl::InternalError(
@@ -43,7 +53,8 @@ absl::Status MakeDirectory(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir) {
+absl::StatusOr<std::string> LoadOrCreateAgentId(
+    const std::string& runtime_dir) {
   const std::string path = runtime_dir + "/agent-id";
   {
     std::ifstream in(path);
@@ -94,21 +105,22 @@ absl::Status Agent::Init() {
   identity_.agent_id = options_.agent_id;
   identity_.epoch = RandomNonZeroU64();
 
+  SetUpQuotas();
   buffers_ = std::make_unique<BufferRegistry>(identity_.epoch);
-  attach_tokens_ = std::make_unique<AttachTokens>(
-      options_.attach_token_ttl, options_.max_pending_attach_per_user);
+  attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
 
   BackendEnvironment env;
   env.identity = identity_;
   env.directory = buffers_.get();
   env.advertise_host = options_.advertise_host;
+  env.peer_tls = options_.peer_tls;
   std::vector<std::unique_ptr<Backend>> backends;
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
     if (!backend.ok()) {
-      return absl::Status(backend.status().code(),
-                          absl::StrCat("spawning a backend: ",
-                                       backend.status().message()));
+      return absl::Status(
+          backend.status().code(),
+          absl::StrCat("spawning a backend: ", backend.status().message()));
     }
     backends.push_back(std::move(*backend));
   }
@@ -123,22 +135,47 @@ absl::Status Agent::Init() {
     }
   }
   if (!peer_services.empty()) {
+    if (options_.peer_listen.empty()) {
+      // Where peers are told to dial, and nowhere else.
+      options_.peer_listen =
+          JoinHostPort(options_.advertise_host, kDefaultPeerPort);
+    }
     auto listen = ParseHostPort(options_.peer_listen);
     if (!listen.ok()) return listen.status();
     grpc::ServerBuilder builder;
+    // Anyone on the network may connect here: Peer requests are small and
+    // few, so threads, streams, message size and idle connections are bound
+    // tightly (a stranger holds nothing for long).
+    grpc::ResourceQuota peer_quota("rdma-agentd-peer");
+    peer_quota.SetMaxThreads(kPeerMaxThreads);
+    builder.SetResourceQuota(peer_quota);
+    builder.SetMaxReceiveMessageSize(kPeerMaxMessageBytes);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               kPeerMaxStreamsPerConnection);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kPeerMaxIdleMs);
     int port = 0;
+    // With TLS material, peers must present a certificate from the CA.
     builder.AddListeningPort(options_.peer_listen,
-                             grpc::InsecureServerCredentials(), &port);
+                             PeerServerCredentials(options_.peer_tls), &port);
     for (grpc::Service* service : peer_services) {
       builder.RegisterService(service);
     }
     peer_server_ = builder.BuildAndStart();
     if (peer_server_ == nullptr || port == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot listen for peers on ", options_.peer_listen));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen for peers on ", options_.peer_listen));
     }
     peer_address_ =
         JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
+    if (options_.peer_tls.enabled()) {
+      spdlog::info("Peer listener {} requires client certificates (mTLS)",
+                   options_.peer_listen);
+    } else {
+      spdlog::warn(
+          "Peer listener {} is plaintext: any host reaching it may call the "
+          "Peer service (set --peer_tls_cert/--peer_tls_key/--peer_tls_ca)",
+          options_.peer_listen);
+    }
   }
   for (const auto& backend : registry_->backends()) {
     if (!backend->available()) continue;
@@ -154,14 +191,20 @@ absl::Status Agent::Init() {
   InFlightLimits limits;
   limits.max_ops = options_.max_ops_in_flight;
   limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
+  limits.max_calls_per_user = options_.max_rpcs_per_user;
   calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, registry_.get(), buffers_.get(),
-      attach_tokens_.get(), callers_.get(), calls_.get());
+      attach_tokens_.get(), callers_.get(), calls_.get(), quotas_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(service_.get());
+  // Every sync RPC holds a thread: bounded here (RESOURCE_EXHAUSTED beyond),
+  // and per user by ActiveCalls well below this bound.
+  grpc::ResourceQuota quota("rdma-agentd");
+  quota.SetMaxThreads(static_cast<int>(options_.max_rpcs));
+  builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server_ = builder.BuildAndStart();
@@ -172,8 +215,7 @@ absl::Status Agent::Init() {
   // The agent accepts its Unix socket itself to learn each caller's
   // credentials (SO_PEERCRED), then lets gRPC serve the connection.
   auto listener = UnixListener::Start(
-      options_.socket_path,
-      [this](UniqueFd fd, const PeerCredentials& peer) {
+      options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
         const int flags = ::fcntl(fd.get(), F_GETFL);
         if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
           spdlog::warn("cannot make connection non-blocking: {}",
@@ -185,7 +227,22 @@ absl::Status Agent::Init() {
         const int buffer_bytes = 4 << 20;
         ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer_bytes,
                      sizeof(buffer_bytes));
-        callers_->Add(fd.get(), peer);
+        const absl::Status admitted =
+            callers_->Admit(fd.get(), peer, options_.max_connections_per_user,
+                            options_.max_connections);
+        if (!admitted.ok()) {
+          // Closing is the answer: the client sees its connection refused.
+          // Rate-limited: a flood of refused connections is one line per
+          // interval, not one per connection.
+          if (auto suppressed = refused_connection_log_.Allow()) {
+            spdlog::warn(
+                "refusing a connection from uid {} pid {}: {} ({} more "
+                "refusals not logged)",
+                peer.uid, peer.pid, std::string(admitted.message()),
+                *suppressed);
+          }
+          return;
+        }
         grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
       });
   if (!listener.ok()) return listener.status();
@@ -193,6 +250,8 @@ absl::Status Agent::Init() {
 
   AttachServer::Options attach_options;
   attach_options.path = options_.attach_socket_path;
+  attach_options.max_buffer_bytes = options_.max_buffer_bytes;
+  attach_options.quotas = quotas_;
   auto attach = AttachServer::Start(attach_options, attach_tokens_.get(),
                                     buffers_.get());
   if (!attach.ok()) return attach.status();
@@ -205,6 +264,39 @@ absl::Status Agent::Init() {
   return absl::OkStatus();
 }
 
+void Agent::SetUpQuotas() {
+  QuotaLimits limits;
+  limits.bytes = {options_.max_registered_bytes_per_user,
+                  options_.max_registered_bytes_total};
+  limits.registrations = {options_.max_buffers_per_user,
+                          options_.max_buffers_total};
+  limits.pending_attach = {options_.max_pending_attach_per_user,
+                           options_.max_pending_attach_total};
+  limits.attach_connections = {options_.max_attach_connections_per_user,
+                               options_.max_attach_connections_total};
+  const HostLimits host = ReadHostLimits();
+  limits = DeriveQuotaLimits(limits, host);
+  options_.max_registered_bytes_per_user = limits.bytes.per_user;
+  options_.max_registered_bytes_total = limits.bytes.total;
+  options_.max_buffers_per_user = limits.registrations.per_user;
+  options_.max_buffers_total = limits.registrations.total;
+  options_.max_pending_attach_per_user = limits.pending_attach.per_user;
+  options_.max_pending_attach_total = limits.pending_attach.total;
+  options_.max_attach_connections_per_user = limits.attach_connections.per_user;
+  options_.max_attach_connections_total = limits.attach_connections.total;
+  spdlog::info(
+      "admission limits (per user / total), from {} open files, "
+      "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "
+      "registrations {} / {}, parked attachments {} / {}, attach connections "
+      "{} / {}",
+      host.open_files, host.max_map_count, host.memory_bytes,
+      limits.bytes.per_user, limits.bytes.total, limits.registrations.per_user,
+      limits.registrations.total, limits.pending_attach.per_user,
+      limits.pending_attach.total, limits.attach_connections.per_user,
+      limits.attach_connections.total);
+  quotas_ = MakeAgentQuotas(limits);
+}
+
 void Agent::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
@@ -215,8 +307,7 @@ void Agent::Shutdown() {
   if (calls_ != nullptr) {
     calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
   }
-  const auto grace =
-      absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
+  const auto grace = absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
   if (server_ != nullptr) server_->Shutdown(grace);
   if (peer_server_ != nullptr) peer_server_->Shutdown(grace);
   if (buffers_ != nullptr) buffers_->Clear();

@@ -7,7 +7,9 @@
 #include "absl/status/statusor.h"
 #include "backends/backend.h"
 #include "backends/registry.h"
+#include "common/rate_limited_log.h"
 #include "daemon/agent_options.h"
+#include "daemon/quota.h"
 
 namespace grpc {
 class Server;
@@ -49,14 +51,21 @@ class Agent {
   // "host:port" of the Peer listener (empty when no backend serves peers).
   const std::string& peer_address() const { return peer_address_; }
   const BackendRegistry& registry() const { return *registry_; }
+  // The options in force: socket paths and admission limits filled in.
+  const AgentOptions& options() const { return options_; }
 
  private:
   explicit Agent(AgentOptions options);
   absl::Status Init();
+  // Fills the admission limits left at 0 from the host, logs them and makes
+  // the quotas.
+  void SetUpQuotas();
 
   AgentOptions options_;
   AgentIdentity identity_;
   std::string peer_address_;
+  AgentQuotas quotas_;
+  LogRateLimiter refused_connection_log_{absl::Seconds(10)};
   // Declaration order is teardown order in reverse: servers stop before the
   // registries and backends they call into are destroyed.
   std::unique_ptr<BufferRegistry> buffers_;

@@ -22,9 +22,13 @@ struct AgentOptions {
   // Stable agent id; empty = read <runtime_dir>/agent-id, or create it.
   std::string agent_id;
   // TCP listener of the Peer gRPC service (backends' peer_services()).
+  // Empty: <advertise_host>:7470.
   std::string peer_listen = "0.0.0.0:0";
   // Host peers dial; empty = DefaultAdvertiseHost().
   std::string advertise_host;
+  // Mutual TLS for the Peer listener and for backends calling peers' Peer
+  // services (LoadPeerTls()); not enabled = plaintext.
+  PeerTls peer_tls;
   // Spawned in order; the registry orders them by transport level.
   std::vector<BackendFactory> backends;
 
@@ -33,14 +37,34 @@ struct AgentOptions {
   absl::Duration default_submit_timeout = absl::Seconds(30);
   absl::Duration max_submit_timeout = absl::Hours(1);
   uint64_t max_buffer_bytes = uint64_t{64} << 30;
-  size_t max_buffers_per_user = 65536;
   uint64_t max_transfer_bytes_per_rpc = uint64_t{32} << 20;
   size_t max_label_bytes = 256;
   absl::Duration attach_token_ttl = absl::Seconds(60);
-  size_t max_pending_attach_per_user = 1024;
+
+  // Admission: what one local user, and all users together, may make the
+  // agent hold. 0 = derived from the host at start (daemon/quota.h,
+  // DeriveQuotaLimits); Agent::Start fills in the values in force.
+  // Bytes mapped: registered plus parked on the attach socket.
+  uint64_t max_registered_bytes_per_user = 0;
+  uint64_t max_registered_bytes_total = 0;
+  // Registrations (an fd and a mapping each, until unmapped).
+  uint64_t max_buffers_per_user = 0;
+  uint64_t max_buffers_total = 0;
+  // Memfds attached but not yet registered (an fd and a mapping each).
+  uint64_t max_pending_attach_per_user = 0;
+  uint64_t max_pending_attach_total = 0;
+  // Open attach-socket connections (an fd and a thread each).
+  uint64_t max_attach_connections_per_user = 0;
+  uint64_t max_attach_connections_total = 0;
   // Ops of running Submits, per user and in total.
   size_t max_ops_in_flight = 262144;
   size_t max_ops_in_flight_per_user = 65536;
+  // RdmaAgent RPCs served at once (gRPC server threads), and per user.
+  size_t max_rpcs = 256;
+  size_t max_rpcs_per_user = 64;
+  // Connections to the RdmaAgent socket, in total and per user.
+  size_t max_connections = 1024;
+  size_t max_connections_per_user = 128;
   // Longest Shutdown() waits for RPCs once their work is cancelled.
   absl::Duration shutdown_grace = absl::Seconds(5);
 };

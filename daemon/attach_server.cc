@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/fd_message.h"
+#include "common/log_text.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -75,17 +76,22 @@ void AttachServer::OnConnection(UniqueFd fd, const PeerCredentials& peer) {
   ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
 
+  // Admitted before a thread exists; refused, the fd closes on return.
+  auto charge = options_.quotas.attach_connections->Reserve(peer.uid, 1);
+  if (!charge.ok()) {
+    (void)SendFdMessage(
+        fd.get(), ErrorResponse(absl::Status(
+                      charge.status().code(),
+                      absl::StrCat("attach: ", charge.status().message()))));
+    return;
+  }
   absl::MutexLock lock(&mu_);
   ReapDoneLocked();
   if (stopping_) return;
-  if (connections_.size() >= options_.max_connections) {
-    (void)SendFdMessage(fd.get(), ErrorResponse(absl::ResourceExhaustedError(
-                                      "too many attach connections")));
-    return;
-  }
   Connection& connection = connections_.emplace_back();
   connection.fd = std::move(fd);
   connection.peer = peer;
+  connection.charge = std::move(*charge);
   connection.thread = std::thread([this, &connection] { Serve(&connection); });
 }
 
@@ -95,8 +101,8 @@ void AttachServer::Serve(Connection* connection) {
     auto fd = ReceiveFdMessage(connection->fd.get(), &request);
     if (!fd.ok()) {
       if (!absl::IsUnavailable(fd.status())) {
-        spdlog::debug("attach connection from pid {}: {}",
-                      connection->peer.pid, fd.status().ToString());
+        spdlog::debug("attach connection from pid {}: {}", connection->peer.pid,
+                      LogSafe(fd.status().ToString()));
         if (absl::IsInvalidArgument(fd.status())) {
           (void)SendFdMessage(connection->fd.get(), ErrorResponse(fd.status()));
         }
@@ -111,6 +117,10 @@ void AttachServer::Serve(Connection* connection) {
     }
   }
   absl::MutexLock lock(&mu_);
+  // The fd and the quota go now, not when the thread is reaped (at the next
+  // connection, which may be long after).
+  connection->fd.reset();
+  connection->charge.Reset();
   connection->done = true;
 }
 
@@ -123,15 +133,13 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
         return ErrorReply(absl::InvalidArgumentError(
             "attach: no file descriptor came with the request"));
       }
-      auto memory = SharedMemory::Adopt(std::move(fd));
-      if (!memory.ok()) {
-        return ErrorReply(absl::Status(
-            memory.status().code(),
-            absl::StrCat("attach: ", memory.status().message())));
+      uint64_t size = 0;
+      auto token = Attach(std::move(fd), peer, &size);
+      if (!token.ok()) {
+        return ErrorReply(
+            absl::Status(token.status().code(),
+                         absl::StrCat("attach: ", token.status().message())));
       }
-      const uint64_t size = memory->size();
-      auto token = tokens_->Park(std::move(*memory), peer.uid);
-      if (!token.ok()) return ErrorReply(token.status());
       Reply reply;
       reply.response.set_attach_token(*token);
       reply.response.set_size_bytes(size);
@@ -155,6 +163,31 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       return ErrorReply(
           absl::InvalidArgumentError("attach request names no operation"));
   }
+}
+
+absl::StatusOr<std::string> AttachServer::Attach(UniqueFd fd,
+                                                 const PeerCredentials& peer,
+                                                 uint64_t* size) {
+  // The parked fd and mapping count first: cheap, and refuses a flood of
+  // tiny memfds before any is mapped.
+  auto parked = options_.quotas.pending_attach->Reserve(peer.uid, 1);
+  if (!parked.ok()) return parked.status();
+  auto memory = SharedMemory::Adopt(
+      std::move(fd),
+      [&](uint64_t bytes) -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+        if (bytes > options_.max_buffer_bytes) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "attached memory of ", bytes,
+              " bytes exceeds the agent's limit of ", options_.max_buffer_bytes,
+              " bytes (--max_buffer_bytes)"));
+        }
+        auto charge = options_.quotas.bytes->Reserve(peer.uid, bytes);
+        if (!charge.ok()) return charge.status();
+        return MemoryCharge::Of(std::move(*charge));
+      });
+  if (!memory.ok()) return memory.status();
+  *size = memory->size();
+  return tokens_->Park(std::move(*memory), peer.uid, std::move(*parked));
 }
 
 }  // namespace rdma_agent

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/buffer_registry.h"
+#include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/attach.pb.h"
 
@@ -19,14 +20,20 @@ namespace rdma_agent {
 // Serves the attach socket (proto/rdma/agent/v1/attach.proto): clients hand
 // memfds over (answered with an attach token) and ask for the fd of their
 // own registrations to map them. Each connection is served on its own
-// thread, at most `max_connections` at once.
+// thread, within the attach-connection quota of its user and of everybody.
+// Attached memory is admitted before it is mapped: its size against the
+// largest registration and the bytes quota, the fd against the
+// parked-attachment quota. Whatever is refused is closed at once.
 class AttachServer {
  public:
   struct Options {
     std::string path;
-    size_t max_connections = 256;
     // An idle connection is dropped after this long.
     absl::Duration idle_timeout = absl::Minutes(5);
+    // Largest memory one attachment may hand over.
+    uint64_t max_buffer_bytes = uint64_t{64} << 30;
+    // bytes, pending_attach and attach_connections are used; all must be set.
+    AgentQuotas quotas;
   };
 
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(
@@ -40,6 +47,7 @@ class AttachServer {
   struct Connection {
     UniqueFd fd;
     PeerCredentials peer;
+    QuotaCharge charge;  // this connection in its user's quota
     std::thread thread;
     bool done = false;
   };
@@ -57,6 +65,9 @@ class AttachServer {
   // Answers one request; `fd` is the descriptor that came with it, if any.
   Reply Handle(const v1::AttachRequest& request, UniqueFd fd,
                const PeerCredentials& peer);
+  // Admits, maps and parks a memfd: the attach token, or why not.
+  absl::StatusOr<std::string> Attach(UniqueFd fd, const PeerCredentials& peer,
+                                     uint64_t* size);
   void ReapDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;

@@ -1,48 +1,100 @@
 #include "daemon/attach_tokens.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/random.h"
 
 namespace rdma_agent {
 
-void AttachTokens::DropExpiredLocked(absl::Time now) {
-  absl::erase_if(pending_,
-                 [now](const auto& entry) { return entry.second.expires <= now; });
+AttachTokens::AttachTokens(absl::Duration ttl) : ttl_(ttl) {
+  expirer_ = std::thread([this] { ExpireLoop(); });
 }
 
-absl::StatusOr<std::string> AttachTokens::Park(SharedMemory memory,
-                                               uid_t owner) {
-  const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  DropExpiredLocked(now);
-  size_t owned = 0;
+AttachTokens::~AttachTokens() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    changed_.SignalAll();
+  }
+  expirer_.join();
+  PendingMap dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped.swap(pending_);
+  }
+}
+
+AttachTokens::PendingMap AttachTokens::TakeExpiredLocked(absl::Time now) {
+  PendingMap expired;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->second.expires <= now) {
+      expired.insert(pending_.extract(it++));
+    } else {
+      ++it;
+    }
+  }
+  return expired;
+}
+
+absl::Time AttachTokens::EarliestExpiryLocked() const {
+  absl::Time earliest = absl::InfiniteFuture();
   for (const auto& [token, pending] : pending_) {
-    if (pending.owner == owner) ++owned;
+    earliest = std::min(earliest, pending.expires);
   }
-  if (owned >= max_pending_per_owner_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "user ", owner, " has ", owned,
-        " attached memories not yet registered (limit ",
-        max_pending_per_owner_, ")"));
+  return earliest;
+}
+
+void AttachTokens::ExpireLoop() {
+  while (true) {
+    PendingMap expired;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      // Recomputed under the lock each time, so a Park between two waits is
+      // never missed.
+      changed_.WaitWithDeadline(&mu_, EarliestExpiryLocked());
+      if (stopping_) return;
+      expired = TakeExpiredLocked(absl::Now());
+    }
+    // `expired` goes here: unmapping terabytes of address space takes a
+    // while, and must not hold up Park and Take.
   }
+}
+
+std::string AttachTokens::Park(SharedMemory memory, uid_t owner,
+                               QuotaCharge charge) {
   std::string token = absl::BytesToHexString(RandomBytes(16));
-  pending_.emplace(token, Pending{std::move(memory), owner, now + ttl_});
+  absl::MutexLock lock(&mu_);
+  pending_.emplace(token, Pending{std::move(charge), std::move(memory), owner,
+                                  absl::Now() + ttl_});
+  changed_.Signal();
   return token;
 }
 
 absl::StatusOr<SharedMemory> AttachTokens::Take(const std::string& token,
                                                 uid_t caller) {
-  absl::MutexLock lock(&mu_);
-  DropExpiredLocked(absl::Now());
-  auto it = pending_.find(token);
-  if (it == pending_.end() || it->second.owner != caller) {
-    return absl::NotFoundError(
-        "attach token is unknown, already used or expired");
+  PendingMap::node_type taken;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(token);
+    if (it == pending_.end() || it->second.owner != caller ||
+        it->second.expires <= absl::Now()) {
+      return absl::NotFoundError(
+          "attach token is unknown, already used or expired");
+    }
+    taken = pending_.extract(it);
   }
-  SharedMemory memory = std::move(it->second.memory);
-  pending_.erase(it);
-  return memory;
+  // The memory is no longer parked: its parked-attachment charge goes now,
+  // its bytes charge stays with it.
+  return std::move(taken.mapped().memory);
+}
+
+size_t AttachTokens::pending() const {
+  absl::MutexLock lock(&mu_);
+  return pending_.size();
 }
 
 }  // namespace rdma_agent

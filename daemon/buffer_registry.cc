@@ -11,21 +11,10 @@ uint64_t BufferRegistry::NextId() {
   return next_id_++;
 }
 
-absl::Status BufferRegistry::Add(std::shared_ptr<Registration> registration,
-                                 size_t max_per_owner) {
+void BufferRegistry::Add(std::shared_ptr<Registration> registration) {
   absl::MutexLock lock(&mu_);
-  size_t owned = 0;
-  for (const auto& [id, existing] : buffers_) {
-    if (existing->owner() == registration->owner()) ++owned;
-  }
-  if (owned >= max_per_owner) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "user ", registration->owner(), " already has ", owned,
-        " registrations (limit ", max_per_owner, ")"));
-  }
   const uint64_t id = registration->id();
   buffers_.emplace(id, std::move(registration));
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::Find(
@@ -77,20 +66,14 @@ void BufferRegistry::Clear() {
 
 absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::ResolveForPeer(
     const ServeRequest& request) const {
-  if (request.agent_epoch != epoch_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "remote context is stale: it names agent epoch ", request.agent_epoch,
-        " but the agent restarted and is now at epoch ", epoch_));
-  }
+  // Token first: nothing a requester without the token is told depends on
+  // this agent's epoch or on which ids exist.
+  if (request.agent_epoch != epoch_) return StaleContextError();
   std::shared_ptr<Registration> registration;
   {
     absl::MutexLock lock(&mu_);
     auto it = buffers_.find(request.buffer_id);
-    if (it == buffers_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "remote buffer ", request.buffer_id,
-          " is not registered (released or never existed)"));
-    }
+    if (it == buffers_.end()) return NotRegisteredError();
     registration = it->second;
   }
   absl::Status status = CheckServeRequest(*registration, request);

@@ -26,10 +26,9 @@ class BufferRegistry : public BufferDirectory {
   // A fresh, never reused id.
   uint64_t NextId();
 
-  // Publishes a fully built registration. RESOURCE_EXHAUSTED past
-  // `max_per_owner` registrations of its owner.
-  absl::Status Add(std::shared_ptr<Registration> registration,
-                   size_t max_per_owner);
+  // Publishes a fully built registration. How many a user may hold is the
+  // registration quota's business (charged before the memory is mapped).
+  void Add(std::shared_ptr<Registration> registration);
 
   // The registration `id` if `caller` may use it; NOT_FOUND otherwise.
   absl::StatusOr<std::shared_ptr<Registration>> Find(uint64_t id,

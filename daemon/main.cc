@@ -10,8 +10,11 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "backends/memory/memory_backend.h"
+#include "backends/peer_tls.h"
+#include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
+#include "daemon/quota.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
@@ -28,8 +31,9 @@ ABSL_FLAG(std::vector<std::string>, backends,
           std::vector<std::string>({"memory", "tcp", "ibverbs"}),
           "Backends to spawn, comma separated (memory, tcp, ibverbs). "
           "Unavailable ones are reported by GetInfo and skipped.");
-ABSL_FLAG(std::string, peer_listen, "0.0.0.0:7470",
-          "host:port of the agent-to-agent Peer gRPC listener.");
+ABSL_FLAG(std::string, peer_listen, "",
+          "host:port of the agent-to-agent Peer gRPC listener; default "
+          "<advertise_host>:7470. 0.0.0.0:7470 serves every interface.");
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
@@ -42,8 +46,35 @@ ABSL_FLAG(absl::Duration, max_submit_timeout, absl::Hours(1),
 ABSL_FLAG(int64_t, max_ops_per_submit, 65536, "Largest op batch.");
 ABSL_FLAG(uint64_t, max_buffer_bytes, uint64_t{64} << 30,
           "Largest registration in bytes.");
-ABSL_FLAG(int64_t, max_buffers_per_user, 65536,
-          "Most registrations one local user may hold.");
+ABSL_FLAG(uint64_t, open_files_limit, 0,
+          "Soft open-file limit (RLIMIT_NOFILE) the agent runs with; 0: raised "
+          "to the hard limit. The admission defaults below are derived from "
+          "it.");
+// Admission limits: 0 derives a default from the host at start (logged).
+ABSL_FLAG(uint64_t, max_registered_bytes_per_user, 0,
+          "Bytes one local user may have registered or attached (not yet "
+          "registered) at once; 0: a quarter of the total.");
+ABSL_FLAG(uint64_t, max_registered_bytes_total, 0,
+          "Bytes all users together may have registered or attached; 0: the "
+          "host's physical memory.");
+ABSL_FLAG(uint64_t, max_buffers_per_user, 0,
+          "Registrations one local user may hold; 0: a quarter of the total.");
+ABSL_FLAG(uint64_t, max_buffers_total, 0,
+          "Registrations all users together may hold; 0: 3/4 of what the "
+          "open-file limit and vm.max_map_count leave after a reserve.");
+ABSL_FLAG(uint64_t, max_pending_attach_per_user, 0,
+          "Attached memfds one local user may have waiting for Register; 0: "
+          "a quarter of the total.");
+ABSL_FLAG(uint64_t, max_pending_attach_total, 0,
+          "Attached memfds all users together may have waiting for Register; "
+          "0: 1/4 of what the open-file limit and vm.max_map_count leave "
+          "after a reserve.");
+ABSL_FLAG(uint64_t, max_attach_connections_per_user, 0,
+          "Attach-socket connections one local user may hold open; 0: a "
+          "quarter of the total.");
+ABSL_FLAG(uint64_t, max_attach_connections_total, 0,
+          "Attach-socket connections all users together may hold open; 0: "
+          "256.");
 ABSL_FLAG(absl::Duration, attach_token_ttl, absl::Seconds(60),
           "How long an attach token stays valid.");
 ABSL_FLAG(int64_t, max_ops_in_flight, 262144,
@@ -51,9 +82,31 @@ ABSL_FLAG(int64_t, max_ops_in_flight, 262144,
           "refused with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_ops_in_flight_per_user, 65536,
           "Most ops of running Submits for one local user.");
+ABSL_FLAG(int64_t, max_rpcs, 256,
+          "RdmaAgent RPCs served at once (gRPC server threads).");
+ABSL_FLAG(int64_t, max_rpcs_per_user, 64,
+          "RdmaAgent RPCs one local user may have running at once.");
+ABSL_FLAG(int64_t, max_connections, 1024,
+          "Connections to the RdmaAgent socket, over all users.");
+ABSL_FLAG(int64_t, max_connections_per_user, 128,
+          "Connections to the RdmaAgent socket one local user may hold.");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
           "agent waits at most this long for RPCs to finish.");
+
+// Mutual TLS for the agent-to-agent Peer gRPC service (listener and stubs).
+ABSL_FLAG(std::string, peer_tls_cert, "",
+          "PEM certificate chain this agent presents to peers; with "
+          "--peer_tls_key and --peer_tls_ca it turns on mutual TLS for the "
+          "Peer service. Default: plaintext.");
+ABSL_FLAG(std::string, peer_tls_key, "", "PEM private key of --peer_tls_cert.");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "PEM CA certificate(s) peers' certificates must chain to (both "
+          "directions).");
+ABSL_FLAG(std::string, peer_tls_server_name, "",
+          "Name expected in peers' certificates instead of the host dialled "
+          "(one name shared by every agent's certificate); default: the "
+          "host dialled.");
 
 namespace rdma_agent {
 namespace {
@@ -66,6 +119,10 @@ std::string SocketPath(std::string flag) {
 
 int Run() {
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  // Every registration and parked attachment holds an fd: take what the
+  // hard limit allows. The admission defaults are derived from the result.
+  spdlog::info("open-file limit {}",
+               SetOpenFileLimit(absl::GetFlag(FLAGS_open_files_limit)));
 
   AgentOptions options;
   options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
@@ -79,14 +136,42 @@ int Run() {
   options.max_ops_per_submit =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_per_submit));
   options.max_buffer_bytes = absl::GetFlag(FLAGS_max_buffer_bytes);
-  options.max_buffers_per_user =
-      static_cast<size_t>(absl::GetFlag(FLAGS_max_buffers_per_user));
   options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
+  options.max_registered_bytes_per_user =
+      absl::GetFlag(FLAGS_max_registered_bytes_per_user);
+  options.max_registered_bytes_total =
+      absl::GetFlag(FLAGS_max_registered_bytes_total);
+  options.max_buffers_per_user = absl::GetFlag(FLAGS_max_buffers_per_user);
+  options.max_buffers_total = absl::GetFlag(FLAGS_max_buffers_total);
+  options.max_pending_attach_per_user =
+      absl::GetFlag(FLAGS_max_pending_attach_per_user);
+  options.max_pending_attach_total =
+      absl::GetFlag(FLAGS_max_pending_attach_total);
+  options.max_attach_connections_per_user =
+      absl::GetFlag(FLAGS_max_attach_connections_per_user);
+  options.max_attach_connections_total =
+      absl::GetFlag(FLAGS_max_attach_connections_total);
   options.max_ops_in_flight =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight));
   options.max_ops_in_flight_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));
+  options.max_rpcs_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs_per_user));
+  options.max_connections =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_connections));
+  options.max_connections_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_connections_per_user));
+  auto peer_tls = LoadPeerTls(absl::GetFlag(FLAGS_peer_tls_cert),
+                              absl::GetFlag(FLAGS_peer_tls_key),
+                              absl::GetFlag(FLAGS_peer_tls_ca),
+                              absl::GetFlag(FLAGS_peer_tls_server_name));
+  if (!peer_tls.ok()) {
+    spdlog::critical("{}", peer_tls.status().ToString());
+    return 2;
+  }
+  options.peer_tls = std::move(*peer_tls);
   for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
     auto factory = BackendFactoryFromFlags(name);
     if (!factory.ok()) {
@@ -115,7 +200,7 @@ int Run() {
       spdlog::info("backend {} available", backend->name());
     } else {
       spdlog::info("backend {} unavailable: {}", backend->name(),
-                   backend->unavailable_reason());
+                   LogSafe(backend->unavailable_reason()));
     }
   }
   int signal_number = 0;

@@ -1,7 +1,9 @@
 #include "daemon/service.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <memory>
 
@@ -9,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/log_text.h"
 #include "common/random.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
@@ -56,9 +59,53 @@ absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> ParseRemoteContext(
 
 }  // namespace
 
-void CallerTable::Add(int fd, const PeerCredentials& peer) {
+bool CallerTable::Live(int fd, const Entry& entry) {
+  struct stat st;
+  return ::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) &&
+         st.st_ino == entry.inode;
+}
+
+absl::Status CallerTable::Admit(int fd, const PeerCredentials& peer,
+                                size_t max_per_user, size_t max_total) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    return absl::InternalError(
+        absl::StrCat("fstat of a new connection: ", std::strerror(errno)));
+  }
   absl::MutexLock lock(&mu_);
-  by_fd_[fd] = peer;
+  // The new fd's number may be a closed connection's: drop it first.
+  by_fd_.erase(fd);
+  size_t mine = 0;
+  for (auto it = by_fd_.begin(); it != by_fd_.end();) {
+    if (!Live(it->first, it->second)) {
+      by_fd_.erase(it++);
+      continue;
+    }
+    if (it->second.peer.uid == peer.uid) ++mine;
+    ++it;
+  }
+  if (mine >= max_per_user) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("user ", peer.uid, " already has ", mine,
+                     " connections to the agent (limit ", max_per_user,
+                     ", --max_connections_per_user)"));
+  }
+  if (by_fd_.size() >= max_total) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the agent already serves ", by_fd_.size(), " connections (limit ",
+        max_total, ", --max_connections)"));
+  }
+  by_fd_[fd] = Entry{peer, st.st_ino};
+  return absl::OkStatus();
+}
+
+size_t CallerTable::Connections(uid_t uid) const {
+  absl::MutexLock lock(&mu_);
+  size_t count = 0;
+  for (const auto& [fd, entry] : by_fd_) {
+    if (entry.peer.uid == uid && Live(fd, entry)) ++count;
+  }
+  return count;
 }
 
 absl::StatusOr<PeerCredentials> CallerTable::Lookup(
@@ -77,7 +124,7 @@ absl::StatusOr<PeerCredentials> CallerTable::Lookup(
     return absl::UnauthenticatedError(
         absl::StrCat("no credentials for connection ", peer));
   }
-  return it->second;
+  return it->second.peer;
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -86,26 +133,35 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
                       std::string(status.message()));
 }
 
-RdmaAgentService::RdmaAgentService(const AgentOptions& options,
-                                   const AgentIdentity& identity,
-                                   const BackendRegistry* backends,
-                                   BufferRegistry* buffers,
-                                   AttachTokens* attach_tokens,
-                                   const CallerTable* callers,
-                                   ActiveCalls* calls)
+RdmaAgentService::RdmaAgentService(
+    const AgentOptions& options, const AgentIdentity& identity,
+    const BackendRegistry* backends, BufferRegistry* buffers,
+    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
+    AgentQuotas quotas)
     : options_(options),
       identity_(identity),
       backends_(backends),
       buffers_(buffers),
       attach_tokens_(attach_tokens),
       callers_(callers),
-      calls_(calls) {}
+      calls_(calls),
+      quotas_(std::move(quotas)) {}
+
+absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
+    const grpc::ServerContext& context, absl::string_view rpc,
+    size_t ops) const {
+  auto caller = callers_->Lookup(context);
+  if (!caller.ok()) return Prefixed(caller.status(), rpc);
+  auto call = calls_->Start(&context, caller->uid, ops);
+  if (!call.ok()) return Prefixed(call.status(), rpc);
+  return Admitted{*caller, std::move(*call)};
+}
 
 grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
                                        const v1::GetInfoRequest*,
                                        v1::AgentInfo* response) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "GetInfo"));
+  auto admitted = Admit(*context, "GetInfo");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   response->set_agent_id(identity_.agent_id);
   response->set_epoch(identity_.epoch);
   response->set_version(kAgentVersion);
@@ -124,8 +180,9 @@ grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
 grpc::Status RdmaAgentService::Register(grpc::ServerContext* context,
                                         const v1::RegisterRequest* request,
                                         v1::RegisterResponse* response) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Register"));
+  auto admitted = Admit(*context, "Register");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
   auto result = DoRegister(*request, caller->uid);
   if (!result.ok()) return ToGrpcStatus(Prefixed(result.status(), "Register"));
   *response = std::move(*result);
@@ -142,6 +199,18 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
     return absl::InvalidArgumentError(absl::StrCat(
         "label is longer than ", options_.max_label_bytes, " bytes"));
   }
+  // Admission before allocation: the registration (an fd and a mapping
+  // until unmapped) is charged first, then the bytes, before any memfd is
+  // created; whatever is refused leaves nothing behind.
+  auto slot = quotas_.registrations->Reserve(caller, 1);
+  if (!slot.ok()) {
+    // Refused, an attachment is not kept parked for a retry: its fd,
+    // mapping and bytes go now.
+    if (request.memory_case() == v1::RegisterRequest::kAttachToken) {
+      (void)attach_tokens_->Take(request.attach_token(), caller);
+    }
+    return slot.status();
+  }
   const uint64_t id = buffers_->NextId();
   absl::StatusOr<SharedMemory> memory;
   bool agent_allocated = false;
@@ -151,16 +220,23 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
         return absl::InvalidArgumentError("allocate_bytes must be positive");
       }
       if (request.allocate_bytes() > options_.max_buffer_bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("allocate_bytes ", request.allocate_bytes(),
-                         " exceeds the agent's limit of ",
-                         options_.max_buffer_bytes, " bytes"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "allocate_bytes ", request.allocate_bytes(),
+            " exceeds the agent's limit of ", options_.max_buffer_bytes,
+            " bytes (--max_buffer_bytes)"));
       }
-      memory = SharedMemory::Allocate(request.allocate_bytes(),
-                                      absl::StrCat("rdma-agentd-buffer-", id));
+      memory = SharedMemory::Allocate(
+          request.allocate_bytes(), absl::StrCat("rdma-agentd-buffer-", id),
+          [&](uint64_t bytes)
+              -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+            auto charge = quotas_.bytes->Reserve(caller, bytes);
+            if (!charge.ok()) return charge.status();
+            return MemoryCharge::Of(std::move(*charge));
+          });
       agent_allocated = true;
       break;
     case v1::RegisterRequest::kAttachToken:
+      // Its bytes were charged when it was attached, and stay charged.
       memory = attach_tokens_->Take(request.attach_token(), caller);
       break;
     default:
@@ -168,12 +244,7 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
           "set allocate_bytes or attach_token to say where the memory is");
   }
   if (!memory.ok()) return memory.status();
-  if (memory->size() > options_.max_buffer_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attached memory of ", memory->size(),
-                     " bytes exceeds the agent's limit of ",
-                     options_.max_buffer_bytes, " bytes"));
-  }
+  memory->HoldCharge(MemoryCharge::Of(std::move(*slot)));
 
   auto registration = std::make_shared<Registration>(
       id, caller, request.access(), request.label(), RandomBytes(16),
@@ -195,19 +266,20 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
     response.add_backends(name);
   }
   context.SerializeToString(response.mutable_remote_context());
-  status = buffers_->Add(registration, options_.max_buffers_per_user);
-  if (!status.ok()) return status;
-  spdlog::info("uid {} registered buffer {} ({} bytes, {}, '{}')", caller, id,
-               registration->size(), v1::Access_Name(registration->access()),
-               registration->label());
+  buffers_->Add(registration);
+  spdlog::info("uid {} registered buffer {} ({} bytes, {}, label \"{}\")",
+               caller, id, registration->size(),
+               v1::Access_Name(registration->access()),
+               LogSafe(registration->label()));
   return response;
 }
 
 grpc::Status RdmaAgentService::Release(grpc::ServerContext* context,
                                        const v1::ReleaseRequest* request,
                                        v1::ReleaseResponse*) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Release"));
+  auto admitted = Admit(*context, "Release");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
   absl::Status status = buffers_->Remove(request->buffer_id(), caller->uid);
   if (status.ok()) {
     spdlog::info("uid {} released buffer {}", caller->uid,
@@ -260,8 +332,8 @@ absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
     return absl::NotFoundError(absl::StrCat(
         "local buffer ", wire.local_buffer_id(), " is not registered"));
   }
-  absl::Status status = CheckRange(wire.local_offset(), wire.length(),
-                                   (*local)->size(), "local");
+  absl::Status status =
+      CheckRange(wire.local_offset(), wire.length(), (*local)->size(), "local");
   if (!status.ok()) return status;
   status = CheckRange(wire.remote_offset(), wire.length(),
                       (*remote)->size_bytes(), "remote");
@@ -291,8 +363,6 @@ absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
 grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
                                       const v1::SubmitRequest* request,
                                       v1::SubmitResponse* response) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Submit"));
   if (request->ops().empty()) {
     return ToGrpcStatus(
         absl::InvalidArgumentError("Submit: the op batch is empty"));
@@ -302,15 +372,16 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
         "Submit: ", request->ops_size(), " ops exceed the limit of ",
         options_.max_ops_per_submit, " per Submit")));
   }
-  auto deadline = SubmitDeadline(*context, *request);
-  if (!deadline.ok()) return ToGrpcStatus(Prefixed(deadline.status(), "Submit"));
-
   const size_t count = static_cast<size_t>(request->ops_size());
   // Admitted before anything is built for it; stopped when its client goes
   // away or the agent shuts down.
-  auto call = calls_->Start(context, caller->uid, count);
-  if (!call.ok()) return ToGrpcStatus(Prefixed(call.status(), "Submit"));
-  const StopToken stop = (*call)->stop_token(*deadline);
+  auto admitted = Admit(*context, "Submit", count);
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
+  auto deadline = SubmitDeadline(*context, *request);
+  if (!deadline.ok())
+    return ToGrpcStatus(Prefixed(deadline.status(), "Submit"));
+  const StopToken stop = admitted->call->stop_token(*deadline);
   std::vector<absl::Status> statuses(count);
   std::vector<std::string> used(count);
   std::vector<Op> ready;
@@ -343,10 +414,9 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
 grpc::Status RdmaAgentService::ListBuffers(grpc::ServerContext* context,
                                            const v1::ListBuffersRequest*,
                                            v1::ListBuffersResponse* response) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) {
-    return ToGrpcStatus(Prefixed(caller.status(), "ListBuffers"));
-  }
+  auto admitted = Admit(*context, "ListBuffers");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
   for (const auto& registration : buffers_->List(caller->uid)) {
     v1::BufferInfo* info = response->add_buffers();
     info->set_buffer_id(registration->id());
@@ -366,8 +436,9 @@ grpc::Status RdmaAgentService::ListBuffers(grpc::ServerContext* context,
 grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
                                           const v1::ReadBufferRequest* request,
                                           v1::ReadBufferResponse* response) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "ReadBuffer"));
+  auto admitted = Admit(*context, "ReadBuffer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
   if (request->length() > options_.max_transfer_bytes_per_rpc) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "ReadBuffer: length ", request->length(), " exceeds the limit of ",
@@ -389,10 +460,9 @@ grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
 grpc::Status RdmaAgentService::WriteBuffer(
     grpc::ServerContext* context, const v1::WriteBufferRequest* request,
     v1::WriteBufferResponse*) {
-  auto caller = callers_->Lookup(*context);
-  if (!caller.ok()) {
-    return ToGrpcStatus(Prefixed(caller.status(), "WriteBuffer"));
-  }
+  auto admitted = Admit(*context, "WriteBuffer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
   auto registration = buffers_->Find(request->buffer_id(), caller->uid);
   if (!registration.ok()) {
     return ToGrpcStatus(Prefixed(registration.status(), "WriteBuffer"));

@@ -14,6 +14,7 @@
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/buffer_registry.h"
+#include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
@@ -21,15 +22,33 @@ namespace rdma_agent {
 
 // Credentials of each connection the agent accepted on its Unix socket, by
 // the fd gRPC serves it on (ServerContext::peer() reads "fd:N").
+//
+// gRPC owns and closes those fds, so the table cannot hear of a close; it
+// keeps each socket's inode with it instead. An entry is live while its fd
+// still refers to that inode (a socket's inode is unique while it is open),
+// so a reused fd number is never mistaken for the old connection, and dead
+// entries are swept at every Admit.
 class CallerTable {
  public:
-  void Add(int fd, const PeerCredentials& peer);
+  // Records `fd` for `peer` if the user and the agent have connections to
+  // spare: RESOURCE_EXHAUSTED (naming the flag) when `peer.uid` already has
+  // `max_per_user` live connections or the agent has `max_total`.
+  absl::Status Admit(int fd, const PeerCredentials& peer, size_t max_per_user,
+                     size_t max_total);
   // The caller of the RPC in `context`; UNAUTHENTICATED if unknown.
   absl::StatusOr<PeerCredentials> Lookup(const grpc::ServerContext& context) const;
+  // Live connections of `uid`.
+  size_t Connections(uid_t uid) const;
 
  private:
+  struct Entry {
+    PeerCredentials peer;
+    ino_t inode = 0;
+  };
+  static bool Live(int fd, const Entry& entry);
+
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<int, PeerCredentials> by_fd_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int, Entry> by_fd_ ABSL_GUARDED_BY(mu_);
 };
 
 // The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
@@ -39,7 +58,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferRegistry* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
-                   ActiveCalls* calls);
+                   ActiveCalls* calls, AgentQuotas quotas);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -64,6 +83,15 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
                            v1::WriteBufferResponse* response) override;
 
  private:
+  // What every handler starts with: who is calling, and a call slot for it
+  // (`ops` ops of a Submit). Errors are prefixed with `rpc`.
+  struct Admitted {
+    PeerCredentials caller;
+    std::unique_ptr<ActiveCalls::Call> call;
+  };
+  absl::StatusOr<Admitted> Admit(const grpc::ServerContext& context,
+                                 absl::string_view rpc, size_t ops = 0) const;
+
   absl::StatusOr<v1::RegisterResponse> DoRegister(
       const v1::RegisterRequest& request, uid_t caller);
   // Validates op `index` of a Submit and resolves its buffers.
@@ -79,6 +107,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   AttachTokens* const attach_tokens_;
   const CallerTable* const callers_;
   ActiveCalls* const calls_;
+  const AgentQuotas quotas_;
 };
 
 // absl::Status -> grpc::Status, keeping code and message.

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -14,6 +15,17 @@
 
 namespace rdma_agent {
 namespace {
+
+// Out of fds (or kernel memory), accept fails at once while the connection
+// stays queued: without a pause the loop spins and logs as fast as it can.
+// The pause doubles from kFirstPause to kLongestPause while it lasts; the
+// first accept that works resets it.
+constexpr absl::Duration kFirstPause = absl::Milliseconds(10);
+constexpr absl::Duration kLongestPause = absl::Seconds(1);
+
+bool OutOfResources(int err) {
+  return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+}
 
 absl::Status ErrnoError(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
@@ -35,9 +47,9 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
   struct sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Unix socket path '", path, "' is empty or longer than ",
-        sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Unix socket path '", path, "' is empty or longer than ",
+                     sizeof(addr.sun_path) - 1, " bytes"));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
 
@@ -90,9 +102,18 @@ UnixListener::~UnixListener() {
   ::unlink(path_.c_str());
 }
 
+bool UnixListener::PauseUnlessStopped(absl::Duration pause) {
+  struct pollfd wake = {wake_fd_.get(), POLLIN, 0};
+  const int ready =
+      ::poll(&wake, 1, static_cast<int>(absl::ToInt64Milliseconds(pause)));
+  return !(ready > 0 && wake.revents != 0);
+}
+
 void UnixListener::AcceptLoop() {
   struct pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0},
                           {wake_fd_.get(), POLLIN, 0}};
+  absl::Duration pause = kFirstPause;
+  bool starved = false;  // accept failed for want of fds since the last one
   while (true) {
     if (::poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
@@ -104,15 +125,37 @@ void UnixListener::AcceptLoop() {
     UniqueFd connection(
         ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!connection) {
-      if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
-        spdlog::warn("accept on {} failed: {}", path_, std::strerror(errno));
+      const int err = errno;
+      if (OutOfResources(err)) {
+        if (auto suppressed = out_of_fds_log_.Allow()) {
+          spdlog::warn(
+              "accept on {} failed: {}; retrying in up to {} ({} more such "
+              "failures not logged)",
+              path_, std::strerror(err), absl::FormatDuration(kLongestPause),
+              *suppressed);
+        }
+        starved = true;
+        if (!PauseUnlessStopped(pause)) return;
+        pause = std::min(pause * 2, kLongestPause);
+      } else if (err != EINTR && err != EAGAIN && err != ECONNABORTED) {
+        if (auto suppressed = other_errors_log_.Allow()) {
+          spdlog::warn("accept on {} failed: {} ({} more not logged)", path_,
+                       std::strerror(err), *suppressed);
+        }
       }
       continue;
     }
+    pause = kFirstPause;
+    if (starved) {
+      starved = false;
+      if (recovered_log_.Allow()) spdlog::info("accepting on {} again", path_);
+    }
     auto peer = ReadPeerCredentials(connection.get());
     if (!peer.ok()) {
-      spdlog::warn("dropping connection on {}: {}", path_,
-                   peer.status().ToString());
+      if (auto suppressed = other_errors_log_.Allow()) {
+        spdlog::warn("dropping connection on {}: {} ({} more not logged)",
+                     path_, peer.status().ToString(), *suppressed);
+      }
       continue;
     }
     on_connection_(std::move(connection), *peer);

@@ -10,6 +10,8 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/rate_limited_log.h"
 #include "common/unique_fd.h"
 
 namespace rdma_agent {
@@ -28,6 +30,9 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd);
 // hands each one, with its credentials, to `on_connection`. Any local user
 // may connect (mode 0666): what each caller may do is decided per call from
 // its credentials. The socket file is removed when the listener stops.
+// When the process runs out of fds, accepting pauses (10 ms, doubling up to
+// 1 s) and says so at most once per 10 s; it resumes by itself as soon as
+// fds come back.
 class UnixListener {
  public:
   using ConnectionHandler =
@@ -48,11 +53,16 @@ class UnixListener {
   UnixListener(std::string path, UniqueFd listen_fd, UniqueFd wake_fd,
                ConnectionHandler on_connection);
   void AcceptLoop();
+  // Waits `pause`; false if the listener is stopping.
+  bool PauseUnlessStopped(absl::Duration pause);
 
   const std::string path_;
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;  // eventfd that ends the accept loop
   ConnectionHandler on_connection_;
+  LogRateLimiter out_of_fds_log_{absl::Seconds(10)};
+  LogRateLimiter other_errors_log_{absl::Seconds(10)};
+  LogRateLimiter recovered_log_{absl::Seconds(10)};
   std::thread thread_;
 };
 

@@ -128,7 +128,7 @@ uint32_t RandomPsn() {
 
 absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
     const LocalPort& local, const QueuePairParams& params,
-    absl::Duration busy_poll, absl::Duration drain_timeout) {
+    absl::Duration busy_poll, absl::Duration drain_timeout, Inbound inbound) {
   // Every WR is signaled and the send queue holds at most sq_depth, so a CQ
   // of that size never overflows.
   auto cq =
@@ -149,8 +149,10 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
   attr.qp_state = IBV_QPS_INIT;
   attr.pkey_index = 0;
   attr.port_num = local.port;
-  attr.qp_access_flags =
-      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE;
+  if (inbound == Inbound::kAccept) {
+    attr.qp_access_flags |= IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  }
   absl::Status status =
       (*qp)->Modify(attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                               IBV_QP_ACCESS_FLAGS);

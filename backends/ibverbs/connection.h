@@ -95,10 +95,17 @@ struct LocalPort {
 // never drains.
 class Connection {
  public:
-  // Creates the CQ and QP and moves the QP to INIT.
+  // Whether the QP lets the other side RDMA READ/WRITE through it
+  // (qp_access_flags). Requesters refuse: whoever answers a handshake then
+  // cannot reach this agent's memory through the QP, whatever it knows of
+  // keys and addresses. Responders accept; their PD holds only what was
+  // granted to that peer.
+  enum class Inbound { kRefuse, kAccept };
+
+  // Creates the CQ and QP in local.pd and moves the QP to INIT.
   static absl::StatusOr<std::unique_ptr<Connection>> Create(
       const LocalPort& local, const QueuePairParams& params,
-      absl::Duration busy_poll, absl::Duration drain_timeout);
+      absl::Duration busy_poll, absl::Duration drain_timeout, Inbound inbound);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;

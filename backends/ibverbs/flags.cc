@@ -51,8 +51,13 @@ ABSL_FLAG(absl::Duration, ibverbs_busy_poll, absl::Microseconds(50),
           "How long the completion poller spins before blocking on the "
           "completion channel.");
 ABSL_FLAG(int32_t, ibverbs_max_responders, 1024,
-          "Queue pairs kept for peer agents at most (one per peer agent and "
-          "device); handshakes beyond it fail with RESOURCE_EXHAUSTED.");
+          "Peer sessions kept at most (one per peer agent and device, each a "
+          "protection domain with one queue pair); handshakes beyond it fail "
+          "with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int32_t, ibverbs_max_grants_per_peer, 4096,
+          "Registrations one peer session may be granted (one memory region "
+          "each in its protection domain); grants beyond it fail with "
+          "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(absl::Duration, ibverbs_drain_timeout, absl::Seconds(10),
           "Bound on flushing a queue pair moved to ERROR after a deadline.");
 
@@ -120,6 +125,12 @@ absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
         "--ibverbs_max_responders=", max_responders, " must be positive"));
   }
   options.max_responders = static_cast<size_t>(max_responders);
+  const int32_t max_grants = absl::GetFlag(FLAGS_ibverbs_max_grants_per_peer);
+  if (max_grants < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ibverbs_max_grants_per_peer=", max_grants, " must be positive"));
+  }
+  options.max_grants_per_peer = static_cast<size_t>(max_grants);
   return options;
 }
 

@@ -11,7 +11,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/log_text.h"
 #include "common/net_address.h"
+#include "common/random.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -26,6 +28,18 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
       const v1::ConnectQueuePairRequest* request,
       v1::ConnectQueuePairResponse* response) override {
     auto answer = backend_->AcceptQueuePair(*request);
+    if (!answer.ok()) {
+      return grpc::Status(static_cast<grpc::StatusCode>(answer.status().code()),
+                          std::string(answer.status().message()));
+    }
+    *response = std::move(*answer);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GrantBuffer(grpc::ServerContext* /*context*/,
+                           const v1::GrantBufferRequest* request,
+                           v1::GrantBufferResponse* response) override {
+    auto answer = backend_->GrantBuffer(*request);
     if (!answer.ok()) {
       return grpc::Status(static_cast<grpc::StatusCode>(answer.status().code()),
                           std::string(answer.status().message()));
@@ -52,15 +66,39 @@ void KeepGrpcAlive() {
   (void)initialized;
 }
 
-// The MR of one registration; ibv_dereg_mr when the registration goes.
+// One registration's MR in one peer session's PD.
+struct Grant {
+  // Declared first: the MR is deregistered before its PD can go.
+  std::shared_ptr<verbs::ProtectionDomain> pd;
+  std::unique_ptr<verbs::MemoryRegion> mr;
+};
+
+// The grants of one registration, by session serial. The registration owns
+// it; sessions hold it weakly, so either side going drops the grants.
+struct GrantTable {
+  absl::Mutex mu;
+  std::map<uint64_t, Grant> by_session ABSL_GUARDED_BY(mu);
+};
+
+// What the backend keeps for one registration: its MR in the main PD (local
+// access only: the lkey of this agent's own WRs) and the per-peer grants.
+// ibv_dereg_mr of all of them when the registration goes.
 class IbverbsRegistration : public BackendRegistration {
  public:
   explicit IbverbsRegistration(std::unique_ptr<verbs::MemoryRegion> mr)
-      : mr_(std::move(mr)) {}
+      : mr_(std::move(mr)), grants_(std::make_shared<GrantTable>()) {}
+  ~IbverbsRegistration() override {
+    // Revokes every peer's access before the memory is unmapped.
+    std::map<uint64_t, Grant> dropped;
+    absl::MutexLock lock(&grants_->mu);
+    dropped.swap(grants_->by_session);
+  }
   const verbs::MemoryRegion& mr() const { return *mr_; }
+  const std::shared_ptr<GrantTable>& grants() const { return grants_; }
 
  private:
   std::unique_ptr<verbs::MemoryRegion> mr_;
+  std::shared_ptr<GrantTable> grants_;
 };
 
 std::string GidBytes(const ibv_gid& gid) {
@@ -89,7 +127,130 @@ const char* PortStateName(ibv_port_state state) {
   }
 }
 
+v1::BufferGrant MakeGrant(const Registration& registration, uint32_t rkey) {
+  v1::BufferGrant grant;
+  grant.set_buffer_id(registration.id());
+  grant.set_rkey(rkey);
+  grant.set_address(reinterpret_cast<uint64_t>(registration.data()));
+  grant.set_size_bytes(registration.size());
+  return grant;
+}
+
 }  // namespace
+
+// One requesting agent's device as this agent serves it: a protection domain
+// of its own, the responder QP in it, and an MR in it for each registration
+// the peer proved (grants). The QP reaches nothing else: MRs of other
+// sessions and of the main PD are in other PDs.
+class IbverbsBackend::PeerSession {
+ public:
+  PeerSession(uint64_t serial, std::string id,
+              std::shared_ptr<verbs::ProtectionDomain> pd)
+      : serial_(serial), id_(std::move(id)), pd_(std::move(pd)) {}
+  ~PeerSession() { Close(); }  // grants, then the QP, then the PD
+  PeerSession(const PeerSession&) = delete;
+  PeerSession& operator=(const PeerSession&) = delete;
+
+  const std::string& id() const { return id_; }
+  verbs::ProtectionDomain* pd() const { return pd_.get(); }
+  void set_responder(std::unique_ptr<Connection> responder) {
+    responder_ = std::move(responder);
+  }
+
+  // Registers `registration` in this session's PD with exactly the remote
+  // access it allows (once; later calls answer the same rkey).
+  // RESOURCE_EXHAUSTED past `limit` grants; UNAVAILABLE once closed.
+  absl::StatusOr<v1::BufferGrant> GrantAccess(const Registration& registration,
+                                              const IbverbsRegistration& state,
+                                              size_t limit) {
+    const std::shared_ptr<GrantTable>& table = state.grants();
+    absl::MutexLock lock(&mu_);
+    if (closed_) {
+      return absl::UnavailableError(
+          "the queue-pair session was replaced; reconnect");
+    }
+    {
+      absl::MutexLock table_lock(&table->mu);
+      auto it = table->by_session.find(serial_);
+      if (it != table->by_session.end()) {
+        return MakeGrant(registration, it->second.mr->rkey());
+      }
+    }
+    tables_.erase(std::remove_if(tables_.begin(), tables_.end(),
+                                 [](const std::weak_ptr<GrantTable>& t) {
+                                   return t.expired();
+                                 }),
+                  tables_.end());
+    if (tables_.size() >= limit) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("this peer already holds ", tables_.size(),
+                       " buffer grants (--ibverbs_max_grants_per_peer)"));
+    }
+    int access = 0;
+    if (registration.readable()) access |= IBV_ACCESS_REMOTE_READ;
+    if (registration.writable()) {
+      access |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+    }
+    auto mr =
+        pd_->RegisterMemory(registration.data(), registration.size(), access);
+    if (!mr.ok()) return mr.status();
+    const uint32_t rkey = (*mr)->rkey();
+    {
+      absl::MutexLock table_lock(&table->mu);
+      table->by_session[serial_] = Grant{pd_, std::move(*mr)};
+    }
+    tables_.push_back(table);
+    return MakeGrant(registration, rkey);
+  }
+
+  // Live grants.
+  size_t grant_count() const {
+    absl::MutexLock lock(&mu_);
+    size_t live = 0;
+    for (const auto& table : tables_) live += !table.expired();
+    return live;
+  }
+
+  // Drops every grant (their MRs are deregistered); no grant is added after.
+  void Close() {
+    std::vector<std::weak_ptr<GrantTable>> tables;
+    {
+      absl::MutexLock lock(&mu_);
+      closed_ = true;
+      tables.swap(tables_);
+    }
+    for (const auto& weak : tables) {
+      const std::shared_ptr<GrantTable> table = weak.lock();
+      if (table == nullptr) continue;  // the registration went first
+      Grant dropped;                   // deregistered outside the lock
+      absl::MutexLock lock(&table->mu);
+      auto it = table->by_session.find(serial_);
+      if (it == table->by_session.end()) continue;
+      dropped = std::move(it->second);
+      table->by_session.erase(it);
+    }
+  }
+
+ private:
+  const uint64_t serial_;
+  const std::string id_;
+  // Declared before responder_: the QP is destroyed before its PD.
+  const std::shared_ptr<verbs::ProtectionDomain> pd_;
+  std::unique_ptr<Connection> responder_;
+  mutable absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  // The grant tables this session has an entry in (lock order: mu_, then a
+  // table's mu).
+  std::vector<std::weak_ptr<GrantTable>> tables_ ABSL_GUARDED_BY(mu_);
+};
+
+// A requester QP just connected, with what the handshake granted.
+struct IbverbsBackend::Handshaken {
+  std::shared_ptr<Connection> connection;
+  std::string session;
+  uint64_t buffer_id = 0;
+  RemoteGrant grant;
+};
 
 absl::StatusOr<std::unique_ptr<IbverbsBackend>> IbverbsBackend::Create(
     BackendEnvironment env, IbverbsOptions options,
@@ -128,13 +289,15 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 IbverbsBackend::~IbverbsBackend() {
   // No handshake may run into a backend being destroyed.
   if (own_server_ != nullptr) own_server_->Shutdown();
-  // Connections drain and stop their pollers before the PD and device go.
+  // Connections drain and stop their pollers, and sessions drop their
+  // grants, before the PD and device go.
   std::map<std::string, std::shared_ptr<Connection>> requesters;
-  std::map<std::string, std::unique_ptr<Connection>> responders;
+  std::map<std::string, std::shared_ptr<PeerSession>> responders;
   {
     absl::MutexLock lock(&mu_);
     requesters.swap(requesters_);
     responders.swap(responders_);
+    links_.clear();
   }
 }
 
@@ -272,7 +435,7 @@ absl::Status IbverbsBackend::Start(const std::string& peer_address) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(JoinHostPort(host, 0),
-                           grpc::InsecureServerCredentials(), &port);
+                           PeerServerCredentials(env_.peer_tls), &port);
   builder.RegisterService(own_service_.get());
   own_server_ = builder.BuildAndStart();
   if (own_server_ == nullptr || port == 0) {
@@ -289,18 +452,18 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
     return absl::FailedPreconditionError(
         absl::StrCat("ibverbs backend unavailable: ", unavailable_reason_));
   }
-  int access = IBV_ACCESS_LOCAL_WRITE;
-  if (registration.readable()) access |= IBV_ACCESS_REMOTE_READ;
-  if (registration.writable()) access |= IBV_ACCESS_REMOTE_WRITE;
-  auto mr =
-      pd_->RegisterMemory(registration.data(), registration.size(), access);
+  // Local access only: peers reach the memory through MRs in their own
+  // session's PD (GrantAccess), never through this one, so nothing that
+  // answers this agent's handshakes can use it.
+  auto mr = pd_->RegisterMemory(registration.data(), registration.size(),
+                                IBV_ACCESS_LOCAL_WRITE);
   if (!mr.ok()) return mr.status();
   v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
   ib->set_device(device_->name());
   ib->set_port(local_.port);
   ib->set_lid(local_.lid);
   ib->set_gid(GidBytes(local_.gid));
-  ib->set_rkey((*mr)->rkey());
+  // No rkey: a peer gets one for its own PD in return for the token.
   ib->set_address(reinterpret_cast<uint64_t>(registration.data()));
   ib->set_peer_address(peer_address_);
   ib->set_max_message_bytes(params_.max_message_bytes);
@@ -321,8 +484,11 @@ std::shared_ptr<v1::Peer::Stub> IbverbsBackend::StubFor(
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
   if (stub == nullptr) {
+    grpc::ChannelArguments args;
+    std::shared_ptr<grpc::ChannelCredentials> credentials =
+        PeerChannelCredentials(env_.peer_tls, &args);
     stub = v1::Peer::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        grpc::CreateCustomChannel(address, credentials, args));
   }
   return stub;
 }
@@ -346,6 +512,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
       if (!it->second->broken()) return it->second;
       stale = std::move(it->second);
       requesters_.erase(it);
+      links_.erase(key);
     }
     auto& slot = connect_locks_[key];
     if (slot == nullptr) slot = std::make_shared<absl::Mutex>();
@@ -358,18 +525,20 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
     auto it = requesters_.find(key);
     if (it != requesters_.end() && !it->second->broken()) return it->second;
   }
-  auto connection = Handshake(remote, endpoint, deadline);
-  if (!connection.ok()) {
+  auto handshaken = Handshake(remote, endpoint, deadline);
+  if (!handshaken.ok()) {
     spdlog::warn("ibverbs: connecting to agent {} device {} at {}: {}",
-                 remote.agent_id(), endpoint.device(), endpoint.peer_address(),
-                 connection.status().ToString());
-    return connection.status();
+                 LogSafe(remote.agent_id()), LogSafe(endpoint.device()),
+                 LogSafe(endpoint.peer_address()),
+                 LogSafe(handshaken.status().ToString()));
+    return handshaken.status();
   }
+  std::shared_ptr<Connection> connection = handshaken->connection;
   spdlog::info(
       "ibverbs: connected QP {} to agent {} (epoch {:016x}) device "
       "{} at {}",
-      (*connection)->qp_num(), remote.agent_id(), remote.agent_epoch(),
-      endpoint.device(), endpoint.peer_address());
+      connection->qp_num(), LogSafe(remote.agent_id()), remote.agent_epoch(),
+      LogSafe(endpoint.device()), LogSafe(endpoint.peer_address()));
   // The agent answered with this epoch, so QPs to its earlier lives are
   // dead: drop them (destroyed outside mu_).
   std::vector<std::shared_ptr<Connection>> dead;
@@ -387,29 +556,41 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
       }
       dead.push_back(std::move(it->second));
       connect_locks_.erase(it->first);
+      links_.erase(it->first);
       it = requesters_.erase(it);
     }
-    requesters_[key] = *connection;
+    requesters_[key] = connection;
+    RequesterLink& link = links_[key];
+    link.connection = connection;
+    link.session = handshaken->session;
+    link.grants.clear();
+    link.grants[handshaken->buffer_id] = handshaken->grant;
     ++connections_established_;
   }
   dead.clear();
   return connection;
 }
 
-absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::Handshake(
+absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
     const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
     absl::Time deadline) {
-  auto created = Connection::Create(local_, params_, options_.busy_poll,
-                                    options_.drain_timeout);
+  // Inbound RDMA refused: whoever answers cannot reach this agent's memory
+  // through this QP.
+  auto created =
+      Connection::Create(local_, params_, options_.busy_poll,
+                         options_.drain_timeout, Connection::Inbound::kRefuse);
   if (!created.ok()) return created.status();
-  std::shared_ptr<Connection> connection = std::move(*created);
+  Handshaken result;
+  result.connection = std::move(*created);
 
   v1::ConnectQueuePairRequest request;
   request.set_agent_id(env_.identity.agent_id);
   request.set_agent_epoch(env_.identity.epoch);
   request.set_expected_epoch(remote.agent_epoch());
   request.set_remote_device(endpoint.device());
-  *request.mutable_requester() = connection->local_endpoint();
+  *request.mutable_requester() = result.connection->local_endpoint();
+  request.set_buffer_id(remote.buffer_id());
+  request.set_token(remote.token());
   v1::ConnectQueuePairResponse response;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(
@@ -422,13 +603,112 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::Handshake(
                                          remote.agent_id(), " at ",
                                          endpoint.peer_address()));
   }
-  absl::Status connected = connection->ConnectTo(response.responder());
+  if (response.session().empty() ||
+      response.grant().buffer_id() != remote.buffer_id()) {
+    return absl::UnavailableError(absl::StrCat(
+        "queue-pair handshake with agent ", remote.agent_id(), " at ",
+        endpoint.peer_address(), ": the answer has no session or grant"));
+  }
+  absl::Status connected = result.connection->ConnectTo(response.responder());
   if (!connected.ok()) {
     return absl::UnavailableError(absl::StrCat("connecting the queue pair to ",
                                                endpoint.peer_address(), ": ",
                                                connected.message()));
   }
+  result.session = response.session();
+  result.buffer_id = remote.buffer_id();
+  result.grant.token = remote.token();
+  result.grant.rkey = response.grant().rkey();
+  result.grant.address = response.grant().address();
+  result.grant.size_bytes = response.grant().size_bytes();
+  return result;
+}
+
+absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
+    absl::Span<const Op> ops, const std::vector<size_t>& indices,
+    absl::Time deadline) {
+  // Bounds the handshakes one batch can cost when its proofs are refused.
+  constexpr size_t kMaxProofs = 4;
+  std::vector<const Op*> tried;
+  absl::StatusOr<std::shared_ptr<Connection>> connection =
+      absl::NotFoundError("no op to connect for");
+  for (size_t i : indices) {
+    const Op& op = ops[i];
+    const bool seen =
+        std::any_of(tried.begin(), tried.end(), [&](const Op* other) {
+          return other->remote->buffer_id() == op.remote->buffer_id() &&
+                 other->remote->token() == op.remote->token();
+        });
+    if (seen) continue;
+    tried.push_back(&op);
+    connection = GetConnection(
+        *op.remote, FindEndpoint(*op.remote, name_)->ibverbs(), deadline);
+    // Only a refused proof is worth another op's proof.
+    if (connection.ok() ||
+        connection.status().code() != absl::StatusCode::kNotFound ||
+        tried.size() >= kMaxProofs) {
+      break;
+    }
+  }
   return connection;
+}
+
+absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
+    const Op& op, const Connection& connection, const StopToken& stop) {
+  const v1::RemoteBuffer& remote = *op.remote;
+  const v1::IbverbsEndpoint& endpoint = FindEndpoint(remote, name_)->ibverbs();
+  const std::string key = ConnectionKey(remote, endpoint);
+  std::string session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = links_.find(key);
+    if (it == links_.end() ||
+        it->second.connection.lock().get() != &connection) {
+      return absl::UnavailableError(
+          "the queue pair was replaced while the op was being posted");
+    }
+    auto grant = it->second.grants.find(remote.buffer_id());
+    // The token too: another local user's forged context naming the same
+    // buffer id must not ride on a grant earned by a real one.
+    if (grant != it->second.grants.end() &&
+        TokensEqual(grant->second.token, remote.token())) {
+      return grant->second;
+    }
+    session = it->second.session;
+  }
+  v1::GrantBufferRequest request;
+  request.set_agent_id(env_.identity.agent_id);
+  request.set_expected_epoch(remote.agent_epoch());
+  request.set_session(session);
+  request.set_buffer_id(remote.buffer_id());
+  request.set_token(remote.token());
+  v1::GrantBufferResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(
+      std::min(stop.deadline(), absl::Now() + options_.connect_timeout)));
+  // A cancelled Submit does not wait for a slow peer's answer.
+  const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
+  const grpc::Status status = StubFor(endpoint.peer_address())
+                                  ->GrantBuffer(&context, request, &response);
+  if (!status.ok() && stop.cancelled()) {
+    return stop.StopStatus("while asking the peer for buffer access");
+  }
+  if (!status.ok()) {
+    return FromGrpc(
+        status, absl::StrCat("access to a buffer of agent ", remote.agent_id(),
+                             " at ", endpoint.peer_address()));
+  }
+  RemoteGrant grant;
+  grant.token = remote.token();
+  grant.rkey = response.grant().rkey();
+  grant.address = response.grant().address();
+  grant.size_bytes = response.grant().size_bytes();
+  absl::MutexLock lock(&mu_);
+  auto it = links_.find(key);
+  if (it != links_.end() && it->second.connection.lock().get() == &connection) {
+    it->second.grants[remote.buffer_id()] = grant;
+  }
+  return grant;
 }
 
 absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
@@ -438,17 +718,6 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
         absl::StrCat("ibverbs backend unavailable on agent ",
                      env_.identity.agent_id, ": ", unavailable_reason_));
   }
-  if (request.expected_epoch() != env_.identity.epoch) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("stale remote context: agent ", env_.identity.agent_id,
-                     " restarted (context epoch ", request.expected_epoch(),
-                     ", current epoch ", env_.identity.epoch, ")"));
-  }
-  if (request.remote_device() != device_->name()) {
-    return absl::NotFoundError(absl::StrCat(
-        "agent ", env_.identity.agent_id, " has no RDMA device ",
-        request.remote_device(), " (it uses ", device_->name(), ")"));
-  }
   const v1::QueuePairEndpoint& requester = request.requester();
   if (request.agent_id().empty() || requester.qp_num() == 0 ||
       requester.gid().size() != sizeof(ibv_gid)) {
@@ -456,28 +725,130 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
         "malformed queue-pair request (agent id, QP number and a 16-byte "
         "GID are required)");
   }
-  auto created = Connection::Create(local_, params_, options_.busy_poll,
-                                    options_.drain_timeout);
+  // Token first: until the proof holds, nothing is allocated and nothing
+  // said depends on this agent's epoch, ids or devices.
+  ServeRequest proof;
+  proof.agent_epoch = request.expected_epoch();
+  proof.buffer_id = request.buffer_id();
+  proof.token = request.token();
+  proof.proof_only = true;
+  auto registration = env_.directory->ResolveForPeer(proof);
+  if (!registration.ok()) {
+    spdlog::debug("ibverbs: refused a handshake from agent {}: {}",
+                  LogSafe(request.agent_id()),
+                  LogSafe(registration.status().ToString()));
+    return registration.status();
+  }
+  if (request.remote_device() != device_->name()) {
+    return absl::NotFoundError(absl::StrCat(
+        "agent ", env_.identity.agent_id, " has no RDMA device ",
+        request.remote_device(), " (it uses ", device_->name(), ")"));
+  }
+  const auto* state = dynamic_cast<const IbverbsRegistration*>(
+      (*registration)->backend_state(name_));
+  if (state == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("buffer ", request.buffer_id(),
+                     " is not registered with the ibverbs backend"));
+  }
+  // One session per requester device: a reconnect replaces it.
+  const std::string key =
+      absl::StrCat(request.agent_id(), "/", requester.device());
+  const auto over_bound = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return responders_.count(key) == 0 &&
+           responders_.size() >= options_.max_responders;
+  };
+  const auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Bounds the PDs and QPs peers can make this agent allocate.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "agent ", env_.identity.agent_id, " already serves ",
+        responders_.size(), " peer queue pairs (--ibverbs_max_responders)"));
+  };
+  uint64_t serial;
+  {
+    absl::MutexLock lock(&mu_);
+    if (over_bound()) return exhausted();
+    serial = next_session_serial_++;
+  }
+  auto pd = device_->AllocateProtectionDomain();
+  if (!pd.ok()) return pd.status();
+  auto session = std::make_shared<PeerSession>(
+      serial, RandomBytes(16),
+      std::shared_ptr<verbs::ProtectionDomain>(std::move(*pd)));
+  LocalPort port = local_;
+  port.pd = session->pd();
+  auto created =
+      Connection::Create(port, params_, options_.busy_poll,
+                         options_.drain_timeout, Connection::Inbound::kAccept);
   if (!created.ok()) return created.status();
   absl::Status connected = (*created)->ConnectTo(requester);
   if (!connected.ok()) return connected;
   v1::ConnectQueuePairResponse response;
   *response.mutable_responder() = (*created)->local_endpoint();
-  // One responder QP per requester QP source: a reconnect replaces it.
-  const std::string key =
-      absl::StrCat(request.agent_id(), "/", requester.device());
-  std::unique_ptr<Connection> replaced = std::move(*created);
+  session->set_responder(std::move(*created));
+  auto grant = session->GrantAccess(**registration, *state,
+                                    options_.max_grants_per_peer);
+  if (!grant.ok()) return grant.status();
+  *response.mutable_grant() = *grant;
+  response.set_session(session->id());
+  std::shared_ptr<PeerSession> replaced = session;
   {
     absl::MutexLock lock(&mu_);
-    if (responders_.count(key) == 0 &&
-        responders_.size() >= options_.max_responders) {
-      // Bounds what unauthenticated peers can make this agent allocate.
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "agent ", env_.identity.agent_id, " already serves ",
-          responders_.size(), " queue pairs (--ibverbs_max_responders)"));
-    }
+    if (over_bound()) return exhausted();
     responders_[key].swap(replaced);
   }
+  spdlog::info("ibverbs: serving agent {} device {} (QP {})",
+               LogSafe(request.agent_id()), LogSafe(requester.device()),
+               response.responder().qp_num());
+  // `replaced` (the peer's previous session) drops its grants, QP and PD.
+  return response;
+}
+
+std::shared_ptr<IbverbsBackend::PeerSession> IbverbsBackend::FindSession(
+    const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<PeerSession> found;
+  // Compared in constant time and over every session: the handle is the
+  // secret that binds grants to a session.
+  for (const auto& [key, session] : responders_) {
+    if (TokensEqual(session->id(), id)) found = session;
+  }
+  return found;
+}
+
+absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
+    const v1::GrantBufferRequest& request) {
+  if (!available()) {
+    return absl::UnavailableError(
+        absl::StrCat("ibverbs backend unavailable on agent ",
+                     env_.identity.agent_id, ": ", unavailable_reason_));
+  }
+  ServeRequest proof;
+  proof.agent_epoch = request.expected_epoch();
+  proof.buffer_id = request.buffer_id();
+  proof.token = request.token();
+  proof.proof_only = true;
+  auto registration = env_.directory->ResolveForPeer(proof);
+  if (!registration.ok()) return registration.status();
+  std::shared_ptr<PeerSession> session =
+      request.session().empty() ? nullptr : FindSession(request.session());
+  if (session == nullptr) {
+    return absl::NotFoundError(
+        "no such queue-pair session (replaced or never connected): "
+        "reconnect");
+  }
+  const auto* state = dynamic_cast<const IbverbsRegistration*>(
+      (*registration)->backend_state(name_));
+  if (state == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("buffer ", request.buffer_id(),
+                     " is not registered with the ibverbs backend"));
+  }
+  auto grant = session->GrantAccess(**registration, *state,
+                                    options_.max_grants_per_peer);
+  if (!grant.ok()) return grant.status();
+  v1::GrantBufferResponse response;
+  *response.mutable_grant() = *grant;
   return response;
 }
 
@@ -509,8 +880,10 @@ absl::Status IbverbsBackend::CheckOp(const Op& op) const {
 absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
                                     Connection& connection,
                                     const std::shared_ptr<OpTracker>& tracker,
-                                    const StopToken& stop) const {
+                                    const StopToken& stop) {
   const v1::IbverbsEndpoint& ib = FindEndpoint(*op.remote, name_)->ibverbs();
+  auto grant = GrantFor(op, connection, stop);
+  if (!grant.ok()) return grant.status();
   const auto& local =
       dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
   uint64_t wr_bytes = params_.max_message_bytes;
@@ -529,8 +902,8 @@ absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-    wr.wr.rdma.remote_addr = ib.address() + op.remote_offset + done;
-    wr.wr.rdma.rkey = ib.rkey();
+    wr.wr.rdma.remote_addr = grant->address + op.remote_offset + done;
+    wr.wr.rdma.rkey = grant->rkey;
     posted = connection.Post(wr, tracker, index, op.local, stop);
     done += n;
   }
@@ -564,9 +937,7 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
   // a full send queue or a slow handshake with one peer does not hold up
   // the others.
   const auto run_group = [&](const std::vector<size_t>& indices) {
-    const Op& first = ops[indices.front()];
-    auto connection = GetConnection(
-        *first.remote, FindEndpoint(*first.remote, name_)->ibverbs(), deadline);
+    auto connection = ConnectForGroup(ops, indices, deadline);
     if (!connection.ok()) {
       for (size_t i : indices) tracker->PostingFinished(i, connection.status());
       return;
@@ -651,6 +1022,21 @@ size_t IbverbsBackend::requester_count() const {
 size_t IbverbsBackend::responder_count() const {
   absl::MutexLock lock(&mu_);
   return responders_.size();
+}
+
+size_t IbverbsBackend::grant_count() const {
+  absl::MutexLock lock(&mu_);
+  size_t grants = 0;
+  for (const auto& [key, session] : responders_) {
+    grants += session->grant_count();
+  }
+  return grants;
+}
+
+uint32_t IbverbsBackend::local_key(const Registration& registration) const {
+  const auto* state = dynamic_cast<const IbverbsRegistration*>(
+      registration.backend_state(name_));
+  return state == nullptr ? 0 : state->mr().lkey();
 }
 
 }  // namespace rdma_agent

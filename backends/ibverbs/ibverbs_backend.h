@@ -39,22 +39,33 @@ struct IbverbsOptions {
   absl::Duration busy_poll = absl::Microseconds(50);
   // Bound on waiting for a QP in ERR to flush its WRs.
   absl::Duration drain_timeout = absl::Seconds(10);
-  // Responder QPs kept for peers at most (one per peer agent and device).
+  // Peer sessions kept at most (one per peer agent and device, each with its
+  // own protection domain and responder QP).
   size_t max_responders = 1024;
+  // Registrations one peer session may be granted (one MR each in its PD).
+  size_t max_grants_per_peer = 4096;
 };
 
 // One-sided RDMA READ/WRITE through a NIC ("ibverbs", level NIC).
 //
-// Register() registers the whole mapping as an MR (LOCAL_WRITE, plus
-// REMOTE_READ / REMOTE_WRITE as the registration's access allows, so the NIC
-// itself enforces access) and advertises device, port, LID, GID, rkey,
-// address, max message size and the agent's Peer address. The MR lives in
-// the BackendRegistration, so it is deregistered only once the registration
-// and every op pinning it are gone.
+// Register() registers the whole mapping as an MR in the agent's main PD
+// with local access only (the lkey of this agent's own WRs) and advertises
+// device, port, LID, GID, address, max message size and the agent's Peer
+// address; no rkey. The MR lives in the BackendRegistration, so it is
+// deregistered only once the registration and every op pinning it are gone.
+//
+// Peers reach a registration only through a session: ConnectQueuePair
+// (proof of one registration: epoch, buffer id, token) gives the requesting
+// agent a protection domain of its own holding its responder QP and an MR
+// for each registration it proved (GrantBuffer adds more), with exactly the
+// remote access the registration allows. Grants hang off the registration's
+// BackendRegistration (gone with it) and off the session (gone when it is
+// replaced). This agent's own requester QPs refuse inbound RDMA.
 //
 // Submit() connects an RC QP per (remote agent + epoch, remote device) on
-// first use through the Peer service (ConnectQueuePair, which checks the
-// epoch), splits each op into WRs of at most the smaller max message size of
+// first use through the Peer service, asks for a grant on first use of each
+// remote buffer over it (cached per connection, with the token that earned
+// it), splits each op into WRs of at most the smaller max message size of
 // both sides, posts them under send-queue credits, and reports each op when
 // all its WRs completed, with the first error. At the deadline every QP
 // still holding WRs of the batch is moved to ERR and drained, so no WR
@@ -94,19 +105,45 @@ class IbverbsBackend : public Backend {
   // The responder half of the handshake (what the Peer service calls).
   absl::StatusOr<v1::ConnectQueuePairResponse> AcceptQueuePair(
       const v1::ConnectQueuePairRequest& request);
+  // Grants a session one more registration (what the Peer service calls).
+  absl::StatusOr<v1::GrantBufferResponse> GrantBuffer(
+      const v1::GrantBufferRequest& request);
 
   // Queue pairs this backend connected as requester, over its life.
   uint64_t connections_established() const;
   // Queue pairs this backend holds as requester now.
   size_t requester_count() const;
-  // Queue pairs peers connected to this backend, alive now.
+  // Queue pairs peers connected to this backend, alive now (one per peer
+  // session, each in a PD of its own).
   size_t responder_count() const;
+  // Registrations granted to peer sessions, alive now, over all sessions.
+  size_t grant_count() const;
+  // The lkey of `registration`'s MR in the main PD (0 when it has none):
+  // for tests that play a rogue peer guessing keys.
+  uint32_t local_key(const Registration& registration) const;
   // The queue-pair attributes in use.
   const QueuePairParams& params() const { return params_; }
   const std::string& profile_name() const { return profile_.name; }
 
  private:
   class PeerService;
+  class PeerSession;
+  struct Handshaken;
+
+  // What a peer granted this agent for one of its buffers over one
+  // connection.
+  struct RemoteGrant {
+    std::string token;  // the token that earned it: a cache hit needs it too
+    uint32_t rkey = 0;
+    uint64_t address = 0;
+    uint64_t size_bytes = 0;
+  };
+  // A requester QP's session on the peer, and what it was granted.
+  struct RequesterLink {
+    std::weak_ptr<Connection> connection;
+    std::string session;
+    std::map<uint64_t, RemoteGrant> grants;  // by remote buffer id
+  };
 
   IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
                  std::unique_ptr<verbs::Verbs> verbs);
@@ -117,18 +154,33 @@ class IbverbsBackend : public Backend {
                                    const v1::IbverbsEndpoint& endpoint);
   // What can be checked before posting: endpoint, local MR, ranges.
   absl::Status CheckOp(const Op& op) const;
-  // Posts `op` (checked) as WRs of at most the smaller max message size;
-  // returns the first posting error.
+  // Posts `op` (checked) as WRs of at most the smaller max message size,
+  // with the rkey and address granted for its remote buffer over
+  // `connection`; returns the first posting error.
   absl::Status PostOp(const Op& op, size_t index, Connection& connection,
                       const std::shared_ptr<OpTracker>& tracker,
-                      const StopToken& stop) const;
+                      const StopToken& stop);
+  // The connection a group of ops (same remote agent, epoch and device)
+  // goes through. The handshake needs the proof of one buffer: those of the
+  // group's ops are tried in turn (a few at most), so that one forged or
+  // released context does not fail the others.
+  absl::StatusOr<std::shared_ptr<Connection>> ConnectForGroup(
+      absl::Span<const Op> ops, const std::vector<size_t>& indices,
+      absl::Time deadline);
   absl::StatusOr<std::shared_ptr<Connection>> GetConnection(
       const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
       absl::Time deadline);
-  absl::StatusOr<std::shared_ptr<Connection>> Handshake(
-      const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
-      absl::Time deadline);
+  absl::StatusOr<Handshaken> Handshake(const v1::RemoteBuffer& remote,
+                                       const v1::IbverbsEndpoint& endpoint,
+                                       absl::Time deadline);
+  // The grant for op's remote buffer over `connection`: cached, or asked
+  // for with GrantBuffer (cut short by `stop`).
+  absl::StatusOr<RemoteGrant> GrantFor(const Op& op,
+                                       const Connection& connection,
+                                       const StopToken& stop);
   std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
+  // The session `id` names, or nullptr.
+  std::shared_ptr<PeerSession> FindSession(const std::string& id) const;
 
   const std::string name_ = "ibverbs";
   const BackendEnvironment env_;
@@ -159,9 +211,13 @@ class IbverbsBackend : public Backend {
   // Requester QPs by "agent_id/epoch/device".
   std::map<std::string, std::shared_ptr<Connection>> requesters_
       ABSL_GUARDED_BY(mu_);
-  // Responder QPs by "agent_id/device" of the requester.
-  std::map<std::string, std::unique_ptr<Connection>> responders_
+  // What each requester QP was granted, by the same key as requesters_.
+  std::map<std::string, RequesterLink> links_ ABSL_GUARDED_BY(mu_);
+  // Peer sessions (PD + responder QP + grants) by "agent_id/device" of the
+  // requester.
+  std::map<std::string, std::shared_ptr<PeerSession>> responders_
       ABSL_GUARDED_BY(mu_);
+  uint64_t next_session_serial_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, std::shared_ptr<v1::Peer::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
   uint64_t connections_established_ ABSL_GUARDED_BY(mu_) = 0;

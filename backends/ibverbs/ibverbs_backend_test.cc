@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "backends/ibverbs/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
@@ -225,7 +227,7 @@ TEST_F(IbverbsBackendTest, BadOptionsAreInvalidArguments) {
       absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(IbverbsBackendTest, RegisterAdvertisesKeyAddressAndPeer) {
+TEST_F(IbverbsBackendTest, RegisterAdvertisesAddressAndPeerButNoKey) {
   auto a = Node("agent-a", "nic_a");
   TestBuffer buffer = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   ASSERT_EQ(buffer.context->endpoints_size(), 1);
@@ -233,7 +235,9 @@ TEST_F(IbverbsBackendTest, RegisterAdvertisesKeyAddressAndPeer) {
   EXPECT_EQ(ib.device(), "nic_a");
   EXPECT_EQ(ib.port(), 1u);
   EXPECT_EQ(ib.gid().size(), 16u);
-  EXPECT_NE(ib.rkey(), 0u);
+  // The context is no NIC capability: peers get an rkey for their own PD
+  // in return for the token.
+  EXPECT_EQ(ib.rkey(), 0u);
   EXPECT_EQ(ib.address(),
             reinterpret_cast<uint64_t>(buffer.registration->data()));
   EXPECT_EQ(ib.peer_address(), a->backend().peer_address());
@@ -433,7 +437,14 @@ TEST_F(IbverbsBackendTest, StaleEpochIsFailedPrecondition) {
                           In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition)
       << results[0];
-  EXPECT_NE(results[0].message().find("epoch"), std::string::npos);
+  EXPECT_NE(results[0].message().find("stale"), std::string::npos);
+  // The agent's current epoch is not given away.
+  EXPECT_EQ(
+      results[0].message().find(absl::StrCat(remote.context->agent_epoch())),
+      std::string::npos);
+  EXPECT_EQ(results[0].message().find(
+                absl::StrCat(absl::Hex(remote.context->agent_epoch()))),
+            std::string::npos);
 }
 
 TEST_F(IbverbsBackendTest, UnknownRemoteDeviceIsNotFound) {
@@ -781,6 +792,17 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   ASSERT_TRUE(backend.ok());
   // The agent's address: Start() adds no listener of its own.
   ASSERT_TRUE((*backend)->Start("set-by-the-agent:1").ok());
+  // A registration whose token the handshake proves.
+  auto memory = SharedMemory::Allocate(4096, "proof");
+  ASSERT_TRUE(memory.ok());
+  auto registration =
+      std::make_shared<Registration>(7, 0, v1::ACCESS_READ_WRITE, "proof",
+                                     "token-7", std::move(*memory), true);
+  v1::BackendEndpoint endpoint;
+  auto state = (*backend)->Register(*registration, &endpoint);
+  ASSERT_TRUE(state.ok()) << state.status();
+  registration->AddBackend("ibverbs", std::move(*state));
+  directory.Add(registration);
   EXPECT_EQ((*backend)->peer_address(), "set-by-the-agent:1");
   grpc::ServerBuilder builder;
   int port = 0;
@@ -803,9 +825,18 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   request.set_agent_id("agent-a");
   request.set_expected_epoch(42);
   request.set_remote_device("nic_b");
+  request.set_buffer_id(7);
+  request.set_token("token-7");
   request.mutable_requester()->set_qp_num(0);
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  v1::QueuePairEndpoint* side = request.mutable_requester();
+  side->set_device("nic_a");
+  side->set_port(1);
+  side->set_gid(std::string(16, '\x01'));
+  side->set_qp_num(12345);
+  side->set_mtu_bytes(1024);
+  side->set_max_rd_atomic(4);
   request.set_expected_epoch(41);
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
@@ -815,28 +846,113 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
 
   // A well-formed request gets an RTS responder QP back.
   request.set_remote_device("nic_b");
-  v1::QueuePairEndpoint* side = request.mutable_requester();
-  side->set_device("nic_a");
-  side->set_port(1);
-  side->set_gid(std::string(16, '\x01'));
-  side->set_qp_num(12345);
-  side->set_mtu_bytes(1024);
-  side->set_max_rd_atomic(4);
   auto [status, response] = call(request);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.responder().device(), "nic_b");
   EXPECT_NE(response.responder().qp_num(), 0u);
   EXPECT_EQ(response.responder().gid().size(), 16u);
+  EXPECT_EQ(response.session().size(), 16u);
+  EXPECT_EQ(response.grant().buffer_id(), 7u);
+  EXPECT_NE(response.grant().rkey(), 0u);
+  EXPECT_EQ(response.grant().size_bytes(), 4096u);
   EXPECT_EQ((*backend)->responder_count(), 1u);
-  // A reconnect from the same requester device replaces it.
+  EXPECT_EQ((*backend)->grant_count(), 1u);
+  // A reconnect from the same requester device replaces it (and its
+  // grants).
   ASSERT_TRUE(call(request).first.ok());
   EXPECT_EQ((*backend)->responder_count(), 1u);
+  EXPECT_EQ((*backend)->grant_count(), 1u);
   // Another requester would exceed max_responders (1 here).
   request.set_agent_id("agent-z");
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ((*backend)->responder_count(), 1u);
   server->Shutdown();
+  directory.Remove(7);
+  registration.reset();
+  EXPECT_EQ((*backend)->grant_count(), 0u);
+}
+
+TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
+  auto a = Node("agent-a", "nic_a");
+  auto b = Node("agent-b", "nic_b");
+  TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(8192, v1::ACCESS_READ_WRITE, 2);
+  ASSERT_TRUE(a->backend()
+                  .Submit({MakeOp(0, kRead, local, 0, 8, remote, 0)},
+                          In(absl::Seconds(10)))[0]
+                  .ok());
+  const uint64_t ok_before = fabric_.wrs_completed_ok();
+  SoftFault delay;
+  delay.action = SoftFault::Action::kDelay;
+  delay.delay = absl::Seconds(1);
+  delay.count = 2;
+  fabric_.InjectFault(delay);
+  const std::vector<uint8_t> local_before = Snapshot(local);
+  const std::vector<uint8_t> remote_before = Snapshot(remote);
+  Cancellation cancellation;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancellation.Cancel(absl::CancelledError("the client went away"));
+  });
+  const absl::Time start = absl::Now();
+  const auto cut = a->backend().Submit(
+      {MakeOp(0, kRead, local, 10, 100, remote, 1000),
+       MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
+      StopToken(start + absl::Seconds(30), &cancellation));
+  const absl::Duration took = absl::Now() - start;
+  canceller.join();
+  for (const absl::Status& status : cut) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), "the client went away"))
+        << status;
+  }
+  EXPECT_LT(took, absl::Milliseconds(900));  // not the 1 s delayed WRs
+  // The delayed WRs were flushed: once their delay is over no byte moved.
+  absl::SleepFor(absl::Milliseconds(1200));
+  EXPECT_EQ(Snapshot(local), local_before);
+  EXPECT_EQ(Snapshot(remote), remote_before);
+  EXPECT_EQ(fabric_.wrs_completed_ok(), ok_before);
+  const auto again = a->backend().Submit(
+      {MakeOp(0, kRead, local, 10, 100, remote, 1000)}, In(absl::Seconds(10)));
+  EXPECT_TRUE(again[0].ok()) << again[0];
+}
+
+TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
+  IbverbsOptions shallow = Fast();
+  shallow.qp.sq_depth = 2;
+  shallow.qp.timeout = 0;  // a lost WR is never retried out: only ERR ends it
+  auto a = Node("agent-a", "nic_a", shallow);
+  auto b = Node("agent-b", "nic_b");
+  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  SoftFault drop;
+  drop.action = SoftFault::Action::kDrop;
+  drop.count = -1;
+  fabric_.InjectFault(drop);
+  std::vector<Op> ops;
+  for (size_t i = 0; i < 5; ++i) {
+    ops.push_back(MakeOp(i, kWrite, local, i * 10, 10, remote, i * 10));
+  }
+  Cancellation cancellation;
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    cancellation.Cancel(absl::UnavailableError("the agent is shutting down"));
+  });
+  const absl::Time start = absl::Now();
+  const auto results = a->backend().Submit(
+      ops, StopToken(start + absl::Seconds(30), &cancellation));
+  canceller.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(results[i].code(), absl::StatusCode::kUnavailable)
+        << i << ": " << results[i];
+  }
+  fabric_.ClearFaults();
+  EXPECT_TRUE(a->backend()
+                  .Submit({MakeOp(0, kWrite, local, 0, 10, remote, 0)},
+                          In(absl::Seconds(10)))[0]
+                  .ok());
 }
 
 }  // namespace

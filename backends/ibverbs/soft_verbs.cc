@@ -810,5 +810,10 @@ void SoftFabric::ClearFaults() {
 uint64_t SoftFabric::wrs_completed_ok() const { return state_->ok_count; }
 int SoftFabric::max_outstanding_seen() const { return state_->max_outstanding; }
 
+size_t SoftFabric::live_queue_pairs() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->qps.size();
+}
+
 }  // namespace verbs
 }  // namespace rdma_agent

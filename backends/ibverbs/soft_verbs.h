@@ -9,7 +9,8 @@
 // NIC as far as a verbs consumer can tell:
 //  - PDs; MRs with lkey/rkey and IBV_ACCESS_* flags, checked on both sides
 //    (local key/PD/bounds/LOCAL_WRITE -> IBV_WC_LOC_PROT_ERR, remote key/
-//    PD/bounds/REMOTE_READ|WRITE -> IBV_WC_REM_ACCESS_ERR, message longer than
+//    PD/bounds/REMOTE_READ|WRITE -> IBV_WC_REM_ACCESS_ERR, and the target
+//    QP's qp_access_flags -> IBV_WC_REM_ACCESS_ERR, message longer than
 //    the port's max_msg_sz -> IBV_WC_LOC_LEN_ERR);
 //  - QPs with the RESET -> INIT -> RTR -> RTS -> ERR state machine and the
 //    attribute masks ibv_modify_qp requires; ibv_post_send fails with EINVAL
@@ -109,6 +110,8 @@ class SoftFabric {
   uint64_t wrs_completed_ok() const;
   // Highest number of WRs ever outstanding on one QP.
   int max_outstanding_seen() const;
+  // Queue pairs that exist now, over every device.
+  size_t live_queue_pairs() const;
 
  private:
   std::shared_ptr<soft_internal::FabricState> state_;

@@ -65,11 +65,11 @@ class SoftVerbsTest : public ::testing::Test {
     side.mr = std::move(*mr);
   }
 
-  static absl::Status ToInit(QueuePair& qp) {
+  static absl::Status ToInit(QueuePair& qp, int qp_access = kAllAccess) {
     ibv_qp_attr attr = {};
     attr.qp_state = IBV_QPS_INIT;
     attr.port_num = 1;
-    attr.qp_access_flags = kAllAccess;
+    attr.qp_access_flags = qp_access;
     return qp.Modify(attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                                IBV_QP_ACCESS_FLAGS);
   }
@@ -102,9 +102,10 @@ class SoftVerbsTest : public ::testing::Test {
                                IBV_QP_MAX_QP_RD_ATOMIC);
   }
 
-  void Connect(uint8_t timeout = 8) {
+  // `b_access`: b_'s qp_access_flags (what a_ may do through b_'s QP).
+  void Connect(uint8_t timeout = 8, int b_access = kAllAccess) {
     ASSERT_TRUE(ToInit(*a_.qp).ok());
-    ASSERT_TRUE(ToInit(*b_.qp).ok());
+    ASSERT_TRUE(ToInit(*b_.qp, b_access).ok());
     ASSERT_TRUE(ToRtr(a_, b_).ok());
     ASSERT_TRUE(ToRtr(b_, a_).ok());
     ASSERT_TRUE(ToRts(*a_.qp, timeout).ok());
@@ -276,6 +277,58 @@ TEST_F(SoftVerbsTest, ReadOnlyRemoteMrRefusesWritesButServesReads) {
   EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
   ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
   EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+}
+
+// A real NIC refuses an inbound READ/WRITE the target QP's qp_access_flags
+// do not enable, whatever the MR allows: the agent's requester QPs rely on
+// it to refuse RDMA from whoever answered their handshake.
+TEST_F(SoftVerbsTest, TargetQpAccessFlagsAreEnforced) {
+  Connect(8, IBV_ACCESS_LOCAL_WRITE);  // b_ refuses all inbound RDMA
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(b_.buffer, before);
+  EXPECT_EQ(StateOf(*b_.qp), IBV_QPS_ERR);
+}
+
+TEST_F(SoftVerbsTest, TargetQpWithRemoteReadOnlyRefusesWrites) {
+  Connect(8, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+  EXPECT_EQ(0, std::memcmp(a_.buffer.data(), b_.buffer.data(), 64));
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 100, 64, 0, 2), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(b_.buffer, before);
+}
+
+TEST_F(SoftVerbsTest, TargetQpWithoutRemoteReadRefusesReads) {
+  Connect(8, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  const std::vector<uint8_t> before = a_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(a_.buffer, before);
+}
+
+// An rkey of an MR in another PD of the same device does not work on a QP
+// of this PD, even with remote access: per-peer PDs rely on it.
+TEST_F(SoftVerbsTest, MrOfAnotherProtectionDomainIsRemoteAccessError) {
+  auto other_pd = b_.device->AllocateProtectionDomain();
+  ASSERT_TRUE(other_pd.ok());
+  auto other_mr = (*other_pd)->RegisterMemory(b_.buffer.data(),
+                                              b_.buffer.size(), kAllAccess);
+  ASSERT_TRUE(other_mr.ok());
+  Connect();
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1, 0, (*other_mr)->rkey()), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(b_.buffer, before);
+}
+
+TEST_F(SoftVerbsTest, CountsLiveQueuePairs) {
+  EXPECT_EQ(fabric_.live_queue_pairs(), 2u);  // a_ and b_
+  b_.qp.reset();
+  EXPECT_EQ(fabric_.live_queue_pairs(), 1u);
 }
 
 TEST_F(SoftVerbsTest, LocalKeyAndLocalWriteAreChecked) {

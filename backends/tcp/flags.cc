@@ -7,9 +7,11 @@
 #include "absl/time/time.h"
 #include "backends/tcp/tcp_backend.h"
 
-ABSL_FLAG(std::string, tcp_listen, "0.0.0.0:7471",
+ABSL_FLAG(std::string, tcp_listen, "",
           "Address of the TCP data plane, host:port (port 0 = any free port). "
-          "Serves only agent-to-agent transfers.");
+          "Serves only agent-to-agent transfers. Empty: the agent's "
+          "--advertise_host (or detected address), port 7471; "
+          "0.0.0.0:7471 serves every interface.");
 ABSL_FLAG(std::string, tcp_advertise_host, "",
           "Host written into remote contexts for peers to dial (NAT, "
           "containers). Empty: the agent's --advertise_host / auto-detected "
@@ -34,6 +36,26 @@ ABSL_FLAG(bool, tcp_zero_copy_send,
           rdma_agent::tcp::DataClientOptions().zero_copy_send,
           "Send large payloads with vmsplice/splice (no sender-side copy) "
           "instead of send().");
+
+ABSL_FLAG(absl::Duration, tcp_handshake_timeout,
+          rdma_agent::tcp::DataServerOptions().handshake_timeout,
+          "A new data connection must send a whole request header within this "
+          "or is closed.");
+ABSL_FLAG(absl::Duration, tcp_idle_timeout,
+          rdma_agent::tcp::DataServerOptions().idle_timeout,
+          "A data connection idle this long between requests is closed.");
+ABSL_FLAG(absl::Duration, tcp_request_timeout,
+          rdma_agent::tcp::DataServerOptions().request_timeout,
+          "A request (header, token, payload, response) not completed within "
+          "this closes its connection and lets go of the buffer it pinned.");
+ABSL_FLAG(int32_t, tcp_max_connections_per_source,
+          rdma_agent::tcp::DataServerOptions().max_connections_per_source,
+          "Data connections served at once from one source address; more are "
+          "closed at accept.");
+ABSL_FLAG(int32_t, tcp_max_connections,
+          rdma_agent::tcp::DataServerOptions().max_connections,
+          "Data connections served at once in all; more are closed at accept. "
+          "0: min(4096, soft RLIMIT_NOFILE / 4).");
 
 // The requesting side: threads, connection bounds, dialling.
 ABSL_FLAG(int32_t, tcp_client_threads,
@@ -79,6 +101,13 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.client.zero_copy_send = absl::GetFlag(FLAGS_tcp_zero_copy_send);
     options.client.socket_buffer_bytes =
         absl::GetFlag(FLAGS_tcp_socket_buffer_bytes);
+    options.server.handshake_timeout =
+        absl::GetFlag(FLAGS_tcp_handshake_timeout);
+    options.server.idle_timeout = absl::GetFlag(FLAGS_tcp_idle_timeout);
+    options.server.request_timeout = absl::GetFlag(FLAGS_tcp_request_timeout);
+    options.server.max_connections_per_source =
+        absl::GetFlag(FLAGS_tcp_max_connections_per_source);
+    options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);

@@ -24,6 +24,13 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
         "must be >= 1, chunk bytes in [1, ",
         tcp::kMaxPayloadBytes, "], socket buffer bytes >= 0"));
   }
+  const bool default_listen = options.listen.empty();
+  if (default_listen) {
+    // Serve where peers are told to dial, not on every interface.
+    options.listen = JoinHostPort(
+        IsWildcardHost(env.advertise_host) ? "127.0.0.1" : env.advertise_host,
+        TcpOptions::kDefaultPort);
+  }
   auto listen = ParseHostPort(options.listen);
   if (!listen.ok()) return listen.status();
 
@@ -40,13 +47,18 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
 
   auto client = tcp::DataClient::Create(options.client);
   if (!client.ok()) return client.status();
-  auto server = tcp::DataServer::Start(*listen, env.directory,
-                                       options.client.zero_copy_send,
-                                       options.client.socket_buffer_bytes);
+  tcp::DataServerOptions server_options = options.server;
+  server_options.zero_copy_send = options.client.zero_copy_send;
+  server_options.socket_buffer_bytes = options.client.socket_buffer_bytes;
+  auto server = tcp::DataServer::Start(*listen, env.directory, server_options);
   if (!server.ok()) {
+    // An advertise host that is not this host's (NAT) cannot be bound.
     return absl::Status(
         server.status().code(),
-        absl::StrCat("tcp data plane: ", server.status().message()));
+        absl::StrCat("tcp data plane: ", server.status().message(),
+                     default_listen ? " (listening on the advertise host by "
+                                      "default; set --tcp_listen)"
+                                    : ""));
   }
   return std::unique_ptr<TcpBackend>(
       new TcpBackend(std::move(options), env, std::move(advertise),

@@ -15,14 +15,22 @@ namespace rdma_agent {
 
 // Configuration of the TCP backend (flags --tcp_*).
 struct TcpOptions {
+  // The data port when `listen` is empty.
+  static constexpr uint16_t kDefaultPort = 7471;
   // Where the data plane listens, "host:port"; port 0 picks a free port.
-  std::string listen = "0.0.0.0:7471";
+  // Empty: the agent's advertise host (BackendEnvironment::advertise_host),
+  // port kDefaultPort, so the data plane is not offered on interfaces peers
+  // never use; every interface only when asked ("0.0.0.0:7471").
+  std::string listen;
   // Host written into remote contexts; empty = the agent's advertise host.
   // Never a wildcard.
   std::string advertise_host;
   // Chunking, striping and pipelining of outgoing ops; the client's threads
   // and connection bounds.
   tcp::DataClientOptions client;
+  // Timeouts and connection caps of the serving side. Its zero_copy_send and
+  // socket_buffer_bytes are taken from `client` (one setting for both ends).
+  tcp::DataServerOptions server;
 };
 
 // The agent-to-agent TCP transport: serves this agent's registrations on its

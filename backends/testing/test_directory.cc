@@ -9,12 +9,12 @@ namespace rdma_agent::testing {
 absl::StatusOr<std::shared_ptr<Registration>> TestDirectory::ResolveForPeer(
     const ServeRequest& request) const {
   if (request.agent_epoch != epoch_) {
-    return absl::FailedPreconditionError("stale epoch");
+    return StaleContextError();
   }
   absl::MutexLock lock(&mu_);
   auto it = buffers_.find(request.buffer_id);
   if (it == buffers_.end()) {
-    return absl::NotFoundError(absl::StrCat("no buffer ", request.buffer_id));
+    return NotRegisteredError();
   }
   absl::Status status = CheckServeRequest(*it->second, request);
   if (!status.ok()) return status;

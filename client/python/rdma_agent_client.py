@@ -19,6 +19,7 @@ Errors of RPCs are raised as AgentError, whose `code` is a grpc.StatusCode
 own outcome in its OpResult instead.
 """
 
+import errno
 import fcntl
 import mmap
 import os
@@ -36,6 +37,8 @@ from rdma.agent.v1 import remote_buffer_pb2
 from rdma.agent.v1 import types_pb2
 
 DEFAULT_SOCKET = "/run/rdma-agentd/agent.sock"
+# Names the agent's socket (a path or a "unix:" target) when none is given.
+SOCKET_ENV = "RDMA_AGENT_SOCKET"
 
 ACCESS = {
     "read": types_pb2.ACCESS_READ,
@@ -212,17 +215,34 @@ class Buffer:
                 pass
 
 
+def _probe_socket(path):
+    """Fails at once, naming the errno, when `path` cannot be connected to."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as error:
+        code = (grpc.StatusCode.PERMISSION_DENIED
+                if error.errno in (errno.EACCES, errno.EPERM)
+                else grpc.StatusCode.UNAVAILABLE)
+        raise AgentError(code, "cannot reach rdma-agentd at unix:%s: %s"
+                         % (path, os.strerror(error.errno))) from None
+    finally:
+        probe.close()
+
+
 class AgentClient:
     """Connection to rdma-agentd over its Unix socket.
 
-    `socket_path` is the agent socket (a path, or a "unix:" target);
+    `socket_path` is the agent socket (a path, or a "unix:" target); None
+    means $RDMA_AGENT_SOCKET, else /run/rdma-agentd/agent.sock.
     `attach_socket` defaults to attach.sock next to it. `timeout` (seconds)
-    bounds each RPC and attach exchange, and the wait for the agent.
+    bounds each RPC and attach exchange, and the wait for the agent. A socket
+    that is missing or forbidden fails at once with the errno.
     """
 
-    def __init__(self, socket_path=DEFAULT_SOCKET, attach_socket=None,
+    def __init__(self, socket_path=None, attach_socket=None,
                  timeout=30.0, chunk_bytes=1 << 20):
-        path = socket_path
+        path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         for prefix in ("unix://", "unix:"):
             if path.startswith(prefix):
                 path = path[len(prefix):]
@@ -232,6 +252,7 @@ class AgentClient:
             os.path.dirname(path), "attach.sock")
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        _probe_socket(path)
         self._channel = grpc.insecure_channel(
             "unix:" + path,
             options=[("grpc.max_receive_message_length", max(4 << 20, chunk_bytes + (64 << 10)))])

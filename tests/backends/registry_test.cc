@@ -238,6 +238,18 @@ TEST(BackendRegistryTest, DoesNotRetryAfterTheDeadline) {
   EXPECT_TRUE(fakes.tcp->submitted.empty());
 }
 
+TEST(BackendRegistryTest, DoesNotRetryOnceCancelled) {
+  Fakes fakes = MakeRegistry();
+  fakes.nic->script = {absl::UnavailableError("link down")};
+  Cancellation cancellation;
+  cancellation.Cancel(absl::CancelledError("client went away"));
+  auto outcomes = fakes.registry->Submit(
+      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      StopToken(absl::Now() + absl::Seconds(5), &cancellation));
+  EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(fakes.tcp->submitted.empty());
+}
+
 TEST(RegistrationTest, MemoryOutlivesReleaseWhileAnOpPinsIt) {
   auto registration = MakeRegistration();
   std::memset(registration->data(), 'q', 4096);

@@ -15,7 +15,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/pattern.h"
 #include "tests/testing/process.h"
@@ -24,8 +26,10 @@
 namespace rdma_agent::testing {
 namespace {
 
+namespace v1 = ::rdma::agent::v1;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
+using ::testing::Not;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -297,6 +301,106 @@ TEST_F(AgentctlTest, UnreachableAgentExitsOneWithUnavailable) {
   ASSERT_TRUE(usage.ok()) << usage.status();
   EXPECT_EQ(usage->exit_code, 2);
   EXPECT_THAT(usage->err, HasSubstr("register needs --size N"));
+}
+
+TEST_F(AgentctlTest, HelpListsCommandsAndEachCommandHasItsOwn) {
+  RunResult r = Ctl({"--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  for (const char* command : {"info", "health", "register", "list", "release",
+                              "write", "read", "submit", "decode"}) {
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
+  }
+  EXPECT_THAT(r.out, HasSubstr("rdma-agentctl help COMMAND"));
+  EXPECT_EQ(Ctl({"help"}).out, r.out);
+  r = Ctl({"submit", "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("--remote_offset"));
+  EXPECT_THAT(r.out, Not(HasSubstr("--context_out")));  // register's
+  const RunResult topic = Ctl({"help", "submit"});
+  EXPECT_EQ(topic.exit_code, 0) << topic.err;
+  EXPECT_EQ(topic.out, r.out);
+  EXPECT_EQ(Ctl({"help", "nonsense"}).exit_code, 2);
+  // A malformed option value is bad usage too.
+  r = Ctl({"register", "--size=lots"});
+  EXPECT_EQ(r.exit_code, 2);
+  r = Ctl({"-o", "yaml", "info"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("yaml"));
+}
+
+TEST_F(AgentctlTest, JsonOutputIsProtobufJson) {
+  RunResult r = Ctl({"-o", "json", "info"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::AgentInfo info;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &info).ok())
+      << r.out;
+  EXPECT_FALSE(info.agent_id().empty());
+  EXPECT_NE(info.epoch(), 0u);
+
+  r = Ctl({"register", "--size=100", "--label=json", "-o", "json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::RegisterResponse registered;
+  ASSERT_TRUE(
+      google::protobuf::util::JsonStringToMessage(r.out, &registered).ok())
+      << r.out;
+  EXPECT_EQ(registered.size_bytes(), 100u);
+  v1::RemoteBuffer remote;
+  EXPECT_TRUE(remote.ParseFromString(registered.remote_context()));
+  EXPECT_EQ(remote.buffer_id(), registered.buffer_id());
+
+  r = Ctl({"list", "--output=json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::ListBuffersResponse list;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &list).ok())
+      << r.out;
+  ASSERT_EQ(list.buffers_size(), 1);
+  EXPECT_EQ(list.buffers(0).label(), "json");
+}
+
+TEST_F(AgentctlTest, HealthExitsZeroWhileServing) {
+  const RunResult r = Ctl({"health"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "SERVING\n");
+}
+
+TEST_F(AgentctlTest, SocketFromEnvironmentAsABarePath) {
+  const absl::StatusOr<RunResult> r = RunToCompletion(
+      {"env", absl::StrCat("RDMA_AGENT_SOCKET=", agent_->socket_path()),
+       RunfilePath("client/rdma-agentctl"), "info"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("agent_id:"));
+  // --target wins over the environment; a bare path works there too.
+  const absl::StatusOr<RunResult> bare =
+      RunToCompletion({"env", "RDMA_AGENT_SOCKET=/nonexistent/agent.sock",
+                       RunfilePath("client/rdma-agentctl"), "--target",
+                       agent_->socket_path(), "info"},
+                      "", absl::Seconds(30));
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_EQ(bare->exit_code, 0) << bare->err;
+}
+
+TEST_F(AgentctlTest, MissingOrForbiddenSocketFailsAtOnceNamingTheErrno) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<RunResult> r =
+      RunToCompletion({RunfilePath("client/rdma-agentctl"),
+                       "--target=" + File("nobody-listens.sock"), "info"},
+                      "", absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));  // not the 5 s wait
+  EXPECT_EQ(r->exit_code, 1);
+  EXPECT_THAT(r->err, HasSubstr("No such file or directory"));
+  if (::geteuid() != 0) return;
+  // The runtime dir is 0700: another user may not reach the socket.
+  r = RunToCompletion({"setpriv", "--reuid=65534", "--regid=65534",
+                       "--clear-groups", RunfilePath("client/rdma-agentctl"),
+                       "--target=" + agent_->socket_path(), "info"},
+                      "", absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 1);
+  EXPECT_THAT(r->err, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(r->err, HasSubstr("Permission denied"));
 }
 
 }  // namespace

@@ -13,6 +13,10 @@
 //                               -> ok | mismatch POSITION
 //   submit read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET BASE64_CONTEXT
 //                               -> result CODE BACKEND | error CODE MESSAGE
+//   submit_many COUNT read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET
+//               BASE64_CONTEXT  -> results OK_COUNT FIRST_NON_OK_CODE|-
+//        one Submit of COUNT copies of the op, with a 10-minute timeout (a
+//        long-running call to abandon)
 //   release ID                  -> status CODE
 //   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
 //   writebuf ID OFFSET HEX_DATA -> status CODE
@@ -140,6 +144,32 @@ class Worker {
       return absl::StrCat("result ", CodeName(result.status), " ",
                           result.backend.empty() ? "-" : result.backend, " ",
                           OneLine(result.status.message()));
+    }
+    if (command == "submit_many" && need(7)) {
+      client::OpSpec op;
+      op.type = words[2] == "read" ? v1::OP_TYPE_READ_INTO_LOCAL
+                                   : v1::OP_TYPE_WRITE_FROM_LOCAL;
+      op.local_buffer_id = n[2];
+      op.local_offset = n[3];
+      op.length = n[4];
+      op.remote_offset = n[5];
+      if (!absl::Base64Unescape(words[7], &op.remote_context)) {
+        return "error INVALID_ARGUMENT bad base64";
+      }
+      const std::vector<client::OpSpec> ops(n[0], op);
+      absl::StatusOr<std::vector<client::OpResult>> results =
+          client_->Submit(ops, absl::Minutes(10));
+      if (!results.ok()) return Error(results.status());
+      size_t ok = 0;
+      std::string first_error = "-";
+      for (const client::OpResult& result : *results) {
+        if (result.status.ok()) {
+          ++ok;
+        } else if (first_error == "-") {
+          first_error = CodeName(result.status);
+        }
+      }
+      return absl::StrCat("results ", ok, " ", first_error);
     }
     if (command == "release" && need(1)) {
       auto it = buffers_.find(n[0]);

@@ -9,6 +9,7 @@ cross-process test.
 import argparse
 import base64
 import os
+import time
 import queue
 import random
 import shutil
@@ -202,6 +203,26 @@ class PythonClientTest(unittest.TestCase):
         buffer.close()  # does not release again
         self.assertCode(grpc.StatusCode.UNAVAILABLE, AgentClient,
                         os.path.join(self.agent.dir, "missing.sock"), None, 0.5)
+
+    def test_socket_from_the_environment(self):
+        old = os.environ.get("RDMA_AGENT_SOCKET")
+        os.environ["RDMA_AGENT_SOCKET"] = self.agent.socket
+        try:
+            with AgentClient(timeout=30) as client:
+                self.assertEqual(client.info().agent_id, self.client.info().agent_id)
+        finally:
+            if old is None:
+                del os.environ["RDMA_AGENT_SOCKET"]
+            else:
+                os.environ["RDMA_AGENT_SOCKET"] = old
+
+    def test_missing_socket_fails_at_once_with_the_errno(self):
+        started = time.monotonic()
+        with self.assertRaises(AgentError) as raised:
+            AgentClient(os.path.join(self.agent.dir, "missing.sock"), timeout=30)
+        self.assertLess(time.monotonic() - started, 5)
+        self.assertEqual(raised.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertIn("No such file or directory", raised.exception.message)
 
     def test_unmapped_registration_outlives_the_call(self):
         response = self.client.register(128, "read", "unmapped")

@@ -370,7 +370,7 @@ TEST_F(AgentApiTest, BadOpsFailAloneAndTouchNothing) {
       {MakeOp(R, id, 0, 8, "", 0), absl::StatusCode::kInvalidArgument,
        "remote_context"},
       {MakeOp(R, id, 0, 8, forged.SerializeAsString(), 0),
-       absl::StatusCode::kPermissionDenied, "token"},
+       absl::StatusCode::kNotFound, "not registered here"},
       {MakeOp(W, id, 0, 8, read_only.remote_context(), 0),
        absl::StatusCode::kPermissionDenied, "WRITE"},
       {MakeOp(W, id, 0, 8, lying_access.SerializeAsString(), 0),

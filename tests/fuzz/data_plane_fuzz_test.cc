@@ -111,6 +111,9 @@ TEST(DataPlaneFuzzTest, MutatedRequestsAreRefusedOrServedSafely) {
   // Still serving: a well-formed READ gets the right bytes.
   auto fd = tcp::DialTcp(server, absl::Now() + absl::Seconds(5));
   ASSERT_TRUE(fd.ok());
+  std::byte hello[tcp::kServerHelloBytes];  // the server speaks first
+  ASSERT_TRUE(tcp::ReadFull(fd->get(), hello, sizeof(hello)).ok());
+  ASSERT_TRUE(tcp::DecodeServerHello(hello).ok());
   const std::string request =
       Request(tcp::RequestKind::kRead, 5, token, 100, 200);
   ASSERT_EQ(::send(fd->get(), request.data(), request.size(), MSG_NOSIGNAL),

@@ -13,14 +13,16 @@ absl::StatusOr<std::unique_ptr<InProcessAgent>> InProcessAgent::Start(
     AgentOptions options) {
   std::unique_ptr<InProcessAgent> fixture(new InProcessAgent());
   options.runtime_dir = fixture->dir_.path();
-  options.peer_listen = "127.0.0.1:0";
+  // Loopback unless the test chose an address (empty: the agent's default).
+  if (options.peer_listen == AgentOptions().peer_listen) {
+    options.peer_listen = "127.0.0.1:0";
+  }
   if (options.advertise_host.empty()) options.advertise_host = "127.0.0.1";
   if (options.backends.empty()) {
-    options.backends.push_back(
-        [](const BackendEnvironment& env)
-            -> absl::StatusOr<std::unique_ptr<Backend>> {
-          return std::make_unique<MemoryBackend>(env);
-        });
+    options.backends.push_back([](const BackendEnvironment& env)
+                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
+      return std::make_unique<MemoryBackend>(env);
+    });
   }
   fixture->options_ = std::move(options);
   absl::Status status = fixture->Restart();

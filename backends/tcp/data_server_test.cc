@@ -1,0 +1,525 @@
+// The serving side's defences, driven by raw sockets on loopback: what a
+// stranger or a stalling token holder can make a DataServer do.
+#include "backends/tcp/data_server.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "backends/registration.h"
+#include "backends/tcp/socket_util.h"
+#include "backends/tcp/wire.h"
+#include "backends/testing/test_directory.h"
+#include "common/shared_memory.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent::tcp {
+namespace {
+
+using ::rdma_agent::testing::TestDirectory;
+
+constexpr uint64_t kEpoch = 9;
+
+// True once `condition` holds, polled every 10 ms for at most `timeout`.
+bool WaitFor(const std::function<bool()>& condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!condition()) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+// A blocking TCP connection to 127.0.0.1:port from `source` (any 127/8
+// address is this host's, and counts as its own source).
+UniqueFd Connect(uint16_t port, const char* source = "127.0.0.1") {
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_TRUE(fd) << std::strerror(errno);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  inet_pton(AF_INET, source, &from.sin_addr);
+  EXPECT_EQ(bind(fd.get(), reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0)
+      << std::strerror(errno);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  EXPECT_EQ(connect(fd.get(), reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0)
+      << std::strerror(errno);
+  return fd;
+}
+
+// Everything `fd` receives until the server closes it. DEADLINE_EXCEEDED
+// if it is still open after `timeout`.
+absl::StatusOr<std::string> ReadUntilClosed(int fd, absl::Duration timeout) {
+  std::string data;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("still open; received ", data.size(), " bytes"));
+    }
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <=
+        0) {
+      continue;
+    }
+    char buffer[4096];
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno == ECONNRESET)) return data;
+    if (n > 0) data.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+// Reads the server hello (bounded) and checks it.
+absl::Status ReadHello(int fd) {
+  SetIoTimeout(fd, /*receive=*/true, absl::Seconds(5));
+  std::byte hello[kServerHelloBytes];
+  if (absl::Status status = ReadFull(fd, hello, sizeof(hello)); !status.ok()) {
+    return status;
+  }
+  return DecodeServerHello(hello);
+}
+
+std::string Header(RequestKind kind, uint64_t buffer_id, uint64_t offset,
+                   uint64_t length, const std::string& token) {
+  RequestHeader header;
+  header.kind = kind;
+  header.request_id = 42;
+  header.epoch = kEpoch;
+  header.buffer_id = buffer_id;
+  header.offset = offset;
+  header.length = length;
+  header.token_bytes = static_cast<uint32_t>(token.size());
+  std::string out(kRequestHeaderBytes, '\0');
+  EncodeRequestHeader(header, reinterpret_cast<std::byte*>(out.data()));
+  return out + token;
+}
+
+void SendAll(int fd, const std::string& bytes) {
+  ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(bytes.size()));
+}
+
+// Open fds of this process.
+int OpenFds() {
+  int count = 0;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  while (readdir(dir) != nullptr) ++count;
+  closedir(dir);
+  return count - 3;  // ".", ".." and the directory's own fd
+}
+
+absl::Duration ProcessCpuTime() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return absl::DurationFromTimeval(usage.ru_utime) +
+         absl::DurationFromTimeval(usage.ru_stime);
+}
+
+class DataServerTest : public ::testing::Test {
+ protected:
+  DataServerTest() : directory_(kEpoch) {}
+
+  // Starts the server with `options` (long timeouts unless a test shortens
+  // them, so only the limit under test acts).
+  void StartServer(DataServerOptions options) {
+    auto server =
+        DataServer::Start({"127.0.0.1", 0}, &directory_, std::move(options));
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+  static DataServerOptions Patient() {
+    DataServerOptions options;
+    options.handshake_timeout = absl::Seconds(30);
+    options.idle_timeout = absl::Seconds(30);
+    options.request_timeout = absl::Seconds(30);
+    return options;
+  }
+
+  // A registered READ_WRITE buffer of `size` bytes (pattern-filled).
+  std::shared_ptr<Registration> Register(uint64_t id, uint64_t size) {
+    auto memory = SharedMemory::Allocate(size, "data-server-test");
+    EXPECT_TRUE(memory.ok()) << memory.status();
+    auto registration = std::make_shared<Registration>(
+        id, 0, v1::ACCESS_READ_WRITE, "test", absl::StrCat("token-", id),
+        std::move(*memory), true);
+    for (uint64_t i = 0; i < size; ++i) {
+      registration->data()[i] = static_cast<std::byte>(i * 7 + id);
+    }
+    directory_.Add(registration);
+    return registration;
+  }
+
+  uint16_t port() const { return server_->port(); }
+
+  TestDirectory directory_;
+  std::unique_ptr<DataServer> server_;
+};
+
+TEST_F(DataServerTest, SendsTheHelloFirstThenServesRequests) {
+  StartServer(Patient());
+  auto buffer = Register(1, 4096);
+  UniqueFd fd = Connect(port());
+  // Before the client has sent a byte.
+  ASSERT_TRUE(ReadHello(fd.get()).ok());
+  SendAll(fd.get(), Header(RequestKind::kRead, 1, 100, 50, "token-1"));
+  std::byte bytes[kResponseHeaderBytes];
+  ASSERT_TRUE(ReadFull(fd.get(), bytes, sizeof(bytes)).ok());
+  auto response = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->code, 0u);
+  ASSERT_EQ(response->payload_bytes, 50u);
+  std::string payload(response->message_bytes + 50, '\0');
+  ASSERT_TRUE(ReadFull(fd.get(), payload.data(), payload.size()).ok());
+  EXPECT_EQ(std::memcmp(payload.data() + response->message_bytes,
+                        buffer->data() + 100, 50),
+            0);
+}
+
+TEST_F(DataServerTest, SilentConnectionIsClosedAfterTheHandshakeTimeout) {
+  DataServerOptions options = Patient();
+  options.handshake_timeout = absl::Milliseconds(300);
+  StartServer(options);
+  UniqueFd silent = Connect(port());
+  // Half a valid header is not a request yet: it does not buy more time.
+  UniqueFd partial = Connect(port());
+  const absl::Time start = absl::Now();
+  SendAll(partial.get(),
+          Header(RequestKind::kRead, 1, 0, 1, "t").substr(0, 20));
+  for (int fd : {silent.get(), partial.get()}) {
+    auto received = ReadUntilClosed(fd, absl::Seconds(5));
+    ASSERT_TRUE(received.ok()) << received.status();
+    EXPECT_EQ(received->size(), kServerHelloBytes) << "only the hello";
+  }
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  EXPECT_TRUE(
+      WaitFor([&] { return server_->connections() == 0; }, absl::Seconds(2)));
+}
+
+// Well-formed requests are no key: until one names a registration with its
+// token, a connection gets no more than the handshake timeout between them.
+TEST_F(DataServerTest, RefusedRequestsDoNotBuyAStrangerTime) {
+  DataServerOptions options = Patient();
+  options.handshake_timeout = absl::Milliseconds(400);
+  StartServer(options);
+  Register(1, 4096);
+  UniqueFd stranger = Connect(port());
+  UniqueFd peer = Connect(port());
+  ASSERT_TRUE(ReadHello(stranger.get()).ok());
+  ASSERT_TRUE(ReadHello(peer.get()).ok());
+  SendAll(stranger.get(), Header(RequestKind::kRead, 1, 0, 10, "guess"));
+  SendAll(peer.get(), Header(RequestKind::kRead, 1, 0, 10, "token-1"));
+  std::byte bytes[kResponseHeaderBytes];
+  ASSERT_TRUE(ReadFull(stranger.get(), bytes, sizeof(bytes)).ok());
+  auto refused = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  // A wrong token is answered like an unknown id (token first).
+  EXPECT_EQ(refused->code, static_cast<uint32_t>(absl::StatusCode::kNotFound));
+  std::string rest(refused->message_bytes, '\0');
+  ASSERT_TRUE(ReadFull(stranger.get(), rest.data(), rest.size()).ok());
+  const absl::Time answered = absl::Now();
+  auto received = ReadUntilClosed(stranger.get(), absl::Seconds(5));
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(*received, "");
+  EXPECT_GE(absl::Now() - answered, absl::Milliseconds(300));
+  // The token holder's connection idles on (30 s idle timeout).
+  ASSERT_TRUE(ReadFull(peer.get(), bytes, sizeof(bytes)).ok());
+  auto served = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(served->code, 0u);
+  std::string payload(served->message_bytes + 10, '\0');
+  ASSERT_TRUE(ReadFull(peer.get(), payload.data(), payload.size()).ok());
+  absl::SleepFor(absl::Milliseconds(600));
+  pollfd p{peer.get(), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 0), 0) << "the token holder's connection was closed";
+  EXPECT_EQ(server_->connections(), 1u);
+}
+
+TEST_F(DataServerTest, GarbageFirstBytesAreClosedAtOnce) {
+  StartServer(Patient());  // a 30 s handshake: only the garbage can end it
+  for (const std::string& garbage :
+       {std::string("GET / HTTP/1.1\r\n"), std::string("\x16\x03\x01", 3),
+        std::string("RATC")  // right magic, then a wrong version
+            + std::string("\x07\x00", 2)}) {
+    UniqueFd fd = Connect(port());
+    const absl::Time start = absl::Now();
+    SendAll(fd.get(), garbage);
+    auto received = ReadUntilClosed(fd.get(), absl::Seconds(5));
+    ASSERT_TRUE(received.ok()) << received.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  }
+}
+
+TEST_F(DataServerTest, ConnectionsOverTheSourceCapAreClosedAtAccept) {
+  DataServerOptions options = Patient();
+  options.max_connections_per_source = 3;
+  StartServer(options);
+  std::vector<UniqueFd> admitted;
+  for (int i = 0; i < 3; ++i) {
+    admitted.push_back(Connect(port()));
+    ASSERT_TRUE(ReadHello(admitted.back().get()).ok()) << i;
+  }
+  // The fourth from the same address: closed without a hello.
+  UniqueFd over = Connect(port());
+  auto received = ReadUntilClosed(over.get(), absl::Seconds(5));
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(*received, "");
+  EXPECT_EQ(server_->connections(), 3u);
+  // Another source is not affected.
+  UniqueFd other = Connect(port(), "127.0.0.2");
+  EXPECT_TRUE(ReadHello(other.get()).ok());
+  // (The hello goes out just before the server counts the connection.)
+  ASSERT_TRUE(
+      WaitFor([&] { return server_->connections() == 4; }, absl::Seconds(5)));
+  // A slot freed by the source is its again.
+  admitted.pop_back();
+  ASSERT_TRUE(
+      WaitFor([&] { return server_->connections() == 3; }, absl::Seconds(5)));
+  UniqueFd again = Connect(port());
+  EXPECT_TRUE(ReadHello(again.get()).ok());
+}
+
+TEST_F(DataServerTest, ConnectionsOverTheTotalCapAreClosedAtAccept) {
+  DataServerOptions options = Patient();
+  options.max_connections = 2;
+  StartServer(options);
+  EXPECT_EQ(server_->options().max_connections, 2);
+  UniqueFd a = Connect(port(), "127.0.0.2");
+  UniqueFd b = Connect(port(), "127.0.0.3");
+  ASSERT_TRUE(ReadHello(a.get()).ok());
+  ASSERT_TRUE(ReadHello(b.get()).ok());
+  UniqueFd c = Connect(port(), "127.0.0.4");
+  auto received = ReadUntilClosed(c.get(), absl::Seconds(5));
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(*received, "");
+}
+
+TEST(DataServerDefaultsTest, TotalCapIsAQuarterOfTheFdLimit) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = 1024;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  EXPECT_EQ(DefaultMaxConnections(), 256);
+  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_max, 1 << 20);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  EXPECT_EQ(DefaultMaxConnections(),
+            std::min<int>(DataServer::kMaxConnectionsCeiling,
+                          static_cast<int>(lowered.rlim_cur / 4)));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  DataServerOptions options;
+  EXPECT_EQ(options.max_connections_per_source, 64);
+  EXPECT_EQ(options.handshake_timeout, absl::Seconds(2));
+  EXPECT_EQ(options.idle_timeout, absl::Seconds(120));
+  EXPECT_EQ(options.request_timeout, absl::Seconds(30));
+}
+
+TEST_F(DataServerTest, IdleConnectionIsClosedAfterTheIdleTimeout) {
+  DataServerOptions options = Patient();
+  options.idle_timeout = absl::Milliseconds(300);
+  StartServer(options);
+  Register(1, 4096);
+  UniqueFd fd = Connect(port());
+  ASSERT_TRUE(ReadHello(fd.get()).ok());
+  SendAll(fd.get(), Header(RequestKind::kRead, 1, 0, 10, "token-1"));
+  const absl::Time answered = absl::Now();
+  auto received = ReadUntilClosed(fd.get(), absl::Seconds(5));
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(received->size(), kResponseHeaderBytes + 10)
+      << "the answer, then EOF";
+  EXPECT_GE(absl::Now() - answered, absl::Milliseconds(250));
+}
+
+TEST_F(DataServerTest, StalledPartialWriteReleasesTheRegistration) {
+  DataServerOptions options = Patient();
+  options.request_timeout = absl::Milliseconds(500);
+  StartServer(options);
+  constexpr uint64_t kSize = 1 << 20;
+  auto buffer = Register(1, kSize);
+  std::weak_ptr<Registration> alive = buffer;
+  UniqueFd fd = Connect(port());
+  ASSERT_TRUE(ReadHello(fd.get()).ok());
+  // A token holder sends a WRITE header and half the payload, then stalls.
+  SendAll(fd.get(), Header(RequestKind::kWrite, 1, 0, kSize, "token-1") +
+                        std::string(kSize / 2, 'w'));
+  // The server resolved (pinned) the registration: ours, the directory's
+  // and its own reference.
+  ASSERT_TRUE(
+      WaitFor([&] { return buffer.use_count() >= 3; }, absl::Seconds(5)));
+  // The owner releases it; only the stalled request keeps it now.
+  const absl::Time released = absl::Now();
+  directory_.Remove(1);
+  buffer.reset();
+  EXPECT_FALSE(alive.expired());
+  ASSERT_TRUE(WaitFor([&] { return alive.expired(); }, absl::Seconds(5)))
+      << "the stalled WRITE still pins the released registration";
+  EXPECT_GE(absl::Now() - released, absl::Milliseconds(300));
+  auto received = ReadUntilClosed(fd.get(), absl::Seconds(5));
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(*received, "") << "no response to a request cut short";
+}
+
+TEST_F(DataServerTest, UnreadResponseReleasesTheRegistration) {
+  DataServerOptions options = Patient();
+  options.request_timeout = absl::Milliseconds(500);
+  StartServer(options);
+  constexpr uint64_t kSize = 32 << 20;  // far more than socket buffers hold
+  auto buffer = Register(1, kSize);
+  std::weak_ptr<Registration> alive = buffer;
+  UniqueFd fd = Connect(port());
+  ASSERT_TRUE(ReadHello(fd.get()).ok());
+  // A READ whose response the requester never reads.
+  SendAll(fd.get(), Header(RequestKind::kRead, 1, 0, kSize, "token-1"));
+  ASSERT_TRUE(
+      WaitFor([&] { return buffer.use_count() >= 3; }, absl::Seconds(5)));
+  directory_.Remove(1);
+  buffer.reset();
+  ASSERT_TRUE(WaitFor([&] { return alive.expired(); }, absl::Seconds(5)))
+      << "the unread response still pins the released registration";
+  EXPECT_TRUE(
+      WaitFor([&] { return server_->connections() == 0; }, absl::Seconds(2)));
+}
+
+// Accept failing with EMFILE must neither spin nor stop the server: once
+// fds come back it serves again and holds no more fds than before.
+TEST_F(DataServerTest, OutOfFdsBacksOffAndRecovers) {
+  DataServerOptions options = Patient();
+  options.max_connections = 100000;  // let fds, not the cap, run out
+  options.max_connections_per_source = 100000;
+  StartServer(options);
+  const int baseline = OpenFds();
+
+  // Client sockets are made first: connecting needs no new fd.
+  constexpr int kClients = 64;
+  std::vector<UniqueFd> clients;
+  int highest = 0;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_TRUE(clients.back());
+    highest = std::max(highest, clients.back().get());
+  }
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(highest) + 1 + 8;  // 8 fds spare
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port());
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  for (auto& client : clients) {
+    ASSERT_EQ(
+        connect(client.get(), reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0)
+        << std::strerror(errno);
+  }
+  // The server takes what fds there are, then accept fails with EMFILE
+  // while the rest wait in the backlog.
+  ASSERT_TRUE(
+      WaitFor([&] { return server_->connections() > 0; }, absl::Seconds(5)));
+  const absl::Duration cpu_before = ProcessCpuTime();
+  absl::SleepFor(absl::Seconds(1));
+  const absl::Duration cpu = ProcessCpuTime() - cpu_before;
+  EXPECT_LT(server_->connections(), static_cast<size_t>(kClients));
+  EXPECT_LT(cpu, absl::Milliseconds(300)) << "the accept loop spins";
+
+  // The clients leave and fds come back.
+  clients.clear();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_TRUE(
+      WaitFor([&] { return server_->connections() == 0; }, absl::Seconds(10)));
+  EXPECT_TRUE(WaitFor([&] { return OpenFds() <= baseline; }, absl::Seconds(10)))
+      << OpenFds() << " fds open, " << baseline << " before";
+  UniqueFd later = Connect(port());
+  EXPECT_TRUE(ReadHello(later.get()).ok()) << "the server does not recover";
+}
+
+// Virtual memory of this process (VmSize), or 0 if unknown.
+uint64_t VirtualMemoryBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    uint64_t kib = 0;
+    if (sscanf(line.c_str(), "VmSize: %lu kB", &kib) == 1) return kib << 10;
+  }
+  return 0;
+}
+
+// A connection whose thread cannot be created is closed; the server goes on.
+TEST_F(DataServerTest, ConnectionWithoutAThreadIsClosedAndServingGoesOn) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "address-space limits do not mix with AddressSanitizer";
+#endif
+  StartServer(Patient());
+  Register(1, 4096);
+  // Connections held open while the limit is on: their threads take every
+  // stack glibc keeps cached from finished threads, and the accept thread's
+  // allocator is warm, so only a new thread needs new memory.
+  std::vector<UniqueFd> held;
+  for (int i = 0; i < 16; ++i) {
+    held.push_back(Connect(port()));
+    ASSERT_TRUE(ReadHello(held.back().get()).ok());
+  }
+  ASSERT_TRUE(
+      WaitFor([&] { return server_->connections() == 16; }, absl::Seconds(5)));
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
+  const uint64_t used = VirtualMemoryBytes();
+  ASSERT_GT(used, 0u);
+  // Room for small allocations, none for a thread's 8 MiB stack.
+  rlimit tight = saved;
+  tight.rlim_cur = used + (2 << 20);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &tight), 0);
+  UniqueFd refused = Connect(port());
+  auto received = ReadUntilClosed(refused.get(), absl::Seconds(5));
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(server_->connections(), 16u);
+
+  UniqueFd served = Connect(port());
+  ASSERT_TRUE(ReadHello(served.get()).ok());
+  SendAll(served.get(), Header(RequestKind::kRead, 1, 0, 8, "token-1"));
+  std::byte bytes[kResponseHeaderBytes];
+  ASSERT_TRUE(ReadFull(served.get(), bytes, sizeof(bytes)).ok());
+  auto response = DecodeResponseHeader(bytes);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->code, 0u);
+}
+
+TEST_F(DataServerTest, RejectsLimitsOutOfRange) {
+  for (auto mutate : std::vector<std::function<void(DataServerOptions&)>>{
+           [](DataServerOptions& o) {
+             o.handshake_timeout = absl::ZeroDuration();
+           },
+           [](DataServerOptions& o) { o.idle_timeout = -absl::Seconds(1); },
+           [](DataServerOptions& o) {
+             o.request_timeout = absl::ZeroDuration();
+           },
+           [](DataServerOptions& o) { o.max_connections_per_source = 0; },
+           [](DataServerOptions& o) { o.max_connections = -1; }}) {
+    DataServerOptions options;
+    mutate(options);
+    EXPECT_EQ(DataServer::Start({"127.0.0.1", 0}, &directory_, options)
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace rdma_agent::tcp

@@ -1,0 +1,33 @@
+#include "common/rate_limited_log.h"
+
+#include "gtest/gtest.h"
+
+namespace rdma_agent {
+namespace {
+
+TEST(LogRateLimiterTest, FirstLinePassesThenOnePerInterval) {
+  LogRateLimiter limiter(absl::Seconds(10));
+  const absl::Time start = absl::FromUnixSeconds(1000);
+  ASSERT_EQ(limiter.Allow(start), 0u);
+  for (int i = 1; i <= 5; ++i) {
+    EXPECT_FALSE(limiter.Allow(start + absl::Seconds(i)).has_value());
+  }
+  // The next line that passes says how many were held back.
+  EXPECT_EQ(limiter.Allow(start + absl::Seconds(10)), 5u);
+  EXPECT_FALSE(limiter.Allow(start + absl::Seconds(19)).has_value());
+  EXPECT_EQ(limiter.Allow(start + absl::Seconds(25)), 1u);
+}
+
+TEST(LogRateLimiterTest, AMillionAttemptsInOneIntervalLogOnce) {
+  LogRateLimiter limiter(absl::Seconds(1));
+  const absl::Time now = absl::FromUnixSeconds(1);
+  int passed = 0;
+  for (int i = 0; i < 1000000; ++i) {
+    if (limiter.Allow(now).has_value()) ++passed;
+  }
+  EXPECT_EQ(passed, 1);
+  EXPECT_EQ(limiter.Allow(now + absl::Seconds(1)), 999999u);
+}
+
+}  // namespace
+}  // namespace rdma_agent

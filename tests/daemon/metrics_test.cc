@@ -1,0 +1,130 @@
+#include "daemon/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/unique_fd.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent {
+namespace {
+
+namespace v1 = ::rdma::agent::v1;
+using ::testing::HasSubstr;
+
+// GET `path` from 127.0.0.1:`port`; the whole HTTP response.
+std::string Get(uint16_t port, const std::string& path) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(port);
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&address),
+                sizeof(address)) != 0) {
+    return "";
+  }
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n");
+  if (::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL) < 0) {
+    return "";
+  }
+  std::string response;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = ::recv(fd.get(), buffer, sizeof(buffer), 0)) > 0) {
+    response.append(buffer, static_cast<size_t>(n));
+  }
+  return response;
+}
+
+TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
+  AgentMetrics metrics("1.2.3");
+  metrics.RecordOp("tcp", v1::OP_TYPE_READ_INTO_LOCAL, absl::StatusCode::kOk,
+                   4096, absl::Microseconds(50));
+  metrics.RecordOp("tcp", v1::OP_TYPE_READ_INTO_LOCAL, absl::StatusCode::kOk,
+                   100, absl::Microseconds(50));
+  metrics.RecordOp("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL,
+                   absl::StatusCode::kNotFound, 7, absl::Milliseconds(2));
+  metrics.RecordOp("", v1::OP_TYPE_WRITE_FROM_LOCAL,
+                   absl::StatusCode::kUnavailable, 7, absl::ZeroDuration());
+  metrics.RecordSubmit(absl::Milliseconds(3));
+  metrics.RecordRetry("ibverbs", "tcp");
+  metrics.RecordRefusal("max_rpcs_per_user");
+  const std::string text = metrics.Scrape();
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_build_info{version=\"1.2.3\"} 1"));
+  EXPECT_THAT(text,
+              HasSubstr("rdma_agentd_ops_total{backend=\"tcp\",code=\"OK\","
+                        "op=\"read\"} 2"));
+  EXPECT_THAT(text,
+              HasSubstr("rdma_agentd_ops_total{backend=\"tcp\",code=\"NOT_"
+                        "FOUND\",op=\"write\"} 1"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_ops_total{backend=\"none\",code="
+                              "\"UNAVAILABLE\",op=\"write\"} 1"));
+  // Only successful ops move bytes.
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_bytes_total{backend=\"tcp\","
+                              "op=\"read\"} 4196"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("op_bytes_total{backend=\"tcp\","
+                                             "op=\"write\"}")));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_submit_duration_seconds_count 1"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_retries_total{from=\"ibverbs\","
+                              "to=\"tcp\"} 1"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_refusals_total{reason=\"max_rpcs_"
+                              "per_user\"} 1"));
+}
+
+TEST(AgentMetricsTest, GaugesAreReadAtScrapeTime) {
+  AgentMetrics metrics("x");
+  std::atomic<int> registrations{1};
+  metrics.AddGauge("rdma_agentd_registrations", "Live registrations by owner",
+                   [&] {
+                     return std::vector<GaugeSample>{
+                         {{{"uid", "1000"}}, double(registrations.load())}};
+                   });
+  EXPECT_THAT(metrics.Scrape(),
+              HasSubstr("rdma_agentd_registrations{uid=\"1000\"} 1"));
+  registrations = 5;
+  EXPECT_THAT(metrics.Scrape(),
+              HasSubstr("rdma_agentd_registrations{uid=\"1000\"} 5"));
+}
+
+TEST(MetricsServerTest, ServesMetricsAndHealth) {
+  AgentMetrics metrics("x");
+  metrics.RecordRefusal("test");
+  std::atomic<bool> serving{true};
+  auto server = MetricsServer::Start("127.0.0.1:0", &metrics,
+                                     [&] { return serving.load(); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  ASSERT_NE(port, 0);
+  const std::string scraped = Get(port, "/metrics");
+  EXPECT_TRUE(absl::StartsWith(scraped, "HTTP/1.1 200")) << scraped;
+  EXPECT_THAT(scraped,
+              HasSubstr("rdma_agentd_refusals_total{reason=\"test\"} 1"));
+  EXPECT_TRUE(absl::StartsWith(Get(port, "/healthz"), "HTTP/1.1 200"));
+  serving = false;
+  EXPECT_TRUE(absl::StartsWith(Get(port, "/healthz"), "HTTP/1.1 503"));
+}
+
+TEST(MetricsServerTest, BadOrBusyAddressesAreErrors) {
+  AgentMetrics metrics("x");
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      MetricsServer::Start("no-port", &metrics, [] { return true; }).status()));
+  auto first =
+      MetricsServer::Start("127.0.0.1:0", &metrics, [] { return true; });
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second =
+      MetricsServer::Start(absl::StrCat("127.0.0.1:", (*first)->port()),
+                           &metrics, [] { return true; });
+  EXPECT_TRUE(absl::IsUnavailable(second.status())) << second.status();
+}
+
+}  // namespace
+}  // namespace rdma_agent

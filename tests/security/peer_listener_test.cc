@@ -1,0 +1,94 @@
+// The Peer listener is reachable by any host on the network: it listens only
+// where peers are told to dial unless asked otherwise, and a stranger cannot
+// make it take large messages. In-process agents on the software NIC (the
+// real daemon has no NIC here, so it opens no Peer listener).
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "backends/ibverbs/ibverbs_backend.h"
+#include "backends/ibverbs/soft_verbs.h"
+#include "backends/memory/memory_backend.h"
+#include "common/unique_fd.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "rdma/agent/v1/peer.grpc.pb.h"
+#include "tests/testing/agent_fixture.h"
+
+namespace rdma_agent {
+namespace {
+
+using ::rdma_agent::testing::InProcessAgent;
+
+std::unique_ptr<InProcessAgent> StartAgent(const std::string& peer_listen,
+                                           const std::string& advertise_host) {
+  auto fabric = std::make_shared<verbs::SoftFabric>();
+  verbs::SoftDeviceConfig config;
+  config.name = "nic_a";
+  EXPECT_TRUE(fabric->AddDevice(config).ok());
+  AgentOptions options;
+  options.peer_listen = peer_listen;
+  options.advertise_host = advertise_host;
+  options.backends.push_back([fabric](const BackendEnvironment& env)
+                                 -> absl::StatusOr<std::unique_ptr<Backend>> {
+    auto backend =
+        IbverbsBackend::Create(env, IbverbsOptions(), fabric->MakeVerbs({}));
+    if (!backend.ok()) return backend.status();
+    return std::unique_ptr<Backend>(std::move(*backend));
+  });
+  auto agent = InProcessAgent::Start(std::move(options));
+  EXPECT_TRUE(agent.ok()) << agent.status();
+  return agent.ok() ? std::move(*agent) : nullptr;
+}
+
+bool Accepts(const std::string& host, uint16_t port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(port);
+  ::inet_pton(AF_INET, host.c_str(), &address.sin_addr);
+  return ::connect(fd.get(), reinterpret_cast<sockaddr*>(&address),
+                   sizeof(address)) == 0;
+}
+
+TEST(PeerListenerTest, ListensOnlyOnTheAdvertisedAddressByDefault) {
+  auto agent = StartAgent("", "127.0.0.9");
+  ASSERT_NE(agent, nullptr);
+  EXPECT_EQ(agent->agent().peer_address(), "127.0.0.9:7470");
+  EXPECT_TRUE(Accepts("127.0.0.9", 7470));
+  EXPECT_FALSE(Accepts("127.0.0.1", 7470))
+      << "the Peer listener also serves an address peers were not told of";
+}
+
+TEST(PeerListenerTest, RefusesLargeMessagesFromStrangers) {
+  auto agent = StartAgent("127.0.0.1:0", "127.0.0.1");
+  ASSERT_NE(agent, nullptr);
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(
+      agent->agent().peer_address(), grpc::InsecureChannelCredentials()));
+  v1::ConnectQueuePairRequest request;
+  request.set_agent_id(std::string(1 << 20, 'x'));
+  v1::ConnectQueuePairResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  const grpc::Status status =
+      stub->ConnectQueuePair(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << status.error_message();
+  // A well-formed, small request is still answered (refused for its
+  // missing proof, not for its size).
+  request.set_agent_id("agent-x");
+  grpc::ClientContext again;
+  const grpc::Status small = stub->ConnectQueuePair(&again, request, &response);
+  EXPECT_NE(small.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << small.error_message();
+}
+
+}  // namespace
+}  // namespace rdma_agent
