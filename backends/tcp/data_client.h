@@ -3,17 +3,23 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
-#include <mutex>
+#include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "backends/backend.h"
 #include "backends/tcp/socket_util.h"
+#include "common/stop_token.h"
 #include "common/unique_fd.h"
 
 namespace rdma_agent::tcp {
@@ -43,49 +49,158 @@ struct DataClientOptions {
   // send() (page pinning, and the receiver then copies from cold pages
   // instead of cache-warm socket buffers); worth trying on real NICs.
   bool zero_copy_send = false;
+
+  // Long-lived threads, started with the client, that run every Submit's
+  // connections (one connection at a time each). Peers beyond what they can
+  // serve at once wait in a queue. 8 keeps a 2-core host's copies busy with
+  // room for a few slow peers.
+  int threads = 8;
+  // Outgoing data connections open at once, in use and idle together. A new
+  // dial past it first closes the oldest idle connection, else waits.
+  int max_connections = 256;
+  // Idle connections kept for reuse, in all and per peer.
+  int max_idle_connections = 128;
+  int max_idle_per_peer = 4;
+  // Idle connections are closed after this long: below the serving agent's
+  // own idle timeout (120 s), so a pooled connection is rarely found closed,
+  // and so that connections to peers never seen again go away.
+  absl::Duration idle_timeout = absl::Seconds(30);
+  // A new connection must be established and the peer's hello read within
+  // this (and the op's deadline); otherwise the peer is unreachable.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // Remote contexts name peers by IP address. With this, host names are
+  // resolved too (bounded by the op's deadline); without it they are
+  // refused.
+  bool allow_host_names = false;
 };
 
-// The requesting half of the TCP data plane: runs ops against one peer's
-// DataServer over a pool of reusable connections.
+// The requesting half of the TCP data plane: runs ops against peers'
+// DataServers over a pool of reusable connections.
 //
-// Thread-safe. Ops are split into chunks of at most `chunk_bytes`, striped
-// over up to `connections_per_peer` connections, and pipelined on each
+// Thread-safe. Ops are cut into chunks of at most `chunk_bytes` as they are
+// sent (nothing per Submit grows with the bytes moved), spread over up to
+// `connections_per_peer` connections per peer, and pipelined on each
 // connection. Payloads go from the local mapping into the socket and from the
 // socket into the local mapping with no intermediate buffer.
+//
+// Threads: exactly `threads` workers, started by Create and joined by the
+// destructor; Run only queues work for them and waits.
+//
+// A peer gets no byte before it has sent a valid server hello (wire.h), and
+// every failure to reach a peer reads the same ("peer H:P is unreachable"),
+// so a forged context cannot make this agent talk to, or probe, other
+// services. The precise reason is logged at debug level.
 class DataClient {
  public:
-  explicit DataClient(DataClientOptions options);
+  // INVALID_ARGUMENT for options out of range, RESOURCE_EXHAUSTED when the
+  // worker threads cannot be started.
+  static absl::StatusOr<std::unique_ptr<DataClient>> Create(
+      DataClientOptions options);
+  // Stops the workers (no Run may be in progress) and closes idle
+  // connections.
+  ~DataClient();
+  DataClient(const DataClient&) = delete;
+  DataClient& operator=(const DataClient&) = delete;
 
-  // Runs `ops` against the data server at `peer` and returns one status per
-  // op, in order: the serving agent's verdict (e.g. PERMISSION_DENIED,
-  // FAILED_PRECONDITION), UNAVAILABLE when a connection could not be made or
-  // broke, DEADLINE_EXCEEDED for what was not answered by `deadline`.
+  // Ops to one peer: indices into Run's `ops`.
+  struct PeerBatch {
+    HostPort peer;
+    std::vector<size_t> ops;
+  };
+
+  // Runs the ops of `batches` and returns one status per op of `ops` (ops in
+  // no batch stay OK): the serving agent's verdict (e.g. PERMISSION_DENIED,
+  // FAILED_PRECONDITION), UNAVAILABLE when the peer is unreachable or a
+  // connection broke, DEADLINE_EXCEEDED for what was not answered by
+  // `stop.deadline()`, the cancellation's reason once `stop` is cancelled,
+  // RESOURCE_EXHAUSTED when no socket could be made.
   //
-  // Returns by `deadline` (plus scheduling slack), and once it has returned
-  // nothing it started reads or writes any op's local memory: connections
-  // with requests still outstanding are closed, never reused, so late
-  // responses are discarded by the kernel.
-  std::vector<absl::Status> Run(const HostPort& peer, absl::Span<const Op> ops,
-                                absl::Time deadline);
+  // Returns by the deadline (plus scheduling slack) or within milliseconds
+  // of cancellation, and once it has returned nothing it started reads or
+  // writes any op's local memory: connections with requests outstanding are
+  // shut down and closed, never reused, so late responses are discarded by
+  // the kernel.
+  std::vector<absl::Status> Run(absl::Span<const Op> ops,
+                                absl::Span<const PeerBatch> batches,
+                                const StopToken& stop);
 
-  // Idle pooled connections to `peer` (for tests).
+  // Idle pooled connections to `peer`, and in all (for tests).
   size_t idle_connections(const HostPort& peer);
+  size_t idle_connections();
+  // Outgoing connections open now, in use and idle (for tests).
+  size_t open_connections();
 
   const DataClientOptions& options() const { return options_; }
 
  private:
-  struct Checkout {
-    UniqueFd fd;
-    bool reused = false;
+  struct SubmitRun;
+  class PeerRun;
+  struct Connection;
+  struct LaneJob {
+    SubmitRun* submit;
+    PeerRun* peer;
   };
-  absl::StatusOr<Checkout> CheckoutConnection(const HostPort& peer,
-                                              bool fresh, absl::Time deadline);
-  void ReturnConnection(const HostPort& peer, UniqueFd fd);
+  struct IdleConnection {
+    UniqueFd fd;
+    absl::Time since;
+  };
+
+  explicit DataClient(DataClientOptions options);
+
+  // Queues a lane job per connection wanted to each peer.
+  void QueueLanes(SubmitRun& submit,
+                  const std::vector<std::unique_ptr<PeerRun>>& peers);
+  // Until every lane job of `submit` has ended; aborts it at its deadline.
+  void WaitForLanes(SubmitRun& submit);
+  // The next lane job, taking Runs in turn.
+  std::optional<LaneJob> NextJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WorkerLoop();
+  // One lane: a connection to the job's peer carrying chunks until none are
+  // left, the connection fails or the Run stops.
+  void RunLane(const LaneJob& job);
+  // A pooled connection (unless `fresh`) or a new one, registered with the
+  // Run so cancellation can shut it down.
+  absl::StatusOr<Connection> Checkout(SubmitRun& submit, PeerRun& peer,
+                                      bool fresh);
+  absl::StatusOr<Connection> Dial(SubmitRun& submit, PeerRun& peer);
+  // Unregisters `connection` from its Run; pools it when `reusable` and the
+  // Run did not shut it down, else closes it.
+  void Release(SubmitRun& submit, const PeerRun& peer, Connection connection,
+               bool reusable);
+
+  // Drops the Run's queued jobs and shuts down its sockets.
+  void AbortLocked(SubmitRun& submit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool RegisterActiveLocked(SubmitRun& submit, int fd)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits for room under max_connections (closing idle connections first).
+  // False when the Run stopped first.
+  bool ReserveConnectionSlot(SubmitRun& submit);
+  void ReleaseConnectionSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CloseOldestIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseIdleLocked(std::deque<IdleConnection>& idle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DataClientOptions options_;
   std::atomic<uint64_t> next_request_id_{1};
-  std::mutex mu_;
-  std::map<std::string, std::vector<UniqueFd>> idle_;  // guarded by mu_
+
+  absl::Mutex mu_;
+  // Workers wait here for jobs (and wake now and then to expire idle
+  // connections).
+  absl::CondVar work_cv_;
+  // Runs wait here for their jobs, dialers for connection slots.
+  absl::CondVar changed_cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Runs with lane jobs not started yet, served in turn.
+  std::deque<SubmitRun*> runs_ ABSL_GUARDED_BY(mu_);
+  // Idle connections per peer ("host:port"), oldest first.
+  std::map<std::string, std::deque<IdleConnection>> idle_ ABSL_GUARDED_BY(mu_);
+  size_t idle_total_ ABSL_GUARDED_BY(mu_) = 0;
+  // Connections open (dialling, in use or idle).
+  size_t open_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time next_expiry_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace rdma_agent::tcp

@@ -57,6 +57,35 @@ ABSL_FLAG(int32_t, tcp_max_connections,
           "Data connections served at once in all; more are closed at accept. "
           "0: min(4096, soft RLIMIT_NOFILE / 4).");
 
+// The requesting side: threads, connection bounds, dialling.
+ABSL_FLAG(int32_t, tcp_client_threads,
+          rdma_agent::tcp::DataClientOptions().threads,
+          "Worker threads that run every outgoing transfer (started with the "
+          "agent). Peers beyond what they serve at once wait in a queue.");
+ABSL_FLAG(int32_t, tcp_client_max_connections,
+          rdma_agent::tcp::DataClientOptions().max_connections,
+          "Outgoing data connections open at once, in use and idle; more "
+          "dials first close idle ones, else wait.");
+ABSL_FLAG(int32_t, tcp_client_max_idle_connections,
+          rdma_agent::tcp::DataClientOptions().max_idle_connections,
+          "Idle outgoing connections kept for reuse, in all.");
+ABSL_FLAG(int32_t, tcp_client_max_idle_per_peer,
+          rdma_agent::tcp::DataClientOptions().max_idle_per_peer,
+          "Idle outgoing connections kept for reuse, per peer.");
+ABSL_FLAG(absl::Duration, tcp_client_idle_timeout,
+          rdma_agent::tcp::DataClientOptions().idle_timeout,
+          "Idle outgoing connections are closed after this (keep it below "
+          "the peers' idle timeout).");
+ABSL_FLAG(absl::Duration, tcp_client_connect_timeout,
+          rdma_agent::tcp::DataClientOptions().connect_timeout,
+          "A new outgoing connection must be established and the peer's "
+          "hello read within this (and the op's deadline), or the peer is "
+          "unreachable.");
+ABSL_FLAG(bool, tcp_allow_host_names,
+          rdma_agent::tcp::DataClientOptions().allow_host_names,
+          "Resolve host names in remote contexts (bounded by each op's "
+          "deadline). Off: only IP addresses are dialled, names are refused.");
+
 namespace rdma_agent {
 
 BackendFactory MakeTcpBackendFactoryFromFlags() {
@@ -79,6 +108,17 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.server.max_connections_per_source =
         absl::GetFlag(FLAGS_tcp_max_connections_per_source);
     options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
+    options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
+    options.client.max_connections =
+        absl::GetFlag(FLAGS_tcp_client_max_connections);
+    options.client.max_idle_connections =
+        absl::GetFlag(FLAGS_tcp_client_max_idle_connections);
+    options.client.max_idle_per_peer =
+        absl::GetFlag(FLAGS_tcp_client_max_idle_per_peer);
+    options.client.idle_timeout = absl::GetFlag(FLAGS_tcp_client_idle_timeout);
+    options.client.connect_timeout =
+        absl::GetFlag(FLAGS_tcp_client_connect_timeout);
+    options.client.allow_host_names = absl::GetFlag(FLAGS_tcp_allow_host_names);
     auto backend = TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));

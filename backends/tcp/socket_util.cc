@@ -1,5 +1,6 @@
 #include "backends/tcp/socket_util.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -11,8 +12,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/tcp/wire.h"
 
 namespace rdma_agent::tcp {
 namespace {
@@ -104,60 +112,278 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
   return last;
 }
 
+namespace {
+
+// How often a wait of the client's dial looks at its stop check: the bound
+// on how late a cancellation is noticed when nothing else wakes the wait.
+constexpr absl::Duration kStopCheckInterval = absl::Milliseconds(20);
+
+bool Stopped(const StopCheck& stopped) { return stopped && stopped(); }
+
+// Waits until `fd` has one of `events` (then OK), `until` passes
+// (DEADLINE_EXCEEDED) or `stopped` (CANCELLED).
+absl::Status WaitForEvents(int fd, short events, absl::Time until,
+                           const StopCheck& stopped) {
+  while (true) {
+    if (Stopped(stopped)) return absl::CancelledError("stopped");
+    const absl::Duration left = until - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError("timed out");
+    }
+    const timespec timeout =
+        absl::ToTimespec(std::min(left, kStopCheckInterval));
+    pollfd p{fd, events, 0};
+    const int ready = ppoll(&p, 1, &timeout, nullptr);
+    if (ready > 0) return absl::OkStatus();
+    if (ready < 0 && errno != EINTR) {
+      return ErrnoStatus(absl::StatusCode::kUnavailable, "poll", errno);
+    }
+  }
+}
+
+// `host` without the brackets of a bracketed IPv6 literal.
+absl::string_view Unbracketed(absl::string_view host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    return host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+std::optional<PeerAddress> ParseIpLiteral(const HostPort& address) {
+  const std::string host(Unbracketed(address.host));
+  PeerAddress peer;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&peer.storage);
+  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(address.port);
+    peer.length = sizeof(sockaddr_in);
+    return peer;
+  }
+  peer = PeerAddress();
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&peer.storage);
+  if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(address.port);
+    peer.length = sizeof(sockaddr_in6);
+    return peer;
+  }
+  return std::nullopt;
+}
+
+// One getaddrinfo_a request. glibc writes into it until the lookup ends, so
+// it must not move and must outlive the lookup.
+struct NameLookup {
+  std::string host;
+  std::string port;
+  addrinfo hints{};
+  gaicb request{};
+  gaicb* list[1] = {&request};
+};
+
+// Lookups that outlived their caller's wait, freed once glibc is done.
+absl::Mutex orphans_mu(absl::kConstInit);
+std::vector<std::unique_ptr<NameLookup>>* orphans ABSL_GUARDED_BY(orphans_mu) =
+    nullptr;
+
+void ReapFinishedLookups() {
+  absl::MutexLock lock(&orphans_mu);
+  if (orphans == nullptr) return;
+  for (auto it = orphans->begin(); it != orphans->end();) {
+    if (gai_error(&(*it)->request) == EAI_INPROGRESS) {
+      ++it;
+      continue;
+    }
+    if ((*it)->request.ar_result != nullptr) {
+      freeaddrinfo((*it)->request.ar_result);
+    }
+    it = orphans->erase(it);
+  }
+}
+
+void Orphan(std::unique_ptr<NameLookup> lookup) {
+  absl::MutexLock lock(&orphans_mu);
+  if (orphans == nullptr) {
+    orphans = new std::vector<std::unique_ptr<NameLookup>>();
+  }
+  orphans->push_back(std::move(lookup));
+}
+
+absl::StatusOr<std::vector<PeerAddress>> ResolveName(const HostPort& address,
+                                                     absl::Time until,
+                                                     const StopCheck& stopped) {
+  ReapFinishedLookups();
+  auto lookup = std::make_unique<NameLookup>();
+  lookup->host = address.host;
+  lookup->port = std::to_string(address.port);
+  lookup->hints.ai_family = AF_UNSPEC;
+  lookup->hints.ai_socktype = SOCK_STREAM;
+  lookup->hints.ai_flags = AI_NUMERICSERV;
+  lookup->request.ar_name = lookup->host.c_str();
+  lookup->request.ar_service = lookup->port.c_str();
+  lookup->request.ar_request = &lookup->hints;
+  const int started = getaddrinfo_a(GAI_NOWAIT, lookup->list, 1, nullptr);
+  if (started != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot start the lookup: ", gai_strerror(started)));
+  }
+  int rc = EAI_INPROGRESS;
+  absl::Status waited = absl::OkStatus();
+  while ((rc = gai_error(&lookup->request)) == EAI_INPROGRESS) {
+    if (Stopped(stopped)) {
+      waited = absl::CancelledError("stopped");
+      break;
+    }
+    const absl::Duration left = until - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      waited = absl::DeadlineExceededError("name resolution timed out");
+      break;
+    }
+    const timespec slice = absl::ToTimespec(std::min(left, kStopCheckInterval));
+    gai_suspend(lookup->list, 1, &slice);
+  }
+  if (!waited.ok()) {
+    if (gai_cancel(&lookup->request) != EAI_CANCELED) Orphan(std::move(lookup));
+    return waited;
+  }
+  if (rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve: ", gai_strerror(rc)));
+  }
+  std::vector<PeerAddress> addresses;
+  for (addrinfo* ai = lookup->request.ar_result; ai != nullptr;
+       ai = ai->ai_next) {
+    if (ai->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6) continue;
+    PeerAddress peer;
+    std::memcpy(&peer.storage, ai->ai_addr, ai->ai_addrlen);
+    peer.length = ai->ai_addrlen;
+    addresses.push_back(peer);
+  }
+  freeaddrinfo(lookup->request.ar_result);
+  if (addresses.empty()) {
+    return absl::UnavailableError("the name has no IPv4/IPv6 address");
+  }
+  return addresses;
+}
+
+}  // namespace
+
+bool IsIpLiteral(absl::string_view host) {
+  return ParseIpLiteral(HostPort{std::string(host), 0}).has_value();
+}
+
+absl::StatusOr<std::vector<PeerAddress>> ResolvePeer(const HostPort& address,
+                                                     absl::Time until,
+                                                     const StopCheck& stopped) {
+  if (std::optional<PeerAddress> literal = ParseIpLiteral(address)) {
+    return std::vector<PeerAddress>{*literal};
+  }
+  return ResolveName(address, until, stopped);
+}
+
+absl::StatusOr<UniqueFd> OpenDataSocket(const PeerAddress& address,
+                                        int socket_buffer_bytes) {
+  UniqueFd fd(socket(address.family(),
+                     SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, IPPROTO_TCP));
+  if (!fd) {
+    const int error = errno;
+    const bool exhausted = error == EMFILE || error == ENFILE ||
+                           error == ENOBUFS || error == ENOMEM;
+    return ErrnoStatus(exhausted ? absl::StatusCode::kResourceExhausted
+                                 : absl::StatusCode::kInternal,
+                       "socket", error);
+  }
+  // Before connect, so the window scale matches the buffer.
+  ConfigureDataSocket(fd.get(), socket_buffer_bytes);
+  return fd;
+}
+
+absl::Status ConnectSocket(int fd, const PeerAddress& address, absl::Time until,
+                           const StopCheck& stopped) {
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address.storage),
+              address.length) == 0) {
+    return absl::OkStatus();
+  }
+  if (errno != EINPROGRESS) {
+    return ErrnoStatus(absl::StatusCode::kUnavailable, "connect", errno);
+  }
+  if (absl::Status ready = WaitForEvents(fd, POLLOUT, until, stopped);
+      !ready.ok()) {
+    return ready;
+  }
+  if (Stopped(stopped)) return absl::CancelledError("stopped");
+  int error = 0;
+  socklen_t length = sizeof(error);
+  getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+  if (error != 0) {
+    return ErrnoStatus(absl::StatusCode::kUnavailable, "connect", error);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadServerHello(int fd, absl::Time until,
+                             const StopCheck& stopped) {
+  std::byte hello[kServerHelloBytes];
+  size_t got = 0;
+  while (got < sizeof(hello)) {
+    if (absl::Status ready = WaitForEvents(fd, POLLIN, until, stopped);
+        !ready.ok()) {
+      return ready;
+    }
+    const ssize_t n = recv(fd, hello + got, sizeof(hello) - got, MSG_DONTWAIT);
+    if (n == 0) {
+      return absl::UnavailableError("closed before sending a hello");
+    }
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      return ErrnoStatus(absl::StatusCode::kUnavailable, "recv", errno);
+    }
+    got += static_cast<size_t>(n);
+  }
+  if (absl::Status valid = DecodeServerHello(hello); !valid.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("not an rdma-agentd data port (", valid.message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+void SetBlocking(int fd) {
+  const int flags = fcntl(fd, F_GETFL);
+  fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+}
+
 absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline,
                                  int socket_buffer_bytes) {
   const std::string name = JoinHostPort(address.host, address.port);
-  auto resolved = Resolve(address, /*passive=*/false);
-  if (!resolved.ok()) return resolved.status();
+  auto in_context = [&](const absl::Status& status) {
+    if (absl::IsDeadlineExceeded(status)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("deadline passed while connecting to ", name));
+    }
+    return absl::Status(status.code(), absl::StrCat("connect to ", name, ": ",
+                                                    status.message()));
+  };
+  auto resolved = ResolvePeer(address, deadline, nullptr);
+  if (!resolved.ok()) return in_context(resolved.status());
   absl::Status last =
       absl::UnavailableError(absl::StrCat("no address for ", name));
-  for (addrinfo* ai = *resolved; ai != nullptr; ai = ai->ai_next) {
-    UniqueFd fd(socket(ai->ai_family,
-                       ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                       ai->ai_protocol));
-    if (!fd) {
-      last = ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
+  for (const PeerAddress& peer : *resolved) {
+    auto fd = OpenDataSocket(peer, socket_buffer_bytes);
+    if (!fd.ok()) {
+      last = fd.status();
       continue;
     }
-    // Before connect, so the window scale matches the buffer.
-    ConfigureDataSocket(fd.get(), socket_buffer_bytes);
-    if (connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
-      if (errno != EINPROGRESS) {
-        last = ErrnoStatus(absl::StatusCode::kUnavailable,
-                           absl::StrCat("connect to ", name), errno);
-        continue;
-      }
-      // Wait for the handshake, never past the deadline.
-      pollfd p{fd.get(), POLLOUT, 0};
-      int ready = 0;
-      while (true) {
-        const absl::Duration left = deadline - absl::Now();
-        if (left <= absl::ZeroDuration()) break;
-        const timespec timeout = absl::ToTimespec(left);
-        ready = ppoll(&p, 1, &timeout, nullptr);
-        if (ready >= 0 || errno != EINTR) break;
-      }
-      if (ready <= 0) {
-        freeaddrinfo(*resolved);
-        return absl::DeadlineExceededError(
-            absl::StrCat("deadline passed while connecting to ", name));
-      }
-      int error = 0;
-      socklen_t length = sizeof(error);
-      getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &length);
-      if (error != 0) {
-        last = ErrnoStatus(absl::StatusCode::kUnavailable,
-                           absl::StrCat("connect to ", name), error);
-        continue;
-      }
+    const absl::Status connected =
+        ConnectSocket(fd->get(), peer, deadline, nullptr);
+    if (absl::IsDeadlineExceeded(connected)) return in_context(connected);
+    if (!connected.ok()) {
+      last = in_context(connected);
+      continue;
     }
     // Blocking from now on: each call says whether it may wait.
-    const int flags = fcntl(fd.get(), F_GETFL);
-    fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
-    freeaddrinfo(*resolved);
-    return fd;
+    SetBlocking(fd->get());
+    return std::move(*fd);
   }
-  freeaddrinfo(*resolved);
   return last;
 }
 

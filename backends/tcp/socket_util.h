@@ -1,11 +1,14 @@
 #ifndef RDMA_AGENTD_BACKENDS_TCP_SOCKET_UTIL_H_
 #define RDMA_AGENTD_BACKENDS_TCP_SOCKET_UTIL_H_
 
+#include <sys/socket.h>
 #include <sys/uio.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -20,14 +23,61 @@ namespace rdma_agent::tcp {
 // SO_REUSEADDR. The port actually bound goes to `*bound_port`.
 absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address, uint16_t* bound_port);
 
-// Connects to `address` without blocking past `deadline` (name resolution
-// excepted: pass literal addresses, as remote contexts do): DEADLINE_EXCEEDED
-// when it passes, UNAVAILABLE when the peer refuses or is unreachable. The
+// Connects to `address` without blocking past `deadline`, name resolution
+// included: DEADLINE_EXCEEDED when it passes, UNAVAILABLE when the peer
+// refuses or is unreachable. Reads nothing (not even a server hello). The
 // returned socket is in blocking mode (callers pass MSG_DONTWAIT or set
 // SO_RCVTIMEO/SO_SNDTIMEO to bound each call), with TCP_NODELAY.
 // `socket_buffer_bytes` as in ConfigureDataSocket.
 absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline,
                                  int socket_buffer_bytes = 0);
+
+// ---- Client side, step by step (the data client's dial) ----
+//
+// Each step waits no later than `until` and gives up soon (within ~20 ms)
+// after `stopped()` turns true: DEADLINE_EXCEEDED when `until` passes,
+// CANCELLED when stopped, UNAVAILABLE (with the precise reason, for logs)
+// when the peer cannot be reached. A null `stopped` never stops.
+using StopCheck = std::function<bool()>;
+
+// One socket address of a peer.
+struct PeerAddress {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  int family() const { return storage.ss_family; }
+};
+
+// True when `host` is an IPv4 or IPv6 literal (a bracketed one too), which
+// needs no name resolution.
+bool IsIpLiteral(absl::string_view host);
+
+// `address` as socket addresses. An IP literal is parsed on the spot; a host
+// name is resolved with getaddrinfo_a, waiting as said above. A lookup still
+// running when the wait ends finishes in the background and is freed by a
+// later call (glibc offers no way to stop it).
+absl::StatusOr<std::vector<PeerAddress>> ResolvePeer(const HostPort& address,
+                                                     absl::Time until,
+                                                     const StopCheck& stopped);
+
+// A non-blocking, close-on-exec TCP socket for `address`'s family, set up
+// with ConfigureDataSocket. RESOURCE_EXHAUSTED when the process is out of
+// descriptors or memory, INTERNAL otherwise.
+absl::StatusOr<UniqueFd> OpenDataSocket(const PeerAddress& address,
+                                        int socket_buffer_bytes);
+
+// Connects non-blocking `fd` to `address` and waits for the TCP handshake.
+// Shutting `fd` down from another thread also ends the wait.
+absl::Status ConnectSocket(int fd, const PeerAddress& address,
+                           absl::Time until, const StopCheck& stopped);
+
+// Reads the kServerHelloBytes bytes a data server sends at accept from
+// non-blocking `fd` and checks them (wire.h DecodeServerHello): UNAVAILABLE
+// when the peer closes, resets, or sends anything but a valid hello.
+absl::Status ReadServerHello(int fd, absl::Time until,
+                             const StopCheck& stopped);
+
+// Puts `fd` back into blocking mode.
+void SetBlocking(int fd);
 
 // Sets the socket options both ends of a data connection use: TCP_NODELAY,
 // and keepalive / TCP_USER_TIMEOUT so that a vanished peer is noticed within

@@ -1,12 +1,12 @@
 #include "backends/tcp/tcp_backend.h"
 
 #include <map>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
+#include "common/log_text.h"
 
 namespace rdma_agent {
 
@@ -45,6 +45,8 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
     advertise = IsWildcardHost(listen->host) ? "127.0.0.1" : listen->host;
   }
 
+  auto client = tcp::DataClient::Create(options.client);
+  if (!client.ok()) return client.status();
   tcp::DataServerOptions server_options = options.server;
   server_options.zero_copy_send = options.client.zero_copy_send;
   server_options.socket_buffer_bytes = options.client.socket_buffer_bytes;
@@ -58,17 +60,19 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
                                       "default; set --tcp_listen)"
                                     : ""));
   }
-  return std::unique_ptr<TcpBackend>(new TcpBackend(
-      std::move(options), env, std::move(advertise), std::move(*server)));
+  return std::unique_ptr<TcpBackend>(
+      new TcpBackend(std::move(options), env, std::move(advertise),
+                     std::move(*client), std::move(*server)));
 }
 
 TcpBackend::TcpBackend(TcpOptions options, BackendEnvironment env,
                        std::string advertise_host,
+                       std::unique_ptr<tcp::DataClient> client,
                        std::unique_ptr<tcp::DataServer> server)
     : options_(std::move(options)),
       env_(std::move(env)),
       advertise_host_(std::move(advertise_host)),
-      client_(options_.client),
+      client_(std::move(client)),
       server_(std::move(server)) {}
 
 v1::TransportInfo TcpBackend::transport_info() const {
@@ -101,50 +105,48 @@ bool TcpBackend::CanReach(const v1::RemoteBuffer& remote) const {
          endpoint->tcp().port() != 0 && endpoint->tcp().port() <= 65535;
 }
 
+absl::StatusOr<HostPort> TcpBackend::PeerOf(const Op& op) const {
+  if (!CanReach(*op.remote)) {
+    return absl::InvalidArgumentError(
+        "remote context has no usable tcp endpoint");
+  }
+  const v1::TcpEndpoint& endpoint = FindEndpoint(*op.remote, name_)->tcp();
+  if (!options_.client.allow_host_names && !tcp::IsIpLiteral(endpoint.host())) {
+    // Resolving caller-supplied names would let a context stall this agent
+    // in DNS; contexts this agent family issues carry addresses.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the remote context names tcp host \"", LogSafe(endpoint.host(), 64),
+        "\", not an IP address (set --tcp_allow_host_names to resolve names)"));
+  }
+  return HostPort{endpoint.host(), static_cast<uint16_t>(endpoint.port())};
+}
+
 std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
                                              const StopToken& stop) {
-  const absl::Time deadline = stop.deadline();
   std::vector<absl::Status> results(ops.size());
   // Ops grouped by the data port that serves them.
-  std::map<std::string, std::pair<HostPort, std::vector<size_t>>> peers;
+  std::vector<tcp::DataClient::PeerBatch> batches;
+  std::map<std::string, size_t> batch_of;
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (!CanReach(*ops[i].remote)) {
-      results[i] = absl::InvalidArgumentError(
-          "remote context has no usable tcp endpoint");
+    auto peer = PeerOf(ops[i]);
+    if (!peer.ok()) {
+      results[i] = peer.status();
       continue;
     }
-    const v1::TcpEndpoint& endpoint =
-        FindEndpoint(*ops[i].remote, name_)->tcp();
-    HostPort peer{endpoint.host(), static_cast<uint16_t>(endpoint.port())};
-    auto& group = peers[JoinHostPort(peer.host, peer.port)];
-    group.first = peer;
-    group.second.push_back(i);
+    auto [it, added] =
+        batch_of.emplace(JoinHostPort(peer->host, peer->port), batches.size());
+    if (added) batches.push_back({*peer, {}});
+    batches[it->second].ops.push_back(i);
   }
 
-  auto run_peer = [&](const HostPort& peer,
-                      const std::vector<size_t>& indices) {
-    std::vector<Op> batch;
-    batch.reserve(indices.size());
-    for (size_t i : indices) batch.push_back(ops[i]);
-    std::vector<absl::Status> statuses = client_.Run(peer, batch, deadline);
-    for (size_t k = 0; k < indices.size(); ++k) {
-      const Op& op = ops[indices[k]];
-      if (statuses[k].ok()) op.local->CountMoved(op.length);
-      results[indices[k]] = std::move(statuses[k]);
-    }
-  };
-
-  // Peers are independent: run them side by side.
-  std::vector<std::thread> workers;
-  for (auto it = std::next(peers.begin(), peers.empty() ? 0 : 1);
-       it != peers.end(); ++it) {
-    workers.emplace_back(run_peer, std::cref(it->second.first),
-                         std::cref(it->second.second));
+  std::vector<absl::Status> statuses = client_->Run(ops, batches, stop);
+  for (const auto& batch : batches) {
+    for (size_t i : batch.ops) results[i] = std::move(statuses[i]);
   }
-  if (!peers.empty()) {
-    run_peer(peers.begin()->second.first, peers.begin()->second.second);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (results[i].ok()) ops[i].local->CountMoved(ops[i].length);
+    results[i] = AnnotateOp(results[i], ops[i].index);
   }
-  for (auto& worker : workers) worker.join();
   return results;
 }
 

@@ -25,7 +25,8 @@ struct TcpOptions {
   // Host written into remote contexts; empty = the agent's advertise host.
   // Never a wildcard.
   std::string advertise_host;
-  // Chunking, striping and pipelining of outgoing ops.
+  // Chunking, striping and pipelining of outgoing ops; the client's threads
+  // and connection bounds.
   tcp::DataClientOptions client;
   // Timeouts and connection caps of the serving side. Its zero_copy_send and
   // socket_buffer_bytes are taken from `client` (one setting for both ends).
@@ -41,8 +42,10 @@ struct TcpOptions {
 class TcpBackend : public Backend {
  public:
   // Starts listening at once, so the bound port is known (and served) before
-  // the first Register. INVALID_ARGUMENT for malformed options or a wildcard
-  // advertise host; UNAVAILABLE when the address cannot be bound.
+  // the first Register, and starts the client's worker threads.
+  // INVALID_ARGUMENT for malformed options or a wildcard advertise host;
+  // UNAVAILABLE when the address cannot be bound; RESOURCE_EXHAUSTED when
+  // threads cannot be started.
   static absl::StatusOr<std::unique_ptr<TcpBackend>> Create(
       TcpOptions options, const BackendEnvironment& env);
 
@@ -56,10 +59,12 @@ class TcpBackend : public Backend {
   bool available() const override { return true; }
   v1::TransportInfo transport_info() const override;
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
-      const Registration& registration,
-      v1::BackendEndpoint* endpoint) override;
+      const Registration& registration, v1::BackendEndpoint* endpoint) override;
   // True when `remote` advertises a usable tcp endpoint (host and port).
   bool CanReach(const v1::RemoteBuffer& remote) const override;
+  // Runs the ops on the client's worker threads (no thread is started
+  // here). An endpoint naming a host instead of an IP address is
+  // INVALID_ARGUMENT unless `client.allow_host_names`.
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;
 
@@ -68,18 +73,21 @@ class TcpBackend : public Backend {
   // The host written into remote contexts.
   const std::string& advertise_host() const { return advertise_host_; }
   // The connection pool (for tests).
-  tcp::DataClient& client() { return client_; }
+  tcp::DataClient& client() { return *client_; }
 
  private:
   TcpBackend(TcpOptions options, BackendEnvironment env,
              std::string advertise_host,
+             std::unique_ptr<tcp::DataClient> client,
              std::unique_ptr<tcp::DataServer> server);
+  // The peer serving `op`, or why the op cannot be run.
+  absl::StatusOr<HostPort> PeerOf(const Op& op) const;
 
   const std::string name_ = "tcp";
   const TcpOptions options_;
   const BackendEnvironment env_;
   const std::string advertise_host_;
-  tcp::DataClient client_;
+  const std::unique_ptr<tcp::DataClient> client_;
   // Last: destroyed first, so no serving thread outlives the rest.
   const std::unique_ptr<tcp::DataServer> server_;
 };

@@ -424,7 +424,8 @@ class FakePeer {
     listener_ = std::move(*listener);
   }
   uint16_t port() const { return port_; }
-  // Accepts a connection and reads one request header (and token, payload).
+  // Accepts a connection, greets it as an agent would and reads one request
+  // header (and token, payload).
   absl::StatusOr<tcp::RequestHeader> AcceptAndReadRequest() {
     conn_.reset(accept(listener_.get(), nullptr, nullptr));
     if (!conn_) return absl::InternalError("accept failed");
