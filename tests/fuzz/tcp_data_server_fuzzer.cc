@@ -8,7 +8,7 @@
 // Oracle: no crash or undefined behaviour in the server; a hello, if it
 // greets, is valid; it answers only with well-formed responses, always ends the
 // connection after the peer has (never hangs), and never changes the
-// read-only buffer.
+// read-only buffer; the connection's thread ends once the connection has.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -38,8 +39,21 @@ constexpr uint64_t kReadWriteId = 6;
 constexpr uint64_t kSize = 4096;
 constexpr char kToken[] = "fuzz-token-0123456789";
 
+// Threads of this process now (the kernel's count).
+int ThreadCount() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
 struct Fixture {
   testing::TestDirectory directory{kEpoch};
+  // Threads while no connection is served: the server's accept thread and
+  // whatever the fuzzing engine runs.
+  int idle_threads = 0;
   std::shared_ptr<Registration> read_only;
   std::string read_only_bytes;
   std::unique_ptr<DataServer> server;
@@ -67,6 +81,7 @@ Fixture& TheFixture() {
     auto server = DataServer::Start(HostPort{"127.0.0.1", 0}, &f->directory);
     FUZZ_CHECK(server.ok());
     f->server = std::move(*server);
+    f->idle_threads = ThreadCount();
     return f;
   }();
   return *fixture;
@@ -164,6 +179,14 @@ void FuzzOne(const std::string& input) {
   CheckResponses(answers, reset);
   FUZZ_CHECK(std::memcmp(fixture.read_only->data(),
                          fixture.read_only_bytes.data(), kSize) == 0);
+  // The connection's thread ends with its connection. Waiting for it also
+  // keeps its allocations out of the next input's accounting, which the
+  // leak check relies on.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (ThreadCount() > fixture.idle_threads) {
+    FUZZ_CHECK(absl::Now() < deadline);
+    absl::SleepFor(absl::Microseconds(20));
+  }
   // Close with a reset: a million connections must not leave a million
   // TIME_WAIT entries behind.
   const linger abort_on_close{1, 0};
