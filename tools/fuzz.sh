@@ -8,7 +8,7 @@
 #   tools/fuzz.sh --ci            a short bounded run per target (CI)
 #   tools/fuzz.sh [--ci] NAME...  only these targets (e.g. tcp_wire_fuzzer)
 #
-# Environment: FUZZ_RUNS (default 1000000), FUZZ_CI_SECONDS (default 20),
+# Environment: FUZZ_RUNS (default 1000000), FUZZ_CI_SECONDS (default 12),
 # FUZZ_OUTPUT_BASE (default /tmp/rdma-agentd-fuzz), FUZZ_WORK_DIR (where
 # corpora grown by libFuzzer, logs and crashing inputs go; default a new temp
 # dir), FUZZ_RESULTS (a file that gets one "NAME PASS|FAIL" line per target,
@@ -39,7 +39,7 @@ for arg in "$@"; do
 done
 
 runs=${FUZZ_RUNS:-1000000}
-ci_seconds=${FUZZ_CI_SECONDS:-20}
+ci_seconds=${FUZZ_CI_SECONDS:-12}
 output_base=${FUZZ_OUTPUT_BASE:-/tmp/rdma-agentd-fuzz}
 work=${FUZZ_WORK_DIR:-$(mktemp -d /tmp/rdma-agentd-fuzz-run.XXXXXX)}
 results=${FUZZ_RESULTS:-/dev/null}

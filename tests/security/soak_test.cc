@@ -56,7 +56,7 @@ constexpr int kLoadFdMargin = 2 * kClients;
 constexpr int kLoadThreadMargin = 2 * kClients;
 constexpr int kIdleFdMargin = 8;
 constexpr int kIdleThreadMargin = 4;
-constexpr int64_t kAnonGrowthBytes = 64ll << 20;
+constexpr int64_t kAnonGrowthBytes = 32ll << 20;
 
 absl::Duration SoakDuration() {
   int seconds = 60;
