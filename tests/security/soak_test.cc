@@ -186,8 +186,9 @@ void RunClient(AgentProcess& agent, const client::Buffer& shared, int client_id,
                int slice_index, std::atomic<bool>& stop, Totals& totals) {
   const std::string who = absl::StrCat("client ", client_id, ": ");
   auto connection = agent.NewClient();
-  if (!connection.ok())
+  if (!connection.ok()) {
     return totals.Fail(who + connection.status().ToString());
+  }
   client::AgentClient& me = **connection;
   auto local = me.Attach(kLocal, v1::ACCESS_READ_WRITE, "soak");
   if (!local.ok()) return totals.Fail(who + local.status().ToString());
