@@ -41,7 +41,9 @@ done
 runs=${FUZZ_RUNS:-1000000}
 ci_seconds=${FUZZ_CI_SECONDS:-12}
 output_base=${FUZZ_OUTPUT_BASE:-/tmp/rdma-agentd-fuzz}
-work=${FUZZ_WORK_DIR:-$(mktemp -d /tmp/rdma-agentd-fuzz-run.XXXXXX)}
+work=${FUZZ_WORK_DIR:-}
+keep_work=${work:+1}
+[[ -n $work ]] || work=$(mktemp -d /tmp/rdma-agentd-fuzz-run.XXXXXX)
 results=${FUZZ_RESULTS:-/dev/null}
 mkdir -p "$work"
 # Its own server; it exits soon after so that CI machines do not keep two.
@@ -112,4 +114,8 @@ for name in "${names[@]}"; do
     echo "$name FAIL" >>"$results"
   fi
 done
+# A passing CI run leaves nothing behind; failures keep their inputs and logs.
+if [[ $mode == ci && $failed -eq 0 && -z $keep_work ]]; then
+  rm -rf "$work"
+fi
 exit $failed
