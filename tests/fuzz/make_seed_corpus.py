@@ -123,13 +123,18 @@ requester { device: "nic_b" port: 1 lid: 0
   gid: "\\000\\000\\000\\000\\000\\000\\000\\000\\000\\000\\377\\377\\n\\000\\000\\002"
   gid_index: 0 qp_num: 17 psn: 4660 mtu_bytes: 4096 max_rd_atomic: 16 }'''
 P = "peer_request_fuzzer"
-write(P, "valid", bytes([3]) + encode("ConnectQueuePairRequest", "peer.proto",
+# Flags: 1 real epoch, 2 real device, 4 real proof, 8 then GrantBuffer.
+write(P, "valid", bytes([7]) + encode("ConnectQueuePairRequest", "peer.proto",
                                       PEER))
-write(P, "small_mtu", bytes([3]) + encode(
+write(P, "valid_then_grant", bytes([15]) + encode(
+    "ConnectQueuePairRequest", "peer.proto", PEER))
+write(P, "small_mtu", bytes([7]) + encode(
     "ConnectQueuePairRequest", "peer.proto",
     PEER.replace("mtu_bytes: 4096", "mtu_bytes: 256")))
-write(P, "stale_epoch", bytes([2]) + encode("ConnectQueuePairRequest",
+write(P, "stale_epoch", bytes([6]) + encode("ConnectQueuePairRequest",
                                             "peer.proto", PEER))
-write(P, "other_agent", bytes([3]) + encode(
+write(P, "no_proof", bytes([3]) + encode("ConnectQueuePairRequest",
+                                         "peer.proto", PEER))
+write(P, "other_agent", bytes([15]) + encode(
     "ConnectQueuePairRequest", "peer.proto",
     PEER.replace('agent_id: "agent-b"', 'agent_id: "agent-c"')))
