@@ -297,6 +297,11 @@ TEST(SoakTest, TwoHostsThirtyTwoClientsStayFlat) {
   const absl::Duration duration = SoakDuration();
   const absl::Duration warm_up = duration / 6;
   const absl::Duration period = absl::Seconds(1);
+  // Idle before any client: for the record (connection pools are empty).
+  Sample before[2];
+  for (int side = 0; side < 2; ++side) {
+    before[side] = TakeSample(agents[side]->pid(), absl::ZeroDuration());
+  }
   Totals totals;
   std::atomic<bool> stop{false};
   std::vector<std::thread> clients;
@@ -366,6 +371,8 @@ TEST(SoakTest, TwoHostsThirtyTwoClientsStayFlat) {
       warm.rss_bytes = std::max(warm.rss_bytes, s.rss_bytes);
       warm.anon_bytes = std::max(warm.anon_bytes, s.anon_bytes);
     }
+    std::printf("agent %d: idle before: %s\n", side,
+                Describe(before[side]).c_str());
     std::printf(
         "agent %d: warm-up level fds=%d threads=%d anon=%.1fMiB; "
         "idle after: %s\n",
