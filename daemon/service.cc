@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/log_text.h"
 #include "common/random.h"
+#include "daemon/remote_context.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
@@ -33,28 +34,6 @@ std::string HostName() {
   char name[256] = {};
   if (::gethostname(name, sizeof(name) - 1) != 0) return "";
   return name;
-}
-
-// Parses and sanity-checks a serialized RemoteBuffer.
-absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> ParseRemoteContext(
-    const std::string& bytes) {
-  auto remote = std::make_shared<v1::RemoteBuffer>();
-  if (bytes.empty()) {
-    return absl::InvalidArgumentError("remote_context is empty");
-  }
-  if (!remote->ParseFromString(bytes)) {
-    return absl::InvalidArgumentError(
-        "remote_context is not a serialized RemoteBuffer (malformed or "
-        "truncated)");
-  }
-  if (remote->agent_id().empty() || remote->agent_epoch() == 0 ||
-      remote->size_bytes() == 0 || remote->token().empty() ||
-      remote->endpoints().empty() || !ValidAccess(remote->access())) {
-    return absl::InvalidArgumentError(
-        "remote_context is incomplete (missing agent, epoch, size, token, "
-        "access or endpoints): truncated or not issued by an agent");
-  }
-  return remote;
 }
 
 }  // namespace

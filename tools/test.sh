@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs what is missing and runs the whole test suite with Bazel, then
-# prints "N passed, N failed" counted from the test cases in Bazel's XML
-# results. Exits non-zero if any test failed or did not build.
+# Installs what is missing and runs the whole test suite with Bazel, then a
+# short coverage-guided fuzzing run of every decoder of untrusted input
+# (tools/fuzz.sh --ci: clang, libFuzzer, ASan, UBSan; RDMA_AGENTD_FUZZ=0
+# skips it), and prints "N passed, N failed" counted from the test cases in
+# Bazel's XML results plus one case per fuzz target. Exits non-zero if any
+# test or fuzz target failed or did not build.
 # Run as root: the cross-host tests create network namespaces.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +13,22 @@ tools/install-deps.sh || exit 1
 
 bazel test //... --keep_going "$@"
 bazel_status=$?
+
+# Each fuzz target is one case: PASS, or FAIL on a crash or a failed build.
+fuzz_passed=0
+fuzz_failed=0
+if [[ ${RDMA_AGENTD_FUZZ:-1} != 0 ]]; then
+  fuzz_results=$(mktemp)
+  FUZZ_RESULTS=$fuzz_results tools/fuzz.sh --ci
+  fuzz_status=$?
+  fuzz_passed=$(grep -c ' PASS$' "$fuzz_results")
+  fuzz_failed=$(grep -c ' FAIL$' "$fuzz_results")
+  # Failed before any target ran (no clang, no targets): one failed case.
+  if [[ $fuzz_status -ne 0 && $fuzz_failed -eq 0 ]]; then
+    fuzz_failed=1
+  fi
+  rm -f "$fuzz_results"
+fi
 
 # Counts every test case of this run's test targets (not cached stale ones).
 read -r passed failed < <(python3 - <<'PY'
@@ -46,5 +65,7 @@ PY
 if [[ $bazel_status -ne 0 && ${failed:-0} -eq 0 ]]; then
   failed=1
 fi
-echo "${passed:-0} passed, ${failed:-0} failed"
-[[ $bazel_status -eq 0 && ${failed:-0} -eq 0 ]]
+passed=$((${passed:-0} + fuzz_passed))
+failed=$((${failed:-0} + fuzz_failed))
+echo "${passed} passed, ${failed} failed"
+[[ $bazel_status -eq 0 && $failed -eq 0 ]]

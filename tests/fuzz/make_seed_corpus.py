@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/).
+
+Seeds are well-formed inputs of each kind, so that mutations start from deep
+paths instead of rediscovering the framing. Run from the repository root
+after changing a format; inputs that found bugs are added by hand as
+crash-<what>.
+Protos are encoded with `protoc --encode`, frames with struct.
+"""
+import os
+import struct
+import subprocess
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PROTO_ROOT = os.path.join(ROOT, "..", "..", "proto")
+
+
+def encode(message, proto, text):
+    return subprocess.run(
+        ["protoc", "-I", PROTO_ROOT, "--encode=rdma.agent.v1." + message,
+         os.path.join(PROTO_ROOT, "rdma/agent/v1", proto)],
+        input=text.encode(), stdout=subprocess.PIPE, check=True).stdout
+
+
+def write(target, name, data):
+    directory = os.path.join(ROOT, "corpus", target)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+
+
+# --- remote_context_fuzzer --------------------------------------------------
+CONTEXT = '''agent_id: "agent-a" agent_epoch: 12345 buffer_id: 7 size_bytes: 4096
+access: ACCESS_READ_WRITE token: "0123456789abcdef" '''
+write("remote_context_fuzzer", "memory",
+      encode("RemoteBuffer", "remote_buffer.proto",
+             CONTEXT + 'endpoints { backend: "memory" memory {} }'))
+write("remote_context_fuzzer", "tcp_ipv4",
+      encode("RemoteBuffer", "remote_buffer.proto",
+             CONTEXT + 'endpoints { backend: "tcp" tcp { host: "10.0.0.2" port: 7000 } }'))
+write("remote_context_fuzzer", "tcp_ipv6",
+      encode("RemoteBuffer", "remote_buffer.proto",
+             CONTEXT + 'endpoints { backend: "tcp" tcp { host: "fe80::1" port: 65535 } }'))
+write("remote_context_fuzzer", "all_backends",
+      encode("RemoteBuffer", "remote_buffer.proto",
+             CONTEXT + '''endpoints { backend: "memory" memory {} }
+endpoints { backend: "ibverbs" ibverbs { device: "mlx5_0" port: 1 lid: 0
+  gid: "\\000\\000\\000\\000\\000\\000\\000\\000\\000\\000\\377\\377\\n\\000\\000\\002"
+  rkey: 4660 address: 140737488355328 peer_address: "10.0.0.2:7001"
+  max_message_bytes: 1073741824 } }
+endpoints { backend: "tcp" tcp { host: "host-b.example" port: 7000 } }'''))
+write("remote_context_fuzzer", "incomplete",
+      encode("RemoteBuffer", "remote_buffer.proto",
+             'agent_id: "agent-a" buffer_id: 7 size_bytes: 4096'))
+
+# --- tcp wire ----------------------------------------------------------------
+REQUEST_MAGIC, RESPONSE_MAGIC, HELLO_MAGIC = 0x52415443, 0x52415452, 0x52415448
+READ, WRITE = 1, 2
+
+
+def request(kind, request_id, epoch, buffer_id, offset, length, token,
+            payload=b""):
+    return struct.pack("<IHHQQQQQII", REQUEST_MAGIC, 1, kind, request_id,
+                       epoch, buffer_id, offset, length, len(token),
+                       0) + token + payload
+
+
+def response(request_id, code, message, payload=b""):
+    return struct.pack("<IHHQIIQ", RESPONSE_MAGIC, 1, 0, request_id, code,
+                       len(message), len(payload)) + message + payload
+
+
+HELLO = struct.pack("<IHHQ", HELLO_MAGIC, 1, 0, 0)
+write("tcp_wire_fuzzer", "request_read", request(READ, 1, 77, 5, 0, 4096, b""))
+write("tcp_wire_fuzzer", "request_write",
+      request(WRITE, 2, 77, 6, 100, 64, b"")[:56])
+write("tcp_wire_fuzzer", "response_ok", response(1, 0, b""))
+write("tcp_wire_fuzzer", "response_error", response(3, 7, b"")[:32])
+write("tcp_wire_fuzzer", "hello", HELLO)
+
+# --- tcp_data_server_fuzzer (constants as in tcp_data_server_fuzzer.cc) -----
+EPOCH, RO, RW = 77, 5, 6
+TOKEN = b"fuzz-token-0123456789"
+T = "tcp_data_server_fuzzer"
+write(T, "read_ro", request(READ, 1, EPOCH, RO, 100, 200, TOKEN))
+write(T, "read_rw_whole", request(READ, 1, EPOCH, RW, 0, 4096, TOKEN))
+write(T, "write_rw", request(WRITE, 2, EPOCH, RW, 4000, 96, TOKEN, b"W" * 96))
+write(T, "write_ro_refused",
+      request(WRITE, 3, EPOCH, RO, 0, 64, TOKEN, b"X" * 64))
+write(T, "pipelined",
+      request(READ, 4, EPOCH, RO, 0, 16, TOKEN) +
+      request(WRITE, 5, EPOCH, RW, 0, 16, TOKEN, b"P" * 16) +
+      request(READ, 6, EPOCH, RW, 0, 16, TOKEN))
+write(T, "stale_epoch", request(READ, 7, EPOCH + 1, RO, 0, 16, TOKEN))
+write(T, "wrong_token", request(READ, 8, EPOCH, RO, 0, 16, b"guess"))
+write(T, "out_of_bounds", request(WRITE, 9, EPOCH, RW, 4090, 16, TOKEN,
+                                  b"O" * 16))
+write(T, "unknown_buffer", request(READ, 10, EPOCH, 99, 0, 16, TOKEN))
+
+# --- attach_frame_fuzzer -------------------------------------------------------
+
+
+def frame(body):
+    return struct.pack("<I", len(body)) + body
+
+
+ATTACH = encode("AttachRequest", "attach.proto", "attach {}")
+OPEN = encode("AttachRequest", "attach.proto", "open { buffer_id: 3 }")
+A = "attach_frame_fuzzer"
+write(A, "attach_with_fd", bytes([1, 0]) + frame(ATTACH))
+write(A, "attach_without_fd", bytes([0, 0]) + frame(ATTACH))
+write(A, "open_buffer", bytes([0, 0]) + frame(OPEN))
+write(A, "two_messages_fds_split", bytes([1 | (2 << 3), 3]) +
+      frame(ATTACH) + frame(OPEN))
+write(A, "many_fds", bytes([7 | (7 << 3), 1]) + frame(ATTACH))
+write(A, "oversized_length", bytes([1, 0]) + struct.pack("<I", 1 << 20))
+write(A, "truncated_body", bytes([0, 0]) + struct.pack("<I", 50) + OPEN)
+
+# --- peer_request_fuzzer (device as in peer_request_fuzzer.cc) --------------
+PEER = '''agent_id: "agent-b" agent_epoch: 99 expected_epoch: 1
+remote_device: "nic_fuzz"
+requester { device: "nic_b" port: 1 lid: 0
+  gid: "\\000\\000\\000\\000\\000\\000\\000\\000\\000\\000\\377\\377\\n\\000\\000\\002"
+  gid_index: 0 qp_num: 17 psn: 4660 mtu_bytes: 4096 max_rd_atomic: 16 }'''
+P = "peer_request_fuzzer"
+# Flags: 1 real epoch, 2 real device, 4 real proof, 8 then GrantBuffer.
+write(P, "valid", bytes([7]) + encode("ConnectQueuePairRequest", "peer.proto",
+                                      PEER))
+write(P, "valid_then_grant", bytes([15]) + encode(
+    "ConnectQueuePairRequest", "peer.proto", PEER))
+write(P, "small_mtu", bytes([7]) + encode(
+    "ConnectQueuePairRequest", "peer.proto",
+    PEER.replace("mtu_bytes: 4096", "mtu_bytes: 256")))
+write(P, "stale_epoch", bytes([6]) + encode("ConnectQueuePairRequest",
+                                            "peer.proto", PEER))
+write(P, "no_proof", bytes([3]) + encode("ConnectQueuePairRequest",
+                                         "peer.proto", PEER))
+write(P, "other_agent", bytes([15]) + encode(
+    "ConnectQueuePairRequest", "peer.proto",
+    PEER.replace('agent_id: "agent-b"', 'agent_id: "agent-c"')))
