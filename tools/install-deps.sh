@@ -8,7 +8,7 @@ PACKAGES=(
   g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libibverbs-dev rdma-core ibverbs-utils
   libspdlog-dev libabsl-dev libgtest-dev libgmock-dev libcli11-dev libsystemd-dev prometheus-cpp-dev libcivetweb-dev
-  iproute2 procps python3 python3-grpcio python3-protobuf
+  iproute2 procps python3 python3-grpcio python3-protobuf python3-yaml systemd
   iperf3 ucx-utils
   clang-14 libclang-rt-14-dev
 )

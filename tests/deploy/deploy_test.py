@@ -1,0 +1,181 @@
+"""The deployment files say what an operator relies on.
+
+Parses the Kubernetes manifests, the Dockerfile and the flag file and checks
+the fields that matter; runs `systemd-analyze verify` and `security` on the
+systemd unit (skipped only where systemd-analyze is absent).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import yaml
+
+RUNFILES = os.path.join(os.environ.get("TEST_SRCDIR", "."), "rdma_agentd")
+DEPLOY = os.path.join(RUNFILES, "deploy")
+# systemd-analyze security's "Overall exposure level"; 0 is best, 10 worst.
+MAX_EXPOSURE = 4.0
+
+
+def load(name):
+    with open(os.path.join(DEPLOY, "kubernetes", name)) as f:
+        return yaml.safe_load(f)
+
+
+def probe_command(container, probe):
+    return container[probe]["exec"]["command"]
+
+
+def env(container):
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+class DaemonSetTest(unittest.TestCase):
+    def setUp(self):
+        self.ds = load("daemonset.yaml")
+        self.pod = self.ds["spec"]["template"]["spec"]
+        self.agent = self.pod["containers"][0]
+
+    def test_runs_on_every_node_including_tainted_ones(self):
+        self.assertEqual(self.ds["kind"], "DaemonSet")
+        self.assertIn({"operator": "Exists"}, self.pod["tolerations"])
+        self.assertEqual(self.pod["priorityClassName"], "system-node-critical")
+
+    def test_peers_reach_the_node_address(self):
+        self.assertTrue(self.pod["hostNetwork"])
+        self.assertIn("--advertise_host=$(NODE_IP)", self.agent["args"])
+        self.assertEqual(env(self.agent)["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"],
+                         "status.hostIP")
+
+    def test_probes_ask_the_agents_health_over_its_socket(self):
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            command = probe_command(self.agent, probe)
+            self.assertEqual(command[0], "/usr/local/bin/rdma-agentctl", probe)
+            self.assertIn("health", command, probe)
+
+    def test_rdma_needs_ipc_lock_and_the_device_resource(self):
+        security = self.agent["securityContext"]
+        self.assertEqual(security["capabilities"]["drop"], ["ALL"])
+        self.assertEqual(security["capabilities"]["add"], ["IPC_LOCK"])
+        self.assertFalse(security["allowPrivilegeEscalation"])
+        self.assertIn("rdma/hca_shared_devices_a", self.agent["resources"]["limits"])
+
+    def test_apps_share_the_runtime_dir_and_the_id_survives_restarts(self):
+        mounts = {m["name"]: m["mountPath"] for m in self.agent["volumeMounts"]}
+        volumes = {v["name"]: v for v in self.pod["volumes"]}
+        self.assertEqual(mounts["run"], "/run/rdma-agentd")
+        self.assertEqual(volumes["run"]["hostPath"]["path"], "/run/rdma-agentd")
+        self.assertEqual(mounts["state"], "/var/lib/rdma-agentd")
+        self.assertEqual(volumes["state"]["hostPath"]["path"], "/var/lib/rdma-agentd")
+
+
+class SidecarTest(unittest.TestCase):
+    def setUp(self):
+        self.pod = load("sidecar-example.yaml")["spec"]
+
+    def test_agent_is_a_native_sidecar(self):
+        # An init container with restartPolicy Always starts before the app
+        # and does not keep a Job from completing.
+        agents = [c for c in self.pod["initContainers"] if c["name"] == "rdma-agentd"]
+        self.assertEqual(len(agents), 1)
+        agent = agents[0]
+        self.assertEqual(agent["restartPolicy"], "Always")
+        self.assertIn("health", probe_command(agent, "startupProbe"))
+        self.assertEqual(agent["securityContext"]["capabilities"]["add"], ["IPC_LOCK"])
+        self.assertIn("rdma/hca_shared_devices_a", agent["resources"]["limits"])
+        self.assertFalse(any(c["name"] == "rdma-agentd" for c in self.pod["containers"]))
+
+    def test_app_finds_the_socket_through_the_environment(self):
+        app = [c for c in self.pod["containers"] if c["name"] == "app"][0]
+        self.assertEqual(env(app)["RDMA_AGENT_SOCKET"]["value"],
+                         "/run/rdma-agentd/agent.sock")
+        self.assertNotIn("RDMA_AGENT_TARGET", env(app))  # read by nothing
+        self.assertIn("/run/rdma-agentd", [m["mountPath"] for m in app["volumeMounts"]])
+
+
+class AppPodTest(unittest.TestCase):
+    def test_app_pod_reaches_the_node_agent(self):
+        pod = load("app-pod-example.yaml")["spec"]
+        app = pod["containers"][0]
+        self.assertEqual(env(app)["RDMA_AGENT_SOCKET"]["value"],
+                         "/run/rdma-agentd/agent.sock")
+        volume = [v for v in pod["volumes"] if v["name"] == "rdma-agentd"][0]
+        self.assertEqual(volume["hostPath"]["path"], "/run/rdma-agentd")
+
+
+class ImageTest(unittest.TestCase):
+    def setUp(self):
+        with open(os.path.join(DEPLOY, "Dockerfile")) as f:
+            self.dockerfile = f.read()
+
+    def test_runs_as_a_non_root_user_with_a_healthcheck(self):
+        users = re.findall(r"^USER\s+(\S+)", self.dockerfile, re.M)
+        self.assertTrue(users, "no USER line")
+        self.assertNotIn(users[-1].split(":")[0], ("root", "0"))
+        healthcheck = re.search(r"^HEALTHCHECK .*\n\s*CMD (.*)$", self.dockerfile, re.M)
+        self.assertIsNotNone(healthcheck)
+        self.assertIn("rdma-agentctl", healthcheck.group(1))
+        self.assertIn("health", healthcheck.group(1))
+
+    def test_builds_optimized(self):
+        self.assertRegex(self.dockerfile, r"bazel build -c opt //daemon:rdma-agentd")
+
+    def test_build_context_leaves_out_git_and_bazel_outputs(self):
+        with open(os.path.join(RUNFILES, ".dockerignore")) as f:
+            ignored = f.read().split()
+        self.assertIn(".git", ignored)
+        self.assertIn("bazel-*", ignored)
+
+
+class FlagFileTest(unittest.TestCase):
+    def test_does_not_open_listeners_on_every_interface(self):
+        with open(os.path.join(DEPLOY, "rdma-agentd.flags")) as f:
+            active = [l for l in f.read().splitlines() if l.startswith("--")]
+        self.assertFalse([l for l in active if "0.0.0.0" in l], active)
+
+
+@unittest.skipUnless(shutil.which("systemd-analyze"), "systemd-analyze is not installed")
+class SystemdUnitTest(unittest.TestCase):
+    def setUp(self):
+        with open(os.path.join(DEPLOY, "rdma-agentd.service")) as f:
+            self.unit = f.read()
+        # The unit names the installed binary; check it against the built one.
+        agentd = os.path.join(RUNFILES, "daemon", "rdma-agentd")
+        self.dir = tempfile.mkdtemp()
+        self.path = os.path.join(self.dir, "rdma-agentd.service")
+        with open(self.path, "w") as f:
+            f.write(self.unit.replace("/usr/local/bin/rdma-agentd", agentd))
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def test_verifies(self):
+        result = subprocess.run(["systemd-analyze", "verify", self.path],
+                                capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stderr.strip(), "")
+
+    def test_exposure_is_low(self):
+        result = subprocess.run(
+            ["systemd-analyze", "security", "--offline=true", self.path],
+            capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        level = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+        self.assertIsNotNone(level, result.stdout)
+        self.assertLessEqual(float(level.group(1)), MAX_EXPOSURE, result.stdout)
+
+    def test_ordering_and_hardening_that_rdma_allows(self):
+        self.assertRegex(self.unit, r"After=.*rdma-hw\.target")
+        for line in ("DynamicUser=yes", "StateDirectory=rdma-agentd",
+                     "RuntimeDirectory=rdma-agentd", "LimitMEMLOCK=infinity",
+                     "DeviceAllow=char-infiniband_verbs rw", "TasksMax="):
+            self.assertIn(line, self.unit)
+        self.assertNotIn("PrivateUsers=yes", self.unit)  # would hide callers' uids
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]], verbosity=2)
