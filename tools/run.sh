@@ -6,9 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 tools/install-deps.sh
-bazel build //daemon:rdma-agentd //client:rdma-agentctl
+# Users run optimized builds (tests build the default fastbuild).
+bazel build -c opt //daemon:rdma-agentd //client:rdma-agentctl
 mkdir -p bin
-install -m 0755 bazel-bin/daemon/rdma-agentd bazel-bin/client/rdma-agentctl bin/
+install -m 0755 bazel-out/k8-opt/bin/daemon/rdma-agentd \
+  bazel-out/k8-opt/bin/client/rdma-agentctl bin/
 
 cat <<'MSG'
 rdma-agentd is starting in the foreground (Ctrl-C stops it). From another shell:
