@@ -17,7 +17,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
 

@@ -12,7 +12,7 @@
 
 #include "backends/backend.h"
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/testing/test_directory.h"
 
 namespace rdma_agent {
