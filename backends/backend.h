@@ -83,6 +83,9 @@ class Backend {
 
   // Services this backend serves to peer agents on the agent's Peer listener
   // (e.g. the queue-pair handshake). Must stay valid while the backend lives.
+  // Backends never open listeners of their own: whoever runs a backend
+  // serves these (the Agent; backends/testing/peer_listener.h in tests) and
+  // stops serving them before destroying the backend.
   virtual std::vector<grpc::Service*> peer_services() { return {}; }
 
   // Called once, after the agent's Peer listener is up and before any

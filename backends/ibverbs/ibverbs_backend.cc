@@ -12,7 +12,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log_text.h"
-#include "common/net_address.h"
 #include "common/random.h"
 #include "spdlog/spdlog.h"
 
@@ -54,10 +53,17 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
 
 namespace {
 
-// gRPC shuts itself down when its last object goes, and that shutdown
-// blocks for seconds while a channel to a dead peer is in reconnect backoff
-// (seen as ~10 s agent shutdowns). Backends come and go (tests run many
-// agents per process), so the library is kept up for the process's life.
+// Why this backend, and not its owner, initializes gRPC for the process: the
+// library shuts itself down when its last object goes, and that shutdown
+// waits (up to ~10 s, in iomgr) for a channel to a dead peer that is still
+// in reconnect backoff. This backend is the one piece of the agent that
+// opens client channels to arbitrary peers (the handshake stubs), and
+// several agents come and go in one test process, so the last object to die
+// is often one of its stubs. Holding one grpc_init() for the process from
+// the first backend created means shutdown never happens mid-process, at
+// the cost of gRPC's threads living until exit, which an agent process pays
+// anyway. The Agent and main do not need to know about it; a process that
+// creates no ibverbs backend never pays for it.
 void KeepGrpcAlive() {
   static const bool initialized = [] {
     grpc_init();
@@ -287,8 +293,6 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
-  // No handshake may run into a backend being destroyed.
-  if (own_server_ != nullptr) own_server_->Shutdown();
   // Connections drain and stop their pollers, and sessions drop their
   // grants, before the PD and device go.
   std::map<std::string, std::shared_ptr<Connection>> requesters;
@@ -425,24 +429,12 @@ std::vector<grpc::Service*> IbverbsBackend::peer_services() {
 }
 
 absl::Status IbverbsBackend::Start(const std::string& peer_address) {
-  if (!peer_address.empty()) peer_address_ = peer_address;
-  if (!available() || !peer_address_.empty()) return absl::OkStatus();
-  const std::string host =
-      env_.advertise_host.empty() || IsWildcardHost(env_.advertise_host)
-          ? "127.0.0.1"
-          : env_.advertise_host;
-  own_service_ = std::make_unique<PeerService>(this);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(JoinHostPort(host, 0),
-                           PeerServerCredentials(env_.peer_tls), &port);
-  builder.RegisterService(own_service_.get());
-  own_server_ = builder.BuildAndStart();
-  if (own_server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen for queue-pair handshakes on ", host));
+  if (available() && peer_address.empty()) {
+    return absl::FailedPreconditionError(
+        "the ibverbs backend needs a Peer listener serving its "
+        "peer_services() for queue-pair handshakes");
   }
-  peer_address_ = JoinHostPort(host, static_cast<uint16_t>(port));
+  peer_address_ = peer_address;
   return absl::OkStatus();
 }
 
