@@ -148,7 +148,7 @@ class IbverbsBackend : public Backend {
   // "agent_id/epoch/device": the requester QP an op needs.
   static std::string ConnectionKey(const v1::RemoteBuffer& remote,
                                    const v1::IbverbsEndpoint& endpoint);
-  // What can be checked before posting: endpoint, local MR, ranges.
+  // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
   // Posts `op` (checked) as WRs of at most the smaller max message size,
   // with the rkey and address granted for its remote buffer over

@@ -82,6 +82,8 @@ Op MakeOp(size_t index, v1::OpType type, const TestBuffer& local,
   op.local_offset = local_offset;
   op.length = length;
   op.remote = remote.context;
+  // As BackendRegistry::Submit routes it.
+  op.endpoint = FindEndpoint(*op.remote, "ibverbs");
   op.remote_offset = remote_offset;
   return op;
 }
