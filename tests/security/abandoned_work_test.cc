@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "tests/client/worker_process.h"
@@ -119,11 +120,12 @@ TEST_F(AbandonedWorkTest, CancelledSubmitStopsWithinASecond) {
     op->set_remote_offset(kHalf);
   }
   request.mutable_timeout()->set_seconds(600);
+  auto stub = v1::RdmaAgent::NewStub(agent_->client().channel());
   grpc::ClientContext call;
   grpc::Status status;
   std::thread caller([&] {
     v1::SubmitResponse response;
-    status = agent_->client().stub().Submit(&call, request, &response);
+    status = stub->Submit(&call, request, &response);
   });
   ASSERT_TRUE(WaitForProgress(*agent_, buffer_.id));
   call.TryCancel();
