@@ -15,7 +15,7 @@
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 
 // Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
 struct IbverbsOptions {
@@ -136,7 +136,7 @@ class IbverbsBackend : public Backend {
   };
   // A requester QP's session on the peer, and what it was granted.
   struct RequesterLink {
-    std::weak_ptr<Connection> connection;
+    std::weak_ptr<QueuePairConnection> connection;
     std::string session;
     std::map<uint64_t, RemoteGrant> grants;  // by remote buffer id
   };
@@ -153,17 +153,18 @@ class IbverbsBackend : public Backend {
   // Posts `op` (checked) as WRs of at most the smaller max message size,
   // with the rkey and address granted for its remote buffer over
   // `connection`; returns the first posting error.
-  absl::Status PostOp(const Op& op, size_t index, Connection& connection,
+  absl::Status PostOp(const Op& op, size_t index,
+                      QueuePairConnection& connection,
                       const std::shared_ptr<OpTracker>& tracker,
                       const StopToken& stop);
   // The connection a group of ops (same remote agent, epoch and device)
   // goes through. The handshake needs the proof of one buffer: those of the
   // group's ops are tried in turn (a few at most), so that one forged or
   // released context does not fail the others.
-  absl::StatusOr<std::shared_ptr<Connection>> ConnectForGroup(
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> ConnectForGroup(
       absl::Span<const Op> ops, const std::vector<size_t>& indices,
       absl::Time deadline);
-  absl::StatusOr<std::shared_ptr<Connection>> GetConnection(
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> GetConnection(
       const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
       absl::Time deadline);
   absl::StatusOr<Handshaken> Handshake(const v1::RemoteBuffer& remote,
@@ -172,7 +173,7 @@ class IbverbsBackend : public Backend {
   // The grant for op's remote buffer over `connection`: cached, or asked
   // for with GrantBuffer (cut short by `stop`).
   absl::StatusOr<RemoteGrant> GrantFor(const Op& op,
-                                       const Connection& connection,
+                                       const QueuePairConnection& connection,
                                        const StopToken& stop);
   std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
   // The session `id` names, or nullptr.
@@ -201,7 +202,7 @@ class IbverbsBackend : public Backend {
   std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
       ABSL_GUARDED_BY(mu_);
   // Requester QPs by "agent_id/epoch/device".
-  std::map<std::string, std::shared_ptr<Connection>> requesters_
+  std::map<std::string, std::shared_ptr<QueuePairConnection>> requesters_
       ABSL_GUARDED_BY(mu_);
   // What each requester QP was granted, by the same key as requesters_.
   std::map<std::string, RequesterLink> links_ ABSL_GUARDED_BY(mu_);
@@ -215,6 +216,6 @@ class IbverbsBackend : public Backend {
   uint64_t connections_established_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs
 
 #endif  // RDMA_AGENTD_BACKENDS_IBVERBS_IBVERBS_BACKEND_H_

@@ -21,7 +21,7 @@
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 using testing::MakeOp;
@@ -962,4 +962,4 @@ TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -12,14 +12,14 @@ namespace testing {
 std::unique_ptr<TestNode> TestNode::Create(verbs::SoftFabric& fabric,
                                            const std::string& agent_id,
                                            const std::string& device,
-                                           IbverbsOptions options) {
+                                           ibverbs::IbverbsOptions options) {
   return CreateWithVerbs(fabric.MakeVerbs({device}), agent_id,
                          std::move(options));
 }
 
 std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
     std::unique_ptr<verbs::Verbs> verbs, const std::string& agent_id,
-    IbverbsOptions options) {
+    ibverbs::IbverbsOptions options) {
   std::unique_ptr<TestNode> node(new TestNode());
   node->identity_.agent_id = agent_id;
   node->identity_.epoch = std::random_device()() | 1;
@@ -28,8 +28,8 @@ std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
   env.identity = node->identity_;
   env.directory = node->directory_.get();
   env.advertise_host = "127.0.0.1";
-  auto backend =
-      IbverbsBackend::Create(env, std::move(options), std::move(verbs));
+  auto backend = ibverbs::IbverbsBackend::Create(env, std::move(options),
+                                                 std::move(verbs));
   EXPECT_TRUE(backend.ok()) << backend.status();
   if (!backend.ok()) return nullptr;
   node->backend_ = std::move(*backend);

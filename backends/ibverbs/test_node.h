@@ -35,13 +35,13 @@ class TestNode {
   static std::unique_ptr<TestNode> Create(verbs::SoftFabric& fabric,
                                           const std::string& agent_id,
                                           const std::string& device,
-                                          IbverbsOptions options = {});
+                                          ibverbs::IbverbsOptions options = {});
   // The same over any Verbs (the hardware test passes the real one).
   static std::unique_ptr<TestNode> CreateWithVerbs(
       std::unique_ptr<verbs::Verbs> verbs, const std::string& agent_id,
-      IbverbsOptions options = {});
+      ibverbs::IbverbsOptions options = {});
 
-  IbverbsBackend& backend() { return *backend_; }
+  ibverbs::IbverbsBackend& backend() { return *backend_; }
   const AgentIdentity& identity() const { return identity_; }
 
   // Registers `size` bytes with `access`, filled with a pattern derived from
@@ -57,7 +57,7 @@ class TestNode {
   AgentIdentity identity_;
   // Before backend_: the backend's environment points at it.
   std::unique_ptr<TestDirectory> directory_;
-  std::unique_ptr<IbverbsBackend> backend_;
+  std::unique_ptr<ibverbs::IbverbsBackend> backend_;
   // After backend_: it stops serving before the backend goes.
   std::unique_ptr<PeerListener> peer_listener_;
   uint64_t next_id_ = 1;

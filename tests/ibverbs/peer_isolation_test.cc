@@ -20,7 +20,7 @@
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 using testing::MakeOp;
@@ -70,10 +70,11 @@ class RoguePeer {
   }
 
   // A fresh QP (refusing or accepting inbound RDMA).
-  std::unique_ptr<Connection> NewQueuePair(Connection::Inbound inbound) {
-    auto created =
-        Connection::Create(local_, FastParams(), absl::Microseconds(50),
-                           absl::Seconds(5), inbound);
+  std::unique_ptr<QueuePairConnection> NewQueuePair(
+      QueuePairConnection::Inbound inbound) {
+    auto created = QueuePairConnection::Create(local_, FastParams(),
+                                               absl::Microseconds(50),
+                                               absl::Seconds(5), inbound);
     EXPECT_TRUE(created.ok()) << created.status();
     return created.ok() ? std::move(*created) : nullptr;
   }
@@ -81,14 +82,15 @@ class RoguePeer {
   struct Attempt {
     grpc::Status status;
     v1::ConnectQueuePairResponse response;
-    std::unique_ptr<Connection> connection;  // connected when status is OK
+    std::unique_ptr<QueuePairConnection>
+        connection;  // connected when status is OK
   };
 
   // ConnectQueuePair with `target`, proving (buffer_id, token).
   Attempt Connect(TestNode& target, uint64_t epoch, uint64_t buffer_id,
                   const std::string& token) {
     Attempt attempt;
-    attempt.connection = NewQueuePair(Connection::Inbound::kRefuse);
+    attempt.connection = NewQueuePair(QueuePairConnection::Inbound::kRefuse);
     v1::ConnectQueuePairRequest request;
     request.set_agent_id(agent_id_);
     request.set_agent_epoch(1);
@@ -136,7 +138,7 @@ class RoguePeer {
 
   // One hand-built RDMA WR of `length` bytes between memory_[local_offset..]
   // and (remote_addr, rkey) on `connection`; its completion's status.
-  absl::Status Rdma(Connection& connection, ibv_wr_opcode opcode,
+  absl::Status Rdma(QueuePairConnection& connection, ibv_wr_opcode opcode,
                     uint64_t remote_addr, uint32_t rkey, uint32_t length,
                     uint64_t local_offset = 0) {
     auto tracker = std::make_shared<OpTracker>(1);
@@ -468,8 +470,8 @@ class RogueResponder : public v1::Peer::Service {
   grpc::Status ConnectQueuePair(
       grpc::ServerContext*, const v1::ConnectQueuePairRequest* request,
       v1::ConnectQueuePairResponse* response) override {
-    std::unique_ptr<Connection> connection =
-        rogue_->NewQueuePair(Connection::Inbound::kAccept);
+    std::unique_ptr<QueuePairConnection> connection =
+        rogue_->NewQueuePair(QueuePairConnection::Inbound::kAccept);
     const absl::Status connected = connection->ConnectTo(request->requester());
     if (!connected.ok()) {
       return grpc::Status(grpc::StatusCode::INTERNAL,
@@ -500,7 +502,7 @@ class RogueResponder : public v1::Peer::Service {
   }
 
   // The QP of the last handshake, connected to the requester's.
-  std::unique_ptr<Connection> TakeConnection() {
+  std::unique_ptr<QueuePairConnection> TakeConnection() {
     absl::MutexLock lock(&mu_);
     return std::move(connection_);
   }
@@ -508,7 +510,7 @@ class RogueResponder : public v1::Peer::Service {
  private:
   RoguePeer* const rogue_;
   absl::Mutex mu_;
-  std::unique_ptr<Connection> connection_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<QueuePairConnection> connection_ ABSL_GUARDED_BY(mu_);
   bool unblocked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -574,7 +576,7 @@ TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
                             absl::Now() + absl::Seconds(10))[0]
                     .ok());
     EXPECT_EQ(0, std::memcmp(rogue.memory().data(), local.bytes(), 64));
-    std::unique_ptr<Connection> back = service.TakeConnection();
+    std::unique_ptr<QueuePairConnection> back = service.TakeConnection();
     ASSERT_NE(back, nullptr);
     std::fill(rogue.memory().begin(), rogue.memory().end(), 0x5a);
     // The exact lkey and address of the agent's buffer.
@@ -617,4 +619,4 @@ TEST_F(PeerIsolationTest, CancellationCutsAGrantRequestShort) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

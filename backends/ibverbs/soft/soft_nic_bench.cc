@@ -15,6 +15,7 @@
 namespace rdma_agent {
 namespace {
 
+using ibverbs::IbverbsOptions;
 using testing::MakeOp;
 using testing::TestBuffer;
 using testing::TestNode;
