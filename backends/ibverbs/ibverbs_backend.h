@@ -15,6 +15,10 @@
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
+namespace rdma_agent::testing {
+class IbverbsBackendProbe;
+}  // namespace rdma_agent::testing
+
 namespace rdma_agent::ibverbs {
 
 // Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
@@ -114,14 +118,13 @@ class IbverbsBackend : public Backend {
   size_t responder_count() const;
   // Registrations granted to peer sessions, alive now, over all sessions.
   size_t grant_count() const;
-  // The lkey of `registration`'s MR in the main PD (0 when it has none):
-  // for tests that play a rogue peer guessing keys.
-  uint32_t local_key(const Registration& registration) const;
   // The queue-pair attributes in use.
   const QueuePairParams& params() const { return params_; }
   const std::string& profile_name() const { return profile_.name; }
 
  private:
+  // Tests that play a rogue peer read local keys through it.
+  friend class ::rdma_agent::testing::IbverbsBackendProbe;
   class PeerService;
   class PeerSession;
   struct Handshaken;
@@ -178,6 +181,8 @@ class IbverbsBackend : public Backend {
   std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
   // The session `id` names, or nullptr.
   std::shared_ptr<PeerSession> FindSession(const std::string& id) const;
+  // The lkey of `registration`'s MR in the main PD (0 when it has none).
+  uint32_t local_key(const Registration& registration) const;
 
   const std::string name_ = "ibverbs";
   const BackendEnvironment env_;

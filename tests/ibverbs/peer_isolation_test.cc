@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/ibverbs/backend_probe.h"
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
@@ -23,6 +24,7 @@
 namespace rdma_agent::ibverbs {
 namespace {
 
+using testing::IbverbsBackendProbe;
 using testing::MakeOp;
 using testing::TestBuffer;
 using testing::TestNode;
@@ -302,9 +304,9 @@ TEST_F(PeerIsolationTest, PeerGrantedOneBufferCannotReachAnother) {
       {"another peer's rkey, write", IBV_WR_RDMA_WRITE, other_rkey},
       {"another peer's rkey, read", IBV_WR_RDMA_READ, other_rkey},
       {"the agent's own key, write", IBV_WR_RDMA_WRITE,
-       b_->backend().local_key(*other.registration)},
+       IbverbsBackendProbe::LocalKey(b_->backend(), *other.registration)},
       {"the agent's own key, read", IBV_WR_RDMA_READ,
-       b_->backend().local_key(*other.registration)},
+       IbverbsBackendProbe::LocalKey(b_->backend(), *other.registration)},
       {"the granted rkey, write", IBV_WR_RDMA_WRITE, grant.rkey()},
       {"the granted rkey, read", IBV_WR_RDMA_READ, grant.rkey()},
   };
@@ -580,9 +582,9 @@ TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
     ASSERT_NE(back, nullptr);
     std::fill(rogue.memory().begin(), rogue.memory().end(), 0x5a);
     // The exact lkey and address of the agent's buffer.
-    const absl::Status refused =
-        rogue.Rdma(*back, opcode, AddressOf(local),
-                   a->backend().local_key(*local.registration), 64);
+    const absl::Status refused = rogue.Rdma(
+        *back, opcode, AddressOf(local),
+        IbverbsBackendProbe::LocalKey(a->backend(), *local.registration), 64);
     EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
     EXPECT_EQ(Snapshot(local), before);
     EXPECT_EQ(rogue.memory()[0], 0x5a);
