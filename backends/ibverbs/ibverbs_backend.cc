@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -12,11 +13,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log_text.h"
-#include "common/net_address.h"
 #include "common/random.h"
 #include "spdlog/spdlog.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 
 // Serves ConnectQueuePair on the agent's Peer listener.
 class IbverbsBackend::PeerService : public v1::Peer::Service {
@@ -54,10 +54,17 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
 
 namespace {
 
-// gRPC shuts itself down when its last object goes, and that shutdown
-// blocks for seconds while a channel to a dead peer is in reconnect backoff
-// (seen as ~10 s agent shutdowns). Backends come and go (tests run many
-// agents per process), so the library is kept up for the process's life.
+// Why this backend, and not its owner, initializes gRPC for the process: the
+// library shuts itself down when its last object goes, and that shutdown
+// waits (up to ~10 s, in iomgr) for a channel to a dead peer that is still
+// in reconnect backoff. This backend is the one piece of the agent that
+// opens client channels to arbitrary peers (the handshake stubs), and
+// several agents come and go in one test process, so the last object to die
+// is often one of its stubs. Holding one grpc_init() for the process from
+// the first backend created means shutdown never happens mid-process, at
+// the cost of gRPC's threads living until exit, which an agent process pays
+// anyway. The Agent and main do not need to know about it; a process that
+// creates no ibverbs backend never pays for it.
 void KeepGrpcAlive() {
   static const bool initialized = [] {
     grpc_init();
@@ -153,7 +160,7 @@ class IbverbsBackend::PeerSession {
 
   const std::string& id() const { return id_; }
   verbs::ProtectionDomain* pd() const { return pd_.get(); }
-  void set_responder(std::unique_ptr<Connection> responder) {
+  void set_responder(std::unique_ptr<QueuePairConnection> responder) {
     responder_ = std::move(responder);
   }
 
@@ -236,7 +243,7 @@ class IbverbsBackend::PeerSession {
   const std::string id_;
   // Declared before responder_: the QP is destroyed before its PD.
   const std::shared_ptr<verbs::ProtectionDomain> pd_;
-  std::unique_ptr<Connection> responder_;
+  std::unique_ptr<QueuePairConnection> responder_;
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // The grant tables this session has an entry in (lock order: mu_, then a
@@ -246,7 +253,7 @@ class IbverbsBackend::PeerSession {
 
 // A requester QP just connected, with what the handshake granted.
 struct IbverbsBackend::Handshaken {
-  std::shared_ptr<Connection> connection;
+  std::shared_ptr<QueuePairConnection> connection;
   std::string session;
   uint64_t buffer_id = 0;
   RemoteGrant grant;
@@ -287,11 +294,9 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
-  // No handshake may run into a backend being destroyed.
-  if (own_server_ != nullptr) own_server_->Shutdown();
   // Connections drain and stop their pollers, and sessions drop their
   // grants, before the PD and device go.
-  std::map<std::string, std::shared_ptr<Connection>> requesters;
+  std::map<std::string, std::shared_ptr<QueuePairConnection>> requesters;
   std::map<std::string, std::shared_ptr<PeerSession>> responders;
   {
     absl::MutexLock lock(&mu_);
@@ -425,24 +430,12 @@ std::vector<grpc::Service*> IbverbsBackend::peer_services() {
 }
 
 absl::Status IbverbsBackend::Start(const std::string& peer_address) {
-  if (!peer_address.empty()) peer_address_ = peer_address;
-  if (!available() || !peer_address_.empty()) return absl::OkStatus();
-  const std::string host =
-      env_.advertise_host.empty() || IsWildcardHost(env_.advertise_host)
-          ? "127.0.0.1"
-          : env_.advertise_host;
-  own_service_ = std::make_unique<PeerService>(this);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(JoinHostPort(host, 0),
-                           PeerServerCredentials(env_.peer_tls), &port);
-  builder.RegisterService(own_service_.get());
-  own_server_ = builder.BuildAndStart();
-  if (own_server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen for queue-pair handshakes on ", host));
+  if (available() && peer_address.empty()) {
+    return absl::FailedPreconditionError(
+        "the ibverbs backend needs a Peer listener serving its "
+        "peer_services() for queue-pair handshakes");
   }
-  peer_address_ = JoinHostPort(host, static_cast<uint16_t>(port));
+  peer_address_ = peer_address;
   return absl::OkStatus();
 }
 
@@ -499,11 +492,13 @@ std::string IbverbsBackend::ConnectionKey(const v1::RemoteBuffer& remote,
                       endpoint.device());
 }
 
-absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
-    const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
-    absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<QueuePairConnection>>
+IbverbsBackend::GetConnection(const v1::RemoteBuffer& remote,
+                              const v1::IbverbsEndpoint& endpoint,
+                              absl::Time deadline) {
   const std::string key = ConnectionKey(remote, endpoint);
-  std::shared_ptr<Connection> stale;  // destroyed (drained) outside mu_
+  std::shared_ptr<QueuePairConnection>
+      stale;  // destroyed (drained) outside mu_
   std::shared_ptr<absl::Mutex> connect_lock;
   {
     absl::MutexLock lock(&mu_);
@@ -533,7 +528,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
                  LogSafe(handshaken.status().ToString()));
     return handshaken.status();
   }
-  std::shared_ptr<Connection> connection = handshaken->connection;
+  std::shared_ptr<QueuePairConnection> connection = handshaken->connection;
   spdlog::info(
       "ibverbs: connected QP {} to agent {} (epoch {:016x}) device "
       "{} at {}",
@@ -541,7 +536,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
       LogSafe(endpoint.device()), LogSafe(endpoint.peer_address()));
   // The agent answered with this epoch, so QPs to its earlier lives are
   // dead: drop them (destroyed outside mu_).
-  std::vector<std::shared_ptr<Connection>> dead;
+  std::vector<std::shared_ptr<QueuePairConnection>> dead;
   {
     absl::MutexLock lock(&mu_);
     const std::string agent_prefix = absl::StrCat(remote.agent_id(), "/");
@@ -576,9 +571,9 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
     absl::Time deadline) {
   // Inbound RDMA refused: whoever answers cannot reach this agent's memory
   // through this QP.
-  auto created =
-      Connection::Create(local_, params_, options_.busy_poll,
-                         options_.drain_timeout, Connection::Inbound::kRefuse);
+  auto created = QueuePairConnection::Create(
+      local_, params_, options_.busy_poll, options_.drain_timeout,
+      QueuePairConnection::Inbound::kRefuse);
   if (!created.ok()) return created.status();
   Handshaken result;
   result.connection = std::move(*created);
@@ -624,13 +619,14 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
   return result;
 }
 
-absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
-    absl::Span<const Op> ops, const std::vector<size_t>& indices,
-    absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<QueuePairConnection>>
+IbverbsBackend::ConnectForGroup(absl::Span<const Op> ops,
+                                const std::vector<size_t>& indices,
+                                absl::Time deadline) {
   // Bounds the handshakes one batch can cost when its proofs are refused.
   constexpr size_t kMaxProofs = 4;
   std::vector<const Op*> tried;
-  absl::StatusOr<std::shared_ptr<Connection>> connection =
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> connection =
       absl::NotFoundError("no op to connect for");
   for (size_t i : indices) {
     const Op& op = ops[i];
@@ -641,8 +637,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
         });
     if (seen) continue;
     tried.push_back(&op);
-    connection = GetConnection(
-        *op.remote, FindEndpoint(*op.remote, name_)->ibverbs(), deadline);
+    connection = GetConnection(*op.remote, op.endpoint->ibverbs(), deadline);
     // Only a refused proof is worth another op's proof.
     if (connection.ok() ||
         connection.status().code() != absl::StatusCode::kNotFound ||
@@ -654,9 +649,10 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
 }
 
 absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
-    const Op& op, const Connection& connection, const StopToken& stop) {
+    const Op& op, const QueuePairConnection& connection,
+    const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;
-  const v1::IbverbsEndpoint& endpoint = FindEndpoint(remote, name_)->ibverbs();
+  const v1::IbverbsEndpoint& endpoint = op.endpoint->ibverbs();
   const std::string key = ConnectionKey(remote, endpoint);
   std::string session;
   {
@@ -777,9 +773,9 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
       std::shared_ptr<verbs::ProtectionDomain>(std::move(*pd)));
   LocalPort port = local_;
   port.pd = session->pd();
-  auto created =
-      Connection::Create(port, params_, options_.busy_poll,
-                         options_.drain_timeout, Connection::Inbound::kAccept);
+  auto created = QueuePairConnection::Create(
+      port, params_, options_.busy_poll, options_.drain_timeout,
+      QueuePairConnection::Inbound::kAccept);
   if (!created.ok()) return created.status();
   absl::Status connected = (*created)->ConnectTo(requester);
   if (!connected.ok()) return connected;
@@ -853,37 +849,35 @@ absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
 }
 
 absl::Status IbverbsBackend::CheckOp(const Op& op) const {
-  const v1::BackendEndpoint* endpoint = FindEndpoint(*op.remote, name_);
-  if (endpoint == nullptr || !endpoint->has_ibverbs()) {
-    return absl::InvalidArgumentError("remote context has no ibverbs endpoint");
-  }
+  // Routed here by the registry, which checked CanReach, with both ranges
+  // validated (backend.h): nothing of the context is checked again.
+  assert(op.endpoint != nullptr && op.endpoint->has_ibverbs());
+  // What the posting path casts to: one lookup, so that a registration that
+  // bypassed BackendRegistry::RegisterWithAll fails instead of crashing.
   if (dynamic_cast<const IbverbsRegistration*>(
           op.local->backend_state(name_)) == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("local buffer ", op.local->id(),
                      " is not registered with the ibverbs backend"));
   }
-  // One-sided ops bypass the remote CPU: check here what the context tells
-  // (the remote NIC checks keys and bounds again).
-  absl::Status range = CheckRange(op.remote_offset, op.length,
-                                  op.remote->size_bytes(), "remote");
-  if (range.ok()) {
-    range = CheckRange(op.local_offset, op.length, op.local->size(), "local");
-  }
-  const uint64_t address = endpoint->ibverbs().address();
-  if (range.ok() && address + op.remote_offset < address) {
-    range = absl::OutOfRangeError("remote address overflows");
-  }
-  return range;
+  return absl::OkStatus();
 }
 
 absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
-                                    Connection& connection,
+                                    QueuePairConnection& connection,
                                     const std::shared_ptr<OpTracker>& tracker,
                                     const StopToken& stop) {
-  const v1::IbverbsEndpoint& ib = FindEndpoint(*op.remote, name_)->ibverbs();
+  const v1::IbverbsEndpoint& ib = op.endpoint->ibverbs();
   auto grant = GrantFor(op, connection, stop);
   if (!grant.ok()) return grant.status();
+  // The grant is the remote's word on the buffer's real size, which a
+  // forged context may overstate: the contract's code rather than the NIC's
+  // access error (the remote NIC refuses the WR either way).
+  if (absl::Status range =
+          CheckRange(op.remote_offset, op.length, grant->size_bytes, "remote");
+      !range.ok()) {
+    return range;
+  }
   const auto& local =
       dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
   uint64_t wr_bytes = params_.max_message_bytes;
@@ -926,13 +920,12 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
       tracker->PostingFinished(i, checked);
       continue;
     }
-    groups[ConnectionKey(*ops[i].remote,
-                         FindEndpoint(*ops[i].remote, name_)->ibverbs())]
-        .push_back(i);
+    groups[ConnectionKey(*ops[i].remote, ops[i].endpoint->ibverbs())].push_back(
+        i);
   }
 
   absl::Mutex used_mu;
-  std::vector<std::shared_ptr<Connection>> used;
+  std::vector<std::shared_ptr<QueuePairConnection>> used;
   // Connects (if needed) and posts one group. Groups run concurrently, so
   // a full send queue or a slow handshake with one peer does not hold up
   // the others.
@@ -1039,4 +1032,4 @@ uint32_t IbverbsBackend::local_key(const Registration& registration) const {
   return state == nullptr ? 0 : state->mr().lkey();
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -12,14 +12,14 @@ namespace testing {
 std::unique_ptr<TestNode> TestNode::Create(verbs::SoftFabric& fabric,
                                            const std::string& agent_id,
                                            const std::string& device,
-                                           IbverbsOptions options) {
+                                           ibverbs::IbverbsOptions options) {
   return CreateWithVerbs(fabric.MakeVerbs({device}), agent_id,
                          std::move(options));
 }
 
 std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
     std::unique_ptr<verbs::Verbs> verbs, const std::string& agent_id,
-    IbverbsOptions options) {
+    ibverbs::IbverbsOptions options) {
   std::unique_ptr<TestNode> node(new TestNode());
   node->identity_.agent_id = agent_id;
   node->identity_.epoch = std::random_device()() | 1;
@@ -28,14 +28,15 @@ std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
   env.identity = node->identity_;
   env.directory = node->directory_.get();
   env.advertise_host = "127.0.0.1";
-  auto backend =
-      IbverbsBackend::Create(env, std::move(options), std::move(verbs));
+  auto backend = ibverbs::IbverbsBackend::Create(env, std::move(options),
+                                                 std::move(verbs));
   EXPECT_TRUE(backend.ok()) << backend.status();
   if (!backend.ok()) return nullptr;
   node->backend_ = std::move(*backend);
   if (node->backend_->available()) {
-    const absl::Status started = node->backend_->Start("");
-    EXPECT_TRUE(started.ok()) << started;
+    auto listener = PeerListener::ServeAndStart(*node->backend_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (listener.ok()) node->peer_listener_ = std::move(*listener);
   }
   return node;
 }
@@ -81,6 +82,8 @@ Op MakeOp(size_t index, v1::OpType type, const TestBuffer& local,
   op.local_offset = local_offset;
   op.length = length;
   op.remote = remote.context;
+  // As BackendRegistry::Submit routes it.
+  op.endpoint = FindEndpoint(*op.remote, "ibverbs");
   op.remote_offset = remote_offset;
   return op;
 }

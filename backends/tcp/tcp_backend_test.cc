@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "backends/tcp/pool_probe.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/testing/test_directory.h"
 #include "backends/tcp/wire.h"
@@ -24,7 +25,7 @@ namespace rdma_agent {
 namespace {
 
 using ::absl::StatusCode;
-
+using ::rdma_agent::tcp::testing::PoolProbe;
 using ::rdma_agent::testing::TestDirectory;
 
 // Fills `size` bytes with a pattern that differs per `seed` and position.
@@ -112,6 +113,8 @@ Op MakeOp(v1::OpType type, const TestAgent::Buffer& local,
   op.length = length;
   op.remote = remote.context;
   op.remote_offset = remote_offset;
+  // As BackendRegistry::Submit routes it.
+  op.endpoint = FindEndpoint(*op.remote, "tcp");
   return op;
 }
 
@@ -282,7 +285,7 @@ TEST_P(TcpBackendTest, PipelinesManyOpsInOneSubmit) {
   ExpectBytes(remote, "remote");
   // The connections went back to the pool for the next Submit.
   HostPort peer{"127.0.0.1", b_.backend->port()};
-  EXPECT_GE(a_.backend->client().idle_connections(peer), 1u);
+  EXPECT_GE(PoolProbe(*a_.backend).idle_connections(peer), 1u);
 }
 
 TEST_P(TcpBackendTest, LargeReadsAndWritesShareOneConnection) {
@@ -629,7 +632,7 @@ TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
   Op op = MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local, 1, 1000, old_remote, 2);
   ASSERT_TRUE(a.backend->Submit({op}, In(absl::Seconds(10)))[0].ok());
   HostPort peer{"127.0.0.1", port};
-  ASSERT_GE(a.backend->client().idle_connections(peer), 1u);
+  ASSERT_GE(PoolProbe(*a.backend).idle_connections(peer), 1u);
 
   // The peer dies (its pooled connections with it) and comes back on the same
   // port with a new epoch.

@@ -12,7 +12,7 @@
 #include "backends/ibverbs/test_node.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 using testing::MakeOp;
@@ -112,4 +112,4 @@ TEST_F(HardwareTest, ManyOpsAndAccessErrors) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

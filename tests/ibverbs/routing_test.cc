@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/memory/memory_backend.h"
 #include "backends/tcp/tcp_backend.h"
 #include "gtest/gtest.h"
@@ -16,6 +16,8 @@
 namespace rdma_agent {
 namespace {
 
+using ibverbs::IbverbsBackend;
+using ibverbs::IbverbsOptions;
 using testing::FromGrpc;
 using testing::InProcessAgent;
 

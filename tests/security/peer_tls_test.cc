@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/peer_tls.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
@@ -23,6 +23,8 @@
 namespace rdma_agent {
 namespace {
 
+using ibverbs::IbverbsBackend;
+using ibverbs::IbverbsOptions;
 using testing::FromGrpc;
 using testing::InProcessAgent;
 
