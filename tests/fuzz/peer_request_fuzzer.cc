@@ -22,7 +22,7 @@
 #include <string>
 
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "google/protobuf/stubs/logging.h"
 #include "rdma/agent/v1/peer.pb.h"
@@ -31,6 +31,9 @@
 
 namespace rdma_agent {
 namespace {
+
+using ibverbs::IbverbsBackend;
+using ibverbs::IbverbsOptions;
 
 constexpr char kDevice[] = "nic_fuzz";  // as in make_seed_corpus.py
 constexpr size_t kMaxResponders = 4;
