@@ -11,14 +11,14 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "backends/buffer_table.h"
 #include "backends/peer_tls.h"
 #include "common/net_address.h"
-#include "common/rate_limited_log.h"
 #include "common/random.h"
+#include "common/rate_limited_log.h"
 #include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
-#include "daemon/buffer_registry.h"
 #include "daemon/service.h"
 #include "daemon/unix_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -106,7 +106,7 @@ absl::Status Agent::Init() {
   identity_.epoch = RandomNonZeroU64();
 
   SetUpQuotas();
-  buffers_ = std::make_unique<BufferRegistry>(identity_.epoch);
+  buffers_ = std::make_unique<BufferTable>(identity_.epoch);
   attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
 
   BackendEnvironment env;
@@ -252,8 +252,8 @@ absl::Status Agent::Init() {
   attach_options.path = options_.attach_socket_path;
   attach_options.max_buffer_bytes = options_.max_buffer_bytes;
   attach_options.quotas = quotas_;
-  auto attach = AttachServer::Start(attach_options, attach_tokens_.get(),
-                                    buffers_.get());
+  auto attach =
+      AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
   if (!attach.ok()) return attach.status();
   attach_server_ = std::move(*attach);
 

@@ -20,7 +20,7 @@ namespace rdma_agent {
 class ActiveCalls;
 class AttachServer;
 class AttachTokens;
-class BufferRegistry;
+class BufferTable;
 class CallerTable;
 class RdmaAgentService;
 class UnixListener;
@@ -68,7 +68,7 @@ class Agent {
   LogRateLimiter refused_connection_log_{absl::Seconds(10)};
   // Declaration order is teardown order in reverse: servers stop before the
   // registries and backends they call into are destroyed.
-  std::unique_ptr<BufferRegistry> buffers_;
+  std::unique_ptr<BufferTable> buffers_;
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;

@@ -27,9 +27,9 @@ AttachServer::Reply AttachServer::ErrorReply(const absl::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
-    Options options, AttachTokens* tokens, const BufferRegistry* registry) {
+    Options options, AttachTokens* tokens, const BufferTable* buffers) {
   std::unique_ptr<AttachServer> server(
-      new AttachServer(std::move(options), tokens, registry));
+      new AttachServer(std::move(options), tokens, buffers));
   auto listener = UnixListener::Start(
       server->options_.path,
       [raw = server.get()](UniqueFd fd, const PeerCredentials& peer) {
@@ -41,8 +41,8 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
 }
 
 AttachServer::AttachServer(Options options, AttachTokens* tokens,
-                           const BufferRegistry* registry)
-    : options_(std::move(options)), tokens_(tokens), registry_(registry) {}
+                           const BufferTable* buffers)
+    : options_(std::move(options)), tokens_(tokens), buffers_(buffers) {}
 
 AttachServer::~AttachServer() {
   listener_.reset();  // no new connections after this
@@ -148,7 +148,7 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       return reply;
     }
     case v1::AttachRequest::kOpen: {
-      auto registration = registry_->Find(request.open().buffer_id(), peer.uid);
+      auto registration = buffers_->Find(request.open().buffer_id(), peer.uid);
       if (!registration.ok()) {
         return ErrorReply(absl::Status(
             registration.status().code(),

@@ -114,7 +114,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 RdmaAgentService::RdmaAgentService(
     const AgentOptions& options, const AgentIdentity& identity,
-    const BackendRegistry* backends, BufferRegistry* buffers,
+    const BackendRegistry* backends, BufferTable* buffers,
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas)
     : options_(options),

@@ -9,11 +9,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "backends/buffer_table.h"
 #include "backends/registry.h"
 #include "daemon/active_calls.h"
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
-#include "daemon/buffer_registry.h"
 #include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
@@ -36,7 +36,8 @@ class CallerTable {
   absl::Status Admit(int fd, const PeerCredentials& peer, size_t max_per_user,
                      size_t max_total);
   // The caller of the RPC in `context`; UNAUTHENTICATED if unknown.
-  absl::StatusOr<PeerCredentials> Lookup(const grpc::ServerContext& context) const;
+  absl::StatusOr<PeerCredentials> Lookup(
+      const grpc::ServerContext& context) const;
   // Live connections of `uid`.
   size_t Connections(uid_t uid) const;
 
@@ -56,7 +57,7 @@ class CallerTable {
 class RdmaAgentService final : public v1::RdmaAgent::Service {
  public:
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
-                   const BackendRegistry* backends, BufferRegistry* buffers,
+                   const BackendRegistry* backends, BufferTable* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas);
 
@@ -97,13 +98,14 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   // Validates op `index` of a Submit and resolves its buffers.
   absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
                                uid_t caller) const;
-  absl::StatusOr<absl::Time> SubmitDeadline(const grpc::ServerContext& context,
-                                            const v1::SubmitRequest& request) const;
+  absl::StatusOr<absl::Time> SubmitDeadline(
+      const grpc::ServerContext& context,
+      const v1::SubmitRequest& request) const;
 
   const AgentOptions& options_;
   const AgentIdentity identity_;
   const BackendRegistry* const backends_;
-  BufferRegistry* const buffers_;
+  BufferTable* const buffers_;
   AttachTokens* const attach_tokens_;
   const CallerTable* const callers_;
   ActiveCalls* const calls_;
