@@ -16,6 +16,7 @@
 #include "common/net_address.h"
 #include "common/random.h"
 #include "common/rate_limited_log.h"
+#include "common/status_util.h"
 #include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
@@ -118,9 +119,7 @@ absl::Status Agent::Init() {
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
     if (!backend.ok()) {
-      return absl::Status(
-          backend.status().code(),
-          absl::StrCat("spawning a backend: ", backend.status().message()));
+      return Prefixed(backend.status(), "spawning a backend");
     }
     backends.push_back(std::move(*backend));
   }
@@ -181,9 +180,8 @@ absl::Status Agent::Init() {
     if (!backend->available()) continue;
     status = backend->Start(peer_address_);
     if (!status.ok()) {
-      return absl::Status(status.code(),
-                          absl::StrCat("starting backend ", backend->name(),
-                                       ": ", status.message()));
+      return Prefixed(status,
+                      absl::StrCat("starting backend ", backend->name()));
     }
   }
 

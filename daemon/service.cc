@@ -13,18 +13,13 @@
 #include "absl/time/clock.h"
 #include "common/log_text.h"
 #include "common/random.h"
+#include "common/status_util.h"
 #include "daemon/remote_context.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 namespace {
-
-absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
-  if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(prefix, ": ", status.message()));
-}
 
 bool ValidAccess(v1::Access access) {
   return AllowsRead(access) || AllowsWrite(access);
@@ -106,17 +101,13 @@ absl::StatusOr<PeerCredentials> CallerTable::Lookup(
   return it->second.peer;
 }
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
-}
-
-RdmaAgentService::RdmaAgentService(
-    const AgentOptions& options, const AgentIdentity& identity,
-    const BackendRegistry* backends, BufferTable* buffers,
-    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
-    AgentQuotas quotas)
+RdmaAgentService::RdmaAgentService(const AgentOptions& options,
+                                   const AgentIdentity& identity,
+                                   const BackendRegistry* backends,
+                                   BufferTable* buffers,
+                                   AttachTokens* attach_tokens,
+                                   const CallerTable* callers,
+                                   ActiveCalls* calls, AgentQuotas quotas)
     : options_(options),
       identity_(identity),
       backends_(backends),

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "backends/buffer_table.h"
 #include "backends/registry.h"
+#include "common/grpc_status.h"
 #include "daemon/active_calls.h"
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
@@ -111,9 +112,6 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   ActiveCalls* const calls_;
   const AgentQuotas quotas_;
 };
-
-// absl::Status -> grpc::Status, keeping code and message.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace rdma_agent
 
