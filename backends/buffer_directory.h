@@ -64,7 +64,9 @@ bool TokensEqual(absl::string_view a, absl::string_view b);
 
 // The checks of ResolveForPeer against an already-found registration:
 // token (NotRegisteredError()), then access and range unless
-// request.proof_only. Shared by every BufferDirectory implementation.
+// request.proof_only. BufferTable (backends/buffer_table.h) is the one
+// BufferDirectory that finds registrations and calls this; use it rather
+// than writing another.
 absl::Status CheckServeRequest(const Registration& registration,
                                const ServeRequest& request);
 

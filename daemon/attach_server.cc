@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fd_message.h"
 #include "common/log_text.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -27,9 +28,9 @@ AttachServer::Reply AttachServer::ErrorReply(const absl::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
-    Options options, AttachTokens* tokens, const BufferRegistry* registry) {
+    Options options, AttachTokens* tokens, const BufferTable* buffers) {
   std::unique_ptr<AttachServer> server(
-      new AttachServer(std::move(options), tokens, registry));
+      new AttachServer(std::move(options), tokens, buffers));
   auto listener = UnixListener::Start(
       server->options_.path,
       [raw = server.get()](UniqueFd fd, const PeerCredentials& peer) {
@@ -41,8 +42,8 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
 }
 
 AttachServer::AttachServer(Options options, AttachTokens* tokens,
-                           const BufferRegistry* registry)
-    : options_(std::move(options)), tokens_(tokens), registry_(registry) {}
+                           const BufferTable* buffers)
+    : options_(std::move(options)), tokens_(tokens), buffers_(buffers) {}
 
 AttachServer::~AttachServer() {
   listener_.reset();  // no new connections after this
@@ -79,10 +80,8 @@ void AttachServer::OnConnection(UniqueFd fd, const PeerCredentials& peer) {
   // Admitted before a thread exists; refused, the fd closes on return.
   auto charge = options_.quotas.attach_connections->Reserve(peer.uid, 1);
   if (!charge.ok()) {
-    (void)SendFdMessage(
-        fd.get(), ErrorResponse(absl::Status(
-                      charge.status().code(),
-                      absl::StrCat("attach: ", charge.status().message()))));
+    (void)SendFdMessage(fd.get(),
+                        ErrorResponse(Prefixed(charge.status(), "attach")));
     return;
   }
   absl::MutexLock lock(&mu_);
@@ -136,9 +135,7 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       uint64_t size = 0;
       auto token = Attach(std::move(fd), peer, &size);
       if (!token.ok()) {
-        return ErrorReply(
-            absl::Status(token.status().code(),
-                         absl::StrCat("attach: ", token.status().message())));
+        return ErrorReply(Prefixed(token.status(), "attach"));
       }
       Reply reply;
       reply.response.set_attach_token(*token);
@@ -148,11 +145,9 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       return reply;
     }
     case v1::AttachRequest::kOpen: {
-      auto registration = registry_->Find(request.open().buffer_id(), peer.uid);
+      auto registration = buffers_->Find(request.open().buffer_id(), peer.uid);
       if (!registration.ok()) {
-        return ErrorReply(absl::Status(
-            registration.status().code(),
-            absl::StrCat("open: ", registration.status().message())));
+        return ErrorReply(Prefixed(registration.status(), "open"));
       }
       Reply reply;
       reply.response.set_size_bytes((*registration)->size());

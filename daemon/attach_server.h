@@ -9,8 +9,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "backends/buffer_table.h"
 #include "daemon/attach_tokens.h"
-#include "daemon/buffer_registry.h"
 #include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/attach.pb.h"
@@ -37,7 +37,7 @@ class AttachServer {
   };
 
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(
-      Options options, AttachTokens* tokens, const BufferRegistry* registry);
+      Options options, AttachTokens* tokens, const BufferTable* buffers);
   AttachServer(const AttachServer&) = delete;
   AttachServer& operator=(const AttachServer&) = delete;
   // Stops accepting, ends every connection and waits for their threads.
@@ -53,7 +53,7 @@ class AttachServer {
   };
 
   AttachServer(Options options, AttachTokens* tokens,
-               const BufferRegistry* registry);
+               const BufferTable* buffers);
   void OnConnection(UniqueFd fd, const PeerCredentials& peer);
   void Serve(Connection* connection);
   struct Reply {
@@ -72,7 +72,7 @@ class AttachServer {
 
   const Options options_;
   AttachTokens* const tokens_;
-  const BufferRegistry* const registry_;
+  const BufferTable* const buffers_;
   std::unique_ptr<UnixListener> listener_;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,4 +1,4 @@
-#include "daemon/buffer_registry.h"
+#include "backends/buffer_table.h"
 
 #include <algorithm>
 
@@ -6,18 +6,18 @@
 
 namespace rdma_agent {
 
-uint64_t BufferRegistry::NextId() {
+uint64_t BufferTable::NextId() {
   absl::MutexLock lock(&mu_);
   return next_id_++;
 }
 
-void BufferRegistry::Add(std::shared_ptr<Registration> registration) {
+void BufferTable::Add(std::shared_ptr<Registration> registration) {
   absl::MutexLock lock(&mu_);
   const uint64_t id = registration->id();
   buffers_.emplace(id, std::move(registration));
 }
 
-absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::Find(
+absl::StatusOr<std::shared_ptr<Registration>> BufferTable::Find(
     uint64_t id, uid_t caller) const {
   absl::MutexLock lock(&mu_);
   auto it = buffers_.find(id);
@@ -27,7 +27,7 @@ absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::Find(
   return it->second;
 }
 
-absl::Status BufferRegistry::Remove(uint64_t id, uid_t caller) {
+absl::Status BufferTable::Remove(uint64_t id, uid_t caller) {
   std::shared_ptr<Registration> removed;
   {
     absl::MutexLock lock(&mu_);
@@ -42,7 +42,7 @@ absl::Status BufferRegistry::Remove(uint64_t id, uid_t caller) {
   return absl::OkStatus();
 }
 
-std::vector<std::shared_ptr<Registration>> BufferRegistry::List(
+std::vector<std::shared_ptr<Registration>> BufferTable::List(
     uid_t caller) const {
   std::vector<std::shared_ptr<Registration>> visible;
   {
@@ -56,7 +56,7 @@ std::vector<std::shared_ptr<Registration>> BufferRegistry::List(
   return visible;
 }
 
-void BufferRegistry::Clear() {
+void BufferTable::Clear() {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> dropped;
   {
     absl::MutexLock lock(&mu_);
@@ -64,7 +64,7 @@ void BufferRegistry::Clear() {
   }
 }
 
-absl::StatusOr<std::shared_ptr<Registration>> BufferRegistry::ResolveForPeer(
+absl::StatusOr<std::shared_ptr<Registration>> BufferTable::ResolveForPeer(
     const ServeRequest& request) const {
   // Token first: nothing a requester without the token is told depends on
   // this agent's epoch or on which ids exist.

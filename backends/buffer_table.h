@@ -1,0 +1,75 @@
+#ifndef RDMA_AGENTD_BACKENDS_BUFFER_TABLE_H_
+#define RDMA_AGENTD_BACKENDS_BUFFER_TABLE_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/buffer_directory.h"
+#include "backends/registration.h"
+
+namespace rdma_agent {
+
+// The one table of an agent's live registrations, by id, and the one place
+// that decides whether a request may touch one:
+//  - local callers (the agent's API) are scoped by owner: each registration
+//    belongs to the local user that registered it, other users cannot tell a
+//    foreign id from an unknown one (both NOT_FOUND), root sees every one;
+//  - peers (and this agent's own memory backend) go through ResolveForPeer,
+//    which checks epoch, id, token, access and range in the order and with
+//    the messages BufferDirectory documents.
+// The daemon owns one per agent; backend tests use one in place of an agent.
+// Thread-safe.
+class BufferTable : public BufferDirectory {
+ public:
+  // `epoch` is this agent's life: contexts from another life are stale.
+  explicit BufferTable(uint64_t epoch) : epoch_(epoch) {}
+
+  uint64_t epoch() const { return epoch_; }
+
+  // A fresh, never reused id.
+  uint64_t NextId();
+
+  // Publishes a fully built registration under its id. How many a user may
+  // hold is the registration quota's business (charged before the memory is
+  // mapped).
+  void Add(std::shared_ptr<Registration> registration);
+
+  // The registration `id` if `caller` may use it; NOT_FOUND otherwise.
+  absl::StatusOr<std::shared_ptr<Registration>> Find(uint64_t id,
+                                                     uid_t caller) const;
+
+  // Unpublishes `id` if `caller` may use it; NOT_FOUND otherwise. The memory
+  // lives on while ops still pin it.
+  absl::Status Remove(uint64_t id, uid_t caller);
+
+  // The registrations `caller` may see, by ascending id.
+  std::vector<std::shared_ptr<Registration>> List(uid_t caller) const;
+
+  // Drops every registration (shutdown).
+  void Clear();
+
+  absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
+      const ServeRequest& request) const override;
+
+ private:
+  static bool MayUse(const Registration& registration, uid_t caller) {
+    return caller == 0 || registration.owner() == caller;
+  }
+
+  const uint64_t epoch_;
+  mutable absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> buffers_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_BACKENDS_BUFFER_TABLE_H_

@@ -1,0 +1,115 @@
+#include "backends/buffer_table.h"
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/shared_memory.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent {
+namespace {
+
+constexpr uint64_t kEpoch = 7;
+constexpr uid_t kOwner = 1000;
+constexpr uid_t kOther = 1001;
+
+std::shared_ptr<Registration> MakeRegistration(uint64_t id, v1::Access access,
+                                               uint64_t size = 4096) {
+  auto memory = SharedMemory::Allocate(size, "buffer_table_test");
+  EXPECT_TRUE(memory.ok()) << memory.status();
+  return std::make_shared<Registration>(id, kOwner, access, "label",
+                                        "token-" + std::to_string(id),
+                                        std::move(*memory),
+                                        /*agent_allocated=*/true);
+}
+
+ServeRequest Request(uint64_t id, bool write = false) {
+  ServeRequest request;
+  request.agent_epoch = kEpoch;
+  request.buffer_id = id;
+  request.token = "token-" + std::to_string(id);
+  request.offset = 0;
+  request.length = 16;
+  request.write = write;
+  return request;
+}
+
+TEST(BufferTableTest, OwnerScopingHidesForeignIds) {
+  BufferTable table(kEpoch);
+  const uint64_t id = table.NextId();
+  table.Add(MakeRegistration(id, v1::ACCESS_READ_WRITE));
+  EXPECT_TRUE(table.Find(id, kOwner).ok());
+  EXPECT_TRUE(table.Find(id, /*root=*/0).ok());
+  EXPECT_EQ(table.Find(id, kOther).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(table.Find(id + 1, kOwner).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(table.Find(id, kOther).status(),
+            absl::NotFoundError(absl::StrCat("no buffer with id ", id)));
+  EXPECT_EQ(table.List(kOther).size(), 0u);
+  EXPECT_EQ(table.List(kOwner).size(), 1u);
+  EXPECT_EQ(table.Remove(id, kOther).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(table.Remove(id, kOwner).ok());
+  EXPECT_EQ(table.Find(id, kOwner).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(BufferTableTest, IdsAreNeverReused) {
+  BufferTable table(kEpoch);
+  EXPECT_NE(table.NextId(), table.NextId());
+}
+
+TEST(BufferTableTest, PeerChecksInContractOrder) {
+  BufferTable table(kEpoch);
+  table.Add(MakeRegistration(1, v1::ACCESS_READ));
+
+  ASSERT_TRUE(table.ResolveForPeer(Request(1)).ok());
+
+  ServeRequest stale = Request(1);
+  stale.agent_epoch = kEpoch + 1;
+  EXPECT_EQ(table.ResolveForPeer(stale).status(), StaleContextError());
+
+  // Unknown id and wrong token are indistinguishable, and a wrong token is
+  // refused before access and range are looked at.
+  EXPECT_EQ(table.ResolveForPeer(Request(2)).status(), NotRegisteredError());
+  ServeRequest forged = Request(1, /*write=*/true);
+  forged.token = "token-x";
+  forged.length = 1 << 20;
+  EXPECT_EQ(table.ResolveForPeer(forged).status(), NotRegisteredError());
+
+  EXPECT_EQ(table.ResolveForPeer(Request(1, /*write=*/true)).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  ServeRequest empty = Request(1);
+  empty.length = 0;
+  EXPECT_EQ(table.ResolveForPeer(empty).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ServeRequest past_end = Request(1);
+  past_end.offset = 4090;
+  EXPECT_EQ(table.ResolveForPeer(past_end).status().code(),
+            absl::StatusCode::kOutOfRange);
+  ServeRequest overflow = Request(1);
+  overflow.offset = ~uint64_t{0};
+  EXPECT_EQ(table.ResolveForPeer(overflow).status().code(),
+            absl::StatusCode::kOutOfRange);
+
+  // Proof only: token is enough, access and range are the caller's.
+  ServeRequest proof = Request(1, /*write=*/true);
+  proof.proof_only = true;
+  proof.length = 0;
+  EXPECT_TRUE(table.ResolveForPeer(proof).ok());
+}
+
+TEST(BufferTableTest, RemovedBufferLivesWhilePinned) {
+  BufferTable table(kEpoch);
+  table.Add(MakeRegistration(1, v1::ACCESS_READ_WRITE));
+  auto pinned = table.ResolveForPeer(Request(1));
+  ASSERT_TRUE(pinned.ok());
+  ASSERT_TRUE(table.Remove(1, kOwner).ok());
+  EXPECT_EQ(table.ResolveForPeer(Request(1)).status(), NotRegisteredError());
+  (*pinned)->data()[0] = std::byte{1};  // still mapped
+  table.Clear();
+}
+
+}  // namespace
+}  // namespace rdma_agent
