@@ -44,8 +44,10 @@ struct BackendEnvironment {
 
 // One op as the agent hands it to a backend, already validated: the local
 // range lies inside `local` with the right access, the remote range inside
-// what `remote` advertises, and length > 0. The remote side is re-checked by
-// whoever serves it.
+// what `remote` advertises, length > 0, and `endpoint` is the backend's own
+// entry in `remote`, one it CanReach(). Backends trust this and check again
+// only what the remote side answers; the remote side re-checks the request
+// against its real buffer (whoever serves it).
 struct Op {
   // Position in the Submit batch, for messages ("op 3: ...").
   size_t index = 0;
@@ -55,6 +57,10 @@ struct Op {
   uint64_t length = 0;
   std::shared_ptr<const v1::RemoteBuffer> remote;
   uint64_t remote_offset = 0;
+  // The entry of `remote` for the backend running the op, chosen by
+  // BackendRegistry::Submit (which sets it for each attempt). Points into
+  // *remote, so it lives as long as the op.
+  const v1::BackendEndpoint* endpoint = nullptr;
 
   bool reads_into_local() const {
     return type == v1::OP_TYPE_READ_INTO_LOCAL;
@@ -83,6 +89,9 @@ class Backend {
 
   // Services this backend serves to peer agents on the agent's Peer listener
   // (e.g. the queue-pair handshake). Must stay valid while the backend lives.
+  // Backends never open listeners of their own: whoever runs a backend
+  // serves these (the Agent; backends/testing/peer_listener.h in tests) and
+  // stops serving them before destroying the backend.
   virtual std::vector<grpc::Service*> peer_services() { return {}; }
 
   // Called once, after the agent's Peer listener is up and before any
@@ -117,7 +126,8 @@ class Backend {
 using BackendFactory = std::function<absl::StatusOr<std::unique_ptr<Backend>>(
     const BackendEnvironment& env)>;
 
-// The endpoint of `backend` in `remote`, or nullptr.
+// The endpoint of `backend` in `remote`, or nullptr: for CanReach() and
+// routing; Submit() finds it in Op::endpoint.
 const v1::BackendEndpoint* FindEndpoint(const v1::RemoteBuffer& remote,
                                         absl::string_view backend);
 

@@ -76,7 +76,12 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
                             std::vector<OpOutcome>& outcomes) const {
   std::vector<Op> batch;
   batch.reserve(indices.size());
-  for (size_t i : indices) batch.push_back(ops[i]);
+  for (size_t i : indices) {
+    batch.push_back(ops[i]);
+    // The routing decision travels with the op: the backend runs it against
+    // its own entry of the context without looking it up again.
+    batch.back().endpoint = FindEndpoint(*ops[i].remote, backend->name());
+  }
   std::vector<absl::Status> statuses = backend->Submit(batch, stop);
   for (size_t k = 0; k < indices.size(); ++k) {
     OpOutcome& outcome = outcomes[indices[k]];

@@ -44,9 +44,11 @@ class BackendRegistry {
 
   // Runs `ops`, each on the best common backend; an op that fails with
   // UNAVAILABLE before `stop` fires is retried once on the next common
-  // backend. Backends run their share of the batch concurrently. Returns one
-  // outcome per op, in order, with Backend::Submit's guarantee: nothing
-  // touches local memory after it has returned.
+  // backend. Each op reaches its backend with Op::endpoint set to that
+  // backend's entry in the op's context (the caller leaves it unset).
+  // Backends run their share of the batch concurrently. Returns one outcome
+  // per op, in order, with Backend::Submit's guarantee: nothing touches
+  // local memory after it has returned.
   std::vector<OpOutcome> Submit(absl::Span<const Op> ops,
                                 const StopToken& stop) const;
 

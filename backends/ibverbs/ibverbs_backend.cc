@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -12,7 +13,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log_text.h"
-#include "common/net_address.h"
 #include "common/random.h"
 #include "spdlog/spdlog.h"
 
@@ -54,10 +54,17 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
 
 namespace {
 
-// gRPC shuts itself down when its last object goes, and that shutdown
-// blocks for seconds while a channel to a dead peer is in reconnect backoff
-// (seen as ~10 s agent shutdowns). Backends come and go (tests run many
-// agents per process), so the library is kept up for the process's life.
+// Why this backend, and not its owner, initializes gRPC for the process: the
+// library shuts itself down when its last object goes, and that shutdown
+// waits (up to ~10 s, in iomgr) for a channel to a dead peer that is still
+// in reconnect backoff. This backend is the one piece of the agent that
+// opens client channels to arbitrary peers (the handshake stubs), and
+// several agents come and go in one test process, so the last object to die
+// is often one of its stubs. Holding one grpc_init() for the process from
+// the first backend created means shutdown never happens mid-process, at
+// the cost of gRPC's threads living until exit, which an agent process pays
+// anyway. The Agent and main do not need to know about it; a process that
+// creates no ibverbs backend never pays for it.
 void KeepGrpcAlive() {
   static const bool initialized = [] {
     grpc_init();
@@ -287,8 +294,6 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
-  // No handshake may run into a backend being destroyed.
-  if (own_server_ != nullptr) own_server_->Shutdown();
   // Connections drain and stop their pollers, and sessions drop their
   // grants, before the PD and device go.
   std::map<std::string, std::shared_ptr<Connection>> requesters;
@@ -425,24 +430,12 @@ std::vector<grpc::Service*> IbverbsBackend::peer_services() {
 }
 
 absl::Status IbverbsBackend::Start(const std::string& peer_address) {
-  if (!peer_address.empty()) peer_address_ = peer_address;
-  if (!available() || !peer_address_.empty()) return absl::OkStatus();
-  const std::string host =
-      env_.advertise_host.empty() || IsWildcardHost(env_.advertise_host)
-          ? "127.0.0.1"
-          : env_.advertise_host;
-  own_service_ = std::make_unique<PeerService>(this);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(JoinHostPort(host, 0),
-                           PeerServerCredentials(env_.peer_tls), &port);
-  builder.RegisterService(own_service_.get());
-  own_server_ = builder.BuildAndStart();
-  if (own_server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen for queue-pair handshakes on ", host));
+  if (available() && peer_address.empty()) {
+    return absl::FailedPreconditionError(
+        "the ibverbs backend needs a Peer listener serving its "
+        "peer_services() for queue-pair handshakes");
   }
-  peer_address_ = JoinHostPort(host, static_cast<uint16_t>(port));
+  peer_address_ = peer_address;
   return absl::OkStatus();
 }
 
@@ -641,8 +634,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
         });
     if (seen) continue;
     tried.push_back(&op);
-    connection = GetConnection(
-        *op.remote, FindEndpoint(*op.remote, name_)->ibverbs(), deadline);
+    connection = GetConnection(*op.remote, op.endpoint->ibverbs(), deadline);
     // Only a refused proof is worth another op's proof.
     if (connection.ok() ||
         connection.status().code() != absl::StatusCode::kNotFound ||
@@ -656,7 +648,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
 absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
     const Op& op, const Connection& connection, const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;
-  const v1::IbverbsEndpoint& endpoint = FindEndpoint(remote, name_)->ibverbs();
+  const v1::IbverbsEndpoint& endpoint = op.endpoint->ibverbs();
   const std::string key = ConnectionKey(remote, endpoint);
   std::string session;
   {
@@ -853,37 +845,35 @@ absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
 }
 
 absl::Status IbverbsBackend::CheckOp(const Op& op) const {
-  const v1::BackendEndpoint* endpoint = FindEndpoint(*op.remote, name_);
-  if (endpoint == nullptr || !endpoint->has_ibverbs()) {
-    return absl::InvalidArgumentError("remote context has no ibverbs endpoint");
-  }
+  // Routed here by the registry, which checked CanReach, with both ranges
+  // validated (backend.h): nothing of the context is checked again.
+  assert(op.endpoint != nullptr && op.endpoint->has_ibverbs());
+  // What the posting path casts to: one lookup, so that a registration that
+  // bypassed BackendRegistry::RegisterWithAll fails instead of crashing.
   if (dynamic_cast<const IbverbsRegistration*>(
           op.local->backend_state(name_)) == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("local buffer ", op.local->id(),
                      " is not registered with the ibverbs backend"));
   }
-  // One-sided ops bypass the remote CPU: check here what the context tells
-  // (the remote NIC checks keys and bounds again).
-  absl::Status range = CheckRange(op.remote_offset, op.length,
-                                  op.remote->size_bytes(), "remote");
-  if (range.ok()) {
-    range = CheckRange(op.local_offset, op.length, op.local->size(), "local");
-  }
-  const uint64_t address = endpoint->ibverbs().address();
-  if (range.ok() && address + op.remote_offset < address) {
-    range = absl::OutOfRangeError("remote address overflows");
-  }
-  return range;
+  return absl::OkStatus();
 }
 
 absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
                                     Connection& connection,
                                     const std::shared_ptr<OpTracker>& tracker,
                                     const StopToken& stop) {
-  const v1::IbverbsEndpoint& ib = FindEndpoint(*op.remote, name_)->ibverbs();
+  const v1::IbverbsEndpoint& ib = op.endpoint->ibverbs();
   auto grant = GrantFor(op, connection, stop);
   if (!grant.ok()) return grant.status();
+  // The grant is the remote's word on the buffer's real size, which a
+  // forged context may overstate: the contract's code rather than the NIC's
+  // access error (the remote NIC refuses the WR either way).
+  if (absl::Status range = CheckRange(op.remote_offset, op.length,
+                                      grant->size_bytes, "remote");
+      !range.ok()) {
+    return range;
+  }
   const auto& local =
       dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
   uint64_t wr_bytes = params_.max_message_bytes;
@@ -926,8 +916,7 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
       tracker->PostingFinished(i, checked);
       continue;
     }
-    groups[ConnectionKey(*ops[i].remote,
-                         FindEndpoint(*ops[i].remote, name_)->ibverbs())]
+    groups[ConnectionKey(*ops[i].remote, ops[i].endpoint->ibverbs())]
         .push_back(i);
   }
 

@@ -15,10 +15,6 @@
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
-namespace grpc {
-class Server;
-}
-
 namespace rdma_agent {
 
 // Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
@@ -89,10 +85,10 @@ class IbverbsBackend : public Backend {
   }
   v1::TransportInfo transport_info() const override;
   std::vector<grpc::Service*> peer_services() override;
-  // Advertises the agent's Peer listener (`peer_address`) for the handshake.
-  // Without one (a backend used on its own, as in tests), serves the Peer
-  // service on a listener of its own at env.advertise_host:0 (127.0.0.1 when
-  // that is empty), so that contexts always carry a reachable address.
+  // Advertises `peer_address`, where whoever runs this backend serves its
+  // peer_services(), for the handshake. The backend opens no listener of its
+  // own: FAILED_PRECONDITION when it is available and `peer_address` is
+  // empty (contexts must carry a reachable address).
   absl::Status Start(const std::string& peer_address) override;
   // "host:port" peers dial for the queue-pair handshake.
   const std::string& peer_address() const { return peer_address_; }
@@ -152,7 +148,7 @@ class IbverbsBackend : public Backend {
   // "agent_id/epoch/device": the requester QP an op needs.
   static std::string ConnectionKey(const v1::RemoteBuffer& remote,
                                    const v1::IbverbsEndpoint& endpoint);
-  // What can be checked before posting: endpoint, local MR, ranges.
+  // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
   // Posts `op` (checked) as WRs of at most the smaller max message size,
   // with the rkey and address granted for its remote buffer over
@@ -195,12 +191,8 @@ class IbverbsBackend : public Backend {
   ibv_port_attr port_attr_ = {};
   LocalPort local_;
   std::unique_ptr<PeerService> service_;
-  // Set at construction or by Start(); read-only once registrations exist.
+  // Set by Start(); read-only once registrations exist.
   std::string peer_address_;
-  // The fallback listener (see Start()), with its own service instance: a
-  // grpc::Service can be registered with one server only.
-  std::unique_ptr<PeerService> own_service_;
-  std::unique_ptr<grpc::Server> own_server_;
 
   mutable absl::Mutex mu_;
   // One per requester key: serialises handshakes to the same peer device,

@@ -34,8 +34,9 @@ std::unique_ptr<TestNode> TestNode::CreateWithVerbs(
   if (!backend.ok()) return nullptr;
   node->backend_ = std::move(*backend);
   if (node->backend_->available()) {
-    const absl::Status started = node->backend_->Start("");
-    EXPECT_TRUE(started.ok()) << started;
+    auto listener = PeerListener::ServeAndStart(*node->backend_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (listener.ok()) node->peer_listener_ = std::move(*listener);
   }
   return node;
 }
@@ -81,6 +82,8 @@ Op MakeOp(size_t index, v1::OpType type, const TestBuffer& local,
   op.local_offset = local_offset;
   op.length = length;
   op.remote = remote.context;
+  // As BackendRegistry::Submit routes it.
+  op.endpoint = FindEndpoint(*op.remote, "ibverbs");
   op.remote_offset = remote_offset;
   return op;
 }

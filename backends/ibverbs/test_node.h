@@ -12,7 +12,8 @@
 
 #include "backends/backend.h"
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
+#include "backends/testing/peer_listener.h"
 #include "backends/testing/test_directory.h"
 
 namespace rdma_agent {
@@ -30,7 +31,7 @@ struct TestBuffer {
 class TestNode {
  public:
   // An agent `agent_id` whose ibverbs backend sees only `device` of
-  // `fabric`. Its backend serves handshakes on its own listener.
+  // `fabric`. The node serves its backend's Peer service on 127.0.0.1:0.
   static std::unique_ptr<TestNode> Create(verbs::SoftFabric& fabric,
                                           const std::string& agent_id,
                                           const std::string& device,
@@ -57,6 +58,8 @@ class TestNode {
   // Before backend_: the backend's environment points at it.
   std::unique_ptr<TestDirectory> directory_;
   std::unique_ptr<IbverbsBackend> backend_;
+  // After backend_: it stops serving before the backend goes.
+  std::unique_ptr<PeerListener> peer_listener_;
   uint64_t next_id_ = 1;
 };
 

@@ -5,7 +5,7 @@
 // the libibverbs calls so that a reader who knows ibv_post_send knows ours.
 // Structs and enums are libibverbs' own (ibv_qp_attr, ibv_send_wr, ibv_wc,
 // IBV_WC_REM_ACCESS_ERR...). Two implementations: real_verbs.h (libibverbs)
-// and soft_verbs.h (a software RC NIC that runs in process).
+// and soft/soft_verbs.h (a software RC NIC that runs in process).
 //
 // Every object has exactly one owner (the unique_ptr a factory returns) and
 // is released by its destructor (ibv_dereg_mr, ibv_destroy_qp...). Children

@@ -1,5 +1,6 @@
 #include "backends/tcp/tcp_backend.h"
 
+#include <cassert>
 #include <map>
 #include <utility>
 
@@ -106,11 +107,9 @@ bool TcpBackend::CanReach(const v1::RemoteBuffer& remote) const {
 }
 
 absl::StatusOr<HostPort> TcpBackend::PeerOf(const Op& op) const {
-  if (!CanReach(*op.remote)) {
-    return absl::InvalidArgumentError(
-        "remote context has no usable tcp endpoint");
-  }
-  const v1::TcpEndpoint& endpoint = FindEndpoint(*op.remote, name_)->tcp();
+  // Routed here by the registry, which checked CanReach (backend.h).
+  assert(op.endpoint != nullptr && op.endpoint->has_tcp());
+  const v1::TcpEndpoint& endpoint = op.endpoint->tcp();
   if (!options_.client.allow_host_names && !tcp::IsIpLiteral(endpoint.host())) {
     // Resolving caller-supplied names would let a context stall this agent
     // in DNS; contexts this agent family issues carry addresses.

@@ -112,6 +112,8 @@ Op MakeOp(v1::OpType type, const TestAgent::Buffer& local,
   op.length = length;
   op.remote = remote.context;
   op.remote_offset = remote_offset;
+  // As BackendRegistry::Submit routes it.
+  op.endpoint = FindEndpoint(*op.remote, "tcp");
   return op;
 }
 

@@ -69,6 +69,8 @@ class Agent {
     op.local_offset = 0;
     op.length = length;
     op.remote = std::move(remote);
+    // As BackendRegistry::Submit routes it.
+    op.endpoint = FindEndpoint(*op.remote, "tcp");
     return op;
   }
 

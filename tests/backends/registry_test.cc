@@ -52,6 +52,9 @@ class FakeBackend : public Backend {
                                    const StopToken&) override {
     std::vector<absl::Status> results;
     for (const Op& op : ops) {
+      // The registry hands over the route it chose: this backend's entry.
+      EXPECT_NE(op.endpoint, nullptr);
+      EXPECT_EQ(op.endpoint, FindEndpoint(*op.remote, name_));
       submitted.push_back(op.index);
       if (script.empty()) {
         results.push_back(absl::OkStatus());

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 #include "common/stop_token.h"
 #include "gtest/gtest.h"

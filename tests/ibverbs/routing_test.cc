@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/memory/memory_backend.h"
 #include "backends/tcp/tcp_backend.h"
 #include "gtest/gtest.h"

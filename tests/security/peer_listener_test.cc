@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/memory/memory_backend.h"
 #include "common/unique_fd.h"
 #include "grpcpp/grpcpp.h"

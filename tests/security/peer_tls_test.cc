@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/peer_tls.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"

@@ -1,6 +1,6 @@
 // The software RC NIC on its own: keys, access flags, the QP state machine,
 // completion codes, the send-queue depth limit and fault injection.
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 
 #include <cerrno>
 #include <cstring>

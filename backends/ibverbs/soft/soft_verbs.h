@@ -1,5 +1,5 @@
-#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_VERBS_H_
-#define RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_VERBS_H_
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_SOFT_VERBS_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_SOFT_VERBS_H_
 
 // A software RC NIC: the Verbs interface implemented in process, so that the
 // ibverbs backend's logic runs where no RDMA hardware exists.
@@ -120,4 +120,4 @@ class SoftFabric {
 }  // namespace verbs
 }  // namespace rdma_agent
 
-#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_VERBS_H_
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_SOFT_SOFT_VERBS_H_

@@ -1,4 +1,4 @@
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 
 #include <algorithm>
 #include <atomic>

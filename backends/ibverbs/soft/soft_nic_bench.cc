@@ -3,13 +3,13 @@
 // bytes in the same run: the soft NIC copies with memmove, so the gap is the
 // backend's and the emulation's overhead per WR.
 //
-//   bazel run -c opt //backends/ibverbs:soft_nic_bench
+//   bazel run -c opt //backends/ibverbs/soft:soft_nic_bench
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "backends/ibverbs/soft_verbs.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/ibverbs/test_node.h"
 
 namespace rdma_agent {
