@@ -14,9 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
+#include "backends/buffer_table.h"
 #include "backends/tcp/client_test_peer.h"
 #include "backends/tcp/tcp_backend.h"
-#include "backends/testing/test_directory.h"
 #include "common/shared_memory.h"
 #include "common/stop_token.h"
 #include "gtest/gtest.h"
@@ -30,7 +30,6 @@ using ::rdma_agent::tcp::testing::ContextFor;
 using ::rdma_agent::tcp::testing::OpenFds;
 using ::rdma_agent::tcp::testing::ScriptedPeer;
 using ::rdma_agent::tcp::testing::Threads;
-using ::rdma_agent::testing::TestDirectory;
 using Behavior = ScriptedPeer::Behavior;
 
 // An in-process agent with only a tcp backend and one local buffer.
@@ -75,7 +74,7 @@ class Agent {
   }
 
  private:
-  TestDirectory directory_;
+  BufferTable directory_;
   std::unique_ptr<TcpBackend> backend_;
   std::shared_ptr<Registration> local_;
 };
@@ -375,7 +374,7 @@ TEST(TcpClientMemoryTest, HugeOpsCostMemoryPerOpNotPerByte) {
 }
 
 TEST(TcpClientCreateTest, BadClientOptionsAreRefused) {
-  TestDirectory directory(1);
+  BufferTable directory(1);
   BackendEnvironment env;
   env.directory = &directory;
   TcpOptions options;

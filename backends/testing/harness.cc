@@ -1,5 +1,6 @@
 #include "backends/testing/harness.h"
 
+#include <cstring>
 #include <random>
 #include <utility>
 
@@ -167,6 +168,29 @@ std::optional<uint64_t> FirstChangedByte(const TestBuffer& buffer) {
 
 void Refill(const TestBuffer& buffer) {
   FillPattern(buffer.span(), buffer.seed);
+}
+
+void Apply(const Op& op, std::vector<uint8_t>& local_image,
+           std::vector<uint8_t>& remote_image) {
+  if (op.reads_into_local()) {
+    std::memcpy(local_image.data() + op.local_offset,
+                remote_image.data() + op.remote_offset, op.length);
+  } else {
+    std::memcpy(remote_image.data() + op.remote_offset,
+                local_image.data() + op.local_offset, op.length);
+  }
+}
+
+std::optional<uint64_t> FirstDifference(const TestBuffer& buffer,
+                                        const std::vector<uint8_t>& image) {
+  if (image.size() != buffer.size()) return 0;
+  if (std::memcmp(buffer.bytes(), image.data(), image.size()) == 0) {
+    return std::nullopt;
+  }
+  for (uint64_t i = 0; i < image.size(); ++i) {
+    if (buffer.bytes()[i] != image[i]) return i;
+  }
+  return std::nullopt;
 }
 
 absl::Time In(absl::Duration duration) { return absl::Now() + duration; }

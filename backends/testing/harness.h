@@ -160,6 +160,14 @@ std::optional<uint64_t> FirstChangedByte(const TestBuffer& buffer);
 // Rewrites `buffer` with its own pattern.
 void Refill(const TestBuffer& buffer);
 
+// What `op` leaves in images (Snapshots) of its local and remote buffers.
+void Apply(const Op& op, std::vector<uint8_t>& local_image,
+           std::vector<uint8_t>& remote_image);
+// Index of the first byte of `buffer` that differs from `image`; nullopt if
+// none.
+std::optional<uint64_t> FirstDifference(const TestBuffer& buffer,
+                                        const std::vector<uint8_t>& image);
+
 absl::Time In(absl::Duration duration);
 
 }  // namespace testing

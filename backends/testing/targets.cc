@@ -7,6 +7,7 @@
 #include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/memory/memory_backend.h"
 #include "backends/tcp/tcp_backend.h"
+#include "backends/testing/ibverbs_agent.h"
 
 namespace rdma_agent {
 namespace testing {
@@ -36,17 +37,13 @@ class SoftFabricWorld : public TargetWorld {
     }
   }
   BackendFactory Factory(int agent) override {
-    return [this, agent](const BackendEnvironment& env)
-               -> absl::StatusOr<std::unique_ptr<Backend>> {
-      IbverbsOptions options;
-      options.qp.max_message_bytes = kIbverbsMaxMessageBytes;
-      options.qp.timeout = 8;  // ~1 ms per try: a lost peer shows quickly
-      options.qp.retry_cnt = 2;
-      auto backend = IbverbsBackend::Create(
-          env, options, fabric_.MakeVerbs({absl::StrCat("nic_", agent)}));
-      if (!backend.ok()) return backend.status();
-      return std::unique_ptr<Backend>(std::move(*backend));
-    };
+    IbverbsOptions options;
+    options.qp.max_message_bytes = kIbverbsMaxMessageBytes;
+    options.qp.timeout = 8;  // ~1 ms per try: a lost peer shows quickly
+    options.qp.retry_cnt = 2;
+    const std::string device = absl::StrCat("nic_", agent);
+    return IbverbsFactory(
+        [this, device] { return fabric_.MakeVerbs({device}); }, options);
   }
 
  private:

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include "backends/backend.h"
@@ -34,6 +35,11 @@ struct BackendTarget {
   uint64_t max_message_bytes = 0;
   std::function<std::unique_ptr<TargetWorld>()> make_world;
 };
+
+// Names the target in test parameters.
+inline void PrintTo(const BackendTarget& target, std::ostream* os) {
+  *os << target.name;
+}
 
 BackendTarget MemoryTarget();
 BackendTarget TcpTarget();

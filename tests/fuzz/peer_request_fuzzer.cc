@@ -22,8 +22,9 @@
 #include <string>
 
 #include "backends/ibverbs/ibverbs_backend.h"
-#include "backends/ibverbs/soft_verbs.h"
-#include "backends/ibverbs/test_node.h"
+#include "backends/ibverbs/soft/soft_verbs.h"
+#include "backends/testing/harness.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "google/protobuf/stubs/logging.h"
 #include "rdma/agent/v1/peer.pb.h"
 #include "spdlog/spdlog.h"
@@ -38,7 +39,7 @@ constexpr uint64_t kBufferSize = 4096;
 
 struct Fixture {
   verbs::SoftFabric fabric;
-  std::unique_ptr<testing::TestNode> node;
+  std::unique_ptr<testing::TestAgent> node;
   testing::TestBuffer buffer;
   // The session handle of the last accepted handshake.
   std::string session;
@@ -57,9 +58,9 @@ Fixture& TheFixture() {
     options.max_grants_per_peer = 8;
     options.drain_timeout = absl::Milliseconds(100);
     f->node =
-        testing::TestNode::Create(f->fabric, "agent-fuzz", kDevice, options);
+        testing::SoftIbverbsAgent(f->fabric, "agent-fuzz", kDevice, options);
     FUZZ_CHECK(f->node != nullptr);
-    FUZZ_CHECK(f->node->backend().available());
+    FUZZ_CHECK(f->node->backend<IbverbsBackend>().available());
     f->buffer = f->node->Register(kBufferSize, v1::ACCESS_READ_WRITE, 7);
     return f;
   }();
@@ -106,7 +107,7 @@ void FuzzOne(const uint8_t* data, size_t size) {
     request.set_token(fixture.buffer.registration->token());
   }
 
-  IbverbsBackend& backend = fixture.node->backend();
+  IbverbsBackend& backend = fixture.node->backend<IbverbsBackend>();
   auto answer = backend.AcceptQueuePair(request);
   FUZZ_CHECK(backend.responder_count() <= kMaxResponders);
   if (!answer.ok()) {
