@@ -17,6 +17,7 @@
 #include "backends/buffer_table.h"
 #include "backends/tcp/client_test_peer.h"
 #include "backends/tcp/tcp_backend.h"
+#include "backends/testing/harness.h"
 #include "common/shared_memory.h"
 #include "common/stop_token.h"
 #include "gtest/gtest.h"
@@ -61,16 +62,9 @@ class Agent {
   // An op on [0, length) of the local buffer against `remote`.
   Op MakeOp(v1::OpType type, std::shared_ptr<v1::RemoteBuffer> remote,
             uint64_t length, size_t index = 0) const {
-    Op op;
-    op.index = index;
-    op.type = type;
-    op.local = local_;
-    op.local_offset = 0;
-    op.length = length;
-    op.remote = std::move(remote);
-    // As BackendRegistry::Submit routes it.
-    op.endpoint = FindEndpoint(*op.remote, "tcp");
-    return op;
+    return ::rdma_agent::testing::MakeOp(
+        index, type, ::rdma_agent::testing::TestBuffer{local_}, 0, length,
+        ::rdma_agent::testing::TestBuffer{nullptr, std::move(remote)}, 0);
   }
 
  private:
