@@ -14,7 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "client/internal/attach_socket.h"
+#include "common/grpc_status.h"
 #include "common/shared_memory.h"
+#include "common/status_util.h"
 #include "common/unique_fd.h"
 #include "google/protobuf/duration.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -61,12 +63,6 @@ class ClientState {
 
 namespace {
 
-// gRPC and absl share the code numbering; the message is kept as is.
-absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
-}
-
 absl::StatusOr<std::string> AttachSocketFor(
     const absl::StatusOr<std::string>& attach_socket) {
   if (!attach_socket.ok()) return attach_socket.status();
@@ -79,7 +75,7 @@ absl::Status ReleaseWith(internal::ClientState& state, uint64_t buffer_id) {
   v1::ReleaseRequest request;
   request.set_buffer_id(buffer_id);
   v1::ReleaseResponse response;
-  return FromGrpc(state.stub().Release(&context, request, &response));
+  return FromGrpcStatus(state.stub().Release(&context, request, &response));
 }
 
 std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
@@ -263,7 +259,7 @@ absl::StatusOr<v1::AgentInfo> AgentClient::GetInfo() {
   v1::AgentInfo info;
   grpc::Status status =
       state_->stub().GetInfo(&context, v1::GetInfoRequest(), &info);
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   return info;
 }
 
@@ -273,7 +269,7 @@ absl::StatusOr<v1::RegisterResponse> AgentClient::Register(
   state_->PrepareContext(&context);
   v1::RegisterResponse response;
   grpc::Status status = state_->stub().Register(&context, request, &response);
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
 
@@ -402,7 +398,7 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
   context.set_deadline(absl::ToChronoTime(absl::Now() + bound));
   v1::SubmitResponse response;
   grpc::Status status = state_->stub().Submit(&context, request, &response);
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   if (response.results_size() != request.ops_size()) {
     return absl::InternalError(
         absl::StrCat("Submit: the agent answered ", response.results_size(),
@@ -411,12 +407,8 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
   std::vector<OpResult> results;
   results.reserve(response.results_size());
   for (const v1::OpResult& result : response.results()) {
-    const bool known = result.code() >= 0 && result.code() <= 16;
-    results.push_back(OpResult{
-        absl::Status(known ? static_cast<absl::StatusCode>(result.code())
-                           : absl::StatusCode::kUnknown,
-                     result.message()),
-        result.backend()});
+    results.push_back(OpResult{StatusFromInt(result.code(), result.message()),
+                               result.backend()});
   }
   return results;
 }
@@ -431,7 +423,7 @@ absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers() {
   v1::ListBuffersResponse response;
   grpc::Status status =
       state_->stub().ListBuffers(&context, v1::ListBuffersRequest(), &response);
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   return std::vector<v1::BufferInfo>(response.buffers().begin(),
                                      response.buffers().end());
 }
@@ -460,7 +452,7 @@ absl::StatusOr<std::string> AgentClient::ReadBuffer(uint64_t id,
     v1::ReadBufferResponse response;
     grpc::Status status =
         state_->stub().ReadBuffer(&context, request, &response);
-    if (!status.ok()) return FromGrpc(status);
+    if (!status.ok()) return FromGrpcStatus(status);
     if (response.data().size() != n) {
       return absl::InternalError(absl::StrCat(
           "ReadBuffer of buffer ", id, " at ", offset + done, ": asked for ", n,
@@ -496,7 +488,7 @@ absl::Status AgentClient::WriteBuffer(uint64_t id, uint64_t offset,
     v1::WriteBufferResponse response;
     grpc::Status status =
         state_->stub().WriteBuffer(&context, request, &response);
-    if (!status.ok()) return FromGrpc(status);
+    if (!status.ok()) return FromGrpcStatus(status);
     done += n;
   } while (done < data.size());
   return absl::OkStatus();

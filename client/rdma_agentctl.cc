@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "client/internal/context_text.h"
 #include "client/rdma_agent_client.h"
+#include "common/grpc_status.h"
 #include "common/unique_fd.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
@@ -264,10 +265,7 @@ class HealthCommand : public Command {
     health::HealthCheckResponse response;
     const grpc::Status status = stub->Check(&context, request, &response);
     if (!status.ok()) {
-      return Failed(
-          "health",
-          absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                       status.error_message()));
+      return Failed("health", FromGrpcStatus(status));
     }
     if (global.json()) {
       Print(global, response);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 
 namespace rdma_agent {
 namespace {
@@ -17,7 +18,7 @@ absl::Status SocketError(absl::string_view what) {
   if (err == EPIPE || err == ECONNRESET) {
     return absl::UnavailableError(absl::StrCat(what, ": connection closed"));
   }
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(err)));
+  return ErrnoStatus(absl::StatusCode::kInternal, what, err);
 }
 
 // Sends all of [data, data+size); the first sendmsg carries `fd`.
@@ -113,7 +114,8 @@ absl::StatusOr<UniqueFd> ReceiveFdMessage(
       ReceiveAll(sock, reinterpret_cast<char*>(prefix), sizeof(prefix), &fd);
   if (!status.ok()) return status;
   uint32_t size = 0;
-  for (int i = 0; i < 4; ++i) size |= static_cast<uint32_t>(prefix[i]) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    size |= static_cast<uint32_t>(prefix[i]) << (8 * i);
   if (size > kMaxFdMessageBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("attach message of ", size, " bytes is too large"));

@@ -9,17 +9,18 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 
 namespace rdma_agent {
 namespace {
 
 absl::Status ErrnoStatus(absl::string_view what) {
   const int err = errno;
-  return absl::Status(
+  return ::rdma_agent::ErrnoStatus(
       err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE
           ? absl::StatusCode::kResourceExhausted
           : absl::StatusCode::kInternal,
-      absl::StrCat(what, ": ", std::strerror(err)));
+      what, err);
 }
 
 absl::StatusOr<std::byte*> MapShared(int fd, uint64_t size) {

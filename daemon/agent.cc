@@ -1,7 +1,5 @@
 #include "daemon/agent.h"
 
-#include <fcntl.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -16,9 +14,11 @@
 #include "common/net_address.h"
 #include "common/random.h"
 #include "common/rate_limited_log.h"
+#include "common/status_util.h"
 #include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
+#include "daemon/caller_identity.h"
 #include "daemon/service.h"
 #include "daemon/unix_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -45,8 +45,8 @@ constexpr int kPeerMaxIdleMs = 5 * 60 * 1000;
 
 absl::Status MakeDirectory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
-    return absl::InternalError(
-        absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+    return ErrnoStatus(absl::StatusCode::kInternal,
+                       absl::StrCat("cannot create ", path), errno);
   }
   return absl::OkStatus();
 }
@@ -86,6 +86,29 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {}
 Agent::~Agent() { Shutdown(); }
 
 absl::Status Agent::Init() {
+  absl::Status status = PrepareRuntimeDir();
+  if (!status.ok()) return status;
+  SetUpQuotas();
+  buffers_ = std::make_unique<BufferTable>(identity_.epoch);
+  attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
+  // In order: backends must exist before the Peer listener serves their
+  // services, and must be started (knowing the Peer address) before any
+  // client can reach the API.
+  for (absl::Status (Agent::*step)() :
+       {&Agent::SpawnBackends, &Agent::StartPeerListener, &Agent::StartBackends,
+        &Agent::StartApiServer, &Agent::StartApiListener,
+        &Agent::StartAttachServer}) {
+    status = (this->*step)();
+    if (!status.ok()) return status;
+  }
+  spdlog::info("agent {} epoch {:016x} serving unix://{} (attach {}){}",
+               identity_.agent_id, identity_.epoch, options_.socket_path,
+               options_.attach_socket_path,
+               peer_address_.empty() ? "" : ", peers at " + peer_address_);
+  return absl::OkStatus();
+}
+
+absl::Status Agent::PrepareRuntimeDir() {
   absl::Status status = MakeDirectory(options_.runtime_dir);
   if (!status.ok()) return status;
   if (options_.socket_path.empty()) {
@@ -104,11 +127,10 @@ absl::Status Agent::Init() {
   }
   identity_.agent_id = options_.agent_id;
   identity_.epoch = RandomNonZeroU64();
+  return absl::OkStatus();
+}
 
-  SetUpQuotas();
-  buffers_ = std::make_unique<BufferTable>(identity_.epoch);
-  attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
-
+absl::Status Agent::SpawnBackends() {
   BackendEnvironment env;
   env.identity = identity_;
   env.directory = buffers_.get();
@@ -118,75 +140,81 @@ absl::Status Agent::Init() {
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
     if (!backend.ok()) {
-      return absl::Status(
-          backend.status().code(),
-          absl::StrCat("spawning a backend: ", backend.status().message()));
+      return Prefixed(backend.status(), "spawning a backend");
     }
     backends.push_back(std::move(*backend));
   }
-  registry_ = std::make_unique<BackendRegistry>(std::move(backends));
+  backends_ = std::make_unique<BackendRegistry>(std::move(backends));
+  return absl::OkStatus();
+}
 
-  // The Peer listener, only when some backend serves peers.
+absl::Status Agent::StartPeerListener() {
+  // Only when some backend serves peers.
   std::vector<grpc::Service*> peer_services;
-  for (const auto& backend : registry_->backends()) {
+  for (const auto& backend : backends_->backends()) {
     if (!backend->available()) continue;
     for (grpc::Service* service : backend->peer_services()) {
       peer_services.push_back(service);
     }
   }
-  if (!peer_services.empty()) {
-    if (options_.peer_listen.empty()) {
-      // Where peers are told to dial, and nowhere else.
-      options_.peer_listen =
-          JoinHostPort(options_.advertise_host, kDefaultPeerPort);
-    }
-    auto listen = ParseHostPort(options_.peer_listen);
-    if (!listen.ok()) return listen.status();
-    grpc::ServerBuilder builder;
-    // Anyone on the network may connect here: Peer requests are small and
-    // few, so threads, streams, message size and idle connections are bound
-    // tightly (a stranger holds nothing for long).
-    grpc::ResourceQuota peer_quota("rdma-agentd-peer");
-    peer_quota.SetMaxThreads(kPeerMaxThreads);
-    builder.SetResourceQuota(peer_quota);
-    builder.SetMaxReceiveMessageSize(kPeerMaxMessageBytes);
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                               kPeerMaxStreamsPerConnection);
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kPeerMaxIdleMs);
-    int port = 0;
-    // With TLS material, peers must present a certificate from the CA.
-    builder.AddListeningPort(options_.peer_listen,
-                             PeerServerCredentials(options_.peer_tls), &port);
-    for (grpc::Service* service : peer_services) {
-      builder.RegisterService(service);
-    }
-    peer_server_ = builder.BuildAndStart();
-    if (peer_server_ == nullptr || port == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen for peers on ", options_.peer_listen));
-    }
-    peer_address_ =
-        JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
-    if (options_.peer_tls.enabled()) {
-      spdlog::info("Peer listener {} requires client certificates (mTLS)",
-                   options_.peer_listen);
-    } else {
-      spdlog::warn(
-          "Peer listener {} is plaintext: any host reaching it may call the "
-          "Peer service (set --peer_tls_cert/--peer_tls_key/--peer_tls_ca)",
-          options_.peer_listen);
-    }
+  if (peer_services.empty()) return absl::OkStatus();
+  if (options_.peer_listen.empty()) {
+    // Where peers are told to dial, and nowhere else.
+    options_.peer_listen =
+        JoinHostPort(options_.advertise_host, kDefaultPeerPort);
   }
-  for (const auto& backend : registry_->backends()) {
-    if (!backend->available()) continue;
-    status = backend->Start(peer_address_);
-    if (!status.ok()) {
-      return absl::Status(status.code(),
-                          absl::StrCat("starting backend ", backend->name(),
-                                       ": ", status.message()));
-    }
+  auto listen = ParseHostPort(options_.peer_listen);
+  if (!listen.ok()) return listen.status();
+  grpc::ServerBuilder builder;
+  // Anyone on the network may connect here: Peer requests are small and
+  // few, so threads, streams, message size and idle connections are bound
+  // tightly (a stranger holds nothing for long).
+  grpc::ResourceQuota peer_quota("rdma-agentd-peer");
+  peer_quota.SetMaxThreads(kPeerMaxThreads);
+  builder.SetResourceQuota(peer_quota);
+  builder.SetMaxReceiveMessageSize(kPeerMaxMessageBytes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             kPeerMaxStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kPeerMaxIdleMs);
+  int port = 0;
+  // With TLS material, peers must present a certificate from the CA.
+  builder.AddListeningPort(options_.peer_listen,
+                           PeerServerCredentials(options_.peer_tls), &port);
+  for (grpc::Service* service : peer_services) {
+    builder.RegisterService(service);
   }
+  peer_server_ = builder.BuildAndStart();
+  if (peer_server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for peers on ", options_.peer_listen));
+  }
+  peer_address_ =
+      JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
+  if (options_.peer_tls.enabled()) {
+    spdlog::info("Peer listener {} requires client certificates (mTLS)",
+                 options_.peer_listen);
+  } else {
+    spdlog::warn(
+        "Peer listener {} is plaintext: any host reaching it may call the "
+        "Peer service (set --peer_tls_cert/--peer_tls_key/--peer_tls_ca)",
+        options_.peer_listen);
+  }
+  return absl::OkStatus();
+}
 
+absl::Status Agent::StartBackends() {
+  for (const auto& backend : backends_->backends()) {
+    if (!backend->available()) continue;
+    absl::Status status = backend->Start(peer_address_);
+    if (!status.ok()) {
+      return Prefixed(status,
+                      absl::StrCat("starting backend ", backend->name()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Agent::StartApiServer() {
   callers_ = std::make_unique<CallerTable>();
   InFlightLimits limits;
   limits.max_ops = options_.max_ops_in_flight;
@@ -194,7 +222,7 @@ absl::Status Agent::Init() {
   limits.max_calls_per_user = options_.max_rpcs_per_user;
   calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
-      options_, identity_, registry_.get(), buffers_.get(),
+      options_, identity_, backends_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -211,25 +239,17 @@ absl::Status Agent::Init() {
   if (server_ == nullptr) {
     return absl::InternalError("cannot start the RdmaAgent gRPC server");
   }
+  return absl::OkStatus();
+}
 
+absl::Status Agent::StartApiListener() {
   // The agent accepts its Unix socket itself to learn each caller's
   // credentials (SO_PEERCRED), then lets gRPC serve the connection.
   auto listener = UnixListener::Start(
       options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
-        const int flags = ::fcntl(fd.get(), F_GETFL);
-        if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
-          spdlog::warn("cannot make connection non-blocking: {}",
-                       std::strerror(errno));
-          return;
-        }
-        // The default Unix socket buffer (~200 KiB) splits every
-        // ReadBuffer chunk into many wake-ups of the reader.
-        const int buffer_bytes = 4 << 20;
-        ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer_bytes,
-                     sizeof(buffer_bytes));
-        const absl::Status admitted =
-            callers_->Admit(fd.get(), peer, options_.max_connections_per_user,
-                            options_.max_connections);
+        const absl::Status admitted = AdmitApiConnection(
+            fd.get(), peer, callers_.get(), options_.max_connections_per_user,
+            options_.max_connections);
         if (!admitted.ok()) {
           // Closing is the answer: the client sees its connection refused.
           // Rate-limited: a flood of refused connections is one line per
@@ -247,7 +267,10 @@ absl::Status Agent::Init() {
       });
   if (!listener.ok()) return listener.status();
   listener_ = std::move(*listener);
+  return absl::OkStatus();
+}
 
+absl::Status Agent::StartAttachServer() {
   AttachServer::Options attach_options;
   attach_options.path = options_.attach_socket_path;
   attach_options.max_buffer_bytes = options_.max_buffer_bytes;
@@ -256,11 +279,6 @@ absl::Status Agent::Init() {
       AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
   if (!attach.ok()) return attach.status();
   attach_server_ = std::move(*attach);
-
-  spdlog::info("agent {} epoch {:016x} serving unix://{} (attach {}){}",
-               identity_.agent_id, identity_.epoch, options_.socket_path,
-               options_.attach_socket_path,
-               peer_address_.empty() ? "" : ", peers at " + peer_address_);
   return absl::OkStatus();
 }
 

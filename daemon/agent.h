@@ -50,13 +50,31 @@ class Agent {
   }
   // "host:port" of the Peer listener (empty when no backend serves peers).
   const std::string& peer_address() const { return peer_address_; }
-  const BackendRegistry& registry() const { return *registry_; }
+  const BackendRegistry& registry() const { return *backends_; }
   // The options in force: socket paths and admission limits filled in.
   const AgentOptions& options() const { return options_; }
 
  private:
   explicit Agent(AgentOptions options);
+  // Runs the steps below in order; the first error aborts the start (the
+  // destructor then stops whatever was started).
   absl::Status Init();
+  // Creates the runtime directory and fills in the options it implies
+  // (socket paths, advertised host, agent id); picks this life's epoch.
+  absl::Status PrepareRuntimeDir();
+  // Builds every backend from its factory into the backend registry.
+  absl::Status SpawnBackends();
+  // Serves the backends' Peer services on one TCP listener, if any has one,
+  // and learns the address peers are told to dial.
+  absl::Status StartPeerListener();
+  // Starts every available backend with the Peer address.
+  absl::Status StartBackends();
+  // The RdmaAgent gRPC server (no port: connections come from the listener).
+  absl::Status StartApiServer();
+  // Accepts the RdmaAgent Unix socket, admits each caller, hands it to gRPC.
+  absl::Status StartApiListener();
+  // The attach socket (memfd hand-over for Register and OpenBuffer).
+  absl::Status StartAttachServer();
   // Fills the admission limits left at 0 from the host, logs them and makes
   // the quotas.
   void SetUpQuotas();
@@ -70,7 +88,7 @@ class Agent {
   // registries and backends they call into are destroyed.
   std::unique_ptr<BufferTable> buffers_;
   std::unique_ptr<AttachTokens> attach_tokens_;
-  std::unique_ptr<BackendRegistry> registry_;
+  std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<CallerTable> callers_;
   std::unique_ptr<ActiveCalls> calls_;
   std::unique_ptr<RdmaAgentService> service_;

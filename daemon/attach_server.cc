@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fd_message.h"
 #include "common/log_text.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -79,10 +80,8 @@ void AttachServer::OnConnection(UniqueFd fd, const PeerCredentials& peer) {
   // Admitted before a thread exists; refused, the fd closes on return.
   auto charge = options_.quotas.attach_connections->Reserve(peer.uid, 1);
   if (!charge.ok()) {
-    (void)SendFdMessage(
-        fd.get(), ErrorResponse(absl::Status(
-                      charge.status().code(),
-                      absl::StrCat("attach: ", charge.status().message()))));
+    (void)SendFdMessage(fd.get(),
+                        ErrorResponse(Prefixed(charge.status(), "attach")));
     return;
   }
   absl::MutexLock lock(&mu_);
@@ -136,9 +135,7 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       uint64_t size = 0;
       auto token = Attach(std::move(fd), peer, &size);
       if (!token.ok()) {
-        return ErrorReply(
-            absl::Status(token.status().code(),
-                         absl::StrCat("attach: ", token.status().message())));
+        return ErrorReply(Prefixed(token.status(), "attach"));
       }
       Reply reply;
       reply.response.set_attach_token(*token);
@@ -150,9 +147,7 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
     case v1::AttachRequest::kOpen: {
       auto registration = buffers_->Find(request.open().buffer_id(), peer.uid);
       if (!registration.ok()) {
-        return ErrorReply(absl::Status(
-            registration.status().code(),
-            absl::StrCat("open: ", registration.status().message())));
+        return ErrorReply(Prefixed(registration.status(), "open"));
       }
       Reply reply;
       reply.response.set_size_bytes((*registration)->size());

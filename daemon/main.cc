@@ -46,6 +46,9 @@ ABSL_FLAG(absl::Duration, max_submit_timeout, absl::Hours(1),
 ABSL_FLAG(int64_t, max_ops_per_submit, 65536, "Largest op batch.");
 ABSL_FLAG(uint64_t, max_buffer_bytes, uint64_t{64} << 30,
           "Largest registration in bytes.");
+ABSL_FLAG(uint64_t, max_transfer_bytes_per_rpc, uint64_t{32} << 20,
+          "Largest ReadBuffer/WriteBuffer in bytes (1 B to 60 MiB: the reply "
+          "must fit the agent's 64 MiB gRPC message limit).");
 ABSL_FLAG(uint64_t, open_files_limit, 0,
           "Soft open-file limit (RLIMIT_NOFILE) the agent runs with; 0: raised "
           "to the hard limit. The admission defaults below are derived from "
@@ -111,6 +114,10 @@ ABSL_FLAG(std::string, peer_tls_server_name, "",
 namespace rdma_agent {
 namespace {
 
+// Largest --max_transfer_bytes_per_rpc: a reply of that many bytes plus its
+// framing must fit the RdmaAgent server's 64 MiB message limit.
+constexpr uint64_t kMaxTransferBytesPerRpc = uint64_t{60} << 20;
+
 std::string SocketPath(std::string flag) {
   absl::string_view path = flag;
   absl::ConsumePrefix(&path, "unix://");
@@ -136,6 +143,14 @@ int Run() {
   options.max_ops_per_submit =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_per_submit));
   options.max_buffer_bytes = absl::GetFlag(FLAGS_max_buffer_bytes);
+  options.max_transfer_bytes_per_rpc =
+      absl::GetFlag(FLAGS_max_transfer_bytes_per_rpc);
+  if (options.max_transfer_bytes_per_rpc == 0 ||
+      options.max_transfer_bytes_per_rpc > kMaxTransferBytesPerRpc) {
+    spdlog::critical("--max_transfer_bytes_per_rpc must be 1 to {} bytes",
+                     kMaxTransferBytesPerRpc);
+    return 2;
+  }
   options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
   options.max_registered_bytes_per_user =
       absl::GetFlag(FLAGS_max_registered_bytes_per_user);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/net_address.h"
+#include "common/status_util.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -217,8 +218,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     std::function<bool()> serving) {
   auto address = ParseHostPort(listen);
   if (!address.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--metrics_listen: ", address.status().message()));
+    return Prefixed(absl::StatusCode::kInvalidArgument, address.status(),
+                    "--metrics_listen");
   }
   std::unique_ptr<MetricsServer> server(new MetricsServer());
   server->handlers_ = std::make_unique<Handlers>(metrics, std::move(serving));

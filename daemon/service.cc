@@ -1,30 +1,22 @@
 #include "daemon/service.h"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <memory>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/log_text.h"
 #include "common/random.h"
+#include "common/status_util.h"
 #include "daemon/remote_context.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 namespace {
-
-absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
-  if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(prefix, ": ", status.message()));
-}
 
 bool ValidAccess(v1::Access access) {
   return AllowsRead(access) || AllowsWrite(access);
@@ -38,85 +30,13 @@ std::string HostName() {
 
 }  // namespace
 
-bool CallerTable::Live(int fd, const Entry& entry) {
-  struct stat st;
-  return ::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) &&
-         st.st_ino == entry.inode;
-}
-
-absl::Status CallerTable::Admit(int fd, const PeerCredentials& peer,
-                                size_t max_per_user, size_t max_total) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    return absl::InternalError(
-        absl::StrCat("fstat of a new connection: ", std::strerror(errno)));
-  }
-  absl::MutexLock lock(&mu_);
-  // The new fd's number may be a closed connection's: drop it first.
-  by_fd_.erase(fd);
-  size_t mine = 0;
-  for (auto it = by_fd_.begin(); it != by_fd_.end();) {
-    if (!Live(it->first, it->second)) {
-      by_fd_.erase(it++);
-      continue;
-    }
-    if (it->second.peer.uid == peer.uid) ++mine;
-    ++it;
-  }
-  if (mine >= max_per_user) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("user ", peer.uid, " already has ", mine,
-                     " connections to the agent (limit ", max_per_user,
-                     ", --max_connections_per_user)"));
-  }
-  if (by_fd_.size() >= max_total) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the agent already serves ", by_fd_.size(), " connections (limit ",
-        max_total, ", --max_connections)"));
-  }
-  by_fd_[fd] = Entry{peer, st.st_ino};
-  return absl::OkStatus();
-}
-
-size_t CallerTable::Connections(uid_t uid) const {
-  absl::MutexLock lock(&mu_);
-  size_t count = 0;
-  for (const auto& [fd, entry] : by_fd_) {
-    if (entry.peer.uid == uid && Live(fd, entry)) ++count;
-  }
-  return count;
-}
-
-absl::StatusOr<PeerCredentials> CallerTable::Lookup(
-    const grpc::ServerContext& context) const {
-  const std::string peer = context.peer();
-  absl::string_view fd_text = peer;
-  int fd = -1;
-  if (!absl::ConsumePrefix(&fd_text, "fd:") ||
-      !absl::SimpleAtoi(fd_text, &fd)) {
-    return absl::UnauthenticatedError(
-        absl::StrCat("cannot identify the caller (peer '", peer, "')"));
-  }
-  absl::MutexLock lock(&mu_);
-  auto it = by_fd_.find(fd);
-  if (it == by_fd_.end()) {
-    return absl::UnauthenticatedError(
-        absl::StrCat("no credentials for connection ", peer));
-  }
-  return it->second.peer;
-}
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
-}
-
-RdmaAgentService::RdmaAgentService(
-    const AgentOptions& options, const AgentIdentity& identity,
-    const BackendRegistry* backends, BufferTable* buffers,
-    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
-    AgentQuotas quotas)
+RdmaAgentService::RdmaAgentService(const AgentOptions& options,
+                                   const AgentIdentity& identity,
+                                   const BackendRegistry* backends,
+                                   BufferTable* buffers,
+                                   AttachTokens* attach_tokens,
+                                   const CallerTable* callers,
+                                   ActiveCalls* calls, AgentQuotas quotas)
     : options_(options),
       identity_(identity),
       backends_(backends),

@@ -11,46 +11,16 @@
 #include "absl/synchronization/mutex.h"
 #include "backends/buffer_table.h"
 #include "backends/registry.h"
+#include "common/grpc_status.h"
 #include "daemon/active_calls.h"
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
+#include "daemon/caller_identity.h"
 #include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
 namespace rdma_agent {
-
-// Credentials of each connection the agent accepted on its Unix socket, by
-// the fd gRPC serves it on (ServerContext::peer() reads "fd:N").
-//
-// gRPC owns and closes those fds, so the table cannot hear of a close; it
-// keeps each socket's inode with it instead. An entry is live while its fd
-// still refers to that inode (a socket's inode is unique while it is open),
-// so a reused fd number is never mistaken for the old connection, and dead
-// entries are swept at every Admit.
-class CallerTable {
- public:
-  // Records `fd` for `peer` if the user and the agent have connections to
-  // spare: RESOURCE_EXHAUSTED (naming the flag) when `peer.uid` already has
-  // `max_per_user` live connections or the agent has `max_total`.
-  absl::Status Admit(int fd, const PeerCredentials& peer, size_t max_per_user,
-                     size_t max_total);
-  // The caller of the RPC in `context`; UNAUTHENTICATED if unknown.
-  absl::StatusOr<PeerCredentials> Lookup(
-      const grpc::ServerContext& context) const;
-  // Live connections of `uid`.
-  size_t Connections(uid_t uid) const;
-
- private:
-  struct Entry {
-    PeerCredentials peer;
-    ino_t inode = 0;
-  };
-  static bool Live(int fd, const Entry& entry);
-
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<int, Entry> by_fd_ ABSL_GUARDED_BY(mu_);
-};
 
 // The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
 // whose credentials the caller table holds for its connection.
@@ -111,9 +81,6 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   ActiveCalls* const calls_;
   const AgentQuotas quotas_;
 };
-
-// absl::Status -> grpc::Status, keeping code and message.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace rdma_agent
 

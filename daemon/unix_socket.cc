@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -28,7 +29,7 @@ bool OutOfResources(int err) {
 }
 
 absl::Status ErrnoError(absl::string_view what) {
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+  return ErrnoStatus(absl::StatusCode::kInternal, what, errno);
 }
 
 }  // namespace

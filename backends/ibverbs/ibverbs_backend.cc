@@ -12,8 +12,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/random.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -29,8 +31,7 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
       v1::ConnectQueuePairResponse* response) override {
     auto answer = backend_->AcceptQueuePair(*request);
     if (!answer.ok()) {
-      return grpc::Status(static_cast<grpc::StatusCode>(answer.status().code()),
-                          std::string(answer.status().message()));
+      return ToGrpcStatus(answer.status());
     }
     *response = std::move(*answer);
     return grpc::Status::OK;
@@ -41,8 +42,7 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
                            v1::GrantBufferResponse* response) override {
     auto answer = backend_->GrantBuffer(*request);
     if (!answer.ok()) {
-      return grpc::Status(static_cast<grpc::StatusCode>(answer.status().code()),
-                          std::string(answer.status().message()));
+      return ToGrpcStatus(answer.status());
     }
     *response = std::move(*answer);
     return grpc::Status::OK;
@@ -110,11 +110,6 @@ class IbverbsRegistration : public BackendRegistration {
 
 std::string GidBytes(const ibv_gid& gid) {
   return std::string(reinterpret_cast<const char*>(gid.raw), sizeof(gid.raw));
-}
-
-absl::Status FromGrpc(const grpc::Status& status, absl::string_view what) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      absl::StrCat(what, ": ", status.error_message()));
 }
 
 const char* PortStateName(ibv_port_state state) {
@@ -592,9 +587,10 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
       StubFor(endpoint.peer_address())
           ->ConnectQueuePair(&context, request, &response);
   if (!status.ok()) {
-    return FromGrpc(status, absl::StrCat("queue-pair handshake with agent ",
-                                         remote.agent_id(), " at ",
-                                         endpoint.peer_address()));
+    return Prefixed(
+        FromGrpcStatus(status),
+        absl::StrCat("queue-pair handshake with agent ", remote.agent_id(),
+                     " at ", endpoint.peer_address()));
   }
   if (response.session().empty() ||
       response.grant().buffer_id() != remote.buffer_id()) {
@@ -604,9 +600,9 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
   }
   absl::Status connected = result.connection->ConnectTo(response.responder());
   if (!connected.ok()) {
-    return absl::UnavailableError(absl::StrCat("connecting the queue pair to ",
-                                               endpoint.peer_address(), ": ",
-                                               connected.message()));
+    return Prefixed(
+        absl::StatusCode::kUnavailable, connected,
+        absl::StrCat("connecting the queue pair to ", endpoint.peer_address()));
   }
   result.session = response.session();
   result.buffer_id = remote.buffer_id();
@@ -686,9 +682,10 @@ absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
     return stop.StopStatus("while asking the peer for buffer access");
   }
   if (!status.ok()) {
-    return FromGrpc(
-        status, absl::StrCat("access to a buffer of agent ", remote.agent_id(),
-                             " at ", endpoint.peer_address()));
+    return Prefixed(
+        FromGrpcStatus(status),
+        absl::StrCat("access to a buffer of agent ", remote.agent_id(), " at ",
+                     endpoint.peer_address()));
   }
   RemoteGrant grant;
   grant.token = remote.token();

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent::tcp {
@@ -484,8 +485,7 @@ class Pipeline {
     }
     if (!status.ok()) {
       // Bytes may be stuck in the pipe: this connection is finished.
-      return absl::Status(status.code(), absl::StrCat("sending to ", peer_,
-                                                      ": ", status.message()));
+      return Prefixed(status, absl::StrCat("sending to ", peer_));
     }
     return absl::OkStatus();
   }
@@ -584,11 +584,8 @@ class Pipeline {
         break;
     }
     source_.ChunkDone(
-        chunk(0),
-        response_.code == 0
-            ? absl::OkStatus()
-            : absl::Status(static_cast<absl::StatusCode>(response_.code),
-                           absl::StrCat(peer_, " refused: ", message_)));
+        chunk(0), StatusFromInt(response_.code,
+                                absl::StrCat(peer_, " refused: ", message_)));
     window_.pop_front();
     --sent_;
     ++answered_;
@@ -895,8 +892,7 @@ absl::StatusOr<DataClient::Connection> DataClient::Dial(SubmitRun& submit,
       return stop.StopStatus(absl::StrCat("before ", peer.name(), " answered"));
     }
     if (absl::IsResourceExhausted(why)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("no socket for ", peer.name(), ": ", why.message()));
+      return Prefixed(why, absl::StrCat("no socket for ", peer.name()));
     }
     spdlog::debug("tcp: peer {} is unreachable: {}", LogSafe(peer.name()),
                   LogSafe(why.message()));

@@ -21,14 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "backends/tcp/wire.h"
+#include "common/status_util.h"
 
 namespace rdma_agent::tcp {
 namespace {
-
-absl::Status ErrnoStatus(absl::StatusCode code, absl::string_view what,
-                         int error) {
-  return absl::Status(code, absl::StrCat(what, ": ", std::strerror(error)));
-}
 
 // Resolves `address` to socket addresses; the caller frees with freeaddrinfo.
 absl::StatusOr<addrinfo*> Resolve(const HostPort& address, bool passive) {
@@ -42,9 +38,9 @@ absl::StatusOr<addrinfo*> Resolve(const HostPort& address, bool passive) {
       passive && IsWildcardHost(address.host) ? nullptr : address.host.c_str();
   const int rc = getaddrinfo(host, port.c_str(), &hints, &result);
   if (rc != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot resolve ", JoinHostPort(address.host, address.port),
-                     ": ", gai_strerror(rc)));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot resolve ", JoinHostPort(address.host, address.port), ": ",
+        gai_strerror(rc)));
   }
   return result;
 }
@@ -80,8 +76,8 @@ absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
   absl::Status last = absl::UnavailableError(
       absl::StrCat("no address to listen on for ", address.host));
   for (addrinfo* ai = *resolved; ai != nullptr; ai = ai->ai_next) {
-    UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC,
-                       ai->ai_protocol));
+    UniqueFd fd(
+        socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
     if (!fd) {
       last = ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
       continue;
@@ -360,8 +356,7 @@ absl::StatusOr<UniqueFd> DialTcp(const HostPort& address, absl::Time deadline,
       return absl::DeadlineExceededError(
           absl::StrCat("deadline passed while connecting to ", name));
     }
-    return absl::Status(status.code(), absl::StrCat("connect to ", name, ": ",
-                                                    status.message()));
+    return Prefixed(status, absl::StrCat("connect to ", name));
   };
   auto resolved = ResolvePeer(address, deadline, nullptr);
   if (!resolved.ok()) return in_context(resolved.status());
@@ -436,7 +431,8 @@ absl::Status WriteFull(int fd, iovec* iov, int iov_count, int flags) {
 absl::Status Discard(int fd, uint64_t size) {
   char scratch[64 * 1024];
   while (size > 0) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, sizeof(scratch)));
+    const size_t n =
+        static_cast<size_t>(std::min<uint64_t>(size, sizeof(scratch)));
     if (absl::Status status = ReadFull(fd, scratch, n); !status.ok()) {
       return status;
     }
@@ -452,7 +448,8 @@ absl::StatusOr<PageSender> PageSender::Create() {
   }
   UniqueFd read(fds[0]);
   UniqueFd write(fds[1]);
-  const int capacity = fcntl(write.get(), F_SETPIPE_SZ, static_cast<int>(kPipeBytes));
+  const int capacity =
+      fcntl(write.get(), F_SETPIPE_SZ, static_cast<int>(kPipeBytes));
   const int actual = capacity > 0 ? capacity : fcntl(write.get(), F_GETPIPE_SZ);
   if (actual <= 0) {
     return ErrnoStatus(absl::StatusCode::kInternal, "F_GETPIPE_SZ", errno);
@@ -480,9 +477,9 @@ absl::Status PageSender::Send(int fd, const std::byte* data, size_t size,
     }
     for (ssize_t moved = 0; moved < lent;) {
       const bool last = done + static_cast<size_t>(lent) == size;
-      const ssize_t n = splice(read_.get(), nullptr, fd, nullptr,
-                               static_cast<size_t>(lent - moved),
-                               SPLICE_F_MOVE | (more || !last ? SPLICE_F_MORE : 0));
+      const ssize_t n = splice(
+          read_.get(), nullptr, fd, nullptr, static_cast<size_t>(lent - moved),
+          SPLICE_F_MOVE | (more || !last ? SPLICE_F_MORE : 0));
       if (n < 0) {
         if (errno == EINTR) continue;
         *sent += done + static_cast<size_t>(moved);

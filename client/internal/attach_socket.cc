@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/fd_message.h"
+#include "common/status_util.h"
 
 namespace rdma_agent::client::internal {
 namespace {
@@ -24,13 +25,12 @@ absl::Status SocketError(absl::string_view what, int err) {
   }
   if (err == ENOENT || err == ECONNREFUSED || err == ECONNRESET ||
       err == EPIPE) {
-    return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err)));
+    return ErrnoStatus(absl::StatusCode::kUnavailable, what, err);
   }
   if (err == EACCES || err == EPERM) {
-    return absl::PermissionDeniedError(
-        absl::StrCat(what, ": ", std::strerror(err)));
+    return ErrnoStatus(absl::StatusCode::kPermissionDenied, what, err);
   }
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(err)));
+  return ErrnoStatus(absl::StatusCode::kInternal, what, err);
 }
 
 absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path,
@@ -109,10 +109,7 @@ absl::StatusOr<AttachReply> ExchangeOnAttachSocket(
 absl::Status ResponseStatus(const rdma::agent::v1::AttachResponse& response) {
   if (response.code() == 0) return absl::OkStatus();
   // Codes outside the gRPC range would not mean anything to callers.
-  const bool known = response.code() > 0 && response.code() <= 16;
-  return absl::Status(known ? static_cast<absl::StatusCode>(response.code())
-                            : absl::StatusCode::kUnknown,
-                      response.message());
+  return StatusFromInt(response.code(), response.message());
 }
 
 }  // namespace rdma_agent::client::internal

@@ -97,6 +97,43 @@ TEST_F(DaemonProcessTest, FlagfileConfiguresAndSigtermCleansUp) {
   EXPECT_FALSE(Exists(attach)) << "attach socket left behind";
 }
 
+TEST_F(DaemonProcessTest, MaxTransferBytesPerRpcFlagIsHonoured) {
+  Subprocess daemon = Start({"--runtime_dir=" + dir_, "--backends=memory",
+                             "--max_transfer_bytes_per_rpc=4096"});
+  client::ConnectOptions options;
+  options.target = "unix://" + dir_ + "/agent.sock";
+  options.attach_socket = dir_ + "/attach.sock";
+  options.transfer_chunk_bytes = 8192;  // above the agent's limit
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto buffer = (*agent)->Allocate(16384, ::rdma::agent::v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+
+  auto too_big = (*agent)->ReadBuffer(buffer->id(), 0, 8192);
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(too_big.status().message(),
+              HasSubstr("exceeds the limit of 4096 bytes per call"));
+  auto at_limit = (*agent)->ReadBuffer(buffer->id(), 0, 4096);
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status();
+  EXPECT_EQ(at_limit->size(), 4096u);
+
+  daemon.Signal(SIGTERM);
+  auto code = daemon.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+}
+
+TEST_F(DaemonProcessTest, MaxTransferBytesPerRpcOutOfRangeIsRefused) {
+  auto result = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+       "--backends=memory", "--max_transfer_bytes_per_rpc=0"},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 2);
+  EXPECT_THAT(result->out + result->err,
+              HasSubstr("--max_transfer_bytes_per_rpc"));
+}
+
 TEST_F(DaemonProcessTest, SigintStopsTooAndTheIdPersists) {
   Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
   std::string id;

@@ -44,6 +44,7 @@
 #include "absl/strings/str_split.h"
 #include "client/rdma_agent_client.h"
 #include "common/fd_message.h"
+#include "common/status_util.h"
 #include "common/unique_fd.h"
 #include "rdma/agent/v1/attach.pb.h"
 
@@ -76,8 +77,7 @@ std::string Error(const absl::Status& status) {
 }
 
 absl::Status ResponseStatus(const v1::AttachResponse& response) {
-  return absl::Status(static_cast<absl::StatusCode>(response.code()),
-                      response.message());
+  return StatusFromInt(response.code(), response.message());
 }
 
 UniqueFd ConnectUnix(const std::string& path) {

@@ -1,12 +1,12 @@
 #include "tests/testing/agent_fixture.h"
 
 #include "backends/memory/memory_backend.h"
+#include "common/grpc_status.h"
 
 namespace rdma_agent::testing {
 
 absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+  return FromGrpcStatus(status);
 }
 
 absl::StatusOr<std::unique_ptr<InProcessAgent>> InProcessAgent::Start(
