@@ -242,8 +242,6 @@ absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
   return std::unique_ptr<AgentClient>(new AgentClient(std::move(state)));
 }
 
-v1::RdmaAgent::Stub& AgentClient::stub() { return state_->stub(); }
-
 std::shared_ptr<grpc::Channel> AgentClient::channel() const {
   return state_->shared_channel();
 }

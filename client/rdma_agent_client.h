@@ -192,9 +192,8 @@ class AgentClient {
   absl::Status WriteBuffer(uint64_t id, uint64_t offset,
                            absl::string_view data);
 
-  // Raw access, for tests.
-  v1::RdmaAgent::Stub& stub();
-  // The channel to the agent, for other services it serves (grpc.health.v1).
+  // The channel to the agent, for other services it serves (grpc.health.v1)
+  // and for raw RdmaAgent calls (v1::RdmaAgent::NewStub(client.channel())).
   std::shared_ptr<grpc::Channel> channel() const;
 
   // The attach socket this client uses (empty if none could be derived).

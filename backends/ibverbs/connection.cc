@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 // How often a wait that nothing else wakes checks for cancellation.
@@ -115,7 +115,8 @@ absl::Status CompletionStatus(const ibv_wc& wc) {
   }
 }
 
-// --- Connection -----------------------------------------------------------
+// --- QueuePairConnection
+// -----------------------------------------------------------
 
 namespace {
 
@@ -126,9 +127,11 @@ uint32_t RandomPsn() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
-    const LocalPort& local, const QueuePairParams& params,
-    absl::Duration busy_poll, absl::Duration drain_timeout, Inbound inbound) {
+absl::StatusOr<std::unique_ptr<QueuePairConnection>>
+QueuePairConnection::Create(const LocalPort& local,
+                            const QueuePairParams& params,
+                            absl::Duration busy_poll,
+                            absl::Duration drain_timeout, Inbound inbound) {
   // Every WR is signaled and the send queue holds at most sq_depth, so a CQ
   // of that size never overflows.
   auto cq =
@@ -157,14 +160,15 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::Create(
       (*qp)->Modify(attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                               IBV_QP_ACCESS_FLAGS);
   if (!status.ok()) return status;
-  return std::unique_ptr<Connection>(new Connection(
+  return std::unique_ptr<QueuePairConnection>(new QueuePairConnection(
       local, params, busy_poll, drain_timeout, std::move(*cq), std::move(*qp)));
 }
 
-Connection::Connection(const LocalPort& local, const QueuePairParams& params,
-                       absl::Duration busy_poll, absl::Duration drain_timeout,
-                       std::unique_ptr<verbs::CompletionQueue> cq,
-                       std::unique_ptr<verbs::QueuePair> qp)
+QueuePairConnection::QueuePairConnection(
+    const LocalPort& local, const QueuePairParams& params,
+    absl::Duration busy_poll, absl::Duration drain_timeout,
+    std::unique_ptr<verbs::CompletionQueue> cq,
+    std::unique_ptr<verbs::QueuePair> qp)
     : local_(local),
       params_(params),
       busy_poll_(busy_poll),
@@ -176,7 +180,7 @@ Connection::Connection(const LocalPort& local, const QueuePairParams& params,
   poller_ = std::thread([this] { Poll(); });
 }
 
-Connection::~Connection() {
+QueuePairConnection::~QueuePairConnection() {
   MoveToErrorAndDrain(drain_timeout_);
   {
     absl::MutexLock lock(&mu_);
@@ -185,7 +189,7 @@ Connection::~Connection() {
   poller_.join();
 }
 
-v1::QueuePairEndpoint Connection::local_endpoint() const {
+v1::QueuePairEndpoint QueuePairConnection::local_endpoint() const {
   v1::QueuePairEndpoint endpoint;
   endpoint.set_device(local_.device->name());
   endpoint.set_port(local_.port);
@@ -200,7 +204,8 @@ v1::QueuePairEndpoint Connection::local_endpoint() const {
   return endpoint;
 }
 
-absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
+absl::Status QueuePairConnection::ConnectTo(
+    const v1::QueuePairEndpoint& remote) {
   if (remote.gid().size() != sizeof(ibv_gid)) {
     return absl::InvalidArgumentError(absl::StrCat("queue pair endpoint has a ",
                                                    remote.gid().size(),
@@ -248,10 +253,9 @@ absl::Status Connection::ConnectTo(const v1::QueuePairEndpoint& remote) {
                                IBV_QP_MAX_QP_RD_ATOMIC);
 }
 
-absl::Status Connection::Post(ibv_send_wr& wr,
-                              const std::shared_ptr<OpTracker>& tracker,
-                              size_t op, std::shared_ptr<Registration> pin,
-                              const StopToken& stop) {
+absl::Status QueuePairConnection::Post(
+    ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker, size_t op,
+    std::shared_ptr<Registration> pin, const StopToken& stop) {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return credits_ > 0 || broken_.load() || stop_;
@@ -288,7 +292,7 @@ absl::Status Connection::Post(ibv_send_wr& wr,
   return status;
 }
 
-bool Connection::MoveToErrorAndDrain(absl::Duration limit) {
+bool QueuePairConnection::MoveToErrorAndDrain(absl::Duration limit) {
   {
     // Under mu_ so that credit waiters see it.
     absl::MutexLock lock(&mu_);
@@ -305,12 +309,12 @@ bool Connection::MoveToErrorAndDrain(absl::Duration limit) {
   return in_flight_.empty();
 }
 
-uint64_t Connection::outstanding() const {
+uint64_t QueuePairConnection::outstanding() const {
   absl::MutexLock lock(&mu_);
   return in_flight_.size();
 }
 
-void Connection::Reap(absl::Span<const ibv_wc> wcs) {
+void QueuePairConnection::Reap(absl::Span<const ibv_wc> wcs) {
   for (const ibv_wc& wc : wcs) {
     InFlight done;
     {
@@ -329,7 +333,7 @@ void Connection::Reap(absl::Span<const ibv_wc> wcs) {
   }
 }
 
-void Connection::Poll() {
+void QueuePairConnection::Poll() {
   std::array<ibv_wc, 32> wcs;
   absl::Time last_completion = absl::Now();
   while (true) {
@@ -362,4 +366,4 @@ void Connection::Poll() {
   }
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

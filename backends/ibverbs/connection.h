@@ -19,7 +19,7 @@
 #include "common/stop_token.h"
 #include "rdma/agent/v1/peer.pb.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 
 // Progress of one Submit's ops, fed by the completion pollers of the
 // connections its WRs went to. An op is done once all of its WRs were posted
@@ -65,8 +65,9 @@ class OpTracker {
   bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// The gRPC code for a work completion status (DESIGN.md section 3):
-// REM_ACCESS_ERR -> PERMISSION_DENIED (rkey revoked or access refused),
+// The contract code for a work completion status (backends/README.md; the
+// table is in backends/ibverbs/README.md, "Errors"):
+// REM_ACCESS_ERR -> PERMISSION_DENIED (grant revoked or access refused),
 // RETRY_EXC_ERR / RNR_RETRY_EXC_ERR / WR_FLUSH_ERR -> UNAVAILABLE (peer
 // unreachable, or the QP failed), REM_INV_REQ_ERR -> INVALID_ARGUMENT,
 // local errors -> INTERNAL.
@@ -93,7 +94,7 @@ struct LocalPort {
 // complete (bounded by `drain_timeout`), then destroys QP and CQ; posted WRs
 // pin their local registration, so memory stays mapped even if the device
 // never drains.
-class Connection {
+class QueuePairConnection {
  public:
   // Whether the QP lets the other side RDMA READ/WRITE through it
   // (qp_access_flags). Requesters refuse: whoever answers a handshake then
@@ -103,12 +104,12 @@ class Connection {
   enum class Inbound { kRefuse, kAccept };
 
   // Creates the CQ and QP in local.pd and moves the QP to INIT.
-  static absl::StatusOr<std::unique_ptr<Connection>> Create(
+  static absl::StatusOr<std::unique_ptr<QueuePairConnection>> Create(
       const LocalPort& local, const QueuePairParams& params,
       absl::Duration busy_poll, absl::Duration drain_timeout, Inbound inbound);
-  ~Connection();
-  Connection(const Connection&) = delete;
-  Connection& operator=(const Connection&) = delete;
+  ~QueuePairConnection();
+  QueuePairConnection(const QueuePairConnection&) = delete;
+  QueuePairConnection& operator=(const QueuePairConnection&) = delete;
 
   // This side, for the other one.
   v1::QueuePairEndpoint local_endpoint() const;
@@ -139,10 +140,10 @@ class Connection {
     std::shared_ptr<Registration> pin;
   };
 
-  Connection(const LocalPort& local, const QueuePairParams& params,
-             absl::Duration busy_poll, absl::Duration drain_timeout,
-             std::unique_ptr<verbs::CompletionQueue> cq,
-             std::unique_ptr<verbs::QueuePair> qp);
+  QueuePairConnection(const LocalPort& local, const QueuePairParams& params,
+                      absl::Duration busy_poll, absl::Duration drain_timeout,
+                      std::unique_ptr<verbs::CompletionQueue> cq,
+                      std::unique_ptr<verbs::QueuePair> qp);
   void Poll();
   // Hands completions to trackers and frees their credits.
   void Reap(absl::Span<const ibv_wc> wcs);
@@ -165,6 +166,6 @@ class Connection {
   std::thread poller_;
 };
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs
 
 #endif  // RDMA_AGENTD_BACKENDS_IBVERBS_CONNECTION_H_

@@ -62,6 +62,11 @@ ABSL_FLAG(absl::Duration, ibverbs_drain_timeout, absl::Seconds(10),
           "Bound on flushing a queue pair moved to ERROR after a deadline.");
 
 namespace rdma_agent {
+
+using ibverbs::IbverbsBackend;
+using ibverbs::IbverbsOptions;
+using ibverbs::QueuePairOverrides;
+
 namespace {
 
 // Copies `value` into `out` unless it is the flag's "unset" value; checks

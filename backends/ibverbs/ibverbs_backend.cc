@@ -18,7 +18,7 @@
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 
 // Serves ConnectQueuePair on the agent's Peer listener.
 class IbverbsBackend::PeerService : public v1::Peer::Service {
@@ -155,7 +155,7 @@ class IbverbsBackend::PeerSession {
 
   const std::string& id() const { return id_; }
   verbs::ProtectionDomain* pd() const { return pd_.get(); }
-  void set_responder(std::unique_ptr<Connection> responder) {
+  void set_responder(std::unique_ptr<QueuePairConnection> responder) {
     responder_ = std::move(responder);
   }
 
@@ -238,7 +238,7 @@ class IbverbsBackend::PeerSession {
   const std::string id_;
   // Declared before responder_: the QP is destroyed before its PD.
   const std::shared_ptr<verbs::ProtectionDomain> pd_;
-  std::unique_ptr<Connection> responder_;
+  std::unique_ptr<QueuePairConnection> responder_;
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // The grant tables this session has an entry in (lock order: mu_, then a
@@ -248,7 +248,7 @@ class IbverbsBackend::PeerSession {
 
 // A requester QP just connected, with what the handshake granted.
 struct IbverbsBackend::Handshaken {
-  std::shared_ptr<Connection> connection;
+  std::shared_ptr<QueuePairConnection> connection;
   std::string session;
   uint64_t buffer_id = 0;
   RemoteGrant grant;
@@ -291,7 +291,7 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 IbverbsBackend::~IbverbsBackend() {
   // Connections drain and stop their pollers, and sessions drop their
   // grants, before the PD and device go.
-  std::map<std::string, std::shared_ptr<Connection>> requesters;
+  std::map<std::string, std::shared_ptr<QueuePairConnection>> requesters;
   std::map<std::string, std::shared_ptr<PeerSession>> responders;
   {
     absl::MutexLock lock(&mu_);
@@ -487,11 +487,13 @@ std::string IbverbsBackend::ConnectionKey(const v1::RemoteBuffer& remote,
                       endpoint.device());
 }
 
-absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
-    const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
-    absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<QueuePairConnection>>
+IbverbsBackend::GetConnection(const v1::RemoteBuffer& remote,
+                              const v1::IbverbsEndpoint& endpoint,
+                              absl::Time deadline) {
   const std::string key = ConnectionKey(remote, endpoint);
-  std::shared_ptr<Connection> stale;  // destroyed (drained) outside mu_
+  std::shared_ptr<QueuePairConnection>
+      stale;  // destroyed (drained) outside mu_
   std::shared_ptr<absl::Mutex> connect_lock;
   {
     absl::MutexLock lock(&mu_);
@@ -521,7 +523,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
                  LogSafe(handshaken.status().ToString()));
     return handshaken.status();
   }
-  std::shared_ptr<Connection> connection = handshaken->connection;
+  std::shared_ptr<QueuePairConnection> connection = handshaken->connection;
   spdlog::info(
       "ibverbs: connected QP {} to agent {} (epoch {:016x}) device "
       "{} at {}",
@@ -529,7 +531,7 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::GetConnection(
       LogSafe(endpoint.device()), LogSafe(endpoint.peer_address()));
   // The agent answered with this epoch, so QPs to its earlier lives are
   // dead: drop them (destroyed outside mu_).
-  std::vector<std::shared_ptr<Connection>> dead;
+  std::vector<std::shared_ptr<QueuePairConnection>> dead;
   {
     absl::MutexLock lock(&mu_);
     const std::string agent_prefix = absl::StrCat(remote.agent_id(), "/");
@@ -564,9 +566,9 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
     absl::Time deadline) {
   // Inbound RDMA refused: whoever answers cannot reach this agent's memory
   // through this QP.
-  auto created =
-      Connection::Create(local_, params_, options_.busy_poll,
-                         options_.drain_timeout, Connection::Inbound::kRefuse);
+  auto created = QueuePairConnection::Create(
+      local_, params_, options_.busy_poll, options_.drain_timeout,
+      QueuePairConnection::Inbound::kRefuse);
   if (!created.ok()) return created.status();
   Handshaken result;
   result.connection = std::move(*created);
@@ -613,13 +615,14 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
   return result;
 }
 
-absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
-    absl::Span<const Op> ops, const std::vector<size_t>& indices,
-    absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<QueuePairConnection>>
+IbverbsBackend::ConnectForGroup(absl::Span<const Op> ops,
+                                const std::vector<size_t>& indices,
+                                absl::Time deadline) {
   // Bounds the handshakes one batch can cost when its proofs are refused.
   constexpr size_t kMaxProofs = 4;
   std::vector<const Op*> tried;
-  absl::StatusOr<std::shared_ptr<Connection>> connection =
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> connection =
       absl::NotFoundError("no op to connect for");
   for (size_t i : indices) {
     const Op& op = ops[i];
@@ -642,7 +645,8 @@ absl::StatusOr<std::shared_ptr<Connection>> IbverbsBackend::ConnectForGroup(
 }
 
 absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
-    const Op& op, const Connection& connection, const StopToken& stop) {
+    const Op& op, const QueuePairConnection& connection,
+    const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;
   const v1::IbverbsEndpoint& endpoint = op.endpoint->ibverbs();
   const std::string key = ConnectionKey(remote, endpoint);
@@ -766,9 +770,9 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
       std::shared_ptr<verbs::ProtectionDomain>(std::move(*pd)));
   LocalPort port = local_;
   port.pd = session->pd();
-  auto created =
-      Connection::Create(port, params_, options_.busy_poll,
-                         options_.drain_timeout, Connection::Inbound::kAccept);
+  auto created = QueuePairConnection::Create(
+      port, params_, options_.busy_poll, options_.drain_timeout,
+      QueuePairConnection::Inbound::kAccept);
   if (!created.ok()) return created.status();
   absl::Status connected = (*created)->ConnectTo(requester);
   if (!connected.ok()) return connected;
@@ -857,7 +861,7 @@ absl::Status IbverbsBackend::CheckOp(const Op& op) const {
 }
 
 absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
-                                    Connection& connection,
+                                    QueuePairConnection& connection,
                                     const std::shared_ptr<OpTracker>& tracker,
                                     const StopToken& stop) {
   const v1::IbverbsEndpoint& ib = op.endpoint->ibverbs();
@@ -866,8 +870,8 @@ absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
   // The grant is the remote's word on the buffer's real size, which a
   // forged context may overstate: the contract's code rather than the NIC's
   // access error (the remote NIC refuses the WR either way).
-  if (absl::Status range = CheckRange(op.remote_offset, op.length,
-                                      grant->size_bytes, "remote");
+  if (absl::Status range =
+          CheckRange(op.remote_offset, op.length, grant->size_bytes, "remote");
       !range.ok()) {
     return range;
   }
@@ -913,12 +917,12 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
       tracker->PostingFinished(i, checked);
       continue;
     }
-    groups[ConnectionKey(*ops[i].remote, ops[i].endpoint->ibverbs())]
-        .push_back(i);
+    groups[ConnectionKey(*ops[i].remote, ops[i].endpoint->ibverbs())].push_back(
+        i);
   }
 
   absl::Mutex used_mu;
-  std::vector<std::shared_ptr<Connection>> used;
+  std::vector<std::shared_ptr<QueuePairConnection>> used;
   // Connects (if needed) and posts one group. Groups run concurrently, so
   // a full send queue or a slow handshake with one peer does not hold up
   // the others.
@@ -1025,4 +1029,4 @@ uint32_t IbverbsBackend::local_key(const Registration& registration) const {
   return state == nullptr ? 0 : state->mr().lkey();
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -15,7 +15,11 @@
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
-namespace rdma_agent {
+namespace rdma_agent::testing {
+class IbverbsBackendProbe;
+}  // namespace rdma_agent::testing
+
+namespace rdma_agent::ibverbs {
 
 // Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
 struct IbverbsOptions {
@@ -114,14 +118,13 @@ class IbverbsBackend : public Backend {
   size_t responder_count() const;
   // Registrations granted to peer sessions, alive now, over all sessions.
   size_t grant_count() const;
-  // The lkey of `registration`'s MR in the main PD (0 when it has none):
-  // for tests that play a rogue peer guessing keys.
-  uint32_t local_key(const Registration& registration) const;
   // The queue-pair attributes in use.
   const QueuePairParams& params() const { return params_; }
   const std::string& profile_name() const { return profile_.name; }
 
  private:
+  // Tests that play a rogue peer read local keys through it.
+  friend class ::rdma_agent::testing::IbverbsBackendProbe;
   class PeerService;
   class PeerSession;
   struct Handshaken;
@@ -136,7 +139,7 @@ class IbverbsBackend : public Backend {
   };
   // A requester QP's session on the peer, and what it was granted.
   struct RequesterLink {
-    std::weak_ptr<Connection> connection;
+    std::weak_ptr<QueuePairConnection> connection;
     std::string session;
     std::map<uint64_t, RemoteGrant> grants;  // by remote buffer id
   };
@@ -153,17 +156,18 @@ class IbverbsBackend : public Backend {
   // Posts `op` (checked) as WRs of at most the smaller max message size,
   // with the rkey and address granted for its remote buffer over
   // `connection`; returns the first posting error.
-  absl::Status PostOp(const Op& op, size_t index, Connection& connection,
+  absl::Status PostOp(const Op& op, size_t index,
+                      QueuePairConnection& connection,
                       const std::shared_ptr<OpTracker>& tracker,
                       const StopToken& stop);
   // The connection a group of ops (same remote agent, epoch and device)
   // goes through. The handshake needs the proof of one buffer: those of the
   // group's ops are tried in turn (a few at most), so that one forged or
   // released context does not fail the others.
-  absl::StatusOr<std::shared_ptr<Connection>> ConnectForGroup(
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> ConnectForGroup(
       absl::Span<const Op> ops, const std::vector<size_t>& indices,
       absl::Time deadline);
-  absl::StatusOr<std::shared_ptr<Connection>> GetConnection(
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> GetConnection(
       const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
       absl::Time deadline);
   absl::StatusOr<Handshaken> Handshake(const v1::RemoteBuffer& remote,
@@ -172,11 +176,13 @@ class IbverbsBackend : public Backend {
   // The grant for op's remote buffer over `connection`: cached, or asked
   // for with GrantBuffer (cut short by `stop`).
   absl::StatusOr<RemoteGrant> GrantFor(const Op& op,
-                                       const Connection& connection,
+                                       const QueuePairConnection& connection,
                                        const StopToken& stop);
   std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
   // The session `id` names, or nullptr.
   std::shared_ptr<PeerSession> FindSession(const std::string& id) const;
+  // The lkey of `registration`'s MR in the main PD (0 when it has none).
+  uint32_t local_key(const Registration& registration) const;
 
   const std::string name_ = "ibverbs";
   const BackendEnvironment env_;
@@ -201,7 +207,7 @@ class IbverbsBackend : public Backend {
   std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
       ABSL_GUARDED_BY(mu_);
   // Requester QPs by "agent_id/epoch/device".
-  std::map<std::string, std::shared_ptr<Connection>> requesters_
+  std::map<std::string, std::shared_ptr<QueuePairConnection>> requesters_
       ABSL_GUARDED_BY(mu_);
   // What each requester QP was granted, by the same key as requesters_.
   std::map<std::string, RequesterLink> links_ ABSL_GUARDED_BY(mu_);
@@ -215,6 +221,6 @@ class IbverbsBackend : public Backend {
   uint64_t connections_established_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs
 
 #endif  // RDMA_AGENTD_BACKENDS_IBVERBS_IBVERBS_BACKEND_H_

@@ -23,15 +23,15 @@
 #include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
-using testing::In;
-using testing::MakeOp;
-using testing::Snapshot;
-using testing::SoftIbverbsAgent;
-using testing::TestAgent;
-using testing::TestBuffer;
+using ::rdma_agent::testing::In;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::Snapshot;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 using verbs::SoftDeviceConfig;
 using verbs::SoftFabric;
 using verbs::SoftFault;
@@ -928,4 +928,4 @@ TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

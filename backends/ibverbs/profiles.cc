@@ -5,7 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 constexpr uint32_t kMellanoxVendorId = 0x02c9;
@@ -126,4 +126,4 @@ QueuePairParams ResolveParams(const QueuePairParams& defaults,
   return p;
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -9,7 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "backends/ibverbs/verbs.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 
 // RC queue-pair attributes the backend uses (ibv_modify_qp / ibv_create_qp).
 struct QueuePairParams {
@@ -74,6 +74,6 @@ QueuePairParams ResolveParams(const QueuePairParams& defaults,
                               const ibv_device_attr& device,
                               const ibv_port_attr& port);
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs
 
 #endif  // RDMA_AGENTD_BACKENDS_IBVERBS_PROFILES_H_

@@ -2,7 +2,7 @@
 
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 ibv_device_attr Device(int max_qp_wr = 32768, int max_rd_atom = 16,
@@ -76,4 +76,4 @@ TEST(ProfilesTest, OverridesApplyThenCaps) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -14,7 +14,7 @@ ABSL_DECLARE_FLAG(int32_t, ibverbs_mtu);
 ABSL_DECLARE_FLAG(int32_t, ibverbs_retry_cnt);
 ABSL_DECLARE_FLAG(int32_t, ibverbs_sq_depth);
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
 bool HostHasDevices() {
@@ -81,4 +81,4 @@ TEST(FlagsTest, FlagsBecomeOptions) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

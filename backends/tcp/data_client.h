@@ -24,6 +24,10 @@
 
 namespace rdma_agent::tcp {
 
+namespace testing {
+class PoolProbe;
+}  // namespace testing
+
 // How a DataClient moves bytes.
 struct DataClientOptions {
   // Connections one Submit stripes its chunks over, per peer. Measured on
@@ -124,15 +128,13 @@ class DataClient {
                                 absl::Span<const PeerBatch> batches,
                                 const StopToken& stop);
 
-  // Idle pooled connections to `peer`, and in all (for tests).
-  size_t idle_connections(const HostPort& peer);
-  size_t idle_connections();
-  // Outgoing connections open now, in use and idle (for tests).
-  size_t open_connections();
-
   const DataClientOptions& options() const { return options_; }
 
  private:
+  // Tests read the pool's counts through it (pool_probe.h); they are no
+  // part of this class's API.
+  friend class testing::PoolProbe;
+
   struct SubmitRun;
   class PeerRun;
   struct Connection;
@@ -167,6 +169,12 @@ class DataClient {
   // Run did not shut it down, else closes it.
   void Release(SubmitRun& submit, const PeerRun& peer, Connection connection,
                bool reusable);
+
+  // Idle pooled connections to `peer`, and in all.
+  size_t idle_connections(const HostPort& peer);
+  size_t idle_connections();
+  // Outgoing connections open now, in use and idle.
+  size_t open_connections();
 
   // Drops the Run's queued jobs and shuts down its sockets.
   void AbortLocked(SubmitRun& submit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

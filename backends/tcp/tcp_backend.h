@@ -72,10 +72,11 @@ class TcpBackend : public Backend {
   uint16_t port() const { return server_->port(); }
   // The host written into remote contexts.
   const std::string& advertise_host() const { return advertise_host_; }
-  // The connection pool (for tests).
-  tcp::DataClient& client() { return *client_; }
 
  private:
+  // Tests inspect the connection pool through it (pool_probe.h).
+  friend class tcp::testing::PoolProbe;
+
   TcpBackend(TcpOptions options, BackendEnvironment env,
              std::string advertise_host,
              std::unique_ptr<tcp::DataClient> client,

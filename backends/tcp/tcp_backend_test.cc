@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "backends/buffer_table.h"
+#include "backends/tcp/pool_probe.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
 #include "backends/testing/harness.h"
@@ -27,6 +28,7 @@ namespace {
 
 using ::absl::StatusCode;
 
+using ::rdma_agent::tcp::testing::PoolProbe;
 using ::rdma_agent::testing::Apply;
 using ::rdma_agent::testing::FindMismatch;
 using ::rdma_agent::testing::FirstDifference;
@@ -178,7 +180,7 @@ TEST_P(TcpBackendTest, PipelinesManyOpsInOneSubmit) {
   ExpectBytes(remote, remote_image, "remote");
   // The connections went back to the pool for the next Submit.
   HostPort peer{"127.0.0.1", Tcp(*b_).port()};
-  EXPECT_GE(Tcp(*a_).client().idle_connections(peer), 1u);
+  EXPECT_GE(PoolProbe(Tcp(*a_)).idle_connections(peer), 1u);
 }
 
 TEST_P(TcpBackendTest, LargeReadsAndWritesShareOneConnection) {
@@ -491,7 +493,7 @@ TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
       MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 1, 1000, old_remote, 2);
   ASSERT_TRUE(Tcp(*a).Submit({op}, In(absl::Seconds(10)))[0].ok());
   HostPort peer{"127.0.0.1", port};
-  ASSERT_GE(Tcp(*a).client().idle_connections(peer), 1u);
+  ASSERT_GE(PoolProbe(Tcp(*a)).idle_connections(peer), 1u);
 
   // The peer dies (its pooled connections with it) and comes back on the same
   // port with a new epoch.

@@ -16,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "backends/buffer_table.h"
 #include "backends/tcp/client_test_peer.h"
+#include "backends/tcp/pool_probe.h"
 #include "backends/tcp/tcp_backend.h"
 #include "backends/testing/harness.h"
 #include "common/shared_memory.h"
@@ -29,6 +30,7 @@ using ::absl::StatusCode;
 using ::rdma_agent::tcp::testing::ClosedPort;
 using ::rdma_agent::tcp::testing::ContextFor;
 using ::rdma_agent::tcp::testing::OpenFds;
+using ::rdma_agent::tcp::testing::PoolProbe;
 using ::rdma_agent::tcp::testing::ScriptedPeer;
 using ::rdma_agent::tcp::testing::Threads;
 using Behavior = ScriptedPeer::Behavior;
@@ -115,7 +117,7 @@ TEST(TcpClientCancelTest, StalledPeerIsCancelledPromptlyAndMemoryStaysAlone) {
   EXPECT_TRUE(absl::StrContains(results[0].message(), "op 0:")) << results[0];
   // The stalled peer sees its connection closed: nothing of it is pooled.
   EXPECT_TRUE(Eventually([&] { return peer.closed_by_client() > 0; }));
-  EXPECT_EQ(agent.backend().client().open_connections(), 0u);
+  EXPECT_EQ(PoolProbe(agent.backend()).open_connections(), 0u);
   // Nothing writes into the buffer after Submit returned.
   std::memset(agent.bytes(), 0x5a, kSize);
   absl::SleepFor(absl::Milliseconds(200));
@@ -193,7 +195,7 @@ TEST(TcpClientStrangerTest, NonAgentsGetNoByteAndLookLikeClosedPorts) {
   }));
   EXPECT_EQ(silent.bytes_received(), 0u);
   EXPECT_EQ(banner.bytes_received(), 0u);
-  EXPECT_EQ(agent.backend().client().open_connections(), 0u);
+  EXPECT_EQ(PoolProbe(agent.backend()).open_connections(), 0u);
 }
 
 TEST(TcpClientStrangerTest, HostNamesAreRefusedUnlessAllowed) {
@@ -304,11 +306,11 @@ TEST(TcpClientBoundsTest, IdlePoolIsBoundedAndExpires) {
   for (const absl::Status& result : results) {
     EXPECT_EQ(result.code(), StatusCode::kNotFound) << result;
   }
-  EXPECT_LE(agent.backend().client().idle_connections(), 5u);
-  EXPECT_LE(agent.backend().client().open_connections(), 5u);
+  EXPECT_LE(PoolProbe(agent.backend()).idle_connections(), 5u);
+  EXPECT_LE(PoolProbe(agent.backend()).open_connections(), 5u);
   // Expired by the workers' own wakeups, with no further Submit.
   EXPECT_TRUE(Eventually(
-      [&] { return agent.backend().client().open_connections() == 0; }));
+      [&] { return PoolProbe(agent.backend()).open_connections() == 0; }));
   EXPECT_TRUE(Eventually([&] { return OpenFds() <= fds_before; }))
       << OpenFds() << " fds, " << fds_before << " before";
 }
@@ -332,7 +334,7 @@ TEST(TcpClientBoundsTest, ConnectionLimitQueuesDials) {
   for (const absl::Status& result : results) {
     EXPECT_EQ(result.code(), StatusCode::kNotFound) << result;
   }
-  EXPECT_LE(agent.backend().client().open_connections(), 1u);
+  EXPECT_LE(PoolProbe(agent.backend()).open_connections(), 1u);
 }
 
 // 2048 ops of 64 GiB each over a sparse 64 GiB buffer: chunks are cut as they

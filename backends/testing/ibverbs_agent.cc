@@ -9,11 +9,11 @@ namespace testing {
 
 BackendFactory IbverbsFactory(
     std::function<std::unique_ptr<verbs::Verbs>()> make_verbs,
-    IbverbsOptions options) {
+    ibverbs::IbverbsOptions options) {
   return [make_verbs = std::move(make_verbs),
           options = std::move(options)](const BackendEnvironment& env)
              -> absl::StatusOr<std::unique_ptr<Backend>> {
-    auto backend = IbverbsBackend::Create(env, options, make_verbs());
+    auto backend = ibverbs::IbverbsBackend::Create(env, options, make_verbs());
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));
   };
@@ -33,7 +33,7 @@ std::unique_ptr<TestAgent> CreateOrFail(const std::string& agent_id,
 std::unique_ptr<TestAgent> SoftIbverbsAgent(verbs::SoftFabric& fabric,
                                             const std::string& agent_id,
                                             const std::string& device,
-                                            IbverbsOptions options) {
+                                            ibverbs::IbverbsOptions options) {
   return CreateOrFail(
       agent_id,
       IbverbsFactory([&fabric, device] { return fabric.MakeVerbs({device}); },
@@ -42,7 +42,7 @@ std::unique_ptr<TestAgent> SoftIbverbsAgent(verbs::SoftFabric& fabric,
 
 std::unique_ptr<TestAgent> IbverbsAgent(std::unique_ptr<verbs::Verbs> verbs,
                                         const std::string& agent_id,
-                                        IbverbsOptions options) {
+                                        ibverbs::IbverbsOptions options) {
   auto shared =
       std::make_shared<std::unique_ptr<verbs::Verbs>>(std::move(verbs));
   return CreateOrFail(agent_id,

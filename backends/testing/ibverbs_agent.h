@@ -18,19 +18,18 @@ namespace testing {
 // Spawns an IbverbsBackend over the Verbs `make_verbs` returns.
 BackendFactory IbverbsFactory(
     std::function<std::unique_ptr<verbs::Verbs>()> make_verbs,
-    IbverbsOptions options = {});
+    ibverbs::IbverbsOptions options = {});
 
 // An agent `agent_id` whose ibverbs backend sees only `device` of `fabric`
 // (which must outlive it); nullptr (and a test failure) if it cannot start.
-std::unique_ptr<TestAgent> SoftIbverbsAgent(verbs::SoftFabric& fabric,
-                                            const std::string& agent_id,
-                                            const std::string& device,
-                                            IbverbsOptions options = {});
+std::unique_ptr<TestAgent> SoftIbverbsAgent(
+    verbs::SoftFabric& fabric, const std::string& agent_id,
+    const std::string& device, ibverbs::IbverbsOptions options = {});
 
 // The same over `verbs`.
 std::unique_ptr<TestAgent> IbverbsAgent(std::unique_ptr<verbs::Verbs> verbs,
                                         const std::string& agent_id,
-                                        IbverbsOptions options = {});
+                                        ibverbs::IbverbsOptions options = {});
 
 }  // namespace testing
 }  // namespace rdma_agent

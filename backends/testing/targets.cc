@@ -37,7 +37,7 @@ class SoftFabricWorld : public TargetWorld {
     }
   }
   BackendFactory Factory(int agent) override {
-    IbverbsOptions options;
+    ibverbs::IbverbsOptions options;
     options.qp.max_message_bytes = kIbverbsMaxMessageBytes;
     options.qp.timeout = 8;  // ~1 ms per try: a lost peer shows quickly
     options.qp.retry_cnt = 2;

@@ -247,8 +247,10 @@ class Worker {
     registration.set_attach_token(reply->response.attach_token());
     registration.set_access(v1::ACCESS_READ_WRITE);
     v1::RegisterResponse response;
-    grpc::Status status =
-        client_->stub().Register(&context, registration, &response);
+    // Raw, to see the agent's own error: a stub of our own on the client's
+    // channel.
+    grpc::Status status = v1::RdmaAgent::NewStub(client_->channel())
+                              ->Register(&context, registration, &response);
     if (!status.ok()) {
       return absl::StrCat("error ", status.error_code(), " ",
                           OneLine(status.error_message()));

@@ -51,7 +51,7 @@ Fixture& TheFixture() {
     verbs::SoftDeviceConfig config;
     config.name = kDevice;
     FUZZ_CHECK(f->fabric.AddDevice(config).ok());
-    IbverbsOptions options;
+    ibverbs::IbverbsOptions options;
     // Few sessions: every accepted request beyond them must be refused or
     // replace one, never pile up.
     options.max_responders = kMaxResponders;
@@ -60,7 +60,7 @@ Fixture& TheFixture() {
     f->node =
         testing::SoftIbverbsAgent(f->fabric, "agent-fuzz", kDevice, options);
     FUZZ_CHECK(f->node != nullptr);
-    FUZZ_CHECK(f->node->backend<IbverbsBackend>().available());
+    FUZZ_CHECK(f->node->backend<ibverbs::IbverbsBackend>().available());
     f->buffer = f->node->Register(kBufferSize, v1::ACCESS_READ_WRITE, 7);
     return f;
   }();
@@ -107,7 +107,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
     request.set_token(fixture.buffer.registration->token());
   }
 
-  IbverbsBackend& backend = fixture.node->backend<IbverbsBackend>();
+  ibverbs::IbverbsBackend& backend =
+      fixture.node->backend<ibverbs::IbverbsBackend>();
   auto answer = backend.AcceptQueuePair(request);
   FUZZ_CHECK(backend.responder_count() <= kMaxResponders);
   if (!answer.ok()) {

@@ -13,14 +13,14 @@
 #include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
-using testing::IbverbsAgent;
-using testing::MakeOp;
-using testing::SoftIbverbsAgent;
-using testing::TestAgent;
-using testing::TestBuffer;
+using ::rdma_agent::testing::IbverbsAgent;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 
 class HardwareTest : public ::testing::Test {
  protected:
@@ -115,4 +115,4 @@ TEST_F(HardwareTest, ManyOpsAndAccessErrors) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/ibverbs/backend_probe.h"
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
@@ -21,15 +22,16 @@
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
-namespace rdma_agent {
+namespace rdma_agent::ibverbs {
 namespace {
 
-using testing::IbverbsAgent;
-using testing::MakeOp;
-using testing::SoftIbverbsAgent;
-using testing::Snapshot;
-using testing::TestAgent;
-using testing::TestBuffer;
+using ::rdma_agent::testing::IbverbsAgent;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::Snapshot;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
+using testing::IbverbsBackendProbe;
 using verbs::SoftDeviceConfig;
 using verbs::SoftFabric;
 
@@ -74,10 +76,11 @@ class RoguePeer {
   }
 
   // A fresh QP (refusing or accepting inbound RDMA).
-  std::unique_ptr<Connection> NewQueuePair(Connection::Inbound inbound) {
-    auto created =
-        Connection::Create(local_, FastParams(), absl::Microseconds(50),
-                           absl::Seconds(5), inbound);
+  std::unique_ptr<QueuePairConnection> NewQueuePair(
+      QueuePairConnection::Inbound inbound) {
+    auto created = QueuePairConnection::Create(local_, FastParams(),
+                                               absl::Microseconds(50),
+                                               absl::Seconds(5), inbound);
     EXPECT_TRUE(created.ok()) << created.status();
     return created.ok() ? std::move(*created) : nullptr;
   }
@@ -85,14 +88,15 @@ class RoguePeer {
   struct Attempt {
     grpc::Status status;
     v1::ConnectQueuePairResponse response;
-    std::unique_ptr<Connection> connection;  // connected when status is OK
+    std::unique_ptr<QueuePairConnection>
+        connection;  // connected when status is OK
   };
 
   // ConnectQueuePair with `target`, proving (buffer_id, token).
   Attempt Connect(TestAgent& target, uint64_t epoch, uint64_t buffer_id,
                   const std::string& token) {
     Attempt attempt;
-    attempt.connection = NewQueuePair(Connection::Inbound::kRefuse);
+    attempt.connection = NewQueuePair(QueuePairConnection::Inbound::kRefuse);
     v1::ConnectQueuePairRequest request;
     request.set_agent_id(agent_id_);
     request.set_agent_epoch(1);
@@ -140,7 +144,7 @@ class RoguePeer {
 
   // One hand-built RDMA WR of `length` bytes between memory_[local_offset..]
   // and (remote_addr, rkey) on `connection`; its completion's status.
-  absl::Status Rdma(Connection& connection, ibv_wr_opcode opcode,
+  absl::Status Rdma(QueuePairConnection& connection, ibv_wr_opcode opcode,
                     uint64_t remote_addr, uint32_t rkey, uint32_t length,
                     uint64_t local_offset = 0) {
     auto tracker = std::make_shared<OpTracker>(1);
@@ -300,9 +304,11 @@ TEST_F(PeerIsolationTest, PeerGrantedOneBufferCannotReachAnother) {
       {"another peer's rkey, write", IBV_WR_RDMA_WRITE, other_rkey},
       {"another peer's rkey, read", IBV_WR_RDMA_READ, other_rkey},
       {"the agent's own key, write", IBV_WR_RDMA_WRITE,
-       b_->backend<IbverbsBackend>().local_key(*other.registration)},
+       IbverbsBackendProbe::LocalKey(b_->backend<IbverbsBackend>(),
+                                     *other.registration)},
       {"the agent's own key, read", IBV_WR_RDMA_READ,
-       b_->backend<IbverbsBackend>().local_key(*other.registration)},
+       IbverbsBackendProbe::LocalKey(b_->backend<IbverbsBackend>(),
+                                     *other.registration)},
       {"the granted rkey, write", IBV_WR_RDMA_WRITE, grant.rkey()},
       {"the granted rkey, read", IBV_WR_RDMA_READ, grant.rkey()},
   };
@@ -468,8 +474,8 @@ class RogueResponder : public v1::Peer::Service {
   grpc::Status ConnectQueuePair(
       grpc::ServerContext*, const v1::ConnectQueuePairRequest* request,
       v1::ConnectQueuePairResponse* response) override {
-    std::unique_ptr<Connection> connection =
-        rogue_->NewQueuePair(Connection::Inbound::kAccept);
+    std::unique_ptr<QueuePairConnection> connection =
+        rogue_->NewQueuePair(QueuePairConnection::Inbound::kAccept);
     const absl::Status connected = connection->ConnectTo(request->requester());
     if (!connected.ok()) {
       return grpc::Status(grpc::StatusCode::INTERNAL,
@@ -500,7 +506,7 @@ class RogueResponder : public v1::Peer::Service {
   }
 
   // The QP of the last handshake, connected to the requester's.
-  std::unique_ptr<Connection> TakeConnection() {
+  std::unique_ptr<QueuePairConnection> TakeConnection() {
     absl::MutexLock lock(&mu_);
     return std::move(connection_);
   }
@@ -508,7 +514,7 @@ class RogueResponder : public v1::Peer::Service {
  private:
   RoguePeer* const rogue_;
   absl::Mutex mu_;
-  std::unique_ptr<Connection> connection_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<QueuePairConnection> connection_ ABSL_GUARDED_BY(mu_);
   bool unblocked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -574,13 +580,15 @@ TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
                             absl::Now() + absl::Seconds(10))[0]
                     .ok());
     EXPECT_EQ(0, std::memcmp(rogue.memory().data(), local.bytes(), 64));
-    std::unique_ptr<Connection> back = service.TakeConnection();
+    std::unique_ptr<QueuePairConnection> back = service.TakeConnection();
     ASSERT_NE(back, nullptr);
     std::fill(rogue.memory().begin(), rogue.memory().end(), 0x5a);
     // The exact lkey and address of the agent's buffer.
-    const absl::Status refused = rogue.Rdma(
-        *back, opcode, AddressOf(local),
-        a->backend<IbverbsBackend>().local_key(*local.registration), 64);
+    const absl::Status refused =
+        rogue.Rdma(*back, opcode, AddressOf(local),
+                   IbverbsBackendProbe::LocalKey(a->backend<IbverbsBackend>(),
+                                                 *local.registration),
+                   64);
     EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
     EXPECT_EQ(Snapshot(local), before);
     EXPECT_EQ(rogue.memory()[0], 0x5a);
@@ -617,4 +625,4 @@ TEST_F(PeerIsolationTest, CancellationCutsAGrantRequestShort) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::ibverbs

@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "backends/tcp/wire.h"
 #include "common/unique_fd.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
@@ -126,11 +127,12 @@ TEST_F(AbandonedWorkTest, CancelledSubmitStopsWithinASecond) {
     op->set_remote_offset(kHalf);
   }
   request.mutable_timeout()->set_seconds(600);
+  auto stub = v1::RdmaAgent::NewStub(agent_->client().channel());
   grpc::ClientContext call;
   grpc::Status status;
   std::thread caller([&] {
     v1::SubmitResponse response;
-    status = agent_->client().stub().Submit(&call, request, &response);
+    status = stub->Submit(&call, request, &response);
   });
   ASSERT_TRUE(WaitForProgress(*agent_, buffer_.id));
   call.TryCancel();

@@ -24,6 +24,8 @@
 namespace rdma_agent {
 namespace {
 
+using ::rdma_agent::ibverbs::IbverbsBackend;
+using ::rdma_agent::ibverbs::IbverbsOptions;
 using ::rdma_agent::testing::InProcessAgent;
 
 std::unique_ptr<InProcessAgent> StartAgent(const std::string& peer_listen,

@@ -23,6 +23,8 @@
 namespace rdma_agent {
 namespace {
 
+using ibverbs::IbverbsBackend;
+using ibverbs::IbverbsOptions;
 using testing::FromGrpc;
 using testing::InProcessAgent;
 

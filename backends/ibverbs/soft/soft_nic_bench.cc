@@ -16,11 +16,12 @@
 namespace rdma_agent {
 namespace {
 
-using testing::IbverbsAgent;
-using testing::MakeOp;
-using testing::SoftIbverbsAgent;
-using testing::TestAgent;
-using testing::TestBuffer;
+using ibverbs::IbverbsOptions;
+using ::rdma_agent::testing::IbverbsAgent;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 
 int Run() {
   verbs::SoftFabric fabric;
@@ -46,7 +47,7 @@ int Run() {
 
   start = absl::Now();
   for (int r = 0; r < kRounds; ++r) {
-    auto results = a->backend<IbverbsBackend>().Submit(
+    auto results = a->backend<ibverbs::IbverbsBackend>().Submit(
         {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, kSize, remote, 0)},
         absl::Now() + absl::Seconds(60));
     if (!results[0].ok()) {
@@ -69,7 +70,7 @@ int Run() {
   }
   start = absl::Now();
   auto results =
-      a->backend<IbverbsBackend>().Submit(ops, absl::Now() + absl::Seconds(60));
+      a->backend<ibverbs::IbverbsBackend>().Submit(ops, absl::Now() + absl::Seconds(60));
   const double small_s = absl::ToDoubleSeconds(absl::Now() - start);
   for (const auto& status : results) {
     if (!status.ok()) return 1;
@@ -78,7 +79,7 @@ int Run() {
       "%llu x 64-byte READs in one Submit (SQ depth %u): %.0f ops/s, "
       "%.1f us/op\n",
       static_cast<unsigned long long>(kOps),
-      a->backend<IbverbsBackend>().params().sq_depth, kOps / small_s,
+      a->backend<ibverbs::IbverbsBackend>().params().sq_depth, kOps / small_s,
       1e6 * small_s / kOps);
   return 0;
 }
