@@ -6,6 +6,7 @@
 // ("remote"): a second agent, or the same one for the memory backend.
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -84,6 +85,20 @@ class BackendContractTest : public ::testing::TestWithParam<BackendTarget> {
               std::nullopt)
         << "destination: only the op's range changes, to the source's bytes";
     EXPECT_EQ(FirstChangedByte(src), std::nullopt) << "source unchanged";
+  }
+
+  // Runs `ops` with the serving side held: `while_held` runs once a request
+  // of theirs has reached it, then the serving side goes on.
+  std::vector<absl::Status> SubmitWhileHeld(
+      const std::vector<Op>& ops, const std::function<void()>& while_held) {
+    remote().gate().Close();
+    std::vector<absl::Status> results;
+    std::thread submit([&] { results = Submit(ops, In(kLong)); });
+    EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
+    while_held();
+    remote().gate().Open();
+    submit.join();
+    return results;
   }
 
   std::unique_ptr<TargetWorld> world_;
@@ -261,15 +276,11 @@ TEST_P(BackendContractTest, ServingSideReleaseDuringAnOpRefusesIt) {
   const std::vector<Op> ops = {MakeOp(0, kRead, near, 0, 1 << 19, far, 0),
                                MakeOp(1, kWrite, near, 0, 1 << 19, far, 0)};
   std::weak_ptr<Registration> far_alive = far.registration;
-  remote().gate().Close();
-  std::vector<absl::Status> results;
-  std::thread submit([&] { results = Submit(ops, In(kLong)); });
-  // The op has reached the serving side; the buffer is released under it.
-  EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
-  remote().Release(far);
-  far = TestBuffer{};
-  remote().gate().Open();
-  submit.join();
+  // The ops have reached the serving side; the buffer is released under them.
+  const auto results = SubmitWhileHeld(ops, [&] {
+    remote().Release(far);
+    far = TestBuffer{};
+  });
   for (const absl::Status& status : results) {
     EXPECT_EQ(status.code(), StatusCode::kNotFound) << status;
   }
@@ -284,15 +295,11 @@ TEST_P(BackendContractTest, RequestingSideReleaseDuringAnOpKeepsItsMemory) {
   std::vector<Op> ops = {MakeOp(0, kRead, near, 3, 1 << 19, far, 5)};
   std::weak_ptr<Registration> near_alive = near.registration;
   const uint64_t near_seed = near.seed;
-  remote().gate().Close();
-  std::vector<absl::Status> results;
-  std::thread submit([&] { results = Submit(ops, In(kLong)); });
-  EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
-  // Only the op pins the local buffer from here on.
-  local().Release(near);
-  near = TestBuffer{};
-  remote().gate().Open();
-  submit.join();
+  // Only the op pins the local buffer once this has run.
+  const auto results = SubmitWhileHeld(ops, [&] {
+    local().Release(near);
+    near = TestBuffer{};
+  });
   ASSERT_TRUE(results[0].ok()) << results[0];
   ASSERT_FALSE(near_alive.expired());
   TestBuffer pinned{ops[0].local, nullptr, near_seed};
