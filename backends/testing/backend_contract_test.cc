@@ -87,6 +87,26 @@ class BackendContractTest : public ::testing::TestWithParam<BackendTarget> {
     EXPECT_EQ(FirstChangedByte(src), std::nullopt) << "source unchanged";
   }
 
+  // A READ and a WRITE, each chunked, between fresh buffers: ops to cut
+  // short.
+  struct TwoWay {
+    TestBuffer near;
+    TestBuffer far;
+    std::vector<Op> ops;
+  };
+  TwoWay MakeTwoWay(uint64_t seed) {
+    const uint64_t length = 2 * GetParam().max_message_bytes + 3;
+    TwoWay two_way;
+    two_way.near =
+        local().Register(2 * length + 16, v1::ACCESS_READ_WRITE, seed);
+    two_way.far =
+        remote().Register(2 * length + 16, v1::ACCESS_READ_WRITE, seed + 1);
+    two_way.ops = {MakeOp(0, kRead, two_way.near, 1, length, two_way.far, 3),
+                   MakeOp(1, kWrite, two_way.near, length + 5, length,
+                          two_way.far, length + 7)};
+    return two_way;
+  }
+
   // Runs `ops` with the serving side held: `while_held` runs once a request
   // of theirs has reached it, then the serving side goes on.
   std::vector<absl::Status> SubmitWhileHeld(
@@ -335,14 +355,10 @@ void ExpectNothingTouchedAfterReturn(const TestBuffer& near,
 }
 
 TEST_P(BackendContractTest, DeadlineEndsSubmitAndNothingIsTouchedAfter) {
-  const uint64_t length = 2 * GetParam().max_message_bytes + 3;
-  TestBuffer near =
-      local().Register(2 * length + 16, v1::ACCESS_READ_WRITE, 71);
-  TestBuffer far =
-      remote().Register(2 * length + 16, v1::ACCESS_READ_WRITE, 72);
-  const std::vector<Op> ops = {
-      MakeOp(0, kRead, near, 1, length, far, 3),
-      MakeOp(1, kWrite, near, length + 5, length, far, length + 7)};
+  const TwoWay two_way = MakeTwoWay(71);
+  const TestBuffer& near = two_way.near;
+  const TestBuffer& far = two_way.far;
+  const std::vector<Op>& ops = two_way.ops;
   const absl::Duration timeout = absl::Milliseconds(300);
   const absl::Time start = absl::Now();
   // The serving side answers no sooner than the deadline.
@@ -379,14 +395,10 @@ TEST_P(BackendContractTest, PassedDeadlineRunsNothing) {
 }
 
 TEST_P(BackendContractTest, CancellationEndsSubmitAndNothingIsTouchedAfter) {
-  const uint64_t length = 2 * GetParam().max_message_bytes + 3;
-  TestBuffer near =
-      local().Register(2 * length + 16, v1::ACCESS_READ_WRITE, 91);
-  TestBuffer far =
-      remote().Register(2 * length + 16, v1::ACCESS_READ_WRITE, 92);
-  const std::vector<Op> ops = {
-      MakeOp(0, kRead, near, 1, length, far, 3),
-      MakeOp(1, kWrite, near, length + 5, length, far, length + 7)};
+  const TwoWay two_way = MakeTwoWay(91);
+  const TestBuffer& near = two_way.near;
+  const TestBuffer& far = two_way.far;
+  const std::vector<Op>& ops = two_way.ops;
   Cancellation cancellation;
   remote().gate().Close();
   std::vector<absl::Status> results;
