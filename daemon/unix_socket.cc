@@ -1,32 +1,19 @@
 #include "daemon/unix_socket.h"
 
-#include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/accept_loop.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 namespace {
-
-// Out of fds (or kernel memory), accept fails at once while the connection
-// stays queued: without a pause the loop spins and logs as fast as it can.
-// The pause doubles from kFirstPause to kLongestPause while it lasts; the
-// first accept that works resets it.
-constexpr absl::Duration kFirstPause = absl::Milliseconds(10);
-constexpr absl::Duration kLongestPause = absl::Seconds(1);
-
-bool OutOfResources(int err) {
-  return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
-}
 
 absl::Status ErrnoError(absl::string_view what) {
   return ErrnoStatus(absl::StatusCode::kInternal, what, errno);
@@ -75,92 +62,41 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
     ::unlink(path.c_str());
     return status;
   }
-  UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake) {
+  std::unique_ptr<UnixListener> listener(
+      new UnixListener(path, std::move(on_connection)));
+  AcceptLoop::Options options;
+  options.name = path;
+  auto loop = AcceptLoop::Start(
+      std::move(fd), std::move(options),
+      [raw = listener.get()](UniqueFd connection, const sockaddr_storage&) {
+        raw->OnAccepted(std::move(connection));
+      });
+  if (!loop.ok()) {
     ::unlink(path.c_str());
-    return ErrnoError("eventfd");
+    return loop.status();
   }
-  return std::unique_ptr<UnixListener>(new UnixListener(
-      path, std::move(fd), std::move(wake), std::move(on_connection)));
+  listener->loop_ = std::move(*loop);
+  return listener;
 }
 
-UnixListener::UnixListener(std::string path, UniqueFd listen_fd,
-                           UniqueFd wake_fd, ConnectionHandler on_connection)
-    : path_(std::move(path)),
-      listen_fd_(std::move(listen_fd)),
-      wake_fd_(std::move(wake_fd)),
-      on_connection_(std::move(on_connection)) {
-  thread_ = std::thread([this] { AcceptLoop(); });
-}
+UnixListener::UnixListener(std::string path, ConnectionHandler on_connection)
+    : path_(std::move(path)), on_connection_(std::move(on_connection)) {}
 
 UnixListener::~UnixListener() {
-  const uint64_t one = 1;
-  if (::write(wake_fd_.get(), &one, sizeof(one)) < 0) {
-    spdlog::warn("cannot wake accept loop of {}: {}", path_,
-                 std::strerror(errno));
-  }
-  thread_.join();
+  loop_.reset();  // no connection is handed on after this
   ::unlink(path_.c_str());
 }
 
-bool UnixListener::PauseUnlessStopped(absl::Duration pause) {
-  struct pollfd wake = {wake_fd_.get(), POLLIN, 0};
-  const int ready =
-      ::poll(&wake, 1, static_cast<int>(absl::ToInt64Milliseconds(pause)));
-  return !(ready > 0 && wake.revents != 0);
-}
-
-void UnixListener::AcceptLoop() {
-  struct pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0},
-                          {wake_fd_.get(), POLLIN, 0}};
-  absl::Duration pause = kFirstPause;
-  bool starved = false;  // accept failed for want of fds since the last one
-  while (true) {
-    if (::poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      spdlog::error("poll on {} failed: {}", path_, std::strerror(errno));
-      return;
+void UnixListener::OnAccepted(UniqueFd connection) {
+  auto peer = ReadPeerCredentials(connection.get());
+  if (!peer.ok()) {
+    if (auto suppressed = dropped_log_.Allow()) {
+      spdlog::warn("dropping connection on {}: {} ({} more not logged)", path_,
+                   peer.status().ToString(), *suppressed);
     }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    UniqueFd connection(
-        ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!connection) {
-      const int err = errno;
-      if (OutOfResources(err)) {
-        if (auto suppressed = out_of_fds_log_.Allow()) {
-          spdlog::warn(
-              "accept on {} failed: {}; retrying in up to {} ({} more such "
-              "failures not logged)",
-              path_, std::strerror(err), absl::FormatDuration(kLongestPause),
-              *suppressed);
-        }
-        starved = true;
-        if (!PauseUnlessStopped(pause)) return;
-        pause = std::min(pause * 2, kLongestPause);
-      } else if (err != EINTR && err != EAGAIN && err != ECONNABORTED) {
-        if (auto suppressed = other_errors_log_.Allow()) {
-          spdlog::warn("accept on {} failed: {} ({} more not logged)", path_,
-                       std::strerror(err), *suppressed);
-        }
-      }
-      continue;
-    }
-    pause = kFirstPause;
-    if (starved) {
-      starved = false;
-      if (recovered_log_.Allow()) spdlog::info("accepting on {} again", path_);
-    }
-    auto peer = ReadPeerCredentials(connection.get());
-    if (!peer.ok()) {
-      if (auto suppressed = other_errors_log_.Allow()) {
-        spdlog::warn("dropping connection on {}: {} ({} more not logged)",
-                     path_, peer.status().ToString(), *suppressed);
-      }
-      continue;
-    }
-    on_connection_(std::move(connection), *peer);
+    return;
   }
+  on_connection_(std::move(connection), *peer);
 }
 
 }  // namespace rdma_agent

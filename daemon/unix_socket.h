@@ -4,13 +4,13 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
-#include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/accept_loop.h"
 #include "common/rate_limited_log.h"
 #include "common/unique_fd.h"
 
@@ -26,13 +26,12 @@ struct PeerCredentials {
 // SO_PEERCRED of a connected Unix socket.
 absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd);
 
-// Accepts connections on a Unix socket at `path` on a thread of its own and
-// hands each one, with its credentials, to `on_connection`. Any local user
-// may connect (mode 0666): what each caller may do is decided per call from
-// its credentials. The socket file is removed when the listener stops.
-// When the process runs out of fds, accepting pauses (10 ms, doubling up to
-// 1 s) and says so at most once per 10 s; it resumes by itself as soon as
-// fds come back.
+// Accepts connections on a Unix socket at `path` (an AcceptLoop: a thread
+// of its own, back-off and rate-limited logging when out of fds) and hands
+// each one, with its credentials, to `on_connection` on that thread. Any
+// local user may connect (mode 0666): what each caller may do is decided per
+// call from its credentials. The socket file is removed when the listener
+// stops.
 class UnixListener {
  public:
   using ConnectionHandler =
@@ -50,20 +49,14 @@ class UnixListener {
   const std::string& path() const { return path_; }
 
  private:
-  UnixListener(std::string path, UniqueFd listen_fd, UniqueFd wake_fd,
-               ConnectionHandler on_connection);
-  void AcceptLoop();
-  // Waits `pause`; false if the listener is stopping.
-  bool PauseUnlessStopped(absl::Duration pause);
+  UnixListener(std::string path, ConnectionHandler on_connection);
+  // Reads the credentials of an accepted connection and hands it on.
+  void OnAccepted(UniqueFd connection);
 
   const std::string path_;
-  UniqueFd listen_fd_;
-  UniqueFd wake_fd_;  // eventfd that ends the accept loop
-  ConnectionHandler on_connection_;
-  LogRateLimiter out_of_fds_log_{absl::Seconds(10)};
-  LogRateLimiter other_errors_log_{absl::Seconds(10)};
-  LogRateLimiter recovered_log_{absl::Seconds(10)};
-  std::thread thread_;
+  const ConnectionHandler on_connection_;
+  LogRateLimiter dropped_log_{absl::Seconds(10)};
+  std::unique_ptr<AcceptLoop> loop_;  // last: stops first
 };
 
 }  // namespace rdma_agent

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends/tcp/wire.h"
+#include "common/accept_loop.h"
 #include "common/log_text.h"
 #include "spdlog/spdlog.h"
 
@@ -30,8 +31,6 @@ namespace {
 constexpr absl::Duration kWatchdogTick = absl::Milliseconds(50);
 // Accept failures that are about resources (fds, memory) are retried after
 // a pause growing from the first to the last value.
-constexpr absl::Duration kFirstAcceptBackoff = absl::Milliseconds(10);
-constexpr absl::Duration kMaxAcceptBackoff = absl::Seconds(1);
 
 // The peer's host, the per-source cap's key; IPv4-mapped IPv6 addresses as
 // IPv4, so a dual-stack listener counts one host once.
@@ -124,14 +123,6 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
   uint16_t port = 0;
   auto listener = ListenTcp(address, &port);
   if (!listener.ok()) return listener.status();
-  // Non-blocking: a connection that is reset between poll and accept must
-  // not block the accept loop.
-  const int flags = fcntl(listener->get(), F_GETFL);
-  fcntl(listener->get(), F_SETFL, flags | O_NONBLOCK);
-  UniqueFd wakeup(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wakeup) {
-    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
-  }
   spdlog::info(
       "tcp data plane: serving {} (at most {} connections, {} per source; "
       "timeouts: handshake {}, idle {}, request {})",
@@ -140,19 +131,24 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
       absl::FormatDuration(resolved.handshake_timeout),
       absl::FormatDuration(resolved.idle_timeout),
       absl::FormatDuration(resolved.request_timeout));
-  return std::unique_ptr<DataServer>(new DataServer(
-      std::move(*listener), std::move(wakeup), port, directory, resolved));
+  std::unique_ptr<DataServer> server(new DataServer(port, directory, resolved));
+  AcceptLoop::Options loop_options;
+  loop_options.name = "tcp data plane " + JoinHostPort(address.host, port);
+  // What strangers can trigger is logged at most once a second.
+  loop_options.log_interval = absl::Seconds(1);
+  auto loop = AcceptLoop::Start(
+      std::move(*listener), std::move(loop_options),
+      [raw = server.get()](UniqueFd fd, const sockaddr_storage& peer) {
+        raw->Admit(std::move(fd), SourceHost(peer));
+      });
+  if (!loop.ok()) return loop.status();
+  server->accept_loop_ = std::move(*loop);
+  return server;
 }
 
-DataServer::DataServer(UniqueFd listener, UniqueFd wakeup, uint16_t port,
-                       const BufferDirectory* directory,
+DataServer::DataServer(uint16_t port, const BufferDirectory* directory,
                        DataServerOptions options)
-    : listener_(std::move(listener)),
-      wakeup_(std::move(wakeup)),
-      port_(port),
-      directory_(directory),
-      options_(std::move(options)) {
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
+    : port_(port), directory_(directory), options_(std::move(options)) {
   watchdog_thread_ = std::thread([this] { WatchdogLoop(); });
 }
 
@@ -165,9 +161,7 @@ DataServer::~DataServer() {
       shutdown(connection->fd.get(), SHUT_RDWR);
     }
   }
-  const uint64_t one = 1;
-  (void)!write(wakeup_.get(), &one, sizeof(one));
-  accept_thread_.join();
+  if (accept_loop_ != nullptr) accept_loop_->Stop();
   watchdog_thread_.join();
   // No new connection can appear now: the accept loop has left. Serving
   // threads still lock mu_ to say they finished, so join outside it.
@@ -212,52 +206,6 @@ void DataServer::ReapFinishedLocked() {
     }
     --finished_;
     it = connections_.erase(it);  // closes the fd
-  }
-}
-
-void DataServer::AcceptLoop() {
-  absl::Duration backoff = absl::ZeroDuration();
-  while (true) {
-    // While backing off only a shutdown is waited for; else a connection too.
-    pollfd fds[2] = {{wakeup_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}};
-    const int timeout_ms =
-        backoff > absl::ZeroDuration()
-            ? static_cast<int>(absl::ToInt64Milliseconds(backoff))
-            : -1;
-    const int ready =
-        poll(fds, backoff > absl::ZeroDuration() ? 1 : 2, timeout_ms);
-    if (ready < 0 && errno != EINTR) {
-      spdlog::error("tcp data plane: poll: {}; no longer accepting",
-                    std::strerror(errno));
-      return;
-    }
-    if (fds[0].revents != 0) return;
-    sockaddr_storage peer{};
-    socklen_t length = sizeof(peer);
-    UniqueFd fd(accept4(listener_.get(), reinterpret_cast<sockaddr*>(&peer),
-                        &length, SOCK_CLOEXEC));
-    if (!fd) {
-      const int error = errno;
-      if (error == EAGAIN || error == EWOULDBLOCK || error == EINTR ||
-          error == ECONNABORTED || error == EPROTO) {
-        continue;  // nothing (left) to accept: the peer gave up
-      }
-      // Out of fds (EMFILE, ENFILE) or memory: the pending connection stays
-      // queued, so retrying at once would spin. Pause, growing the pause
-      // while it lasts; fds come back as connections end.
-      backoff = backoff == absl::ZeroDuration()
-                    ? kFirstAcceptBackoff
-                    : std::min(2 * backoff, kMaxAcceptBackoff);
-      if (const auto suppressed = accept_error_log_.Allow()) {
-        spdlog::warn(
-            "tcp data plane: accept: {}; retrying in {} ({} similar "
-            "suppressed)",
-            std::strerror(error), absl::FormatDuration(backoff), *suppressed);
-      }
-      continue;
-    }
-    backoff = absl::ZeroDuration();
-    Admit(std::move(fd), SourceHost(peer));
   }
 }
 

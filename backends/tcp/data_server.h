@@ -15,9 +15,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backends/buffer_directory.h"
-#include "common/rate_limited_log.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
+#include "common/accept_loop.h"
+#include "common/rate_limited_log.h"
 #include "common/unique_fd.h"
 
 namespace rdma_agent::tcp {
@@ -65,10 +66,10 @@ int DefaultMaxConnections();
 // bytes are not a request, when no whole request header and token came
 // within the handshake timeout (between requests too, until one of them has
 // named a registration with its token), when it idles past the idle
-// timeout, or when a request does not complete within the request timeout. One thread serves
-// each accepted connection (bounded by the caps); a watchdog thread cuts
-// connections past their deadline and reaps finished ones, so their fds go
-// back at once. Accept failures (EMFILE...) back off from 10 ms to 1 s
+// timeout, or when a request does not complete within the request timeout. One
+// thread serves each accepted connection (bounded by the caps); a watchdog
+// thread cuts connections past their deadline and reaps finished ones, so their
+// fds go back at once. Accept failures (EMFILE...) back off from 10 ms to 1 s
 // instead of spinning. What strangers trigger is logged at most once a
 // second per kind.
 class DataServer {
@@ -123,9 +124,8 @@ class DataServer {
     }
   };
 
-  DataServer(UniqueFd listener, UniqueFd wakeup, uint16_t port,
-             const BufferDirectory* directory, DataServerOptions options);
-  void AcceptLoop();
+  DataServer(uint16_t port, const BufferDirectory* directory,
+             DataServerOptions options);
   // Applies the caps to a just-accepted connection, greets it and spawns its
   // thread, or closes it.
   void Admit(UniqueFd fd, std::string source);
@@ -143,16 +143,12 @@ class DataServer {
   // Blocks for `timeout` or until the server stops; false when stopping.
   bool SleepUnlessStopping(absl::Duration timeout);
 
-  const UniqueFd listener_;
-  // eventfd that wakes the accept loop at shutdown.
-  const UniqueFd wakeup_;
   const uint16_t port_;
   const BufferDirectory* const directory_;
   const DataServerOptions options_;
 
   // What strangers can trigger, each logged at most once per interval.
   LogRateLimiter refused_log_{absl::Seconds(1)};
-  LogRateLimiter accept_error_log_{absl::Seconds(1)};
   LogRateLimiter timeout_log_{absl::Seconds(1)};
   LogRateLimiter garbage_log_{absl::Seconds(1)};
 
@@ -162,7 +158,8 @@ class DataServer {
   int finished_ ABSL_GUARDED_BY(mu_) = 0;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> per_source_ ABSL_GUARDED_BY(mu_);
-  std::thread accept_thread_;
+  // Calls Admit for each accepted connection; stopped first at destruction.
+  std::unique_ptr<AcceptLoop> accept_loop_;
   std::thread watchdog_thread_;
 };
 
