@@ -37,8 +37,8 @@ struct BackendEnvironment {
   const BufferDirectory* directory = nullptr;
   // Host peers should dial to reach this agent (never a wildcard address).
   std::string advertise_host;
-  // Credentials for calling peers' Peer services (and for a backend's own
-  // Peer listener, when it runs one). Not enabled = plaintext.
+  // Credentials for calling peers' Peer services (the agent's Peer listener
+  // serves with the same material). Not enabled = plaintext.
   PeerTls peer_tls;
 };
 

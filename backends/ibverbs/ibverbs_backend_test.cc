@@ -762,6 +762,10 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   auto backend =
       IbverbsBackend::Create(env, options, fabric_.MakeVerbs({"nic_b"}));
   ASSERT_TRUE(backend.ok());
+  // Backends open no listener of their own: without an address to
+  // advertise, Start() refuses.
+  EXPECT_EQ((*backend)->Start("").code(),
+            absl::StatusCode::kFailedPrecondition);
   // The agent's address: Start() adds no listener of its own.
   ASSERT_TRUE((*backend)->Start("set-by-the-agent:1").ok());
   // A registration whose token the handshake proves.
