@@ -17,27 +17,27 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "backends/buffer_table.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/ibverbs/test_node.h"
+#include "backends/testing/harness.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent::ibverbs {
 namespace {
 
-using testing::MakeOp;
-using testing::TestBuffer;
-using testing::TestNode;
+using ::rdma_agent::testing::In;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::Snapshot;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 using verbs::SoftDeviceConfig;
 using verbs::SoftFabric;
 using verbs::SoftFault;
 
 constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
 constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
-
-std::vector<uint8_t> Snapshot(const TestBuffer& buffer) {
-  return std::vector<uint8_t>(buffer.bytes(),
-                              buffer.bytes() + buffer.registration->size());
-}
 
 // Checks that `after` equals `before` except [offset, offset + length),
 // which must equal source[source_offset..].
@@ -72,20 +72,18 @@ class IbverbsBackendTest : public ::testing::Test {
     return options;
   }
 
-  std::unique_ptr<TestNode> Node(const std::string& id,
-                                 const std::string& device,
-                                 IbverbsOptions options = Fast()) {
-    return TestNode::Create(fabric_, id, device, std::move(options));
+  std::unique_ptr<TestAgent> Node(const std::string& id,
+                                  const std::string& device,
+                                  IbverbsOptions options = Fast()) {
+    return SoftIbverbsAgent(fabric_, id, device, std::move(options));
   }
-
-  static absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
   SoftFabric fabric_;
 };
 
 TEST_F(IbverbsBackendTest, ReportsDeviceAndProfile) {
   auto a = Node("agent-a", "nic_a");
-  IbverbsBackend& backend = a->backend();
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
   EXPECT_TRUE(backend.available()) << backend.unavailable_reason();
   EXPECT_EQ(backend.name(), "ibverbs");
   EXPECT_EQ(backend.transport_level(), v1::TRANSPORT_LEVEL_NIC);
@@ -114,10 +112,11 @@ TEST_F(IbverbsBackendTest, Mlx5DevicesGetTheMlx5Profile) {
   IbverbsOptions options;
   options.qp.gid_index = 0;  // the soft device has one GID
   auto node = Node("agent-m", "mlx5_0", options);
-  EXPECT_EQ(node->backend().profile_name(), "mlx5");
-  EXPECT_EQ(node->backend().params().sq_depth, 1024u);
-  EXPECT_EQ(node->backend().params().mtu_bytes, 4096u);
-  EXPECT_EQ(node->backend().params().max_message_bytes, 8u << 20);
+  EXPECT_EQ(node->backend<IbverbsBackend>().profile_name(), "mlx5");
+  EXPECT_EQ(node->backend<IbverbsBackend>().params().sq_depth, 1024u);
+  EXPECT_EQ(node->backend<IbverbsBackend>().params().mtu_bytes, 4096u);
+  EXPECT_EQ(node->backend<IbverbsBackend>().params().max_message_bytes,
+            8u << 20);
 }
 
 TEST_F(IbverbsBackendTest, Mlx5OnRoceWithoutGidThreeIsUnavailable) {
@@ -126,10 +125,11 @@ TEST_F(IbverbsBackendTest, Mlx5OnRoceWithoutGidThreeIsUnavailable) {
   config.vendor_id = 0x02c9;
   ASSERT_TRUE(fabric_.AddDevice(config).ok());
   auto node = Node("agent-m", "mlx5_1", IbverbsOptions());
-  EXPECT_FALSE(node->backend().available());
-  EXPECT_NE(node->backend().unavailable_reason().find("no GID at index 3"),
+  EXPECT_FALSE(node->backend<IbverbsBackend>().available());
+  EXPECT_NE(node->backend<IbverbsBackend>().unavailable_reason().find(
+                "no GID at index 3"),
             std::string::npos)
-      << node->backend().unavailable_reason();
+      << node->backend<IbverbsBackend>().unavailable_reason();
 }
 
 TEST_F(IbverbsBackendTest, InfinibandPortsRouteByLid) {
@@ -142,14 +142,16 @@ TEST_F(IbverbsBackendTest, InfinibandPortsRouteByLid) {
   }
   auto a = Node("agent-a", "ib_0");
   auto b = Node("agent-b", "ib_1");
-  ASSERT_TRUE(a->backend().available()) << a->backend().unavailable_reason();
-  EXPECT_EQ(a->backend().transport_info().devices(0).link_layer(),
-            "InfiniBand");
-  EXPECT_EQ(a->backend().params().gid_index, 0);
+  ASSERT_TRUE(a->backend<IbverbsBackend>().available())
+      << a->backend<IbverbsBackend>().unavailable_reason();
+  EXPECT_EQ(
+      a->backend<IbverbsBackend>().transport_info().devices(0).link_layer(),
+      "InfiniBand");
+  EXPECT_EQ(a->backend<IbverbsBackend>().params().gid_index, 0);
   TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
   EXPECT_NE(remote.context->endpoints(0).ibverbs().lid(), 0u);
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 1, 4000, remote, 3)}, In(absl::Seconds(10)));
   ASSERT_TRUE(results[0].ok()) << results[0];
   EXPECT_EQ(0, std::memcmp(local.bytes() + 1, remote.bytes() + 3, 4000));
@@ -161,10 +163,11 @@ TEST_F(IbverbsBackendTest, EfaIsUnavailableWithAReason) {
   config.vendor_id = 0x1d0f;
   ASSERT_TRUE(fabric_.AddDevice(config).ok());
   auto node = Node("agent-e", "efa_0");
-  EXPECT_FALSE(node->backend().available());
-  EXPECT_NE(node->backend().unavailable_reason().find("no RC queue pairs"),
+  EXPECT_FALSE(node->backend<IbverbsBackend>().available());
+  EXPECT_NE(node->backend<IbverbsBackend>().unavailable_reason().find(
+                "no RC queue pairs"),
             std::string::npos)
-      << node->backend().unavailable_reason();
+      << node->backend<IbverbsBackend>().unavailable_reason();
 }
 
 TEST_F(IbverbsBackendTest, UnavailableWithoutDeviceOrWhenDisabled) {
@@ -240,13 +243,13 @@ TEST_F(IbverbsBackendTest, RegisterAdvertisesAddressAndPeerButNoKey) {
   EXPECT_EQ(ib.rkey(), 0u);
   EXPECT_EQ(ib.address(),
             reinterpret_cast<uint64_t>(buffer.registration->data()));
-  EXPECT_EQ(ib.peer_address(), a->backend().peer_address());
+  EXPECT_EQ(ib.peer_address(), a->backend<IbverbsBackend>().peer_address());
   EXPECT_EQ(ib.max_message_bytes(), 1u << 30);
-  EXPECT_TRUE(a->backend().CanReach(*buffer.context));
+  EXPECT_TRUE(a->backend<IbverbsBackend>().CanReach(*buffer.context));
   v1::RemoteBuffer no_ib = *buffer.context;
   no_ib.clear_endpoints();
   no_ib.add_endpoints()->set_backend("tcp");
-  EXPECT_FALSE(a->backend().CanReach(no_ib));
+  EXPECT_FALSE(a->backend<IbverbsBackend>().CanReach(no_ib));
 }
 
 TEST_F(IbverbsBackendTest, MovesExactBytesAtOddOffsetsAcrossMaxMessageSize) {
@@ -288,7 +291,7 @@ TEST_F(IbverbsBackendTest, MovesExactBytesAtOddOffsetsAcrossMaxMessageSize) {
     const Op op = MakeOp(0, c.type, local, c.local_offset, c.length, remote,
                          c.remote_offset);
     const std::vector<absl::Status> results =
-        a->backend().Submit({op}, In(absl::Seconds(20)));
+        a->backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(20)));
     ASSERT_EQ(results.size(), 1u);
     ASSERT_TRUE(results[0].ok()) << results[0];
     if (c.type == kWrite) {
@@ -303,8 +306,8 @@ TEST_F(IbverbsBackendTest, MovesExactBytesAtOddOffsetsAcrossMaxMessageSize) {
     // Scramble so that the next case does not see equal buffers.
     for (uint64_t i = 0; i < kSize; i += 97) local.bytes()[i] ^= 0x5a;
   }
-  EXPECT_EQ(a->backend().connections_established(), 1u);
-  EXPECT_EQ(b->backend().responder_count(), 1u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 1u);
+  EXPECT_EQ(b->backend<IbverbsBackend>().responder_count(), 1u);
 }
 
 TEST_F(IbverbsBackendTest, PollerWorksSpinningOnlyAndBlockingOnly) {
@@ -315,7 +318,8 @@ TEST_F(IbverbsBackendTest, PollerWorksSpinningOnlyAndBlockingOnly) {
     options.qp.mtu_bytes = 512;
     auto a = Node("agent-a", "nic_a", options);
     auto b = Node("agent-b", "nic_b", options);
-    EXPECT_EQ(a->backend().transport_info().attributes().at("path_mtu_bytes"),
+    EXPECT_EQ(a->backend<IbverbsBackend>().transport_info().attributes().at(
+                  "path_mtu_bytes"),
               "512");
     TestBuffer local = a->Register(1 << 16, v1::ACCESS_READ_WRITE, 1);
     TestBuffer remote = b->Register(1 << 16, v1::ACCESS_READ_WRITE, 2);
@@ -324,7 +328,7 @@ TEST_F(IbverbsBackendTest, PollerWorksSpinningOnlyAndBlockingOnly) {
       ops.push_back(MakeOp(i, kRead, local, i * 1024, 1000, remote, i * 1024));
     }
     for (const absl::Status& status :
-         a->backend().Submit(ops, In(absl::Seconds(20)))) {
+         a->backend<IbverbsBackend>().Submit(ops, In(absl::Seconds(20)))) {
       ASSERT_TRUE(status.ok()) << status;
     }
     for (size_t i = 0; i < 64; ++i) {
@@ -350,7 +354,7 @@ TEST_F(IbverbsBackendTest, ManyOpsObeyTheSendQueueDepth) {
         MakeOp(i, kWrite, local, i * 64, 64, remote, (kOps - 1 - i) * 64));
   }
   const std::vector<absl::Status> results =
-      a->backend().Submit(ops, In(absl::Seconds(60)));
+      a->backend<IbverbsBackend>().Submit(ops, In(absl::Seconds(60)));
   ASSERT_EQ(results.size(), kOps);
   for (uint64_t i = 0; i < kOps; ++i) {
     ASSERT_TRUE(results[i].ok()) << "op " << i << ": " << results[i];
@@ -376,7 +380,9 @@ TEST_F(IbverbsBackendTest, ConcurrentSubmitsShareOneQueuePair) {
       for (int k = 0; k < 50; ++k) {
         const uint64_t offset = (t * 50 + k) * 4096;
         const Op op = MakeOp(0, kWrite, local, offset, 4096, remote, offset);
-        if (!a->backend().Submit({op}, In(absl::Seconds(30)))[0].ok()) {
+        if (!a->backend<IbverbsBackend>()
+                 .Submit({op}, In(absl::Seconds(30)))[0]
+                 .ok()) {
           ++failures;
         }
       }
@@ -385,7 +391,7 @@ TEST_F(IbverbsBackendTest, ConcurrentSubmitsShareOneQueuePair) {
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(0, std::memcmp(local.bytes(), remote.bytes(), 200 * 4096));
-  EXPECT_EQ(a->backend().connections_established(), 1u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 1u);
 }
 
 TEST_F(IbverbsBackendTest, RemoteNicRefusesAccessTheMrDoesNotGrant) {
@@ -395,7 +401,7 @@ TEST_F(IbverbsBackendTest, RemoteNicRefusesAccessTheMrDoesNotGrant) {
   TestBuffer read_only = b->Register(4096, v1::ACCESS_READ, 2);
   const std::vector<uint8_t> before = Snapshot(read_only);
   // The agent would refuse this op; the NIC refuses it too.
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kWrite, local, 0, 100, read_only, 0)}, In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kPermissionDenied)
       << results[0];
@@ -403,11 +409,11 @@ TEST_F(IbverbsBackendTest, RemoteNicRefusesAccessTheMrDoesNotGrant) {
             std::string::npos);
   EXPECT_EQ(Snapshot(read_only), before);
   // The QP went to ERR with it; the next submit reconnects and works.
-  const auto again = a->backend().Submit(
+  const auto again = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 0, 100, read_only, 0)}, In(absl::Seconds(10)));
   EXPECT_TRUE(again[0].ok()) << again[0];
   EXPECT_EQ(0, std::memcmp(local.bytes(), before.data(), 100));
-  EXPECT_EQ(a->backend().connections_established(), 2u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 2u);
 }
 
 TEST_F(IbverbsBackendTest, RemoteRangeOutsideTheGrantIsOutOfRange) {
@@ -421,36 +427,13 @@ TEST_F(IbverbsBackendTest, RemoteRangeOutsideTheGrantIsOutOfRange) {
   inflated->set_size_bytes(uint64_t{1} << 40);
   remote.context = inflated;
   const uint8_t before = remote.bytes()[4095];
-  const auto results =
-      a->backend().Submit({MakeOp(0, kWrite, local, 0, 100, remote, 4000),
-                           MakeOp(1, kRead, local, 0, 1, remote, 1 << 20)},
-                          In(absl::Seconds(10)));
+  const auto results = a->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, kWrite, local, 0, 100, remote, 4000),
+       MakeOp(1, kRead, local, 0, 1, remote, 1 << 20)},
+      In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kOutOfRange) << results[0];
   EXPECT_EQ(results[1].code(), absl::StatusCode::kOutOfRange) << results[1];
   EXPECT_EQ(remote.bytes()[4095], before);
-}
-
-TEST_F(IbverbsBackendTest, StaleEpochIsFailedPrecondition) {
-  auto a = Node("agent-a", "nic_a");
-  auto b = Node("agent-b", "nic_b");
-  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  auto stale = std::make_shared<v1::RemoteBuffer>(*remote.context);
-  stale->set_agent_epoch(remote.context->agent_epoch() + 2);
-  TestBuffer stale_buffer{remote.registration, stale};
-  const auto results =
-      a->backend().Submit({MakeOp(0, kWrite, local, 0, 10, stale_buffer, 0)},
-                          In(absl::Seconds(10)));
-  EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition)
-      << results[0];
-  EXPECT_NE(results[0].message().find("stale"), std::string::npos);
-  // The agent's current epoch is not given away.
-  EXPECT_EQ(
-      results[0].message().find(absl::StrCat(remote.context->agent_epoch())),
-      std::string::npos);
-  EXPECT_EQ(results[0].message().find(
-                absl::StrCat(absl::Hex(remote.context->agent_epoch()))),
-            std::string::npos);
 }
 
 TEST_F(IbverbsBackendTest, UnknownRemoteDeviceIsNotFound) {
@@ -460,10 +443,10 @@ TEST_F(IbverbsBackendTest, UnknownRemoteDeviceIsNotFound) {
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
   auto other = std::make_shared<v1::RemoteBuffer>(*remote.context);
   other->mutable_endpoints(0)->mutable_ibverbs()->set_device("nic_c");
-  const auto results =
-      a->backend().Submit({MakeOp(0, kWrite, local, 0, 10,
-                                  TestBuffer{remote.registration, other}, 0)},
-                          In(absl::Seconds(10)));
+  const auto results = a->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, kWrite, local, 0, 10, TestBuffer{remote.registration, other},
+              0)},
+      In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kNotFound) << results[0];
 }
 
@@ -476,10 +459,10 @@ TEST_F(IbverbsBackendTest, UnreachablePeerAgentIsUnavailable) {
   // Port 1 on loopback: nobody listens there.
   moved->mutable_endpoints(0)->mutable_ibverbs()->set_peer_address(
       "127.0.0.1:1");
-  const auto results =
-      a->backend().Submit({MakeOp(0, kWrite, local, 0, 10,
-                                  TestBuffer{remote.registration, moved}, 0)},
-                          In(absl::Seconds(10)));
+  const auto results = a->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, kWrite, local, 0, 10, TestBuffer{remote.registration, moved},
+              0)},
+      In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kUnavailable) << results[0];
 }
 
@@ -507,15 +490,15 @@ TEST_F(IbverbsBackendTest, SilentPeerDoesNotHoldUpHandshakesWithOthers) {
 
   absl::Status stuck;
   std::thread slow([&] {
-    stuck =
-        a->backend().Submit({MakeOp(0, kWrite, local, 0, 8, silent_buffer, 0)},
-                            In(absl::Seconds(3)))[0];
+    stuck = a->backend<IbverbsBackend>().Submit(
+        {MakeOp(0, kWrite, local, 0, 8, silent_buffer, 0)},
+        In(absl::Seconds(3)))[0];
   });
   // Wait until the slow handshake is knocking (a connection is pending).
   pollfd pending = {silent, POLLIN, 0};
   ASSERT_EQ(poll(&pending, 1, 5000), 1);
   const absl::Time start = absl::Now();
-  const absl::Status fast = a->backend().Submit(
+  const absl::Status fast = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kWrite, local, 0, 8, remote, 0)}, In(absl::Seconds(10)))[0];
   const absl::Duration took = absl::Now() - start;
   EXPECT_TRUE(fast.ok()) << fast;
@@ -530,21 +513,22 @@ TEST_F(IbverbsBackendTest, RestartedPeerGetsANewQpAndTheOldOneIsDropped) {
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   TestBuffer old_remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  ASSERT_TRUE(a->backend()
+  ASSERT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kWrite, local, 0, 8, old_remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
-  EXPECT_EQ(a->backend().requester_count(), 1u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().requester_count(), 1u);
   old_remote = TestBuffer{};
   b.reset();  // the agent restarts: same id and device, new epoch
   b = Node("agent-b", "nic_b");
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 3);
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 0, 4096, remote, 0)}, In(absl::Seconds(10)));
   ASSERT_TRUE(results[0].ok()) << results[0];
   EXPECT_EQ(0, std::memcmp(local.bytes(), remote.bytes(), 4096));
-  EXPECT_EQ(a->backend().connections_established(), 2u);
-  EXPECT_EQ(a->backend().requester_count(), 1u);  // the dead QP was dropped
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 2u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().requester_count(),
+            1u);  // the dead QP was dropped
 }
 
 TEST_F(IbverbsBackendTest, LocalBufferWithoutMrIsFailedPrecondition) {
@@ -557,7 +541,7 @@ TEST_F(IbverbsBackendTest, LocalBufferWithoutMrIsFailedPrecondition) {
       std::make_shared<Registration>(77, 0, v1::ACCESS_READ_WRITE, "", "t",
                                      std::move(*memory), true),
       nullptr};
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kWrite, bare, 0, 10, remote, 0)}, In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kFailedPrecondition);
 }
@@ -567,7 +551,7 @@ TEST_F(IbverbsBackendTest, LostWorkRequestIsUnavailableThenReconnects) {
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(8192, v1::ACCESS_READ_WRITE, 2);
-  ASSERT_TRUE(a->backend()
+  ASSERT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kWrite, local, 0, 8, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
@@ -576,10 +560,10 @@ TEST_F(IbverbsBackendTest, LostWorkRequestIsUnavailableThenReconnects) {
   drop.device = "nic_a";
   fabric_.InjectFault(drop);
   const std::vector<uint8_t> before = Snapshot(remote);
-  const auto lost =
-      a->backend().Submit({MakeOp(0, kWrite, local, 100, 50, remote, 100),
-                           MakeOp(1, kWrite, local, 200, 50, remote, 200)},
-                          In(absl::Seconds(10)));
+  const auto lost = a->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, kWrite, local, 100, 50, remote, 100),
+       MakeOp(1, kWrite, local, 200, 50, remote, 200)},
+      In(absl::Seconds(10)));
   EXPECT_EQ(lost[0].code(), absl::StatusCode::kUnavailable) << lost[0];
   EXPECT_NE(lost[0].message().find("IBV_WC_RETRY_EXC_ERR"), std::string::npos);
   // Behind the lost WR on the same QP: flushed.
@@ -587,11 +571,11 @@ TEST_F(IbverbsBackendTest, LostWorkRequestIsUnavailableThenReconnects) {
   EXPECT_NE(lost[1].message().find("IBV_WC_WR_FLUSH_ERR"), std::string::npos);
   EXPECT_EQ(Snapshot(remote), before);
 
-  const auto again = a->backend().Submit(
+  const auto again = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kWrite, local, 100, 50, remote, 100)}, In(absl::Seconds(10)));
   EXPECT_TRUE(again[0].ok()) << again[0];
   EXPECT_EQ(0, std::memcmp(remote.bytes() + 100, local.bytes() + 100, 50));
-  EXPECT_EQ(a->backend().connections_established(), 2u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 2u);
 }
 
 TEST_F(IbverbsBackendTest, CompletionErrorsMapToContractCodes) {
@@ -612,7 +596,7 @@ TEST_F(IbverbsBackendTest, CompletionErrorsMapToContractCodes) {
     fail.action = SoftFault::Action::kFail;
     fail.status = status;
     fabric_.InjectFault(fail);
-    const auto results = a->backend().Submit(
+    const auto results = a->backend<IbverbsBackend>().Submit(
         {MakeOp(0, kRead, local, 0, 10, remote, 0)}, In(absl::Seconds(10)));
     EXPECT_EQ(results[0].code(), code)
         << verbs::WcStatusName(status) << ": " << results[0];
@@ -620,7 +604,8 @@ TEST_F(IbverbsBackendTest, CompletionErrorsMapToContractCodes) {
               std::string::npos);
   }
   // Each failure broke the QP; every following submit reconnected.
-  EXPECT_EQ(a->backend().connections_established(), cases.size());
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(),
+            cases.size());
 }
 
 TEST_F(IbverbsBackendTest, UnpluggedRemoteDeviceIsUnavailable) {
@@ -629,11 +614,11 @@ TEST_F(IbverbsBackendTest, UnpluggedRemoteDeviceIsUnavailable) {
   TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
   fabric_.SetReachable("nic_b", false);
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 0, 10, remote, 0)}, In(absl::Seconds(10)));
   EXPECT_EQ(results[0].code(), absl::StatusCode::kUnavailable) << results[0];
   fabric_.SetReachable("nic_b", true);
-  EXPECT_TRUE(a->backend()
+  EXPECT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kRead, local, 0, 10, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
@@ -644,7 +629,7 @@ TEST_F(IbverbsBackendTest, DeadlineMovesQpToErrorDrainsAndNextSubmitWorks) {
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(8192, v1::ACCESS_READ_WRITE, 2);
-  ASSERT_TRUE(a->backend()
+  ASSERT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kRead, local, 0, 8, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
@@ -657,10 +642,10 @@ TEST_F(IbverbsBackendTest, DeadlineMovesQpToErrorDrainsAndNextSubmitWorks) {
   const std::vector<uint8_t> local_before = Snapshot(local);
   const std::vector<uint8_t> remote_before = Snapshot(remote);
   const absl::Time start = absl::Now();
-  const auto late =
-      a->backend().Submit({MakeOp(0, kRead, local, 10, 100, remote, 1000),
-                           MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
-                          start + absl::Milliseconds(200));
+  const auto late = a->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, kRead, local, 10, 100, remote, 1000),
+       MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
+      start + absl::Milliseconds(200));
   const absl::Duration took = absl::Now() - start;
   EXPECT_EQ(late[0].code(), absl::StatusCode::kDeadlineExceeded) << late[0];
   EXPECT_EQ(late[1].code(), absl::StatusCode::kDeadlineExceeded) << late[1];
@@ -672,11 +657,11 @@ TEST_F(IbverbsBackendTest, DeadlineMovesQpToErrorDrainsAndNextSubmitWorks) {
   EXPECT_EQ(Snapshot(local), local_before);
   EXPECT_EQ(Snapshot(remote), remote_before);
   EXPECT_EQ(fabric_.wrs_completed_ok(), ok_before);
-  const auto again = a->backend().Submit(
+  const auto again = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 10, 100, remote, 1000)}, In(absl::Seconds(10)));
   EXPECT_TRUE(again[0].ok()) << again[0];
   EXPECT_EQ(0, std::memcmp(local.bytes() + 10, remote.bytes() + 1000, 100));
-  EXPECT_EQ(a->backend().connections_established(), 2u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 2u);
 }
 
 TEST_F(IbverbsBackendTest, DeadlineWhileWaitingForSendQueueCredits) {
@@ -695,13 +680,14 @@ TEST_F(IbverbsBackendTest, DeadlineWhileWaitingForSendQueueCredits) {
   for (size_t i = 0; i < 5; ++i) {
     ops.push_back(MakeOp(i, kWrite, local, i * 10, 10, remote, i * 10));
   }
-  const auto results = a->backend().Submit(ops, In(absl::Milliseconds(300)));
+  const auto results =
+      a->backend<IbverbsBackend>().Submit(ops, In(absl::Milliseconds(300)));
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(results[i].code(), absl::StatusCode::kDeadlineExceeded)
         << i << ": " << results[i];
   }
   fabric_.ClearFaults();
-  EXPECT_TRUE(a->backend()
+  EXPECT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kWrite, local, 0, 10, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
@@ -724,7 +710,8 @@ TEST_F(IbverbsBackendTest, AStuckPeerDoesNotHoldUpOpsToOthersInTheBatch) {
   }
   ops.push_back(MakeOp(5, kWrite, local, 100, 1000, to_c, 200));
   // Long enough for the handshake with C on a loaded machine.
-  const auto results = a->backend().Submit(ops, In(absl::Seconds(2)));
+  const auto results =
+      a->backend<IbverbsBackend>().Submit(ops, In(absl::Seconds(2)));
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(results[i].code(), absl::StatusCode::kDeadlineExceeded)
         << i << ": " << results[i];
@@ -733,35 +720,12 @@ TEST_F(IbverbsBackendTest, AStuckPeerDoesNotHoldUpOpsToOthersInTheBatch) {
   EXPECT_EQ(0, std::memcmp(to_c.bytes() + 200, local.bytes() + 100, 1000));
 }
 
-TEST_F(IbverbsBackendTest, LocalReleaseDuringAnOpKeepsMemoryUntilItEnds) {
-  auto a = Node("agent-a", "nic_a");
-  auto b = Node("agent-b", "nic_b");
-  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  std::weak_ptr<Registration> watch = local.registration;
-  SoftFault delay;
-  delay.action = SoftFault::Action::kDelay;
-  delay.delay = absl::Milliseconds(300);
-  fabric_.InjectFault(delay);
-  std::vector<Op> ops = {MakeOp(0, kRead, local, 0, 4096, remote, 0)};
-  // Only the op pins the registration from here on.
-  a->Release(local);
-  local = TestBuffer{};
-  const absl::Status result =
-      a->backend().Submit(ops, In(absl::Seconds(10)))[0];
-  EXPECT_TRUE(result.ok()) << result;
-  ASSERT_FALSE(watch.expired());
-  EXPECT_EQ(0, std::memcmp(ops[0].local->data(), remote.bytes(), 4096));
-  ops.clear();
-  EXPECT_TRUE(watch.expired());  // MR and memory released after the op
-}
-
 TEST_F(IbverbsBackendTest, RemoteReleaseDuringAnOpIsRefusedByTheNic) {
   auto a = Node("agent-a", "nic_a");
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  ASSERT_TRUE(a->backend()
+  ASSERT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kWrite, local, 0, 8, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
@@ -771,8 +735,10 @@ TEST_F(IbverbsBackendTest, RemoteReleaseDuringAnOpIsRefusedByTheNic) {
   fabric_.InjectFault(delay);
   const Op op = MakeOp(0, kWrite, local, 0, 4096, remote, 0);
   absl::Status result;
-  std::thread submit(
-      [&] { result = a->backend().Submit({op}, In(absl::Seconds(10)))[0]; });
+  std::thread submit([&] {
+    result =
+        a->backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(10)))[0];
+  });
   // The remote agent releases while the WR waits on the wire: its MR is
   // deregistered, so the write must not land.
   std::weak_ptr<Registration> watch = remote.registration;
@@ -789,7 +755,7 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   BackendEnvironment env;
   env.identity.agent_id = "agent-ext";
   env.identity.epoch = 42;
-  testing::TestDirectory directory(42);
+  BufferTable directory(42);
   env.directory = &directory;
   IbverbsOptions options = Fast();
   options.max_responders = 1;
@@ -878,7 +844,7 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ((*backend)->responder_count(), 1u);
   server->Shutdown();
-  directory.Remove(7);
+  ASSERT_TRUE(directory.Remove(7, /*caller=*/0).ok());
   registration.reset();
   EXPECT_EQ((*backend)->grant_count(), 0u);
 }
@@ -888,7 +854,7 @@ TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(8192, v1::ACCESS_READ_WRITE, 2);
-  ASSERT_TRUE(a->backend()
+  ASSERT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kRead, local, 0, 8, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
@@ -906,7 +872,7 @@ TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
     cancellation.Cancel(absl::CancelledError("the client went away"));
   });
   const absl::Time start = absl::Now();
-  const auto cut = a->backend().Submit(
+  const auto cut = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 10, 100, remote, 1000),
        MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
       StopToken(start + absl::Seconds(30), &cancellation));
@@ -923,7 +889,7 @@ TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
   EXPECT_EQ(Snapshot(local), local_before);
   EXPECT_EQ(Snapshot(remote), remote_before);
   EXPECT_EQ(fabric_.wrs_completed_ok(), ok_before);
-  const auto again = a->backend().Submit(
+  const auto again = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 10, 100, remote, 1000)}, In(absl::Seconds(10)));
   EXPECT_TRUE(again[0].ok()) << again[0];
 }
@@ -950,7 +916,7 @@ TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
     cancellation.Cancel(absl::UnavailableError("the agent is shutting down"));
   });
   const absl::Time start = absl::Now();
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       ops, StopToken(start + absl::Seconds(30), &cancellation));
   canceller.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
@@ -959,7 +925,7 @@ TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
         << i << ": " << results[i];
   }
   fabric_.ClearFaults();
-  EXPECT_TRUE(a->backend()
+  EXPECT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kWrite, local, 0, 10, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());

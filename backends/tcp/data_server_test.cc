@@ -19,17 +19,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/buffer_table.h"
 #include "backends/registration.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
-#include "backends/testing/test_directory.h"
 #include "common/shared_memory.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent::tcp {
 namespace {
-
-using ::rdma_agent::testing::TestDirectory;
 
 constexpr uint64_t kEpoch = 9;
 
@@ -168,7 +166,7 @@ class DataServerTest : public ::testing::Test {
 
   uint16_t port() const { return server_->port(); }
 
-  TestDirectory directory_;
+  BufferTable directory_;
   std::unique_ptr<DataServer> server_;
 };
 
@@ -364,7 +362,7 @@ TEST_F(DataServerTest, StalledPartialWriteReleasesTheRegistration) {
       WaitFor([&] { return buffer.use_count() >= 3; }, absl::Seconds(5)));
   // The owner releases it; only the stalled request keeps it now.
   const absl::Time released = absl::Now();
-  directory_.Remove(1);
+  (void)directory_.Remove(1, /*caller=*/0);
   buffer.reset();
   EXPECT_FALSE(alive.expired());
   ASSERT_TRUE(WaitFor([&] { return alive.expired(); }, absl::Seconds(5)))
@@ -388,7 +386,7 @@ TEST_F(DataServerTest, UnreadResponseReleasesTheRegistration) {
   SendAll(fd.get(), Header(RequestKind::kRead, 1, 0, kSize, "token-1"));
   ASSERT_TRUE(
       WaitFor([&] { return buffer.use_count() >= 3; }, absl::Seconds(5)));
-  directory_.Remove(1);
+  (void)directory_.Remove(1, /*caller=*/0);
   buffer.reset();
   ASSERT_TRUE(WaitFor([&] { return alive.expired(); }, absl::Seconds(5)))
       << "the unread response still pins the released registration";

@@ -14,10 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
+#include "backends/buffer_table.h"
 #include "backends/tcp/client_test_peer.h"
 #include "backends/tcp/pool_probe.h"
 #include "backends/tcp/tcp_backend.h"
-#include "backends/testing/test_directory.h"
+#include "backends/testing/harness.h"
 #include "common/shared_memory.h"
 #include "common/stop_token.h"
 #include "gtest/gtest.h"
@@ -32,7 +33,6 @@ using ::rdma_agent::tcp::testing::OpenFds;
 using ::rdma_agent::tcp::testing::PoolProbe;
 using ::rdma_agent::tcp::testing::ScriptedPeer;
 using ::rdma_agent::tcp::testing::Threads;
-using ::rdma_agent::testing::TestDirectory;
 using Behavior = ScriptedPeer::Behavior;
 
 // An in-process agent with only a tcp backend and one local buffer.
@@ -64,20 +64,13 @@ class Agent {
   // An op on [0, length) of the local buffer against `remote`.
   Op MakeOp(v1::OpType type, std::shared_ptr<v1::RemoteBuffer> remote,
             uint64_t length, size_t index = 0) const {
-    Op op;
-    op.index = index;
-    op.type = type;
-    op.local = local_;
-    op.local_offset = 0;
-    op.length = length;
-    op.remote = std::move(remote);
-    // As BackendRegistry::Submit routes it.
-    op.endpoint = FindEndpoint(*op.remote, "tcp");
-    return op;
+    return ::rdma_agent::testing::MakeOp(
+        index, type, ::rdma_agent::testing::TestBuffer{local_}, 0, length,
+        ::rdma_agent::testing::TestBuffer{nullptr, std::move(remote)}, 0);
   }
 
  private:
-  TestDirectory directory_;
+  BufferTable directory_;
   std::unique_ptr<TcpBackend> backend_;
   std::shared_ptr<Registration> local_;
 };
@@ -377,7 +370,7 @@ TEST(TcpClientMemoryTest, HugeOpsCostMemoryPerOpNotPerByte) {
 }
 
 TEST(TcpClientCreateTest, BadClientOptionsAreRefused) {
-  TestDirectory directory(1);
+  BufferTable directory(1);
   BackendEnvironment env;
   env.directory = &directory;
   TcpOptions options;

@@ -10,17 +10,15 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "backends/buffer_table.h"
 #include "backends/tcp/flags.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/tcp_backend.h"
 #include "backends/tcp/wire.h"
-#include "backends/testing/test_directory.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent {
 namespace {
-
-using ::rdma_agent::testing::TestDirectory;
 
 // True when `host:port` accepts a connection and greets it with the hello.
 bool Greets(const std::string& host, uint16_t port) {
@@ -33,7 +31,7 @@ bool Greets(const std::string& host, uint16_t port) {
 }
 
 TEST(TcpServerListenTest, DefaultsToTheAdvertiseHostOnPort7471) {
-  TestDirectory directory(1);
+  BufferTable directory(1);
   BackendEnvironment env;
   env.directory = &directory;
   // A loopback address of its own: reachable here, and distinct from
@@ -51,7 +49,7 @@ TEST(TcpServerListenTest, DefaultsToTheAdvertiseHostOnPort7471) {
 }
 
 TEST(TcpServerListenTest, AnAdvertiseHostNotOfThisHostSaysWhatToSet) {
-  TestDirectory directory(1);
+  BufferTable directory(1);
   BackendEnvironment env;
   env.directory = &directory;
   env.advertise_host = "192.0.2.1";  // TEST-NET-1: never this host's (NAT)
@@ -63,7 +61,7 @@ TEST(TcpServerListenTest, AnAdvertiseHostNotOfThisHostSaysWhatToSet) {
 }
 
 TEST(TcpServerListenTest, EveryInterfaceWhenAskedExplicitly) {
-  TestDirectory directory(1);
+  BufferTable directory(1);
   BackendEnvironment env;
   env.directory = &directory;
   env.advertise_host = "127.0.0.6";

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/testing/harness.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -92,14 +93,13 @@ std::shared_ptr<const v1::RemoteBuffer> Advertising(
   return remote;
 }
 
-Op MakeOp(size_t index, std::shared_ptr<const v1::RemoteBuffer> remote,
+// A one-byte read into `local` from `remote`, not yet routed.
+Op ReadOp(size_t index, std::shared_ptr<const v1::RemoteBuffer> remote,
           std::shared_ptr<Registration> local) {
-  Op op;
-  op.index = index;
-  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
-  op.local = std::move(local);
-  op.length = 1;
-  op.remote = std::move(remote);
+  Op op = testing::MakeOp(index, v1::OP_TYPE_READ_INTO_LOCAL,
+                          testing::TestBuffer{std::move(local)}, 0, 1,
+                          testing::TestBuffer{nullptr, std::move(remote)}, 0);
+  op.endpoint = nullptr;  // BackendRegistry::Submit chooses it
   return op;
 }
 
@@ -160,7 +160,8 @@ TEST(BackendRegistryTest, RollsBackWhenOneBackendFails) {
   fakes.tcp->register_error = absl::ResourceExhaustedError("no ports left");
   auto registration = MakeRegistration();
   v1::RemoteBuffer context;
-  absl::Status status = fakes.registry->RegisterWithAll(*registration, &context);
+  absl::Status status =
+      fakes.registry->RegisterWithAll(*registration, &context);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(status.message(), HasSubstr("tcp"));
   EXPECT_EQ(fakes.memory->live.load(), 0) << "memory was not rolled back";
@@ -173,10 +174,10 @@ TEST(BackendRegistryTest, RoutesEachOpToTheBestCommonBackend) {
   Fakes fakes = MakeRegistry();
   auto local = MakeRegistration();
   std::vector<Op> ops = {
-      MakeOp(0, Advertising({"tcp"}), local),
-      MakeOp(1, Advertising({"tcp", "nic"}), local),
-      MakeOp(2, Advertising({"memory", "nic", "tcp"}), local),
-      MakeOp(3, Advertising({"elsewhere"}), local),
+      ReadOp(0, Advertising({"tcp"}), local),
+      ReadOp(1, Advertising({"tcp", "nic"}), local),
+      ReadOp(2, Advertising({"memory", "nic", "tcp"}), local),
+      ReadOp(3, Advertising({"elsewhere"}), local),
   };
   auto outcomes = fakes.registry->Submit(ops, absl::Now() + absl::Seconds(5));
   ASSERT_EQ(outcomes.size(), 4u);
@@ -195,7 +196,7 @@ TEST(BackendRegistryTest, RoutesEachOpToTheBestCommonBackend) {
 TEST(BackendRegistryTest, SkipsUnavailableBackendsWhenRouting) {
   Fakes fakes = MakeRegistry(/*nic_available=*/false);
   auto outcomes = fakes.registry->Submit(
-      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      {ReadOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
       absl::Now() + absl::Seconds(5));
   EXPECT_EQ(outcomes[0].backend, "tcp");
   EXPECT_TRUE(fakes.nic->submitted.empty());
@@ -206,10 +207,10 @@ TEST(BackendRegistryTest, RetriesUnavailableOnceOnTheNextBackend) {
   fakes.nic->script = {absl::UnavailableError("link down"),
                        absl::PermissionDeniedError("bad key")};
   auto local = MakeRegistration();
-  auto outcomes = fakes.registry->Submit(
-      {MakeOp(0, Advertising({"nic", "tcp"}), local),
-       MakeOp(1, Advertising({"nic", "tcp"}), local)},
-      absl::Now() + absl::Seconds(5));
+  auto outcomes =
+      fakes.registry->Submit({ReadOp(0, Advertising({"nic", "tcp"}), local),
+                              ReadOp(1, Advertising({"nic", "tcp"}), local)},
+                             absl::Now() + absl::Seconds(5));
   EXPECT_TRUE(outcomes[0].status.ok()) << outcomes[0].status;
   EXPECT_EQ(outcomes[0].backend, "tcp");
   // Only UNAVAILABLE is retried.
@@ -224,7 +225,7 @@ TEST(BackendRegistryTest, RetriesAtMostOnce) {
   fakes.memory->script = {absl::UnavailableError("one")};
   fakes.nic->script = {absl::UnavailableError("two")};
   auto outcomes = fakes.registry->Submit(
-      {MakeOp(0, Advertising({"memory", "nic", "tcp"}), MakeRegistration())},
+      {ReadOp(0, Advertising({"memory", "nic", "tcp"}), MakeRegistration())},
       absl::Now() + absl::Seconds(5));
   EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(outcomes[0].backend, "nic");
@@ -235,7 +236,7 @@ TEST(BackendRegistryTest, DoesNotRetryAfterTheDeadline) {
   Fakes fakes = MakeRegistry();
   fakes.nic->script = {absl::UnavailableError("link down")};
   auto outcomes = fakes.registry->Submit(
-      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      {ReadOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
       absl::Now() - absl::Seconds(1));
   EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(fakes.tcp->submitted.empty());
@@ -247,7 +248,7 @@ TEST(BackendRegistryTest, DoesNotRetryOnceCancelled) {
   Cancellation cancellation;
   cancellation.Cancel(absl::CancelledError("client went away"));
   auto outcomes = fakes.registry->Submit(
-      {MakeOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
+      {ReadOp(0, Advertising({"nic", "tcp"}), MakeRegistration())},
       StopToken(absl::Now() + absl::Seconds(5), &cancellation));
   EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(fakes.tcp->submitted.empty());
@@ -256,7 +257,7 @@ TEST(BackendRegistryTest, DoesNotRetryOnceCancelled) {
 TEST(RegistrationTest, MemoryOutlivesReleaseWhileAnOpPinsIt) {
   auto registration = MakeRegistration();
   std::memset(registration->data(), 'q', 4096);
-  Op op = MakeOp(0, Advertising({"tcp"}), registration);
+  Op op = ReadOp(0, Advertising({"tcp"}), registration);
   std::weak_ptr<Registration> watch = registration;
   registration.reset();  // the directory's reference is gone: "released"
   ASSERT_FALSE(watch.expired());

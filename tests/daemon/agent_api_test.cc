@@ -21,6 +21,7 @@
 #include "rdma/agent/v1/attach.pb.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/pattern.h"
 
 namespace rdma_agent {
 namespace {
@@ -129,10 +130,7 @@ class AgentApiTest : public ::testing::Test {
 
   // Fills buffer `id` of `size` bytes with a pattern derived from `seed`.
   std::string Fill(uint64_t id, uint64_t size, int seed) {
-    std::string data(size, '\0');
-    for (uint64_t i = 0; i < size; ++i) {
-      data[i] = static_cast<char>((i * 131 + seed * 7 + (i >> 9)) & 0xff);
-    }
+    std::string data = ::rdma_agent::testing::PatternString(seed, 0, size);
     EXPECT_TRUE(Write(id, 0, data).ok());
     return data;
   }

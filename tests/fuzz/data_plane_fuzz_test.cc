@@ -8,10 +8,10 @@
 #include <memory>
 #include <string>
 
+#include "backends/buffer_table.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/tcp_backend.h"
 #include "backends/tcp/wire.h"
-#include "backends/testing/test_directory.h"
 #include "common/shared_memory.h"
 #include "gtest/gtest.h"
 #include "tests/fuzz/fuzz_driver.h"
@@ -20,7 +20,6 @@ namespace rdma_agent {
 namespace {
 
 using ::rdma_agent::testing::Mutator;
-using ::rdma_agent::testing::TestDirectory;
 
 constexpr uint64_t kSize = 4096;
 constexpr uint64_t kEpoch = 77;
@@ -63,7 +62,7 @@ bool SendAndDrain(const HostPort& server, const std::string& bytes) {
 }
 
 TEST(DataPlaneFuzzTest, MutatedRequestsAreRefusedOrServedSafely) {
-  TestDirectory directory(kEpoch);
+  BufferTable directory(kEpoch);
   BackendEnvironment env;
   env.identity = {"agent-fuzz", kEpoch};
   env.directory = &directory;
@@ -89,7 +88,7 @@ TEST(DataPlaneFuzzTest, MutatedRequestsAreRefusedOrServedSafely) {
   const std::string before(reinterpret_cast<const char*>(readonly->data()),
                            kSize);
   const HostPort server{endpoint.tcp().host(),
-                             static_cast<uint16_t>(endpoint.tcp().port())};
+                        static_cast<uint16_t>(endpoint.tcp().port())};
 
   const std::string seeds[] = {
       Request(tcp::RequestKind::kRead, 5, token, 100, 200),

@@ -23,7 +23,8 @@
 
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/ibverbs/test_node.h"
+#include "backends/testing/harness.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "google/protobuf/stubs/logging.h"
 #include "rdma/agent/v1/peer.pb.h"
 #include "spdlog/spdlog.h"
@@ -32,16 +33,13 @@
 namespace rdma_agent {
 namespace {
 
-using ibverbs::IbverbsBackend;
-using ibverbs::IbverbsOptions;
-
 constexpr char kDevice[] = "nic_fuzz";  // as in make_seed_corpus.py
 constexpr size_t kMaxResponders = 4;
 constexpr uint64_t kBufferSize = 4096;
 
 struct Fixture {
   verbs::SoftFabric fabric;
-  std::unique_ptr<testing::TestNode> node;
+  std::unique_ptr<testing::TestAgent> node;
   testing::TestBuffer buffer;
   // The session handle of the last accepted handshake.
   std::string session;
@@ -53,16 +51,16 @@ Fixture& TheFixture() {
     verbs::SoftDeviceConfig config;
     config.name = kDevice;
     FUZZ_CHECK(f->fabric.AddDevice(config).ok());
-    IbverbsOptions options;
+    ibverbs::IbverbsOptions options;
     // Few sessions: every accepted request beyond them must be refused or
     // replace one, never pile up.
     options.max_responders = kMaxResponders;
     options.max_grants_per_peer = 8;
     options.drain_timeout = absl::Milliseconds(100);
     f->node =
-        testing::TestNode::Create(f->fabric, "agent-fuzz", kDevice, options);
+        testing::SoftIbverbsAgent(f->fabric, "agent-fuzz", kDevice, options);
     FUZZ_CHECK(f->node != nullptr);
-    FUZZ_CHECK(f->node->backend().available());
+    FUZZ_CHECK(f->node->backend<ibverbs::IbverbsBackend>().available());
     f->buffer = f->node->Register(kBufferSize, v1::ACCESS_READ_WRITE, 7);
     return f;
   }();
@@ -109,7 +107,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
     request.set_token(fixture.buffer.registration->token());
   }
 
-  IbverbsBackend& backend = fixture.node->backend();
+  ibverbs::IbverbsBackend& backend =
+      fixture.node->backend<ibverbs::IbverbsBackend>();
   auto answer = backend.AcceptQueuePair(request);
   FUZZ_CHECK(backend.responder_count() <= kMaxResponders);
   if (!answer.ok()) {

@@ -21,11 +21,11 @@
 #include <string>
 
 #include "absl/time/clock.h"
+#include "backends/buffer_table.h"
 #include "backends/registration.h"
 #include "backends/tcp/data_server.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
-#include "backends/testing/test_directory.h"
 #include "common/shared_memory.h"
 #include "tests/fuzz/fuzz_check.h"
 
@@ -50,7 +50,7 @@ int ThreadCount() {
 }
 
 struct Fixture {
-  testing::TestDirectory directory{kEpoch};
+  BufferTable directory{kEpoch};
   // Threads while no connection is served: the server's accept thread and
   // whatever the fuzzing engine runs.
   int idle_threads = 0;

@@ -9,15 +9,18 @@
 
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/real_verbs.h"
-#include "backends/ibverbs/test_node.h"
+#include "backends/testing/harness.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent::ibverbs {
 namespace {
 
-using testing::MakeOp;
-using testing::TestBuffer;
-using testing::TestNode;
+using ::rdma_agent::testing::IbverbsAgent;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 
 class HardwareTest : public ::testing::Test {
  protected:
@@ -36,25 +39,25 @@ class HardwareTest : public ::testing::Test {
     if (const char* gid = std::getenv("RDMA_AGENT_TEST_GID_INDEX")) {
       options.qp.gid_index = std::atoi(gid);
     }
-    a_ = TestNode::CreateWithVerbs(verbs::MakeRealVerbs(), "hw-a", options);
-    b_ = TestNode::CreateWithVerbs(verbs::MakeRealVerbs(), "hw-b", options);
+    a_ = IbverbsAgent(verbs::MakeRealVerbs(), "hw-a", options);
+    b_ = IbverbsAgent(verbs::MakeRealVerbs(), "hw-b", options);
     ASSERT_NE(a_, nullptr);
     ASSERT_NE(b_, nullptr);
-    if (!a_->backend().available()) {
+    if (!a_->backend<IbverbsBackend>().available()) {
       GTEST_SKIP() << "RDMA device present but unusable: "
-                   << a_->backend().unavailable_reason();
+                   << a_->backend<IbverbsBackend>().unavailable_reason();
     }
   }
 
-  std::unique_ptr<TestNode> a_;
-  std::unique_ptr<TestNode> b_;
+  std::unique_ptr<TestAgent> a_;
+  std::unique_ptr<TestAgent> b_;
 };
 
 TEST_F(HardwareTest, MovesExactBytesAtOddOffsets) {
   const uint64_t kSize = 8 << 20;
   TestBuffer local = a_->Register(kSize, v1::ACCESS_READ_WRITE, 3);
   TestBuffer remote = b_->Register(kSize, v1::ACCESS_READ_WRITE, 101);
-  const uint64_t max = a_->backend().params().max_message_bytes;
+  const uint64_t max = a_->backend<IbverbsBackend>().params().max_message_bytes;
   struct Case {
     v1::OpType type;
     uint64_t local_offset, length, remote_offset;
@@ -70,10 +73,10 @@ TEST_F(HardwareTest, MovesExactBytesAtOddOffsets) {
   for (const Case& c : cases) {
     std::vector<uint8_t> local_before(local.bytes(), local.bytes() + kSize);
     std::vector<uint8_t> remote_before(remote.bytes(), remote.bytes() + kSize);
-    auto results =
-        a_->backend().Submit({MakeOp(0, c.type, local, c.local_offset, c.length,
-                                     remote, c.remote_offset)},
-                             absl::Now() + absl::Seconds(30));
+    auto results = a_->backend<IbverbsBackend>().Submit(
+        {MakeOp(0, c.type, local, c.local_offset, c.length, remote,
+                c.remote_offset)},
+        absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(results[0].ok()) << results[0];
     const bool write = c.type == v1::OP_TYPE_WRITE_FROM_LOCAL;
     const std::vector<uint8_t>& dst_before =
@@ -100,12 +103,12 @@ TEST_F(HardwareTest, ManyOpsAndAccessErrors) {
     ops.push_back(MakeOp(i, v1::OP_TYPE_READ_INTO_LOCAL, local, i * 256, 256,
                          read_only, i * 256));
   }
-  for (const absl::Status& status :
-       a_->backend().Submit(ops, absl::Now() + absl::Seconds(60))) {
+  for (const absl::Status& status : a_->backend<IbverbsBackend>().Submit(
+           ops, absl::Now() + absl::Seconds(60))) {
     ASSERT_TRUE(status.ok()) << status;
   }
   EXPECT_EQ(0, std::memcmp(local.bytes(), read_only.bytes(), 1 << 20));
-  auto refused = a_->backend().Submit(
+  auto refused = a_->backend<IbverbsBackend>().Submit(
       {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, read_only, 0)},
       absl::Now() + absl::Seconds(30));
   EXPECT_EQ(refused[0].code(), absl::StatusCode::kPermissionDenied);

@@ -16,7 +16,8 @@
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/ibverbs/test_node.h"
+#include "backends/testing/harness.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "common/stop_token.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
@@ -24,10 +25,13 @@
 namespace rdma_agent::ibverbs {
 namespace {
 
+using ::rdma_agent::testing::IbverbsAgent;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::Snapshot;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 using testing::IbverbsBackendProbe;
-using testing::MakeOp;
-using testing::TestBuffer;
-using testing::TestNode;
 using verbs::SoftDeviceConfig;
 using verbs::SoftFabric;
 
@@ -89,7 +93,7 @@ class RoguePeer {
   };
 
   // ConnectQueuePair with `target`, proving (buffer_id, token).
-  Attempt Connect(TestNode& target, uint64_t epoch, uint64_t buffer_id,
+  Attempt Connect(TestAgent& target, uint64_t epoch, uint64_t buffer_id,
                   const std::string& token) {
     Attempt attempt;
     attempt.connection = NewQueuePair(QueuePairConnection::Inbound::kRefuse);
@@ -98,7 +102,7 @@ class RoguePeer {
     request.set_agent_epoch(1);
     request.set_expected_epoch(epoch);
     request.set_remote_device(
-        target.backend().transport_info().devices(0).name());
+        target.backend<IbverbsBackend>().transport_info().devices(0).name());
     *request.mutable_requester() = attempt.connection->local_endpoint();
     request.set_buffer_id(buffer_id);
     request.set_token(token);
@@ -116,7 +120,7 @@ class RoguePeer {
   }
 
   // Connects with the proof of `buffer` (which must hold).
-  Attempt ConnectWith(TestNode& target, const TestBuffer& buffer) {
+  Attempt ConnectWith(TestAgent& target, const TestBuffer& buffer) {
     Attempt attempt =
         Connect(target, buffer.context->agent_epoch(),
                 buffer.context->buffer_id(), buffer.context->token());
@@ -124,7 +128,7 @@ class RoguePeer {
     return attempt;
   }
 
-  grpc::Status Grant(TestNode& target, const std::string& session,
+  grpc::Status Grant(TestAgent& target, const std::string& session,
                      uint64_t epoch, uint64_t buffer_id,
                      const std::string& token,
                      v1::GrantBufferResponse* response) {
@@ -166,10 +170,11 @@ class RoguePeer {
   const LocalPort& local() const { return local_; }
 
  private:
-  v1::Peer::Stub& Stub(TestNode& target) {
+  v1::Peer::Stub& Stub(TestAgent& target) {
     if (stub_ == nullptr) {
-      stub_ = v1::Peer::NewStub(grpc::CreateChannel(
-          target.backend().peer_address(), grpc::InsecureChannelCredentials()));
+      stub_ = v1::Peer::NewStub(
+          grpc::CreateChannel(target.backend<IbverbsBackend>().peer_address(),
+                              grpc::InsecureChannelCredentials()));
     }
     return *stub_;
   }
@@ -188,11 +193,6 @@ uint64_t AddressOf(const TestBuffer& buffer) {
   return reinterpret_cast<uint64_t>(buffer.registration->data());
 }
 
-std::vector<uint8_t> Snapshot(const TestBuffer& buffer) {
-  return std::vector<uint8_t>(buffer.bytes(),
-                              buffer.bytes() + buffer.registration->size());
-}
-
 void ExpectNoEpoch(const std::string& text, uint64_t epoch) {
   EXPECT_EQ(text.find(absl::StrCat(epoch)), std::string::npos) << text;
   EXPECT_EQ(text.find(absl::StrCat(absl::Hex(epoch))), std::string::npos)
@@ -207,12 +207,12 @@ class PeerIsolationTest : public ::testing::Test {
       config.name = name;
       ASSERT_TRUE(fabric_.AddDevice(config).ok());
     }
-    b_ = TestNode::Create(fabric_, "agent-b", "nic_b", FastOptions());
+    b_ = SoftIbverbsAgent(fabric_, "agent-b", "nic_b", FastOptions());
     ASSERT_NE(b_, nullptr);
   }
 
   SoftFabric fabric_;
-  std::unique_ptr<TestNode> b_;
+  std::unique_ptr<TestAgent> b_;
 };
 
 TEST_F(PeerIsolationTest, HandshakeWithoutProofIsRefusedAndCreatesNothing) {
@@ -242,8 +242,8 @@ TEST_F(PeerIsolationTest, HandshakeWithoutProofIsRefusedAndCreatesNothing) {
   ExpectNoEpoch(stale.status.error_message(), epoch);
 
   // Nothing was allocated on the target: no session, no grant, no QP.
-  EXPECT_EQ(b_->backend().responder_count(), 0u);
-  EXPECT_EQ(b_->backend().grant_count(), 0u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().responder_count(), 0u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().grant_count(), 0u);
   EXPECT_EQ(fabric_.live_queue_pairs(), qps_before);
 
   // GrantBuffer checks the proof before the session, with the same answers.
@@ -259,13 +259,13 @@ TEST_F(PeerIsolationTest, HandshakeWithoutProofIsRefusedAndCreatesNothing) {
   // With the proof but no session of its own, nothing either.
   grant = rogue.Grant(*b_, std::string(16, 's'), epoch, id, token, &ignored);
   EXPECT_EQ(grant.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(b_->backend().grant_count(), 0u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().grant_count(), 0u);
 
   // The proof opens a session with exactly one grant.
   RoguePeer::Attempt good = rogue.ConnectWith(*b_, buffer);
   ASSERT_TRUE(good.status.ok());
-  EXPECT_EQ(b_->backend().responder_count(), 1u);
-  EXPECT_EQ(b_->backend().grant_count(), 1u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().responder_count(), 1u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().grant_count(), 1u);
   EXPECT_EQ(good.response.grant().address(), AddressOf(buffer));
   EXPECT_EQ(good.response.grant().size_bytes(), 4096u);
 }
@@ -304,9 +304,11 @@ TEST_F(PeerIsolationTest, PeerGrantedOneBufferCannotReachAnother) {
       {"another peer's rkey, write", IBV_WR_RDMA_WRITE, other_rkey},
       {"another peer's rkey, read", IBV_WR_RDMA_READ, other_rkey},
       {"the agent's own key, write", IBV_WR_RDMA_WRITE,
-       IbverbsBackendProbe::LocalKey(b_->backend(), *other.registration)},
+       IbverbsBackendProbe::LocalKey(b_->backend<IbverbsBackend>(),
+                                     *other.registration)},
       {"the agent's own key, read", IBV_WR_RDMA_READ,
-       IbverbsBackendProbe::LocalKey(b_->backend(), *other.registration)},
+       IbverbsBackendProbe::LocalKey(b_->backend<IbverbsBackend>(),
+                                     *other.registration)},
       {"the granted rkey, write", IBV_WR_RDMA_WRITE, grant.rkey()},
       {"the granted rkey, read", IBV_WR_RDMA_READ, grant.rkey()},
   };
@@ -390,13 +392,13 @@ TEST_F(PeerIsolationTest, ReleasingARegistrationRevokesThePeersAccess) {
                   .Rdma(*session.connection, IBV_WR_RDMA_READ, grant.address(),
                         grant.rkey(), 64)
                   .ok());
-  EXPECT_EQ(b_->backend().grant_count(), 1u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().grant_count(), 1u);
   // The agent releases it (no op pins it): every MR of it is deregistered.
   std::weak_ptr<Registration> watch = buffer.registration;
   b_->Release(buffer);
   buffer = TestBuffer{};
   ASSERT_TRUE(watch.expired());
-  EXPECT_EQ(b_->backend().grant_count(), 0u);
+  EXPECT_EQ(b_->backend<IbverbsBackend>().grant_count(), 0u);
   const absl::Status refused = rogue.Rdma(*session.connection, IBV_WR_RDMA_READ,
                                           grant.address(), grant.rkey(), 64);
   EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
@@ -406,7 +408,7 @@ TEST_F(PeerIsolationTest, GrantsAndSessionsAreBounded) {
   IbverbsOptions small = FastOptions();
   small.max_responders = 1;
   small.max_grants_per_peer = 2;
-  auto c = TestNode::Create(fabric_, "agent-c", "nic_a", small);
+  auto c = SoftIbverbsAgent(fabric_, "agent-c", "nic_a", small);
   ASSERT_NE(c, nullptr);
   std::vector<TestBuffer> buffers;
   for (uint8_t i = 0; i < 3; ++i) {
@@ -426,24 +428,24 @@ TEST_F(PeerIsolationTest, GrantsAndSessionsAreBounded) {
   EXPECT_TRUE(grant(buffers[1]).ok());
   EXPECT_EQ(grant(buffers[2]).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(c->backend().grant_count(), 2u);
+  EXPECT_EQ(c->backend<IbverbsBackend>().grant_count(), 2u);
   // A second peer would be a second session: over the bound.
   RoguePeer second(fabric_, "nic_s", "agent-s");
   RoguePeer::Attempt refused = second.Connect(
       *c, buffers[2].context->agent_epoch(), buffers[2].context->buffer_id(),
       buffers[2].context->token());
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(c->backend().responder_count(), 1u);
+  EXPECT_EQ(c->backend<IbverbsBackend>().responder_count(), 1u);
 }
 
 // A stranger's forged context naming a buffer id this agent already holds a
 // grant for (with another context's token) does not ride on that grant.
 TEST_F(PeerIsolationTest, CachedGrantNeedsTheTokenThatEarnedIt) {
-  auto a = TestNode::Create(fabric_, "agent-a", "nic_a", FastOptions());
+  auto a = SoftIbverbsAgent(fabric_, "agent-a", "nic_a", FastOptions());
   TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 6);
   TestBuffer remote = b_->Register(4096, v1::ACCESS_READ_WRITE, 7);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  ASSERT_TRUE(a->backend()
+  ASSERT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 64,
                                   remote, 0)},
                           deadline)[0]
@@ -452,14 +454,14 @@ TEST_F(PeerIsolationTest, CachedGrantNeedsTheTokenThatEarnedIt) {
   forged->set_token("forged-token");
   TestBuffer forged_buffer{remote.registration, forged};
   const std::vector<uint8_t> before = Snapshot(remote);
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, forged_buffer, 0),
        MakeOp(1, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 64, remote, 0)},
       deadline);
   EXPECT_EQ(results[0].code(), absl::StatusCode::kNotFound) << results[0];
   EXPECT_TRUE(results[1].ok()) << results[1];  // the real context still works
   EXPECT_EQ(Snapshot(remote), before);
-  EXPECT_EQ(a->backend().connections_established(), 1u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 1u);
 }
 
 // A peer answering this agent's handshake (here: a fake Peer service) gets a
@@ -567,12 +569,12 @@ TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
     SCOPED_TRACE(opcode == IBV_WR_RDMA_WRITE ? "rogue writes" : "rogue reads");
     // A fresh agent each time: the refused access also breaks its QP (RC
     // semantics), which its next Submit would only find out by failing.
-    auto a = TestNode::Create(fabric_, "agent-a", "nic_a", FastOptions());
+    auto a = SoftIbverbsAgent(fabric_, "agent-a", "nic_a", FastOptions());
     TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 8);
     const std::vector<uint8_t> before = Snapshot(local);
     // The agent writes to the rogue: the rogue's QP is then connected to
     // the agent's requester QP, which stays up.
-    ASSERT_TRUE(a->backend()
+    ASSERT_TRUE(a->backend<IbverbsBackend>()
                     .Submit({MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0,
                                     64, rogue_buffer, 0)},
                             absl::Now() + absl::Seconds(10))[0]
@@ -582,9 +584,11 @@ TEST_F(PeerIsolationTest, RogueResponderCannotReachTheRequestersMemory) {
     ASSERT_NE(back, nullptr);
     std::fill(rogue.memory().begin(), rogue.memory().end(), 0x5a);
     // The exact lkey and address of the agent's buffer.
-    const absl::Status refused = rogue.Rdma(
-        *back, opcode, AddressOf(local),
-        IbverbsBackendProbe::LocalKey(a->backend(), *local.registration), 64);
+    const absl::Status refused =
+        rogue.Rdma(*back, opcode, AddressOf(local),
+                   IbverbsBackendProbe::LocalKey(a->backend<IbverbsBackend>(),
+                                                 *local.registration),
+                   64);
     EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
     EXPECT_EQ(Snapshot(local), before);
     EXPECT_EQ(rogue.memory()[0], 0x5a);
@@ -597,7 +601,7 @@ TEST_F(PeerIsolationTest, CancellationCutsAGrantRequestShort) {
   RoguePeer rogue(fabric_, "nic_r", "agent-rogue");
   RogueResponder service(&rogue);
   FakeAgent fake(rogue, &service);
-  auto a = TestNode::Create(fabric_, "agent-a", "nic_a", FastOptions());
+  auto a = SoftIbverbsAgent(fabric_, "agent-a", "nic_a", FastOptions());
   TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 9);
   // Buffer 1 is granted by the handshake; buffer 2 needs GrantBuffer.
   const TestBuffer first = fake.Context(1);
@@ -608,7 +612,7 @@ TEST_F(PeerIsolationTest, CancellationCutsAGrantRequestShort) {
     cancellation.Cancel(absl::CancelledError("client went away"));
   });
   const absl::Time start = absl::Now();
-  const auto results = a->backend().Submit(
+  const auto results = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, first, 0),
        MakeOp(1, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, second, 0)},
       StopToken(absl::Now() + absl::Seconds(30), &cancellation));

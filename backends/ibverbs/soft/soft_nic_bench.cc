@@ -10,15 +10,18 @@
 
 #include "absl/time/clock.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/ibverbs/test_node.h"
+#include "backends/testing/harness.h"
+#include "backends/testing/ibverbs_agent.h"
 
 namespace rdma_agent {
 namespace {
 
 using ibverbs::IbverbsOptions;
-using testing::MakeOp;
-using testing::TestBuffer;
-using testing::TestNode;
+using ::rdma_agent::testing::IbverbsAgent;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::SoftIbverbsAgent;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
 
 int Run() {
   verbs::SoftFabric fabric;
@@ -29,8 +32,8 @@ int Run() {
   }
   IbverbsOptions options;
   options.qp.max_message_bytes = 1 << 20;
-  auto a = TestNode::Create(fabric, "bench-a", "nic_a", options);
-  auto b = TestNode::Create(fabric, "bench-b", "nic_b", options);
+  auto a = SoftIbverbsAgent(fabric, "bench-a", "nic_a", options);
+  auto b = SoftIbverbsAgent(fabric, "bench-b", "nic_b", options);
   const uint64_t kSize = 64 << 20;
   TestBuffer local = a->Register(kSize, v1::ACCESS_READ_WRITE, 1);
   TestBuffer remote = b->Register(kSize, v1::ACCESS_READ_WRITE, 2);
@@ -44,7 +47,7 @@ int Run() {
 
   start = absl::Now();
   for (int r = 0; r < kRounds; ++r) {
-    auto results = a->backend().Submit(
+    auto results = a->backend<ibverbs::IbverbsBackend>().Submit(
         {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, kSize, remote, 0)},
         absl::Now() + absl::Seconds(60));
     if (!results[0].ok()) {
@@ -66,7 +69,8 @@ int Run() {
                          remote, i * 64));
   }
   start = absl::Now();
-  auto results = a->backend().Submit(ops, absl::Now() + absl::Seconds(60));
+  auto results =
+      a->backend<ibverbs::IbverbsBackend>().Submit(ops, absl::Now() + absl::Seconds(60));
   const double small_s = absl::ToDoubleSeconds(absl::Now() - start);
   for (const auto& status : results) {
     if (!status.ok()) return 1;
@@ -74,8 +78,9 @@ int Run() {
   std::printf(
       "%llu x 64-byte READs in one Submit (SQ depth %u): %.0f ops/s, "
       "%.1f us/op\n",
-      static_cast<unsigned long long>(kOps), a->backend().params().sq_depth,
-      kOps / small_s, 1e6 * small_s / kOps);
+      static_cast<unsigned long long>(kOps),
+      a->backend<ibverbs::IbverbsBackend>().params().sq_depth, kOps / small_s,
+      1e6 * small_s / kOps);
   return 0;
 }
 

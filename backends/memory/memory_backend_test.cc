@@ -1,0 +1,127 @@
+// What only the memory backend does; the contract every backend keeps is
+// backends/testing/backend_contract_test.cc.
+#include "backends/memory/memory_backend.h"
+
+#include <memory>
+
+#include "backends/testing/harness.h"
+#include "gtest/gtest.h"
+#include "tests/testing/pattern.h"
+
+namespace rdma_agent {
+namespace {
+
+using ::absl::StatusCode;
+using testing::FirstChangedByte;
+using testing::FirstWrongByte;
+using testing::In;
+using testing::MakeOp;
+using testing::TestAgent;
+using testing::TestBuffer;
+
+constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
+constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
+
+std::unique_ptr<TestAgent> MemoryAgent(const std::string& agent_id) {
+  auto agent =
+      TestAgent::Create(agent_id,
+                        [](const BackendEnvironment& env)
+                            -> absl::StatusOr<std::unique_ptr<Backend>> {
+                          return std::make_unique<MemoryBackend>(env);
+                        });
+  EXPECT_TRUE(agent.ok()) << agent.status();
+  return agent.ok() ? std::move(*agent) : nullptr;
+}
+
+TEST(MemoryBackendTest, DescribesItself) {
+  auto agent = MemoryAgent("agent-m");
+  Backend& backend = agent->backend();
+  EXPECT_EQ(backend.name(), "memory");
+  EXPECT_EQ(backend.transport_level(), v1::TRANSPORT_LEVEL_MEMORY);
+  EXPECT_TRUE(backend.available());
+  EXPECT_EQ(backend.unavailable_reason(), "");
+  EXPECT_EQ(backend.transport_info().attributes().at("agent_id"), "agent-m");
+  EXPECT_TRUE(backend.peer_services().empty());
+  TestBuffer buffer = agent->Register(64, v1::ACCESS_READ_WRITE, 1);
+  ASSERT_EQ(buffer.context->endpoints_size(), 1);
+  EXPECT_EQ(buffer.context->endpoints(0).backend(), "memory");
+  EXPECT_TRUE(buffer.context->endpoints(0).has_memory());
+}
+
+TEST(MemoryBackendTest, ReachesOnlyItsOwnAgentsMemoryEndpoints) {
+  auto a = MemoryAgent("agent-a");
+  auto b = MemoryAgent("agent-b");
+  TestBuffer own = a->Register(64, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer other = b->Register(64, v1::ACCESS_READ_WRITE, 2);
+  EXPECT_TRUE(a->backend().CanReach(*own.context));
+  EXPECT_FALSE(a->backend().CanReach(*other.context));
+  EXPECT_TRUE(b->backend().CanReach(*other.context));
+  // Its own agent id, but no memory endpoint.
+  v1::RemoteBuffer tcp_only = *own.context;
+  tcp_only.clear_endpoints();
+  tcp_only.add_endpoints()->set_backend("tcp");
+  EXPECT_FALSE(a->backend().CanReach(tcp_only));
+  // A "memory" entry that is not a memory endpoint.
+  v1::RemoteBuffer hollow = *own.context;
+  hollow.clear_endpoints();
+  hollow.add_endpoints()->set_backend("memory");
+  EXPECT_FALSE(a->backend().CanReach(hollow));
+}
+
+TEST(MemoryBackendTest, CopiesWithinOneRegistrationEvenOverlapping) {
+  auto agent = MemoryAgent("agent-m");
+  TestBuffer buffer = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 5);
+  // [100, 100 + 30000) into [107, ...): source and destination overlap.
+  const auto results = agent->backend().Submit(
+      {MakeOp(0, kRead, buffer, 107, 30000, buffer, 100)},
+      In(absl::Seconds(10)));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(FirstWrongByte(buffer, buffer.seed, 100, 107, 30000), std::nullopt)
+      << "a memmove, not a memcpy";
+}
+
+TEST(MemoryBackendTest, CountsBytesMovedAndServedOnlyForDoneOps) {
+  auto agent = MemoryAgent("agent-m");
+  TestBuffer near = agent->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  ASSERT_TRUE(agent->backend()
+                  .Submit({MakeOp(0, kWrite, near, 0, 1000, far, 10),
+                           MakeOp(1, kRead, near, 2000, 24, far, 0)},
+                          In(absl::Seconds(10)))[0]
+                  .ok());
+  EXPECT_EQ(near.registration->bytes_moved(), 1024u);
+  EXPECT_EQ(far.registration->bytes_served(), 1024u);
+  EXPECT_EQ(near.registration->bytes_served(), 0u);
+  Cancellation cancelled;
+  cancelled.Cancel(absl::UnavailableError("shutting down"));
+  const auto results =
+      agent->backend().Submit({MakeOp(0, kWrite, near, 0, 1000, far, 10)},
+                              StopToken(In(absl::Seconds(10)), &cancelled));
+  EXPECT_EQ(results[0].code(), StatusCode::kUnavailable) << results[0];
+  EXPECT_EQ(near.registration->bytes_moved(), 1024u);
+  EXPECT_EQ(far.registration->bytes_served(), 1024u);
+}
+
+TEST(MemoryBackendTest, StopsBetweenSlicesOfAHugeCopy) {
+  // Two slices: the deadline passes during the first one, so the second one
+  // never starts and the op reports DEADLINE_EXCEEDED with its progress.
+  constexpr uint64_t kLength = 2 * MemoryBackend::kCopySliceBytes;
+  auto agent = MemoryAgent("agent-m");
+  TestBuffer near = agent->Register(kLength, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(kLength, v1::ACCESS_READ_WRITE, 2);
+  // The copy of one 64 MiB slice cannot take less than a microsecond.
+  const auto results = agent->backend().Submit(
+      {MakeOp(0, kRead, near, 0, kLength, far, 0)}, In(absl::Microseconds(1)));
+  ASSERT_EQ(results[0].code(), StatusCode::kDeadlineExceeded) << results[0];
+  // Either stopped before the copy began or after the first slice.
+  EXPECT_EQ(
+      testing::FindMismatch(near.span().subspan(MemoryBackend::kCopySliceBytes),
+                            near.seed, MemoryBackend::kCopySliceBytes),
+      std::nullopt)
+      << "the second slice was copied";
+  EXPECT_EQ(near.registration->bytes_moved(), 0u);
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+}
+
+}  // namespace
+}  // namespace rdma_agent
