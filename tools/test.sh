@@ -2,7 +2,8 @@
 # Installs what is missing and runs the whole test suite with Bazel, then a
 # short coverage-guided fuzzing run of every decoder of untrusted input
 # (tools/fuzz.sh --ci: clang, libFuzzer, ASan, UBSan; RDMA_AGENTD_FUZZ=0
-# skips it), and prints "N passed, N failed" counted from the test cases in
+# skips it), checks that no testonly target reaches the binaries, and
+# prints "N passed, N failed" counted from the test cases in
 # Bazel's XML results plus one case per fuzz target. Exits non-zero if any
 # test or fuzz target failed or did not build.
 # Run as root: the cross-host tests create network namespaces.
@@ -13,6 +14,25 @@ tools/install-deps.sh || exit 1
 
 bazel test //... --keep_going "$@"
 bazel_status=$?
+
+# Test code never reaches what users run: no testonly target (the software
+# NIC, the harnesses, the probes) among the deps of the binaries. Bazel would
+# refuse to build a non-testonly binary on a testonly dep; this case shows it
+# holds and names any offender. One case.
+structure_passed=0
+structure_failed=0
+testonly_deps=$(bazel query --noshow_progress \
+  'attr(testonly, 1, deps(//daemon:rdma-agentd + //client:rdma-agentctl))' \
+  2>/dev/null)
+query_status=$?
+if [[ $query_status -eq 0 && -z $testonly_deps ]]; then
+  echo "structure: no testonly target in the deps of rdma-agentd and rdma-agentctl: PASS"
+  structure_passed=1
+else
+  echo "structure: testonly targets in the deps of the binaries (query exit $query_status): FAIL"
+  echo "$testonly_deps"
+  structure_failed=1
+fi
 
 # Each fuzz target is one case: PASS, or FAIL on a crash or a failed build.
 fuzz_passed=0
@@ -65,7 +85,7 @@ PY
 if [[ $bazel_status -ne 0 && ${failed:-0} -eq 0 ]]; then
   failed=1
 fi
-passed=$((${passed:-0} + fuzz_passed))
-failed=$((${failed:-0} + fuzz_failed))
+passed=$((${passed:-0} + fuzz_passed + structure_passed))
+failed=$((${failed:-0} + fuzz_failed + structure_failed))
 echo "${passed} passed, ${failed} failed"
 [[ $bazel_status -eq 0 && $failed -eq 0 ]]
