@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -624,75 +625,6 @@ TEST_F(IbverbsBackendTest, UnpluggedRemoteDeviceIsUnavailable) {
                   .ok());
 }
 
-TEST_F(IbverbsBackendTest, DeadlineMovesQpToErrorDrainsAndNextSubmitWorks) {
-  auto a = Node("agent-a", "nic_a");
-  auto b = Node("agent-b", "nic_b");
-  TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
-  TestBuffer remote = b->Register(8192, v1::ACCESS_READ_WRITE, 2);
-  ASSERT_TRUE(a->backend<IbverbsBackend>()
-                  .Submit({MakeOp(0, kRead, local, 0, 8, remote, 0)},
-                          In(absl::Seconds(10)))[0]
-                  .ok());
-  const uint64_t ok_before = fabric_.wrs_completed_ok();
-  SoftFault delay;
-  delay.action = SoftFault::Action::kDelay;
-  delay.delay = absl::Seconds(1);
-  delay.count = 2;
-  fabric_.InjectFault(delay);
-  const std::vector<uint8_t> local_before = Snapshot(local);
-  const std::vector<uint8_t> remote_before = Snapshot(remote);
-  const absl::Time start = absl::Now();
-  const auto late = a->backend<IbverbsBackend>().Submit(
-      {MakeOp(0, kRead, local, 10, 100, remote, 1000),
-       MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
-      start + absl::Milliseconds(200));
-  const absl::Duration took = absl::Now() - start;
-  EXPECT_EQ(late[0].code(), absl::StatusCode::kDeadlineExceeded) << late[0];
-  EXPECT_EQ(late[1].code(), absl::StatusCode::kDeadlineExceeded) << late[1];
-  EXPECT_GE(took, absl::Milliseconds(200));
-  EXPECT_LT(took, absl::Seconds(1));  // did not wait for the delayed WRs
-  // Nothing signals "a flushed WR did not run later", so wait out the
-  // injected delay and check that no byte moved.
-  absl::SleepFor(absl::Milliseconds(1200));
-  EXPECT_EQ(Snapshot(local), local_before);
-  EXPECT_EQ(Snapshot(remote), remote_before);
-  EXPECT_EQ(fabric_.wrs_completed_ok(), ok_before);
-  const auto again = a->backend<IbverbsBackend>().Submit(
-      {MakeOp(0, kRead, local, 10, 100, remote, 1000)}, In(absl::Seconds(10)));
-  EXPECT_TRUE(again[0].ok()) << again[0];
-  EXPECT_EQ(0, std::memcmp(local.bytes() + 10, remote.bytes() + 1000, 100));
-  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 2u);
-}
-
-TEST_F(IbverbsBackendTest, DeadlineWhileWaitingForSendQueueCredits) {
-  IbverbsOptions shallow = Fast();
-  shallow.qp.sq_depth = 2;
-  shallow.qp.timeout = 0;  // a lost WR is never retried out: only ERR ends it
-  auto a = Node("agent-a", "nic_a", shallow);
-  auto b = Node("agent-b", "nic_b");
-  TestBuffer local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  TestBuffer remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  SoftFault drop;
-  drop.action = SoftFault::Action::kDrop;
-  drop.count = -1;
-  fabric_.InjectFault(drop);
-  std::vector<Op> ops;
-  for (size_t i = 0; i < 5; ++i) {
-    ops.push_back(MakeOp(i, kWrite, local, i * 10, 10, remote, i * 10));
-  }
-  const auto results =
-      a->backend<IbverbsBackend>().Submit(ops, In(absl::Milliseconds(300)));
-  for (size_t i = 0; i < 5; ++i) {
-    EXPECT_EQ(results[i].code(), absl::StatusCode::kDeadlineExceeded)
-        << i << ": " << results[i];
-  }
-  fabric_.ClearFaults();
-  EXPECT_TRUE(a->backend<IbverbsBackend>()
-                  .Submit({MakeOp(0, kWrite, local, 0, 10, remote, 0)},
-                          In(absl::Seconds(10)))[0]
-                  .ok());
-}
-
 TEST_F(IbverbsBackendTest, AStuckPeerDoesNotHoldUpOpsToOthersInTheBatch) {
   IbverbsOptions options = Fast();
   options.qp.sq_depth = 2;
@@ -849,7 +781,54 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   EXPECT_EQ((*backend)->grant_count(), 0u);
 }
 
-TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
+// How a Submit is cut short with WRs on the wire: at its deadline, or by its
+// cancellation (the client went away, the agent shuts down). Every way must
+// end the Submit promptly, move the QPs carrying its WRs to ERR and drain
+// them, so that nothing touches memory afterwards, and leave the backend
+// able to reconnect.
+struct StopCase {
+  std::string name;
+  absl::Duration deadline;             // from the Submit's start
+  std::optional<absl::Status> cancel;  // fired 100 ms in, when set
+  absl::StatusCode code;               // what the cut ops report
+};
+
+class IbverbsStopTest : public IbverbsBackendTest,
+                        public ::testing::WithParamInterface<StopCase> {
+ protected:
+  // Runs `ops` on `backend`, cut short as the case says; returns the
+  // results after checking they carry the case's code.
+  std::vector<absl::Status> SubmitCutShort(IbverbsBackend& backend,
+                                           const std::vector<Op>& ops) {
+    const StopCase& stop = GetParam();
+    Cancellation cancellation;
+    std::thread canceller;
+    if (stop.cancel.has_value()) {
+      canceller = std::thread([&] {
+        absl::SleepFor(absl::Milliseconds(100));
+        cancellation.Cancel(*stop.cancel);
+      });
+    }
+    const absl::Time start = absl::Now();
+    std::vector<absl::Status> results =
+        backend.Submit(ops, StopToken(start + stop.deadline, &cancellation));
+    took_ = absl::Now() - start;
+    if (canceller.joinable()) canceller.join();
+    for (size_t i = 0; i < results.size(); ++i) {
+      EXPECT_EQ(results[i].code(), stop.code) << i << ": " << results[i];
+      if (stop.cancel.has_value()) {
+        EXPECT_TRUE(
+            absl::StrContains(results[i].message(), stop.cancel->message()))
+            << results[i];
+      }
+    }
+    return results;
+  }
+
+  absl::Duration took_;
+};
+
+TEST_P(IbverbsStopTest, MovesQpToErrorDrainsAndNextSubmitWorks) {
   auto a = Node("agent-a", "nic_a");
   auto b = Node("agent-b", "nic_b");
   TestBuffer local = a->Register(8192, v1::ACCESS_READ_WRITE, 1);
@@ -866,25 +845,12 @@ TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
   fabric_.InjectFault(delay);
   const std::vector<uint8_t> local_before = Snapshot(local);
   const std::vector<uint8_t> remote_before = Snapshot(remote);
-  Cancellation cancellation;
-  std::thread canceller([&] {
-    absl::SleepFor(absl::Milliseconds(100));
-    cancellation.Cancel(absl::CancelledError("the client went away"));
-  });
-  const absl::Time start = absl::Now();
-  const auto cut = a->backend<IbverbsBackend>().Submit(
-      {MakeOp(0, kRead, local, 10, 100, remote, 1000),
-       MakeOp(1, kWrite, local, 2000, 100, remote, 3000)},
-      StopToken(start + absl::Seconds(30), &cancellation));
-  const absl::Duration took = absl::Now() - start;
-  canceller.join();
-  for (const absl::Status& status : cut) {
-    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
-    EXPECT_TRUE(absl::StrContains(status.message(), "the client went away"))
-        << status;
-  }
-  EXPECT_LT(took, absl::Milliseconds(900));  // not the 1 s delayed WRs
-  // The delayed WRs were flushed: once their delay is over no byte moved.
+  SubmitCutShort(a->backend<IbverbsBackend>(),
+                 {MakeOp(0, kRead, local, 10, 100, remote, 1000),
+                  MakeOp(1, kWrite, local, 2000, 100, remote, 3000)});
+  EXPECT_LT(took_, absl::Milliseconds(900));  // not the 1 s delayed WRs
+  // Nothing signals "a flushed WR did not run later", so wait out the
+  // injected delay and check that no byte moved.
   absl::SleepFor(absl::Milliseconds(1200));
   EXPECT_EQ(Snapshot(local), local_before);
   EXPECT_EQ(Snapshot(remote), remote_before);
@@ -892,9 +858,11 @@ TEST_F(IbverbsBackendTest, CancellationMovesQpToErrorDrainsAndNextSubmitWorks) {
   const auto again = a->backend<IbverbsBackend>().Submit(
       {MakeOp(0, kRead, local, 10, 100, remote, 1000)}, In(absl::Seconds(10)));
   EXPECT_TRUE(again[0].ok()) << again[0];
+  EXPECT_EQ(0, std::memcmp(local.bytes() + 10, remote.bytes() + 1000, 100));
+  EXPECT_EQ(a->backend<IbverbsBackend>().connections_established(), 2u);
 }
 
-TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
+TEST_P(IbverbsStopTest, EndsTheWaitForSendQueueCredits) {
   IbverbsOptions shallow = Fast();
   shallow.qp.sq_depth = 2;
   shallow.qp.timeout = 0;  // a lost WR is never retried out: only ERR ends it
@@ -910,26 +878,29 @@ TEST_F(IbverbsBackendTest, CancellationWhileWaitingForSendQueueCredits) {
   for (size_t i = 0; i < 5; ++i) {
     ops.push_back(MakeOp(i, kWrite, local, i * 10, 10, remote, i * 10));
   }
-  Cancellation cancellation;
-  std::thread canceller([&] {
-    absl::SleepFor(absl::Milliseconds(100));
-    cancellation.Cancel(absl::UnavailableError("the agent is shutting down"));
-  });
-  const absl::Time start = absl::Now();
-  const auto results = a->backend<IbverbsBackend>().Submit(
-      ops, StopToken(start + absl::Seconds(30), &cancellation));
-  canceller.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
-  for (size_t i = 0; i < 5; ++i) {
-    EXPECT_EQ(results[i].code(), absl::StatusCode::kUnavailable)
-        << i << ": " << results[i];
-  }
+  SubmitCutShort(a->backend<IbverbsBackend>(), ops);
+  EXPECT_LT(took_, absl::Seconds(1));
   fabric_.ClearFaults();
   EXPECT_TRUE(a->backend<IbverbsBackend>()
                   .Submit({MakeOp(0, kWrite, local, 0, 10, remote, 0)},
                           In(absl::Seconds(10)))[0]
                   .ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Stops, IbverbsStopTest,
+    ::testing::Values(
+        StopCase{"Deadline", absl::Milliseconds(200), std::nullopt,
+                 absl::StatusCode::kDeadlineExceeded},
+        StopCase{"ClientGone", absl::Seconds(30),
+                 absl::CancelledError("the client went away"),
+                 absl::StatusCode::kCancelled},
+        StopCase{"ShuttingDown", absl::Seconds(30),
+                 absl::UnavailableError("the agent is shutting down"),
+                 absl::StatusCode::kUnavailable}),
+    [](const ::testing::TestParamInfo<StopCase>& info) {
+      return info.param.name;
+    });
 
 }  // namespace
 }  // namespace rdma_agent::ibverbs
