@@ -7,11 +7,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_util.h"
 
 namespace rdma_agent {
 
-BackendRegistry::BackendRegistry(
-    std::vector<std::unique_ptr<Backend>> backends)
+BackendRegistry::BackendRegistry(std::vector<std::unique_ptr<Backend>> backends)
     : backends_(std::move(backends)) {
   std::stable_sort(backends_.begin(), backends_.end(),
                    [](const auto& a, const auto& b) {
@@ -26,8 +26,8 @@ Backend* BackendRegistry::Find(absl::string_view name) const {
   return nullptr;
 }
 
-absl::Status BackendRegistry::RegisterWithAll(
-    Registration& registration, v1::RemoteBuffer* context) const {
+absl::Status BackendRegistry::RegisterWithAll(Registration& registration,
+                                              v1::RemoteBuffer* context) const {
   // Collected here first so that a failure drops (rolls back) every earlier
   // backend's state before anything is attached to the registration.
   std::vector<std::pair<std::string, std::unique_ptr<BackendRegistration>>>
@@ -38,10 +38,8 @@ absl::Status BackendRegistry::RegisterWithAll(
     v1::BackendEndpoint endpoint;
     auto state = backend->Register(registration, &endpoint);
     if (!state.ok()) {
-      return absl::Status(state.status().code(),
-                          absl::StrCat("registering with backend ",
-                                       backend->name(), ": ",
-                                       state.status().message()));
+      return Prefixed(state.status(), absl::StrCat("registering with backend ",
+                                                   backend->name()));
     }
     endpoint.set_backend(backend->name());
     endpoints.push_back(std::move(endpoint));
@@ -86,12 +84,11 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
   for (size_t k = 0; k < indices.size(); ++k) {
     OpOutcome& outcome = outcomes[indices[k]];
     outcome.backend = backend->name();
-    outcome.status =
-        k < statuses.size()
-            ? AnnotateOp(statuses[k], ops[indices[k]].index)
-            : absl::InternalError(absl::StrCat(
-                  "op ", ops[indices[k]].index, ": backend ", backend->name(),
-                  " returned no result"));
+    outcome.status = k < statuses.size()
+                         ? AnnotateOp(statuses[k], ops[indices[k]].index)
+                         : absl::InternalError(absl::StrCat(
+                               "op ", ops[indices[k]].index, ": backend ",
+                               backend->name(), " returned no result"));
   }
 }
 
@@ -124,8 +121,7 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
     for (size_t i : pending) groups[routes[i][attempt[i]]].push_back(i);
 
     if (groups.size() == 1) {
-      RunOn(groups.begin()->first, ops, groups.begin()->second, stop,
-            outcomes);
+      RunOn(groups.begin()->first, ops, groups.begin()->second, stop, outcomes);
     } else {
       std::vector<std::thread> workers;
       for (auto& [backend, indices] : groups) {

@@ -21,6 +21,7 @@
 #include "daemon/caller_identity.h"
 #include "daemon/service.h"
 #include "daemon/unix_socket.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
@@ -225,6 +226,9 @@ absl::Status Agent::StartApiServer() {
       options_, identity_, backends_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_);
   grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's health service carries no protobuf descriptor of its own; linking
+  // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(service_.get());
@@ -239,6 +243,9 @@ absl::Status Agent::StartApiServer() {
   if (server_ == nullptr) {
     return absl::InternalError("cannot start the RdmaAgent gRPC server");
   }
+  // Probes may ask for the API by name; it turns NOT_SERVING at shutdown.
+  server_->GetHealthCheckService()->SetServingStatus(
+      v1::RdmaAgent::service_full_name(), true);
   return absl::OkStatus();
 }
 
@@ -318,6 +325,9 @@ void Agent::SetUpQuotas() {
 void Agent::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  // Health checks on open connections say so during the grace below.
+  if (server_ != nullptr)
+    server_->GetHealthCheckService()->SetServingStatus(false);
   attach_server_.reset();
   listener_.reset();
   // Transfers in flight stop now (their ops end UNAVAILABLE), so the grace

@@ -68,11 +68,47 @@ TEST(DiscoveryTest, HealthServiceAnswersServing) {
   grpc::Status status;
   // HealthCheckRequest{service: ""} is empty; HealthCheckResponse{status:
   // SERVING} is field 1 = 1.
-  const std::string response = Exchange((*fixture)->agent().target(),
-                                        "/grpc.health.v1.Health/Check", "",
-                                        &status);
+  const std::string response =
+      Exchange((*fixture)->agent().target(), "/grpc.health.v1.Health/Check", "",
+               &status);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response, std::string("\x08\x01", 2));
+}
+
+TEST(DiscoveryTest, HealthKnowsTheApiByName) {
+  auto fixture = InProcessAgent::Start();
+  ASSERT_TRUE(fixture.ok()) << fixture.status();
+  // HealthCheckRequest{service: "rdma.agent.v1.RdmaAgent"}: field 1.
+  const std::string service = "rdma.agent.v1.RdmaAgent";
+  const std::string request =
+      std::string("\x0a") + static_cast<char>(service.size()) + service;
+  grpc::Status status;
+  EXPECT_EQ(Exchange((*fixture)->agent().target(),
+                     "/grpc.health.v1.Health/Check", request, &status),
+            std::string("\x08\x01", 2));  // SERVING
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  // An unknown service is NOT_FOUND, as the protocol says.
+  const std::string unknown = std::string("\x0a\x03") + "foo";
+  Exchange((*fixture)->agent().target(), "/grpc.health.v1.Health/Check",
+           unknown, &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST(DiscoveryTest, ReflectionResolvesTheHealthService) {
+  auto fixture = InProcessAgent::Start();
+  ASSERT_TRUE(fixture.ok()) << fixture.status();
+  // ServerReflectionRequest{file_containing_symbol: "grpc.health.v1.Health"}
+  // (field 4), what grpcurl sends before calling a method.
+  const std::string symbol = "grpc.health.v1.Health";
+  grpc::Status status;
+  const std::string response = Exchange(
+      (*fixture)->agent().target(),
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      std::string("\x22") + static_cast<char>(symbol.size()) + symbol, &status);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_THAT(response, HasSubstr("grpc/health/v1/health.proto"));
+  EXPECT_THAT(response, HasSubstr("HealthCheckRequest"));
+  EXPECT_THAT(response, ::testing::Not(HasSubstr("not found")));
 }
 
 TEST(DiscoveryTest, ReflectionListsTheApi) {
@@ -80,10 +116,10 @@ TEST(DiscoveryTest, ReflectionListsTheApi) {
   ASSERT_TRUE(fixture.ok()) << fixture.status();
   grpc::Status status;
   // ServerReflectionRequest{list_services: ""}: field 7, empty string.
-  const std::string response = Exchange(
-      (*fixture)->agent().target(),
-      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-      std::string("\x3a\x00", 2), &status);
+  const std::string response =
+      Exchange((*fixture)->agent().target(),
+               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+               std::string("\x3a\x00", 2), &status);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_THAT(response, HasSubstr("rdma.agent.v1.RdmaAgent"));
   EXPECT_THAT(response, HasSubstr("grpc.health.v1.Health"));

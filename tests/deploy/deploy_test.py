@@ -56,6 +56,9 @@ class DaemonSetTest(unittest.TestCase):
             command = probe_command(self.agent, probe)
             self.assertEqual(command[0], "/usr/local/bin/rdma-agentctl", probe)
             self.assertIn("health", command, probe)
+        # Ready means the API itself serves (NOT_SERVING during shutdown).
+        self.assertIn("--service=rdma.agent.v1.RdmaAgent",
+                      probe_command(self.agent, "readinessProbe"))
 
     def test_rdma_needs_ipc_lock_and_the_device_resource(self):
         security = self.agent["securityContext"]
