@@ -78,6 +78,19 @@ void ActiveCalls::CancelAll(const absl::Status& reason) {
   for (Call* call : calls_) call->cancellation_.Cancel(reason);
 }
 
+bool ActiveCalls::WaitUntilIdle(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  const auto idle = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return calls_.empty();
+  };
+  return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
+size_t ActiveCalls::calls() const {
+  absl::MutexLock lock(&mu_);
+  return calls_.size();
+}
+
 size_t ActiveCalls::ops_in_flight(uid_t uid) const {
   absl::MutexLock lock(&mu_);
   auto it = by_uid_.find(uid);

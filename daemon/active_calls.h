@@ -93,6 +93,11 @@ class ActiveCalls {
   // Cancels every running call with `reason` and refuses new ones.
   void CancelAll(const absl::Status& reason);
 
+  // Waits until no call is running or `deadline` passes; true when idle.
+  bool WaitUntilIdle(absl::Time deadline) const;
+
+  // Calls running now (for shutdown, tests and metrics).
+  size_t calls() const;
   // Ops in flight for `uid` / in total (for tests and metrics).
   size_t ops_in_flight(uid_t uid) const;
   size_t ops_in_flight() const;

@@ -1,7 +1,11 @@
 #include "daemon/agent.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -15,6 +19,7 @@
 #include "common/random.h"
 #include "common/rate_limited_log.h"
 #include "common/status_util.h"
+#include "common/unique_fd.h"
 #include "daemon/active_calls.h"
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
@@ -53,6 +58,37 @@ absl::Status MakeDirectory(const std::string& path) {
 }
 
 }  // namespace
+
+absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir) {
+  const std::string path = runtime_dir + "/rdma-agentd.lock";
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd) {
+    return ErrnoStatus(absl::StatusCode::kInternal, absl::StrCat("open ", path),
+                       errno);
+  }
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) {
+      return ErrnoStatus(absl::StatusCode::kInternal,
+                         absl::StrCat("flock ", path), errno);
+    }
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd.get(), pid, sizeof(pid) - 1, 0);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "another rdma-agentd (pid ",
+        n > 0 ? std::string(absl::StripAsciiWhitespace(pid)) : "unknown",
+        ") already serves ", runtime_dir,
+        "; stop it first, or give this one its own --runtime_dir"));
+  }
+  // Who holds it, for the message above; the lock itself dies with us.
+  const std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd.get(), 0) != 0 ||
+      ::pwrite(fd.get(), pid.data(), pid.size(), 0) !=
+          static_cast<ssize_t>(pid.size())) {
+    return ErrnoStatus(absl::StatusCode::kInternal,
+                       absl::StrCat("write ", path), errno);
+  }
+  return fd;
+}
 
 absl::StatusOr<std::string> LoadOrCreateAgentId(
     const std::string& runtime_dir) {
@@ -112,11 +148,19 @@ absl::Status Agent::Init() {
 absl::Status Agent::PrepareRuntimeDir() {
   absl::Status status = MakeDirectory(options_.runtime_dir);
   if (!status.ok()) return status;
+  auto lock = LockRuntimeDir(options_.runtime_dir);
+  if (!lock.ok()) return lock.status();
+  runtime_dir_lock_ = std::move(*lock);
   if (options_.socket_path.empty()) {
     options_.socket_path = options_.runtime_dir + "/agent.sock";
   }
   if (options_.attach_socket_path.empty()) {
-    options_.attach_socket_path = options_.runtime_dir + "/attach.sock";
+    // Next to the API socket, where clients look for it.
+    const size_t slash = options_.socket_path.rfind('/');
+    options_.attach_socket_path =
+        slash == std::string::npos
+            ? std::string("attach.sock")
+            : options_.socket_path.substr(0, slash + 1) + "attach.sock";
   }
   if (options_.advertise_host.empty()) {
     options_.advertise_host = DefaultAdvertiseHost();
@@ -335,9 +379,19 @@ void Agent::Shutdown() {
   if (calls_ != nullptr) {
     calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
   }
-  const auto grace = absl::ToChronoTime(absl::Now() + options_.shutdown_grace);
-  if (server_ != nullptr) server_->Shutdown(grace);
-  if (peer_server_ != nullptr) peer_server_->Shutdown(grace);
+  const absl::Time grace = absl::Now() + options_.shutdown_grace;
+  if (server_ != nullptr) {
+    // gRPC's Shutdown would spend the whole grace on connections that are
+    // merely open (clients that keep a channel). The agent knows its RPCs:
+    // once they have ended, a short margin lets their replies go out.
+    if (calls_ != nullptr && calls_->WaitUntilIdle(grace)) {
+      server_->Shutdown(absl::ToChronoTime(
+          std::min(grace, absl::Now() + absl::Milliseconds(200))));
+    } else {
+      server_->Shutdown(absl::ToChronoTime(grace));
+    }
+  }
+  if (peer_server_ != nullptr) peer_server_->Shutdown(absl::ToChronoTime(grace));
   if (buffers_ != nullptr) buffers_->Clear();
   server_.reset();
   peer_server_.reset();

@@ -8,6 +8,7 @@
 #include "backends/backend.h"
 #include "backends/registry.h"
 #include "common/rate_limited_log.h"
+#include "common/unique_fd.h"
 #include "daemon/agent_options.h"
 #include "daemon/quota.h"
 
@@ -97,7 +98,15 @@ class Agent {
   std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<AttachServer> attach_server_;
   bool shut_down_ = false;
+  // flock on <runtime_dir>/rdma-agentd.lock, held while the agent lives.
+  // Declared last: released only after every server and socket is gone.
+  UniqueFd runtime_dir_lock_;
 };
+
+// Takes <runtime_dir>/rdma-agentd.lock (flock) for this process:
+// FAILED_PRECONDITION naming the holder's pid when another agent serves the
+// directory. The lock goes with the fd (or the process).
+absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir);
 
 // The agent id kept in <runtime_dir>/agent-id, created if missing.
 absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir);

@@ -43,9 +43,17 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
 
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd) return ErrnoError("socket");
-  // A socket file left by a dead agent would make bind fail.
+  // A socket file left by a dead agent would make bind fail; one a live
+  // process still accepts on is never taken over (its clients would be cut
+  // off from it).
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (probe && ::connect(probe.get(), reinterpret_cast<struct sockaddr*>(&addr),
+                           sizeof(addr)) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, " is in use by a running process; not taking it over"));
+    }
     ::unlink(path.c_str());
   }
   if (::bind(fd.get(), reinterpret_cast<struct sockaddr*>(&addr),

@@ -1,5 +1,8 @@
 #include "daemon/active_calls.h"
 
+#include <thread>
+
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent {
@@ -56,6 +59,22 @@ TEST(ActiveCallsTest, CancelAllStopsRunningCallsAndRefusesNewOnes) {
             absl::UnavailableError("the agent is shutting down"));
   auto late = calls.Start(nullptr, 1, 1);
   EXPECT_TRUE(absl::IsUnavailable(late.status())) << late.status();
+}
+
+TEST(ActiveCallsTest, WaitUntilIdleReturnsWhenTheLastCallEnds) {
+  ActiveCalls calls(Limits(100, 100));
+  EXPECT_TRUE(calls.WaitUntilIdle(absl::Now()));
+  auto running = calls.Start(nullptr, 1, 1);
+  ASSERT_TRUE(running.ok());
+  EXPECT_EQ(calls.calls(), 1u);
+  EXPECT_FALSE(calls.WaitUntilIdle(absl::Now() + absl::Milliseconds(20)));
+  std::thread ender([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    running->reset();
+  });
+  EXPECT_TRUE(calls.WaitUntilIdle(absl::InfiniteFuture()));
+  EXPECT_EQ(calls.calls(), 0u);
+  ender.join();
 }
 
 }  // namespace

@@ -67,7 +67,9 @@ TEST_F(DaemonProcessTest, FlagfileConfiguresAndSigtermCleansUp) {
         << "--attach_socket=" << attach << "\n"
         << "--agent_id=agent-from-flagfile\n"
         << "--backends=memory\n"
-        << "--log_level=debug\n";
+        << "--log_level=debug\n"
+        // A connected client must not hold the shutdown for the grace.
+        << "--shutdown_grace=10m\n";
   }
   Subprocess daemon = Start({"--flagfile=" + flagfile});
   EXPECT_TRUE(Exists(socket));
@@ -179,6 +181,102 @@ TEST_F(DaemonProcessTest, UnusableSocketPathIsAClearError) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->exit_code, 1);
   EXPECT_THAT(result->out + result->err, HasSubstr("longer than"));
+}
+
+TEST_F(DaemonProcessTest, SecondAgentOnTheSameRuntimeDirRefusesAndFirstServes) {
+  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  client::ConnectOptions options;
+  options.target = "unix://" + dir_ + "/agent.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto buffer = (*agent)->Allocate(4096, ::rdma::agent::v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+
+  auto second = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+       "--backends=memory"},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->exit_code, 1);
+  EXPECT_THAT(second->out + second->err,
+              HasSubstr(absl::StrCat("another rdma-agentd (pid ", first.pid(),
+                                     ") already serves ", dir_)));
+
+  // The first one's sockets were left alone: it still serves the same
+  // registrations, on a fresh connection too.
+  EXPECT_TRUE(Exists(dir_ + "/agent.sock"));
+  EXPECT_TRUE(Exists(dir_ + "/attach.sock"));
+  auto again = client::AgentClient::Connect(options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto listed = (*again)->ListBuffers();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].buffer_id(), buffer->id());
+
+  first.Signal(SIGTERM);
+  auto code = first.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+}
+
+TEST_F(DaemonProcessTest, LiveSocketOfAnotherRuntimeDirIsNotTakenOver) {
+  const std::string other = dir_ + "/other";
+  ASSERT_EQ(::mkdir(other.c_str(), 0755), 0);
+  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  auto second = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + other,
+       "--socket=" + dir_ + "/agent.sock", "--backends=memory"},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->exit_code, 1);
+  EXPECT_THAT(second->out + second->err,
+              HasSubstr("is in use by a running process"));
+
+  client::ConnectOptions options;
+  options.target = "unix://" + dir_ + "/agent.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  EXPECT_TRUE((*agent)->GetInfo().ok());
+  first.Signal(SIGTERM);
+  EXPECT_TRUE(first.Wait(absl::Seconds(20)).ok());
+}
+
+TEST_F(DaemonProcessTest, KilledAgentsStaleSocketsAreReplaced) {
+  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  first.Signal(SIGKILL);
+  ASSERT_TRUE(first.Wait(absl::Seconds(20)).ok());
+  ASSERT_TRUE(Exists(dir_ + "/agent.sock")) << "SIGKILL leaves its sockets";
+
+  Subprocess second = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  client::ConnectOptions options;
+  options.target = "unix://" + dir_ + "/agent.sock";
+  options.attach_socket = dir_ + "/attach.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto buffer = (*agent)->Allocate(4096, ::rdma::agent::v1::ACCESS_READ_WRITE);
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  second.Signal(SIGTERM);
+  EXPECT_TRUE(second.Wait(absl::Seconds(20)).ok());
+}
+
+TEST_F(DaemonProcessTest, SocketOutsideTheRuntimeDirGetsItsAttachSocketBeside) {
+  const std::string runtime = dir_ + "/run";
+  const std::string sockets = dir_ + "/sockets";
+  ASSERT_EQ(::mkdir(sockets.c_str(), 0755), 0);
+  Subprocess daemon = Start({"--runtime_dir=" + runtime,
+                             "--socket=" + sockets + "/agent.sock",
+                             "--backends=memory"});
+  EXPECT_TRUE(Exists(sockets + "/attach.sock"));
+  EXPECT_FALSE(Exists(runtime + "/attach.sock"));
+  // A client that knows only the API socket finds the attach socket.
+  client::ConnectOptions options;
+  options.target = "unix://" + sockets + "/agent.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto buffer = (*agent)->Allocate(4096, ::rdma::agent::v1::ACCESS_READ_WRITE);
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  daemon.Signal(SIGTERM);
+  EXPECT_TRUE(daemon.Wait(absl::Seconds(20)).ok());
 }
 
 }  // namespace
