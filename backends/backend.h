@@ -91,6 +91,14 @@ class Backend {
   // Devices, addresses and other details for GetInfo.
   virtual v1::TransportInfo transport_info() const = 0;
 
+  // Connections (or queue pairs) held with each peer now, for metrics.
+  struct PeerLinks {
+    std::string peer;       // "host:port", or "agent/device" for NICs
+    std::string direction;  // "out": this agent connected; "in": the peer did
+    size_t count = 0;
+  };
+  virtual std::vector<PeerLinks> peer_links() const { return {}; }
+
   // Services this backend serves to peer agents on the agent's Peer listener
   // (e.g. the queue-pair handshake). Must stay valid while the backend lives.
   // Backends never open listeners of their own: whoever runs a backend

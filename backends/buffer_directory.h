@@ -26,6 +26,10 @@ struct ServeRequest {
   // and token), e.g. to be granted NIC access: access and range are then the
   // caller's to enforce (offset, length and write are ignored).
   bool proof_only = false;
+  // Who asks, for the agent's log when the request is refused ("10.0.0.2",
+  // "agent X at ipv4:10.0.0.2:5555"); empty for this agent's own memory
+  // backend, whose failures its caller reports.
+  std::string requester;
 };
 
 // The agent's live registrations, as backends see them when serving peers.

@@ -66,6 +66,15 @@ void BufferTable::Clear() {
 
 absl::StatusOr<std::shared_ptr<Registration>> BufferTable::ResolveForPeer(
     const ServeRequest& request) const {
+  auto resolved = Resolve(request);
+  if (!resolved.ok() && refusal_observer_ && !request.requester.empty()) {
+    refusal_observer_(request, resolved.status());
+  }
+  return resolved;
+}
+
+absl::StatusOr<std::shared_ptr<Registration>> BufferTable::Resolve(
+    const ServeRequest& request) const {
   // Token first: nothing a requester without the token is told depends on
   // this agent's epoch or on which ids exist.
   if (request.agent_epoch != epoch_) return StaleContextError();

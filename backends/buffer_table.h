@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -58,12 +59,24 @@ class BufferTable : public BufferDirectory {
   absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
       const ServeRequest& request) const override;
 
+  // Called with every refused peer request that names its requester (the
+  // agent logs and counts them). Set before the table serves peers.
+  using RefusalObserver =
+      std::function<void(const ServeRequest&, const absl::Status&)>;
+  void set_refusal_observer(RefusalObserver observer) {
+    refusal_observer_ = std::move(observer);
+  }
+
  private:
+  absl::StatusOr<std::shared_ptr<Registration>> Resolve(
+      const ServeRequest& request) const;
+
   static bool MayUse(const Registration& registration, uid_t caller) {
     return caller == 0 || registration.owner() == caller;
   }
 
   const uint64_t epoch_;
+  RefusalObserver refusal_observer_;
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> buffers_

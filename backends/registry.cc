@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/strings/str_join.h"
 #include "common/status_util.h"
 
@@ -80,10 +81,14 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
     // its own entry of the context without looking it up again.
     batch.back().endpoint = FindEndpoint(*ops[i].remote, backend->name());
   }
+  const absl::Time start = absl::Now();
   std::vector<absl::Status> statuses = backend->Submit(batch, stop);
+  const absl::Duration latency = absl::Now() - start;
   for (size_t k = 0; k < indices.size(); ++k) {
     OpOutcome& outcome = outcomes[indices[k]];
+    if (!outcome.backend.empty()) outcome.retried_from = outcome.backend;
     outcome.backend = backend->name();
+    outcome.latency = latency;
     outcome.status = k < statuses.size()
                          ? AnnotateOp(statuses[k], ops[indices[k]].index)
                          : absl::InternalError(absl::StrCat(

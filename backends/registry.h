@@ -16,6 +16,11 @@ namespace rdma_agent {
 struct OpOutcome {
   absl::Status status;
   std::string backend;
+  // The backend whose UNAVAILABLE made the op retry on `backend`, if any.
+  std::string retried_from;
+  // How long `backend` took for the batch this op ran in (the op's own
+  // time is not measured apart from its batch's).
+  absl::Duration latency;
 };
 
 // The agent's backends, fastest transport first, and the rules that use them

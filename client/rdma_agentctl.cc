@@ -32,6 +32,7 @@
 #include "common/unique_fd.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
+#include "client/internal/http_get.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -282,6 +283,42 @@ class HealthCommand : public Command {
 
  private:
   std::string service_;
+};
+
+class MetricsCommand : public Command {
+ public:
+  explicit MetricsCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "metrics",
+        "the agent's Prometheus metrics (text format), from the endpoint "
+        "GetInfo names (rdma-agentd --metrics_listen)");
+    sub->add_option("--address", address_,
+                    "host:port of the endpoint; default: the one the agent "
+                    "reports");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    std::string address = address_;
+    if (address.empty()) {
+      absl::StatusOr<AgentClient*> client = lazy.Get();
+      if (!client.ok()) return Failed("connect", client.status());
+      absl::StatusOr<v1::AgentInfo> info = (*client)->GetInfo();
+      if (!info.ok()) return Failed("metrics", info.status());
+      address = info->metrics_address();
+      if (address.empty()) {
+        return Failed("metrics",
+                      absl::FailedPreconditionError(
+                          "the agent serves no metrics (start it with "
+                          "--metrics_listen=host:port)"));
+      }
+    }
+    auto text = HttpGet(address, "/metrics", global.rpc_timeout());
+    if (!text.ok()) return Failed("metrics", text.status());
+    std::fputs(text->c_str(), stdout);
+    return Ok();
+  }
+
+ private:
+  std::string address_;
 };
 
 class RegisterCommand : public Command {
@@ -652,6 +689,7 @@ int Main(int argc, char** argv) {
   std::vector<std::unique_ptr<Command>> owned;
   owned.push_back(std::make_unique<InfoCommand>(app));
   owned.push_back(std::make_unique<HealthCommand>(app));
+  owned.push_back(std::make_unique<MetricsCommand>(app));
   owned.push_back(std::make_unique<RegisterCommand>(app));
   owned.push_back(std::make_unique<ListCommand>(app));
   owned.push_back(std::make_unique<ReleaseCommand>(app));

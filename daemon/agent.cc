@@ -26,8 +26,11 @@
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/caller_identity.h"
+#include "daemon/metrics.h"
+#include "daemon/rpc_observer.h"
 #include "daemon/service.h"
 #include "daemon/unix_socket.h"
+#include "daemon/version.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -128,18 +131,22 @@ absl::Status Agent::Init() {
   absl::Status status = PrepareRuntimeDir();
   if (!status.ok()) return status;
   SetUpQuotas();
+  metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
+  ObservePeerRefusals();
   attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
   // In order: backends must exist before the Peer listener serves their
   // services, and must be started (knowing the Peer address) before any
   // client can reach the API.
   for (absl::Status (Agent::*step)() :
        {&Agent::SpawnBackends, &Agent::StartPeerListener, &Agent::StartBackends,
-        &Agent::StartApiServer, &Agent::StartApiListener,
-        &Agent::StartAttachServer}) {
+        &Agent::StartMetricsServer, &Agent::StartApiServer,
+        &Agent::StartApiListener, &Agent::StartAttachServer}) {
     status = (this->*step)();
     if (!status.ok()) return status;
   }
+  AddGauges();
+  serving_ = true;
   return absl::OkStatus();
 }
 
@@ -167,6 +174,9 @@ std::string Agent::Describe() const {
                       " serving unix://", options_.socket_path, " (attach ",
                       options_.attach_socket_path, ")",
                       peer_address_.empty() ? "" : ", peers at " + peer_address_,
+                      metrics_address_.empty()
+                          ? ""
+                          : ", metrics at http://" + metrics_address_,
                       "; backends: ", absl::StrJoin(backends, ", "));
 }
 
@@ -301,7 +311,8 @@ absl::Status Agent::StartApiServer() {
   calls_ = std::make_unique<ActiveCalls>(limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, backends_.get(), buffers_.get(),
-      attach_tokens_.get(), callers_.get(), calls_.get(), quotas_);
+      attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
+      metrics_.get(), metrics_address_);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -316,6 +327,12 @@ absl::Status Agent::StartApiServer() {
   builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  std::vector<std::unique_ptr<
+      grpc::experimental::ServerInterceptorFactoryInterface>>
+      observers;
+  observers.push_back(
+      std::make_unique<RpcObserverFactory>(callers_.get(), metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(observers));
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::InternalError("cannot start the RdmaAgent gRPC server");
@@ -402,6 +419,7 @@ void Agent::SetUpQuotas() {
 void Agent::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  serving_ = false;
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)
     server_->GetHealthCheckService()->SetServingStatus(false);
@@ -428,6 +446,88 @@ void Agent::Shutdown() {
   if (buffers_ != nullptr) buffers_->Clear();
   server_.reset();
   peer_server_.reset();
+  metrics_server_.reset();
+}
+
+absl::Status Agent::StartMetricsServer() {
+  if (options_.metrics_listen.empty()) return absl::OkStatus();
+  auto server = MetricsServer::Start(options_.metrics_listen, metrics_.get(),
+                                     [this] { return serving_.load(); });
+  if (!server.ok()) return server.status();
+  metrics_server_ = std::move(*server);
+  // The port bound, on the host asked for (a wildcard is reached locally).
+  auto listen = ParseHostPort(options_.metrics_listen);
+  metrics_address_ = JoinHostPort(
+      !listen.ok() || IsWildcardHost(listen->host) ? "127.0.0.1"
+                                                   : listen->host,
+      metrics_server_->port());
+  return absl::OkStatus();
+}
+
+void Agent::AddGauges() {
+  metrics_->AddGauge(
+      "rdma_agentd_rpcs_in_flight", "API RPCs running now",
+      [calls = calls_.get()] {
+        return std::vector<GaugeSample>{
+            {{}, static_cast<double>(calls->calls())}};
+      });
+  metrics_->AddGauge(
+      "rdma_agentd_ops_in_flight", "Ops of Submits running now",
+      [calls = calls_.get()] {
+        return std::vector<GaugeSample>{
+            {{}, static_cast<double>(calls->ops_in_flight())}};
+      });
+  const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
+    return [quota] {
+      std::vector<GaugeSample> samples;
+      for (const auto& [uid, used] : quota->used_by_user()) {
+        samples.push_back(
+            {{{"uid", absl::StrCat(uid)}}, static_cast<double>(used)});
+      }
+      return samples;
+    };
+  };
+  metrics_->AddGauge("rdma_agentd_registrations",
+                     "Registrations held, by local user",
+                     by_user(quotas_.registrations));
+  metrics_->AddGauge("rdma_agentd_registered_bytes",
+                     "Bytes registered or attached for registration, by "
+                     "local user",
+                     by_user(quotas_.bytes));
+  metrics_->AddGauge(
+      "rdma_agentd_peer_links",
+      "Connections (tcp) and queue pairs (ibverbs) held with each peer, by "
+      "backend and direction (out: this agent connected)",
+      [backends = backends_.get()] {
+        std::vector<GaugeSample> samples;
+        for (const auto& backend : backends->backends()) {
+          if (!backend->available()) continue;
+          for (const auto& link : backend->peer_links()) {
+            samples.push_back({{{"backend", backend->name()},
+                                {"peer", link.peer},
+                                {"direction", link.direction}},
+                               static_cast<double>(link.count)});
+          }
+        }
+        return samples;
+      });
+}
+
+void Agent::ObservePeerRefusals() {
+  buffers_->set_refusal_observer(
+      [this](const ServeRequest& request, const absl::Status& status) {
+        std::string reason = absl::AsciiStrToLower(
+            absl::StatusCodeToString(status.code()));
+        metrics_->RecordRefusal(absl::StrCat("peer_", reason));
+        if (const auto suppressed = refused_peer_log_.Allow()) {
+          // The message never says more than the requester was told.
+          spdlog::warn(
+              "refused a request from {} for buffer {}: {} ({} similar "
+              "suppressed)",
+              LogSafe(request.requester), request.buffer_id,
+              status.ToString(), *suppressed);
+        }
+      });
 }
 
 }  // namespace rdma_agent

@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_DAEMON_AGENT_H_
 #define RDMA_AGENTD_DAEMON_AGENT_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -19,10 +20,12 @@ class Server;
 namespace rdma_agent {
 
 class ActiveCalls;
+class AgentMetrics;
 class AttachServer;
 class AttachTokens;
 class BufferTable;
 class CallerTable;
+class MetricsServer;
 class RdmaAgentService;
 class UnixListener;
 
@@ -55,6 +58,8 @@ class Agent {
   // "host:port" of the Peer listener (empty when no backend serves peers).
   const std::string& peer_address() const { return peer_address_; }
   const BackendRegistry& registry() const { return *backends_; }
+  // "host:port" of the metrics endpoint actually bound; empty without one.
+  const std::string& metrics_address() const { return metrics_address_; }
   // The options in force: socket paths and admission limits filled in.
   const AgentOptions& options() const { return options_; }
 
@@ -79,6 +84,12 @@ class Agent {
   absl::Status StartApiListener();
   // The attach socket (memfd hand-over for Register and OpenBuffer).
   absl::Status StartAttachServer();
+  // The Prometheus endpoint, if --metrics_listen asks for one.
+  absl::Status StartMetricsServer();
+  // Gauges read at scrape time from state the agent keeps anyway.
+  void AddGauges();
+  // Logs and counts peer requests the buffer table refused.
+  void ObservePeerRefusals();
   // Fills the admission limits left at 0 from the host, logs them and makes
   // the quotas.
   void SetUpQuotas();
@@ -86,11 +97,16 @@ class Agent {
   AgentOptions options_;
   AgentIdentity identity_;
   std::string peer_address_;
+  std::string metrics_address_;
   bool advertise_host_explicit_ = false;  // --advertise_host was given
   AgentQuotas quotas_;
   LogRateLimiter refused_connection_log_{absl::Seconds(10)};
+  LogRateLimiter refused_peer_log_{absl::Seconds(1), 20};
+  // False from the start of shutdown (/healthz answers 503).
+  std::atomic<bool> serving_{false};
   // Declaration order is teardown order in reverse: servers stop before the
   // registries and backends they call into are destroyed.
+  std::unique_ptr<AgentMetrics> metrics_;
   std::unique_ptr<BufferTable> buffers_;
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> backends_;
@@ -101,6 +117,7 @@ class Agent {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<AttachServer> attach_server_;
+  std::unique_ptr<MetricsServer> metrics_server_;
   bool shut_down_ = false;
   // flock on <runtime_dir>/rdma-agentd.lock, held while the agent lives.
   // Declared last: released only after every server and socket is gone.

@@ -67,6 +67,8 @@ struct AgentOptions {
   size_t max_connections_per_user = 128;
   // Longest Shutdown() waits for RPCs once their work is cancelled.
   absl::Duration shutdown_grace = absl::Seconds(5);
+  // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.
+  std::string metrics_listen;
 };
 
 }  // namespace rdma_agent

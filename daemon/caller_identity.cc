@@ -71,7 +71,7 @@ size_t CallerTable::Connections(uid_t uid) const {
 }
 
 absl::StatusOr<PeerCredentials> CallerTable::Lookup(
-    const grpc::ServerContext& context) const {
+    const grpc::ServerContextBase& context) const {
   const std::string peer = context.peer();
   absl::string_view fd_text = peer;
   int fd = -1;

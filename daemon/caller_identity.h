@@ -36,7 +36,7 @@ class CallerTable {
                      size_t max_total);
   // The caller of the RPC in `context`; UNAUTHENTICATED if unknown.
   absl::StatusOr<PeerCredentials> Lookup(
-      const grpc::ServerContext& context) const;
+      const grpc::ServerContextBase& context) const;
   // Live connections of `uid`.
   size_t Connections(uid_t uid) const;
 

@@ -42,6 +42,10 @@ ABSL_FLAG(std::string, peer_listen, "",
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port serving Prometheus metrics at /metrics and health at "
+          "/healthz (HTTP, no authentication: keep it on a trusted "
+          "interface). Empty: no endpoint.");
 ABSL_FLAG(std::string, log_level, "info",
           "trace, debug (every RPC), info, warn (failed ops, refused "
           "requests, client-visible errors), error, critical or off.");
@@ -207,6 +211,7 @@ int Run() {
   options.max_ops_in_flight_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));
   options.max_rpcs_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs_per_user));

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/net_address.h"
@@ -84,6 +85,10 @@ class AgentMetrics::Gauges : public prometheus::Collectable {
 AgentMetrics::AgentMetrics(absl::string_view version)
     : registry_(std::make_shared<prometheus::Registry>()),
       gauges_(std::make_shared<Gauges>()),
+      rpcs_(prometheus::BuildCounter()
+                .Name("rdma_agentd_rpcs_total")
+                .Help("API RPCs answered, by method and gRPC status code")
+                .Register(*registry_)),
       ops_(prometheus::BuildCounter()
                .Name("rdma_agentd_ops_total")
                .Help("Ops ended, by backend, op type and gRPC status code")
@@ -134,6 +139,14 @@ void AgentMetrics::RecordOp(absl::string_view backend, v1::OpType type,
   }
   op_seconds_.Add({{"backend", backend_name}}, LatencyBuckets())
       .Observe(absl::ToDoubleSeconds(latency));
+}
+
+void AgentMetrics::RecordRpc(absl::string_view method, absl::StatusCode code,
+                             absl::Duration latency) {
+  rpcs_.Add({{"method", std::string(method)},
+             {"code", absl::StatusCodeToString(code)}})
+      .Increment();
+  if (absl::EndsWith(method, "RdmaAgent/Submit")) RecordSubmit(latency);
 }
 
 void AgentMetrics::RecordSubmit(absl::Duration latency) {

@@ -46,6 +46,10 @@ class AgentMetrics {
   // time its backend took for the batch it ran in.
   void RecordOp(absl::string_view backend, ::rdma::agent::v1::OpType type,
                 absl::StatusCode code, uint64_t bytes, absl::Duration latency);
+  // One RPC of the API ended with `code` after `latency`; `method` is
+  // "package.Service/Method". Submit's latency also goes to its histogram.
+  void RecordRpc(absl::string_view method, absl::StatusCode code,
+                 absl::Duration latency);
   // One Submit ended after `latency`.
   void RecordSubmit(absl::Duration latency);
   // An op failed UNAVAILABLE on `from` and was retried on `to`.
@@ -65,6 +69,7 @@ class AgentMetrics {
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<Gauges> gauges_;
+  prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Counter>& ops_;
   prometheus::Family<prometheus::Counter>& bytes_;
   prometheus::Family<prometheus::Histogram>& op_seconds_;

@@ -97,6 +97,11 @@ uint64_t ResourceQuota::used(uid_t uid) const {
   return it == by_user_.end() ? 0 : it->second;
 }
 
+absl::flat_hash_map<uid_t, uint64_t> ResourceQuota::used_by_user() const {
+  absl::MutexLock lock(&mu_);
+  return by_user_;
+}
+
 uint64_t ResourceQuota::used_total() const {
   absl::MutexLock lock(&mu_);
   return total_;

@@ -49,6 +49,8 @@ class ResourceQuota : public std::enable_shared_from_this<ResourceQuota> {
 
   uint64_t used(uid_t uid) const;
   uint64_t used_total() const;
+  // What each user holds now (users holding nothing are left out).
+  absl::flat_hash_map<uid_t, uint64_t> used_by_user() const;
   const Limits& limits() const { return limits_; }
 
  private:

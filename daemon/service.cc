@@ -11,6 +11,7 @@
 #include "common/log_text.h"
 #include "common/random.h"
 #include "common/status_util.h"
+#include "daemon/metrics.h"
 #include "daemon/remote_context.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
@@ -36,7 +37,9 @@ RdmaAgentService::RdmaAgentService(const AgentOptions& options,
                                    BufferTable* buffers,
                                    AttachTokens* attach_tokens,
                                    const CallerTable* callers,
-                                   ActiveCalls* calls, AgentQuotas quotas)
+                                   ActiveCalls* calls, AgentQuotas quotas,
+                                   AgentMetrics* metrics,
+                                   std::string metrics_address)
     : options_(options),
       identity_(identity),
       backends_(backends),
@@ -44,7 +47,9 @@ RdmaAgentService::RdmaAgentService(const AgentOptions& options,
       attach_tokens_(attach_tokens),
       callers_(callers),
       calls_(calls),
-      quotas_(std::move(quotas)) {}
+      quotas_(std::move(quotas)),
+      metrics_(metrics),
+      metrics_address_(std::move(metrics_address)) {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -65,6 +70,7 @@ grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
   response->set_epoch(identity_.epoch);
   response->set_version(kAgentVersion);
   response->set_hostname(HostName());
+  response->set_metrics_address(metrics_address_);
   for (const auto& backend : backends_->backends()) {
     v1::BackendInfo* info = response->add_backends();
     info->set_name(backend->name());
@@ -283,6 +289,8 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   const StopToken stop = admitted->call->stop_token(*deadline);
   std::vector<absl::Status> statuses(count);
   std::vector<std::string> used(count);
+  std::vector<std::string> retried_from(count);
+  std::vector<absl::Duration> latencies(count);
   std::vector<Op> ready;
   std::vector<size_t> ready_index;
   for (size_t i = 0; i < count; ++i) {
@@ -299,7 +307,20 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
     for (size_t k = 0; k < ready.size(); ++k) {
       statuses[ready_index[k]] = std::move(outcomes[k].status);
       used[ready_index[k]] = std::move(outcomes[k].backend);
+      retried_from[ready_index[k]] = std::move(outcomes[k].retried_from);
+      latencies[ready_index[k]] = outcomes[k].latency;
     }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const v1::Op& wire = request->ops(static_cast<int>(i));
+    if (metrics_ != nullptr) {
+      metrics_->RecordOp(used[i], wire.type(), statuses[i].code(),
+                         wire.length(), latencies[i]);
+      if (!retried_from[i].empty()) {
+        metrics_->RecordRetry(retried_from[i], used[i]);
+      }
+    }
+    if (!statuses[i].ok()) LogFailedOp(*caller, wire, used[i], statuses[i]);
   }
   for (size_t i = 0; i < count; ++i) {
     v1::OpResult* result = response->add_results();
@@ -308,6 +329,31 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
     result->set_backend(used[i]);
   }
   return grpc::Status::OK;
+}
+
+void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
+                                   const v1::Op& op, const std::string& backend,
+                                   const absl::Status& status) {
+  const auto suppressed = failed_op_log_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  // Where the op went, as far as its context says (it may not parse).
+  std::string remote = "an unreadable remote context";
+  v1::RemoteBuffer context;
+  if (context.ParseFromString(op.remote_context())) {
+    remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
+                          LogSafe(context.agent_id()));
+  }
+  const std::string line = absl::StrCat(
+      "Submit from uid ", caller.uid, " pid ", caller.pid, ": ",
+      op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
+      op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
+      backend.empty() ? "" : absl::StrCat(" over ", backend), " failed: ",
+      LogSafe(status.ToString()));
+  if (suppressed) {
+    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
+  } else {
+    spdlog::debug("{}", line);
+  }
 }
 
 grpc::Status RdmaAgentService::ListBuffers(grpc::ServerContext* context,

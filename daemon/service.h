@@ -12,6 +12,7 @@
 #include "backends/buffer_table.h"
 #include "backends/registry.h"
 #include "common/grpc_status.h"
+#include "common/rate_limited_log.h"
 #include "daemon/active_calls.h"
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
@@ -22,6 +23,8 @@
 
 namespace rdma_agent {
 
+class AgentMetrics;
+
 // The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
 // whose credentials the caller table holds for its connection.
 class RdmaAgentService final : public v1::RdmaAgent::Service {
@@ -29,7 +32,8 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferTable* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
-                   ActiveCalls* calls, AgentQuotas quotas);
+                   ActiveCalls* calls, AgentQuotas quotas,
+                   AgentMetrics* metrics, std::string metrics_address);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -71,6 +75,10 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   absl::StatusOr<absl::Time> SubmitDeadline(
       const grpc::ServerContext& context,
       const v1::SubmitRequest& request) const;
+  // One warning per failed op (rate limited; debug beyond the limit): who
+  // asked, what, where and why.
+  void LogFailedOp(const PeerCredentials& caller, const v1::Op& op,
+                   const std::string& backend, const absl::Status& status);
 
   const AgentOptions& options_;
   const AgentIdentity identity_;
@@ -80,6 +88,10 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   const CallerTable* const callers_;
   ActiveCalls* const calls_;
   const AgentQuotas quotas_;
+  AgentMetrics* const metrics_;  // ops by backend, type and code
+  const std::string metrics_address_;  // for GetInfo
+  // Failed ops, one warning each: 20 at once, then one a second.
+  LogRateLimiter failed_op_log_{absl::Seconds(1), 20};
 };
 
 }  // namespace rdma_agent

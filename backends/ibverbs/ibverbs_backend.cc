@@ -26,10 +26,10 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
   explicit PeerService(IbverbsBackend* backend) : backend_(backend) {}
 
   grpc::Status ConnectQueuePair(
-      grpc::ServerContext* /*context*/,
+      grpc::ServerContext* context,
       const v1::ConnectQueuePairRequest* request,
       v1::ConnectQueuePairResponse* response) override {
-    auto answer = backend_->AcceptQueuePair(*request);
+    auto answer = backend_->AcceptQueuePair(*request, context->peer());
     if (!answer.ok()) {
       return ToGrpcStatus(answer.status());
     }
@@ -37,10 +37,10 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GrantBuffer(grpc::ServerContext* /*context*/,
+  grpc::Status GrantBuffer(grpc::ServerContext* context,
                            const v1::GrantBufferRequest* request,
                            v1::GrantBufferResponse* response) override {
-    auto answer = backend_->GrantBuffer(*request);
+    auto answer = backend_->GrantBuffer(*request, context->peer());
     if (!answer.ok()) {
       return ToGrpcStatus(answer.status());
     }
@@ -705,7 +705,7 @@ absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
 }
 
 absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
-    const v1::ConnectQueuePairRequest& request) {
+    const v1::ConnectQueuePairRequest& request, absl::string_view peer) {
   if (!available()) {
     return absl::UnavailableError(
         absl::StrCat("ibverbs backend unavailable on agent ",
@@ -725,13 +725,12 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
   proof.buffer_id = request.buffer_id();
   proof.token = request.token();
   proof.proof_only = true;
+  proof.requester = absl::StrCat("agent ", LogSafe(request.agent_id()),
+                                 peer.empty() ? "" : " at ",
+                                 LogSafe(peer));
   auto registration = env_.directory->ResolveForPeer(proof);
-  if (!registration.ok()) {
-    spdlog::debug("ibverbs: refused a handshake from agent {}: {}",
-                  LogSafe(request.agent_id()),
-                  LogSafe(registration.status().ToString()));
-    return registration.status();
-  }
+  // Refusals are logged by the directory's observer, with `peer`.
+  if (!registration.ok()) return registration.status();
   if (request.remote_device() != device_->name()) {
     return absl::NotFoundError(absl::StrCat(
         "agent ", env_.identity.agent_id, " has no RDMA device ",
@@ -810,7 +809,7 @@ std::shared_ptr<IbverbsBackend::PeerSession> IbverbsBackend::FindSession(
 }
 
 absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
-    const v1::GrantBufferRequest& request) {
+    const v1::GrantBufferRequest& request, absl::string_view peer) {
   if (!available()) {
     return absl::UnavailableError(
         absl::StrCat("ibverbs backend unavailable on agent ",
@@ -821,6 +820,7 @@ absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
   proof.buffer_id = request.buffer_id();
   proof.token = request.token();
   proof.proof_only = true;
+  proof.requester = absl::StrCat("peer at ", LogSafe(peer));
   auto registration = env_.directory->ResolveForPeer(proof);
   if (!registration.ok()) return registration.status();
   std::shared_ptr<PeerSession> session =
@@ -1007,6 +1007,26 @@ uint64_t IbverbsBackend::connections_established() const {
 size_t IbverbsBackend::requester_count() const {
   absl::MutexLock lock(&mu_);
   return requesters_.size();
+}
+
+std::vector<Backend::PeerLinks> IbverbsBackend::peer_links() const {
+  absl::MutexLock lock(&mu_);
+  // Keys are "agent/epoch/device" (out) and "agent/device" (in); a peer's
+  // epoch is no label worth a new time series per restart.
+  std::map<std::string, size_t> out;
+  for (const auto& [key, connection] : requesters_) {
+    const size_t first = key.find('/');
+    const size_t last = key.rfind('/');
+    ++out[first == std::string::npos || first == last
+              ? key
+              : key.substr(0, first) + key.substr(last)];
+  }
+  std::vector<PeerLinks> links;
+  for (const auto& [peer, count] : out) links.push_back({peer, "out", count});
+  for (const auto& [key, session] : responders_) {
+    links.push_back({key, "in", 1});
+  }
+  return links;
 }
 
 size_t IbverbsBackend::responder_count() const {

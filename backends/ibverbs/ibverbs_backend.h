@@ -103,11 +103,16 @@ class IbverbsBackend : public Backend {
                                    const StopToken& stop) override;
 
   // The responder half of the handshake (what the Peer service calls).
+  // `peer` (the caller's address, for logs) is empty when unknown.
   absl::StatusOr<v1::ConnectQueuePairResponse> AcceptQueuePair(
-      const v1::ConnectQueuePairRequest& request);
+      const v1::ConnectQueuePairRequest& request, absl::string_view peer = "");
   // Grants a session one more registration (what the Peer service calls).
   absl::StatusOr<v1::GrantBufferResponse> GrantBuffer(
-      const v1::GrantBufferRequest& request);
+      const v1::GrantBufferRequest& request, absl::string_view peer = "");
+
+  // Requester QPs by peer "agent/device" ("out") and responder QPs by the
+  // requesting agent's "agent/device" ("in").
+  std::vector<PeerLinks> peer_links() const override;
 
   // Queue pairs this backend connected as requester, over its life.
   uint64_t connections_established() const;

@@ -689,7 +689,7 @@ DataClient::~DataClient() {
   }
   for (std::thread& worker : workers_) worker.join();
   absl::MutexLock lock(&mu_);
-  for (auto& [key, idle] : idle_) CloseIdleLocked(idle);
+  for (auto& [key, idle] : idle_) CloseIdleLocked(key, idle);
   idle_.clear();
 }
 
@@ -869,7 +869,7 @@ absl::StatusOr<DataClient::Connection> DataClient::Checkout(SubmitRun& submit,
         return Connection{std::move(fd), /*reused=*/true};
       }
       fd.reset();
-      ReleaseConnectionSlotLocked();
+      ReleaseConnectionSlotLocked(peer.name());
       it = idle_.find(peer.name());
     }
   }
@@ -900,7 +900,9 @@ absl::StatusOr<DataClient::Connection> DataClient::Dial(SubmitRun& submit,
   };
   auto addresses = peer.Addresses(until);
   if (!addresses.ok()) return failed(addresses.status());
-  if (!ReserveConnectionSlot(submit)) return failed(absl::CancelledError(""));
+  if (!ReserveConnectionSlot(submit, peer.name())) {
+    return failed(absl::CancelledError(""));
+  }
   absl::Status why = absl::UnavailableError("no address");
   for (const PeerAddress& address : *addresses) {
     auto fd = OpenDataSocket(address, options_.socket_buffer_bytes);
@@ -927,7 +929,7 @@ absl::StatusOr<DataClient::Connection> DataClient::Dial(SubmitRun& submit,
     if (submit.aborted || absl::IsDeadlineExceeded(why)) break;
   }
   absl::MutexLock lock(&mu_);
-  ReleaseConnectionSlotLocked();
+  ReleaseConnectionSlotLocked(peer.name());
   return failed(why);
 }
 
@@ -953,10 +955,11 @@ void DataClient::Release(SubmitRun& submit, const PeerRun& peer,
     }
   }
   connection.fd.reset();  // under mu_: see Dial
-  ReleaseConnectionSlotLocked();
+  ReleaseConnectionSlotLocked(peer.name());
 }
 
-bool DataClient::ReserveConnectionSlot(SubmitRun& submit) {
+bool DataClient::ReserveConnectionSlot(SubmitRun& submit,
+                                       const std::string& peer) {
   absl::MutexLock lock(&mu_);
   while (open_ >= static_cast<size_t>(options_.max_connections)) {
     if (CloseOldestIdleLocked()) continue;
@@ -966,19 +969,23 @@ bool DataClient::ReserveConnectionSlot(SubmitRun& submit) {
     changed_cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
   }
   ++open_;
+  ++open_by_peer_[peer];
   return true;
 }
 
-void DataClient::ReleaseConnectionSlotLocked() {
+void DataClient::ReleaseConnectionSlotLocked(const std::string& peer) {
   --open_;
+  auto it = open_by_peer_.find(peer);
+  if (it != open_by_peer_.end() && --it->second == 0) open_by_peer_.erase(it);
   changed_cv_.SignalAll();
 }
 
-void DataClient::CloseIdleLocked(std::deque<IdleConnection>& idle) {
+void DataClient::CloseIdleLocked(const std::string& peer,
+                                 std::deque<IdleConnection>& idle) {
   for (IdleConnection& connection : idle) {
     connection.fd.reset();
     --idle_total_;
-    ReleaseConnectionSlotLocked();
+    ReleaseConnectionSlotLocked(peer);
   }
   idle.clear();
 }
@@ -993,7 +1000,7 @@ void DataClient::ExpireIdleLocked() {
     while (!idle.empty() && idle.front().since <= cutoff) {
       idle.pop_front();  // closes it
       --idle_total_;
-      ReleaseConnectionSlotLocked();
+      ReleaseConnectionSlotLocked(it->first);
     }
     it = idle.empty() ? idle_.erase(it) : std::next(it);
   }
@@ -1011,7 +1018,7 @@ bool DataClient::CloseOldestIdleLocked() {
   if (oldest == idle_.end()) return false;
   oldest->second.pop_front();
   --idle_total_;
-  ReleaseConnectionSlotLocked();
+  ReleaseConnectionSlotLocked(oldest->first);
   if (oldest->second.empty()) idle_.erase(oldest);
   return true;
 }
@@ -1032,6 +1039,11 @@ size_t DataClient::idle_connections() {
 size_t DataClient::open_connections() {
   absl::MutexLock lock(&mu_);
   return open_;
+}
+
+std::map<std::string, size_t> DataClient::OpenConnectionsByPeer() {
+  absl::MutexLock lock(&mu_);
+  return open_by_peer_;
 }
 
 }  // namespace rdma_agent::tcp

@@ -130,6 +130,10 @@ class DataClient {
 
   const DataClientOptions& options() const { return options_; }
 
+  // Outgoing connections open now (in use and idle) by peer "host:port",
+  // for metrics.
+  std::map<std::string, size_t> OpenConnectionsByPeer();
+
  private:
   // Tests read the pool's counts through it (pool_probe.h); they are no
   // part of this class's API.
@@ -182,11 +186,13 @@ class DataClient {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for room under max_connections (closing idle connections first).
   // False when the Run stopped first.
-  bool ReserveConnectionSlot(SubmitRun& submit);
-  void ReleaseConnectionSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReserveConnectionSlot(SubmitRun& submit, const std::string& peer);
+  void ReleaseConnectionSlotLocked(const std::string& peer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CloseOldestIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CloseIdleLocked(std::deque<IdleConnection>& idle)
+  void CloseIdleLocked(const std::string& peer,
+                       std::deque<IdleConnection>& idle)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DataClientOptions options_;
@@ -206,6 +212,7 @@ class DataClient {
   size_t idle_total_ ABSL_GUARDED_BY(mu_) = 0;
   // Connections open (dialling, in use or idle).
   size_t open_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, size_t> open_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::Time next_expiry_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 
   std::vector<std::thread> workers_;

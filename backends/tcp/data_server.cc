@@ -191,6 +191,15 @@ size_t DataServer::connections() {
   return connections_.size() - static_cast<size_t>(finished_);
 }
 
+std::map<std::string, size_t> DataServer::ConnectionsBySource() {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, size_t> by_source;
+  for (const auto& [source, count] : per_source_) {
+    if (count > 0) by_source[source] = static_cast<size_t>(count);
+  }
+  return by_source;
+}
+
 void DataServer::ReapFinishedLocked() {
   for (auto it = connections_.begin(); it != connections_.end();) {
     Connection& connection = **it;
@@ -380,6 +389,7 @@ void DataServer::Serve(Connection* connection) {
     request.offset = header.offset;
     request.length = header.length;
     request.write = header.kind == RequestKind::kWrite;
+    request.requester = connection->source;
     // Pinned until the end of this iteration, and no later: a connection cut
     // mid-request (request timeout, shutdown) lets it go by leaving the loop.
     auto registration = directory_->ResolveForPeer(request);

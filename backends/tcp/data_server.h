@@ -100,6 +100,8 @@ class DataServer {
   const DataServerOptions& options() const { return options_; }
   // Connections being served now (for tests and status).
   size_t connections();
+  // The same by source address, for metrics.
+  std::map<std::string, size_t> ConnectionsBySource();
 
  private:
   // What a connection is waiting for; says why it was cut.

@@ -156,4 +156,15 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
   return results;
 }
 
+std::vector<Backend::PeerLinks> TcpBackend::peer_links() const {
+  std::vector<PeerLinks> links;
+  for (const auto& [peer, count] : client_->OpenConnectionsByPeer()) {
+    links.push_back({peer, "out", count});
+  }
+  for (const auto& [source, count] : server_->ConnectionsBySource()) {
+    links.push_back({source, "in", count});
+  }
+  return links;
+}
+
 }  // namespace rdma_agent

@@ -67,6 +67,8 @@ class TcpBackend : public Backend {
   // INVALID_ARGUMENT unless `client.allow_host_names`.
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;
+  // Outgoing connections by peer address, incoming ones by source address.
+  std::vector<PeerLinks> peer_links() const override;
 
   // The data port actually bound.
   uint16_t port() const { return server_->port(); }

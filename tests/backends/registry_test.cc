@@ -213,9 +213,11 @@ TEST(BackendRegistryTest, RetriesUnavailableOnceOnTheNextBackend) {
                              absl::Now() + absl::Seconds(5));
   EXPECT_TRUE(outcomes[0].status.ok()) << outcomes[0].status;
   EXPECT_EQ(outcomes[0].backend, "tcp");
+  EXPECT_EQ(outcomes[0].retried_from, "nic") << "for the retry metric";
   // Only UNAVAILABLE is retried.
   EXPECT_EQ(outcomes[1].status.code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(outcomes[1].backend, "nic");
+  EXPECT_EQ(outcomes[1].retried_from, "");
   EXPECT_THAT(outcomes[1].status.message(), HasSubstr("op 1: bad key"));
   EXPECT_THAT(fakes.tcp->submitted, ElementsAre(0));
 }

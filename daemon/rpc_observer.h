@@ -1,0 +1,35 @@
+#ifndef RDMA_AGENTD_DAEMON_RPC_OBSERVER_H_
+#define RDMA_AGENTD_DAEMON_RPC_OBSERVER_H_
+
+#include "common/rate_limited_log.h"
+#include "grpcpp/support/server_interceptor.h"
+
+namespace rdma_agent {
+
+class AgentMetrics;
+class CallerTable;
+
+// Sees every RPC the agent's API server answers, in one place rather than in
+// each handler: logs each at debug (method, caller uid/pid, code, time),
+// logs each error the client sees at warning with its caller (rate limited:
+// a client in a loop cannot flood the journal), and counts it in the
+// metrics (RPCs by method and code, Submit latency).
+class RpcObserverFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  // Both must outlive the server.
+  RpcObserverFactory(const CallerTable* callers, AgentMetrics* metrics);
+
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  const CallerTable* const callers_;
+  AgentMetrics* const metrics_;
+  // Shared by every call: 20 lines at once, then one a second.
+  LogRateLimiter error_log_{absl::Seconds(1), 20};
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_RPC_OBSERVER_H_
