@@ -19,14 +19,22 @@
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, runtime_dir, "/run/rdma-agentd",
-          "Directory for the sockets and the persisted agent id.");
+          "Directory for the sockets.");
+// Root (tools/run.sh, the systemd unit) keeps the id in /var/lib; anyone else
+// falls back to the runtime dir. The test suite runs as root too, so tests
+// pass a --state_dir of their own: the fallback would not keep them out.
+ABSL_FLAG(std::string, state_dir, "/var/lib/rdma-agentd",
+          "Directory keeping the agent id across restarts and reboots "
+          "(systemd's StateDirectory=). When it cannot be created or written "
+          "(e.g. not root, outside systemd), the runtime dir is used, with a "
+          "warning.");
 ABSL_FLAG(std::string, socket, "",
           "RdmaAgent Unix socket path (or unix:// URI); default "
           "<runtime_dir>/agent.sock.");
 ABSL_FLAG(std::string, attach_socket, "",
           "Attach socket path; default <runtime_dir>/attach.sock.");
 ABSL_FLAG(std::string, agent_id, "",
-          "Stable agent id; default: kept in <runtime_dir>/agent-id.");
+          "Stable agent id; default: kept in <state_dir>/agent-id.");
 ABSL_FLAG(std::vector<std::string>, backends,
           std::vector<std::string>({"memory", "tcp", "ibverbs"}),
           "Backends to spawn, comma separated (memory, tcp, ibverbs). "
@@ -133,6 +141,7 @@ int Run() {
 
   AgentOptions options;
   options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.socket_path = SocketPath(absl::GetFlag(FLAGS_socket));
   options.attach_socket_path = absl::GetFlag(FLAGS_attach_socket);
   options.agent_id = absl::GetFlag(FLAGS_agent_id);
