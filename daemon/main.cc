@@ -1,5 +1,6 @@
 // rdma-agentd: the per-host RDMA transfer agent.
 #include <signal.h>
+#include <string.h>
 
 #include <string>
 #include <vector>
@@ -7,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "backends/memory/memory_backend.h"
@@ -14,7 +16,9 @@
 #include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
+#include "daemon/main_loop.h"
 #include "daemon/quota.h"
+#include "daemon/systemd_notifier.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
@@ -205,18 +209,16 @@ int Run() {
     options.backends.push_back(std::move(*factory));
   }
 
-  // Signals are taken synchronously by this thread so that shutdown runs as
-  // ordinary code, not in a signal handler.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // Before Agent::Start creates threads, so that they inherit the mask.
+  const sigset_t signals = BlockAgentSignals();
   signal(SIGPIPE, SIG_IGN);
+  const SystemdNotifier notifier;
+  notifier.Status("starting");
 
   auto agent = Agent::Start(std::move(options));
   if (!agent.ok()) {
     spdlog::critical("rdma-agentd cannot start: {}", agent.status().ToString());
+    notifier.Status(absl::StrCat("cannot start: ", agent.status().message()));
     return 1;
   }
   for (const auto& backend : (*agent)->registry().backends()) {
@@ -227,9 +229,11 @@ int Run() {
                    LogSafe(backend->unavailable_reason()));
     }
   }
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  // Every socket listens: units ordered after this one may start now.
+  notifier.Ready(ServingStatus(**agent));
+  const int signal_number = ServeUntilStopSignal(signals, notifier);
   spdlog::info("signal {} received, shutting down", signal_number);
+  notifier.Stopping(absl::StrCat("stopping: ", strsignal(signal_number)));
   (*agent)->Shutdown();
   spdlog::info("rdma-agentd stopped");
   return 0;
