@@ -6,8 +6,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
@@ -16,10 +14,10 @@
 #include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
+#include "daemon/command_line.h"
 #include "daemon/main_loop.h"
 #include "daemon/quota.h"
 #include "daemon/systemd_notifier.h"
-#include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, runtime_dir, "/run/rdma-agentd",
@@ -243,9 +241,6 @@ int Run() {
 }  // namespace rdma_agent
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "rdma-agentd: per-host RDMA transfer agent. Serves rdma.agent.v1 on a "
-      "Unix socket.");
-  absl::ParseCommandLine(argc, argv);
+  rdma_agent::ParseCommandLineOrExit(argc, argv);
   return rdma_agent::Run();
 }
