@@ -37,6 +37,10 @@ struct BackendEnvironment {
   const BufferDirectory* directory = nullptr;
   // Host peers should dial to reach this agent (never a wildcard address).
   std::string advertise_host;
+  // True when an operator chose advertise_host (--advertise_host: NAT, a
+  // container): it then wins over a listener's own address. Otherwise it
+  // was detected, and a listener bound to one address advertises that.
+  bool advertise_host_explicit = false;
   // Credentials for calling peers' Peer services (the agent's Peer listener
   // serves with the same material). Not enabled = plaintext.
   PeerTls peer_tls;

@@ -10,10 +10,11 @@
 
 namespace rdma_agent {
 
-// Lets a recurring log line through at most once per `interval`, for errors
-// that can repeat in a tight loop (accept failing with EMFILE, a peer
-// hammering a port): the log stays readable and cannot fill the disk.
-// Thread-safe.
+// Lets a recurring log line through at most `burst` times and then once per
+// `interval` (a token bucket refilled one line per interval), for lines that
+// can repeat in a tight loop (accept failing with EMFILE, a peer hammering a
+// port, a client retrying a failing op): the log stays readable and cannot
+// fill the disk or the journal. Thread-safe.
 //
 //   static LogRateLimiter limiter(absl::Seconds(10));
 //   if (auto suppressed = limiter.Allow()) {
@@ -21,7 +22,8 @@ namespace rdma_agent {
 //   }
 class LogRateLimiter {
  public:
-  explicit LogRateLimiter(absl::Duration interval) : interval_(interval) {}
+  explicit LogRateLimiter(absl::Duration interval, uint64_t burst = 1)
+      : interval_(interval), burst_(burst == 0 ? 1 : burst) {}
 
   // When a line may be logged now: how many were held back since the last
   // one that was. Otherwise nullopt (and this one is counted as held back).
@@ -29,8 +31,11 @@ class LogRateLimiter {
 
  private:
   const absl::Duration interval_;
+  const uint64_t burst_;
   absl::Mutex mu_;
-  absl::Time next_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Lines that may pass now, and when the bucket last gained one.
+  uint64_t tokens_ ABSL_GUARDED_BY(mu_) = burst_;
+  absl::Time refilled_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t suppressed_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

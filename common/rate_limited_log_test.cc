@@ -29,5 +29,24 @@ TEST(LogRateLimiterTest, AMillionAttemptsInOneIntervalLogOnce) {
   EXPECT_EQ(limiter.Allow(now + absl::Seconds(1)), 999999u);
 }
 
+TEST(LogRateLimiterTest, BurstPassesThenOnePerIntervalAndRefillsWhenQuiet) {
+  LogRateLimiter limiter(absl::Seconds(1), 3);
+  const absl::Time start = absl::FromUnixSeconds(100);
+  EXPECT_EQ(limiter.Allow(start), 0u);
+  EXPECT_EQ(limiter.Allow(start), 0u);
+  EXPECT_EQ(limiter.Allow(start), 0u);
+  EXPECT_FALSE(limiter.Allow(start).has_value());
+  EXPECT_FALSE(limiter.Allow(start + absl::Milliseconds(999)).has_value());
+  // One line per interval once the burst is spent.
+  EXPECT_EQ(limiter.Allow(start + absl::Seconds(1)), 2u);
+  EXPECT_FALSE(limiter.Allow(start + absl::Milliseconds(1500)).has_value());
+  // After a quiet spell the whole burst is back, no more.
+  const absl::Time later = start + absl::Seconds(60);
+  EXPECT_EQ(limiter.Allow(later), 1u);
+  EXPECT_EQ(limiter.Allow(later), 0u);
+  EXPECT_EQ(limiter.Allow(later), 0u);
+  EXPECT_FALSE(limiter.Allow(later).has_value());
+}
+
 }  // namespace
 }  // namespace rdma_agent

@@ -11,8 +11,10 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "backends/buffer_table.h"
 #include "backends/peer_tls.h"
+#include "common/log_text.h"
 #include "common/net_address.h"
 #include "common/random.h"
 #include "common/rate_limited_log.h"
@@ -129,11 +131,34 @@ absl::Status Agent::Init() {
     status = (this->*step)();
     if (!status.ok()) return status;
   }
-  spdlog::info("agent {} epoch {:016x} serving unix://{} (attach {}){}",
-               identity_.agent_id, identity_.epoch, options_.socket_path,
-               options_.attach_socket_path,
-               peer_address_.empty() ? "" : ", peers at " + peer_address_);
   return absl::OkStatus();
+}
+
+std::string Agent::Describe() const {
+  std::vector<std::string> backends;
+  for (const auto& backend : backends_->backends()) {
+    if (!backend->available()) {
+      backends.push_back(absl::StrCat(backend->name(), " unavailable (",
+                                      LogSafe(backend->unavailable_reason()),
+                                      ")"));
+      continue;
+    }
+    const v1::TransportInfo info = backend->transport_info();
+    std::vector<std::string> where(info.addresses().begin(),
+                                   info.addresses().end());
+    for (const auto& device : info.devices()) {
+      where.push_back(absl::StrCat(device.name(), ":", device.port()));
+    }
+    backends.push_back(where.empty() ? backend->name()
+                                     : absl::StrCat(backend->name(), " at ",
+                                                    absl::StrJoin(where, " ")));
+  }
+  // The epoch in decimal, as GetInfo, remote contexts and errors give it.
+  return absl::StrCat("agent ", identity_.agent_id, " epoch ", identity_.epoch,
+                      " serving unix://", options_.socket_path, " (attach ",
+                      options_.attach_socket_path, ")",
+                      peer_address_.empty() ? "" : ", peers at " + peer_address_,
+                      "; backends: ", absl::StrJoin(backends, ", "));
 }
 
 absl::Status Agent::PrepareRuntimeDir() {
@@ -153,7 +178,8 @@ absl::Status Agent::PrepareRuntimeDir() {
             ? std::string("attach.sock")
             : options_.socket_path.substr(0, slash + 1) + "attach.sock";
   }
-  if (options_.advertise_host.empty()) {
+  advertise_host_explicit_ = !options_.advertise_host.empty();
+  if (!advertise_host_explicit_) {
     options_.advertise_host = DefaultAdvertiseHost();
   }
   status = LoadAgentId();
@@ -196,6 +222,7 @@ absl::Status Agent::SpawnBackends() {
   env.identity = identity_;
   env.directory = buffers_.get();
   env.advertise_host = options_.advertise_host;
+  env.advertise_host_explicit = advertise_host_explicit_;
   env.peer_tls = options_.peer_tls;
   std::vector<std::unique_ptr<Backend>> backends;
   for (const BackendFactory& factory : options_.backends) {
@@ -249,8 +276,14 @@ absl::Status Agent::StartPeerListener() {
     return absl::UnavailableError(
         absl::StrCat("cannot listen for peers on ", options_.peer_listen));
   }
-  peer_address_ =
-      JoinHostPort(options_.advertise_host, static_cast<uint16_t>(port));
+  // The port actually bound; the host peers can reach it at: a listener
+  // bound to one address is reachable only there, unless an operator chose
+  // the advertised host (NAT).
+  peer_address_ = JoinHostPort(
+      advertise_host_explicit_ || IsWildcardHost(listen->host)
+          ? options_.advertise_host
+          : listen->host,
+      static_cast<uint16_t>(port));
   if (options_.peer_tls.enabled()) {
     spdlog::info("Peer listener {} requires client certificates (mTLS)",
                  options_.peer_listen);

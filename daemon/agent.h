@@ -43,6 +43,9 @@ class Agent {
   void Shutdown();
 
   const AgentIdentity& identity() const { return identity_; }
+  // One line for the log: id, epoch, sockets, the Peer address and each
+  // backend with the addresses or devices it actually uses.
+  std::string Describe() const;
   // "unix:///path/agent.sock", for grpc::CreateChannel.
   std::string target() const { return "unix://" + options_.socket_path; }
   const std::string& socket_path() const { return options_.socket_path; }
@@ -86,6 +89,7 @@ class Agent {
   AgentOptions options_;
   AgentIdentity identity_;
   std::string peer_address_;
+  bool advertise_host_explicit_ = false;  // --advertise_host was given
   AgentQuotas quotas_;
   LogRateLimiter refused_connection_log_{absl::Seconds(10)};
   // Declaration order is teardown order in reverse: servers stop before the

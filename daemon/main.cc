@@ -2,11 +2,14 @@
 #include <signal.h>
 #include <string.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "backends/memory/memory_backend.h"
@@ -15,9 +18,11 @@
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
 #include "daemon/command_line.h"
+#include "daemon/logging.h"
 #include "daemon/main_loop.h"
 #include "daemon/quota.h"
 #include "daemon/systemd_notifier.h"
+#include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, runtime_dir, "/run/rdma-agentd",
@@ -48,7 +53,13 @@ ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
 ABSL_FLAG(std::string, log_level, "info",
-          "trace, debug, info, warn, error, critical or off.");
+          "trace, debug (every RPC), info, warn (failed ops, refused "
+          "requests, client-visible errors), error, critical or off.");
+ABSL_FLAG(std::string, log_format, "auto",
+          "Logs go to stderr as: journal (<N> syslog priorities, no "
+          "timestamps), terminal (colours), plain (UTC timestamps), or auto: "
+          "journal when journald reads stderr, terminal on a TTY, else "
+          "plain.");
 ABSL_FLAG(absl::Duration, default_submit_timeout, absl::Seconds(30),
           "Timeout of a Submit that sets none.");
 ABSL_FLAG(absl::Duration, max_submit_timeout, absl::Hours(1),
@@ -128,6 +139,20 @@ namespace {
 // framing must fit the RdmaAgent server's 64 MiB message limit.
 constexpr uint64_t kMaxTransferBytesPerRpc = uint64_t{60} << 20;
 
+// "--name=value" of every flag whose value is not its default, so that the
+// startup line says how this agent differs from a stock one.
+std::string NonDefaultFlags() {
+  std::vector<std::string> changed;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (flag->CurrentValue() != flag->DefaultValue()) {
+      changed.push_back(absl::StrCat("--", name, "=", flag->CurrentValue()));
+    }
+  }
+  if (changed.empty()) return "defaults";
+  std::sort(changed.begin(), changed.end());
+  return LogSafe(absl::StrJoin(changed, " "));
+}
+
 std::string SocketPath(std::string flag) {
   absl::string_view path = flag;
   absl::ConsumePrefix(&path, "unix://");
@@ -135,7 +160,18 @@ std::string SocketPath(std::string flag) {
 }
 
 int Run() {
-  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  // First, so that every later refusal is seen.
+  auto log_format = ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  auto log_level = ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!log_level.ok() || !log_format.ok()) {
+    ConfigureLogging(spdlog::level::info,
+                     log_format.ok() ? *log_format : LogFormat::kPlain);
+    spdlog::critical("{}", std::string(!log_level.ok()
+                                           ? log_level.status().message()
+                                           : log_format.status().message()));
+    return 2;
+  }
+  ConfigureLogging(*log_level, *log_format);
   // Every registration and parked attachment holds an fd: take what the
   // hard limit allows. The admission defaults are derived from the result.
   spdlog::info("open-file limit {}",
@@ -219,14 +255,9 @@ int Run() {
     notifier.Status(absl::StrCat("cannot start: ", agent.status().message()));
     return 1;
   }
-  for (const auto& backend : (*agent)->registry().backends()) {
-    if (backend->available()) {
-      spdlog::info("backend {} available", backend->name());
-    } else {
-      spdlog::info("backend {} unavailable: {}", backend->name(),
-                   LogSafe(backend->unavailable_reason()));
-    }
-  }
+  // The line operators (and tests, and tools/run.sh) wait for.
+  spdlog::info("rdma-agentd {} {}; flags: {}", kAgentVersion,
+               (*agent)->Describe(), NonDefaultFlags());
   // Every socket listens: units ordered after this one may start now.
   notifier.Ready(ServingStatus(**agent));
   const int signal_number = ServeUntilStopSignal(signals, notifier);

@@ -14,7 +14,8 @@ ABSL_FLAG(std::string, tcp_listen, "",
           "0.0.0.0:7471 serves every interface.");
 ABSL_FLAG(std::string, tcp_advertise_host, "",
           "Host written into remote contexts for peers to dial (NAT, "
-          "containers). Empty: the agent's --advertise_host / auto-detected "
+          "containers). Empty: the --tcp_listen host when it is a specific "
+          "address, else the agent's --advertise_host / auto-detected "
           "address.");
 ABSL_FLAG(int32_t, tcp_connections_per_peer,
           rdma_agent::tcp::DataClientOptions().connections_per_peer,

@@ -40,10 +40,17 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "tcp advertise host \"", advertise, "\" is a wildcard address"));
   }
-  if (advertise.empty()) advertise = env.advertise_host;
-  if (IsWildcardHost(advertise)) {
-    // Nothing better known: the listen address if it is a specific one.
-    advertise = IsWildcardHost(listen->host) ? "127.0.0.1" : listen->host;
+  if (advertise.empty()) {
+    // A listener bound to one address is reachable only there: advertising
+    // the agent's host instead would send peers to a closed port. Only a
+    // wildcard listener takes the agent's advertise host.
+    // (An operator's --advertise_host still wins: NAT.)
+    const bool agent_host =
+        env.advertise_host_explicit || IsWildcardHost(listen->host);
+    advertise = !agent_host ? listen->host
+                : !IsWildcardHost(env.advertise_host) ? env.advertise_host
+                : !IsWildcardHost(listen->host)       ? listen->host
+                                                      : "127.0.0.1";
   }
 
   auto client = tcp::DataClient::Create(options.client);

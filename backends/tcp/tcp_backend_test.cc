@@ -113,13 +113,24 @@ TEST(TcpBackendCreateTest, NeverAdvertisesAWildcard) {
   options.advertise_host = "0.0.0.0";
   EXPECT_EQ(TcpBackend::Create(options, env).status().code(),
             StatusCode::kInvalidArgument);
-  // Override honoured; environment used otherwise; listen host as last resort.
+  // Override honoured; a listener bound to one address advertises it (the
+  // agent's host would be a closed port); a wildcard listener advertises the
+  // agent's host, else loopback.
   options.advertise_host = "10.9.8.7";
   env.advertise_host = "10.1.1.1";
   auto overridden = TcpBackend::Create(options, env);
   ASSERT_TRUE(overridden.ok()) << overridden.status();
   EXPECT_EQ((*overridden)->advertise_host(), "10.9.8.7");
   options.advertise_host = "";
+  auto from_listen = TcpBackend::Create(options, env);
+  ASSERT_TRUE(from_listen.ok());
+  EXPECT_EQ((*from_listen)->advertise_host(), "127.0.0.1");
+  env.advertise_host_explicit = true;  // an operator's choice wins (NAT)
+  auto explicit_host = TcpBackend::Create(options, env);
+  ASSERT_TRUE(explicit_host.ok());
+  EXPECT_EQ((*explicit_host)->advertise_host(), "10.1.1.1");
+  env.advertise_host_explicit = false;
+  options.listen = "0.0.0.0:0";
   auto from_env = TcpBackend::Create(options, env);
   ASSERT_TRUE(from_env.ok());
   EXPECT_EQ((*from_env)->advertise_host(), "10.1.1.1");
@@ -127,6 +138,7 @@ TEST(TcpBackendCreateTest, NeverAdvertisesAWildcard) {
   auto fallback = TcpBackend::Create(options, env);
   ASSERT_TRUE(fallback.ok());
   EXPECT_EQ((*fallback)->advertise_host(), "127.0.0.1");
+  options.listen = "127.0.0.1:0";
   options.listen = "127.0.0.1";
   EXPECT_EQ(TcpBackend::Create(options, env).status().code(),
             StatusCode::kInvalidArgument);

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/rdma_agent_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -45,7 +46,9 @@ class DaemonProcessTest : public ::testing::Test {
   std::string StateFlag() const { return "--state_dir=" + StateDir(); }
 
   // Starts the daemon and waits until it says it serves.
-  Subprocess Start(std::vector<std::string> flags) {
+  // `startup_line` (when set) receives the line that says it serves.
+  Subprocess Start(std::vector<std::string> flags,
+                   std::string* startup_line = nullptr) {
     Subprocess::Options options;
     options.argv = {RunfilePath("daemon/rdma-agentd")};
     for (auto& flag : flags) options.argv.push_back(std::move(flag));
@@ -53,8 +56,10 @@ class DaemonProcessTest : public ::testing::Test {
     options.stderr_to_stdout = true;
     auto process = Subprocess::Spawn(std::move(options));
     EXPECT_TRUE(process.ok()) << process.status();
-    const absl::Status serving =
-        process->WaitForLine("serving unix://", absl::Seconds(30));
+    const absl::Status serving = process->WaitForLine(
+        "serving unix://", absl::Seconds(30), [&](const std::string& line) {
+          if (startup_line != nullptr) *startup_line = line;
+        });
     EXPECT_TRUE(serving.ok()) << "rdma-agentd did not start: " << serving;
     return std::move(*process);
   }
@@ -277,6 +282,80 @@ TEST_F(DaemonProcessTest, SecondAgentOnTheSameStateDirRefuses) {
   EXPECT_THAT(second->out + second->err, HasSubstr("--state_dir"));
   first.Signal(SIGTERM);
   EXPECT_TRUE(first.Wait(absl::Seconds(20)).ok());
+}
+
+TEST_F(DaemonProcessTest, UnknownLogLevelIsRefusedOnStderrListingTheValidOnes) {
+  auto result = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_, StateFlag(),
+       "--backends=memory", "--log_level=verbose"},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 2);
+  EXPECT_EQ(result->out, "") << "logs go to stderr";
+  EXPECT_THAT(result->err, HasSubstr("unknown level \"verbose\""));
+  EXPECT_THAT(result->err, HasSubstr("trace, debug, info, warn"));
+  EXPECT_FALSE(Exists(dir_ + "/agent.sock"));
+}
+
+TEST_F(DaemonProcessTest, StartupLineSaysVersionPortsBoundBackendsAndFlags) {
+  std::string startup;
+  Subprocess::Options options;
+  options.argv = {RunfilePath("daemon/rdma-agentd"),
+                  "--runtime_dir=" + dir_,
+                  StateFlag(),
+                  "--backends=memory,tcp",
+                  "--tcp_listen=127.0.0.1:0",
+                  "--log_level=WARNING",
+                  "--log_format=journal"};
+  options.pipe_stdio = true;
+  options.stderr_to_stdout = true;
+  auto daemon = Subprocess::Spawn(std::move(options));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  // At warning level the startup line is not logged: wait for the socket.
+  for (int i = 0; i < 300 && !Exists(dir_ + "/agent.sock"); ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  daemon->Signal(SIGTERM);
+  ASSERT_TRUE(daemon->Wait(absl::Seconds(20)).ok());
+  // WARNING was accepted (not silently "off"), and no info line came out.
+  while (true) {
+    auto line = daemon->ReadLine(absl::Seconds(5));
+    if (!line.ok()) break;
+    EXPECT_FALSE(absl::StartsWith(*line, "<6>")) << *line;
+  }
+
+  std::string line;
+  Subprocess info =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory,tcp",
+             "--tcp_listen=127.0.0.1:0", "--log_format=journal"},
+            &line);
+  client::ConnectOptions connect;
+  connect.target = "unix://" + dir_ + "/agent.sock";
+  auto agent = client::AgentClient::Connect(connect);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto got = (*agent)->GetInfo();
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::string tcp_address;
+  for (const auto& backend : got->backends()) {
+    if (backend.name() == "tcp") {
+      ASSERT_EQ(backend.transport_info().addresses_size(), 1);
+      tcp_address = backend.transport_info().addresses(0);
+    }
+  }
+  // The port bound, on the address bound (not the default-route host).
+  EXPECT_TRUE(absl::StartsWith(tcp_address, "127.0.0.1:")) << tcp_address;
+  EXPECT_NE(tcp_address, "127.0.0.1:0");
+  EXPECT_TRUE(absl::StartsWith(line, "<6>rdma-agentd " + got->version()))
+      << line;
+  EXPECT_THAT(line, HasSubstr("tcp at " + tcp_address));
+  EXPECT_THAT(line, HasSubstr(absl::StrCat(" epoch ", got->epoch(), " ")))
+      << "the epoch in decimal, as GetInfo gives it";
+  EXPECT_THAT(line, HasSubstr("--backends=memory,tcp"));
+  EXPECT_THAT(line, HasSubstr("--tcp_listen=127.0.0.1:0"));
+  EXPECT_THAT(line, ::testing::Not(HasSubstr("--max_rpcs=")))
+      << "flags left at their defaults are not listed";
+  info.Signal(SIGTERM);
+  EXPECT_TRUE(info.Wait(absl::Seconds(20)).ok());
 }
 
 TEST_F(DaemonProcessTest, UnknownBackendIsRefusedAtStart) {

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/temp_dir.h"
 
 namespace rdma_agent {
 namespace {
@@ -28,8 +29,10 @@ using ::rdma_agent::ibverbs::IbverbsBackend;
 using ::rdma_agent::ibverbs::IbverbsOptions;
 using ::rdma_agent::testing::InProcessAgent;
 
-std::unique_ptr<InProcessAgent> StartAgent(const std::string& peer_listen,
-                                           const std::string& advertise_host) {
+// Options of an agent with one soft-NIC ibverbs backend (which serves the
+// Peer service).
+AgentOptions IbverbsAgentOptions(const std::string& peer_listen,
+                                 const std::string& advertise_host) {
   auto fabric = std::make_shared<verbs::SoftFabric>();
   verbs::SoftDeviceConfig config;
   config.name = "nic_a";
@@ -44,7 +47,13 @@ std::unique_ptr<InProcessAgent> StartAgent(const std::string& peer_listen,
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));
   });
-  auto agent = InProcessAgent::Start(std::move(options));
+  return options;
+}
+
+std::unique_ptr<InProcessAgent> StartAgent(const std::string& peer_listen,
+                                           const std::string& advertise_host) {
+  auto agent =
+      InProcessAgent::Start(IbverbsAgentOptions(peer_listen, advertise_host));
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
 }
@@ -66,6 +75,27 @@ TEST(PeerListenerTest, ListensOnlyOnTheAdvertisedAddressByDefault) {
   EXPECT_TRUE(Accepts("127.0.0.9", 7470));
   EXPECT_FALSE(Accepts("127.0.0.1", 7470))
       << "the Peer listener also serves an address peers were not told of";
+}
+
+TEST(PeerListenerTest, ListenerOnOneAddressAdvertisesThatAddressAndItsPort) {
+  // No --advertise_host: the detected host would be a closed port for a
+  // listener bound to 127.0.0.7 only.
+  testing::TempDir dir;
+  AgentOptions options = IbverbsAgentOptions("127.0.0.7:0", "");
+  options.runtime_dir = dir.path();
+  auto agent = Agent::Start(std::move(options));
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  const std::string address = (*agent)->peer_address();
+  ASSERT_TRUE(absl::StartsWith(address, "127.0.0.7:")) << address;
+  EXPECT_NE(address, "127.0.0.7:0") << "the port bound, not the one asked";
+  EXPECT_TRUE(Accepts("127.0.0.7", static_cast<uint16_t>(std::stoi(
+                                       address.substr(address.find(':') + 1)))));
+
+  // An operator's --advertise_host wins (NAT): it is told, not guessed.
+  auto chosen = StartAgent("127.0.0.7:0", "10.20.30.40");
+  ASSERT_NE(chosen, nullptr);
+  EXPECT_TRUE(absl::StartsWith(chosen->agent().peer_address(), "10.20.30.40:"))
+      << chosen->agent().peer_address();
 }
 
 TEST(PeerListenerTest, RefusesLargeMessagesFromStrangers) {
