@@ -97,7 +97,7 @@ ucx_once() {  # test name -> overall bandwidth (ucx_perftest's "MB/s" = MiB/s)
 # The rdma-agentd pair, started once.
 for side in a b; do
   mkdir -p "$WORK/$side"
-  "$AGENTD" --runtime_dir="$WORK/$side" --backends=memory,tcp \
+  "$AGENTD" --runtime_dir="$WORK/$side" --state_dir="$WORK/$side" --backends=memory,tcp \
     --tcp_listen=127.0.0.1:0 --peer_listen=127.0.0.1:0 \
     --advertise_host=127.0.0.1 --log_level=warn ${AGENT_FLAGS[@]+"${AGENT_FLAGS[@]}"} \
     >"$WORK/agentd-$side.log" 2>&1 &

@@ -8,10 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "backends/buffer_table.h"
@@ -29,6 +27,7 @@
 #include "daemon/metrics.h"
 #include "daemon/rpc_observer.h"
 #include "daemon/service.h"
+#include "daemon/state_dir.h"
 #include "daemon/unix_socket.h"
 #include "daemon/version.h"
 #include "grpc/health/v1/health.pb.h"
@@ -62,10 +61,13 @@ absl::Status MakeDirectory(const std::string& path) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir) {
-  const std::string path = runtime_dir + "/rdma-agentd.lock";
+// Takes <dir>/rdma-agentd.lock (flock) for this process: FAILED_PRECONDITION
+// naming the holder's pid when another agent holds it ("another rdma-agentd
+// (pid N) already <holds> <dir>; ... its own <flag>").
+absl::StatusOr<UniqueFd> LockAgentDir(const std::string& dir,
+                                      absl::string_view holds,
+                                      absl::string_view flag) {
+  const std::string path = dir + "/rdma-agentd.lock";
   UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (!fd) {
     return ErrnoStatus(absl::StatusCode::kInternal, absl::StrCat("open ", path),
@@ -81,8 +83,8 @@ absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir) {
     return absl::FailedPreconditionError(absl::StrCat(
         "another rdma-agentd (pid ",
         n > 0 ? std::string(absl::StripAsciiWhitespace(pid)) : "unknown",
-        ") already serves ", runtime_dir,
-        "; stop it first, or give this one its own --runtime_dir"));
+        ") already ", holds, " ", dir,
+        "; stop it first, or give this one its own ", flag));
   }
   // Who holds it, for the message above; the lock itself dies with us.
   const std::string pid = absl::StrCat(::getpid(), "\n");
@@ -95,25 +97,14 @@ absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir) {
   return fd;
 }
 
-absl::StatusOr<std::string> LoadOrCreateAgentId(
-    const std::string& runtime_dir) {
-  const std::string path = runtime_dir + "/agent-id";
-  {
-    std::ifstream in(path);
-    std::string id;
-    if (in && std::getline(in, id)) {
-      id = std::string(absl::StripAsciiWhitespace(id));
-      if (!id.empty()) return id;
-    }
-  }
-  const std::string id =
-      absl::StrCat("agent-", absl::BytesToHexString(RandomBytes(8)));
-  std::ofstream out(path, std::ios::trunc);
-  out << id << "\n";
-  if (!out) {
-    return absl::InternalError(absl::StrCat("cannot write ", path));
-  }
-  return id;
+}  // namespace
+
+absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir) {
+  return LockAgentDir(runtime_dir, "serves", "--runtime_dir");
+}
+
+absl::StatusOr<UniqueFd> LockStateDir(const std::string& state_dir) {
+  return LockAgentDir(state_dir, "keeps its agent id in", "--state_dir");
 }
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
@@ -201,13 +192,38 @@ absl::Status Agent::PrepareRuntimeDir() {
   if (!advertise_host_explicit_) {
     options_.advertise_host = DefaultAdvertiseHost();
   }
-  if (options_.agent_id.empty()) {
-    auto id = LoadOrCreateAgentId(options_.runtime_dir);
-    if (!id.ok()) return id.status();
-    options_.agent_id = *id;
-  }
+  status = LoadAgentId();
+  if (!status.ok()) return status;
   identity_.agent_id = options_.agent_id;
   identity_.epoch = RandomNonZeroU64();
+  return absl::OkStatus();
+}
+
+absl::Status Agent::LoadAgentId() {
+  if (!options_.agent_id.empty()) return absl::OkStatus();
+  std::string& state_dir = options_.state_dir;
+  if (state_dir.empty()) state_dir = options_.runtime_dir;
+  if (absl::Status usable = PrepareStateDir(state_dir); !usable.ok()) {
+    // E.g. a user's shell, not root and not under systemd: the id then lasts
+    // only as long as the runtime dir.
+    spdlog::warn(
+        "state dir unusable ({}); keeping the agent id in the runtime dir {} "
+        "instead, where it does not survive its removal (pass a writable "
+        "--state_dir)",
+        std::string(usable.message()), options_.runtime_dir);
+    state_dir = options_.runtime_dir;
+  }
+  const bool own_state_dir = !IsSameDirectory(state_dir, options_.runtime_dir);
+  if (own_state_dir) {
+    auto lock = LockStateDir(state_dir);
+    if (!lock.ok()) return lock.status();
+    state_dir_lock_ = std::move(*lock);
+  }
+  // Earlier versions kept the id in the runtime dir.
+  auto id =
+      LoadOrCreateAgentId(state_dir, own_state_dir ? options_.runtime_dir : "");
+  if (!id.ok()) return id.status();
+  options_.agent_id = *id;
   return absl::OkStatus();
 }
 

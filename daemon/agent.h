@@ -71,6 +71,9 @@ class Agent {
   // Creates the runtime directory and fills in the options it implies
   // (socket paths, advertised host, agent id); picks this life's epoch.
   absl::Status PrepareRuntimeDir();
+  // Fills in the agent id, unless given, from the state dir (or the runtime
+  // dir when the state dir is unusable), which it locks: one agent per id.
+  absl::Status LoadAgentId();
   // Builds every backend from its factory into the backend registry.
   absl::Status SpawnBackends();
   // Serves the backends' Peer services on one TCP listener, if any has one,
@@ -122,6 +125,9 @@ class Agent {
   // flock on <runtime_dir>/rdma-agentd.lock, held while the agent lives.
   // Declared last: released only after every server and socket is gone.
   UniqueFd runtime_dir_lock_;
+  // flock on <state_dir>/rdma-agentd.lock when the id comes from a state dir
+  // of its own.
+  UniqueFd state_dir_lock_;
 };
 
 // Takes <runtime_dir>/rdma-agentd.lock (flock) for this process:
@@ -129,8 +135,9 @@ class Agent {
 // directory. The lock goes with the fd (or the process).
 absl::StatusOr<UniqueFd> LockRuntimeDir(const std::string& runtime_dir);
 
-// The agent id kept in <runtime_dir>/agent-id, created if missing.
-absl::StatusOr<std::string> LoadOrCreateAgentId(const std::string& runtime_dir);
+// The same for <state_dir>/rdma-agentd.lock: two agents sharing a state dir
+// would share an agent id.
+absl::StatusOr<UniqueFd> LockStateDir(const std::string& state_dir);
 
 }  // namespace rdma_agent
 

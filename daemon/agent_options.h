@@ -13,13 +13,17 @@ namespace rdma_agent {
 // Everything an Agent is configured with. The daemon fills it from flags;
 // tests fill it directly (several agents per process).
 struct AgentOptions {
-  // Where the sockets and the persisted agent id live.
+  // Where the sockets live (removed by systemd when the agent stops).
   std::string runtime_dir = "/run/rdma-agentd";
+  // Where the agent id is kept across restarts and reboots; empty = the
+  // runtime dir. When it cannot be created or written, the runtime dir is
+  // used instead, with a warning. Agent::options() says which one is used.
+  std::string state_dir;
   // RdmaAgent socket; empty = <runtime_dir>/agent.sock.
   std::string socket_path;
   // Attach socket; empty = <runtime_dir>/attach.sock.
   std::string attach_socket_path;
-  // Stable agent id; empty = read <runtime_dir>/agent-id, or create it.
+  // Stable agent id; empty = read <state_dir>/agent-id, or create it.
   std::string agent_id;
   // TCP listener of the Peer gRPC service (backends' peer_services()).
   // Empty: <advertise_host>:7470.

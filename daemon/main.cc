@@ -1,14 +1,13 @@
 // rdma-agentd: the per-host RDMA transfer agent.
 #include <signal.h>
+#include <string.h>
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
@@ -18,20 +17,31 @@
 #include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/backend_factories.h"
+#include "daemon/command_line.h"
 #include "daemon/logging.h"
+#include "daemon/main_loop.h"
 #include "daemon/quota.h"
+#include "daemon/systemd_notifier.h"
 #include "daemon/version.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, runtime_dir, "/run/rdma-agentd",
-          "Directory for the sockets and the persisted agent id.");
+          "Directory for the sockets.");
+// Root (tools/run.sh, the systemd unit) keeps the id in /var/lib; anyone else
+// falls back to the runtime dir. The test suite runs as root too, so tests
+// pass a --state_dir of their own: the fallback would not keep them out.
+ABSL_FLAG(std::string, state_dir, "/var/lib/rdma-agentd",
+          "Directory keeping the agent id across restarts and reboots "
+          "(systemd's StateDirectory=). When it cannot be created or written "
+          "(e.g. not root, outside systemd), the runtime dir is used, with a "
+          "warning.");
 ABSL_FLAG(std::string, socket, "",
           "RdmaAgent Unix socket path (or unix:// URI); default "
           "<runtime_dir>/agent.sock.");
 ABSL_FLAG(std::string, attach_socket, "",
           "Attach socket path; default <runtime_dir>/attach.sock.");
 ABSL_FLAG(std::string, agent_id, "",
-          "Stable agent id; default: kept in <runtime_dir>/agent-id.");
+          "Stable agent id; default: kept in <state_dir>/agent-id.");
 ABSL_FLAG(std::vector<std::string>, backends,
           std::vector<std::string>({"memory", "tcp", "ibverbs"}),
           "Backends to spawn, comma separated (memory, tcp, ibverbs). "
@@ -173,6 +183,7 @@ int Run() {
 
   AgentOptions options;
   options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.socket_path = SocketPath(absl::GetFlag(FLAGS_socket));
   options.attach_socket_path = absl::GetFlag(FLAGS_attach_socket);
   options.agent_id = absl::GetFlag(FLAGS_agent_id);
@@ -237,26 +248,26 @@ int Run() {
     options.backends.push_back(std::move(*factory));
   }
 
-  // Signals are taken synchronously by this thread so that shutdown runs as
-  // ordinary code, not in a signal handler.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // Before Agent::Start creates threads, so that they inherit the mask.
+  const sigset_t signals = BlockAgentSignals();
   signal(SIGPIPE, SIG_IGN);
+  const SystemdNotifier notifier;
+  notifier.Status("starting");
 
   auto agent = Agent::Start(std::move(options));
   if (!agent.ok()) {
     spdlog::critical("rdma-agentd cannot start: {}", agent.status().ToString());
+    notifier.Status(absl::StrCat("cannot start: ", agent.status().message()));
     return 1;
   }
   // The line operators (and tests, and tools/run.sh) wait for.
   spdlog::info("rdma-agentd {} {}; flags: {}", kAgentVersion,
                (*agent)->Describe(), NonDefaultFlags());
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  // Every socket listens: units ordered after this one may start now.
+  notifier.Ready(ServingStatus(**agent));
+  const int signal_number = ServeUntilStopSignal(signals, notifier);
   spdlog::info("signal {} received, shutting down", signal_number);
+  notifier.Stopping(absl::StrCat("stopping: ", strsignal(signal_number)));
   (*agent)->Shutdown();
   spdlog::info("rdma-agentd stopped");
   return 0;
@@ -266,9 +277,6 @@ int Run() {
 }  // namespace rdma_agent
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "rdma-agentd: per-host RDMA transfer agent. Serves rdma.agent.v1 on a "
-      "Unix socket.");
-  absl::ParseCommandLine(argc, argv);
+  rdma_agent::ParseCommandLineOrExit(argc, argv);
   return rdma_agent::Run();
 }

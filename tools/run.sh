@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 tools/install-deps.sh
-# Users run optimized builds (tests build the default fastbuild).
-bazel build -c opt //daemon:rdma-agentd //client:rdma-agentctl
+# Users run optimized builds (tests build the default fastbuild), stamped
+# with the revision --version reports.
+bazel build -c opt --config=release //daemon:rdma-agentd //client:rdma-agentctl
 mkdir -p bin
 install -m 0755 bazel-out/k8-opt/bin/daemon/rdma-agentd \
   bazel-out/k8-opt/bin/client/rdma-agentctl bin/

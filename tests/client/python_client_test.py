@@ -40,7 +40,8 @@ class Agent:
         self.socket = os.path.join(self.dir, "agent.sock")
         self.log = []
         self.process = subprocess.Popen(
-            [AGENTD, "--runtime_dir=" + self.dir, "--backends=memory",
+            [AGENTD, "--runtime_dir=" + self.dir, "--state_dir=" + self.dir,
+             "--backends=memory",
              "--peer_listen=127.0.0.1:0", "--log_level=debug"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         lines = queue.Queue()

@@ -40,6 +40,11 @@ class DaemonProcessTest : public ::testing::Test {
   }
   void TearDown() override { RemoveTree(dir_); }
 
+  // Every run keeps its id under the test's dir, never in the host's
+  // /var/lib/rdma-agentd (tests run as root).
+  std::string StateDir() const { return dir_ + "/state"; }
+  std::string StateFlag() const { return "--state_dir=" + StateDir(); }
+
   // Starts the daemon and waits until it says it serves.
   // `startup_line` (when set) receives the line that says it serves.
   Subprocess Start(std::vector<std::string> flags,
@@ -69,6 +74,7 @@ TEST_F(DaemonProcessTest, FlagfileConfiguresAndSigtermCleansUp) {
   {
     std::ofstream out(flagfile);
     out << "--runtime_dir=" << dir_ << "\n"
+        << StateFlag() << "\n"
         << "--socket=unix://" << socket << "\n"
         << "--attach_socket=" << attach << "\n"
         << "--agent_id=agent-from-flagfile\n"
@@ -106,8 +112,9 @@ TEST_F(DaemonProcessTest, FlagfileConfiguresAndSigtermCleansUp) {
 }
 
 TEST_F(DaemonProcessTest, MaxTransferBytesPerRpcFlagIsHonoured) {
-  Subprocess daemon = Start({"--runtime_dir=" + dir_, "--backends=memory",
-                             "--max_transfer_bytes_per_rpc=4096"});
+  Subprocess daemon =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory",
+             "--max_transfer_bytes_per_rpc=4096"});
   client::ConnectOptions options;
   options.target = "unix://" + dir_ + "/agent.sock";
   options.attach_socket = dir_ + "/attach.sock";
@@ -133,7 +140,7 @@ TEST_F(DaemonProcessTest, MaxTransferBytesPerRpcFlagIsHonoured) {
 
 TEST_F(DaemonProcessTest, MaxTransferBytesPerRpcOutOfRangeIsRefused) {
   auto result = RunToCompletion(
-      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_, StateFlag(),
        "--backends=memory", "--max_transfer_bytes_per_rpc=0"},
       "", absl::Seconds(20));
   ASSERT_TRUE(result.ok()) << result.status();
@@ -143,10 +150,11 @@ TEST_F(DaemonProcessTest, MaxTransferBytesPerRpcOutOfRangeIsRefused) {
 }
 
 TEST_F(DaemonProcessTest, SigintStopsTooAndTheIdPersists) {
-  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  Subprocess first =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory"});
   std::string id;
   {
-    std::ifstream in(dir_ + "/agent-id");
+    std::ifstream in(StateDir() + "/agent-id");
     std::getline(in, id);
   }
   EXPECT_THAT(id, HasSubstr("agent-"));
@@ -156,7 +164,8 @@ TEST_F(DaemonProcessTest, SigintStopsTooAndTheIdPersists) {
   EXPECT_EQ(*code, 0);
   EXPECT_FALSE(Exists(dir_ + "/agent.sock"));
 
-  Subprocess second = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  Subprocess second =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory"});
   client::ConnectOptions options;
   options.target = "unix://" + dir_ + "/agent.sock";
   auto agent = client::AgentClient::Connect(options);
@@ -168,9 +177,116 @@ TEST_F(DaemonProcessTest, SigintStopsTooAndTheIdPersists) {
   EXPECT_TRUE(second.Wait(absl::Seconds(20)).ok());
 }
 
+std::string ReadFirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// What systemd does: StateDirectory= outlives the agent, RuntimeDirectory= is
+// removed when it stops.
+TEST_F(DaemonProcessTest, IdInTheStateDirSurvivesRemovingTheRuntimeDir) {
+  const std::string runtime = dir_ + "/run";
+  Subprocess first =
+      Start({"--runtime_dir=" + runtime, StateFlag(), "--backends=memory"});
+  const std::string id = ReadFirstLine(StateDir() + "/agent-id");
+  EXPECT_THAT(id, HasSubstr("agent-"));
+  EXPECT_FALSE(Exists(runtime + "/agent-id"));
+  first.Signal(SIGTERM);
+  auto code = first.Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  RemoveTree(runtime);
+
+  Subprocess second =
+      Start({"--runtime_dir=" + runtime, StateFlag(), "--backends=memory"});
+  client::ConnectOptions options;
+  options.target = "unix://" + runtime + "/agent.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto info = (*agent)->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->agent_id(), id);
+  second.Signal(SIGTERM);
+  EXPECT_TRUE(second.Wait(absl::Seconds(20)).ok());
+}
+
+TEST_F(DaemonProcessTest, IdLeftInTheRuntimeDirMovesToTheStateDir) {
+  {
+    std::ofstream out(dir_ + "/agent-id");
+    out << "agent-from-an-earlier-version\n";
+  }
+  Subprocess daemon = Start({"--runtime_dir=" + dir_, StateFlag(),
+                             "--backends=memory", "--log_level=debug"});
+  EXPECT_EQ(ReadFirstLine(StateDir() + "/agent-id"),
+            "agent-from-an-earlier-version");
+  EXPECT_FALSE(Exists(dir_ + "/agent-id")) << "read once, then removed";
+  client::ConnectOptions options;
+  options.target = "unix://" + dir_ + "/agent.sock";
+  auto agent = client::AgentClient::Connect(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto info = (*agent)->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->agent_id(), "agent-from-an-earlier-version");
+  daemon.Signal(SIGTERM);
+  EXPECT_TRUE(daemon.Wait(absl::Seconds(20)).ok());
+}
+
+TEST_F(DaemonProcessTest, UnusableStateDirFallsBackToTheRuntimeDir) {
+  // Not even root can create a directory under a regular file.
+  const std::string file = dir_ + "/a-file";
+  std::ofstream(file) << "x";
+  Subprocess::Options spawn;
+  spawn.argv = {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+                "--state_dir=" + file + "/state", "--backends=memory"};
+  spawn.pipe_stdio = true;
+  spawn.stderr_to_stdout = true;
+  auto daemon = Subprocess::Spawn(std::move(spawn));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  std::string warning;
+  ASSERT_TRUE(daemon
+                  ->WaitForLine("serving unix://", absl::Seconds(30),
+                                [&](const std::string& line) {
+                                  if (absl::StrContains(line, "state dir")) {
+                                    warning = line;
+                                  }
+                                })
+                  .ok());
+  EXPECT_THAT(warning, HasSubstr("warning"));  // the level, in any log format
+  EXPECT_THAT(warning, HasSubstr(file + "/state"));
+  EXPECT_THAT(warning, HasSubstr("runtime dir " + dir_));
+  EXPECT_THAT(ReadFirstLine(dir_ + "/agent-id"), HasSubstr("agent-"));
+  daemon->Signal(SIGTERM);
+  auto code = daemon->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+}
+
+// Two agents sharing a state dir would share an agent id.
+TEST_F(DaemonProcessTest, SecondAgentOnTheSameStateDirRefuses) {
+  const std::string one = dir_ + "/one";
+  const std::string two = dir_ + "/two";
+  Subprocess first =
+      Start({"--runtime_dir=" + one, StateFlag(), "--backends=memory"});
+  auto second = RunToCompletion(
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + two, StateFlag(),
+       "--backends=memory"},
+      "", absl::Seconds(20));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->exit_code, 1);
+  EXPECT_THAT(
+      second->out + second->err,
+      HasSubstr(absl::StrCat("another rdma-agentd (pid ", first.pid(),
+                             ") already keeps its agent id in ", StateDir())));
+  EXPECT_THAT(second->out + second->err, HasSubstr("--state_dir"));
+  first.Signal(SIGTERM);
+  EXPECT_TRUE(first.Wait(absl::Seconds(20)).ok());
+}
+
 TEST_F(DaemonProcessTest, UnknownLogLevelIsRefusedOnStderrListingTheValidOnes) {
   auto result = RunToCompletion(
-      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_, StateFlag(),
        "--backends=memory", "--log_level=verbose"},
       "", absl::Seconds(20));
   ASSERT_TRUE(result.ok()) << result.status();
@@ -184,9 +300,13 @@ TEST_F(DaemonProcessTest, UnknownLogLevelIsRefusedOnStderrListingTheValidOnes) {
 TEST_F(DaemonProcessTest, StartupLineSaysVersionPortsBoundBackendsAndFlags) {
   std::string startup;
   Subprocess::Options options;
-  options.argv = {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
-                  "--backends=memory,tcp", "--tcp_listen=127.0.0.1:0",
-                  "--log_level=WARNING", "--log_format=journal"};
+  options.argv = {RunfilePath("daemon/rdma-agentd"),
+                  "--runtime_dir=" + dir_,
+                  StateFlag(),
+                  "--backends=memory,tcp",
+                  "--tcp_listen=127.0.0.1:0",
+                  "--log_level=WARNING",
+                  "--log_format=journal"};
   options.pipe_stdio = true;
   options.stderr_to_stdout = true;
   auto daemon = Subprocess::Spawn(std::move(options));
@@ -205,9 +325,10 @@ TEST_F(DaemonProcessTest, StartupLineSaysVersionPortsBoundBackendsAndFlags) {
   }
 
   std::string line;
-  Subprocess info = Start({"--runtime_dir=" + dir_, "--backends=memory,tcp",
-                           "--tcp_listen=127.0.0.1:0", "--log_format=journal"},
-                          &line);
+  Subprocess info =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory,tcp",
+             "--tcp_listen=127.0.0.1:0", "--log_format=journal"},
+            &line);
   client::ConnectOptions connect;
   connect.target = "unix://" + dir_ + "/agent.sock";
   auto agent = client::AgentClient::Connect(connect);
@@ -239,7 +360,7 @@ TEST_F(DaemonProcessTest, StartupLineSaysVersionPortsBoundBackendsAndFlags) {
 
 TEST_F(DaemonProcessTest, UnknownBackendIsRefusedAtStart) {
   auto result = RunToCompletion(
-      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_, StateFlag(),
        "--backends=memory,carrier-pigeon"},
       "", absl::Seconds(20));
   ASSERT_TRUE(result.ok()) << result.status();
@@ -250,7 +371,7 @@ TEST_F(DaemonProcessTest, UnknownBackendIsRefusedAtStart) {
 
 TEST_F(DaemonProcessTest, UnusableSocketPathIsAClearError) {
   auto result = RunToCompletion(
-      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_, StateFlag(),
        "--backends=memory", "--socket=" + dir_ + "/" + std::string(200, 's')},
       "", absl::Seconds(20));
   ASSERT_TRUE(result.ok()) << result.status();
@@ -259,7 +380,8 @@ TEST_F(DaemonProcessTest, UnusableSocketPathIsAClearError) {
 }
 
 TEST_F(DaemonProcessTest, SecondAgentOnTheSameRuntimeDirRefusesAndFirstServes) {
-  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  Subprocess first =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory"});
   client::ConnectOptions options;
   options.target = "unix://" + dir_ + "/agent.sock";
   auto agent = client::AgentClient::Connect(options);
@@ -268,7 +390,7 @@ TEST_F(DaemonProcessTest, SecondAgentOnTheSameRuntimeDirRefusesAndFirstServes) {
   ASSERT_TRUE(buffer.ok()) << buffer.status();
 
   auto second = RunToCompletion(
-      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_,
+      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir_, StateFlag(),
        "--backends=memory"},
       "", absl::Seconds(20));
   ASSERT_TRUE(second.ok()) << second.status();
@@ -297,11 +419,13 @@ TEST_F(DaemonProcessTest, SecondAgentOnTheSameRuntimeDirRefusesAndFirstServes) {
 TEST_F(DaemonProcessTest, LiveSocketOfAnotherRuntimeDirIsNotTakenOver) {
   const std::string other = dir_ + "/other";
   ASSERT_EQ(::mkdir(other.c_str(), 0755), 0);
-  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
-  auto second = RunToCompletion(
-      {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + other,
-       "--socket=" + dir_ + "/agent.sock", "--backends=memory"},
-      "", absl::Seconds(20));
+  Subprocess first =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory"});
+  auto second =
+      RunToCompletion({RunfilePath("daemon/rdma-agentd"),
+                       "--runtime_dir=" + other, "--state_dir=" + other,
+                       "--socket=" + dir_ + "/agent.sock", "--backends=memory"},
+                      "", absl::Seconds(20));
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->exit_code, 1);
   EXPECT_THAT(second->out + second->err,
@@ -317,12 +441,14 @@ TEST_F(DaemonProcessTest, LiveSocketOfAnotherRuntimeDirIsNotTakenOver) {
 }
 
 TEST_F(DaemonProcessTest, KilledAgentsStaleSocketsAreReplaced) {
-  Subprocess first = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  Subprocess first =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory"});
   first.Signal(SIGKILL);
   ASSERT_TRUE(first.Wait(absl::Seconds(20)).ok());
   ASSERT_TRUE(Exists(dir_ + "/agent.sock")) << "SIGKILL leaves its sockets";
 
-  Subprocess second = Start({"--runtime_dir=" + dir_, "--backends=memory"});
+  Subprocess second =
+      Start({"--runtime_dir=" + dir_, StateFlag(), "--backends=memory"});
   client::ConnectOptions options;
   options.target = "unix://" + dir_ + "/agent.sock";
   options.attach_socket = dir_ + "/attach.sock";
@@ -338,9 +464,9 @@ TEST_F(DaemonProcessTest, SocketOutsideTheRuntimeDirGetsItsAttachSocketBeside) {
   const std::string runtime = dir_ + "/run";
   const std::string sockets = dir_ + "/sockets";
   ASSERT_EQ(::mkdir(sockets.c_str(), 0755), 0);
-  Subprocess daemon = Start({"--runtime_dir=" + runtime,
-                             "--socket=" + sockets + "/agent.sock",
-                             "--backends=memory"});
+  Subprocess daemon =
+      Start({"--runtime_dir=" + runtime, StateFlag(),
+             "--socket=" + sockets + "/agent.sock", "--backends=memory"});
   EXPECT_TRUE(Exists(sockets + "/attach.sock"));
   EXPECT_FALSE(Exists(runtime + "/attach.sock"));
   // A client that knows only the API socket finds the attach socket.

@@ -171,6 +171,45 @@ class SystemdUnitTest(unittest.TestCase):
         self.assertIsNotNone(level, result.stdout)
         self.assertLessEqual(float(level.group(1)), MAX_EXPOSURE, result.stdout)
 
+    def setting(self, name):
+        """The value of the last `name=` line of the unit."""
+        values = re.findall(r"^%s=(.*)$" % re.escape(name), self.unit, re.M)
+        self.assertTrue(values, "no %s=" % name)
+        return values[-1].strip()
+
+    def exec_start(self):
+        return self.setting("ExecStart").split()
+
+    def test_tells_systemd_when_it_serves_and_that_it_lives(self):
+        # The agent sends READY=1, WATCHDOG=1 and STOPPING=1 from its main
+        # process (daemon/main_loop.h).
+        self.assertEqual(self.setting("Type"), "notify")
+        self.assertEqual(self.setting("NotifyAccess"), "main")
+        watchdog = re.fullmatch(r"(\d+)s", self.setting("WatchdogSec"))
+        self.assertIsNotNone(watchdog, "WatchdogSec in whole seconds")
+        # Pings come every half interval, and not while the main thread runs
+        # the shutdown (up to --shutdown_grace, 5 s): leave room for both.
+        self.assertGreaterEqual(int(watchdog.group(1)), 10)
+        self.assertIn(self.setting("Restart"), ("on-failure", "always"))
+
+    def test_keeps_the_agent_id_in_its_state_directory(self):
+        state = self.setting("StateDirectory")
+        self.assertIn("--state_dir=%%S/%s" % state, self.exec_start())
+        # The runtime dir goes when the agent stops: the id must not live there.
+        self.assertFalse([a for a in self.exec_start()
+                          if a.startswith("--state_dir=%t")])
+
+    def test_the_built_binary_accepts_the_command_line(self):
+        # Every flag of ExecStart and of the flag file is one the agent knows.
+        args = [a.replace("%S", self.dir)
+                 .replace("/etc/rdma-agentd.flags",
+                          os.path.join(DEPLOY, "rdma-agentd.flags"))
+                for a in self.exec_start()[1:]]
+        agentd = os.path.join(RUNFILES, "daemon", "rdma-agentd")
+        result = subprocess.run([agentd] + args + ["--only_check_args"],
+                                capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
     def test_ordering_and_hardening_that_rdma_allows(self):
         self.assertRegex(self.unit, r"After=.*rdma-hw\.target")
         for line in ("DynamicUser=yes", "StateDirectory=rdma-agentd",

@@ -56,6 +56,9 @@ absl::Status AgentProcess::Launch() {
   }
   spawn.argv.push_back(RunfilePath("daemon/rdma-agentd"));
   spawn.argv.push_back("--runtime_dir=" + runtime_dir_);
+  // Never the host's /var/lib/rdma-agentd (tests run as root); apart from the
+  // runtime dir, as under systemd.
+  spawn.argv.push_back("--state_dir=" + state_dir());
   spawn.argv.push_back("--backends=" + options_.backends);
   if (tcp) {
     spawn.argv.push_back(absl::StrCat("--tcp_listen=", options_.listen_host,

@@ -65,6 +65,8 @@ class AgentProcess {
     return runtime_dir_ + "/attach.sock";
   }
   const std::string& runtime_dir() const { return runtime_dir_; }
+  // --state_dir: <runtime_dir>/state (the agent id, kept across Restart).
+  std::string state_dir() const { return runtime_dir_ + "/state"; }
   pid_t pid() const { return process_ ? process_->pid() : -1; }
   // The tcp backend's data port (0 without the tcp backend).
   uint16_t tcp_port() const { return options_.tcp_port; }

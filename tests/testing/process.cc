@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -47,20 +48,46 @@ absl::StatusOr<std::string> ResolveExecutable(const std::string& name) {
   return absl::NotFoundError(absl::StrCat(name, " not found in PATH"));
 }
 
+// This process's environment with `overrides` ("NAME=value") set.
+std::vector<std::string> ChildEnvironment(
+    const std::vector<std::string>& overrides) {
+  auto name = [](absl::string_view entry) {
+    return entry.substr(0, entry.find('='));
+  };
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const bool overridden = std::any_of(
+        overrides.begin(), overrides.end(),
+        [&](const std::string& o) { return name(o) == name(*entry); });
+    if (!overridden) env.emplace_back(*entry);
+  }
+  env.insert(env.end(), overrides.begin(), overrides.end());
+  return env;
+}
+
+std::vector<char*> NullTerminated(std::vector<std::string>& strings) {
+  std::vector<char*> raw;
+  for (std::string& s : strings) raw.push_back(s.data());
+  raw.push_back(nullptr);
+  return raw;
+}
+
 // Forks a child that execs `argv` with `stdin_fd`, `stdout_fd` and
-// `stderr_fd` (-1: inherited) as its standard streams; the child is killed
-// when the calling thread ends. Returns the child's pid.
+// `stderr_fd` (-1: inherited) as its standard streams and `env` set in its
+// environment; the child is killed when the calling thread ends. Returns the
+// child's pid.
 absl::StatusOr<pid_t> ForkExec(const std::vector<std::string>& argv,
-                               int stdin_fd, int stdout_fd, int stderr_fd) {
+                               int stdin_fd, int stdout_fd, int stderr_fd,
+                               const std::vector<std::string>& env = {}) {
   if (argv.empty()) return absl::InvalidArgumentError("empty argv");
   absl::StatusOr<std::string> executable = ResolveExecutable(argv[0]);
   if (!executable.ok()) return executable.status();
   // Everything the child needs is prepared before fork: after it, only
   // async-signal-safe calls (the parent has threads).
   std::vector<std::string> args = argv;
-  std::vector<char*> raw;
-  for (std::string& arg : args) raw.push_back(arg.data());
-  raw.push_back(nullptr);
+  std::vector<char*> raw = NullTerminated(args);
+  std::vector<std::string> environment = ChildEnvironment(env);
+  std::vector<char*> raw_environment = NullTerminated(environment);
   const pid_t parent = ::getpid();
 
   const pid_t pid = ::fork();
@@ -71,7 +98,7 @@ absl::StatusOr<pid_t> ForkExec(const std::vector<std::string>& argv,
     if (stdin_fd >= 0) ::dup2(stdin_fd, STDIN_FILENO);
     if (stdout_fd >= 0) ::dup2(stdout_fd, STDOUT_FILENO);
     if (stderr_fd >= 0) ::dup2(stderr_fd, STDERR_FILENO);
-    ::execv(executable->c_str(), raw.data());
+    ::execve(executable->c_str(), raw.data(), raw_environment.data());
     ::_exit(127);
   }
   return pid;
@@ -115,7 +142,7 @@ absl::StatusOr<Subprocess> Subprocess::Spawn(Options options) {
     stderr_fd = child_out.get();
   }
   absl::StatusOr<pid_t> pid =
-      ForkExec(options.argv, stdin_fd, stdout_fd, stderr_fd);
+      ForkExec(options.argv, stdin_fd, stdout_fd, stderr_fd, options.env);
   if (!pid.ok()) return pid.status();
   Subprocess process;
   process.pid_ = *pid;

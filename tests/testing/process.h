@@ -33,6 +33,9 @@ class Subprocess {
     std::string log_path;
     // With pipe_stdio and no log_path: stderr goes into the stdout pipe too.
     bool stderr_to_stdout = false;
+    // "NAME=value" entries set in the child's environment, on top of (and
+    // replacing the same names in) this process's.
+    std::vector<std::string> env;
   };
 
   // NOT_FOUND when argv[0] is a bare name not found in PATH.

@@ -1,5 +1,7 @@
 #include "tests/testing/process.h"
 
+#include <stdlib.h>
+
 #include <string>
 #include <vector>
 
@@ -41,6 +43,25 @@ TEST(ProcessTest, RunCommandFailsWithTheOutputOnNonZeroExit) {
   EXPECT_EQ(out.status().code(), StatusCode::kInternal);
   EXPECT_THAT(out.status().message(), HasSubstr("exit 1"));
   EXPECT_THAT(out.status().message(), HasSubstr("why"));
+}
+
+TEST(ProcessTest, EnvironmentEntriesAreAddedAndReplaceTheirNames) {
+  ::setenv("RDMA_AGENTD_PROCESS_TEST_KEPT", "kept", 1);
+  ::setenv("RDMA_AGENTD_PROCESS_TEST_REPLACED", "old", 1);
+  Subprocess::Options options;
+  options.argv = {"/bin/sh", "-c",
+                  "echo \"$RDMA_AGENTD_PROCESS_TEST_KEPT "
+                  "$RDMA_AGENTD_PROCESS_TEST_REPLACED "
+                  "$RDMA_AGENTD_PROCESS_TEST_ADDED\""};
+  options.pipe_stdio = true;
+  options.env = {"RDMA_AGENTD_PROCESS_TEST_REPLACED=new",
+                 "RDMA_AGENTD_PROCESS_TEST_ADDED=added"};
+  auto child = Subprocess::Spawn(std::move(options));
+  ASSERT_TRUE(child.ok()) << child.status();
+  auto line = child->ReadLine(absl::Seconds(20));
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_EQ(*line, "kept new added");
+  EXPECT_EQ(child->Wait(absl::Seconds(20)).value_or(-1), 0);
 }
 
 TEST(ProcessTest, WaitForLineSeesEveryLineUpToTheOneWanted) {
