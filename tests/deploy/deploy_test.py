@@ -51,6 +51,14 @@ class DaemonSetTest(unittest.TestCase):
         self.assertEqual(env(self.agent)["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"],
                          "status.hostIP")
 
+    def test_prometheus_finds_the_metrics_endpoint(self):
+        self.assertIn("--metrics_listen=$(NODE_IP):9464", self.agent["args"])
+        self.assertIn({"containerPort": 9464, "name": "metrics"},
+                      self.agent["ports"])
+        annotations = self.ds["spec"]["template"]["metadata"]["annotations"]
+        self.assertEqual(annotations["prometheus.io/scrape"], "true")
+        self.assertEqual(annotations["prometheus.io/port"], "9464")
+
     def test_probes_ask_the_agents_health_over_its_socket(self):
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             command = probe_command(self.agent, probe)
