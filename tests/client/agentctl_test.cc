@@ -363,6 +363,29 @@ TEST_F(AgentctlTest, HealthExitsZeroWhileServing) {
   EXPECT_EQ(r.out, "SERVING\n");
 }
 
+TEST_F(AgentctlTest, MetricsPrintsTheAgentsEndpointOrSaysThereIsNone) {
+  // The default test agent serves no metrics.
+  RunResult none = Ctl({"metrics"});
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_THAT(none.err, HasSubstr("--metrics_listen"));
+
+  AgentProcess::Options options;
+  options.extra_flags = {"--metrics_listen=127.0.0.1:0"};
+  auto served = AgentProcess::Start(options);
+  ASSERT_TRUE(served.ok()) << served.status();
+  ASSERT_TRUE((*served)->client().GetInfo().ok());
+  auto result = RunToCompletion(
+      {RunfilePath("client/rdma-agentctl"), "--target=" + (*served)->target(),
+       "metrics"},
+      "", absl::Seconds(60));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 0) << result->err;
+  EXPECT_THAT(result->out, HasSubstr("# TYPE rdma_agentd_rpcs_total counter"));
+  EXPECT_THAT(result->out,
+              HasSubstr("rdma_agentd_rpcs_total{code=\"OK\",method=\"rdma."
+                        "agent.v1.RdmaAgent/GetInfo\"}"));
+}
+
 TEST_F(AgentctlTest, SocketFromEnvironmentAsABarePath) {
   const absl::StatusOr<RunResult> r = RunToCompletion(
       {"env", absl::StrCat("RDMA_AGENT_SOCKET=", agent_->socket_path()),
