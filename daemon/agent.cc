@@ -281,6 +281,11 @@ absl::Status Agent::StartPeerListener() {
   for (grpc::Service* service : peer_services) {
     builder.RegisterService(service);
   }
+  std::vector<std::unique_ptr<
+      grpc::experimental::ServerInterceptorFactoryInterface>>
+      observers;
+  observers.push_back(std::make_unique<RpcObserverFactory>(metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(observers));
   peer_server_ = builder.BuildAndStart();
   if (peer_server_ == nullptr || port == 0) {
     return absl::UnavailableError(

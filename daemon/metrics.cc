@@ -87,7 +87,7 @@ AgentMetrics::AgentMetrics(absl::string_view version)
       gauges_(std::make_shared<Gauges>()),
       rpcs_(prometheus::BuildCounter()
                 .Name("rdma_agentd_rpcs_total")
-                .Help("API RPCs answered, by method and gRPC status code")
+                .Help("RPCs answered (API and Peer), by method and gRPC status code")
                 .Register(*registry_)),
       ops_(prometheus::BuildCounter()
                .Name("rdma_agentd_ops_total")

@@ -1,5 +1,6 @@
 #include "daemon/rpc_observer.h"
 
+#include <optional>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -53,8 +54,11 @@ class RpcObserver : public grpc::experimental::Interceptor {
     // Who asked: the credentials the agent read when it accepted the
     // connection (absent for connections it did not accept itself).
     std::string caller = "an unidentified caller";
-    if (info_->server_context() != nullptr) {
-      auto peer = callers_->Lookup(*info_->server_context());
+    const grpc::ServerContextBase* context = info_->server_context();
+    if (context != nullptr && callers_ == nullptr) {
+      caller = absl::StrCat("peer ", LogSafe(context->peer()));
+    } else if (context != nullptr) {
+      auto peer = callers_->Lookup(*context);
       if (peer.ok()) caller = absl::StrCat("uid ", peer->uid, " pid ", peer->pid);
     }
     if (!failed) {
@@ -64,7 +68,8 @@ class RpcObserver : public grpc::experimental::Interceptor {
     }
     const std::string error = absl::StrCat(
         absl::StatusCodeToString(code), ": ", LogSafe(status.error_message()));
-    if (const auto suppressed = error_log_->Allow()) {
+    if (const auto suppressed =
+            callers_ != nullptr ? error_log_->Allow() : std::nullopt) {
       spdlog::warn("{} from {} failed: {} ({} similar suppressed)", method,
                    caller, error, *suppressed);
     } else {
@@ -85,6 +90,9 @@ class RpcObserver : public grpc::experimental::Interceptor {
 RpcObserverFactory::RpcObserverFactory(const CallerTable* callers,
                                        AgentMetrics* metrics)
     : callers_(callers), metrics_(metrics) {}
+
+RpcObserverFactory::RpcObserverFactory(AgentMetrics* metrics)
+    : callers_(nullptr), metrics_(metrics) {}
 
 grpc::experimental::Interceptor* RpcObserverFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {

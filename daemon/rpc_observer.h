@@ -9,22 +9,27 @@ namespace rdma_agent {
 class AgentMetrics;
 class CallerTable;
 
-// Sees every RPC the agent's API server answers, in one place rather than in
-// each handler: logs each at debug (method, caller uid/pid, code, time),
-// logs each error the client sees at warning with its caller (rate limited:
-// a client in a loop cannot flood the journal), and counts it in the
-// metrics (RPCs by method and code, Submit latency).
+// Sees every RPC a server of the agent answers, in one place rather than in
+// each handler: logs each at debug (method, caller, code, time), logs each
+// error the client sees at warning with its caller (rate limited: a client
+// in a loop cannot flood the journal), and counts it in the metrics (RPCs by
+// method and code, Submit latency).
 class RpcObserverFactory
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  // Both must outlive the server.
+  // For the API server: callers named by uid and pid. Both must outlive the
+  // server.
   RpcObserverFactory(const CallerTable* callers, AgentMetrics* metrics);
+  // For the Peer server: callers named by address; errors stay at debug
+  // (what a peer was refused is logged where it is decided, with the
+  // buffer it asked for).
+  explicit RpcObserverFactory(AgentMetrics* metrics);
 
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;
 
  private:
-  const CallerTable* const callers_;
+  const CallerTable* const callers_;  // nullptr: the Peer server
   AgentMetrics* const metrics_;
   // Shared by every call: 20 lines at once, then one a second.
   LogRateLimiter error_log_{absl::Seconds(1), 20};

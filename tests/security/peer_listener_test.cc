@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -18,6 +19,8 @@
 #include "common/unique_fd.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 #include "tests/testing/agent_fixture.h"
 #include "tests/testing/temp_dir.h"
@@ -120,6 +123,41 @@ TEST(PeerListenerTest, RefusesLargeMessagesFromStrangers) {
   const grpc::Status small = stub->ConnectQueuePair(&again, request, &response);
   EXPECT_NE(small.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << small.error_message();
+}
+
+TEST(PeerListenerTest, PeerRpcsAreLoggedAtDebugWithTheCallersAddress) {
+  auto agent = StartAgent("127.0.0.1:0", "127.0.0.1");
+  ASSERT_NE(agent, nullptr);
+  auto stream = std::make_shared<std::ostringstream>();
+  auto previous = spdlog::default_logger();
+  auto logger = std::make_shared<spdlog::logger>(
+      "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(*stream));
+  logger->set_level(spdlog::level::debug);
+  spdlog::set_default_logger(logger);
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(
+      agent->agent().peer_address(), grpc::InsecureChannelCredentials()));
+  // Well formed, with a guessed buffer id and token.
+  v1::ConnectQueuePairRequest request;
+  request.set_agent_id("agent-stranger");
+  request.set_buffer_id(1);
+  request.set_token(std::string(16, 'g'));
+  request.mutable_requester()->set_qp_num(77);
+  request.mutable_requester()->set_gid(std::string(16, '\1'));
+  v1::ConnectQueuePairResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status =
+      stub->ConnectQueuePair(&context, request, &response);
+  EXPECT_FALSE(status.ok());
+  spdlog::set_default_logger(previous);
+  const std::string log = stream->str();
+  EXPECT_TRUE(absl::StrContains(
+      log, "rdma.agent.v1.Peer/ConnectQueuePair from peer ipv4:127.0.0.1:"))
+      << log;
+  // The refusal itself is logged once, where it is decided, with the
+  // requester: a warning naming the agent and its address.
+  EXPECT_TRUE(absl::StrContains(
+      log, "refused a request from agent agent-stranger at ipv4:127.0.0.1:"))
+      << log;
 }
 
 }  // namespace
