@@ -84,7 +84,8 @@ ABSL_FLAG(uint64_t, max_registered_bytes_per_user, 0,
           "registered) at once; 0: a quarter of the total.");
 ABSL_FLAG(uint64_t, max_registered_bytes_total, 0,
           "Bytes all users together may have registered or attached; 0: the "
-          "host's physical memory.");
+          "host's physical memory, or 7/8 of the agent's cgroup memory limit "
+          "(MemoryMax=, a container's limit) when lower.");
 ABSL_FLAG(uint64_t, max_buffers_per_user, 0,
           "Registrations one local user may hold; 0: a quarter of the total.");
 ABSL_FLAG(uint64_t, max_buffers_total, 0,

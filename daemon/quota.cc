@@ -5,9 +5,14 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <utility>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace rdma_agent {
 namespace {
@@ -143,7 +148,47 @@ HostLimits ReadHostLimits() {
       pages > 0 && page_size > 0
           ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
           : uint64_t{1} << 30;
+  std::ifstream in("/proc/self/cgroup");
+  const std::string cgroups((std::istreambuf_iterator<char>(in)),
+                            std::istreambuf_iterator<char>());
+  if (auto limit = CgroupMemoryLimit(cgroups, "/sys/fs/cgroup")) {
+    host.memory_bytes = std::min(host.memory_bytes, *limit - *limit / 8);
+  }
   return host;
+}
+
+std::optional<uint64_t> CgroupMemoryLimit(absl::string_view proc_cgroup,
+                                          const std::string& cgroup_root) {
+  // v1 "unlimited" is LLONG_MAX rounded down to a page; anything that large
+  // is no limit.
+  constexpr uint64_t kUnlimited = uint64_t{1} << 62;
+  const auto read = [](const std::string& path) -> std::optional<uint64_t> {
+    std::ifstream in(path);
+    std::string text;
+    if (!(in >> text) || text == "max") return std::nullopt;
+    uint64_t value = 0;
+    if (!absl::SimpleAtoi(text, &value) || value == 0 || value >= kUnlimited) {
+      return std::nullopt;
+    }
+    return value;
+  };
+  std::optional<uint64_t> v2;
+  std::optional<uint64_t> v1;
+  for (absl::string_view line : absl::StrSplit(proc_cgroup, '\n')) {
+    // "hierarchy-id:controllers:path"
+    std::vector<absl::string_view> fields = absl::StrSplit(line, ':');
+    if (fields.size() != 3 || !absl::StartsWith(fields[2], "/")) continue;
+    const std::string path(fields[2]);
+    if (fields[0] == "0" && fields[1].empty()) {
+      v2 = read(absl::StrCat(cgroup_root, path, "/memory.max"));
+    } else if (absl::c_linear_search(
+                   std::vector<absl::string_view>(absl::StrSplit(fields[1], ',')),
+                   "memory")) {
+      v1 = read(absl::StrCat(cgroup_root, "/memory", path,
+                             "/memory.limit_in_bytes"));
+    }
+  }
+  return v2.has_value() ? v2 : v1;
 }
 
 uint64_t SetOpenFileLimit(uint64_t soft_limit) {

@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/shared_memory.h"
 
@@ -124,12 +126,24 @@ struct AgentQuotas {
 struct HostLimits {
   uint64_t open_files = 0;     // soft RLIMIT_NOFILE
   uint64_t max_map_count = 0;  // /proc/sys/vm/max_map_count
-  uint64_t memory_bytes = 0;   // physical memory
+  uint64_t memory_bytes = 0;   // physical memory, or less: see below
 };
 
-// Reads RLIMIT_NOFILE, vm.max_map_count and the physical memory size, with
-// conservative fallbacks when one cannot be read.
+// Reads RLIMIT_NOFILE, vm.max_map_count and the memory the agent may use:
+// the physical memory, or less when the agent's cgroup has a memory limit
+// (systemd MemoryMax=, a container's limit): then 7/8 of that limit, the
+// rest left to the agent itself, so that registrations are refused with
+// RESOURCE_EXHAUSTED before the kernel OOM-kills the agent. Conservative
+// fallbacks when something cannot be read.
 HostLimits ReadHostLimits();
+
+// The memory limit of the cgroup this process is in, from `proc_cgroup`
+// (the text of /proc/self/cgroup) and the cgroup filesystem at
+// `cgroup_root`: cgroup v2 memory.max, else v1
+// memory/.../memory.limit_in_bytes. nullopt when there is none ("max", v1's
+// page-rounded LLONG_MAX) or it cannot be read.
+std::optional<uint64_t> CgroupMemoryLimit(absl::string_view proc_cgroup,
+                                          const std::string& cgroup_root);
 
 // Sets the soft RLIMIT_NOFILE to `soft_limit`, or, when 0, raises it to the
 // hard limit (every registration and parked attachment holds an fd); never

@@ -2,7 +2,11 @@
 
 #include <sys/resource.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -146,6 +150,49 @@ TEST(SetOpenFileLimitTest, SetsTheSoftLimitWithinTheHardOne) {
   EXPECT_EQ(SetOpenFileLimit(0), saved.rlim_max);
   EXPECT_EQ(SetOpenFileLimit(saved.rlim_max + 1), saved.rlim_max);
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+}
+
+class CgroupMemoryLimitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/cgroup-test.XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    root_ = pattern;
+  }
+  void TearDown() override {
+    (void)std::system(("rm -rf " + root_).c_str());
+  }
+  void Write(const std::string& relative, const std::string& text) {
+    const std::string path = root_ + relative;
+    (void)std::system(
+        ("mkdir -p " + path.substr(0, path.rfind('/'))).c_str());
+    std::ofstream(path) << text;
+  }
+  std::string root_;
+};
+
+TEST_F(CgroupMemoryLimitTest, V2MemoryMaxOfTheProcesssCgroup) {
+  Write("/system.slice/rdma-agentd.service/memory.max", "8589934592\n");
+  EXPECT_EQ(CgroupMemoryLimit("0::/system.slice/rdma-agentd.service\n", root_),
+            uint64_t{8} << 30);
+}
+
+TEST_F(CgroupMemoryLimitTest, NoLimitIsNone) {
+  Write("/a/memory.max", "max\n");
+  EXPECT_EQ(CgroupMemoryLimit("0::/a\n", root_), std::nullopt);
+  // v1's "unlimited": LLONG_MAX rounded down to a page.
+  Write("/memory/b/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(CgroupMemoryLimit("4:memory:/b\n0::/\n", root_), std::nullopt);
+  EXPECT_EQ(CgroupMemoryLimit("", root_), std::nullopt);
+  EXPECT_EQ(CgroupMemoryLimit("0::/missing\n", root_), std::nullopt);
+}
+
+TEST_F(CgroupMemoryLimitTest, V1MemoryControllerWhenV2HasNone) {
+  Write("/memory/docker/abc/memory.limit_in_bytes", "1073741824\n");
+  EXPECT_EQ(CgroupMemoryLimit("9:cpu,cpuacct:/docker/abc\n"
+                              "4:memory:/docker/abc\n0::/\n",
+                              root_),
+            uint64_t{1} << 30);
 }
 
 TEST(HostLimitsTest, ReadsSomethingPlausible) {

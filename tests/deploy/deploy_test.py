@@ -226,6 +226,11 @@ class SystemdUnitTest(unittest.TestCase):
             self.assertIn(line, self.unit)
         self.assertNotIn("PrivateUsers=yes", self.unit)  # would hide callers' uids
 
+    def test_memory_is_bounded_where_the_agent_sees_it(self):
+        # The agent derives its registered-bytes total from its cgroup's
+        # limit, so MemoryMax refuses registrations instead of OOM-killing.
+        self.assertRegex(self.setting("MemoryMax"), r"^\d+%$")
+
 
 if __name__ == "__main__":
     unittest.main(argv=[sys.argv[0]], verbosity=2)
