@@ -42,18 +42,30 @@ absl::Status BufferTable::Remove(uint64_t id, uid_t caller) {
   return absl::OkStatus();
 }
 
-std::vector<std::shared_ptr<Registration>> BufferTable::List(
-    uid_t caller) const {
-  std::vector<std::shared_ptr<Registration>> visible;
+template <typename Predicate>
+std::vector<std::shared_ptr<Registration>> BufferTable::ListIf(
+    Predicate keep) const {
+  std::vector<std::shared_ptr<Registration>> kept;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, registration] : buffers_) {
-      if (MayUse(*registration, caller)) visible.push_back(registration);
+      if (keep(*registration)) kept.push_back(registration);
     }
   }
-  std::sort(visible.begin(), visible.end(),
+  std::sort(kept.begin(), kept.end(),
             [](const auto& a, const auto& b) { return a->id() < b->id(); });
-  return visible;
+  return kept;
+}
+
+std::vector<std::shared_ptr<Registration>> BufferTable::ListOwnedBy(
+    uid_t owner) const {
+  return ListIf([owner](const Registration& registration) {
+    return registration.owner() == owner;
+  });
+}
+
+std::vector<std::shared_ptr<Registration>> BufferTable::ListAll() const {
+  return ListIf([](const Registration&) { return true; });
 }
 
 void BufferTable::Clear() {
@@ -78,6 +90,7 @@ absl::StatusOr<std::shared_ptr<Registration>> BufferTable::ResolveForPeer(
   }
   absl::Status status = CheckServeRequest(*registration, request);
   if (!status.ok()) return status;
+  registration->MarkUsed();
   return registration;
 }
 

@@ -49,16 +49,24 @@ class BufferTable : public BufferDirectory {
   // lives on while ops still pin it.
   absl::Status Remove(uint64_t id, uid_t caller);
 
-  // The registrations `caller` may see, by ascending id.
-  std::vector<std::shared_ptr<Registration>> List(uid_t caller) const;
+  // The registrations `owner` made, by ascending id (root's own only: root
+  // lists everyone's with ListAll).
+  std::vector<std::shared_ptr<Registration>> ListOwnedBy(uid_t owner) const;
+  // Every registration, by ascending id.
+  std::vector<std::shared_ptr<Registration>> ListAll() const;
 
   // Drops every registration (shutdown).
   void Clear();
 
+  // As BufferDirectory says; a registration resolved here counts as used.
   absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
       const ServeRequest& request) const override;
 
  private:
+  // The registrations `keep` selects, by ascending id.
+  template <typename Predicate>
+  std::vector<std::shared_ptr<Registration>> ListIf(Predicate keep) const;
+
   static bool MayUse(const Registration& registration, uid_t caller) {
     return caller == 0 || registration.owner() == caller;
   }

@@ -23,6 +23,7 @@ class AttachServer;
 class AttachTokens;
 class BufferTable;
 class CallerTable;
+class ClientWatcher;
 class RdmaAgentService;
 class UnixListener;
 
@@ -88,6 +89,7 @@ class Agent {
   // Declaration order is teardown order in reverse: servers stop before the
   // registries and backends they call into are destroyed.
   std::unique_ptr<BufferTable> buffers_;
+  std::unique_ptr<ClientWatcher> client_watcher_;
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<CallerTable> callers_;

@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "backends/backend.h"
+#include "daemon/client_watcher.h"
 
 namespace rdma_agent {
 
@@ -56,6 +57,10 @@ struct AgentOptions {
   // Open attach-socket connections (an fd and a thread each).
   uint64_t max_attach_connections_per_user = 0;
   uint64_t max_attach_connections_total = 0;
+  // Clients watched for lifetime-bound registrations (a pidfd each, or a
+  // connection polled for closing).
+  uint64_t max_watched_clients_per_user = 0;
+  uint64_t max_watched_clients_total = 0;
   // Ops of running Submits, per user and in total.
   size_t max_ops_in_flight = 262144;
   size_t max_ops_in_flight_per_user = 65536;
@@ -67,6 +72,12 @@ struct AgentOptions {
   size_t max_connections_per_user = 128;
   // Longest Shutdown() waits for RPCs once their work is cancelled.
   absl::Duration shutdown_grace = absl::Seconds(5);
+
+  // How clients of lifetime-bound registrations are watched: every method
+  // the kernel has, unless a test turns some off; connections are checked
+  // this often.
+  ProcessWatchMethods process_watch;
+  absl::Duration connection_poll_interval = absl::Seconds(1);
 };
 
 }  // namespace rdma_agent
