@@ -408,10 +408,10 @@ grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
   absl::Status status = CheckRange(request->offset(), request->length(),
                                    (*registration)->size(), "buffer");
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "ReadBuffer"));
+  (*registration)->MarkUsed();
   response->set_data(reinterpret_cast<const char*>((*registration)->data() +
                                                    request->offset()),
                      request->length());
-  (*registration)->MarkUsed();
   return grpc::Status::OK;
 }
 
@@ -428,9 +428,9 @@ grpc::Status RdmaAgentService::WriteBuffer(
   absl::Status status = CheckRange(request->offset(), request->data().size(),
                                    (*registration)->size(), "buffer");
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "WriteBuffer"));
+  (*registration)->MarkUsed();
   std::memcpy((*registration)->data() + request->offset(),
               request->data().data(), request->data().size());
-  (*registration)->MarkUsed();
   return grpc::Status::OK;
 }
 
