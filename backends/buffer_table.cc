@@ -37,9 +37,16 @@ absl::Status BufferTable::Remove(uint64_t id, uid_t caller) {
     }
     removed = std::move(it->second);
     buffers_.erase(it);
+    if (removal_listener_) removal_listener_(id);
   }
   // `removed` may be the last reference: unmap outside the lock.
   return absl::OkStatus();
+}
+
+void BufferTable::SetRemovalListener(
+    std::function<void(uint64_t id)> listener) {
+  absl::MutexLock lock(&mu_);
+  removal_listener_ = std::move(listener);
 }
 
 template <typename Predicate>

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -49,6 +50,12 @@ class BufferTable : public BufferDirectory {
   // lives on while ops still pin it.
   absl::Status Remove(uint64_t id, uid_t caller);
 
+  // `listener` is told the id of every registration Remove unpublishes
+  // (Clear tells nobody), under the table's lock, so that it can never be
+  // told after it was unset: it must be quick and must not call the table.
+  // nullptr unsets it.
+  void SetRemovalListener(std::function<void(uint64_t id)> listener);
+
   // The registrations `owner` made, by ascending id (root's own only: root
   // lists everyone's with ListAll).
   std::vector<std::shared_ptr<Registration>> ListOwnedBy(uid_t owner) const;
@@ -76,6 +83,7 @@ class BufferTable : public BufferDirectory {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> buffers_
       ABSL_GUARDED_BY(mu_);
+  std::function<void(uint64_t)> removal_listener_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace rdma_agent

@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -128,6 +129,23 @@ TEST(BufferTableTest, ServedRequestsStampLastUseRefusedOnesDoNot) {
   ASSERT_TRUE(table.ResolveForPeer(Request(1)).ok());
   EXPECT_GT(registration->last_use_nanos(), created);
   EXPECT_EQ(registration->create_time_nanos(), created);
+}
+
+TEST(BufferTableTest, RemovalListenerHearsEachRemoveUntilUnset) {
+  BufferTable table(kEpoch);
+  for (uint64_t id : {1, 2, 3}) {
+    table.Add(MakeRegistration(id, v1::ACCESS_READ_WRITE));
+  }
+  std::vector<uint64_t> heard;
+  table.SetRemovalListener([&](uint64_t id) { heard.push_back(id); });
+  ASSERT_TRUE(table.Remove(2, kOwner).ok());
+  EXPECT_FALSE(table.Remove(2, kOwner).ok());
+  EXPECT_FALSE(table.Remove(1, kOther).ok()) << "refused: not a removal";
+  EXPECT_EQ(heard, std::vector<uint64_t>{2});
+  table.SetRemovalListener(nullptr);
+  ASSERT_TRUE(table.Remove(1, kOwner).ok());
+  EXPECT_EQ(heard, std::vector<uint64_t>{2});
+  table.Clear();
 }
 
 TEST(BufferTableTest, RemovedBufferLivesWhilePinned) {

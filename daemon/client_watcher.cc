@@ -22,9 +22,6 @@ namespace {
 
 // epoll data of the wake-up eventfd; watches are numbered from 1.
 constexpr uint64_t kWakeHandle = 0;
-// A watch's list of bound ids is checked against the table when it reaches
-// this size, then whenever it has doubled since.
-constexpr size_t kFirstIdsPrune = 64;
 
 int PidfdOpen(pid_t pid) {
 #ifdef SYS_pidfd_open
@@ -41,7 +38,8 @@ bool ProcessExited(int pidfd) {
 }
 
 absl::Status ClientGone() {
-  return absl::NotFoundError("the calling process is gone");
+  return absl::NotFoundError(
+      "the caller is gone (its process exited or its connection closed)");
 }
 
 }  // namespace
@@ -52,9 +50,8 @@ struct ClientWatcher::Watch {
   CallerConnection connection;
   v1::Lifetime lifetime = v1::LIFETIME_UNSPECIFIED;
   UniqueFd pidfd;  // process watches only
-  // Registrations bound to the client; some may have been released since.
-  std::vector<uint64_t> ids;
-  size_t prune_ids_at = kFirstIdsPrune;
+  // Registrations bound to the client and not released.
+  absl::flat_hash_set<uint64_t> ids;
   // Tickets that will still bind into this watch.
   int pending = 0;
   QuotaCharge charge;
@@ -105,6 +102,8 @@ absl::StatusOr<std::unique_ptr<ClientWatcher>> ClientWatcher::Start(
       new ClientWatcher(std::move(options), buffers, std::move(quota),
                         std::move(epoll), std::move(wake)));
   watcher->thread_ = std::thread(&ClientWatcher::Run, watcher.get());
+  buffers->SetRemovalListener(
+      [raw = watcher.get()](uint64_t id) { raw->Unbind(id); });
   return watcher;
 }
 
@@ -118,6 +117,9 @@ ClientWatcher::ClientWatcher(Options options, BufferTable* buffers,
       wake_(std::move(wake)) {}
 
 ClientWatcher::~ClientWatcher() {
+  // Waits out a call in progress: the table calls its listener under its
+  // lock.
+  buffers_->SetRemovalListener(nullptr);
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
@@ -134,6 +136,11 @@ void ClientWatcher::Wake() {
 size_t ClientWatcher::watched() const {
   absl::MutexLock lock(&mu_);
   return watches_.size();
+}
+
+size_t ClientWatcher::bound() const {
+  absl::MutexLock lock(&mu_);
+  return by_id_.size();
 }
 
 absl::StatusOr<UniqueFd> ClientWatcher::OpenProcess(
@@ -176,7 +183,8 @@ absl::StatusOr<ClientWatcher::Ticket> ClientWatcher::Reserve(
     if (pidfd.ok()) {
       const Key key =
           caller.pid > 0
-              ? Key{KeyKind::kProcess, static_cast<uint64_t>(caller.pid), 0}
+              ? Key{KeyKind::kProcess, static_cast<uint64_t>(caller.pid),
+                    caller.uid}
               : Key{KeyKind::kProcessOfConnection,
                     static_cast<uint64_t>(connection.fd), connection.inode};
       absl::StatusOr<uint64_t> handle =
@@ -226,11 +234,7 @@ absl::StatusOr<uint64_t> ClientWatcher::JoinOrAdd(
     }
     absl::StatusOr<QuotaCharge> charge =
         quota_->Reserve(connection.peer.uid, 1);
-    if (!charge.ok()) {
-      PruneLocked();
-      charge = quota_->Reserve(connection.peer.uid, 1);
-      if (!charge.ok()) return charge.status();
-    }
+    if (!charge.ok()) return charge.status();
     auto watch = std::make_unique<Watch>();
     watch->key = key;
     watch->connection = connection;
@@ -269,10 +273,9 @@ void ClientWatcher::Bind(Ticket ticket, uint64_t id) {
     absl::MutexLock lock(&mu_);
     auto it = watches_.find(handle);
     if (it != watches_.end()) {
-      Watch& watch = *it->second;
-      --watch.pending;
-      watch.ids.push_back(id);
-      PruneIdsLocked(watch);
+      --it->second->pending;
+      it->second->ids.insert(id);
+      by_id_[id] = handle;
       return;
     }
   }
@@ -284,35 +287,27 @@ void ClientWatcher::Bind(Ticket ticket, uint64_t id) {
 }
 
 void ClientWatcher::Unreserve(uint64_t handle) {
-  std::unique_ptr<Watch> dropped;
   absl::MutexLock lock(&mu_);
   auto it = watches_.find(handle);
   if (it == watches_.end()) return;
-  if (--it->second->pending == 0 && it->second->ids.empty()) {
-    dropped = TakeLocked(handle);
-  }
+  --it->second->pending;
+  DropIfUnusedLocked(handle);
 }
 
-void ClientWatcher::PruneIdsLocked(Watch& watch) {
-  if (watch.ids.size() < watch.prune_ids_at) return;
-  const uid_t owner = watch.connection.peer.uid;
-  watch.ids.erase(std::remove_if(watch.ids.begin(), watch.ids.end(),
-                                 [&](uint64_t id) {
-                                   return !buffers_->Find(id, owner).ok();
-                                 }),
-                  watch.ids.end());
-  watch.prune_ids_at = std::max(kFirstIdsPrune, 2 * watch.ids.size());
+void ClientWatcher::Unbind(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto bound = by_id_.find(id);
+  if (bound == by_id_.end()) return;
+  const uint64_t handle = bound->second;
+  by_id_.erase(bound);
+  watches_.at(handle)->ids.erase(id);
+  DropIfUnusedLocked(handle);
 }
 
-void ClientWatcher::PruneLocked() {
-  std::vector<uint64_t> idle;
-  for (auto& [handle, watch] : watches_) {
-    if (watch->pending > 0) continue;
-    watch->prune_ids_at = 0;  // now, whatever its size
-    PruneIdsLocked(*watch);
-    if (watch->ids.empty()) idle.push_back(handle);
-  }
-  for (uint64_t handle : idle) TakeLocked(handle);
+void ClientWatcher::DropIfUnusedLocked(uint64_t handle) {
+  const Watch& watch = *watches_.at(handle);
+  // Closing a pidfd and giving a charge back are quick: done here.
+  if (watch.pending == 0 && watch.ids.empty()) TakeLocked(handle);
 }
 
 std::unique_ptr<ClientWatcher::Watch> ClientWatcher::TakeLocked(
@@ -323,6 +318,7 @@ std::unique_ptr<ClientWatcher::Watch> ClientWatcher::TakeLocked(
   watches_.erase(it);
   auto key = by_key_.find(watch->key);
   if (key != by_key_.end() && key->second == handle) by_key_.erase(key);
+  for (uint64_t id : watch->ids) by_id_.erase(id);
   if (watch->pidfd) {
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, watch->pidfd.get(), nullptr);
   } else {
@@ -347,11 +343,12 @@ void ClientWatcher::Release(const PeerCredentials& caller,
   std::vector<uint64_t> released;
   for (uint64_t id : ids) {
     // Exactly a Release by the owner: unpublished now, unmapped (and its
-    // quota given back) when the last op pinning it ends. Ids released
-    // explicitly before are simply not found.
+    // quota given back) when the last op pinning it ends. An id released
+    // meanwhile is simply not found.
     if (buffers_->Remove(id, caller.uid).ok()) released.push_back(id);
   }
   if (released.empty()) return;
+  std::sort(released.begin(), released.end());
   spdlog::info("uid {} pid {}: {}; released buffers {}", caller.uid, caller.pid,
                std::string(why), absl::StrJoin(released, ","));
 }
@@ -399,9 +396,11 @@ void ClientWatcher::Run() {
         next_check = now + options_.connection_poll_interval;
       }
     }
-    // Outside the lock: releasing may unmap memory.
+    // Outside the lock: the table calls back under its own, and releasing
+    // may unmap memory.
     for (const auto& [watch, why] : gone) {
-      Release(watch->connection.peer, watch->ids, why);
+      Release(watch->connection.peer,
+              std::vector<uint64_t>(watch->ids.begin(), watch->ids.end()), why);
     }
   }
 }

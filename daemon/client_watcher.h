@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -47,7 +48,13 @@ struct ProcessWatchMethods {
 // socket (gRPC owns and closes it; the agent cannot hear the close
 // otherwise). A watch is per client, not per registration: the
 // registrations of one process share its pidfd. Each watch is admitted by
-// the watched-clients quota of its user. Thread-safe.
+// the watched-clients quota of its user, and ends (its pidfd closed, its
+// charge given back) as soon as nothing is bound to it any more: the buffer
+// table tells the watcher of every release.
+//
+// Thread-safe. Lock order: the buffer table's lock, then the watcher's (the
+// table reports releases under its lock); the watcher never calls the table
+// while it holds its own.
 class ClientWatcher {
  public:
   struct Options {
@@ -85,14 +92,15 @@ class ClientWatcher {
     PeerCredentials caller_;
   };
 
-  // Starts the watcher thread. `buffers` and `quota` must outlive it.
+  // Starts the watcher thread and listens to `buffers`' releases (its
+  // only removal listener). `buffers` and `quota` must outlive it.
   static absl::StatusOr<std::unique_ptr<ClientWatcher>> Start(
       Options options, BufferTable* buffers,
       std::shared_ptr<ResourceQuota> quota);
   ClientWatcher(const ClientWatcher&) = delete;
   ClientWatcher& operator=(const ClientWatcher&) = delete;
-  // Stops the thread. Registrations still bound stay registered (the agent
-  // drops them all when it stops anyway).
+  // Stops listening and the thread. Registrations still bound stay
+  // registered (the agent drops them all when it stops anyway).
   ~ClientWatcher();
 
   // Reserves a watch of the client behind `connection` for `lifetime`
@@ -110,11 +118,15 @@ class ClientWatcher {
 
   // Clients watched now.
   size_t watched() const;
+  // Registrations bound to clients now.
+  size_t bound() const;
 
  private:
   // What a watch is keyed by, so that one client is watched once: a
-  // process by its pid, a process whose pid the agent cannot see by the
-  // connection it was reached through, a connection by its fd and inode.
+  // process by its pid (and uid: a process may switch users between
+  // connections, and each user is charged for its own watch), a process
+  // whose pid the agent cannot see by the connection it was reached
+  // through, a connection by its fd and inode.
   enum class KeyKind { kProcess, kProcessOfConnection, kConnection };
   using Key = std::tuple<KeyKind, uint64_t, uint64_t>;
   struct Watch;
@@ -134,18 +146,16 @@ class ClientWatcher {
                                      v1::Lifetime lifetime);
   // True while `watch`'s client is still there.
   static bool Alive(const Watch& watch);
-  // Drops watches with no live registration and no pending ticket, to make
-  // room in the quota.
-  void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Forgets bound ids that are no longer registered, now and then, so that
-  // a long-lived client registering and releasing does not grow its list.
-  void PruneIdsLocked(Watch& watch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes watch `handle` from every index; nullptr if it is not watched.
   std::unique_ptr<Watch> TakeLocked(uint64_t handle)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A ticket that was never bound goes: its watch too, if nothing else
-  // needs it.
+  // Ends watch `handle` if nothing is bound to it and no ticket will be.
+  void DropIfUnusedLocked(uint64_t handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A ticket that was never bound goes.
   void Unreserve(uint64_t handle);
+  // Registration `id` was released (told by the buffer table, under its
+  // lock): it is bound no more.
+  void Unbind(uint64_t id);
   // Releases `ids` of `caller`, logging one line for them.
   void Release(const PeerCredentials& caller, const std::vector<uint64_t>& ids,
                absl::string_view why);
@@ -169,6 +179,8 @@ class ClientWatcher {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Watch>> watches_
       ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Key, uint64_t> by_key_ ABSL_GUARDED_BY(mu_);
+  // The watch each bound registration id is bound to.
+  absl::flat_hash_map<uint64_t, uint64_t> by_id_ ABSL_GUARDED_BY(mu_);
   size_t connection_watches_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread thread_;  // last: started when everything above exists

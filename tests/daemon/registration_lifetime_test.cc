@@ -3,6 +3,7 @@
 // fallbacks where a process cannot be watched, and the watched-clients
 // quota. Killed client processes against a real rdma-agentd are in
 // client_lifetime_test.cc.
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -174,6 +175,32 @@ TEST_F(RegistrationLifetimeTest, PidfdOpenAloneWatchesAKilledProcess) {
   worker->process().Signal(SIGKILL);
   EXPECT_TRUE(Eventually([&] { return Gone(bound_id); }));
   EXPECT_FALSE(Gone(kept_id));
+}
+
+// Open fds of this process (the agent runs in it).
+int OpenFds() {
+  int count = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (::readdir(dir) != nullptr) ++count;
+    ::closedir(dir);
+  }
+  return count;
+}
+
+TEST_F(RegistrationLifetimeTest, AProcessWatchEndsWithItsLastRegistration) {
+  std::unique_ptr<v1::RdmaAgent::Stub> stub = fixture_->NewStub();
+  auto warm_up = Register(*stub, v1::LIFETIME_AGENT);  // connects
+  ASSERT_TRUE(warm_up.ok()) << warm_up.status();
+  ASSERT_TRUE(Release(warm_up->buffer_id()).ok());
+  const int before = OpenFds();
+  auto a = Register(*stub, v1::LIFETIME_CLIENT_PROCESS);
+  auto b = Register(*stub, v1::LIFETIME_CLIENT_PROCESS);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(OpenFds(), before + 3) << "a memfd each, one pidfd for both";
+  ASSERT_TRUE(Release(a->buffer_id()).ok());
+  EXPECT_EQ(OpenFds(), before + 2) << "the watch stays for b";
+  ASSERT_TRUE(Release(b->buffer_id()).ok());
+  EXPECT_EQ(OpenFds(), before) << "nothing bound: the pidfd is closed";
 }
 
 TEST_F(RegistrationLifetimeTest, WatchQuotaCountsClientsNotRegistrations) {
