@@ -37,23 +37,42 @@ absl::Status BufferTable::Remove(uint64_t id, uid_t caller) {
     }
     removed = std::move(it->second);
     buffers_.erase(it);
+    if (removal_listener_) removal_listener_(id);
   }
   // `removed` may be the last reference: unmap outside the lock.
   return absl::OkStatus();
 }
 
-std::vector<std::shared_ptr<Registration>> BufferTable::List(
-    uid_t caller) const {
-  std::vector<std::shared_ptr<Registration>> visible;
+void BufferTable::SetRemovalListener(
+    std::function<void(uint64_t id)> listener) {
+  absl::MutexLock lock(&mu_);
+  removal_listener_ = std::move(listener);
+}
+
+template <typename Predicate>
+std::vector<std::shared_ptr<Registration>> BufferTable::ListIf(
+    Predicate keep) const {
+  std::vector<std::shared_ptr<Registration>> kept;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, registration] : buffers_) {
-      if (MayUse(*registration, caller)) visible.push_back(registration);
+      if (keep(*registration)) kept.push_back(registration);
     }
   }
-  std::sort(visible.begin(), visible.end(),
+  std::sort(kept.begin(), kept.end(),
             [](const auto& a, const auto& b) { return a->id() < b->id(); });
-  return visible;
+  return kept;
+}
+
+std::vector<std::shared_ptr<Registration>> BufferTable::ListOwnedBy(
+    uid_t owner) const {
+  return ListIf([owner](const Registration& registration) {
+    return registration.owner() == owner;
+  });
+}
+
+std::vector<std::shared_ptr<Registration>> BufferTable::ListAll() const {
+  return ListIf([](const Registration&) { return true; });
 }
 
 void BufferTable::Clear() {
@@ -87,6 +106,7 @@ absl::StatusOr<std::shared_ptr<Registration>> BufferTable::Resolve(
   }
   absl::Status status = CheckServeRequest(*registration, request);
   if (!status.ok()) return status;
+  registration->MarkUsed();
   return registration;
 }
 

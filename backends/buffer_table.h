@@ -50,12 +50,22 @@ class BufferTable : public BufferDirectory {
   // lives on while ops still pin it.
   absl::Status Remove(uint64_t id, uid_t caller);
 
-  // The registrations `caller` may see, by ascending id.
-  std::vector<std::shared_ptr<Registration>> List(uid_t caller) const;
+  // `listener` is told the id of every registration Remove unpublishes
+  // (Clear tells nobody), under the table's lock, so that it can never be
+  // told after it was unset: it must be quick and must not call the table.
+  // nullptr unsets it.
+  void SetRemovalListener(std::function<void(uint64_t id)> listener);
+
+  // The registrations `owner` made, by ascending id (root's own only: root
+  // lists everyone's with ListAll).
+  std::vector<std::shared_ptr<Registration>> ListOwnedBy(uid_t owner) const;
+  // Every registration, by ascending id.
+  std::vector<std::shared_ptr<Registration>> ListAll() const;
 
   // Drops every registration (shutdown).
   void Clear();
 
+  // As BufferDirectory says; a registration resolved here counts as used.
   absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
       const ServeRequest& request) const override;
 
@@ -70,6 +80,9 @@ class BufferTable : public BufferDirectory {
  private:
   absl::StatusOr<std::shared_ptr<Registration>> Resolve(
       const ServeRequest& request) const;
+  // The registrations `keep` selects, by ascending id.
+  template <typename Predicate>
+  std::vector<std::shared_ptr<Registration>> ListIf(Predicate keep) const;
 
   static bool MayUse(const Registration& registration, uid_t caller) {
     return caller == 0 || registration.owner() == caller;
@@ -81,6 +94,7 @@ class BufferTable : public BufferDirectory {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> buffers_
       ABSL_GUARDED_BY(mu_);
+  std::function<void(uint64_t)> removal_listener_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace rdma_agent

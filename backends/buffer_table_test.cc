@@ -2,8 +2,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/shared_memory.h"
 #include "gtest/gtest.h"
 
@@ -47,8 +49,8 @@ TEST(BufferTableTest, OwnerScopingHidesForeignIds) {
             absl::StatusCode::kNotFound);
   EXPECT_EQ(table.Find(id, kOther).status(),
             absl::NotFoundError(absl::StrCat("no buffer with id ", id)));
-  EXPECT_EQ(table.List(kOther).size(), 0u);
-  EXPECT_EQ(table.List(kOwner).size(), 1u);
+  EXPECT_EQ(table.ListOwnedBy(kOther).size(), 0u);
+  EXPECT_EQ(table.ListOwnedBy(kOwner).size(), 1u);
   EXPECT_EQ(table.Remove(id, kOther).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(table.Remove(id, kOwner).ok());
   EXPECT_EQ(table.Find(id, kOwner).status().code(),
@@ -98,6 +100,52 @@ TEST(BufferTableTest, PeerChecksInContractOrder) {
   proof.proof_only = true;
   proof.length = 0;
   EXPECT_TRUE(table.ResolveForPeer(proof).ok());
+}
+
+// Spins (bounded) until the coarse clock reads later than `nanos`, so that
+// a stamp taken afterwards is distinguishable from it.
+void WaitForCoarseClockPast(int64_t nanos) {
+  for (int i = 0; i < 10000 && CoarseNowNanos() <= nanos; ++i) {
+    absl::SleepFor(absl::Microseconds(500));
+  }
+  ASSERT_GT(CoarseNowNanos(), nanos);
+}
+
+TEST(BufferTableTest, ServedRequestsStampLastUseRefusedOnesDoNot) {
+  BufferTable table(kEpoch);
+  auto registration = MakeRegistration(1, v1::ACCESS_READ);
+  table.Add(registration);
+  const int64_t created = registration->create_time_nanos();
+  EXPECT_EQ(registration->last_use_nanos(), created);
+  WaitForCoarseClockPast(created);
+
+  ServeRequest forged = Request(1);
+  forged.token = "token-x";
+  EXPECT_FALSE(table.ResolveForPeer(forged).ok());
+  EXPECT_FALSE(table.ResolveForPeer(Request(1, /*write=*/true)).ok());
+  EXPECT_EQ(registration->last_use_nanos(), created)
+      << "a refused request is no use of the buffer";
+
+  ASSERT_TRUE(table.ResolveForPeer(Request(1)).ok());
+  EXPECT_GT(registration->last_use_nanos(), created);
+  EXPECT_EQ(registration->create_time_nanos(), created);
+}
+
+TEST(BufferTableTest, RemovalListenerHearsEachRemoveUntilUnset) {
+  BufferTable table(kEpoch);
+  for (uint64_t id : {1, 2, 3}) {
+    table.Add(MakeRegistration(id, v1::ACCESS_READ_WRITE));
+  }
+  std::vector<uint64_t> heard;
+  table.SetRemovalListener([&](uint64_t id) { heard.push_back(id); });
+  ASSERT_TRUE(table.Remove(2, kOwner).ok());
+  EXPECT_FALSE(table.Remove(2, kOwner).ok());
+  EXPECT_FALSE(table.Remove(1, kOther).ok()) << "refused: not a removal";
+  EXPECT_EQ(heard, std::vector<uint64_t>{2});
+  table.SetRemovalListener(nullptr);
+  ASSERT_TRUE(table.Remove(1, kOwner).ok());
+  EXPECT_EQ(heard, std::vector<uint64_t>{2});
+  table.Clear();
 }
 
 TEST(BufferTableTest, RemovedBufferLivesWhilePinned) {

@@ -2,6 +2,7 @@
 #define RDMA_AGENTD_BACKENDS_REGISTRATION_H_
 
 #include <sys/types.h>
+#include <time.h>
 
 #include <atomic>
 #include <cstddef>
@@ -26,6 +27,15 @@ inline bool AllowsWrite(v1::Access access) {
   return access == v1::ACCESS_WRITE || access == v1::ACCESS_READ_WRITE;
 }
 
+// Wall-clock nanoseconds since the Unix epoch from the coarse clock (a few
+// milliseconds of resolution, a fraction of the cost of the precise one):
+// cheap enough to stamp every use of a buffer.
+inline int64_t CoarseNowNanos() {
+  struct timespec now;
+  ::clock_gettime(CLOCK_REALTIME_COARSE, &now);
+  return int64_t{now.tv_sec} * 1000000000 + now.tv_nsec;
+}
+
 // What a backend keeps for one registration (an MR, a table entry...). It is
 // destroyed when the registration is, after every op that pinned the
 // registration has finished, so its destructor is where a backend releases
@@ -42,22 +52,37 @@ class BackendRegistration {
 // until Release; every op holds one while it runs. The memory is unmapped (and
 // backend registrations dropped) when the last reference goes, so a Release
 // never pulls memory from under an op in flight.
+// Who registered a buffer and how long it lives unreleased, for ListBuffers
+// (the lifetime itself is kept by whoever releases the buffer).
+struct RegistrationOrigin {
+  pid_t pid = 0;  // as the agent sees it; 0 if it cannot
+  v1::Lifetime lifetime = v1::LIFETIME_AGENT;
+};
+
 class Registration {
  public:
+  using Origin = RegistrationOrigin;
+
   Registration(uint64_t id, uid_t owner, v1::Access access, std::string label,
-               std::string token, SharedMemory memory, bool agent_allocated)
+               std::string token, SharedMemory memory, bool agent_allocated,
+               Origin origin = Origin())
       : id_(id),
         owner_(owner),
+        origin_(origin),
         access_(access),
         label_(std::move(label)),
         token_(std::move(token)),
         agent_allocated_(agent_allocated),
+        create_time_nanos_(CoarseNowNanos()),
+        last_use_nanos_(create_time_nanos_),
         memory_(std::move(memory)) {}
   Registration(const Registration&) = delete;
   Registration& operator=(const Registration&) = delete;
 
   uint64_t id() const { return id_; }
   uid_t owner() const { return owner_; }
+  pid_t owner_pid() const { return origin_.pid; }
+  v1::Lifetime lifetime() const { return origin_.lifetime; }
   v1::Access access() const { return access_; }
   const std::string& label() const { return label_; }
   // Random capability that remote requests must present.
@@ -97,15 +122,36 @@ class Registration {
   uint64_t bytes_moved() const { return bytes_moved_.load(); }
   uint64_t bytes_served() const { return bytes_served_.load(); }
 
+  // Stamps "used now": the buffer is the local or remote side of an op, or
+  // is read or written over the API. Called on data paths, so it loads and
+  // stores only when the coarse clock has moved on (relaxed): concurrent ops
+  // on one buffer seldom write the shared cache line. Two racing stamps may
+  // leave the older of their two times, a clock tick at most.
+  void MarkUsed() {
+    const int64_t now = CoarseNowNanos();
+    if (now > last_use_nanos_.load(std::memory_order_relaxed)) {
+      last_use_nanos_.store(now, std::memory_order_relaxed);
+    }
+  }
+  // Unix nanoseconds of the registration and of its last use (the
+  // registration's time until it is used).
+  int64_t create_time_nanos() const { return create_time_nanos_; }
+  int64_t last_use_nanos() const {
+    return last_use_nanos_.load(std::memory_order_relaxed);
+  }
+
  private:
   const uint64_t id_;
   const uid_t owner_;
+  const Origin origin_;
   const v1::Access access_;
   const std::string label_;
   const std::string token_;
   const bool agent_allocated_;
   std::atomic<uint64_t> bytes_moved_{0};
   std::atomic<uint64_t> bytes_served_{0};
+  const int64_t create_time_nanos_;
+  std::atomic<int64_t> last_use_nanos_;
   // Declared before backends_ so that backend state (MRs) is dropped before
   // the memory it covers is unmapped.
   SharedMemory memory_;

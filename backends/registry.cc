@@ -97,8 +97,21 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
   }
 }
 
+namespace {
+
+// Each op's local buffer counts as used when the op starts and when it ends,
+// so that a long transfer shows in last use while it runs.
+void MarkLocalsUsed(absl::Span<const Op> ops) {
+  for (const Op& op : ops) {
+    if (op.local != nullptr) op.local->MarkUsed();
+  }
+}
+
+}  // namespace
+
 std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
                                                const StopToken& stop) const {
+  MarkLocalsUsed(ops);
   std::vector<OpOutcome> outcomes(ops.size());
   std::vector<std::vector<Backend*>> routes(ops.size());
   // Attempt number per op: 0 = best backend, 1 = the retry.
@@ -147,6 +160,7 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
     }
     pending = std::move(retry);
   }
+  MarkLocalsUsed(ops);
   return outcomes;
 }
 

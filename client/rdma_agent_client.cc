@@ -89,7 +89,8 @@ std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
 
 Buffer::Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
                std::unique_ptr<SharedMemory> memory, uint64_t size,
-               std::string remote_context, std::vector<std::string> backends)
+               std::string remote_context, std::vector<std::string> backends,
+               v1::Lifetime lifetime)
     : state_(std::move(state)),
       id_(id),
       memory_(std::move(memory)),
@@ -97,6 +98,7 @@ Buffer::Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
       data_(memory_->data()),
       remote_context_(std::move(remote_context)),
       backends_(std::move(backends)),
+      lifetime_(lifetime),
       released_(false) {}
 
 Buffer::Buffer(Buffer&& other) noexcept
@@ -107,6 +109,7 @@ Buffer::Buffer(Buffer&& other) noexcept
       data_(std::exchange(other.data_, nullptr)),
       remote_context_(std::move(other.remote_context_)),
       backends_(std::move(other.backends_)),
+      lifetime_(other.lifetime_),
       released_(std::exchange(other.released_, true)) {}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
@@ -119,6 +122,7 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     remote_context_ = std::move(other.remote_context_);
     backends_ = std::move(other.backends_);
+    lifetime_ = other.lifetime_;
     released_ = std::exchange(other.released_, true);
   }
   return *this;
@@ -227,6 +231,9 @@ absl::StatusOr<std::unique_ptr<AgentClient>> AgentClient::Connect(
       std::max<uint64_t>(4 << 20, options.transfer_chunk_bytes + (64 << 10));
   arguments.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
+  // The connection stays up however long the client is idle: where the
+  // agent cannot watch this process, its buffers end with the connection.
+  arguments.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, INT32_MAX);
   std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
       options.target, grpc::InsecureChannelCredentials(), arguments);
   if (options.connect_timeout > absl::ZeroDuration() &&
@@ -277,6 +284,7 @@ absl::StatusOr<Registration> AgentClient::AllocateUnmapped(
   request.set_allocate_bytes(size);
   request.set_access(access);
   request.set_label(label);
+  request.set_lifetime(v1::LIFETIME_AGENT);
   absl::StatusOr<v1::RegisterResponse> response = Register(request);
   if (!response.ok()) return response.status();
   Registration registration;
@@ -284,11 +292,13 @@ absl::StatusOr<Registration> AgentClient::AllocateUnmapped(
   registration.size = response->size_bytes();
   registration.remote_context = response->remote_context();
   registration.backends = BackendsOf(*response);
+  registration.lifetime = response->lifetime();
   return registration;
 }
 
 absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
-                                             const std::string& label) {
+                                             const std::string& label,
+                                             v1::Lifetime lifetime) {
   absl::StatusOr<std::string> attach_socket =
       AttachSocketFor(state_->attach_socket());
   if (!attach_socket.ok()) return attach_socket.status();
@@ -296,6 +306,7 @@ absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
   request.set_allocate_bytes(size);
   request.set_access(access);
   request.set_label(label);
+  request.set_lifetime(lifetime);
   absl::StatusOr<v1::RegisterResponse> response = Register(request);
   if (!response.ok()) return response.status();
 
@@ -331,11 +342,13 @@ absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
   }
   return Buffer(state_, response->buffer_id(),
                 std::make_unique<SharedMemory>(std::move(*memory)), registered,
-                response->remote_context(), BackendsOf(*response));
+                response->remote_context(), BackendsOf(*response),
+                response->lifetime());
 }
 
 absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
-                                           const std::string& label) {
+                                           const std::string& label,
+                                           v1::Lifetime lifetime) {
   absl::StatusOr<std::string> attach_socket =
       AttachSocketFor(state_->attach_socket());
   if (!attach_socket.ok()) return attach_socket.status();
@@ -359,12 +372,14 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
   request.set_attach_token(reply->response.attach_token());
   request.set_access(access);
   request.set_label(label);
+  request.set_lifetime(lifetime);
   absl::StatusOr<v1::RegisterResponse> response = Register(request);
   if (!response.ok()) return response.status();
   const uint64_t attached = memory->size();
   return Buffer(state_, response->buffer_id(),
                 std::make_unique<SharedMemory>(std::move(*memory)), attached,
-                response->remote_context(), BackendsOf(*response));
+                response->remote_context(), BackendsOf(*response),
+                response->lifetime());
 }
 
 absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
@@ -415,12 +430,15 @@ absl::Status AgentClient::Release(uint64_t buffer_id) {
   return ReleaseWith(*state_, buffer_id);
 }
 
-absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers() {
+absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers(
+    bool all_users) {
   grpc::ClientContext context;
   state_->PrepareContext(&context);
+  v1::ListBuffersRequest request;
+  request.set_all_users(all_users);
   v1::ListBuffersResponse response;
   grpc::Status status =
-      state_->stub().ListBuffers(&context, v1::ListBuffersRequest(), &response);
+      state_->stub().ListBuffers(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return std::vector<v1::BufferInfo>(response.buffers().begin(),
                                      response.buffers().end());

@@ -87,6 +87,7 @@ struct Registration {
   uint64_t size = 0;
   std::string remote_context;  // serialized RemoteBuffer
   std::vector<std::string> backends;
+  v1::Lifetime lifetime = v1::LIFETIME_AGENT;  // as the agent keeps it
 };
 
 namespace internal {
@@ -95,7 +96,9 @@ class ClientState;
 
 // A registration mapped into this process. Movable, not copyable. The
 // destructor unmaps the memory and releases the registration (best effort,
-// errors are dropped) unless Release was already called.
+// errors are dropped) unless Release was already called. By default the
+// agent also releases it when this process exits without doing so (killed,
+// crashed): see lifetime().
 class Buffer {
  public:
   Buffer(Buffer&& other) noexcept;
@@ -115,6 +118,9 @@ class Buffer {
   const std::string& remote_context() const { return remote_context_; }
   // Backends the buffer is registered with, in preference order.
   const std::vector<std::string>& backends() const { return backends_; }
+  // How long the agent keeps the registration if nobody releases it
+  // (LIFETIME_CLIENT_CONNECTION where the agent cannot watch this process).
+  v1::Lifetime lifetime() const { return lifetime_; }
 
   // Releases the registration now and returns the RPC status. The mapping
   // stays valid until the Buffer is destroyed; the destructor will not
@@ -125,7 +131,8 @@ class Buffer {
   friend class AgentClient;
   Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
          std::unique_ptr<SharedMemory> memory, uint64_t size,
-         std::string remote_context, std::vector<std::string> backends);
+         std::string remote_context, std::vector<std::string> backends,
+         v1::Lifetime lifetime);
   void ReleaseBestEffort();
 
   std::shared_ptr<internal::ClientState> state_;
@@ -135,6 +142,7 @@ class Buffer {
   std::byte* data_ = nullptr;             // memory_'s, cached for inline use
   std::string remote_context_;
   std::vector<std::string> backends_;
+  v1::Lifetime lifetime_ = v1::LIFETIME_UNSPECIFIED;
   bool released_ = true;  // nothing to release until constructed for real
 };
 
@@ -153,17 +161,25 @@ class AgentClient {
   // Agent allocates `size` zero-filled bytes; the client maps them through
   // the fd the attach socket returns (OpenBuffer). If mapping fails, the
   // registration is released and the mapping error returned.
-  absl::StatusOr<Buffer> Allocate(uint64_t size, v1::Access access,
-                                  const std::string& label = "");
+  //
+  // `lifetime`: by default the registration lives no longer than this
+  // process, like the Buffer that releases it (the agent releases it if the
+  // process dies first); LIFETIME_AGENT keeps it until Release, for
+  // registrations handed to something that outlives this process.
+  absl::StatusOr<Buffer> Allocate(
+      uint64_t size, v1::Access access, const std::string& label = "",
+      v1::Lifetime lifetime = v1::LIFETIME_CLIENT_PROCESS);
 
   // Client creates a memfd of `size` bytes (sealed F_SEAL_SHRINK), maps it,
-  // passes it on the attach socket, then Register{attach_token}.
-  absl::StatusOr<Buffer> Attach(uint64_t size, v1::Access access,
-                                const std::string& label = "");
+  // passes it on the attach socket, then Register{attach_token}. `lifetime`
+  // as for Allocate.
+  absl::StatusOr<Buffer> Attach(
+      uint64_t size, v1::Access access, const std::string& label = "",
+      v1::Lifetime lifetime = v1::LIFETIME_CLIENT_PROCESS);
 
   // Agent allocates; nothing is mapped here and nothing is released
-  // automatically (for tools such as rdma-agentctl whose registrations
-  // outlive the process).
+  // automatically, not even when this process ends (LIFETIME_AGENT: for
+  // tools such as rdma-agentctl whose registrations outlive the process).
   absl::StatusOr<Registration> AllocateUnmapped(uint64_t size,
                                                 v1::Access access,
                                                 const std::string& label = "");
@@ -178,8 +194,10 @@ class AgentClient {
   // Drops registration `buffer_id`.
   absl::Status Release(uint64_t buffer_id);
 
-  // This user's registrations.
-  absl::StatusOr<std::vector<v1::BufferInfo>> ListBuffers();
+  // This user's registrations; with `all_users`, every user's (root only:
+  // PERMISSION_DENIED for others).
+  absl::StatusOr<std::vector<v1::BufferInfo>> ListBuffers(
+      bool all_users = false);
 
   // Copies [offset, offset+length) of a registration out over gRPC, in
   // chunks of at most transfer_chunk_bytes. OUT_OF_RANGE if offset+length

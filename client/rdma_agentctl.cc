@@ -381,16 +381,38 @@ class RegisterCommand : public Command {
   std::string context_out_;
 };
 
+// A lifetime as the list shows it.
+const char* LifetimeText(v1::Lifetime lifetime) {
+  switch (lifetime) {
+    case v1::LIFETIME_CLIENT_PROCESS:
+      return "process";
+    case v1::LIFETIME_CLIENT_CONNECTION:
+      return "connection";
+    default:
+      return "agent";
+  }
+}
+
+// A timestamp as the list shows it: UTC, to the second.
+std::string TimeText(const google::protobuf::Timestamp& time) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
+                          absl::FromUnixSeconds(time.seconds()),
+                          absl::UTCTimeZone());
+}
+
 class ListCommand : public Command {
  public:
   explicit ListCommand(CLI::App& app) {
-    app.add_subcommand("list", "this user's buffers (root: everyone's)");
+    CLI::App* sub = app.add_subcommand(
+        "list", "this user's buffers, with owner, lifetime and times");
+    sub->add_flag("--all-users,--all_users", all_users_,
+                  "every user's buffers (root only)");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     absl::StatusOr<std::vector<v1::BufferInfo>> buffers =
-        (*client)->ListBuffers();
+        (*client)->ListBuffers(all_users_);
     if (!buffers.ok()) return Failed("list", buffers.status());
     if (global.json()) {
       v1::ListBuffersResponse response;
@@ -400,21 +422,32 @@ class ListCommand : public Command {
       Print(global, response);
       return Ok();
     }
-    std::printf("%-20s %14s %-18s %-9s %-20s %14s %14s %s\n", "ID", "SIZE",
-                "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED", "LABEL");
+    std::printf(
+        "%-20s %14s %-18s %-9s %-20s %14s %14s %10s %10s %-10s %-20s %-20s "
+        "%s\n",
+        "ID", "SIZE", "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED",
+        "UID", "PID", "LIFETIME", "CREATED", "LAST_USE", "LABEL");
     for (const v1::BufferInfo& buffer : *buffers) {
-      std::printf("%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %s\n",
-                  static_cast<unsigned long long>(buffer.buffer_id()),
-                  static_cast<unsigned long long>(buffer.size_bytes()),
-                  v1::Access_Name(buffer.access()).c_str(),
-                  buffer.agent_allocated() ? "agent" : "client",
-                  absl::StrJoin(buffer.backends(), ",").c_str(),
-                  static_cast<unsigned long long>(buffer.bytes_moved()),
-                  static_cast<unsigned long long>(buffer.bytes_served()),
-                  buffer.label().c_str());
+      std::printf(
+          "%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %10u %10u %-10s "
+          "%-20s %-20s %s\n",
+          static_cast<unsigned long long>(buffer.buffer_id()),
+          static_cast<unsigned long long>(buffer.size_bytes()),
+          v1::Access_Name(buffer.access()).c_str(),
+          buffer.agent_allocated() ? "agent" : "client",
+          absl::StrJoin(buffer.backends(), ",").c_str(),
+          static_cast<unsigned long long>(buffer.bytes_moved()),
+          static_cast<unsigned long long>(buffer.bytes_served()),
+          buffer.owner_uid(), buffer.owner_pid(),
+          LifetimeText(buffer.lifetime()),
+          TimeText(buffer.create_time()).c_str(),
+          TimeText(buffer.last_use_time()).c_str(), buffer.label().c_str());
     }
     return Ok();
   }
+
+ private:
+  bool all_users_ = false;
 };
 
 // Commands that take one buffer ID.

@@ -26,6 +26,7 @@
 #include "daemon/caller_identity.h"
 #include "daemon/metrics.h"
 #include "daemon/rpc_observer.h"
+#include "daemon/client_watcher.h"
 #include "daemon/service.h"
 #include "daemon/state_dir.h"
 #include "daemon/unix_socket.h"
@@ -125,6 +126,13 @@ absl::Status Agent::Init() {
   metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
   ObservePeerRefusals();
+  ClientWatcher::Options watch_options;
+  watch_options.methods = options_.process_watch;
+  watch_options.connection_poll_interval = options_.connection_poll_interval;
+  auto client_watcher = ClientWatcher::Start(watch_options, buffers_.get(),
+                                             quotas_.watched_clients);
+  if (!client_watcher.ok()) return client_watcher.status();
+  client_watcher_ = std::move(*client_watcher);
   attach_tokens_ = std::make_unique<AttachTokens>(options_.attach_token_ttl);
   // In order: backends must exist before the Peer listener serves their
   // services, and must be started (knowing the Peer address) before any
@@ -333,7 +341,7 @@ absl::Status Agent::StartApiServer() {
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, backends_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
-      metrics_.get(), metrics_address_);
+      client_watcher_.get(), metrics_.get(), metrics_address_);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -414,6 +422,8 @@ void Agent::SetUpQuotas() {
                            options_.max_pending_attach_total};
   limits.attach_connections = {options_.max_attach_connections_per_user,
                                options_.max_attach_connections_total};
+  limits.watched_clients = {options_.max_watched_clients_per_user,
+                            options_.max_watched_clients_total};
   const HostLimits host = ReadHostLimits();
   limits = DeriveQuotaLimits(limits, host);
   options_.max_registered_bytes_per_user = limits.bytes.per_user;
@@ -424,16 +434,19 @@ void Agent::SetUpQuotas() {
   options_.max_pending_attach_total = limits.pending_attach.total;
   options_.max_attach_connections_per_user = limits.attach_connections.per_user;
   options_.max_attach_connections_total = limits.attach_connections.total;
+  options_.max_watched_clients_per_user = limits.watched_clients.per_user;
+  options_.max_watched_clients_total = limits.watched_clients.total;
   spdlog::info(
       "admission limits (per user / total), from {} open files, "
       "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "
       "registrations {} / {}, parked attachments {} / {}, attach connections "
-      "{} / {}",
+      "{} / {}, watched clients {} / {}",
       host.open_files, host.max_map_count, host.memory_bytes,
       limits.bytes.per_user, limits.bytes.total, limits.registrations.per_user,
       limits.registrations.total, limits.pending_attach.per_user,
       limits.pending_attach.total, limits.attach_connections.per_user,
-      limits.attach_connections.total);
+      limits.attach_connections.total, limits.watched_clients.per_user,
+      limits.watched_clients.total);
   quotas_ = MakeAgentQuotas(limits);
 }
 
@@ -464,6 +477,8 @@ void Agent::Shutdown() {
     }
   }
   if (peer_server_ != nullptr) peer_server_->Shutdown(absl::ToChronoTime(grace));
+  // Every registration goes below; none is released for a client first.
+  client_watcher_.reset();
   if (buffers_ != nullptr) buffers_->Clear();
   server_.reset();
   peer_server_.reset();
@@ -515,6 +530,10 @@ void Agent::AddGauges() {
                      "Bytes registered or attached for registration, by "
                      "local user",
                      by_user(quotas_.bytes));
+  metrics_->AddGauge("rdma_agentd_watched_clients",
+                     "Client processes watched for lifetime-bound "
+                     "registrations, by local user",
+                     by_user(quotas_.watched_clients));
   metrics_->AddGauge(
       "rdma_agentd_peer_links",
       "Connections (tcp) and queue pairs (ibverbs) held with each peer, by "

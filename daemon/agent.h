@@ -26,6 +26,7 @@ class AttachTokens;
 class BufferTable;
 class CallerTable;
 class MetricsServer;
+class ClientWatcher;
 class RdmaAgentService;
 class UnixListener;
 
@@ -111,6 +112,7 @@ class Agent {
   // registries and backends they call into are destroyed.
   std::unique_ptr<AgentMetrics> metrics_;
   std::unique_ptr<BufferTable> buffers_;
+  std::unique_ptr<ClientWatcher> client_watcher_;
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> backends_;
   std::unique_ptr<CallerTable> callers_;

@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "backends/backend.h"
+#include "daemon/client_watcher.h"
 
 namespace rdma_agent {
 
@@ -60,6 +61,10 @@ struct AgentOptions {
   // Open attach-socket connections (an fd and a thread each).
   uint64_t max_attach_connections_per_user = 0;
   uint64_t max_attach_connections_total = 0;
+  // Clients watched for lifetime-bound registrations (a pidfd each, or a
+  // connection polled for closing).
+  uint64_t max_watched_clients_per_user = 0;
+  uint64_t max_watched_clients_total = 0;
   // Ops of running Submits, per user and in total.
   size_t max_ops_in_flight = 262144;
   size_t max_ops_in_flight_per_user = 65536;
@@ -73,6 +78,12 @@ struct AgentOptions {
   absl::Duration shutdown_grace = absl::Seconds(5);
   // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.
   std::string metrics_listen;
+
+  // How clients of lifetime-bound registrations are watched: every method
+  // the kernel has, unless a test turns some off; connections are checked
+  // this often.
+  ProcessWatchMethods process_watch;
+  absl::Duration connection_poll_interval = absl::Seconds(1);
 };
 
 }  // namespace rdma_agent

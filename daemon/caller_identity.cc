@@ -1,6 +1,7 @@
 #include "daemon/caller_identity.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
@@ -19,12 +20,60 @@ namespace {
 // into many wake-ups of the reader.
 constexpr int kApiSocketBufferBytes = 4 << 20;
 
+// Linux 6.5's option; older C library headers do not name it.
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+
+bool SameSocket(int fd, ino_t inode) {
+  struct stat st;
+  return ::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && st.st_ino == inode;
+}
+
 }  // namespace
 
+bool ConnectionOpen(const CallerConnection& connection) {
+  return SameSocket(connection.fd, connection.inode);
+}
+
+bool ConnectionAlive(const CallerConnection& connection) {
+  if (!ConnectionOpen(connection)) return false;
+  struct pollfd end = {connection.fd, POLLRDHUP, 0};
+  if (::poll(&end, 1, 0) == 1 &&
+      (end.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0) {
+    return false;
+  }
+  // The fd may have been closed and its number reused during the poll.
+  return ConnectionOpen(connection);
+}
+
+absl::StatusOr<UniqueFd> OpenPeerPidfd(const CallerConnection& connection) {
+  // gRPC may close the fd, and its number be reused, at any time: the pidfd
+  // is the connection's only if the fd was that socket before and after.
+  const absl::Status closed =
+      absl::NotFoundError("the caller's connection has closed");
+  if (!ConnectionOpen(connection)) return closed;
+  int pidfd = -1;
+  socklen_t length = sizeof(pidfd);
+  if (::getsockopt(connection.fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &length) !=
+      0) {
+    const int error = errno;
+    if (error == ENOPROTOOPT) {
+      return absl::UnimplementedError("this kernel has no SO_PEERPIDFD");
+    }
+    // ESRCH (or EINVAL before 6.9): the process that connected has exited.
+    if (error == ESRCH || error == EINVAL || error == ENODATA) {
+      return absl::NotFoundError("the caller's process has exited");
+    }
+    return ErrnoStatus(absl::StatusCode::kInternal, "SO_PEERPIDFD", error);
+  }
+  UniqueFd owned(pidfd);
+  if (!ConnectionOpen(connection)) return closed;
+  return owned;
+}
+
 bool CallerTable::Live(int fd, const Entry& entry) {
-  struct stat st;
-  return ::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) &&
-         st.st_ino == entry.inode;
+  return SameSocket(fd, entry.inode);
 }
 
 absl::Status CallerTable::Admit(int fd, const PeerCredentials& peer,
@@ -72,6 +121,13 @@ size_t CallerTable::Connections(uid_t uid) const {
 
 absl::StatusOr<PeerCredentials> CallerTable::Lookup(
     const grpc::ServerContextBase& context) const {
+  absl::StatusOr<CallerConnection> connection = Connection(context);
+  if (!connection.ok()) return connection.status();
+  return connection->peer;
+}
+
+absl::StatusOr<CallerConnection> CallerTable::Connection(
+    const grpc::ServerContextBase& context) const {
   const std::string peer = context.peer();
   absl::string_view fd_text = peer;
   int fd = -1;
@@ -86,7 +142,7 @@ absl::StatusOr<PeerCredentials> CallerTable::Lookup(
     return absl::UnauthenticatedError(
         absl::StrCat("no credentials for connection ", peer));
   }
-  return it->second.peer;
+  return CallerConnection{it->second.peer, fd, it->second.inode};
 }
 
 absl::Status AdmitApiConnection(int fd, const PeerCredentials& peer,

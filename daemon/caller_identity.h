@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/unique_fd.h"
 #include "daemon/unix_socket.h"
 #include "grpcpp/server_context.h"
 
@@ -18,6 +19,28 @@ namespace rdma_agent {
 // (UnixListener, which reads SO_PEERCRED), admits each connection here, and
 // only then hands the fd to gRPC; every RPC then finds its caller by the fd
 // gRPC serves it on.
+
+// The API connection an RPC came on: its caller, gRPC's fd for it and the
+// socket's inode (the fd number alone is reused once gRPC closes it).
+struct CallerConnection {
+  PeerCredentials peer;
+  int fd = -1;
+  ino_t inode = 0;
+};
+
+// True while `connection.fd` still refers to that connection's socket.
+bool ConnectionOpen(const CallerConnection& connection);
+
+// True while `connection` is open and its client's end is too (a client
+// that exits closes its end; the agent's end stays open until gRPC notices).
+bool ConnectionAlive(const CallerConnection& connection);
+
+// A pidfd of the process that opened `connection` (SO_PEERPIDFD, Linux 6.5):
+// unlike pidfd_open of the SO_PEERCRED pid, it cannot name another process
+// that reused the pid, and it works whatever pid namespace the caller is in.
+// UNIMPLEMENTED when the kernel has no SO_PEERPIDFD; NOT_FOUND when the
+// connection has closed or that process is gone.
+absl::StatusOr<UniqueFd> OpenPeerPidfd(const CallerConnection& connection);
 
 // Credentials of each connection the agent accepted on its Unix socket, by
 // the fd gRPC serves it on (ServerContext::peer() reads "fd:N").
@@ -36,6 +59,9 @@ class CallerTable {
                      size_t max_total);
   // The caller of the RPC in `context`; UNAUTHENTICATED if unknown.
   absl::StatusOr<PeerCredentials> Lookup(
+      const grpc::ServerContextBase& context) const;
+  // The connection the RPC in `context` came on; UNAUTHENTICATED if unknown.
+  absl::StatusOr<CallerConnection> Connection(
       const grpc::ServerContextBase& context) const;
   // Live connections of `uid`.
   size_t Connections(uid_t uid) const;

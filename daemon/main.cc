@@ -104,6 +104,14 @@ ABSL_FLAG(uint64_t, max_attach_connections_per_user, 0,
 ABSL_FLAG(uint64_t, max_attach_connections_total, 0,
           "Attach-socket connections all users together may hold open; 0: "
           "256.");
+ABSL_FLAG(uint64_t, max_watched_clients_per_user, 0,
+          "Client processes (or connections) of one local user the agent "
+          "watches to release their lifetime-bound registrations; 0: a "
+          "quarter of the total.");
+ABSL_FLAG(uint64_t, max_watched_clients_total, 0,
+          "Client processes (or connections) of all users the agent watches "
+          "(a pidfd each); 0: a quarter of the open-file reserve, at most "
+          "1024.");
 ABSL_FLAG(absl::Duration, attach_token_ttl, absl::Seconds(60),
           "How long an attach token stays valid.");
 ABSL_FLAG(int64_t, max_ops_in_flight, 262144,
@@ -218,6 +226,10 @@ int Run() {
       absl::GetFlag(FLAGS_max_attach_connections_per_user);
   options.max_attach_connections_total =
       absl::GetFlag(FLAGS_max_attach_connections_total);
+  options.max_watched_clients_per_user =
+      absl::GetFlag(FLAGS_max_watched_clients_per_user);
+  options.max_watched_clients_total =
+      absl::GetFlag(FLAGS_max_watched_clients_total);
   options.max_ops_in_flight =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight));
   options.max_ops_in_flight_per_user =

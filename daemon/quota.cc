@@ -20,6 +20,7 @@ namespace {
 // Used when /proc/sys/vm/max_map_count cannot be read (the kernel default).
 constexpr uint64_t kDefaultMaxMapCount = 65530;
 constexpr uint64_t kDefaultAttachConnections = 256;
+constexpr uint64_t kMaxDefaultWatchedClients = 1024;
 
 // A positive number from a /proc file, or `fallback`.
 uint64_t ReadProcNumber(const char* path, uint64_t fallback) {
@@ -217,6 +218,8 @@ QuotaLimits DeriveQuotaLimits(QuotaLimits limits, const HostLimits& host) {
   DeriveOne(&limits.pending_attach, objects / 4);
   DeriveOne(&limits.bytes, host.memory_bytes);
   DeriveOne(&limits.attach_connections, kDefaultAttachConnections);
+  DeriveOne(&limits.watched_clients,
+            std::min(kMaxDefaultWatchedClients, Reserve(host.open_files) / 4));
   return limits;
 }
 
@@ -234,6 +237,10 @@ AgentQuotas MakeAgentQuotas(const QuotaLimits& limits) {
   quotas.attach_connections = ResourceQuota::Create(
       "attach-socket connections", "max_attach_connections_per_user",
       "max_attach_connections_total", limits.attach_connections);
+  quotas.watched_clients = ResourceQuota::Create(
+      "clients watched for their registrations' lifetime",
+      "max_watched_clients_per_user", "max_watched_clients_total",
+      limits.watched_clients);
   return quotas;
 }
 

@@ -120,6 +120,9 @@ struct AgentQuotas {
   std::shared_ptr<ResourceQuota> pending_attach;
   // Open attach-socket connections (an fd and a thread each).
   std::shared_ptr<ResourceQuota> attach_connections;
+  // Clients watched for lifetime-bound registrations (a pidfd each, or a
+  // connection polled for closing).
+  std::shared_ptr<ResourceQuota> watched_clients;
 };
 
 // What the host lets this process hold, read at start.
@@ -157,6 +160,7 @@ struct QuotaLimits {
   ResourceQuota::Limits registrations;
   ResourceQuota::Limits pending_attach;
   ResourceQuota::Limits attach_connections;
+  ResourceQuota::Limits watched_clients;
 };
 
 // Fills every zero in `limits` from `host`:
@@ -167,6 +171,8 @@ struct QuotaLimits {
 //  - bytes: physical memory (what ibverbs could pin, far below the 128 TiB
 //    of address space);
 //  - attach connections: 256 in all;
+//  - watched clients (a pidfd each, no mapping): out of the fd reserve, a
+//    quarter of it and at most 1024;
 //  - every per-user limit: a quarter of its total (at least 1), so that one
 //    user cannot starve the others.
 // Per-user limits set above their total are lowered to the total.

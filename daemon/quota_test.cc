@@ -102,6 +102,9 @@ TEST(DeriveQuotaLimitsTest, PerUserIsAQuarterOfTotalAndFitsTheProcess) {
   EXPECT_EQ(limits.bytes.per_user, uint64_t{4} << 30);
   EXPECT_EQ(limits.attach_connections.total, 256u);
   EXPECT_EQ(limits.attach_connections.per_user, 64u);
+  // A pidfd each, out of the 5000 fds of the reserve: capped at 1024.
+  EXPECT_EQ(limits.watched_clients.total, 1024u);
+  EXPECT_EQ(limits.watched_clients.per_user, 256u);
 }
 
 TEST(DeriveQuotaLimitsTest, MapCountBoundsWhenFdsArePlenty) {
@@ -123,6 +126,9 @@ TEST(DeriveQuotaLimitsTest, TinyLimitsStillLeaveAReserveAndAllowSomething) {
   EXPECT_LE(limits.registrations.total + limits.pending_attach.total, 32u);
   EXPECT_GE(limits.registrations.per_user, 1u);
   EXPECT_GE(limits.pending_attach.per_user, 1u);
+  // A quarter of the 32-fd reserve.
+  EXPECT_EQ(limits.watched_clients.total, 8u);
+  EXPECT_GE(limits.watched_clients.per_user, 1u);
 }
 
 TEST(DeriveQuotaLimitsTest, SetLimitsAreKeptAndPerUserNeverExceedsTotal) {

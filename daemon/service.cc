@@ -14,6 +14,7 @@
 #include "daemon/metrics.h"
 #include "daemon/remote_context.h"
 #include "daemon/version.h"
+#include "google/protobuf/util/time_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -29,6 +30,28 @@ std::string HostName() {
   return name;
 }
 
+// What ListBuffers says of one registration.
+void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
+  using google::protobuf::util::TimeUtil;
+  info->set_buffer_id(registration.id());
+  info->set_size_bytes(registration.size());
+  info->set_access(registration.access());
+  info->set_label(registration.label());
+  for (const auto& name : registration.backend_names()) {
+    info->add_backends(name);
+  }
+  info->set_bytes_moved(registration.bytes_moved());
+  info->set_bytes_served(registration.bytes_served());
+  info->set_agent_allocated(registration.agent_allocated());
+  info->set_owner_uid(registration.owner());
+  info->set_owner_pid(static_cast<uint32_t>(registration.owner_pid()));
+  info->set_lifetime(registration.lifetime());
+  *info->mutable_create_time() =
+      TimeUtil::NanosecondsToTimestamp(registration.create_time_nanos());
+  *info->mutable_last_use_time() =
+      TimeUtil::NanosecondsToTimestamp(registration.last_use_nanos());
+}
+
 }  // namespace
 
 RdmaAgentService::RdmaAgentService(const AgentOptions& options,
@@ -38,6 +61,7 @@ RdmaAgentService::RdmaAgentService(const AgentOptions& options,
                                    AttachTokens* attach_tokens,
                                    const CallerTable* callers,
                                    ActiveCalls* calls, AgentQuotas quotas,
+                                   ClientWatcher* client_watcher,
                                    AgentMetrics* metrics,
                                    std::string metrics_address)
     : options_(options),
@@ -48,6 +72,7 @@ RdmaAgentService::RdmaAgentService(const AgentOptions& options,
       callers_(callers),
       calls_(calls),
       quotas_(std::move(quotas)),
+      client_watcher_(client_watcher),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)) {}
 
@@ -88,14 +113,29 @@ grpc::Status RdmaAgentService::Register(grpc::ServerContext* context,
   auto admitted = Admit(*context, "Register");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   const PeerCredentials* caller = &admitted->caller;
-  auto result = DoRegister(*request, caller->uid);
+  auto result = DoRegister(*request, *context, *caller);
   if (!result.ok()) return ToGrpcStatus(Prefixed(result.status(), "Register"));
   *response = std::move(*result);
   return grpc::Status::OK;
 }
 
+absl::StatusOr<std::optional<ClientWatcher::Ticket>>
+RdmaAgentService::WatchCaller(const grpc::ServerContext& context,
+                              v1::Lifetime lifetime) {
+  if (lifetime == v1::LIFETIME_AGENT) {
+    return std::optional<ClientWatcher::Ticket>();
+  }
+  auto connection = callers_->Connection(context);
+  if (!connection.ok()) return connection.status();
+  auto ticket = client_watcher_->Reserve(*connection, lifetime);
+  if (!ticket.ok()) return ticket.status();
+  return std::optional<ClientWatcher::Ticket>(std::move(*ticket));
+}
+
 absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
-    const v1::RegisterRequest& request, uid_t caller) {
+    const v1::RegisterRequest& request, const grpc::ServerContext& context,
+    const PeerCredentials& peer) {
+  const uid_t caller = peer.uid;
   if (!ValidAccess(request.access())) {
     return absl::InvalidArgumentError(
         "access must be ACCESS_READ, ACCESS_WRITE or ACCESS_READ_WRITE");
@@ -104,18 +144,33 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
     return absl::InvalidArgumentError(absl::StrCat(
         "label is longer than ", options_.max_label_bytes, " bytes"));
   }
-  // Admission before allocation: the registration (an fd and a mapping
-  // until unmapped) is charged first, then the bytes, before any memfd is
-  // created; whatever is refused leaves nothing behind.
-  auto slot = quotas_.registrations->Reserve(caller, 1);
-  if (!slot.ok()) {
-    // Refused, an attachment is not kept parked for a retry: its fd,
-    // mapping and bytes go now.
+  if (!v1::Lifetime_IsValid(request.lifetime())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lifetime ", request.lifetime(),
+                     " is not LIFETIME_AGENT, LIFETIME_CLIENT_PROCESS or "
+                     "LIFETIME_CLIENT_CONNECTION"));
+  }
+  const v1::Lifetime asked = request.lifetime() == v1::LIFETIME_UNSPECIFIED
+                                 ? v1::LIFETIME_AGENT
+                                 : request.lifetime();
+  // Refused, an attachment is not kept parked for a retry: its fd, mapping
+  // and bytes go now.
+  auto refuse = [&](absl::Status status) {
     if (request.memory_case() == v1::RegisterRequest::kAttachToken) {
       (void)attach_tokens_->Take(request.attach_token(), caller);
     }
-    return slot.status();
-  }
+    return status;
+  };
+  // Admission before allocation: the registration (an fd and a mapping
+  // until unmapped) is charged first, then the client watch its lifetime
+  // needs, then the bytes, before any memfd is created; whatever is refused
+  // leaves nothing behind.
+  auto slot = quotas_.registrations->Reserve(caller, 1);
+  if (!slot.ok()) return refuse(slot.status());
+  auto watch = WatchCaller(context, asked);
+  if (!watch.ok()) return refuse(watch.status());
+  const v1::Lifetime lifetime =
+      watch->has_value() ? (*watch)->lifetime() : v1::LIFETIME_AGENT;
   const uint64_t id = buffers_->NextId();
   absl::StatusOr<SharedMemory> memory;
   bool agent_allocated = false;
@@ -153,15 +208,16 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
 
   auto registration = std::make_shared<Registration>(
       id, caller, request.access(), request.label(), RandomBytes(16),
-      std::move(*memory), agent_allocated);
-  v1::RemoteBuffer context;
-  context.set_agent_id(identity_.agent_id);
-  context.set_agent_epoch(identity_.epoch);
-  context.set_buffer_id(id);
-  context.set_size_bytes(registration->size());
-  context.set_access(registration->access());
-  context.set_token(registration->token());
-  absl::Status status = backends_->RegisterWithAll(*registration, &context);
+      std::move(*memory), agent_allocated,
+      Registration::Origin{peer.pid, lifetime});
+  v1::RemoteBuffer remote;
+  remote.set_agent_id(identity_.agent_id);
+  remote.set_agent_epoch(identity_.epoch);
+  remote.set_buffer_id(id);
+  remote.set_size_bytes(registration->size());
+  remote.set_access(registration->access());
+  remote.set_token(registration->token());
+  absl::Status status = backends_->RegisterWithAll(*registration, &remote);
   if (!status.ok()) return status;
 
   v1::RegisterResponse response;
@@ -170,12 +226,16 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   for (const auto& name : registration->backend_names()) {
     response.add_backends(name);
   }
-  context.SerializeToString(response.mutable_remote_context());
+  response.set_lifetime(lifetime);
+  remote.SerializeToString(response.mutable_remote_context());
   buffers_->Add(registration);
-  spdlog::info("uid {} registered buffer {} ({} bytes, {}, label \"{}\")",
-               caller, id, registration->size(),
-               v1::Access_Name(registration->access()),
-               LogSafe(registration->label()));
+  // Published first: a client gone meanwhile releases it like any other.
+  if (watch->has_value()) client_watcher_->Bind(std::move(**watch), id);
+  spdlog::info(
+      "uid {} pid {} registered buffer {} ({} bytes, {}, {}, label \"{}\")",
+      caller, peer.pid, id, registration->size(),
+      v1::Access_Name(registration->access()), v1::Lifetime_Name(lifetime),
+      LogSafe(registration->label()));
   return response;
 }
 
@@ -356,24 +416,22 @@ void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
   }
 }
 
-grpc::Status RdmaAgentService::ListBuffers(grpc::ServerContext* context,
-                                           const v1::ListBuffersRequest*,
-                                           v1::ListBuffersResponse* response) {
+grpc::Status RdmaAgentService::ListBuffers(
+    grpc::ServerContext* context, const v1::ListBuffersRequest* request,
+    v1::ListBuffersResponse* response) {
   auto admitted = Admit(*context, "ListBuffers");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   const PeerCredentials* caller = &admitted->caller;
-  for (const auto& registration : buffers_->List(caller->uid)) {
-    v1::BufferInfo* info = response->add_buffers();
-    info->set_buffer_id(registration->id());
-    info->set_size_bytes(registration->size());
-    info->set_access(registration->access());
-    info->set_label(registration->label());
-    for (const auto& name : registration->backend_names()) {
-      info->add_backends(name);
-    }
-    info->set_bytes_moved(registration->bytes_moved());
-    info->set_bytes_served(registration->bytes_served());
-    info->set_agent_allocated(registration->agent_allocated());
+  if (request->all_users() && caller->uid != 0) {
+    return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
+        "ListBuffers: all_users is for root; uid ", caller->uid,
+        " may list only its own registrations")));
+  }
+  const auto registrations = request->all_users()
+                                 ? buffers_->ListAll()
+                                 : buffers_->ListOwnedBy(caller->uid);
+  for (const auto& registration : registrations) {
+    DescribeBuffer(*registration, response->add_buffers());
   }
   return grpc::Status::OK;
 }
@@ -396,6 +454,7 @@ grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
   absl::Status status = CheckRange(request->offset(), request->length(),
                                    (*registration)->size(), "buffer");
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "ReadBuffer"));
+  (*registration)->MarkUsed();
   response->set_data(reinterpret_cast<const char*>((*registration)->data() +
                                                    request->offset()),
                      request->length());
@@ -415,6 +474,7 @@ grpc::Status RdmaAgentService::WriteBuffer(
   absl::Status status = CheckRange(request->offset(), request->data().size(),
                                    (*registration)->size(), "buffer");
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "WriteBuffer"));
+  (*registration)->MarkUsed();
   std::memcpy((*registration)->data() + request->offset(),
               request->data().data(), request->data().size());
   return grpc::Status::OK;

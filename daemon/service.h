@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -17,6 +18,7 @@
 #include "daemon/agent_options.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/caller_identity.h"
+#include "daemon/client_watcher.h"
 #include "daemon/quota.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
@@ -33,7 +35,8 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
                    const BackendRegistry* backends, BufferTable* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas,
-                   AgentMetrics* metrics, std::string metrics_address);
+                   ClientWatcher* client_watcher, AgentMetrics* metrics,
+                   std::string metrics_address);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -68,7 +71,11 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
                                  absl::string_view rpc, size_t ops = 0) const;
 
   absl::StatusOr<v1::RegisterResponse> DoRegister(
-      const v1::RegisterRequest& request, uid_t caller);
+      const v1::RegisterRequest& request, const grpc::ServerContext& context,
+      const PeerCredentials& caller);
+  // A reserved watch of the caller for `lifetime`; none for LIFETIME_AGENT.
+  absl::StatusOr<std::optional<ClientWatcher::Ticket>> WatchCaller(
+      const grpc::ServerContext& context, v1::Lifetime lifetime);
   // Validates op `index` of a Submit and resolves its buffers.
   absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
                                uid_t caller) const;
@@ -88,6 +95,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   const CallerTable* const callers_;
   ActiveCalls* const calls_;
   const AgentQuotas quotas_;
+  ClientWatcher* const client_watcher_;
   AgentMetrics* const metrics_;  // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   // Failed ops, one warning each: 20 at once, then one a second.

@@ -49,6 +49,14 @@ OP_TYPE = {
     "read": types_pb2.OP_TYPE_READ_INTO_LOCAL,
     "write": types_pb2.OP_TYPE_WRITE_FROM_LOCAL,
 }
+# How long a registration lives if nobody releases it (types.proto Lifetime):
+# until Release ("agent"), or until this process exits ("process") or its
+# connection closes ("connection"), whichever comes first.
+LIFETIME = {
+    "agent": types_pb2.LIFETIME_AGENT,
+    "process": types_pb2.LIFETIME_CLIENT_PROCESS,
+    "connection": types_pb2.LIFETIME_CLIENT_CONNECTION,
+}
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 # Matches the agent's attach framing (common/fd_message.h).
@@ -85,6 +93,10 @@ class OpResult(namedtuple("OpResult", "code message backend")):
 
 def _access(access):
     return ACCESS[access] if isinstance(access, str) else access
+
+
+def _lifetime(lifetime):
+    return LIFETIME[lifetime] if isinstance(lifetime, str) else lifetime
 
 
 def _rpc(call, request, timeout):
@@ -166,16 +178,20 @@ class Buffer:
     """A registration mapped into this process (`memory`, an mmap).
 
     Closing it (or leaving its `with` block) releases the registration, best
-    effort, unless release() was called, then unmaps the memory.
+    effort, unless release() was called, then unmaps the memory. `lifetime`
+    is the Lifetime the agent keeps it with: by default it is released also
+    when this process dies without closing it.
     """
 
-    def __init__(self, client, buffer_id, memory, remote_context, backends):
+    def __init__(self, client, buffer_id, memory, remote_context, backends,
+                 lifetime=types_pb2.LIFETIME_AGENT):
         self._client = client
         self.id = buffer_id
         self.size = len(memory)
         self.memory = memory
         self.remote_context = remote_context
         self.backends = list(backends)
+        self.lifetime = lifetime
         self._released = False
 
     def release(self):
@@ -255,7 +271,10 @@ class AgentClient:
         _probe_socket(path)
         self._channel = grpc.insecure_channel(
             "unix:" + path,
-            options=[("grpc.max_receive_message_length", max(4 << 20, chunk_bytes + (64 << 10)))])
+            options=[("grpc.max_receive_message_length", max(4 << 20, chunk_bytes + (64 << 10))),
+                     # Never idle out: where the agent cannot watch this
+                     # process, its buffers end with the connection.
+                     ("grpc.client_idle_timeout_ms", (1 << 31) - 1)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -278,18 +297,21 @@ class AgentClient:
         """The agent's AgentInfo (id, epoch, version, backends)."""
         return _rpc(self.stub.GetInfo, agent_pb2.GetInfoRequest(), self.timeout)
 
-    def register(self, size, access="read_write", label=""):
-        """Agent-allocated registration, not mapped here and never released
-        automatically: the RegisterResponse (buffer_id, remote_context, ...)."""
+    def register(self, size, access="read_write", label="", lifetime="agent"):
+        """Agent-allocated registration, not mapped here and, by default, never
+        released automatically, not even when this process exits: the
+        RegisterResponse (buffer_id, remote_context, lifetime, ...)."""
         return _rpc(self.stub.Register,
                     agent_pb2.RegisterRequest(allocate_bytes=size, access=_access(access),
-                                              label=label),
+                                              label=label, lifetime=_lifetime(lifetime)),
                     self.timeout)
 
-    def allocate(self, size, access="read_write", label=""):
+    def allocate(self, size, access="read_write", label="", lifetime="process"):
         """Agent allocates; the memory is mapped here through the fd the
-        attach socket returns (OpenBuffer). Returns a Buffer."""
-        response = self.register(size, access, label)
+        attach socket returns (OpenBuffer). Returns a Buffer. `lifetime`: by
+        default the agent releases it if this process dies without closing
+        it; "agent" keeps it until released."""
+        response = self.register(size, access, label, lifetime)
         try:
             reply, fd = _attach_exchange(
                 self.attach_socket,
@@ -311,11 +333,12 @@ class AgentClient:
                 pass
             raise
         return Buffer(self, response.buffer_id, memory, response.remote_context,
-                      response.backends)
+                      response.backends, response.lifetime)
 
-    def attach(self, size, access="read_write", label=""):
+    def attach(self, size, access="read_write", label="", lifetime="process"):
         """This process creates a memfd (sealed against shrinking), maps it,
-        hands it to the agent on the attach socket and registers it."""
+        hands it to the agent on the attach socket and registers it.
+        `lifetime` as for allocate()."""
         if size <= 0:
             raise AgentError(grpc.StatusCode.INVALID_ARGUMENT, "size must be positive")
         fd = os.memfd_create(label or "rdma-agent-client",
@@ -335,13 +358,14 @@ class AgentClient:
             _raise_for(reply)
             response = _rpc(self.stub.Register,
                             agent_pb2.RegisterRequest(attach_token=reply.attach_token,
-                                                      access=_access(access), label=label),
+                                                      access=_access(access), label=label,
+                                                      lifetime=_lifetime(lifetime)),
                             self.timeout)
         except BaseException:
             memory.close()
             raise
         return Buffer(self, response.buffer_id, memory, response.remote_context,
-                      response.backends)
+                      response.backends, response.lifetime)
 
     def submit(self, ops, timeout=None):
         """Runs `ops` (Op tuples) as one batch: one OpResult per op. `timeout`
@@ -363,9 +387,11 @@ class AgentClient:
     def release(self, buffer_id):
         _rpc(self.stub.Release, agent_pb2.ReleaseRequest(buffer_id=buffer_id), self.timeout)
 
-    def list_buffers(self):
-        """This user's registrations (BufferInfo messages)."""
-        return list(_rpc(self.stub.ListBuffers, agent_pb2.ListBuffersRequest(),
+    def list_buffers(self, all_users=False):
+        """This user's registrations (BufferInfo messages); with `all_users`,
+        every user's (root only: AgentError PERMISSION_DENIED otherwise)."""
+        return list(_rpc(self.stub.ListBuffers,
+                         agent_pb2.ListBuffersRequest(all_users=all_users),
                          self.timeout).buffers)
 
     def read_buffer(self, buffer_id, offset, length):

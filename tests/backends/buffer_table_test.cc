@@ -45,9 +45,11 @@ TEST(BufferTableScopingTest, EachUserSeesOwnBuffersAndRootSeesAll) {
   const uint64_t a1 = AddBuffer(table, kAlice)->id();
   const uint64_t b1 = AddBuffer(table, kBob)->id();
   const uint64_t a2 = AddBuffer(table, kAlice)->id();
-  EXPECT_EQ(Ids(table.List(kAlice)), (std::vector<uint64_t>{a1, a2}));
-  EXPECT_EQ(Ids(table.List(kBob)), (std::vector<uint64_t>{b1}));
-  EXPECT_EQ(Ids(table.List(kRoot)), (std::vector<uint64_t>{a1, b1, a2}));
+  EXPECT_EQ(Ids(table.ListOwnedBy(kAlice)), (std::vector<uint64_t>{a1, a2}));
+  EXPECT_EQ(Ids(table.ListOwnedBy(kBob)), (std::vector<uint64_t>{b1}));
+  // Root's own list is root's own; every user's is a separate question.
+  EXPECT_TRUE(table.ListOwnedBy(kRoot).empty());
+  EXPECT_EQ(Ids(table.ListAll()), (std::vector<uint64_t>{a1, b1, a2}));
   EXPECT_TRUE(table.Find(b1, kRoot).ok());
   // A foreign id answers exactly as an unknown one.
   EXPECT_EQ(table.Find(b1, kAlice).status().code(),
@@ -74,7 +76,7 @@ TEST(BufferTableScopingTest, IdsAreNeverReusedAfterRemoveOrClear) {
       if (i % 2 == 0) ASSERT_TRUE(table.Remove(last, kAlice).ok());
     }
     table.Clear();
-    EXPECT_TRUE(table.List(kRoot).empty());
+    EXPECT_TRUE(table.ListAll().empty());
   }
 }
 
@@ -108,7 +110,7 @@ TEST(BufferTableScopingTest, RemoveWhilePinnedKeepsMemoryUntilTheLastPin) {
     pinned = *found;  // as an op in flight holds it
     ASSERT_TRUE(table.Remove(registration->id(), kAlice).ok());
   }
-  EXPECT_TRUE(table.List(kRoot).empty());
+  EXPECT_TRUE(table.ListAll().empty());
   ASSERT_FALSE(alive.expired()) << "the op's pin keeps it";
   pinned->data()[4095] = std::byte{0x7f};  // still mapped, still writable
   EXPECT_EQ(pinned->data()[4095], std::byte{0x7f});

@@ -3,6 +3,7 @@
 #include "backends/registry.h"
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,7 @@ class FakeBackend : public Backend {
       EXPECT_NE(op.endpoint, nullptr);
       EXPECT_EQ(op.endpoint, FindEndpoint(*op.remote, name_));
       submitted.push_back(op.index);
+      if (on_op) on_op(op);
       if (script.empty()) {
         results.push_back(absl::OkStatus());
       } else {
@@ -69,6 +71,8 @@ class FakeBackend : public Backend {
 
   absl::Status register_error;
   std::vector<absl::Status> script;
+  // Runs for each op as the backend takes it.
+  std::function<void(const Op&)> on_op;
   std::vector<size_t> submitted;
   std::atomic<int> live{0};
   int register_calls = 0;
@@ -254,6 +258,35 @@ TEST(BackendRegistryTest, DoesNotRetryOnceCancelled) {
       StopToken(absl::Now() + absl::Seconds(5), &cancellation));
   EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(fakes.tcp->submitted.empty());
+}
+
+// Spins (bounded) until the coarse clock reads later than `nanos`.
+void WaitForCoarseClockPast(int64_t nanos) {
+  for (int i = 0; i < 10000 && CoarseNowNanos() <= nanos; ++i) {
+    absl::SleepFor(absl::Microseconds(500));
+  }
+  ASSERT_GT(CoarseNowNanos(), nanos);
+}
+
+TEST(BackendRegistryTest, StampsLocalBuffersUsedWhenOpsStartAndEnd) {
+  Fakes fakes = MakeRegistry();
+  auto local = MakeRegistration();
+  const int64_t created = local->create_time_nanos();
+  WaitForCoarseClockPast(created);
+  int64_t seen_by_backend = 0;
+  fakes.tcp->on_op = [&](const Op& op) {
+    seen_by_backend = op.local->last_use_nanos();
+    WaitForCoarseClockPast(seen_by_backend);
+  };
+  // Failed ops count too: the buffer was the local side of an op.
+  fakes.tcp->script = {absl::DataLossError("scripted")};
+  auto outcomes = fakes.registry->Submit(
+      {ReadOp(0, Advertising({"tcp"}), local)},
+      StopToken(absl::Now() + absl::Seconds(5)));
+  ASSERT_EQ(outcomes[0].status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_GT(seen_by_backend, created) << "stamped when the op started";
+  EXPECT_GT(local->last_use_nanos(), seen_by_backend)
+      << "stamped again when it ended";
 }
 
 TEST(RegistrationTest, MemoryOutlivesReleaseWhileAnOpPinsIt) {

@@ -3,6 +3,9 @@
 // -> decode -> submit both ways -> list -> release; then the failure paths
 // and their exit codes (1 the agent refused, 2 usage, 3 local files).
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -178,13 +181,19 @@ TEST_F(AgentctlTest, RegisterWriteReadDecodeSubmitRelease) {
   r = Ctl({"read", src, "--length=4099"});
   EXPECT_TRUE(r.out == expected);
 
-  // list shows both, with the label.
+  // list shows both, with owner, lifetime, times and the label. Agent
+  // lifetime: register's process exited long ago.
   r = Ctl({"list"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat(
-                         "(.|\n)*\n", src,
-                         " +4099 +ACCESS_READ_WRITE +agent "
-                         "+memory +[0-9]+ +[0-9]+ source\n(.|\n)*")));
+  EXPECT_THAT(r.out, HasSubstr("UID        PID LIFETIME   CREATED"));
+  const std::string time =
+      "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z";
+  EXPECT_THAT(
+      r.out, MatchesRegex(absl::StrCat("(.|\n)*\n", src,
+                                       " +4099 +ACCESS_READ_WRITE +agent "
+                                       "+memory +[0-9]+ +[0-9]+ +",
+                                       ::geteuid(), " +[1-9][0-9]* +agent +",
+                                       time, " +", time, " +source\n(.|\n)*")));
   EXPECT_THAT(r.out,
               MatchesRegex(absl::StrCat("(.|\n)*\n", dst, " +2048 (.|\n)*")));
 
@@ -355,6 +364,69 @@ TEST_F(AgentctlTest, JsonOutputIsProtobufJson) {
       << r.out;
   ASSERT_EQ(list.buffers_size(), 1);
   EXPECT_EQ(list.buffers(0).label(), "json");
+  EXPECT_EQ(list.buffers(0).owner_uid(), ::geteuid());
+  EXPECT_GT(list.buffers(0).owner_pid(), 0u);
+  EXPECT_EQ(list.buffers(0).lifetime(), v1::LIFETIME_AGENT);
+  EXPECT_GT(list.buffers(0).create_time().seconds(), 0);
+  EXPECT_GE(list.buffers(0).last_use_time().seconds(),
+            list.buffers(0).create_time().seconds());
+  EXPECT_THAT(r.out, HasSubstr("\"lifetime\": \"LIFETIME_AGENT\""));
+  EXPECT_THAT(
+      r.out,
+      MatchesRegex("(.|\n)*\"create_time\": \"[0-9-]+T[0-9:.]+Z\"(.|\n)*"));
+}
+
+TEST_F(AgentctlTest, ListAllUsersIsForRoot) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a second user";
+  // The runtime dir is 0700; the other user must reach the sockets.
+  ASSERT_EQ(::chmod(agent_->runtime_dir().c_str(), 0755), 0);
+  auto as_nobody = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {"setpriv",
+                                     "--reuid=65534",
+                                     "--regid=65534",
+                                     "--clear-groups",
+                                     RunfilePath("client/rdma-agentctl"),
+                                     "--target=" + agent_->target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<RunResult> result =
+        RunToCompletion(argv, "", absl::Seconds(60));
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : RunResult();
+  };
+  RunResult r = as_nobody({"register", "--size=100", "--label=theirs"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string theirs = Field(r.out, "buffer_id");
+  r = Ctl({"register", "--size=100", "--label=mine"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  // Root's own list is root's; --all-users adds everyone's, with the uid.
+  r = Ctl({"list"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(" mine\n"));
+  EXPECT_THAT(r.out, Not(HasSubstr(" theirs\n")));
+  r = Ctl({"list", "--all-users"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(" mine\n"));
+  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat(
+                         "(.|\n)*\n", theirs, " .* 65534 .* theirs\n(.|\n)*")));
+  r = Ctl({"-o", "json", "list", "--all-users"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::ListBuffersResponse list;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &list).ok())
+      << r.out;
+  ASSERT_EQ(list.buffers_size(), 2);
+  EXPECT_EQ(list.buffers(0).owner_uid(), 65534u);
+  EXPECT_EQ(list.buffers(0).label(), "theirs");
+
+  // Anyone else asking for every user's buffers is refused.
+  r = as_nobody({"list", "--all-users"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(r.err, HasSubstr("ListBuffers"));
+  r = as_nobody({"list"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(" theirs\n"));
+  EXPECT_THAT(r.out, Not(HasSubstr(" mine\n")));
 }
 
 TEST_F(AgentctlTest, HealthExitsZeroWhileServing) {

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <string>
@@ -151,6 +152,44 @@ TEST_F(ClientLibraryTest, AttachedBufferIsMappedAndShared) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].label(), "attached");
   EXPECT_FALSE((*listed)[0].agent_allocated());
+}
+
+TEST_F(ClientLibraryTest, MappedBuffersLiveWithTheProcessUnlessAskedOtherwise) {
+  // Buffer releases itself; the agent does it if this process dies first.
+  auto allocated = client_->Allocate(100, v1::ACCESS_READ_WRITE);
+  auto attached = client_->Attach(100, v1::ACCESS_READ_WRITE);
+  // Handed to something that outlives this process.
+  auto kept =
+      client_->Allocate(100, v1::ACCESS_READ_WRITE, "kept", v1::LIFETIME_AGENT);
+  // For tools: never released automatically.
+  auto unmapped = client_->AllocateUnmapped(100, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(allocated.ok() && attached.ok() && kept.ok() && unmapped.ok());
+  EXPECT_EQ(allocated->lifetime(), v1::LIFETIME_CLIENT_PROCESS);
+  EXPECT_EQ(attached->lifetime(), v1::LIFETIME_CLIENT_PROCESS);
+  EXPECT_EQ(kept->lifetime(), v1::LIFETIME_AGENT);
+  EXPECT_EQ(unmapped->lifetime, v1::LIFETIME_AGENT);
+  auto listed = client_->ListBuffers();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 4u);
+  EXPECT_EQ((*listed)[0].lifetime(), v1::LIFETIME_CLIENT_PROCESS);
+  EXPECT_EQ((*listed)[1].lifetime(), v1::LIFETIME_CLIENT_PROCESS);
+  EXPECT_EQ((*listed)[2].lifetime(), v1::LIFETIME_AGENT);
+  EXPECT_EQ((*listed)[3].lifetime(), v1::LIFETIME_AGENT);
+  EXPECT_EQ((*listed)[3].owner_pid(), static_cast<uint32_t>(::getpid()));
+  ASSERT_TRUE(client_->Release(unmapped->id).ok());
+}
+
+TEST_F(ClientLibraryTest, AllUsersListingIsForRoot) {
+  auto mine = client_->Allocate(100, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  auto all = client_->ListBuffers(/*all_users=*/true);
+  if (::geteuid() == 0) {
+    ASSERT_TRUE(all.ok()) << all.status();
+    ASSERT_EQ(all->size(), 1u);
+    EXPECT_EQ((*all)[0].buffer_id(), mine->id());
+  } else {
+    EXPECT_EQ(all.status().code(), absl::StatusCode::kPermissionDenied);
+  }
 }
 
 TEST_F(ClientLibraryTest, DestructorReleasesAndMoveTransfersOwnership) {

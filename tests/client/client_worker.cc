@@ -3,8 +3,12 @@
 // this process), so tests can check that bytes moved by the agent land in
 // the memory of a separate process.
 //
-//   allocate SIZE ACCESS        -> ok ID BASE64_CONTEXT | error CODE MESSAGE
-//   attach SIZE ACCESS          -> ok ID BASE64_CONTEXT | error CODE MESSAGE
+//   allocate SIZE ACCESS [LIFETIME]
+//                               -> ok ID BASE64_CONTEXT | error CODE MESSAGE
+//   attach SIZE ACCESS [LIFETIME]
+//                               -> ok ID BASE64_CONTEXT | error CODE MESSAGE
+//        LIFETIME: agent, process or connection; the client library's
+//        default (process) when absent
 //   attach_and_drop SIZE SEED   -> ok ID BASE64_CONTEXT SHRINK_ERRNO_NAME
 //        attaches a memfd filled with pattern SEED, tries to shrink it, then
 //        unmaps and closes it (the agent keeps the memory)
@@ -22,6 +26,8 @@
 //   writebuf ID OFFSET HEX_DATA -> status CODE
 //   open ID                     -> status CODE fd|nofd   (raw OpenBuffer)
 //   list                        -> ids ID,ID,...   (ascending)
+//   list_all                    -> ids ID,ID,... | error CODE MESSAGE
+//        every user's (ListBuffers all_users)
 //   info                        -> status CODE
 //   exit                        -> (exits 0)
 //
@@ -39,6 +45,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +92,13 @@ std::string Error(const absl::Status& status) {
                       OneLine(status.message()));
 }
 
+std::optional<v1::Lifetime> ParseLifetime(absl::string_view word) {
+  if (word == "agent") return v1::LIFETIME_AGENT;
+  if (word == "process") return v1::LIFETIME_CLIENT_PROCESS;
+  if (word == "connection") return v1::LIFETIME_CLIENT_CONNECTION;
+  return std::nullopt;
+}
+
 class Worker {
  public:
   explicit Worker(std::unique_ptr<AgentClient> client)
@@ -101,9 +115,17 @@ class Worker {
     auto need = [&](size_t count) { return words.size() >= count + 1; };
     if ((command == "allocate" || command == "attach") && need(2)) {
       const v1::Access access = static_cast<v1::Access>(n[1]);
-      absl::StatusOr<Buffer> buffer = command == "allocate"
-                                          ? client_->Allocate(n[0], access)
-                                          : client_->Attach(n[0], access);
+      absl::StatusOr<Buffer> buffer = absl::UnknownError("unset");
+      if (!need(3)) {  // the library's default
+        buffer = command == "allocate" ? client_->Allocate(n[0], access)
+                                       : client_->Attach(n[0], access);
+      } else {
+        const std::optional<v1::Lifetime> lifetime = ParseLifetime(words[3]);
+        if (!lifetime.has_value()) return "error INVALID_ARGUMENT bad lifetime";
+        buffer = command == "allocate"
+                     ? client_->Allocate(n[0], access, "", *lifetime)
+                     : client_->Attach(n[0], access, "", *lifetime);
+      }
       if (!buffer.ok()) return Error(buffer.status());
       const uint64_t id = buffer->id();
       const std::string context = absl::Base64Escape(buffer->remote_context());
@@ -203,9 +225,9 @@ class Worker {
           CodeName(client::internal::ResponseStatus(reply->response)),
           reply->fd ? " fd" : " nofd");
     }
-    if (command == "list") {
+    if (command == "list" || command == "list_all") {
       absl::StatusOr<std::vector<v1::BufferInfo>> buffers =
-          client_->ListBuffers();
+          client_->ListBuffers(/*all_users=*/command == "list_all");
       if (!buffers.ok()) return Error(buffers.status());
       std::vector<uint64_t> ids;
       for (const v1::BufferInfo& info : *buffers)

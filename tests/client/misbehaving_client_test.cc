@@ -102,8 +102,10 @@ TEST_F(MisbehavingClientTest, UnmappedClosedAndShrunkMemoryKeepsServing) {
 TEST_F(MisbehavingClientTest, KilledClientsMemoryKeepsServing) {
   auto victim = WorkerProcess::Start(*agent_);
   ASSERT_TRUE(victim.ok()) << victim.status();
-  auto words =
-      victim->CallWords(absl::StrCat("attach ", kSize, " ", kReadWrite));
+  // Agent lifetime: the registration is meant to outlive its client (with
+  // the default, process lifetime, the agent would release it at the kill).
+  auto words = victim->CallWords(
+      absl::StrCat("attach ", kSize, " ", kReadWrite, " agent"));
   ASSERT_TRUE(words.ok()) << words.status();
   auto attached = ParseRegistered(*words);
   ASSERT_TRUE(attached.ok()) << attached.status();

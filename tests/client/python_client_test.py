@@ -21,6 +21,7 @@ import unittest
 
 import grpc
 
+from rdma.agent.v1 import types_pb2
 from rdma_agent_client import AgentClient, AgentError, Op, decode_context
 
 AGENTD = None
@@ -231,6 +232,59 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(self.client.read_buffer(response.buffer_id, 0, 5), b"\0abc\0")
         self.client.release(response.buffer_id)
 
+    def test_mapped_buffers_live_with_the_process_registered_ones_with_the_agent(self):
+        with self.client.allocate(64) as allocated, \
+                self.client.attach(64) as attached, \
+                self.client.attach(64, lifetime="agent") as kept:
+            registered = self.client.register(64)
+            self.assertEqual(allocated.lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
+            self.assertEqual(attached.lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
+            self.assertEqual(kept.lifetime, types_pb2.LIFETIME_AGENT)
+            self.assertEqual(registered.lifetime, types_pb2.LIFETIME_AGENT)
+            infos = {info.buffer_id: info for info in self.client.list_buffers()}
+            self.assertEqual(infos[allocated.id].lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
+            self.assertEqual(infos[registered.buffer_id].lifetime, types_pb2.LIFETIME_AGENT)
+            for info in infos.values():
+                self.assertEqual(info.owner_uid, os.geteuid())
+                self.assertEqual(info.owner_pid, os.getpid())
+                self.assertGreater(info.create_time.ToNanoseconds(), 0)
+                self.assertGreaterEqual(info.last_use_time.ToNanoseconds(),
+                                        info.create_time.ToNanoseconds())
+            self.client.release(registered.buffer_id)
+
+    def test_a_killed_process_takes_its_buffers_along(self):
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child_to_kill", self.agent.socket],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline().split()
+            self.assertEqual(line[0], "ready", line)
+            bound, kept = int(line[1]), int(line[2])
+            self.assertEqual({bound, kept} - {i.buffer_id for i in self.client.list_buffers()},
+                             set())
+            child.kill()
+            child.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while bound in {i.buffer_id for i in self.client.list_buffers()}:
+                self.assertLess(time.monotonic(), deadline, "the dead child's buffer stayed")
+                time.sleep(0.01)
+            self.assertIn(kept, {i.buffer_id for i in self.client.list_buffers()})
+            self.client.release(kept)
+        finally:
+            child.stdin.close()
+            child.stdout.close()
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+
+    def test_every_users_buffers_are_for_root(self):
+        with self.client.allocate(64) as mine:
+            if os.geteuid() == 0:
+                self.assertIn(mine.id, [i.buffer_id for i in self.client.list_buffers(True)])
+            else:
+                self.assertCode(grpc.StatusCode.PERMISSION_DENIED,
+                                self.client.list_buffers, True)
+
     def test_another_process_shares_bytes_through_the_agent(self):
         # The child attaches a buffer with pattern 7 and prints its context.
         child = subprocess.Popen(
@@ -277,14 +331,28 @@ def child(socket_path):
     return 0
 
 
+def child_to_kill(socket_path):
+    """Registers a buffer with the default lifetime and one with the agent's,
+    prints "ready BOUND KEPT" and waits to be killed."""
+    client = AgentClient(socket_path, timeout=30)
+    bound = client.attach(4096)
+    kept = client.attach(4096, lifetime="agent")
+    print("ready", bound.id, kept.id, flush=True)
+    sys.stdin.read()
+    return 0
+
+
 def main():
     global AGENTD
     parser = argparse.ArgumentParser()
     parser.add_argument("--agentd")
     parser.add_argument("--child")
+    parser.add_argument("--child_to_kill")
     args, rest = parser.parse_known_args()
     if args.child:
         return child(args.child)
+    if args.child_to_kill:
+        return child_to_kill(args.child_to_kill)
     AGENTD = args.agentd
     program = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
     return 0 if program.result.wasSuccessful() else 1

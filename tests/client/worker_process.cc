@@ -9,10 +9,15 @@ namespace rdma_agent::testing {
 
 absl::StatusOr<WorkerProcess> WorkerProcess::Start(const AgentProcess& agent,
                                                    Options options) {
+  return Start(agent.target(), agent.attach_socket_path(), options);
+}
+
+absl::StatusOr<WorkerProcess> WorkerProcess::Start(
+    const std::string& target, const std::string& attach_socket,
+    Options options) {
   Subprocess::Options spawn;
-  spawn.argv = {RunfilePath("tests/client/client_worker"),
-                "--target=" + agent.target(),
-                "--attach_socket=" + agent.attach_socket_path()};
+  spawn.argv = {RunfilePath("tests/client/client_worker"), "--target=" + target,
+                "--attach_socket=" + attach_socket};
   if (options.uid >= 0)
     spawn.argv.push_back(absl::StrCat("--uid=", options.uid));
   if (options.gid >= 0)

@@ -25,6 +25,11 @@ class WorkerProcess {
   static absl::StatusOr<WorkerProcess> Start(const AgentProcess& agent) {
     return Start(agent, Options());
   }
+  // For any agent (e.g. one in the test's own process): its gRPC target and
+  // attach socket.
+  static absl::StatusOr<WorkerProcess> Start(const std::string& target,
+                                             const std::string& attach_socket,
+                                             Options options);
 
   // Sends `command`, returns the answer line. Every answer must come within
   // `timeout`.

@@ -79,8 +79,10 @@ class AbandonedWorkTest : public ::testing::Test {
     auto worker = WorkerProcess::Start(*agent_);
     ASSERT_TRUE(worker.ok()) << worker.status();
     worker_.emplace(std::move(*worker));
+    // Agent lifetime: its counters stay readable after the worker is
+    // killed (tests/daemon/client_lifetime_test kills owners mid-op too).
     auto words = worker_->CallWords(
-        absl::StrCat("allocate ", 2 * kHalf, " ", kReadWrite));
+        absl::StrCat("allocate ", 2 * kHalf, " ", kReadWrite, " agent"));
     ASSERT_TRUE(words.ok()) << words.status();
     auto buffer = ParseRegistered(*words);
     ASSERT_TRUE(buffer.ok()) << buffer.status();

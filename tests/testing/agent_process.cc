@@ -54,6 +54,8 @@ absl::Status AgentProcess::Launch() {
   if (!options_.netns.empty()) {
     spawn.argv = {"ip", "netns", "exec", options_.netns};
   }
+  spawn.argv.insert(spawn.argv.end(), options_.wrapper.begin(),
+                    options_.wrapper.end());
   spawn.argv.push_back(RunfilePath("daemon/rdma-agentd"));
   spawn.argv.push_back("--runtime_dir=" + runtime_dir_);
   // Never the host's /var/lib/rdma-agentd (tests run as root); apart from the

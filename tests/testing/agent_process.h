@@ -32,6 +32,10 @@ class AgentProcess {
     // Non-empty: the daemon runs inside this network namespace
     // (`ip netns exec`; needs root).
     std::string netns;
+    // Non-empty: the daemon runs under this command, e.g. {"unshare",
+    // "--pid", "--kill-child", "--"} for a pid namespace of its own (needs
+    // root). The command must end with the daemon when it is killed.
+    std::vector<std::string> wrapper;
     // The Peer service listens on listen_host:0 (--peer_listen), and, with
     // the tcp backend, its data listener on listen_host:tcp_port
     // (--tcp_listen).
