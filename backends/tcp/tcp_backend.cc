@@ -87,7 +87,10 @@ v1::TransportInfo TcpBackend::transport_info() const {
   v1::TransportInfo info;
   info.add_addresses(JoinHostPort(advertise_host_, port()));
   auto& attributes = *info.mutable_attributes();
-  attributes["listen"] = options_.listen;
+  // The address bound, with the port actually bound (":0" asks for any).
+  auto listen = ParseHostPort(options_.listen);
+  attributes["listen"] =
+      listen.ok() ? JoinHostPort(listen->host, port()) : options_.listen;
   attributes["connections_per_peer"] =
       absl::StrCat(options_.client.connections_per_peer);
   attributes["chunk_bytes"] = absl::StrCat(options_.client.chunk_bytes);

@@ -102,6 +102,10 @@ TEST_P(TcpBackendTest, AdvertisesHostAndBoundPort) {
   EXPECT_FALSE(Tcp(*b_).CanReach(memory_only));
   EXPECT_EQ(Tcp(*a_).transport_info().addresses(0),
             absl::StrCat("127.0.0.1:", Tcp(*a_).port()));
+  // Asked for port 0: GetInfo shows the port bound.
+  EXPECT_NE(Tcp(*a_).port(), 0);
+  EXPECT_EQ(Tcp(*a_).transport_info().attributes().at("listen"),
+            absl::StrCat("127.0.0.1:", Tcp(*a_).port()));
 }
 
 TEST(TcpBackendCreateTest, NeverAdvertisesAWildcard) {
