@@ -49,6 +49,8 @@ struct DataClient::SubmitRun {
   std::vector<int> active ABSL_GUARDED_BY(DataClient::mu_);
   // Lanes not started yet: one entry per connection wanted to a peer.
   std::deque<PeerRun*> queued ABSL_GUARDED_BY(DataClient::mu_);
+  // The lane the Submit's own thread runs, until it starts it.
+  PeerRun* caller_lane ABSL_GUARDED_BY(DataClient::mu_) = nullptr;
 };
 
 struct DataClient::Connection {
@@ -730,8 +732,15 @@ void DataClient::QueueLanes(
     for (size_t l = 0; l < lanes; ++l) submit.queued.push_back(peer.get());
   }
   submit.unfinished_jobs = submit.queued.size();
-  if (!submit.queued.empty()) runs_.push_back(&submit);
-  work_cv_.SignalAll();
+  if (submit.queued.empty()) return;
+  // The first lane is the calling thread's own (WaitForLanes): a Submit of
+  // one lane, every small op, never waits for a worker to wake and hand
+  // its result back. Only the rest go to the workers, one wake-up each.
+  submit.caller_lane = submit.queued.front();
+  submit.queued.pop_front();
+  if (submit.queued.empty()) return;
+  runs_.push_back(&submit);
+  for (size_t i = 0; i < submit.queued.size(); ++i) work_cv_.Signal();
 }
 
 void DataClient::WaitForLanes(SubmitRun& submit) {
@@ -739,6 +748,14 @@ void DataClient::WaitForLanes(SubmitRun& submit) {
   while (submit.unfinished_jobs > 0) {
     if (!submit.aborted && submit.stop.stopped()) {
       AbortLocked(submit);  // may have dropped the last queued job
+      continue;
+    }
+    if (submit.caller_lane != nullptr) {
+      PeerRun* peer = std::exchange(submit.caller_lane, nullptr);
+      mu_.Unlock();
+      RunLane(LaneJob{&submit, peer});
+      mu_.Lock();
+      --submit.unfinished_jobs;
       continue;
     }
     changed_cv_.WaitWithDeadline(
@@ -751,6 +768,10 @@ void DataClient::AbortLocked(SubmitRun& submit) {
   submit.aborted = true;
   submit.unfinished_jobs -= submit.queued.size();
   submit.queued.clear();
+  if (submit.caller_lane != nullptr) {
+    submit.caller_lane = nullptr;
+    --submit.unfinished_jobs;
+  }
   auto it = std::find(runs_.begin(), runs_.end(), &submit);
   if (it != runs_.end()) runs_.erase(it);
   // Wakes every blocked send, receive, poll and connect of its lanes.

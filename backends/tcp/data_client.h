@@ -88,7 +88,9 @@ struct DataClientOptions {
 // socket into the local mapping with no intermediate buffer.
 //
 // Threads: exactly `threads` workers, started by Create and joined by the
-// destructor; Run only queues work for them and waits.
+// destructor. Run's own thread carries one lane of its Submit (for small
+// ops the only one, so they cost no thread hand-off) and queues the others
+// for the workers.
 //
 // A peer gets no byte before it has sent a valid server hello (wire.h), and
 // every failure to reach a peer reads the same ("peer H:P is unreachable"),
