@@ -3,6 +3,7 @@
 #include <CivetServer.h>
 #include <civetweb.h>
 
+#include <algorithm>
 #include <sstream>
 #include <utility>
 
@@ -124,21 +125,29 @@ AgentMetrics::AgentMetrics(absl::string_view version)
       .Set(1);
 }
 
-void AgentMetrics::RecordOp(absl::string_view backend, v1::OpType type,
-                            absl::StatusCode code, uint64_t bytes,
-                            absl::Duration latency) {
+void AgentMetrics::RecordOps(absl::string_view backend, v1::OpType type,
+                             absl::StatusCode code, uint64_t count,
+                             uint64_t bytes, absl::Duration latency) {
+  if (count == 0) return;
   const std::string op = OpName(type);
   const std::string backend_name(backend.empty() ? "none" : backend);
   ops_.Add({{"backend", backend_name},
             {"op", op},
             {"code", absl::StatusCodeToString(code)}})
-      .Increment();
+      .Increment(static_cast<double>(count));
   if (code == absl::StatusCode::kOk) {
     bytes_.Add({{"backend", backend_name}, {"op", op}})
         .Increment(static_cast<double>(bytes));
   }
-  op_seconds_.Add({{"backend", backend_name}}, LatencyBuckets())
-      .Observe(absl::ToDoubleSeconds(latency));
+  // `count` observations of the same latency: one bucket update.
+  const auto& buckets = LatencyBuckets();
+  const double seconds = absl::ToDoubleSeconds(latency);
+  std::vector<double> increments(buckets.size() + 1, 0);
+  increments[static_cast<size_t>(
+      std::lower_bound(buckets.begin(), buckets.end(), seconds) -
+      buckets.begin())] = static_cast<double>(count);
+  op_seconds_.Add({{"backend", backend_name}}, buckets)
+      .ObserveMultiple(increments, seconds * static_cast<double>(count));
 }
 
 void AgentMetrics::RecordRpc(absl::string_view method, absl::StatusCode code,

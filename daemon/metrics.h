@@ -41,11 +41,18 @@ class AgentMetrics {
   AgentMetrics(const AgentMetrics&) = delete;
   AgentMetrics& operator=(const AgentMetrics&) = delete;
 
-  // One op ended: by backend ("" when no backend could carry it), op type
-  // and status code; its bytes count when it succeeded. `latency` is the
-  // time its backend took for the batch it ran in.
+  // `count` ops ended alike: by backend ("" when no backend could carry
+  // them), op type and status code; `bytes` (their total) count when they
+  // succeeded. `latency` is the time their backend took for the batch they
+  // ran in. Callers group a Submit's ops so that a batch of thousands costs
+  // a few label lookups, not one each.
+  void RecordOps(absl::string_view backend, ::rdma::agent::v1::OpType type,
+                 absl::StatusCode code, uint64_t count, uint64_t bytes,
+                 absl::Duration latency);
   void RecordOp(absl::string_view backend, ::rdma::agent::v1::OpType type,
-                absl::StatusCode code, uint64_t bytes, absl::Duration latency);
+                absl::StatusCode code, uint64_t bytes, absl::Duration latency) {
+    RecordOps(backend, type, code, 1, bytes, latency);
+  }
   // One RPC of the API ended with `code` after `latency`; `method` is
   // "package.Service/Method". Submit's latency also goes to its histogram.
   void RecordRpc(absl::string_view method, absl::StatusCode code,

@@ -4,7 +4,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -371,16 +373,32 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
       latencies[ready_index[k]] = outcomes[k].latency;
     }
   }
+  // Ops that ended alike are counted together (a few label lookups per
+  // Submit, not one per op).
+  struct Alike {
+    uint64_t count = 0;
+    uint64_t bytes = 0;
+  };
+  std::map<std::tuple<std::string, int, int, int64_t>, Alike> alike;
   for (size_t i = 0; i < count; ++i) {
     const v1::Op& wire = request->ops(static_cast<int>(i));
     if (metrics_ != nullptr) {
-      metrics_->RecordOp(used[i], wire.type(), statuses[i].code(),
-                         wire.length(), latencies[i]);
+      Alike& group = alike[{used[i], wire.type(),
+                            static_cast<int>(statuses[i].code()),
+                            absl::ToInt64Nanoseconds(latencies[i])}];
+      ++group.count;
+      group.bytes += wire.length();
       if (!retried_from[i].empty()) {
         metrics_->RecordRetry(retried_from[i], used[i]);
       }
     }
     if (!statuses[i].ok()) LogFailedOp(*caller, wire, used[i], statuses[i]);
+  }
+  for (const auto& [key, group] : alike) {
+    const auto& [backend, type, code, nanos] = key;
+    metrics_->RecordOps(backend, static_cast<v1::OpType>(type),
+                        static_cast<absl::StatusCode>(code), group.count,
+                        group.bytes, absl::Nanoseconds(nanos));
   }
   for (size_t i = 0; i < count; ++i) {
     v1::OpResult* result = response->add_results();

@@ -80,6 +80,32 @@ TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
                               "per_user\"} 1"));
 }
 
+TEST(AgentMetricsTest, OpsRecordedTogetherCountAsManyObservations) {
+  AgentMetrics metrics("x");
+  // 1000 ops of one 2 ms batch, as one call: the same as 1000 calls.
+  metrics.RecordOps("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL,
+                    absl::StatusCode::kOk, 1000, 4096000,
+                    absl::Milliseconds(2));
+  metrics.RecordOp("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL, absl::StatusCode::kOk,
+                   4096, absl::Microseconds(20));
+  const std::string text = metrics.Scrape();
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_ops_total{backend=\"tcp\",code="
+                              "\"OK\",op=\"write\"} 1001"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_bytes_total{backend=\"tcp\","
+                              "op=\"write\"} 4100096"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_duration_seconds_count{backend="
+                              "\"tcp\"} 1001"));
+  // Buckets are cumulative: 20 us is under 3e-05, 2 ms under 0.003 only.
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_duration_seconds_bucket{backend="
+                              "\"tcp\",le=\"3e-05\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_duration_seconds_bucket{backend="
+                              "\"tcp\",le=\"0.001\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_duration_seconds_bucket{backend="
+                              "\"tcp\",le=\"0.003\"} 1001\n"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_op_duration_seconds_sum{backend="
+                              "\"tcp\"} 2.00002"));
+}
+
 TEST(AgentMetricsTest, GaugesAreReadAtScrapeTime) {
   AgentMetrics metrics("x");
   std::atomic<int> registrations{1};
