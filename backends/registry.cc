@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <map>
-#include <thread>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,7 +13,9 @@
 namespace rdma_agent {
 
 BackendRegistry::BackendRegistry(std::vector<std::unique_ptr<Backend>> backends)
-    : backends_(std::move(backends)) {
+    : backends_(std::move(backends)),
+      fan_out_(std::make_unique<TaskPool>(
+          backends_.empty() ? 0 : backends_.size() - 1)) {
   std::stable_sort(backends_.begin(), backends_.end(),
                    [](const auto& a, const auto& b) {
                      return a->transport_level() > b->transport_level();
@@ -138,17 +140,15 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
     std::map<Backend*, std::vector<size_t>> groups;
     for (size_t i : pending) groups[routes[i][attempt[i]]].push_back(i);
 
-    if (groups.size() == 1) {
-      RunOn(groups.begin()->first, ops, groups.begin()->second, stop, outcomes);
-    } else {
-      std::vector<std::thread> workers;
-      for (auto& [backend, indices] : groups) {
-        workers.emplace_back([&, backend = backend, &indices = indices] {
-          RunOn(backend, ops, indices, stop, outcomes);
-        });
-      }
-      for (auto& worker : workers) worker.join();
+    // Backends run their shares at once, on the caller and the fan-out
+    // pool (no thread is started per Submit).
+    std::vector<std::function<void()>> shares;
+    for (auto& [backend, indices] : groups) {
+      shares.push_back([&, backend = backend, &indices = indices] {
+        RunOn(backend, ops, indices, stop, outcomes);
+      });
     }
+    fan_out_->RunAll(shares);
 
     std::vector<size_t> retry;
     for (size_t i : pending) {

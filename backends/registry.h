@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "backends/backend.h"
+#include "common/task_pool.h"
 
 namespace rdma_agent {
 
@@ -64,6 +65,9 @@ class BackendRegistry {
              std::vector<OpOutcome>& outcomes) const;
 
   std::vector<std::unique_ptr<Backend>> backends_;
+  // One thread per backend beyond the first: a batch spanning every backend
+  // runs them all at once.
+  std::unique_ptr<TaskPool> fan_out_;
 };
 
 }  // namespace rdma_agent

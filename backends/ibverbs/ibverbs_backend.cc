@@ -16,6 +16,7 @@
 #include "common/log_text.h"
 #include "common/random.h"
 #include "common/status_util.h"
+#include "common/task_pool.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent::ibverbs {
@@ -284,7 +285,8 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
     : env_(std::move(env)),
       options_(std::move(options)),
       verbs_(std::move(verbs)),
-      service_(std::make_unique<PeerService>(this)) {
+      service_(std::make_unique<PeerService>(this)),
+      posting_pool_(std::make_unique<TaskPool>(kPostingThreads)) {
   KeepGrpcAlive();
 }
 
@@ -942,16 +944,11 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
                               : PostOp(ops[i], i, **connection, tracker, stop));
     }
   };
-  if (groups.size() == 1) {
-    run_group(groups.begin()->second);
-  } else if (groups.size() > 1) {
-    std::vector<std::thread> posters;
-    for (const auto& [key, indices] : groups) {
-      posters.emplace_back(
-          [&run_group, &indices = indices] { run_group(indices); });
-    }
-    for (std::thread& poster : posters) poster.join();
+  std::vector<std::function<void()>> postings;
+  for (const auto& [key, indices] : groups) {
+    postings.push_back([&run_group, &indices = indices] { run_group(indices); });
   }
+  posting_pool_->RunAll(postings);
 
   if (!tracker->WaitAllDone(deadline)) {
     // Out of time (or cancelled) with WRs on the wire: the QPs carrying them

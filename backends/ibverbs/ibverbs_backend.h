@@ -19,6 +19,10 @@ namespace rdma_agent::testing {
 class IbverbsBackendProbe;
 }  // namespace rdma_agent::testing
 
+namespace rdma_agent {
+class TaskPool;
+}  // namespace rdma_agent
+
 namespace rdma_agent::ibverbs {
 
 // Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
@@ -202,6 +206,11 @@ class IbverbsBackend : public Backend {
   ibv_port_attr port_attr_ = {};
   LocalPort local_;
   std::unique_ptr<PeerService> service_;
+  // A batch for several queue pairs connects and posts to them at once: the
+  // caller and these threads (more groups than threads: the caller runs the
+  // rest in turn).
+  static constexpr size_t kPostingThreads = 3;
+  std::unique_ptr<TaskPool> posting_pool_;
   // Set by Start(); read-only once registrations exist.
   std::string peer_address_;
 
