@@ -1,0 +1,160 @@
+// The tcp backend alone, without gRPC or the daemon: two in-process agents
+// on loopback, ops handed to TcpBackend::Submit as the registry hands them.
+// Measures the data plane's own cost per op, next to a plain TCP ping-pong
+// in the same run:
+//   - 8 B READ, one op per Submit: p50/p99 latency vs the ping-pong's;
+//   - 4 KiB WRITE and READ, 1000 ops per Submit: ops/s.
+//
+//   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds]
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "backends/tcp/tcp_backend.h"
+#include "backends/testing/harness.h"
+
+namespace rdma_agent {
+namespace {
+
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
+
+std::unique_ptr<TestAgent> Agent(uint64_t epoch) {
+  TcpOptions options;
+  options.listen = "127.0.0.1:0";
+  auto agent = TestAgent::Create(
+      absl::StrCat("agent-", epoch),
+      [options](const BackendEnvironment& env)
+          -> absl::StatusOr<std::unique_ptr<Backend>> {
+        auto backend = TcpBackend::Create(options, env);
+        if (!backend.ok()) return backend.status();
+        return std::unique_ptr<Backend>(std::move(*backend));
+      },
+      epoch);
+  if (!agent.ok()) {
+    std::fprintf(stderr, "agent: %s\n", agent.status().ToString().c_str());
+    std::exit(1);
+  }
+  return std::move(*agent);
+}
+
+double Percentile(std::vector<double> values, double p) {
+  std::sort(values.begin(), values.end());
+  return values[static_cast<size_t>(p * static_cast<double>(values.size() - 1))];
+}
+
+// p50 and p99 in microseconds of `iterations` calls of `call`.
+std::pair<double, double> Latency(int iterations,
+                                  const std::function<void()>& call) {
+  for (int i = 0; i < iterations / 10; ++i) call();  // warm-up
+  std::vector<double> us;
+  us.reserve(static_cast<size_t>(iterations));
+  for (int i = 0; i < iterations; ++i) {
+    const absl::Time start = absl::Now();
+    call();
+    us.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+  }
+  return {Percentile(us, 0.5), Percentile(us, 0.99)};
+}
+
+// A 8-byte request/response over one loopback TCP connection.
+std::pair<double, double> PingPong(int iterations) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  ::listen(listener, 1);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  std::thread server([listener] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    char byte[8];
+    while (::recv(fd, byte, sizeof(byte), MSG_WAITALL) == sizeof(byte)) {
+      ::send(fd, byte, sizeof(byte), MSG_NOSIGNAL);
+    }
+    ::close(fd);
+  });
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  char byte[8] = {};
+  auto result = Latency(iterations, [&] {
+    ::send(fd, byte, sizeof(byte), MSG_NOSIGNAL);
+    (void)::recv(fd, byte, sizeof(byte), MSG_WAITALL);
+  });
+  ::close(fd);
+  server.join();
+  ::close(listener);
+  return result;
+}
+
+int Main(double seconds) {
+  auto a = Agent(11);
+  auto b = Agent(12);
+  const uint64_t kBytes = 8 << 20;
+  TestBuffer local = a->Register(kBytes, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer remote = b->Register(kBytes, v1::ACCESS_READ_WRITE, 2);
+  Backend& tcp = a->backend();
+
+  const auto [ping50, ping99] = PingPong(20000);
+  std::vector<Op> one = {
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 8, remote, 0)};
+  const auto [read50, read99] = Latency(20000, [&] {
+    if (!tcp.Submit(one, absl::Now() + absl::Seconds(10))[0].ok()) {
+      std::fprintf(stderr, "8 B READ failed\n");
+      std::exit(1);
+    }
+  });
+  std::printf("8 B READ  p50 %.1f us p99 %.1f us | TCP ping-pong p50 %.1f us "
+              "p99 %.1f us | p50 ratio %.2f\n",
+              read50, read99, ping50, ping99, read50 / ping50);
+
+  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
+                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+    std::vector<Op> batch;
+    for (size_t i = 0; i < 1000; ++i) {
+      batch.push_back(MakeOp(i, type, local, (i * 4096) % kBytes, 4096, remote,
+                             (i * 4096) % kBytes));
+    }
+    (void)tcp.Submit(batch, absl::Now() + absl::Seconds(30));  // warm-up
+    uint64_t ops = 0;
+    const absl::Time start = absl::Now();
+    while (absl::Now() - start < absl::Seconds(seconds)) {
+      for (const absl::Status& status :
+           tcp.Submit(batch, absl::Now() + absl::Seconds(30))) {
+        if (!status.ok()) {
+          std::fprintf(stderr, "4 KiB op failed: %s\n",
+                       status.ToString().c_str());
+          return 1;
+        }
+      }
+      ops += batch.size();
+    }
+    const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+    std::printf("4 KiB %-5s x1000/Submit: %.0f ops/s\n",
+                type == v1::OP_TYPE_WRITE_FROM_LOCAL ? "WRITE" : "READ",
+                static_cast<double>(ops) / elapsed);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace rdma_agent
+
+int main(int argc, char** argv) {
+  return rdma_agent::Main(argc > 1 ? std::atof(argv[1]) : 3.0);
+}
