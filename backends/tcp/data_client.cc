@@ -31,6 +31,10 @@ struct Chunk {
   const v1::RemoteBuffer* remote = nullptr;
 };
 
+// How far past the deadline a blocking send or receive may end (see
+// Pipeline::ArmTimeout).
+constexpr absl::Duration kTimeoutSlack = absl::Milliseconds(2);
+
 // Most iovecs handed to one sendmsg.
 constexpr int kMaxIov = 64;
 
@@ -236,8 +240,21 @@ class Pipeline {
 
   // Starts over on connection `fd`: requests in the window not answered are
   // sent again.
+  // Sets fd_'s blocking send or receive timeout so that a call starting
+  // now ends by the deadline (`left` away), give or take kTimeoutSlack. A
+  // setsockopt per call cost as much as the op for small ones, so the
+  // timeout is set again only when the one in force could overshoot by more.
+  void ArmTimeout(bool receive, absl::Duration left) {
+    absl::Duration& armed = armed_[receive ? 1 : 0];
+    if (armed <= left + kTimeoutSlack) return;
+    SetIoTimeout(fd_, receive, left);
+    armed = left;
+  }
+
   void Restart(int fd) {
     fd_ = fd;
+    // A pooled connection keeps whatever timeouts it was last given.
+    armed_[0] = armed_[1] = absl::InfiniteDuration();
     sent_ = 0;
     send_pos_ = 0;
     phase_ = Phase::kHeader;
@@ -357,7 +374,7 @@ class Pipeline {
       if (block) {
         const absl::Duration left = deadline - absl::Now();
         if (left <= absl::ZeroDuration()) return absl::OkStatus();
-        SetIoTimeout(fd_, /*receive=*/false, left);
+        ArmTimeout(/*receive=*/false, left);
       }
       ssize_t sent =
           sendmsg(fd_, &message, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
@@ -445,7 +462,7 @@ class Pipeline {
       }
       pages_.emplace(std::move(*created));
     }
-    SetIoTimeout(fd_, /*receive=*/false, left);
+    ArmTimeout(/*receive=*/false, left);
     const Chunk& c = chunk(sent_);
     const size_t prefix = kRequestHeaderBytes + c.remote->token().size();
     if (send_pos_ < prefix) {
@@ -521,7 +538,7 @@ class Pipeline {
         if (block) {
           const absl::Duration left = deadline - absl::Now();
           if (left <= absl::ZeroDuration()) return absl::OkStatus();
-          SetIoTimeout(fd_, /*receive=*/true, left);
+          ArmTimeout(/*receive=*/true, left);
         }
         const ssize_t n =
             recv(fd_, target, size, block ? MSG_WAITALL : MSG_DONTWAIT);
@@ -624,6 +641,9 @@ class Pipeline {
   std::atomic<uint64_t>& next_request_id_;
   const std::string peer_;
   int fd_ = -1;
+  // The send [0] and receive [1] timeouts last set on fd_.
+  absl::Duration armed_[2] = {absl::InfiniteDuration(),
+                              absl::InfiniteDuration()};
 
   // Requests taken from the source and not answered yet, oldest first; the
   // first sent_ of them are on the wire, and send_pos_ bytes of the next.
