@@ -24,9 +24,9 @@
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/caller_identity.h"
+#include "daemon/client_watcher.h"
 #include "daemon/metrics.h"
 #include "daemon/rpc_observer.h"
-#include "daemon/client_watcher.h"
 #include "daemon/service.h"
 #include "daemon/state_dir.h"
 #include "daemon/transfers.h"
@@ -529,13 +529,12 @@ void Agent::AddGauges() {
         return std::vector<GaugeSample>{
             {{}, static_cast<double>(calls->ops_in_flight())}};
       });
-  metrics_->AddGauge(
-      "rdma_agentd_transfers_in_flight",
-      "Asynchronous transfers queued or running now",
-      [transfers = transfers_.get()] {
-        return std::vector<GaugeSample>{
-            {{}, static_cast<double>(transfers->in_flight())}};
-      });
+  metrics_->AddGauge("rdma_agentd_transfers_in_flight",
+                     "Asynchronous transfers queued or running now",
+                     [transfers = transfers_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(transfers->in_flight())}};
+                     });
   const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
     return [quota] {
       std::vector<GaugeSample> samples;

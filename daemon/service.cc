@@ -58,17 +58,12 @@ void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
 
 }  // namespace
 
-RdmaAgentService::RdmaAgentService(const AgentOptions& options,
-                                   const AgentIdentity& identity,
-                                   const BackendRegistry* backends,
-                                   BufferTable* buffers,
-                                   AttachTokens* attach_tokens,
-                                   const CallerTable* callers,
-                                   ActiveCalls* calls, AgentQuotas quotas,
-                                   ClientWatcher* client_watcher,
-                                   TransferTable* transfers,
-                                   AgentMetrics* metrics,
-                                   std::string metrics_address)
+RdmaAgentService::RdmaAgentService(
+    const AgentOptions& options, const AgentIdentity& identity,
+    const BackendRegistry* backends, BufferTable* buffers,
+    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
+    AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
+    AgentMetrics* metrics, std::string metrics_address)
     : options_(options),
       identity_(identity),
       backends_(backends),
@@ -266,9 +261,9 @@ absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
         absl::StrCat(rpc, ": the op batch is empty"));
   }
   if (static_cast<size_t>(request.ops_size()) > options_.max_ops_per_submit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        rpc, ": ", request.ops_size(), " ops exceed the limit of ",
-        options_.max_ops_per_submit, " per Submit"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": ", request.ops_size(), " ops exceed the limit of ",
+                     options_.max_ops_per_submit, " per Submit"));
   }
   return absl::OkStatus();
 }
@@ -368,7 +363,8 @@ class RdmaAgentService::Batch final : public TransferWork {
 
   std::vector<v1::OpResult> Run(const StopToken& stop) override {
     if (!ready_.empty()) {
-      std::vector<OpOutcome> outcomes = service_->backends_->Submit(ready_, stop);
+      std::vector<OpOutcome> outcomes =
+          service_->backends_->Submit(ready_, stop);
       for (size_t k = 0; k < ready_.size(); ++k) {
         const size_t i = ready_index_[k];
         statuses_[i] = std::move(outcomes[k].status);
@@ -418,9 +414,8 @@ class RdmaAgentService::Batch final : public TransferWork {
     for (size_t i = 0; i < statuses_.size(); ++i) {
       const v1::Op& wire = request_->ops(static_cast<int>(i));
       if (service_->metrics_ != nullptr) {
-        service_->metrics_->RecordOp(used_[i], wire.type(),
-                                     statuses_[i].code(), wire.length(),
-                                     latencies_[i]);
+        service_->metrics_->RecordOp(used_[i], wire.type(), statuses_[i].code(),
+                                     wire.length(), latencies_[i]);
         if (!retried_from_[i].empty()) {
           service_->metrics_->RecordRetry(retried_from_[i], used_[i]);
         }
@@ -463,8 +458,8 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   auto timeout = SubmitTimeout(*request);
   if (!timeout.ok()) return ToGrpcStatus(Prefixed(timeout.status(), "Submit"));
-  const absl::Time deadline = std::min(absl::Now() + *timeout,
-                                       absl::FromChrono(context->deadline()));
+  const absl::Time deadline =
+      std::min(absl::Now() + *timeout, absl::FromChrono(context->deadline()));
   // On this thread, not a transfer worker's: a Submit waits behind no
   // transfer, and its client's going away stops it (ActiveCalls).
   auto batch = Batch::Prepare(this, admitted->caller, request, "Submit");
@@ -498,11 +493,11 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   // From now, queueing included; this call's own deadline does not bound
   // the transfer, which outlives it.
   const absl::Time deadline = absl::Now() + *timeout;
-  auto batch =
-      Batch::Prepare(this, admitted->caller,
-                     std::make_unique<v1::SubmitRequest>(*request),
-                     std::move(*charge));
-  auto id = transfers_->Submit(admitted->caller.uid, std::move(batch), deadline);
+  auto batch = Batch::Prepare(this, admitted->caller,
+                              std::make_unique<v1::SubmitRequest>(*request),
+                              std::move(*charge));
+  auto id =
+      transfers_->Submit(admitted->caller.uid, std::move(batch), deadline);
   if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "SubmitAsync"));
   response->set_transfer_id(*id);
   return grpc::Status::OK;
@@ -514,8 +509,7 @@ grpc::Status RdmaAgentService::GetTransfers(
   auto admitted = Admit(*context, "GetTransfers");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   if (request->transfer_ids().empty() ||
-      static_cast<size_t>(request->transfer_ids_size()) >
-          kMaxTransfersPerGet) {
+      static_cast<size_t>(request->transfer_ids_size()) > kMaxTransfersPerGet) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("GetTransfers: name 1 to ", kMaxTransfersPerGet,
                      " transfers (got ", request->transfer_ids_size(), ")")));
@@ -531,13 +525,13 @@ grpc::Status RdmaAgentService::GetTransfers(
     wait = std::min(absl::Seconds(w.seconds()) + absl::Nanoseconds(w.nanos()),
                     options_.max_transfer_wait);
   }
-  const absl::Time deadline = std::min(absl::Now() + wait,
-                                       absl::FromChrono(context->deadline()));
-  auto transfers = transfers_->Get(
-      admitted->caller.uid,
-      absl::MakeConstSpan(request->transfer_ids().data(),
-                          request->transfer_ids_size()),
-      deadline, &admitted->call->cancellation());
+  const absl::Time deadline =
+      std::min(absl::Now() + wait, absl::FromChrono(context->deadline()));
+  auto transfers =
+      transfers_->Get(admitted->caller.uid,
+                      absl::MakeConstSpan(request->transfer_ids().data(),
+                                          request->transfer_ids_size()),
+                      deadline, &admitted->call->cancellation());
   if (!transfers.ok()) {
     return ToGrpcStatus(Prefixed(transfers.status(), "GetTransfers"));
   }
@@ -567,8 +561,8 @@ grpc::Status RdmaAgentService::WatchTransfers(
       // Reported only once handed to gRPC: an end that could not be sent
       // stays readable by GetTransfers until it expires.
       if (!writer->Write(event)) {
-        return ToGrpcStatus(absl::CancelledError(
-            "WatchTransfers: the client went away"));
+        return ToGrpcStatus(
+            absl::CancelledError("WatchTransfers: the client went away"));
       }
       transfers_->MarkReported(uid, id);
     }
@@ -613,8 +607,8 @@ void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
       rpc, " from uid ", caller.uid, " pid ", caller.pid, ": ",
       op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
       op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
-      backend.empty() ? "" : absl::StrCat(" over ", backend), " failed: ",
-      LogSafe(status.ToString()));
+      backend.empty() ? "" : absl::StrCat(" over ", backend),
+      " failed: ", LogSafe(status.ToString()));
   if (suppressed) {
     spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
   } else {

@@ -31,9 +31,9 @@ v1::TransferState FinalState(const std::vector<v1::OpResult>& results,
                          return result.code() == static_cast<int>(code);
                        });
   };
-  const bool all_ok =
-      std::all_of(results.begin(), results.end(),
-                  [](const v1::OpResult& result) { return result.code() == 0; });
+  const bool all_ok = std::all_of(
+      results.begin(), results.end(),
+      [](const v1::OpResult& result) { return result.code() == 0; });
   if (all_ok) return v1::TRANSFER_STATE_DONE;
   if (cancel_asked && has_code(absl::StatusCode::kCancelled)) {
     return v1::TRANSFER_STATE_CANCELLED;
@@ -96,13 +96,13 @@ absl::StatusOr<uint64_t> TransferTable::Submit(
   if (closed_) return closed_reason_;
   DropExpired();
   auto mine = in_flight_by_uid_.find(uid);
-  const size_t user_in_flight = mine == in_flight_by_uid_.end() ? 0 : mine->second;
+  const size_t user_in_flight =
+      mine == in_flight_by_uid_.end() ? 0 : mine->second;
   if (user_in_flight >= limits_.max_in_flight_per_user) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("user ", uid, " already has ", user_in_flight,
-                     " transfers in flight (limit ",
-                     limits_.max_in_flight_per_user,
-                     ", --max_transfers_in_flight_per_user)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "user ", uid, " already has ", user_in_flight,
+        " transfers in flight (limit ", limits_.max_in_flight_per_user,
+        ", --max_transfers_in_flight_per_user)"));
   }
   if (in_flight_ >= limits_.max_in_flight) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -144,7 +144,8 @@ void TransferTable::Finish(const RecordPtr& record, const absl::Status& skip) {
     results = record->work->Skip(skip);
   } else if (stop.stopped()) {
     // Cancelled or expired while queued: nothing of it starts.
-    results = record->work->Skip(stop.StopStatus("before the transfer started"));
+    results =
+        record->work->Skip(stop.StopStatus("before the transfer started"));
   } else {
     {
       absl::MutexLock lock(&mu_);
@@ -174,8 +175,8 @@ void TransferTable::End(Record& record, std::vector<v1::OpResult> results) {
   --in_flight_;
 }
 
-absl::StatusOr<TransferTable::RecordPtr> TransferTable::Find(uid_t uid,
-                                                            uint64_t id) const {
+absl::StatusOr<TransferTable::RecordPtr> TransferTable::Find(
+    uid_t uid, uint64_t id) const {
   auto it = records_.find(id);
   // Another user's transfer reads exactly like one that does not exist.
   if (it == records_.end() || it->second->uid != uid) {
@@ -244,11 +245,11 @@ absl::StatusOr<std::vector<v1::Transfer>> TransferTable::Get(
   // Records are held, not looked up again: a watcher may report (drop) one
   // while this call waits, and it is still described here.
   const auto settled = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return stopped || std::all_of(records.begin(), records.end(),
-                                  [](const RecordPtr& record) {
-                                    return record->phase ==
-                                           Record::Phase::kEnded;
-                                  });
+    return stopped ||
+           std::all_of(records.begin(), records.end(),
+                       [](const RecordPtr& record) {
+                         return record->phase == Record::Phase::kEnded;
+                       });
   };
   mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
   std::vector<v1::Transfer> transfers;

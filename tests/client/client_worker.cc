@@ -23,8 +23,8 @@
 //        long-running call to abandon)
 //   submit_async read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET
 //                BASE64_CONTEXT -> transfer ID | error CODE MESSAGE
-//   transfer_get ID             -> status CODE [STATE]   (GetTransfers, no wait)
-//   transfer_cancel ID          -> status CODE [STATE]   (CancelTransfer)
+//   transfer_get ID             -> status CODE [STATE]   (GetTransfers, no
+//   wait) transfer_cancel ID          -> status CODE [STATE]   (CancelTransfer)
 //   transfer_watch MILLISECONDS -> events ID,ID,...
 //        the ends WatchTransfers pushed within that time
 //   release ID                  -> status CODE
@@ -227,8 +227,8 @@ class Worker {
       const absl::Status status =
           FromGrpcStatus(Stub().GetTransfers(&context, request, &response));
       if (!status.ok()) return absl::StrCat("status ", CodeName(status));
-      return absl::StrCat("status OK ",
-                          v1::TransferState_Name(response.transfers(0).state()));
+      return absl::StrCat(
+          "status OK ", v1::TransferState_Name(response.transfers(0).state()));
     }
     if (command == "transfer_cancel" && need(1)) {
       grpc::ClientContext context;
@@ -245,10 +245,12 @@ class Worker {
       grpc::ClientContext context;
       context.set_deadline(
           absl::ToChronoTime(absl::Now() + absl::Milliseconds(n[0])));
-      auto stream = Stub().WatchTransfers(&context, v1::WatchTransfersRequest());
+      auto stream =
+          Stub().WatchTransfers(&context, v1::WatchTransfersRequest());
       std::vector<uint64_t> ids;
       v1::TransferEvent event;
-      while (stream->Read(&event)) ids.push_back(event.transfer().transfer_id());
+      while (stream->Read(&event))
+        ids.push_back(event.transfer().transfer_id());
       (void)stream->Finish();
       return absl::StrCat("events ", absl::StrJoin(ids, ","));
     }

@@ -100,7 +100,8 @@ TEST(ActiveCallsTest, OpsChargesShareTheOpsBoundsButTakeNoCallSlot) {
                 "user 1000 has 10 ops in flight; 1 more would pass the limit "
                 "of 10 (--max_ops_in_flight_per_user)"));
   // The one call slot is the Submit's: charges never took it.
-  EXPECT_TRUE(absl::IsResourceExhausted(calls.Start(nullptr, 1000, 0).status()));
+  EXPECT_TRUE(
+      absl::IsResourceExhausted(calls.Start(nullptr, 1000, 0).status()));
   call->reset();
   EXPECT_TRUE(calls.Start(nullptr, 1000, 0).ok());
   // Destroying the charge gives its ops back.

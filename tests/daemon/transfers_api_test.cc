@@ -55,9 +55,9 @@ v1::SubmitRequest Batch(std::vector<v1::Op> ops,
   v1::SubmitRequest request;
   for (auto& op : ops) *request.add_ops() = std::move(op);
   request.mutable_timeout()->set_seconds(absl::ToInt64Seconds(timeout));
-  request.mutable_timeout()->set_nanos(static_cast<int32_t>(
-      absl::ToInt64Nanoseconds(timeout - absl::Seconds(absl::ToInt64Seconds(
-                                             timeout)))));
+  request.mutable_timeout()->set_nanos(
+      static_cast<int32_t>(absl::ToInt64Nanoseconds(
+          timeout - absl::Seconds(absl::ToInt64Seconds(timeout)))));
   return request;
 }
 
@@ -125,8 +125,8 @@ class TransfersApiTest : public ::testing::Test {
     v1::GetTransfersRequest request;
     request.add_transfer_ids(id);
     request.mutable_wait()->set_seconds(absl::ToInt64Seconds(wait));
-    request.mutable_wait()->set_nanos(static_cast<int32_t>(
-        absl::ToInt64Nanoseconds(wait) % 1000000000));
+    request.mutable_wait()->set_nanos(
+        static_cast<int32_t>(absl::ToInt64Nanoseconds(wait) % 1000000000));
     v1::GetTransfersResponse response;
     const absl::Status status =
         FromGrpc(stub().GetTransfers(&context, request, &response));
@@ -183,9 +183,9 @@ TEST_F(TransfersApiTest, SubmitAsyncValidatesTheBatchLikeSubmit) {
   const v1::Op op =
       MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, buffer, 0, 16, buffer, 16);
   std::vector<v1::SubmitRequest> bad = {
-      Batch({}),                                  // empty
-      Batch({op, op, op}),                        // too many ops
-      Batch({op}, absl::Seconds(11)),             // past the limit
+      Batch({}),                       // empty
+      Batch({op, op, op}),             // too many ops
+      Batch({op}, absl::Seconds(11)),  // past the limit
   };
   bad.push_back(Batch({op}));
   bad.back().mutable_timeout()->set_seconds(-1);  // malformed
@@ -213,11 +213,10 @@ TEST_F(TransfersApiTest, PendingThenDoneMovesExactlyTheBytesAsked) {
   const uint64_t blocker = StartBlocker();
   // A READ into destination[1000, 1000+70000) from source[5000, ...) and a
   // WRITE from destination[300000, +4097) into source[600000, ...).
-  auto id = SubmitAsync(Batch(
-      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 1000, 70000, source,
-              5000),
-       MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, destination, 300000, 4097, source,
-              600000)}));
+  auto id = SubmitAsync(Batch({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination,
+                                      1000, 70000, source, 5000),
+                               MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, destination,
+                                      300000, 4097, source, 600000)}));
   ASSERT_TRUE(id.ok()) << id.status();
   auto pending = Get(*id);
   ASSERT_TRUE(pending.ok()) << pending.status();
@@ -275,8 +274,8 @@ TEST_F(TransfersApiTest, FailedCarriesEachOpsResultAsSubmitWould) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(failed->results(i).SerializeAsString(),
               sync.results(i).SerializeAsString())
-        << "op " << i << ": " << failed->results(i).ShortDebugString()
-        << " vs " << sync.results(i).ShortDebugString();
+        << "op " << i << ": " << failed->results(i).ShortDebugString() << " vs "
+        << sync.results(i).ShortDebugString();
   }
   EXPECT_THAT(failed->results(1).message(), HasSubstr("op 1: "));
 }
@@ -295,12 +294,11 @@ TEST_F(TransfersApiTest, CancelBeforeStartNeverTouchesTheBuffer) {
   EXPECT_FALSE(cancelled->has_start_time());
   ASSERT_EQ(cancelled->results_size(), 1);
   EXPECT_EQ(cancelled->results(0).code(), 1);  // CANCELLED
-  EXPECT_THAT(cancelled->results(0).message(),
-              HasSubstr("before it started"));
+  EXPECT_THAT(cancelled->results(0).message(), HasSubstr("before it started"));
   // The worker gets to run again: still nothing of the cancelled one.
   ASSERT_TRUE(Cancel(blocker).ok());
-  auto after = SubmitAsync(Batch(
-      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, source, 0, 1, source, 1)}));
+  auto after = SubmitAsync(
+      Batch({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, source, 0, 1, source, 1)}));
   ASSERT_TRUE(after.ok());
   ASSERT_TRUE(Get(*after, absl::Seconds(30)).ok());
   EXPECT_EQ(Read(destination, 0, kSize), PatternString(2, 0, kSize));
@@ -342,8 +340,7 @@ TEST_F(TransfersApiTest, CancelAfterTheEndChangesNothing) {
   ASSERT_TRUE(first.ok() && second.ok());
   // One worker, first in first out: once the second has ended, so has the
   // first (which nobody has read yet).
-  ASSERT_EQ(Get(*second, absl::Seconds(30))->state(),
-            v1::TRANSFER_STATE_DONE);
+  ASSERT_EQ(Get(*second, absl::Seconds(30))->state(), v1::TRANSFER_STATE_DONE);
   auto cancelled = Cancel(*first);
   ASSERT_TRUE(cancelled.ok()) << cancelled.status();
   EXPECT_EQ(cancelled->state(), v1::TRANSFER_STATE_DONE);
@@ -394,9 +391,9 @@ TEST_F(TransfersApiTest, DeadlineRacingCancelEndsInOneConsistentState) {
   Buffer buffer = Allocate(2 * kBlockerHalf);
   for (int round = 0; round < 8; ++round) {
     SCOPED_TRACE(round);
-    std::vector<v1::Op> ops(
-        kBlockerOps, MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, buffer, 0,
-                            kBlockerHalf, buffer, kBlockerHalf));
+    std::vector<v1::Op> ops(kBlockerOps,
+                            MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, buffer, 0,
+                                   kBlockerHalf, buffer, kBlockerHalf));
     const absl::Duration timeout = absl::Milliseconds(100);
     auto id = SubmitAsync(Batch(std::move(ops), timeout));
     ASSERT_TRUE(id.ok()) << id.status();
@@ -470,8 +467,8 @@ TEST_F(TransfersApiTest, WatchTransfersPushesEndsAndForgetsGoneWatchers) {
   ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 1; }));
   auto done = SubmitAsync(Batch(
       {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 0, 100, source, 0)}));
-  auto failed = SubmitAsync(Batch(
-      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 4090, 100, source, 0)}));
+  auto failed = SubmitAsync(Batch({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL,
+                                          destination, 4090, 100, source, 0)}));
   ASSERT_TRUE(done.ok() && failed.ok());
   v1::TransferEvent event;
   ASSERT_TRUE(stream->Read(&event));

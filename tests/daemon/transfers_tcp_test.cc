@@ -115,9 +115,9 @@ TEST_F(TransfersTcpTest, DoneTransferMovedExactlyItsRanges) {
   EXPECT_EQ(FindMismatch(bytes.subspan(0, kOffset), 1, 0), std::nullopt);
   EXPECT_EQ(FindMismatch(bytes.subspan(kOffset, kLength), 2, kFrom),
             std::nullopt);
-  EXPECT_EQ(FindMismatch(bytes.subspan(kOffset + kLength,
-                                       kSize - 1 - kOffset - kLength),
-                         1, kOffset + kLength),
+  EXPECT_EQ(FindMismatch(
+                bytes.subspan(kOffset + kLength, kSize - 1 - kOffset - kLength),
+                1, kOffset + kLength),
             std::nullopt);
   EXPECT_EQ(bytes[kSize - 1], PatternByte(2, 0));
   // The remote side was only read.
@@ -162,8 +162,7 @@ TEST_F(TransfersTcpTest, CancelMidFlightLeavesNothingWritingIntoMemory) {
   std::memset(local->data(), 0xc3, kLarge);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   const v1::Transfer& transfer = response.transfer();
-  EXPECT_EQ(transfer.state(), v1::TRANSFER_STATE_CANCELLED)
-      << transfer.state();
+  EXPECT_EQ(transfer.state(), v1::TRANSFER_STATE_CANCELLED) << transfer.state();
   ASSERT_EQ(transfer.results_size(), 32);
   int stopped = 0;
   for (const auto& result : transfer.results()) {
@@ -174,8 +173,8 @@ TEST_F(TransfersTcpTest, CancelMidFlightLeavesNothingWritingIntoMemory) {
 
   absl::SleepFor(absl::Seconds(1));
   const std::byte* end = data + kLarge;
-  const std::byte* changed = std::find_if(
-      data, end, [](std::byte b) { return b != std::byte{0xc3}; });
+  const std::byte* changed =
+      std::find_if(data, end, [](std::byte b) { return b != std::byte{0xc3}; });
   EXPECT_EQ(changed, end) << "byte " << (changed - data)
                           << " was written after CancelTransfer returned";
   // The agent serves on: a fresh transfer over tcp completes.

@@ -28,7 +28,7 @@ struct Probe {
   std::atomic<bool> run_returned{false};
   std::atomic<bool> skipped{false};
   std::atomic<bool> destroyed{false};
-  absl::Status skip_reason;  // written before `skipped`
+  absl::Status skip_reason;    // written before `skipped`
   absl::Notification release;  // lets Run end with `codes`
 };
 
@@ -49,8 +49,8 @@ class FakeWork : public TransferWork {
     std::vector<v1::OpResult> results;
     const absl::Status stopped = stop.Check("during the fake run");
     for (absl::StatusCode code : codes_) {
-      results.push_back(Result(stopped.ok() ? absl::Status(code, "fake")
-                                            : stopped));
+      results.push_back(
+          Result(stopped.ok() ? absl::Status(code, "fake") : stopped));
     }
     probe_->run_returned = true;
     return results;
@@ -146,10 +146,10 @@ TEST_F(TransfersTest, FailedKeepsEachOpsCode) {
   TransferTable table(Limits());
   auto probe = std::make_shared<Probe>();
   probe->release.Notify();
-  const uint64_t id = Submit(
-      table, probe,
-      {absl::StatusCode::kOk, absl::StatusCode::kNotFound,
-       absl::StatusCode::kOutOfRange});
+  const uint64_t id =
+      Submit(table, probe,
+             {absl::StatusCode::kOk, absl::StatusCode::kNotFound,
+              absl::StatusCode::kOutOfRange});
   auto failed = Get(table, id, absl::Seconds(10));
   ASSERT_TRUE(failed.ok()) << failed.status();
   EXPECT_EQ(failed->state(), v1::TRANSFER_STATE_FAILED);
@@ -174,7 +174,8 @@ TEST_F(TransfersTest, GetWithWaitReturnsAsSoonAsTheTransferEnds) {
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->state(), v1::TRANSFER_STATE_DONE);
   EXPECT_GE(took, absl::Milliseconds(90));
-  EXPECT_LT(took, absl::Seconds(10)) << "the wait did not end with the transfer";
+  EXPECT_LT(took, absl::Seconds(10))
+      << "the wait did not end with the transfer";
 }
 
 TEST_F(TransfersTest, GetWithWaitReturnsPendingWhenTheWaitPasses) {
@@ -198,7 +199,8 @@ TEST_F(TransfersTest, GetReturnsWhenTheCallerGoes) {
   });
   const uint64_t ids[] = {id};
   const absl::Time start = absl::Now();
-  auto transfers = table.Get(kUser, ids, absl::Now() + absl::Seconds(30), &call);
+  auto transfers =
+      table.Get(kUser, ids, absl::Now() + absl::Seconds(30), &call);
   leaver.join();
   ASSERT_TRUE(transfers.ok()) << transfers.status();
   EXPECT_EQ(transfers->at(0).state(), v1::TRANSFER_STATE_PENDING);
@@ -259,8 +261,8 @@ TEST_F(TransfersTest, CancelAfterTheEndChangesNothing) {
   TransferTable table(Limits());
   auto probe = std::make_shared<Probe>();
   probe->release.Notify();
-  const uint64_t id = Submit(table, probe,
-                             {absl::StatusCode::kOk, absl::StatusCode::kNotFound});
+  const uint64_t id = Submit(
+      table, probe, {absl::StatusCode::kOk, absl::StatusCode::kNotFound});
   ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
   auto after = table.Cancel(kUser, id);
   ASSERT_TRUE(after.ok()) << after.status();
@@ -296,9 +298,9 @@ TEST_F(TransfersTest, DeadlineRacingCancelEndsInOneConsistentState) {
     SCOPED_TRACE(round);
     auto probe = std::make_shared<Probe>();
     const absl::Duration timeout = absl::Milliseconds(5 + round % 5);
-    const uint64_t id = Submit(
-        table, probe, {absl::StatusCode::kOk, absl::StatusCode::kOk}, kUser,
-        absl::Now() + timeout);
+    const uint64_t id =
+        Submit(table, probe, {absl::StatusCode::kOk, absl::StatusCode::kOk},
+               kUser, absl::Now() + timeout);
     ASSERT_NE(id, 0u) << last_status_;
     absl::SleepFor(timeout - absl::Milliseconds(2) +
                    absl::Microseconds(200 * (round % 20)));
@@ -372,8 +374,8 @@ TEST_F(TransfersTest, InFlightBoundsRefuseCleanlyAndFreeUpAgain) {
   // Another user fits under the total, up to it.
   for (int i = 0; i < 2; ++i) {
     probes.push_back(std::make_shared<Probe>());
-    ids.push_back(Submit(table, probes.back(), {absl::StatusCode::kOk},
-                         kOtherUser));
+    ids.push_back(
+        Submit(table, probes.back(), {absl::StatusCode::kOk}, kOtherUser));
     ASSERT_NE(ids.back(), 0u) << last_status_;
   }
   EXPECT_EQ(Submit(table, std::make_shared<Probe>(), {absl::StatusCode::kOk},

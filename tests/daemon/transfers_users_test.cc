@@ -25,9 +25,8 @@ WorkerProcess StartWorker(InProcessAgent& agent, int uid) {
   WorkerProcess::Options options;
   options.uid = uid;
   options.gid = uid;
-  auto worker = WorkerProcess::Start(agent.agent().target(),
-                                     agent.agent().attach_socket_path(),
-                                     options);
+  auto worker = WorkerProcess::Start(
+      agent.agent().target(), agent.agent().attach_socket_path(), options);
   EXPECT_TRUE(worker.ok()) << worker.status();
   return std::move(*worker);
 }
