@@ -23,18 +23,9 @@ ActiveCalls::~ActiveCalls() {
   watcher_.join();
 }
 
-absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
-    const grpc::ServerContext* context, uid_t uid, size_t ops) {
-  absl::MutexLock lock(&mu_);
-  if (closed_) return closed_reason_;
+absl::Status ActiveCalls::CheckOps(uid_t uid, size_t ops) const {
   auto found = by_uid_.find(uid);
-  const UserLoad load = found == by_uid_.end() ? UserLoad() : found->second;
-  if (load.calls >= limits_.max_calls_per_user) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "user ", uid, " already has ", load.calls, " calls running (limit ",
-        limits_.max_calls_per_user, ", --max_rpcs_per_user)"));
-  }
-  const size_t mine = load.ops;
+  const size_t mine = found == by_uid_.end() ? 0 : found->second.ops;
   if (mine + ops > limits_.max_ops_per_user) {
     return absl::ResourceExhaustedError(
         absl::StrCat("user ", uid, " has ", mine, " ops in flight; ", ops,
@@ -47,24 +38,63 @@ absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
                      " more would pass the limit of ", limits_.max_ops,
                      " (--max_ops_in_flight)"));
   }
-  std::unique_ptr<Call> call(new Call(this, context, uid, ops));
-  UserLoad& updated = by_uid_[uid];
-  ++updated.calls;
-  updated.ops += ops;
+  return absl::OkStatus();
+}
+
+void ActiveCalls::Add(uid_t uid, size_t calls, size_t ops) {
+  UserLoad& load = by_uid_[uid];
+  load.calls += calls;
+  load.ops += ops;
   ops_total_ += ops;
+}
+
+void ActiveCalls::Remove(uid_t uid, size_t calls, size_t ops) {
+  auto it = by_uid_.find(uid);
+  it->second.calls -= calls;
+  it->second.ops -= ops;
+  ops_total_ -= ops;
+  if (it->second.calls == 0 && it->second.ops == 0) by_uid_.erase(it);
+}
+
+absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
+    const grpc::ServerContext* context, uid_t uid, size_t ops) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return closed_reason_;
+  auto found = by_uid_.find(uid);
+  const size_t calls = found == by_uid_.end() ? 0 : found->second.calls;
+  if (calls >= limits_.max_calls_per_user) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "user ", uid, " already has ", calls, " calls running (limit ",
+        limits_.max_calls_per_user, ", --max_rpcs_per_user)"));
+  }
+  absl::Status fits = CheckOps(uid, ops);
+  if (!fits.ok()) return fits;
+  std::unique_ptr<Call> call(new Call(this, context, uid, ops));
+  Add(uid, 1, ops);
   calls_.push_front(call.get());
   call->position_ = calls_.begin();
   return call;
 }
 
+absl::StatusOr<std::unique_ptr<ActiveCalls::OpsCharge>> ActiveCalls::ChargeOps(
+    uid_t uid, size_t ops) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return closed_reason_;
+  absl::Status fits = CheckOps(uid, ops);
+  if (!fits.ok()) return fits;
+  Add(uid, 0, ops);
+  return std::unique_ptr<OpsCharge>(new OpsCharge(this, uid, ops));
+}
+
+ActiveCalls::OpsCharge::~OpsCharge() {
+  absl::MutexLock lock(&owner_->mu_);
+  owner_->Remove(uid_, 0, ops_);
+}
+
 void ActiveCalls::End(Call* call) {
   absl::MutexLock lock(&mu_);
   calls_.erase(call->position_);
-  ops_total_ -= call->ops_;
-  auto it = by_uid_.find(call->uid_);
-  --it->second.calls;
-  it->second.ops -= call->ops_;
-  if (it->second.calls == 0) by_uid_.erase(it);
+  Remove(call->uid_, 1, call->ops_);
 }
 
 void ActiveCalls::CancelAll(const absl::Status& reason) {

@@ -44,6 +44,10 @@ struct InFlightLimits {
 //   (grpc::ServerContext::IsCancelled) and cancels its work (CANCELLED).
 // - Shutdown: CancelAll() stops every call at once (UNAVAILABLE), so that
 //   the server's shutdown grace is never spent waiting for transfers.
+// - Work no RPC holds (an asynchronous transfer, daemon/transfers.h) charges
+//   its ops with ChargeOps: they count toward the same bounds as a Submit's,
+//   but take no call slot (they hold no gRPC thread) and are not watched
+//   (their owner cancels them).
 //
 // Thread-safe.
 class ActiveCalls {
@@ -75,6 +79,23 @@ class ActiveCalls {
     std::list<Call*>::iterator position_;
   };
 
+  // Ops admitted by ChargeOps; destroying the handle gives them back.
+  class OpsCharge {
+   public:
+    OpsCharge(const OpsCharge&) = delete;
+    OpsCharge& operator=(const OpsCharge&) = delete;
+    ~OpsCharge();
+
+   private:
+    friend class ActiveCalls;
+    OpsCharge(ActiveCalls* owner, uid_t uid, size_t ops)
+        : owner_(owner), uid_(uid), ops_(ops) {}
+
+    ActiveCalls* const owner_;
+    const uid_t uid_;
+    const size_t ops_;
+  };
+
   explicit ActiveCalls(InFlightLimits limits,
                        absl::Duration poll_interval = absl::Milliseconds(100));
   ActiveCalls(const ActiveCalls&) = delete;
@@ -90,7 +111,12 @@ class ActiveCalls {
   absl::StatusOr<std::unique_ptr<Call>> Start(
       const grpc::ServerContext* context, uid_t uid, size_t ops);
 
-  // Cancels every running call with `reason` and refuses new ones.
+  // Admits `ops` ops of `uid` that no call holds, within the same bounds and
+  // with the same errors as Start; UNAVAILABLE after CancelAll().
+  absl::StatusOr<std::unique_ptr<OpsCharge>> ChargeOps(uid_t uid, size_t ops);
+
+  // Cancels every running call with `reason` and refuses new ones (and new
+  // ops charges).
   void CancelAll(const absl::Status& reason);
 
   // Waits until no call is running or `deadline` passes; true when idle.
@@ -98,11 +124,19 @@ class ActiveCalls {
 
   // Calls running now (for shutdown, tests and metrics).
   size_t calls() const;
-  // Ops in flight for `uid` / in total (for tests and metrics).
+  // Ops in flight for `uid` / in total, calls' and charges' (for tests and
+  // metrics).
   size_t ops_in_flight(uid_t uid) const;
   size_t ops_in_flight() const;
 
  private:
+  // OK when `ops` more ops of `uid` fit under the bounds.
+  absl::Status CheckOps(uid_t uid, size_t ops) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Add(uid_t uid, size_t calls, size_t ops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Remove(uid_t uid, size_t calls, size_t ops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void End(Call* call);
   void WatchLoop();
 

@@ -24,11 +24,12 @@
 #include "daemon/attach_server.h"
 #include "daemon/attach_tokens.h"
 #include "daemon/caller_identity.h"
+#include "daemon/client_watcher.h"
 #include "daemon/metrics.h"
 #include "daemon/rpc_observer.h"
-#include "daemon/client_watcher.h"
 #include "daemon/service.h"
 #include "daemon/state_dir.h"
+#include "daemon/transfers.h"
 #include "daemon/unix_socket.h"
 #include "daemon/version.h"
 #include "grpc/health/v1/health.pb.h"
@@ -338,10 +339,18 @@ absl::Status Agent::StartApiServer() {
   limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
   limits.max_calls_per_user = options_.max_rpcs_per_user;
   calls_ = std::make_unique<ActiveCalls>(limits);
+  TransferLimits transfer_limits;
+  transfer_limits.workers = options_.transfer_workers;
+  transfer_limits.max_in_flight_per_user =
+      options_.max_transfers_in_flight_per_user;
+  transfer_limits.max_in_flight = options_.max_transfers_in_flight;
+  transfer_limits.retention = options_.transfer_retention;
+  transfers_ = std::make_unique<TransferTable>(transfer_limits);
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, backends_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
-      client_watcher_.get(), metrics_.get(), metrics_address_);
+      client_watcher_.get(), transfers_.get(), metrics_.get(),
+      metrics_address_);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -464,6 +473,12 @@ void Agent::Shutdown() {
   if (calls_ != nullptr) {
     calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
   }
+  // Likewise every asynchronous transfer: queued ones never start, running
+  // ones stop, and the workers are joined, so none is left touching memory
+  // or backends torn down below.
+  if (transfers_ != nullptr) {
+    transfers_->Shutdown(absl::UnavailableError("the agent is shutting down"));
+  }
   const absl::Time grace = absl::Now() + options_.shutdown_grace;
   if (server_ != nullptr) {
     // gRPC's Shutdown would spend the whole grace on connections that are
@@ -508,11 +523,18 @@ void Agent::AddGauges() {
             {{}, static_cast<double>(calls->calls())}};
       });
   metrics_->AddGauge(
-      "rdma_agentd_ops_in_flight", "Ops of Submits running now",
+      "rdma_agentd_ops_in_flight",
+      "Ops of Submits and asynchronous transfers in flight now",
       [calls = calls_.get()] {
         return std::vector<GaugeSample>{
             {{}, static_cast<double>(calls->ops_in_flight())}};
       });
+  metrics_->AddGauge("rdma_agentd_transfers_in_flight",
+                     "Asynchronous transfers queued or running now",
+                     [transfers = transfers_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(transfers->in_flight())}};
+                     });
   const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
     return [quota] {
       std::vector<GaugeSample> samples;

@@ -28,6 +28,7 @@ class CallerTable;
 class MetricsServer;
 class ClientWatcher;
 class RdmaAgentService;
+class TransferTable;
 class UnixListener;
 
 // One rdma-agentd: its registrations, its backends and the servers in front
@@ -63,6 +64,8 @@ class Agent {
   const std::string& metrics_address() const { return metrics_address_; }
   // The options in force: socket paths and admission limits filled in.
   const AgentOptions& options() const { return options_; }
+  // The asynchronous transfers (for tests: watchers, transfers kept).
+  const TransferTable& transfers() const { return *transfers_; }
 
  private:
   explicit Agent(AgentOptions options);
@@ -118,6 +121,10 @@ class Agent {
   std::unique_ptr<CallerTable> callers_;
   std::unique_ptr<ActiveCalls> calls_;
   std::unique_ptr<RdmaAgentService> service_;
+  // After the service whose batches its workers run, and after the calls
+  // whose ops charges those batches hold: its workers are joined before
+  // either goes, and before the backends do.
+  std::unique_ptr<TransferTable> transfers_;
   std::unique_ptr<grpc::Server> peer_server_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<UnixListener> listener_;

@@ -74,6 +74,14 @@ struct AgentOptions {
   // Connections to the RdmaAgent socket, in total and per user.
   size_t max_connections = 1024;
   size_t max_connections_per_user = 128;
+  // Asynchronous transfers (daemon/transfers.h): worker threads, transfers
+  // queued or running per user and in total, how long an ended transfer
+  // nobody has read is kept, and the longest GetTransfers long poll.
+  size_t transfer_workers = 4;
+  size_t max_transfers_in_flight_per_user = 1024;
+  size_t max_transfers_in_flight = 8192;
+  absl::Duration transfer_retention = absl::Minutes(5);
+  absl::Duration max_transfer_wait = absl::Minutes(1);
   // Longest Shutdown() waits for RPCs once their work is cancelled.
   absl::Duration shutdown_grace = absl::Seconds(5);
   // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.

@@ -127,6 +127,20 @@ ABSL_FLAG(int64_t, max_connections, 1024,
           "Connections to the RdmaAgent socket, over all users.");
 ABSL_FLAG(int64_t, max_connections_per_user, 128,
           "Connections to the RdmaAgent socket one local user may hold.");
+ABSL_FLAG(int64_t, transfer_workers, 4,
+          "Threads running asynchronous transfers (SubmitAsync), started "
+          "with the agent; transfers beyond them wait in a queue.");
+ABSL_FLAG(int64_t, max_transfers_in_flight_per_user, 1024,
+          "Asynchronous transfers one local user may have queued or running; "
+          "beyond, SubmitAsync is refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_transfers_in_flight, 8192,
+          "Asynchronous transfers queued or running over all users.");
+ABSL_FLAG(absl::Duration, transfer_retention, absl::Minutes(5),
+          "How long an ended transfer is kept for GetTransfers and "
+          "WatchTransfers when neither has reported it; then its id is "
+          "NOT_FOUND.");
+ABSL_FLAG(absl::Duration, max_transfer_wait, absl::Minutes(1),
+          "Longest GetTransfers long poll; longer waits are cut to it.");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
           "agent waits at most this long for RPCs to finish.");
@@ -234,6 +248,22 @@ int Run() {
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight));
   options.max_ops_in_flight_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
+  if (absl::GetFlag(FLAGS_transfer_workers) < 1 ||
+      absl::GetFlag(FLAGS_max_transfers_in_flight_per_user) < 1 ||
+      absl::GetFlag(FLAGS_max_transfers_in_flight) < 1) {
+    spdlog::critical(
+        "--transfer_workers, --max_transfers_in_flight_per_user and "
+        "--max_transfers_in_flight must be at least 1");
+    return 2;
+  }
+  options.transfer_workers =
+      static_cast<size_t>(absl::GetFlag(FLAGS_transfer_workers));
+  options.max_transfers_in_flight_per_user = static_cast<size_t>(
+      absl::GetFlag(FLAGS_max_transfers_in_flight_per_user));
+  options.max_transfers_in_flight =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_transfers_in_flight));
+  options.transfer_retention = absl::GetFlag(FLAGS_transfer_retention);
+  options.max_transfer_wait = absl::GetFlag(FLAGS_max_transfer_wait);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));

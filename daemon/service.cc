@@ -22,6 +22,10 @@
 namespace rdma_agent {
 namespace {
 
+// Transfers one GetTransfers may name: bounds the reply (each carries one
+// result per op).
+constexpr size_t kMaxTransfersPerGet = 1024;
+
 bool ValidAccess(v1::Access access) {
   return AllowsRead(access) || AllowsWrite(access);
 }
@@ -56,16 +60,12 @@ void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
 
 }  // namespace
 
-RdmaAgentService::RdmaAgentService(const AgentOptions& options,
-                                   const AgentIdentity& identity,
-                                   const BackendRegistry* backends,
-                                   BufferTable* buffers,
-                                   AttachTokens* attach_tokens,
-                                   const CallerTable* callers,
-                                   ActiveCalls* calls, AgentQuotas quotas,
-                                   ClientWatcher* client_watcher,
-                                   AgentMetrics* metrics,
-                                   std::string metrics_address)
+RdmaAgentService::RdmaAgentService(
+    const AgentOptions& options, const AgentIdentity& identity,
+    const BackendRegistry* backends, BufferTable* buffers,
+    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
+    AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
+    AgentMetrics* metrics, std::string metrics_address)
     : options_(options),
       identity_(identity),
       backends_(backends),
@@ -75,6 +75,7 @@ RdmaAgentService::RdmaAgentService(const AgentOptions& options,
       calls_(calls),
       quotas_(std::move(quotas)),
       client_watcher_(client_watcher),
+      transfers_(transfers),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)) {}
 
@@ -255,8 +256,21 @@ grpc::Status RdmaAgentService::Release(grpc::ServerContext* context,
   return ToGrpcStatus(Prefixed(status, "Release"));
 }
 
-absl::StatusOr<absl::Time> RdmaAgentService::SubmitDeadline(
-    const grpc::ServerContext& context,
+absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
+                                              absl::string_view rpc) const {
+  if (request.ops().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": the op batch is empty"));
+  }
+  if (static_cast<size_t>(request.ops_size()) > options_.max_ops_per_submit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": ", request.ops_size(), " ops exceed the limit of ",
+                     options_.max_ops_per_submit, " per Submit"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
     const v1::SubmitRequest& request) const {
   absl::Duration timeout = options_.default_submit_timeout;
   if (request.has_timeout()) {
@@ -274,9 +288,7 @@ absl::StatusOr<absl::Time> RdmaAgentService::SubmitDeadline(
                        absl::FormatDuration(options_.max_submit_timeout)));
     }
   }
-  const absl::Time deadline =
-      std::min(absl::Now() + timeout, absl::FromChrono(context.deadline()));
-  return deadline;
+  return timeout;
 }
 
 absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
@@ -327,90 +339,279 @@ absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
   return op;
 }
 
+class RdmaAgentService::Batch final : public TransferWork {
+ public:
+  // Validates every op of `request` (which must outlive the batch) for
+  // `caller`, pinning the registrations of the valid ones.
+  static std::unique_ptr<Batch> Prepare(RdmaAgentService* service,
+                                        const PeerCredentials& caller,
+                                        const v1::SubmitRequest* request,
+                                        absl::string_view rpc) {
+    std::unique_ptr<Batch> batch(new Batch(service, caller, request, rpc));
+    batch->PrepareOps();
+    return batch;
+  }
+  // The same for a transfer: the batch keeps its own copy of the request
+  // and the admission of its ops until it is destroyed.
+  static std::unique_ptr<Batch> Prepare(
+      RdmaAgentService* service, const PeerCredentials& caller,
+      std::unique_ptr<v1::SubmitRequest> request,
+      std::unique_ptr<ActiveCalls::OpsCharge> charge) {
+    auto batch = Prepare(service, caller, request.get(), "SubmitAsync");
+    batch->owned_request_ = std::move(request);
+    batch->charge_ = std::move(charge);
+    return batch;
+  }
+
+  std::vector<v1::OpResult> Run(const StopToken& stop) override {
+    if (!ready_.empty()) {
+      std::vector<OpOutcome> outcomes =
+          service_->backends_->Submit(ready_, stop);
+      for (size_t k = 0; k < ready_.size(); ++k) {
+        const size_t i = ready_index_[k];
+        statuses_[i] = std::move(outcomes[k].status);
+        used_[i] = std::move(outcomes[k].backend);
+        retried_from_[i] = std::move(outcomes[k].retried_from);
+        latencies_[i] = outcomes[k].latency;
+      }
+    }
+    return Finish();
+  }
+
+  std::vector<v1::OpResult> Skip(const absl::Status& reason) override {
+    for (size_t i : ready_index_) statuses_[i] = AnnotateOp(reason, i);
+    return Finish();
+  }
+
+ private:
+  Batch(RdmaAgentService* service, const PeerCredentials& caller,
+        const v1::SubmitRequest* request, absl::string_view rpc)
+      : service_(service),
+        caller_(caller),
+        request_(request),
+        rpc_(rpc),
+        statuses_(request->ops_size()),
+        used_(request->ops_size()),
+        retried_from_(request->ops_size()),
+        latencies_(request->ops_size()) {}
+
+  void PrepareOps() {
+    for (size_t i = 0; i < statuses_.size(); ++i) {
+      auto op = service_->PrepareOp(request_->ops(static_cast<int>(i)), i,
+                                    caller_.uid);
+      if (!op.ok()) {
+        statuses_[i] = AnnotateOp(op.status(), i);
+        continue;
+      }
+      ready_.push_back(std::move(*op));
+      ready_index_.push_back(i);
+    }
+  }
+
+  // Records every op's end and returns the results; the ops' registrations
+  // are unpinned.
+  std::vector<v1::OpResult> Finish() {
+    ready_.clear();
+    std::vector<v1::OpResult> results(statuses_.size());
+    // Ops that ended alike are counted together: a few label lookups per
+    // batch, not one per op.
+    struct Alike {
+      uint64_t count = 0;
+      uint64_t bytes = 0;
+    };
+    std::map<std::tuple<std::string, int, int, int64_t>, Alike> alike;
+    for (size_t i = 0; i < statuses_.size(); ++i) {
+      const v1::Op& wire = request_->ops(static_cast<int>(i));
+      if (service_->metrics_ != nullptr) {
+        Alike& group = alike[{used_[i], wire.type(),
+                              static_cast<int>(statuses_[i].code()),
+                              absl::ToInt64Nanoseconds(latencies_[i])}];
+        ++group.count;
+        group.bytes += wire.length();
+        if (!retried_from_[i].empty()) {
+          service_->metrics_->RecordRetry(retried_from_[i], used_[i]);
+        }
+      }
+      if (!statuses_[i].ok()) {
+        service_->LogFailedOp(caller_, rpc_, wire, used_[i], statuses_[i]);
+      }
+      results[i].set_code(static_cast<int>(statuses_[i].code()));
+      results[i].set_message(std::string(statuses_[i].message()));
+      results[i].set_backend(used_[i]);
+    }
+    for (const auto& [key, group] : alike) {
+      const auto& [backend, type, code, nanos] = key;
+      service_->metrics_->RecordOps(backend, static_cast<v1::OpType>(type),
+                                    static_cast<absl::StatusCode>(code),
+                                    group.count, group.bytes,
+                                    absl::Nanoseconds(nanos));
+    }
+    return results;
+  }
+
+  RdmaAgentService* const service_;
+  const PeerCredentials caller_;
+  const v1::SubmitRequest* const request_;
+  const std::string rpc_;
+  std::unique_ptr<v1::SubmitRequest> owned_request_;  // *request_, if owned
+  std::unique_ptr<ActiveCalls::OpsCharge> charge_;
+  // Per op of the request.
+  std::vector<absl::Status> statuses_;
+  std::vector<std::string> used_;
+  std::vector<std::string> retried_from_;
+  std::vector<absl::Duration> latencies_;
+  // The ops that passed validation, and their positions in the request.
+  std::vector<Op> ready_;
+  std::vector<size_t> ready_index_;
+};
+
 grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
                                       const v1::SubmitRequest* request,
                                       v1::SubmitResponse* response) {
-  if (request->ops().empty()) {
-    return ToGrpcStatus(
-        absl::InvalidArgumentError("Submit: the op batch is empty"));
-  }
-  if (static_cast<size_t>(request->ops_size()) > options_.max_ops_per_submit) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "Submit: ", request->ops_size(), " ops exceed the limit of ",
-        options_.max_ops_per_submit, " per Submit")));
-  }
+  absl::Status size = CheckBatchSize(*request, "Submit");
+  if (!size.ok()) return ToGrpcStatus(size);
   const size_t count = static_cast<size_t>(request->ops_size());
   // Admitted before anything is built for it; stopped when its client goes
   // away or the agent shuts down.
   auto admitted = Admit(*context, "Submit", count);
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  const PeerCredentials* caller = &admitted->caller;
-  auto deadline = SubmitDeadline(*context, *request);
-  if (!deadline.ok())
-    return ToGrpcStatus(Prefixed(deadline.status(), "Submit"));
-  const StopToken stop = admitted->call->stop_token(*deadline);
-  std::vector<absl::Status> statuses(count);
-  std::vector<std::string> used(count);
-  std::vector<std::string> retried_from(count);
-  std::vector<absl::Duration> latencies(count);
-  std::vector<Op> ready;
-  std::vector<size_t> ready_index;
-  for (size_t i = 0; i < count; ++i) {
-    auto op = PrepareOp(request->ops(static_cast<int>(i)), i, caller->uid);
-    if (!op.ok()) {
-      statuses[i] = AnnotateOp(op.status(), i);
-      continue;
-    }
-    ready.push_back(std::move(*op));
-    ready_index.push_back(i);
-  }
-  if (!ready.empty()) {
-    std::vector<OpOutcome> outcomes = backends_->Submit(ready, stop);
-    for (size_t k = 0; k < ready.size(); ++k) {
-      statuses[ready_index[k]] = std::move(outcomes[k].status);
-      used[ready_index[k]] = std::move(outcomes[k].backend);
-      retried_from[ready_index[k]] = std::move(outcomes[k].retried_from);
-      latencies[ready_index[k]] = outcomes[k].latency;
-    }
-  }
-  // Ops that ended alike are counted together (a few label lookups per
-  // Submit, not one per op).
-  struct Alike {
-    uint64_t count = 0;
-    uint64_t bytes = 0;
-  };
-  std::map<std::tuple<std::string, int, int, int64_t>, Alike> alike;
-  for (size_t i = 0; i < count; ++i) {
-    const v1::Op& wire = request->ops(static_cast<int>(i));
-    if (metrics_ != nullptr) {
-      Alike& group = alike[{used[i], wire.type(),
-                            static_cast<int>(statuses[i].code()),
-                            absl::ToInt64Nanoseconds(latencies[i])}];
-      ++group.count;
-      group.bytes += wire.length();
-      if (!retried_from[i].empty()) {
-        metrics_->RecordRetry(retried_from[i], used[i]);
-      }
-    }
-    if (!statuses[i].ok()) LogFailedOp(*caller, wire, used[i], statuses[i]);
-  }
-  for (const auto& [key, group] : alike) {
-    const auto& [backend, type, code, nanos] = key;
-    metrics_->RecordOps(backend, static_cast<v1::OpType>(type),
-                        static_cast<absl::StatusCode>(code), group.count,
-                        group.bytes, absl::Nanoseconds(nanos));
-  }
-  for (size_t i = 0; i < count; ++i) {
-    v1::OpResult* result = response->add_results();
-    result->set_code(static_cast<int>(statuses[i].code()));
-    result->set_message(std::string(statuses[i].message()));
-    result->set_backend(used[i]);
+  auto timeout = SubmitTimeout(*request);
+  if (!timeout.ok()) return ToGrpcStatus(Prefixed(timeout.status(), "Submit"));
+  const absl::Time deadline =
+      std::min(absl::Now() + *timeout, absl::FromChrono(context->deadline()));
+  // On this thread, not a transfer worker's: a Submit waits behind no
+  // transfer, and its client's going away stops it (ActiveCalls).
+  auto batch = Batch::Prepare(this, admitted->caller, request, "Submit");
+  for (v1::OpResult& result :
+       batch->Run(admitted->call->stop_token(deadline))) {
+    *response->add_results() = std::move(result);
   }
   return grpc::Status::OK;
 }
 
+grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
+                                           const v1::SubmitRequest* request,
+                                           v1::SubmitAsyncResponse* response) {
+  // Checked as Submit checks them, in the same order, with the same
+  // messages.
+  absl::Status size = CheckBatchSize(*request, "SubmitAsync");
+  if (!size.ok()) return ToGrpcStatus(size);
+  const size_t count = static_cast<size_t>(request->ops_size());
+  auto admitted = Admit(*context, "SubmitAsync");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  // The ops count toward the same bounds as a Submit's until the transfer
+  // ends; the transfer holds no call slot (no gRPC thread).
+  auto charge = calls_->ChargeOps(admitted->caller.uid, count);
+  if (!charge.ok()) {
+    return ToGrpcStatus(Prefixed(charge.status(), "SubmitAsync"));
+  }
+  auto timeout = SubmitTimeout(*request);
+  if (!timeout.ok()) {
+    return ToGrpcStatus(Prefixed(timeout.status(), "SubmitAsync"));
+  }
+  // From now, queueing included; this call's own deadline does not bound
+  // the transfer, which outlives it.
+  const absl::Time deadline = absl::Now() + *timeout;
+  auto batch = Batch::Prepare(this, admitted->caller,
+                              std::make_unique<v1::SubmitRequest>(*request),
+                              std::move(*charge));
+  auto id =
+      transfers_->Submit(admitted->caller.uid, std::move(batch), deadline);
+  if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "SubmitAsync"));
+  response->set_transfer_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::GetTransfers(
+    grpc::ServerContext* context, const v1::GetTransfersRequest* request,
+    v1::GetTransfersResponse* response) {
+  auto admitted = Admit(*context, "GetTransfers");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  if (request->transfer_ids().empty() ||
+      static_cast<size_t>(request->transfer_ids_size()) > kMaxTransfersPerGet) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("GetTransfers: name 1 to ", kMaxTransfersPerGet,
+                     " transfers (got ", request->transfer_ids_size(), ")")));
+  }
+  absl::Duration wait;
+  if (request->has_wait()) {
+    const auto& w = request->wait();
+    if (w.seconds() < 0 || w.nanos() < 0 || w.nanos() > 999999999) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          "GetTransfers: wait must be a well-formed, non-negative Duration"));
+    }
+    // Cut, not refused: a long poll asking for more simply polls again.
+    wait = std::min(absl::Seconds(w.seconds()) + absl::Nanoseconds(w.nanos()),
+                    options_.max_transfer_wait);
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + wait, absl::FromChrono(context->deadline()));
+  auto transfers =
+      transfers_->Get(admitted->caller.uid,
+                      absl::MakeConstSpan(request->transfer_ids().data(),
+                                          request->transfer_ids_size()),
+                      deadline, &admitted->call->cancellation());
+  if (!transfers.ok()) {
+    return ToGrpcStatus(Prefixed(transfers.status(), "GetTransfers"));
+  }
+  for (v1::Transfer& transfer : *transfers) {
+    *response->add_transfers() = std::move(transfer);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::WatchTransfers(
+    grpc::ServerContext* context, const v1::WatchTransfersRequest*,
+    grpc::ServerWriter<v1::TransferEvent>* writer) {
+  // A watch holds a call slot (and a gRPC thread) while it lasts; the
+  // ActiveCalls watcher cancels it when its client goes away.
+  auto admitted = Admit(*context, "WatchTransfers");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const uid_t uid = admitted->caller.uid;
+  const Cancellation& call = admitted->call->cancellation();
+  auto watcher = transfers_->Watch(uid);
+  while (true) {
+    std::vector<v1::Transfer> ended = transfers_->NextEnded(*watcher, &call);
+    if (ended.empty()) break;
+    for (v1::Transfer& transfer : ended) {
+      const uint64_t id = transfer.transfer_id();
+      v1::TransferEvent event;
+      *event.mutable_transfer() = std::move(transfer);
+      // Reported only once handed to gRPC: an end that could not be sent
+      // stays readable by GetTransfers until it expires.
+      if (!writer->Write(event)) {
+        return ToGrpcStatus(
+            absl::CancelledError("WatchTransfers: the client went away"));
+      }
+      transfers_->MarkReported(uid, id);
+    }
+  }
+  // The client cancelled the stream (CANCELLED) or the agent is stopping
+  // (UNAVAILABLE).
+  absl::Status why = call.reason();
+  if (why.ok()) why = absl::UnavailableError("the agent is shutting down");
+  return ToGrpcStatus(Prefixed(why, "WatchTransfers"));
+}
+
+grpc::Status RdmaAgentService::CancelTransfer(
+    grpc::ServerContext* context, const v1::CancelTransferRequest* request,
+    v1::CancelTransferResponse* response) {
+  auto admitted = Admit(*context, "CancelTransfer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  // Returns once the transfer's run has ended: nothing of it touches local
+  // memory any more.
+  auto transfer =
+      transfers_->Cancel(admitted->caller.uid, request->transfer_id());
+  if (!transfer.ok()) {
+    return ToGrpcStatus(Prefixed(transfer.status(), "CancelTransfer"));
+  }
+  *response->mutable_transfer() = std::move(*transfer);
+  return grpc::Status::OK;
+}
+
 void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
-                                   const v1::Op& op, const std::string& backend,
+                                   absl::string_view rpc, const v1::Op& op,
+                                   const std::string& backend,
                                    const absl::Status& status) {
   const auto suppressed = failed_op_log_.Allow();
   if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
@@ -422,11 +623,11 @@ void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
                           LogSafe(context.agent_id()));
   }
   const std::string line = absl::StrCat(
-      "Submit from uid ", caller.uid, " pid ", caller.pid, ": ",
+      rpc, " from uid ", caller.uid, " pid ", caller.pid, ": ",
       op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
       op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
-      backend.empty() ? "" : absl::StrCat(" over ", backend), " failed: ",
-      LogSafe(status.ToString()));
+      backend.empty() ? "" : absl::StrCat(" over ", backend),
+      " failed: ", LogSafe(status.ToString()));
   if (suppressed) {
     spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
   } else {

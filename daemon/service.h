@@ -20,6 +20,7 @@
 #include "daemon/caller_identity.h"
 #include "daemon/client_watcher.h"
 #include "daemon/quota.h"
+#include "daemon/transfers.h"
 #include "daemon/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
@@ -35,8 +36,8 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
                    const BackendRegistry* backends, BufferTable* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas,
-                   ClientWatcher* client_watcher, AgentMetrics* metrics,
-                   std::string metrics_address);
+                   ClientWatcher* client_watcher, TransferTable* transfers,
+                   AgentMetrics* metrics, std::string metrics_address);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -59,8 +60,24 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   grpc::Status WriteBuffer(grpc::ServerContext* context,
                            const v1::WriteBufferRequest* request,
                            v1::WriteBufferResponse* response) override;
+  grpc::Status SubmitAsync(grpc::ServerContext* context,
+                           const v1::SubmitRequest* request,
+                           v1::SubmitAsyncResponse* response) override;
+  grpc::Status GetTransfers(grpc::ServerContext* context,
+                            const v1::GetTransfersRequest* request,
+                            v1::GetTransfersResponse* response) override;
+  grpc::Status WatchTransfers(
+      grpc::ServerContext* context, const v1::WatchTransfersRequest* request,
+      grpc::ServerWriter<v1::TransferEvent>* writer) override;
+  grpc::Status CancelTransfer(grpc::ServerContext* context,
+                              const v1::CancelTransferRequest* request,
+                              v1::CancelTransferResponse* response) override;
 
  private:
+  // The validated ops of one SubmitRequest, run once: on the Submit's own
+  // thread, or by a transfer worker (SubmitAsync). Records each op's end
+  // (metrics, failed-op warnings) the same way for both.
+  class Batch;
   // What every handler starts with: who is calling, and a call slot for it
   // (`ops` ops of a Submit). Errors are prefixed with `rpc`.
   struct Admitted {
@@ -76,16 +93,22 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   // A reserved watch of the caller for `lifetime`; none for LIFETIME_AGENT.
   absl::StatusOr<std::optional<ClientWatcher::Ticket>> WatchCaller(
       const grpc::ServerContext& context, v1::Lifetime lifetime);
+  // The checks that fail a whole Submit (or SubmitAsync, named `rpc`): the
+  // batch is empty or too large.
+  absl::Status CheckBatchSize(const v1::SubmitRequest& request,
+                              absl::string_view rpc) const;
   // Validates op `index` of a Submit and resolves its buffers.
   absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
                                uid_t caller) const;
-  absl::StatusOr<absl::Time> SubmitDeadline(
-      const grpc::ServerContext& context,
+  // The request's timeout, or the default; INVALID_ARGUMENT when malformed
+  // or past the limit.
+  absl::StatusOr<absl::Duration> SubmitTimeout(
       const v1::SubmitRequest& request) const;
   // One warning per failed op (rate limited; debug beyond the limit): who
   // asked, what, where and why.
-  void LogFailedOp(const PeerCredentials& caller, const v1::Op& op,
-                   const std::string& backend, const absl::Status& status);
+  void LogFailedOp(const PeerCredentials& caller, absl::string_view rpc,
+                   const v1::Op& op, const std::string& backend,
+                   const absl::Status& status);
 
   const AgentOptions& options_;
   const AgentIdentity identity_;
@@ -96,6 +119,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   ActiveCalls* const calls_;
   const AgentQuotas quotas_;
   ClientWatcher* const client_watcher_;
+  TransferTable* const transfers_;
   AgentMetrics* const metrics_;  // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   // Failed ops, one warning each: 20 at once, then one a second.

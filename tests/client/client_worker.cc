@@ -21,6 +21,12 @@
 //               BASE64_CONTEXT  -> results OK_COUNT FIRST_NON_OK_CODE|-
 //        one Submit of COUNT copies of the op, with a 10-minute timeout (a
 //        long-running call to abandon)
+//   submit_async read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET
+//                BASE64_CONTEXT -> transfer ID | error CODE MESSAGE
+//   transfer_get ID             -> status CODE [STATE]   (GetTransfers, no
+//   wait) transfer_cancel ID          -> status CODE [STATE]   (CancelTransfer)
+//   transfer_watch MILLISECONDS -> events ID,ID,...
+//        the ends WatchTransfers pushed within that time
 //   release ID                  -> status CODE
 //   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
 //   writebuf ID OFFSET HEX_DATA -> status CODE
@@ -58,6 +64,7 @@
 #include "absl/strings/str_split.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
+#include "common/grpc_status.h"
 #include "common/shared_memory.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/testing/pattern.h"
@@ -193,6 +200,60 @@ class Worker {
       }
       return absl::StrCat("results ", ok, " ", first_error);
     }
+    if (command == "submit_async" && need(6)) {
+      v1::SubmitRequest request;
+      v1::Op* op = request.add_ops();
+      op->set_type(words[1] == "read" ? v1::OP_TYPE_READ_INTO_LOCAL
+                                      : v1::OP_TYPE_WRITE_FROM_LOCAL);
+      op->set_local_buffer_id(n[1]);
+      op->set_local_offset(n[2]);
+      op->set_length(n[3]);
+      op->set_remote_offset(n[4]);
+      if (!absl::Base64Unescape(words[6], op->mutable_remote_context())) {
+        return "error INVALID_ARGUMENT bad base64";
+      }
+      grpc::ClientContext context;
+      v1::SubmitAsyncResponse response;
+      const absl::Status status =
+          FromGrpcStatus(Stub().SubmitAsync(&context, request, &response));
+      if (!status.ok()) return Error(status);
+      return absl::StrCat("transfer ", response.transfer_id());
+    }
+    if (command == "transfer_get" && need(1)) {
+      grpc::ClientContext context;
+      v1::GetTransfersRequest request;
+      request.add_transfer_ids(n[0]);
+      v1::GetTransfersResponse response;
+      const absl::Status status =
+          FromGrpcStatus(Stub().GetTransfers(&context, request, &response));
+      if (!status.ok()) return absl::StrCat("status ", CodeName(status));
+      return absl::StrCat(
+          "status OK ", v1::TransferState_Name(response.transfers(0).state()));
+    }
+    if (command == "transfer_cancel" && need(1)) {
+      grpc::ClientContext context;
+      v1::CancelTransferRequest request;
+      request.set_transfer_id(n[0]);
+      v1::CancelTransferResponse response;
+      const absl::Status status =
+          FromGrpcStatus(Stub().CancelTransfer(&context, request, &response));
+      if (!status.ok()) return absl::StrCat("status ", CodeName(status));
+      return absl::StrCat("status OK ",
+                          v1::TransferState_Name(response.transfer().state()));
+    }
+    if (command == "transfer_watch" && need(1)) {
+      grpc::ClientContext context;
+      context.set_deadline(
+          absl::ToChronoTime(absl::Now() + absl::Milliseconds(n[0])));
+      auto stream =
+          Stub().WatchTransfers(&context, v1::WatchTransfersRequest());
+      std::vector<uint64_t> ids;
+      v1::TransferEvent event;
+      while (stream->Read(&event))
+        ids.push_back(event.transfer().transfer_id());
+      (void)stream->Finish();
+      return absl::StrCat("events ", absl::StrJoin(ids, ","));
+    }
     if (command == "release" && need(1)) {
       auto it = buffers_.find(n[0]);
       if (it == buffers_.end()) {
@@ -242,6 +303,12 @@ class Worker {
   }
 
  private:
+  // A raw stub on the client's channel, for RPCs the library does not wrap.
+  v1::RdmaAgent::Stub& Stub() {
+    if (stub_ == nullptr) stub_ = v1::RdmaAgent::NewStub(client_->channel());
+    return *stub_;
+  }
+
   Buffer* Find(uint64_t id) {
     auto it = buffers_.find(id);
     return it == buffers_.end() ? nullptr : &it->second;
@@ -290,6 +357,7 @@ class Worker {
   }
 
   std::unique_ptr<AgentClient> client_;
+  std::unique_ptr<v1::RdmaAgent::Stub> stub_;
   std::map<uint64_t, Buffer> buffers_;
 };
 

@@ -77,5 +77,47 @@ TEST(ActiveCallsTest, WaitUntilIdleReturnsWhenTheLastCallEnds) {
   ender.join();
 }
 
+TEST(ActiveCallsTest, OpsChargesShareTheOpsBoundsButTakeNoCallSlot) {
+  InFlightLimits limits = Limits(100, 10);
+  limits.max_calls_per_user = 1;
+  ActiveCalls calls(limits);
+  auto charged = calls.ChargeOps(1000, 6);
+  ASSERT_TRUE(charged.ok()) << charged.status();
+  EXPECT_EQ(calls.ops_in_flight(1000), 6u);
+  EXPECT_EQ(calls.calls(), 0u);
+  // A Submit of the same user sees the charged ops, with Start's message...
+  auto submit = calls.Start(nullptr, 1000, 5);
+  EXPECT_TRUE(absl::IsResourceExhausted(submit.status()));
+  EXPECT_NE(submit.status().message().find("--max_ops_in_flight_per_user"),
+            absl::string_view::npos)
+      << submit.status();
+  // ...and a charge sees a Submit's ops, with the same message.
+  auto call = calls.Start(nullptr, 1000, 4);
+  ASSERT_TRUE(call.ok()) << call.status();
+  auto more = calls.ChargeOps(1000, 1);
+  EXPECT_EQ(more.status(),
+            absl::ResourceExhaustedError(
+                "user 1000 has 10 ops in flight; 1 more would pass the limit "
+                "of 10 (--max_ops_in_flight_per_user)"));
+  // The one call slot is the Submit's: charges never took it.
+  EXPECT_TRUE(
+      absl::IsResourceExhausted(calls.Start(nullptr, 1000, 0).status()));
+  call->reset();
+  EXPECT_TRUE(calls.Start(nullptr, 1000, 0).ok());
+  // Destroying the charge gives its ops back.
+  charged->reset();
+  EXPECT_EQ(calls.ops_in_flight(1000), 0u);
+  EXPECT_EQ(calls.ops_in_flight(), 0u);
+  EXPECT_TRUE(calls.ChargeOps(1000, 10).ok());
+}
+
+TEST(ActiveCallsTest, ChargesAreRefusedAfterCancelAll) {
+  ActiveCalls calls(Limits(100, 100));
+  calls.CancelAll(absl::UnavailableError("the agent is shutting down"));
+  auto late = calls.ChargeOps(1, 1);
+  EXPECT_EQ(late.status(),
+            absl::UnavailableError("the agent is shutting down"));
+}
+
 }  // namespace
 }  // namespace rdma_agent

@@ -1,0 +1,191 @@
+// Asynchronous transfers between two rdma-agentd processes over tcp
+// (loopback; distinct agents, so the memory backend cannot carry them):
+// every byte lands where a DONE transfer says, and CancelTransfer in the
+// middle of a large transfer returns only when nothing of it writes into
+// local memory any more.
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "client/rdma_agent_client.h"
+#include "common/grpc_status.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/testing/agent_process.h"
+#include "tests/testing/eventually.h"
+#include "tests/testing/pattern.h"
+
+namespace rdma_agent::testing {
+namespace {
+
+namespace v1 = ::rdma::agent::v1;
+
+constexpr uint64_t kLarge = 512ull << 20;
+
+AgentProcess::Options TcpAgent() {
+  AgentProcess::Options options;
+  options.backends = "memory,tcp";
+  options.log_level = "info";  // debug would log every chunk
+  return options;
+}
+
+v1::Op ReadOp(const client::Buffer& local, uint64_t local_offset,
+              uint64_t length, const client::Buffer& remote,
+              uint64_t remote_offset) {
+  v1::Op op;
+  op.set_type(v1::OP_TYPE_READ_INTO_LOCAL);
+  op.set_local_buffer_id(local.id());
+  op.set_local_offset(local_offset);
+  op.set_length(length);
+  op.set_remote_context(remote.remote_context());
+  op.set_remote_offset(remote_offset);
+  return op;
+}
+
+class TransfersTcpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto a = AgentProcess::Start(TcpAgent());
+    ASSERT_TRUE(a.ok()) << a.status();
+    a_ = std::move(*a);
+    auto b = AgentProcess::Start(TcpAgent());
+    ASSERT_TRUE(b.ok()) << b.status();
+    b_ = std::move(*b);
+    stub_ = v1::RdmaAgent::NewStub(a_->client().channel());
+  }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      ADD_FAILURE() << "agent a log:\n" << a_->Log();
+      ADD_FAILURE() << "agent b log:\n" << b_->Log();
+    }
+  }
+
+  absl::StatusOr<uint64_t> SubmitAsync(const v1::SubmitRequest& request) {
+    grpc::ClientContext context;
+    v1::SubmitAsyncResponse response;
+    const absl::Status status =
+        FromGrpcStatus(stub_->SubmitAsync(&context, request, &response));
+    if (!status.ok()) return status;
+    return response.transfer_id();
+  }
+
+  absl::StatusOr<v1::Transfer> Get(uint64_t id, int64_t wait_seconds = 0) {
+    grpc::ClientContext context;
+    v1::GetTransfersRequest request;
+    request.add_transfer_ids(id);
+    request.mutable_wait()->set_seconds(wait_seconds);
+    v1::GetTransfersResponse response;
+    const absl::Status status =
+        FromGrpcStatus(stub_->GetTransfers(&context, request, &response));
+    if (!status.ok()) return status;
+    return response.transfers(0);
+  }
+
+  std::unique_ptr<AgentProcess> a_;
+  std::unique_ptr<AgentProcess> b_;
+  std::unique_ptr<v1::RdmaAgent::Stub> stub_;
+};
+
+TEST_F(TransfersTcpTest, DoneTransferMovedExactlyItsRanges) {
+  constexpr uint64_t kSize = (4ull << 20) + 4096;
+  auto local = a_->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = b_->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  FillPattern(local->bytes(), 1);
+  FillPattern(remote->bytes(), 2);
+  v1::SubmitRequest request;
+  // 3 MiB + 5 bytes at odd offsets, and a 1-byte op far from it.
+  constexpr uint64_t kOffset = 4099, kFrom = 333, kLength = (3ull << 20) + 5;
+  *request.add_ops() = ReadOp(*local, kOffset, kLength, *remote, kFrom);
+  *request.add_ops() = ReadOp(*local, kSize - 1, 1, *remote, 0);
+  request.mutable_timeout()->set_seconds(60);
+  auto id = SubmitAsync(request);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto done = Get(*id, 30);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::TRANSFER_STATE_DONE) << done->ShortDebugString();
+  for (const auto& result : done->results()) EXPECT_EQ(result.backend(), "tcp");
+  const absl::Span<const std::byte> bytes = local->bytes();
+  EXPECT_EQ(FindMismatch(bytes.subspan(0, kOffset), 1, 0), std::nullopt);
+  EXPECT_EQ(FindMismatch(bytes.subspan(kOffset, kLength), 2, kFrom),
+            std::nullopt);
+  EXPECT_EQ(FindMismatch(
+                bytes.subspan(kOffset + kLength, kSize - 1 - kOffset - kLength),
+                1, kOffset + kLength),
+            std::nullopt);
+  EXPECT_EQ(bytes[kSize - 1], PatternByte(2, 0));
+  // The remote side was only read.
+  EXPECT_EQ(FindMismatch(remote->bytes(), 2, 0), std::nullopt);
+}
+
+TEST_F(TransfersTcpTest, CancelMidFlightLeavesNothingWritingIntoMemory) {
+  auto local = a_->client().Attach(kLarge, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = b_->client().Attach(kLarge, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  std::memset(local->data(), 0, kLarge);
+  std::memset(remote->data(), 0x5a, kLarge);
+  // 32 reads of the whole 512 MiB: seconds of work over loopback.
+  v1::SubmitRequest request;
+  for (int i = 0; i < 32; ++i) {
+    *request.add_ops() = ReadOp(*local, 0, kLarge, *remote, 0);
+  }
+  request.mutable_timeout()->set_seconds(600);
+  auto id = SubmitAsync(request);
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Mid-flight: bytes have started to land.
+  const std::byte* data = local->data();
+  ASSERT_TRUE(Eventually(
+      [&] {
+        for (uint64_t at = 0; at < kLarge; at += 1 << 20) {
+          if (data[at] == std::byte{0x5a}) return true;
+        }
+        return false;
+      },
+      absl::Seconds(60)))
+      << "the transfer never moved a byte";
+
+  grpc::ClientContext context;
+  v1::CancelTransferRequest cancel;
+  cancel.set_transfer_id(*id);
+  v1::CancelTransferResponse response;
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(stub_->CancelTransfer(&context, cancel, &response).ok());
+  // Right away: a sentinel over the whole buffer. Anything of the transfer
+  // still in flight would overwrite some of it with 0x5a.
+  std::memset(local->data(), 0xc3, kLarge);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  const v1::Transfer& transfer = response.transfer();
+  EXPECT_EQ(transfer.state(), v1::TRANSFER_STATE_CANCELLED) << transfer.state();
+  ASSERT_EQ(transfer.results_size(), 32);
+  int stopped = 0;
+  for (const auto& result : transfer.results()) {
+    EXPECT_TRUE(result.code() == 0 || result.code() == 1) << result.message();
+    stopped += result.code() == 1;
+  }
+  EXPECT_GT(stopped, 0);
+
+  absl::SleepFor(absl::Seconds(1));
+  const std::byte* end = data + kLarge;
+  const std::byte* changed =
+      std::find_if(data, end, [](std::byte b) { return b != std::byte{0xc3}; });
+  EXPECT_EQ(changed, end) << "byte " << (changed - data)
+                          << " was written after CancelTransfer returned";
+  // The agent serves on: a fresh transfer over tcp completes.
+  v1::SubmitRequest again;
+  *again.add_ops() = ReadOp(*local, 0, 4096, *remote, 0);
+  auto next = SubmitAsync(again);
+  ASSERT_TRUE(next.ok()) << next.status();
+  auto done = Get(*next, 30);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::TRANSFER_STATE_DONE) << done->ShortDebugString();
+}
+
+}  // namespace
+}  // namespace rdma_agent::testing
