@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "backends/tcp/buffered_socket.h"
 #include "backends/tcp/wire.h"
 #include "common/accept_loop.h"
 #include "common/log_text.h"
@@ -55,31 +56,26 @@ std::string SourceHost(const sockaddr_storage& address) {
 // another protocol is turned away on its first bytes rather than after 56.
 // UNAVAILABLE when the connection ends or is cut first; INVALID_ARGUMENT
 // (naming the bytes, escaped) when they are not a request.
-absl::Status ReadRequestHeader(int fd, std::byte* out) {
+absl::Status ReadRequestHeader(BufferedSocket& io, std::byte* out) {
   // Magic and version: the first bytes of every valid request.
   constexpr size_t kPrefixBytes = 6;
   std::byte expected[kRequestHeaderBytes];
   EncodeRequestHeader(RequestHeader{}, expected);
-  size_t got = 0;
-  while (got < kRequestHeaderBytes) {
-    const ssize_t n = recv(fd, out + got, kRequestHeaderBytes - got, 0);
-    if (n == 0) return absl::UnavailableError("connection closed by peer");
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::UnavailableError(
-          absl::StrCat("recv: ", std::strerror(errno)));
-    }
-    got += static_cast<size_t>(n);
+  while (true) {
+    const size_t got = io.buffered();
     const size_t check = std::min(got, kPrefixBytes);
-    if (std::memcmp(out, expected, check) != 0) {
+    if (std::memcmp(io.data(), expected, check) != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "not a data-plane request: \"",
-          LogSafe(absl::string_view(reinterpret_cast<const char*>(out), got),
+          LogSafe(absl::string_view(reinterpret_cast<const char*>(io.data()),
+                                    std::min<size_t>(got, kRequestHeaderBytes)),
                   64),
           "\""));
     }
+    if (got >= kRequestHeaderBytes) break;
+    if (absl::Status status = io.Fill(); !status.ok()) return status;
   }
-  return absl::OkStatus();
+  return io.Read(out, kRequestHeaderBytes);
 }
 
 }  // namespace
@@ -326,11 +322,13 @@ void DataServer::WatchdogLoop() {
   }
 }
 
-bool DataServer::ReceiveRequest(Connection* connection, bool first,
-                                bool trusted, RequestHeader* header,
-                                std::string* token) {
+bool DataServer::ReceiveRequest(Connection* connection, BufferedSocket& io,
+                                bool first, bool trusted,
+                                RequestHeader* header, std::string* token) {
   const int fd = connection->fd.get();
-  if (!first) {
+  if (!first && io.buffered() == 0) {
+    // Nothing more has arrived: the answers so far go out before waiting.
+    if (!io.Flush().ok()) return false;
     // Between requests: wait for the next one's first byte, at most the
     // idle timeout, or, on a connection that never named a registration
     // with its token, the handshake timeout (which then also covers header
@@ -344,7 +342,7 @@ bool DataServer::ReceiveRequest(Connection* connection, bool first,
     if (trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
   }
   std::byte bytes[kRequestHeaderBytes];
-  const absl::Status received = ReadRequestHeader(fd, bytes);
+  const absl::Status received = ReadRequestHeader(io, bytes);
   absl::StatusOr<RequestHeader> decoded =
       received.ok() ? DecodeRequestHeader(bytes)
                     : absl::StatusOr<RequestHeader>(received);
@@ -364,7 +362,7 @@ bool DataServer::ReceiveRequest(Connection* connection, bool first,
   }
   *header = *decoded;
   token->resize(header->token_bytes);
-  if (!ReadFull(fd, token->data(), token->size()).ok()) return false;
+  if (!io.Read(token->data(), token->size()).ok()) return false;
   // The rest (payload, response) is timed as a request.
   if (!trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
   return true;
@@ -372,6 +370,7 @@ bool DataServer::ReceiveRequest(Connection* connection, bool first,
 
 void DataServer::Serve(Connection* connection) {
   const int fd = connection->fd.get();
+  BufferedSocket io(fd);
   RequestHeader header;
   std::string token;
   // Made on first use; without it payloads are sent with send().
@@ -380,7 +379,9 @@ void DataServer::Serve(Connection* connection) {
   // Set once a request has named a registration with its token.
   bool trusted = false;
   for (bool first = true;; first = false) {
-    if (!ReceiveRequest(connection, first, trusted, &header, &token)) break;
+    if (!ReceiveRequest(connection, io, first, trusted, &header, &token)) {
+      break;
+    }
 
     ServeRequest request;
     request.agent_epoch = header.epoch;
@@ -398,9 +399,9 @@ void DataServer::Serve(Connection* connection) {
     if (request.write) {
       const absl::Status received =
           registration.ok()
-              ? ReadFull(fd, (*registration)->data() + request.offset,
-                         request.length)
-              : Discard(fd, request.length);
+              ? io.Read((*registration)->data() + request.offset,
+                        request.length)
+              : io.Skip(request.length);
       if (!received.ok()) break;
       if (registration.ok()) (*registration)->CountServed(request.length);
     }
@@ -426,14 +427,17 @@ void DataServer::Serve(Connection* connection) {
       pages_failed = !created.ok();
       splice_payload = created.ok();
     }
-    iovec iov[3] = {
-        {response_bytes, sizeof(response_bytes)},
-        {const_cast<char*>(message.data()), message.size()},
-        {payload,
-         splice_payload ? 0 : static_cast<size_t>(response.payload_bytes)},
-    };
-    if (!WriteFull(fd, iov, 3, splice_payload ? MSG_MORE : 0).ok()) break;
+    // Small answers collect in `io` until no request is left to read.
+    if (!io.Write(response_bytes, sizeof(response_bytes)).ok() ||
+        !io.Write(message.data(), message.size()).ok()) {
+      break;
+    }
+    if (send_payload && !splice_payload &&
+        !io.Write(payload, request.length).ok()) {
+      break;
+    }
     if (splice_payload) {
+      if (!io.Flush().ok()) break;
       // Lent pages hold their own references: they stay valid even if the
       // registration is released before the requester has read them.
       size_t sent = 0;

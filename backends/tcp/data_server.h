@@ -23,6 +23,8 @@
 
 namespace rdma_agent::tcp {
 
+class BufferedSocket;
+
 // Limits and timeouts of the serving side (flags --tcp_*; see README.md).
 struct DataServerOptions {
   // READ payloads of at least kSpliceMinBytes go to the socket with
@@ -135,8 +137,8 @@ class DataServer {
   // Reads the next request's header and token into `*header` and `*token`,
   // timing each wait by the phase it is in; false when the connection is to
   // be dropped (closed, cut, or not speaking the protocol).
-  bool ReceiveRequest(Connection* connection, bool first, bool trusted,
-                      RequestHeader* header, std::string* token);
+  bool ReceiveRequest(Connection* connection, BufferedSocket& io, bool first,
+                      bool trusted, RequestHeader* header, std::string* token);
   // Cuts connections past their deadline and reaps finished ones until
   // the server stops.
   void WatchdogLoop();
