@@ -50,7 +50,8 @@ ABSL_FLAG(bool, client_child, false,
           "Internal: one of the processes of the `clients` test.");
 ABSL_FLAG(std::string, tests,
           "latency,ops,async,kv,bulk,memory,register,clients,socket",
-          "Comma-separated tests to run (see bench/README.md).");
+          "Comma-separated tests to run (see bench/README.md); `info` alone "
+          "only prints agent A's tcp settings (every run prints them).");
 ABSL_FLAG(double, seconds, 2.0,
           "Length of each throughput measurement, in seconds.");
 ABSL_FLAG(int, latency_iterations, 5000,
@@ -365,7 +366,10 @@ absl::Status TestSocket(Setup& setup) {
 
 // ---- main ----------------------------------------------------------------------
 
-absl::StatusOr<Setup> Connect() {
+// Connects to both agents and prints agent A's info line; with
+// `with_buffers`, also registers the two --size buffers and finds the socket
+// peer.
+absl::StatusOr<Setup> Connect(bool with_buffers) {
   Setup setup;
   client::ConnectOptions local_options;
   local_options.target = absl::GetFlag(FLAGS_local);
@@ -380,6 +384,7 @@ absl::StatusOr<Setup> Connect() {
   auto connections = ReportInfo(*setup.local_agent);
   if (!connections.ok()) return connections.status();
   setup.connections_per_peer = *connections;
+  if (!with_buffers) return setup;
   const uint64_t size = absl::GetFlag(FLAGS_size);
   auto local = AttachPrefaulted(*setup.local_agent, size, 1);
   if (!local.ok()) return local.status();
@@ -407,13 +412,17 @@ int RunTests() {
   const std::vector<std::string> wanted =
       absl::StrSplit(absl::GetFlag(FLAGS_tests), ',', absl::SkipEmpty());
   for (const std::string& name : wanted) {
+    if (name == "info") continue;  // printed by every run
     if (std::none_of(all.begin(), all.end(),
                      [&](const auto& test) { return test.first == name; })) {
       std::fprintf(stderr, "unknown test %s\n", name.c_str());
       return 2;
     }
   }
-  auto setup = Connect();
+  const bool only_info = std::all_of(
+      wanted.begin(), wanted.end(),
+      [](const std::string& name) { return name == "info"; });
+  auto setup = Connect(/*with_buffers=*/!only_info);
   if (!setup.ok()) {
     std::fprintf(stderr, "setup: %s\n", setup.status().ToString().c_str());
     return 1;

@@ -1,0 +1,278 @@
+#!/usr/bin/python3
+"""Prints compare.sh's table from the files one run left in its work dir.
+
+Usage: summarize.py WORK_DIR
+
+WORK_DIR holds meta.txt (key=value lines) and one directory per round,
+round-1, round-2, ...: bench.txt (rdma-agent-bench's "name key=value" lines),
+iperf1.json and iperfN.json (iperf3 -J), ucx_lat.log and ucx_bw.log
+(ucx_perftest). Each figure of the table is the best round (highest rate,
+lowest latency); ratios divide best by best. Every round is printed too.
+"""
+
+import glob
+import json
+import os
+import re
+import sys
+
+
+def read_meta(work):
+    meta = {}
+    with open(os.path.join(work, "meta.txt")) as f:
+        for line in f:
+            key, _, value = line.rstrip("\n").partition("=")
+            meta[key] = value
+    return meta
+
+
+def read_bench(path):
+    """{line name: {key: value}} from rdma-agent-bench's output."""
+    lines = {}
+    if not os.path.exists(path):
+        return lines
+    with open(path) as f:
+        for line in f:
+            words = line.split()
+            if not words:
+                continue
+            fields = {}
+            if len(words) > 1 and words[1].startswith("failed="):
+                fields["failed"] = line.split("failed=", 1)[1].strip()
+                lines[words[0]] = fields
+                continue
+            for word in words[1:]:
+                key, sep, value = word.partition("=")
+                if sep:
+                    fields[key] = value
+            lines[words[0]] = fields
+    return lines
+
+
+def read_iperf(path):
+    """MiB/s received, or None."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data["end"]["sum_received"]["bits_per_second"] / 8 / 2**20
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def read_ucx(path):
+    """ucx_perftest's Final line: {p50_us, avg_us, MiB_per_s, msg_per_s}."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("Final:"):
+                    v = line.split()
+                    # Final: iters p50 avg overall bw_avg bw_overall mr_avg mr_overall
+                    return {"p50_us": float(v[2]), "avg_us": float(v[3]),
+                            "MiB_per_s": float(v[6]), "msg_per_s": float(v[8])}
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def number(fields, key):
+    try:
+        return float(fields[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class Rounds:
+    """Every round's value of each measure, by name."""
+
+    def __init__(self, work):
+        self.rounds = []
+        dirs = sorted(glob.glob(os.path.join(work, "round-*")),
+                      key=lambda d: int(d.rsplit("-", 1)[1]))
+        for d in dirs:
+            bench = read_bench(os.path.join(d, "bench.txt"))
+            values = {}
+            for name, fields in bench.items():
+                for key, value in fields.items():
+                    try:
+                        values[f"{name}.{key}"] = float(value)
+                    except ValueError:
+                        values[f"{name}.{key}"] = value
+            values["iperf1"] = read_iperf(os.path.join(d, "iperf1.json"))
+            values["iperfN"] = read_iperf(os.path.join(d, "iperfN.json"))
+            lat = read_ucx(os.path.join(d, "ucx_lat.log")) or {}
+            bw = read_ucx(os.path.join(d, "ucx_bw.log")) or {}
+            values["ucx_lat.p50_us"] = lat.get("p50_us")
+            values["ucx_bw.msg_per_s"] = bw.get("msg_per_s")
+            self.rounds.append(values)
+
+    def all(self, key):
+        return [r.get(key) for r in self.rounds]
+
+    def best(self, key, lowest=False):
+        values = [v for v in self.all(key) if isinstance(v, float)]
+        if not values:
+            return None
+        return min(values) if lowest else max(values)
+
+    def text(self, key):
+        for r in self.rounds:
+            if isinstance(r.get(key), str):
+                return r[key]
+        return None
+
+
+def fmt(value, decimals=0):
+    if value is None:
+        return "—"
+    if decimals == 0 and abs(value) >= 1000:
+        return f"{value:,.0f}".replace(",", " ")
+    return f"{value:.{decimals}f}"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def verdict(value, target, higher_is_better=True):
+    if value is None:
+        return "—"
+    met = value >= target if higher_is_better else value <= target
+    return "met" if met else "not met"
+
+
+def main():
+    work = sys.argv[1]
+    meta = read_meta(work)
+    r = Rounds(work)
+    n = meta.get("streams", "?")
+    rows = []
+
+    def row(measure, agent, peer, value, target, met):
+        rows.append((measure, agent, peer, value, target, met))
+
+    floor = r.best("lat_floor.p50_us", lowest=True)
+    getinfo = r.best("lat_getinfo.p50_us", lowest=True)
+    rtt = r.best("lat_tcp_rtt.p50_us", lowest=True)
+    for op in ("read", "write"):
+        p50 = r.best(f"lat_{op}.p50_us", lowest=True)
+        p99 = r.best(f"lat_{op}.p99_us", lowest=True)
+        q = ratio(p50, floor)
+        row(f"8 B {op.upper()} latency p50 / p99, µs",
+            f"{fmt(p50, 1)} / {fmt(p99, 1)}",
+            f"floor {fmt(floor, 1)} = GetInfo {fmt(getinfo, 1)} + TCP RTT {fmt(rtt, 1)}",
+            fmt(q, 2), "≤ 1.3", verdict(q, 1.3, higher_is_better=False))
+    ucx_lat = r.best("ucx_lat.p50_us", lowest=True)
+    row("reference: `ucp_put_lat -s 8` p50, µs", "—",
+        f"{fmt(ucx_lat, 1)} one-way (RTT/2; ≈ {fmt(ucx_lat and 2 * ucx_lat, 1)} RTT)",
+        "—", "—", "—")
+
+    ucx_bw = r.best("ucx_bw.msg_per_s")
+    for op in ("write", "read"):
+        ops = r.best(f"ops_{op}.ops_per_s")
+        q = ratio(ops, ucx_bw)
+        row(f"4 KiB {op.upper()} × 1000 per Submit, ops/s", fmt(ops),
+            f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", fmt(q, 2), "≥ 1.5",
+            verdict(q, 1.5))
+    row("async: 4 KiB WRITE × 1000, 8 transfers in flight (`async_write`)",
+        "needs SubmitAsync", f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", "—",
+        "≥ 1.5", "—")
+
+    iperf_n = r.best("iperfN")
+    for prefix, label, target in (("kv", "64 KiB × 256 per Submit", 0.9),
+                                  ("bulk", "256 MiB per Submit", 1.0)):
+        for op in ("write", "read"):
+            mibs = r.best(f"{prefix}_{op}.MiB_per_s")
+            q = ratio(mibs, iperf_n)
+            row(f"{label} {op.upper()}, MiB/s", fmt(mibs),
+                f"`iperf3 -P {n}` {fmt(iperf_n)}", fmt(q, 2),
+                f"≥ {target:.1f}", verdict(q, target))
+
+    mem = r.best("mem_write.ops_per_s")
+    row("memory backend 4 KiB × 1000 per Submit, ops/s", fmt(mem), "—",
+        fmt(ratio(mem, 1e6), 2) + " M", "≥ 1 M", verdict(mem, 1e6))
+
+    reg = r.best("register_release.per_s")
+    gi2 = r.best("getinfo_x2.per_s")
+    q = r.best("register_ratio.ratio")
+    row("Register + Release 4 KiB, per s", fmt(reg),
+        f"2 × GetInfo {fmt(gi2)} per s", fmt(q, 2), "≥ 0.9", verdict(q, 0.9))
+
+    agg = r.best("clients_write.ops_per_s")
+    clients = r.text("clients_write.clients") or fmt(
+        r.best("clients_write.clients"))
+    # Shares of the round with the best aggregate.
+    shares = "—"
+    for values in r.rounds:
+        if values.get("clients_write.ops_per_s") == agg and agg is not None:
+            shares = (f"share min {values['clients_write.min_share']:.3f} / "
+                      f"max {values['clients_write.max_share']:.3f} "
+                      f"(fair {1 / values['clients_write.clients']:.3f}), "
+                      f"Jain {values['clients_write.jain']:.3f}")
+    single = r.best("ops_write.ops_per_s")
+    row(f"{clients} clients × 4 KiB WRITE × 1000 per Submit, aggregate ops/s",
+        fmt(agg), f"1 client {fmt(single)}; {shares}",
+        fmt(ratio(agg, single), 2), "—", "—")
+
+    print("| measure | rdma-agentd | peer / floor (same run) | ratio | target | |")
+    print("|---|---:|---|---:|---|---|")
+    for measure, agent, peer, value, target, met in rows:
+        print(f"| {measure} | {agent} | {peer} | {value} | {target} | {met} |")
+
+    print()
+    print("References, no agent (MiB/s):")
+    print(f"  iperf3 -l 1M, 1 stream            {fmt(r.best('iperf1'))}")
+    print(f"  iperf3 -l 1M, -P {n}               {fmt(iperf_n)}")
+    print(f"  socket, {n} streams, cold 256 MiB  {fmt(r.best('socket_cold.MiB_per_s'))}"
+          f"   (rdma-agent-bench --tests=socket)")
+    print(f"  socket, {n} streams, hot 1 MiB     {fmt(r.best('socket_hot.MiB_per_s'))}")
+
+    print()
+    print("Every round:")
+    per_round = [
+        ("lat_getinfo.p50_us", "GetInfo p50 µs", 1),
+        ("lat_tcp_rtt.p50_us", "TCP RTT p50 µs", 1),
+        ("lat_read.p50_us", "READ 8 B p50 µs", 1),
+        ("lat_write.p50_us", "WRITE 8 B p50 µs", 1),
+        ("lat_floor.read_ratio", "READ / floor", 2),
+        ("ucx_lat.p50_us", "ucp_put_lat p50 µs", 1),
+        ("ops_write.ops_per_s", "4 KiB WRITE ops/s", 0),
+        ("ops_read.ops_per_s", "4 KiB READ ops/s", 0),
+        ("ucx_bw.msg_per_s", "ucp_put_bw msg/s", 0),
+        ("kv_write.MiB_per_s", "64 KiB WRITE MiB/s", 0),
+        ("kv_read.MiB_per_s", "64 KiB READ MiB/s", 0),
+        ("bulk_write.MiB_per_s", "256 MiB WRITE MiB/s", 0),
+        ("bulk_read.MiB_per_s", "256 MiB READ MiB/s", 0),
+        ("iperfN", f"iperf3 -P {n} MiB/s", 0),
+        ("iperf1", "iperf3 -P 1 MiB/s", 0),
+        ("socket_cold.MiB_per_s", "socket cold MiB/s", 0),
+        ("socket_hot.MiB_per_s", "socket hot MiB/s", 0),
+        ("mem_write.ops_per_s", "memory ops/s", 0),
+        ("register_release.per_s", "Register+Release /s", 0),
+        ("getinfo_x2.per_s", "2 x GetInfo /s", 0),
+        ("clients_write.ops_per_s", "clients aggregate ops/s", 0),
+        ("clients_write.min_share", "clients min share", 3),
+        ("clients_write.max_share", "clients max share", 3),
+    ]
+    for key, label, decimals in per_round:
+        values = " / ".join(fmt(v if isinstance(v, float) else None, decimals)
+                            for v in r.all(key))
+        print(f"  {label:26s} {values}")
+    failed = []
+    for i, values in enumerate(r.rounds, 1):
+        for key, value in values.items():
+            if key.endswith(".failed"):
+                failed.append(f"round {i}: {key[:-7]}: {value}")
+    for line in failed:
+        print("FAILED " + line)
+
+    print()
+    print(f"({meta.get('rounds')} rounds, best round each; "
+          f"{meta.get('nproc')} cores; load {meta.get('load_start')} at start, "
+          f"{meta.get('load_end')} at end; {meta.get('date')}; "
+          f"agent flags: {meta.get('agent_flags') or '(defaults)'}; "
+          f"tcp connections_per_peer {n})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
