@@ -129,6 +129,20 @@ def fmt(value, decimals=0):
     return f"{value:.{decimals}f}"
 
 
+def size_label(value):
+    """4096 -> "4 KiB", 268435456 -> "256 MiB"."""
+    if not isinstance(value, float):
+        return "?"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if value >= 1 << shift and value % (1 << shift) == 0:
+            return f"{int(value) >> shift} {unit}"
+    return f"{int(value)} B"
+
+
+def count(value):
+    return str(int(value)) if isinstance(value, float) else "?"
+
+
 def ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -153,11 +167,14 @@ def main():
     floor = r.best("lat_floor.p50_us", lowest=True)
     getinfo = r.best("lat_getinfo.p50_us", lowest=True)
     rtt = r.best("lat_tcp_rtt.p50_us", lowest=True)
+    lat_bytes = size_label(r.best("lat_read.bytes"))
+    small = size_label(r.best("ops_write.op_bytes"))
+    small_batch = count(r.best("ops_write.batch"))
     for op in ("read", "write"):
         p50 = r.best(f"lat_{op}.p50_us", lowest=True)
         p99 = r.best(f"lat_{op}.p99_us", lowest=True)
         q = ratio(p50, floor)
-        row(f"8 B {op.upper()} latency p50 / p99, µs",
+        row(f"{lat_bytes} {op.upper()} latency p50 / p99, µs",
             f"{fmt(p50, 1)} / {fmt(p99, 1)}",
             f"floor {fmt(floor, 1)} = GetInfo {fmt(getinfo, 1)} + TCP RTT {fmt(rtt, 1)}",
             fmt(q, 2), "≤ 1.3", verdict(q, 1.3, higher_is_better=False))
@@ -170,16 +187,19 @@ def main():
     for op in ("write", "read"):
         ops = r.best(f"ops_{op}.ops_per_s")
         q = ratio(ops, ucx_bw)
-        row(f"4 KiB {op.upper()} × 1000 per Submit, ops/s", fmt(ops),
+        row(f"{small} {op.upper()} × {small_batch} per Submit, ops/s", fmt(ops),
             f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", fmt(q, 2), "≥ 1.5",
             verdict(q, 1.5))
-    row("async: 4 KiB WRITE × 1000, 8 transfers in flight (`async_write`)",
+    row(f"async: {small} WRITE × {small_batch}, 8 transfers in flight "
+        "(`async_write`)",
         "needs SubmitAsync", f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", "—",
         "≥ 1.5", "—")
 
     iperf_n = r.best("iperfN")
-    for prefix, label, target in (("kv", "64 KiB × 256 per Submit", 0.9),
-                                  ("bulk", "256 MiB per Submit", 1.0)):
+    kv = (f"{size_label(r.best('kv_write.op_bytes'))} × "
+          f"{count(r.best('kv_write.batch'))} per Submit")
+    bulk = f"{size_label(r.best('bulk_write.op_bytes'))} per Submit"
+    for prefix, label, target in (("kv", kv, 0.9), ("bulk", bulk, 1.0)):
         for op in ("write", "read"):
             mibs = r.best(f"{prefix}_{op}.MiB_per_s")
             q = ratio(mibs, iperf_n)
@@ -188,13 +208,16 @@ def main():
                 f"≥ {target:.1f}", verdict(q, target))
 
     mem = r.best("mem_write.ops_per_s")
-    row("memory backend 4 KiB × 1000 per Submit, ops/s", fmt(mem), "—",
+    mem_label = (f"{size_label(r.best('mem_write.op_bytes'))} × "
+                 f"{count(r.best('mem_write.batch'))}")
+    row(f"memory backend {mem_label} per Submit, ops/s", fmt(mem), "—",
         fmt(ratio(mem, 1e6), 2) + " M", "≥ 1 M", verdict(mem, 1e6))
 
     reg = r.best("register_release.per_s")
     gi2 = r.best("getinfo_x2.per_s")
     q = r.best("register_ratio.ratio")
-    row("Register + Release 4 KiB, per s", fmt(reg),
+    row(f"Register + Release {size_label(r.best('register_release.bytes'))}"
+        ", per s", fmt(reg),
         f"2 × GetInfo {fmt(gi2)} per s", fmt(q, 2), "≥ 0.9", verdict(q, 0.9))
 
     agg = r.best("clients_write.ops_per_s")
@@ -209,7 +232,8 @@ def main():
                       f"(fair {1 / values['clients_write.clients']:.3f}), "
                       f"Jain {values['clients_write.jain']:.3f}")
     single = r.best("ops_write.ops_per_s")
-    row(f"{clients} clients × 4 KiB WRITE × 1000 per Submit, aggregate ops/s",
+    row(f"{clients} clients × {small} WRITE × {small_batch} per Submit, "
+        "aggregate ops/s",
         fmt(agg), f"1 client {fmt(single)}; {shares}",
         fmt(ratio(agg, single), 2), "—", "—")
 
@@ -222,26 +246,29 @@ def main():
     print("References, no agent (MiB/s):")
     print(f"  iperf3 -l 1M, 1 stream            {fmt(r.best('iperf1'))}")
     print(f"  iperf3 -l 1M, -P {n}               {fmt(iperf_n)}")
-    print(f"  socket, {n} streams, cold 256 MiB  {fmt(r.best('socket_cold.MiB_per_s'))}"
-          f"   (rdma-agent-bench --tests=socket)")
-    print(f"  socket, {n} streams, hot 1 MiB     {fmt(r.best('socket_hot.MiB_per_s'))}")
+    cold = size_label(r.best("socket_cold.window_bytes"))
+    print(f"  socket, {n} streams, cold {cold} each   "
+          f"{fmt(r.best('socket_cold.MiB_per_s'))}   (rdma-agent-bench --tests=socket)")
+    print(f"  socket, {n} streams, hot 1 MiB each     "
+          f"{fmt(r.best('socket_hot.MiB_per_s'))}")
 
     print()
     print("Every round:")
     per_round = [
         ("lat_getinfo.p50_us", "GetInfo p50 µs", 1),
         ("lat_tcp_rtt.p50_us", "TCP RTT p50 µs", 1),
-        ("lat_read.p50_us", "READ 8 B p50 µs", 1),
-        ("lat_write.p50_us", "WRITE 8 B p50 µs", 1),
+        ("lat_read.p50_us", f"READ {lat_bytes} p50 µs", 1),
+        ("lat_write.p50_us", f"WRITE {lat_bytes} p50 µs", 1),
         ("lat_floor.read_ratio", "READ / floor", 2),
+        ("lat_floor.write_ratio", "WRITE / floor", 2),
         ("ucx_lat.p50_us", "ucp_put_lat p50 µs", 1),
-        ("ops_write.ops_per_s", "4 KiB WRITE ops/s", 0),
-        ("ops_read.ops_per_s", "4 KiB READ ops/s", 0),
+        ("ops_write.ops_per_s", f"{small} WRITE ops/s", 0),
+        ("ops_read.ops_per_s", f"{small} READ ops/s", 0),
         ("ucx_bw.msg_per_s", "ucp_put_bw msg/s", 0),
-        ("kv_write.MiB_per_s", "64 KiB WRITE MiB/s", 0),
-        ("kv_read.MiB_per_s", "64 KiB READ MiB/s", 0),
-        ("bulk_write.MiB_per_s", "256 MiB WRITE MiB/s", 0),
-        ("bulk_read.MiB_per_s", "256 MiB READ MiB/s", 0),
+        ("kv_write.MiB_per_s", "kv WRITE MiB/s", 0),
+        ("kv_read.MiB_per_s", "kv READ MiB/s", 0),
+        ("bulk_write.MiB_per_s", "bulk WRITE MiB/s", 0),
+        ("bulk_read.MiB_per_s", "bulk READ MiB/s", 0),
         ("iperfN", f"iperf3 -P {n} MiB/s", 0),
         ("iperf1", "iperf3 -P 1 MiB/s", 0),
         ("socket_cold.MiB_per_s", "socket cold MiB/s", 0),
