@@ -9,8 +9,9 @@
 #   iperf3 -c, ucx_perftest client             iperf3 -s, ucx_perftest server
 #
 # Each round runs, interleaved so that the noise of a shared machine hits all
-# of them alike: iperf3 -l 1M with 1 stream and with N streams (N = the
-# agent's tcp connections_per_peer), UCX_TLS=tcp ucx_perftest ucp_put_lat
+# of them alike: iperf3 -l 1M with 1 stream, with N streams (N = the agent's
+# tcp connections_per_peer) and as N processes of 1 stream at once (iperf3
+# 3.12 runs one process on one thread), UCX_TLS=tcp ucx_perftest ucp_put_lat
 # -s 8 and ucp_put_bw -s 4096, then every rdma-agent-bench test. The table
 # (bench/summarize.py) takes each figure's best round and prints every round.
 #
@@ -133,14 +134,25 @@ STREAMS="$(sed -n 's/.*tcp_connections_per_peer=\([0-9]*\).*/\1/p' "$WORK/info.t
 [[ -n "$STREAMS" ]] || { echo "agent A reports no tcp connections_per_peer" >&2; cat "$WORK/info.txt" >&2; exit 1; }
 
 PORT=5200
-iperf_once() {  # streams output.json
-  PORT=$((PORT + 1))
-  in_b iperf3 -s -1 -p "$PORT" >"$WORK/iperf3-server.log" 2>&1 &
-  local server=$!
-  PIDS+=($server)
+# iperf3 -l 1M: `processes` clients at once, each with `streams` streams;
+# client k writes output.json.k. (iperf3 before 3.16, Debian 12's 3.12
+# included, runs all the streams of one process on one thread: -P N does not
+# use N cores, N processes do.)
+iperf_once() {  # processes streams output.json
+  local servers=() clients=() k
+  for k in $(seq 1 "$1"); do
+    PORT=$((PORT + 1))
+    in_b iperf3 -s -1 -p "$PORT" >"$WORK/iperf3-server.log" 2>&1 &
+    servers+=($!)
+    PIDS+=($!)
+  done
   sleep 0.5
-  in_a iperf3 -c "$ADDR_B" -p "$PORT" -l 1M -P "$1" -t "$SECONDS_PER_TEST" -J >"$2" || true
-  wait "$server" 2>/dev/null || true
+  for k in $(seq 1 "$1"); do
+    in_a iperf3 -c "$ADDR_B" -p "$((PORT - $1 + k))" -l 1M -P "$2" \
+      -t "$SECONDS_PER_TEST" -J >"$3.$k" &
+    clients+=($!)
+  done
+  for pid in "${clients[@]}" "${servers[@]}"; do wait "$pid" 2>/dev/null || true; done
 }
 
 # ucx_perftest picks its devices from UCX_NET_DEVICES: only the veth.
@@ -171,8 +183,9 @@ for round in $(seq 1 "$ROUNDS"); do
   R="$WORK/round-$round"
   mkdir -p "$R"
   echo "round $round/$ROUNDS: iperf3, ucx_perftest, rdma-agent-bench" >&2
-  iperf_once 1 "$R/iperf1.json"
-  iperf_once "$STREAMS" "$R/iperfN.json"
+  iperf_once 1 1 "$R/iperf1.json"
+  iperf_once 1 "$STREAMS" "$R/iperfN.json"
+  iperf_once "$STREAMS" 1 "$R/iperfNproc.json"
   ucx_once "$R/ucx_lat.log" -t ucp_put_lat -s 8 -n 20000
   ucx_once "$R/ucx_bw.log" -t ucp_put_bw -s 4096 -n 300000
   in_a "$BENCH" "${BENCH_ARGS[@]}" >"$R/bench.txt" 2>"$R/bench.err" || true

@@ -59,6 +59,10 @@ ABSL_FLAG(int, latency_iterations, 5000,
 ABSL_FLAG(int, warmup_iterations, 500,
           "Untimed round trips of each kind before `latency` measures.");
 ABSL_FLAG(uint64_t, latency_bytes, 8, "Bytes of the latency ops.");
+ABSL_FLAG(std::string, latency_kinds,
+          "getinfo,tcp_rtt,read,write,submit_rejected,mem_write",
+          "Round trips `latency` times (all of them for the floor line), "
+          "e.g. one alone under perf.");
 ABSL_FLAG(uint64_t, small_op_bytes, 4096, "Bytes per op of ops/memory/clients.");
 ABSL_FLAG(int, small_batch, 1000, "Ops per Submit of ops/memory/clients.");
 ABSL_FLAG(uint64_t, kv_op_bytes, 64 << 10, "Bytes per op of kv.");
@@ -133,7 +137,10 @@ absl::StatusOr<int> ReportInfo(AgentClient& agent) {
 // ---- latency: one op per Submit, next to its floor -------------------------
 
 // One timed call of each kind; interleaved in blocks so that a noisy moment
-// of a shared machine hits every kind alike.
+// of a shared machine hits every kind alike. The floor is GetInfo (a gRPC
+// unary call to agent A) plus one TCP round trip to B's host; the rejected
+// Submit and the memory-backend op split the rest into the Submit machinery
+// and the tcp data plane.
 absl::Status TestLatency(Setup& setup) {
   const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
   auto ping = PingPong::Connect(setup.socket_peer);
@@ -145,19 +152,47 @@ absl::Status TestLatency(Setup& setup) {
                              setup.remote->remote_context(), bytes, 1, bytes,
                              bytes);
   AgentClient& agent = *setup.local_agent;
+  // For the breakdown: the same op between two buffers of agent A (memory
+  // backend), and a Submit whose op the agent rejects before any backend
+  // sees it (length 0: INVALID_ARGUMENT in the op's result).
+  auto other = AttachPrefaulted(agent, 4096, 3);
+  if (!other.ok()) return other.status();
+  const auto memory_write = MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                    setup.local->id(), other->remote_context(),
+                                    bytes, 1, bytes, bytes);
+  auto rejected = write;
+  rejected.front().length = 0;
+  auto submit_rejected = [&]() -> absl::Status {
+    auto results = agent.Submit(rejected, absl::Seconds(120));
+    if (!results.ok()) return results.status();
+    if (!absl::IsInvalidArgument(results->front().status)) {
+      return absl::InternalError("an op of length 0 was not rejected");
+    }
+    return absl::OkStatus();
+  };
   const std::vector<std::pair<std::string, std::function<absl::Status()>>>
       kinds = {
           {"lat_getinfo", [&] { return agent.GetInfo().status(); }},
           {"lat_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
           {"lat_read", [&] { return RunBatch(agent, read, "tcp"); }},
           {"lat_write", [&] { return RunBatch(agent, write, "tcp"); }},
+          {"lat_submit_rejected", submit_rejected},
+          {"lat_mem_write",
+           [&] { return RunBatch(agent, memory_write, "memory"); }},
       };
+  const std::vector<std::string> wanted = absl::StrSplit(
+      absl::GetFlag(FLAGS_latency_kinds), ',', absl::SkipEmpty());
+  auto timed = [&](size_t k) {
+    return std::find(wanted.begin(), wanted.end(),
+                     kinds[k].first.substr(4)) != wanted.end();
+  };
   std::vector<std::vector<absl::Duration>> samples(kinds.size());
   const int iterations = absl::GetFlag(FLAGS_latency_iterations);
   const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
   constexpr int kBlock = 100;
   for (int done = -warmup; done < iterations; done += kBlock) {
     for (size_t k = 0; k < kinds.size(); ++k) {
+      if (!timed(k)) continue;
       for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
         const absl::Time start = absl::Now();
         if (absl::Status s = kinds[k].second(); !s.ok()) return s;
@@ -168,10 +203,12 @@ absl::Status TestLatency(Setup& setup) {
   std::vector<Latency> latency;
   for (size_t k = 0; k < kinds.size(); ++k) {
     latency.push_back(Summarize(samples[k]));
+    if (!timed(k)) continue;
     Report report(kinds[k].first);
-    if (k >= 2) report.Add("bytes", static_cast<double>(bytes), 0);
+    if (k >= 2 && k != 4) report.Add("bytes", static_cast<double>(bytes), 0);
     Print(report.AddLatency("", latency.back()));
   }
+  if (!timed(0) || !timed(1) || !timed(2) || !timed(3)) return absl::OkStatus();
   const double floor = latency[0].p50_us + latency[1].p50_us;
   Print(Report("lat_floor")
             .Add("p50_us", floor)

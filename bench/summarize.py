@@ -5,7 +5,8 @@ Usage: summarize.py WORK_DIR
 
 WORK_DIR holds meta.txt (key=value lines) and one directory per round,
 round-1, round-2, ...: bench.txt (rdma-agent-bench's "name key=value" lines),
-iperf1.json and iperfN.json (iperf3 -J), ucx_lat.log and ucx_bw.log
+iperf1.json.1, iperfN.json.1 and iperfNproc.json.1..N (iperf3 -J: 1 stream,
+N streams, N processes of 1 stream), ucx_lat.log and ucx_bw.log
 (ucx_perftest). Each figure of the table is the best round (highest rate,
 lowest latency); ratios divide best by best. Every round is printed too.
 """
@@ -50,13 +51,17 @@ def read_bench(path):
 
 
 def read_iperf(path):
-    """MiB/s received, or None."""
+    """MiB/s received by every client of one run (path.1, path.2, ...)."""
+    total = 0.0
+    files = glob.glob(path + ".*")
     try:
-        with open(path) as f:
-            data = json.load(f)
-        return data["end"]["sum_received"]["bits_per_second"] / 8 / 2**20
+        for name in files:
+            with open(name) as f:
+                data = json.load(f)
+            total += data["end"]["sum_received"]["bits_per_second"] / 8 / 2**20
     except (OSError, ValueError, KeyError):
         return None
+    return total if files else None
 
 
 def read_ucx(path):
@@ -99,6 +104,7 @@ class Rounds:
                         values[f"{name}.{key}"] = value
             values["iperf1"] = read_iperf(os.path.join(d, "iperf1.json"))
             values["iperfN"] = read_iperf(os.path.join(d, "iperfN.json"))
+            values["iperfNproc"] = read_iperf(os.path.join(d, "iperfNproc.json"))
             lat = read_ucx(os.path.join(d, "ucx_lat.log")) or {}
             bw = read_ucx(os.path.join(d, "ucx_bw.log")) or {}
             values["ucx_lat.p50_us"] = lat.get("p50_us")
@@ -196,6 +202,7 @@ def main():
         "≥ 1.5", "—")
 
     iperf_n = r.best("iperfN")
+    iperf_nproc = r.best("iperfNproc")
     kv = (f"{size_label(r.best('kv_write.op_bytes'))} × "
           f"{count(r.best('kv_write.batch'))} per Submit")
     bulk = f"{size_label(r.best('bulk_write.op_bytes'))} per Submit"
@@ -203,8 +210,10 @@ def main():
         for op in ("write", "read"):
             mibs = r.best(f"{prefix}_{op}.MiB_per_s")
             q = ratio(mibs, iperf_n)
+            q_proc = ratio(mibs, iperf_nproc)
             row(f"{label} {op.upper()}, MiB/s", fmt(mibs),
-                f"`iperf3 -P {n}` {fmt(iperf_n)}", fmt(q, 2),
+                f"`iperf3 -P {n}` {fmt(iperf_n)}; {n} × `iperf3` "
+                f"{fmt(iperf_nproc)} (ratio {fmt(q_proc, 2)})", fmt(q, 2),
                 f"≥ {target:.1f}", verdict(q, target))
 
     mem = r.best("mem_write.ops_per_s")
@@ -246,6 +255,7 @@ def main():
     print("References, no agent (MiB/s):")
     print(f"  iperf3 -l 1M, 1 stream            {fmt(r.best('iperf1'))}")
     print(f"  iperf3 -l 1M, -P {n}               {fmt(iperf_n)}")
+    print(f"  iperf3 -l 1M, {n} processes at once {fmt(iperf_nproc)}")
     cold = size_label(r.best("socket_cold.window_bytes"))
     print(f"  socket, {n} streams, cold {cold} each   "
           f"{fmt(r.best('socket_cold.MiB_per_s'))}   (rdma-agent-bench --tests=socket)")
@@ -271,6 +281,7 @@ def main():
         ("bulk_read.MiB_per_s", "bulk READ MiB/s", 0),
         ("iperfN", f"iperf3 -P {n} MiB/s", 0),
         ("iperf1", "iperf3 -P 1 MiB/s", 0),
+        ("iperfNproc", f"{n} x iperf3 MiB/s", 0),
         ("socket_cold.MiB_per_s", "socket cold MiB/s", 0),
         ("socket_hot.MiB_per_s", "socket hot MiB/s", 0),
         ("mem_write.ops_per_s", "memory ops/s", 0),
