@@ -8,12 +8,16 @@
 #     its remote buffers through B's socket)     (TCP ping-pong and sink)
 #   iperf3 -c, ucx_perftest client             iperf3 -s, ucx_perftest server
 #
-# Each round runs, interleaved so that the noise of a shared machine hits all
-# of them alike: iperf3 -l 1M with 1 stream, with N streams (N = the agent's
-# tcp connections_per_peer) and as N processes of 1 stream at once (iperf3
-# 3.12 runs one process on one thread), UCX_TLS=tcp ucx_perftest ucp_put_lat
-# -s 8 and ucp_put_bw -s 4096, then every rdma-agent-bench test. The table
-# (bench/summarize.py) takes each figure's best round and prints every round.
+# Each round runs every tool once, each peer right before the bench tests it
+# is compared with, so that the noise of a shared machine hits both alike:
+#   UCX_TLS=tcp ucx_perftest -t ucp_put_lat -s 8   then  bench latency
+#   ucx_perftest -t ucp_put_bw -s 4096             then  bench ops, async
+#   iperf3 -l 1M: 1 stream, N streams (N = the agent's tcp
+#     connections_per_peer) and N processes of 1 stream at once (iperf3 3.12
+#     runs one process on one thread)              then  bench kv, bulk, socket
+#   bench memory, register, clients (their references are in the bench)
+# The table (bench/summarize.py) shows each figure's best round, each ratio
+# as the median of the rounds' own ratios, and every round.
 #
 # Usage: bench/compare.sh [--bin_dir DIR] [--seconds N] [--rounds N]
 #                         [--netns PREFIX] [--keep DIR]
@@ -169,6 +173,10 @@ ucx_once() {  # output.log ucx_perftest-args...
   wait "$server" 2>/dev/null || true
 }
 
+bench_part() {  # round-dir tests: appends to round-dir/bench.txt
+  in_a "$BENCH" "${BENCH_ARGS[@]}" --tests="$2" >>"$1/bench.txt" 2>>"$1/bench.err" || true
+}
+
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 {
   echo "date=$(date -u +%Y-%m-%dT%H:%MZ)"
@@ -183,12 +191,16 @@ for round in $(seq 1 "$ROUNDS"); do
   R="$WORK/round-$round"
   mkdir -p "$R"
   echo "round $round/$ROUNDS: iperf3, ucx_perftest, rdma-agent-bench" >&2
+  # Each peer runs right before the bench tests it is compared with.
+  ucx_once "$R/ucx_lat.log" -t ucp_put_lat -s 8 -n 20000
+  bench_part "$R" latency
+  ucx_once "$R/ucx_bw.log" -t ucp_put_bw -s 4096 -n 300000
+  bench_part "$R" ops,async
   iperf_once 1 1 "$R/iperf1.json"
   iperf_once 1 "$STREAMS" "$R/iperfN.json"
   iperf_once "$STREAMS" 1 "$R/iperfNproc.json"
-  ucx_once "$R/ucx_lat.log" -t ucp_put_lat -s 8 -n 20000
-  ucx_once "$R/ucx_bw.log" -t ucp_put_bw -s 4096 -n 300000
-  in_a "$BENCH" "${BENCH_ARGS[@]}" >"$R/bench.txt" 2>"$R/bench.err" || true
+  bench_part "$R" kv,bulk,socket
+  bench_part "$R" memory,register,clients
 done
 echo "load_end=$(load)" >>"$WORK/meta.txt"
 

@@ -8,7 +8,9 @@ round-1, round-2, ...: bench.txt (rdma-agent-bench's "name key=value" lines),
 iperf1.json.1, iperfN.json.1 and iperfNproc.json.1..N (iperf3 -J: 1 stream,
 N streams, N processes of 1 stream), ucx_lat.log and ucx_bw.log
 (ucx_perftest). Each figure of the table is the best round (highest rate,
-lowest latency); ratios divide best by best. Every round is printed too.
+lowest latency); each ratio is the median of the rounds' own ratios (the
+tools of one round ran minutes apart at most, so share its noise), with
+their range. Every round is printed too.
 """
 
 import glob
@@ -120,6 +122,16 @@ class Rounds:
             return None
         return min(values) if lowest else max(values)
 
+    def ratios(self, numerator, denominator=None, scale=1.0):
+        """Each round's numerator / denominator (or numerator / scale)."""
+        out = []
+        for values in self.rounds:
+            a = values.get(numerator)
+            b = values.get(denominator) if denominator else scale
+            if isinstance(a, float) and isinstance(b, float) and b:
+                out.append(a / b)
+        return out
+
     def text(self, key):
         for r in self.rounds:
             if isinstance(r.get(key), str):
@@ -153,6 +165,24 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def median(values):
+    if not values:
+        return None
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def spread(values, decimals=2):
+    """"median (min–max)" of per-round ratios."""
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return fmt(values[0], decimals)
+    return (f"{fmt(median(values), decimals)} "
+            f"({fmt(min(values), decimals)}–{fmt(max(values), decimals)})")
+
+
 def verdict(value, target, higher_is_better=True):
     if value is None:
         return "—"
@@ -179,11 +209,11 @@ def main():
     for op in ("read", "write"):
         p50 = r.best(f"lat_{op}.p50_us", lowest=True)
         p99 = r.best(f"lat_{op}.p99_us", lowest=True)
-        q = ratio(p50, floor)
+        q = r.ratios(f"lat_floor.{op}_ratio", scale=1.0)
         row(f"{lat_bytes} {op.upper()} latency p50 / p99, µs",
             f"{fmt(p50, 1)} / {fmt(p99, 1)}",
             f"floor {fmt(floor, 1)} = GetInfo {fmt(getinfo, 1)} + TCP RTT {fmt(rtt, 1)}",
-            fmt(q, 2), "≤ 1.3", verdict(q, 1.3, higher_is_better=False))
+            spread(q), "≤ 1.3", verdict(median(q), 1.3, higher_is_better=False))
     ucx_lat = r.best("ucx_lat.p50_us", lowest=True)
     row("reference: `ucp_put_lat -s 8` p50, µs", "—",
         f"{fmt(ucx_lat, 1)} one-way (RTT/2; ≈ {fmt(ucx_lat and 2 * ucx_lat, 1)} RTT)",
@@ -192,10 +222,10 @@ def main():
     ucx_bw = r.best("ucx_bw.msg_per_s")
     for op in ("write", "read"):
         ops = r.best(f"ops_{op}.ops_per_s")
-        q = ratio(ops, ucx_bw)
+        q = r.ratios(f"ops_{op}.ops_per_s", "ucx_bw.msg_per_s")
         row(f"{small} {op.upper()} × {small_batch} per Submit, ops/s", fmt(ops),
-            f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", fmt(q, 2), "≥ 1.5",
-            verdict(q, 1.5))
+            f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", spread(q), "≥ 1.5",
+            verdict(median(q), 1.5))
     row(f"async: {small} WRITE × {small_batch}, 8 transfers in flight "
         "(`async_write`)",
         "needs SubmitAsync", f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", "—",
@@ -209,25 +239,27 @@ def main():
     for prefix, label, target in (("kv", kv, 0.9), ("bulk", bulk, 1.0)):
         for op in ("write", "read"):
             mibs = r.best(f"{prefix}_{op}.MiB_per_s")
-            q = ratio(mibs, iperf_n)
-            q_proc = ratio(mibs, iperf_nproc)
+            q = r.ratios(f"{prefix}_{op}.MiB_per_s", "iperfN")
+            q_proc = r.ratios(f"{prefix}_{op}.MiB_per_s", "iperfNproc")
             row(f"{label} {op.upper()}, MiB/s", fmt(mibs),
                 f"`iperf3 -P {n}` {fmt(iperf_n)}; {n} × `iperf3` "
-                f"{fmt(iperf_nproc)} (ratio {fmt(q_proc, 2)})", fmt(q, 2),
-                f"≥ {target:.1f}", verdict(q, target))
+                f"{fmt(iperf_nproc)} (ratio {spread(q_proc)})", spread(q),
+                f"≥ {target:.1f}", verdict(median(q), target))
 
     mem = r.best("mem_write.ops_per_s")
     mem_label = (f"{size_label(r.best('mem_write.op_bytes'))} × "
                  f"{count(r.best('mem_write.batch'))}")
+    q = r.ratios("mem_write.ops_per_s", scale=1e6)
     row(f"memory backend {mem_label} per Submit, ops/s", fmt(mem), "—",
-        fmt(ratio(mem, 1e6), 2) + " M", "≥ 1 M", verdict(mem, 1e6))
+        spread(q) + " M", "≥ 1 M", verdict(median(q), 1.0))
 
     reg = r.best("register_release.per_s")
     gi2 = r.best("getinfo_x2.per_s")
-    q = r.best("register_ratio.ratio")
+    q = r.ratios("register_ratio.ratio", scale=1.0)
     row(f"Register + Release {size_label(r.best('register_release.bytes'))}"
         ", per s", fmt(reg),
-        f"2 × GetInfo {fmt(gi2)} per s", fmt(q, 2), "≥ 0.9", verdict(q, 0.9))
+        f"2 × GetInfo {fmt(gi2)} per s", spread(q), "≥ 0.9",
+        verdict(median(q), 0.9))
 
     agg = r.best("clients_write.ops_per_s")
     clients = r.text("clients_write.clients") or fmt(
@@ -244,8 +276,12 @@ def main():
     row(f"{clients} clients × {small} WRITE × {small_batch} per Submit, "
         "aggregate ops/s",
         fmt(agg), f"1 client {fmt(single)}; {shares}",
-        fmt(ratio(agg, single), 2), "—", "—")
+        spread(r.ratios("clients_write.ops_per_s", "ops_write.ops_per_s")),
+        "—", "—")
 
+    print("Figures: the best round of each; ratio: the median of the rounds' "
+          "own ratios (min–max), judged against the target.")
+    print()
     print("| measure | rdma-agentd | peer / floor (same run) | ratio | target | |")
     print("|---|---:|---|---:|---|---|")
     for measure, agent, peer, value, target, met in rows:
