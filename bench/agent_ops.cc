@@ -37,8 +37,8 @@ absl::Status RunBatch(client::AgentClient& agent,
   for (const client::OpResult& result : *results) {
     if (!result.status.ok()) return result.status;
     if (result.backend != backend) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "op ran on ", result.backend, ", not ", backend));
+      return absl::FailedPreconditionError(
+          absl::StrCat("op ran on ", result.backend, ", not ", backend));
     }
   }
   return absl::OkStatus();
@@ -65,7 +65,8 @@ Latency Summarize(std::vector<absl::Duration> samples) {
 }
 
 Report& Report::Add(absl::string_view key, double value, int decimals) {
-  fields_.emplace_back(std::string(key), absl::StrFormat("%.*f", decimals, value));
+  fields_.emplace_back(std::string(key),
+                       absl::StrFormat("%.*f", decimals, value));
   return *this;
 }
 

@@ -44,19 +44,17 @@ absl::Status ChildRun(const ClientChildOptions& options) {
     local->data()[i] = std::byte{1};
     remote->data()[i] = std::byte{2};
   }
-  const auto ops =
-      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, local->id(),
-              remote->remote_context(), options.op_bytes, options.batch,
-              bytes, bytes);
+  const auto ops = MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, local->id(),
+                           remote->remote_context(), options.op_bytes,
+                           options.batch, bytes, bytes);
   if (absl::Status s = RunBatch(**local_agent, ops, "tcp"); !s.ok()) return s;
   std::cout << "ready" << std::endl;
   std::string go;
   if (!std::getline(std::cin, go) || go != "go") {
     return absl::AbortedError("no go from the parent");
   }
-  auto timed = RunFor(options.duration, 1, [&] {
-    return RunBatch(**local_agent, ops, "tcp");
-  });
+  auto timed = RunFor(options.duration, 1,
+                      [&] { return RunBatch(**local_agent, ops, "tcp"); });
   if (!timed.ok()) return timed.status();
   std::cout << "result ops=" << timed->steps * options.batch
             << " seconds=" << absl::ToDoubleSeconds(timed->elapsed)
@@ -82,7 +80,8 @@ absl::StatusOr<Child> StartChild(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   static char self[] = "/proc/self/exe";
   argv.push_back(self);
-  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+  for (const std::string& arg : args)
+    argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -97,7 +96,8 @@ absl::StatusOr<Child> StartChild(const std::vector<std::string>& args) {
   Child child;
   child.to.reset(to[1]);
   child.from.reset(from[0]);
-  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", strerror(errno)));
+  if (pid < 0)
+    return absl::InternalError(absl::StrCat("fork: ", strerror(errno)));
   child.pid = pid;
   return child;
 }
@@ -128,7 +128,8 @@ absl::StatusOr<std::string> ReadLine(Child& child, absl::Time deadline) {
 absl::StatusOr<double> ParseResult(const std::string& line) {
   double ops = 0, seconds = 0;
   for (absl::string_view field : absl::StrSplit(line, ' ')) {
-    if (absl::ConsumePrefix(&field, "ops=")) (void)absl::SimpleAtod(field, &ops);
+    if (absl::ConsumePrefix(&field, "ops="))
+      (void)absl::SimpleAtod(field, &ops);
     if (absl::ConsumePrefix(&field, "seconds=")) {
       (void)absl::SimpleAtod(field, &seconds);
     }

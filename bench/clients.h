@@ -39,9 +39,9 @@ struct ClientRates {
 // Starts `count` children (`child_args` after argv[0]), starts them at once
 // when all are ready and collects their rates. Fails (and kills what is
 // left) if any child fails or nothing is heard within `timeout`.
-absl::StatusOr<ClientRates> RunClients(int count,
-                                       const std::vector<std::string>& child_args,
-                                       absl::Duration timeout);
+absl::StatusOr<ClientRates> RunClients(
+    int count, const std::vector<std::string>& child_args,
+    absl::Duration timeout);
 
 }  // namespace rdma_agent::bench
 

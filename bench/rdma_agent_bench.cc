@@ -4,7 +4,8 @@
 //
 //   rdma-agent-bench --local=unix:///tmp/a/agent.sock
 //                    --remote=unix:///tmp/b/agent.sock
-//                    --socket_peer=10.77.0.2:7479      # see --serve_socket_peer
+//                    --socket_peer=10.77.0.2:7479      # see
+//                    --serve_socket_peer
 //
 // Registers a buffer on each agent (memfds attached by this process,
 // pre-faulted), then runs --tests, each after an untimed warm-up. Prints one
@@ -63,7 +64,8 @@ ABSL_FLAG(std::string, latency_kinds,
           "getinfo,tcp_rtt,read,write,submit_rejected,mem_write",
           "Round trips `latency` times (all of them for the floor line), "
           "e.g. one alone under perf.");
-ABSL_FLAG(uint64_t, small_op_bytes, 4096, "Bytes per op of ops/memory/clients.");
+ABSL_FLAG(uint64_t, small_op_bytes, 4096,
+          "Bytes per op of ops/memory/clients.");
 ABSL_FLAG(int, small_batch, 1000, "Ops per Submit of ops/memory/clients.");
 ABSL_FLAG(uint64_t, kv_op_bytes, 64 << 10, "Bytes per op of kv.");
 ABSL_FLAG(int, kv_batch, 256, "Ops per Submit of kv.");
@@ -122,7 +124,8 @@ absl::StatusOr<int> ReportInfo(AgentClient& agent) {
     if (backend.name() != "tcp") continue;
     for (const auto& [key, value] : backend.transport_info().attributes()) {
       report.Add(absl::StrCat("tcp_", key), value);
-      if (key == "connections_per_peer") (void)absl::SimpleAtoi(value, &connections);
+      if (key == "connections_per_peer")
+        (void)absl::SimpleAtoi(value, &connections);
     }
   }
   report.Add("backends", absl::StrJoin(backends, ","));
@@ -145,21 +148,21 @@ absl::Status TestLatency(Setup& setup) {
   const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
   auto ping = PingPong::Connect(setup.socket_peer);
   if (!ping.ok()) return ping.status();
-  const auto read = MakeOps(v1::OP_TYPE_READ_INTO_LOCAL, setup.local->id(),
-                            setup.remote->remote_context(), bytes, 1, bytes,
-                            bytes);
-  const auto write = MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
-                             setup.remote->remote_context(), bytes, 1, bytes,
-                             bytes);
+  const auto read =
+      MakeOps(v1::OP_TYPE_READ_INTO_LOCAL, setup.local->id(),
+              setup.remote->remote_context(), bytes, 1, bytes, bytes);
+  const auto write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              setup.remote->remote_context(), bytes, 1, bytes, bytes);
   AgentClient& agent = *setup.local_agent;
   // For the breakdown: the same op between two buffers of agent A (memory
   // backend), and a Submit whose op the agent rejects before any backend
   // sees it (length 0: INVALID_ARGUMENT in the op's result).
   auto other = AttachPrefaulted(agent, 4096, 3);
   if (!other.ok()) return other.status();
-  const auto memory_write = MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL,
-                                    setup.local->id(), other->remote_context(),
-                                    bytes, 1, bytes, bytes);
+  const auto memory_write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), bytes, 1, bytes, bytes);
   auto rejected = write;
   rejected.front().length = 0;
   auto submit_rejected = [&]() -> absl::Status {
@@ -183,8 +186,8 @@ absl::Status TestLatency(Setup& setup) {
   const std::vector<std::string> wanted = absl::StrSplit(
       absl::GetFlag(FLAGS_latency_kinds), ',', absl::SkipEmpty());
   auto timed = [&](size_t k) {
-    return std::find(wanted.begin(), wanted.end(),
-                     kinds[k].first.substr(4)) != wanted.end();
+    return std::find(wanted.begin(), wanted.end(), kinds[k].first.substr(4)) !=
+           wanted.end();
   };
   std::vector<std::vector<absl::Duration>> samples(kinds.size());
   const int iterations = absl::GetFlag(FLAGS_latency_iterations);
@@ -224,7 +227,8 @@ absl::Status MeasureBatches(const std::string& name, AgentClient& agent,
                             const std::vector<OpSpec>& ops,
                             const std::string& backend) {
   if (absl::Status s = RunBatch(agent, ops, backend); !s.ok()) return s;
-  auto timed = RunFor(Seconds(), 2, [&] { return RunBatch(agent, ops, backend); });
+  auto timed =
+      RunFor(Seconds(), 2, [&] { return RunBatch(agent, ops, backend); });
   if (!timed.ok()) return timed.status();
   const double seconds = absl::ToDoubleSeconds(timed->elapsed);
   const double count = static_cast<double>(timed->steps * ops.size());
@@ -249,11 +253,11 @@ absl::Status TestBatches(Setup& setup, const std::string& prefix,
                                            v1::OP_TYPE_WRITE_FROM_LOCAL},
         std::pair<std::string, v1::OpType>{"_read",
                                            v1::OP_TYPE_READ_INTO_LOCAL}}) {
-    const auto ops = MakeOps(type, setup.local->id(),
-                             setup.remote->remote_context(), op_bytes, count,
-                             window, setup.local->size());
-    if (absl::Status s = MeasureBatches(prefix + suffix, *setup.local_agent,
-                                        ops, "tcp");
+    const auto ops =
+        MakeOps(type, setup.local->id(), setup.remote->remote_context(),
+                op_bytes, count, window, setup.local->size());
+    if (absl::Status s =
+            MeasureBatches(prefix + suffix, *setup.local_agent, ops, "tcp");
         !s.ok()) {
       return s;
     }
@@ -373,7 +377,8 @@ absl::Status TestClients(Setup& /*setup*/) {
             .Add("min_share", *low / sum, 3)
             .Add("max_share", *high / sum, 3)
             .Add("jain", sum * sum / (r.size() * squares), 3)
-            .Add("op_bytes", static_cast<double>(absl::GetFlag(FLAGS_small_op_bytes)), 0)
+            .Add("op_bytes",
+                 static_cast<double>(absl::GetFlag(FLAGS_small_op_bytes)), 0)
             .Add("batch", absl::GetFlag(FLAGS_small_batch), 0));
   return absl::OkStatus();
 }
@@ -403,7 +408,8 @@ absl::Status TestSocket(Setup& setup) {
   return absl::OkStatus();
 }
 
-// ---- main ----------------------------------------------------------------------
+// ---- main
+// ----------------------------------------------------------------------
 
 // Connects to both agents and prints agent A's info line; with
 // `with_buffers`, also registers the two --size buffers and finds the socket
@@ -442,9 +448,9 @@ absl::StatusOr<Setup> Connect(bool with_buffers) {
 
 int RunTests() {
   const std::vector<std::pair<std::string, absl::Status (*)(Setup&)>> all = {
-      {"latency", TestLatency}, {"ops", TestOps},
-      {"async", TestAsync},     {"kv", TestKv},
-      {"bulk", TestBulk},       {"memory", TestMemory},
+      {"latency", TestLatency},   {"ops", TestOps},
+      {"async", TestAsync},       {"kv", TestKv},
+      {"bulk", TestBulk},         {"memory", TestMemory},
       {"register", TestRegister}, {"clients", TestClients},
       {"socket", TestSocket},
   };
@@ -458,9 +464,9 @@ int RunTests() {
       return 2;
     }
   }
-  const bool only_info = std::all_of(
-      wanted.begin(), wanted.end(),
-      [](const std::string& name) { return name == "info"; });
+  const bool only_info =
+      std::all_of(wanted.begin(), wanted.end(),
+                  [](const std::string& name) { return name == "info"; });
   auto setup = Connect(/*with_buffers=*/!only_info);
   if (!setup.ok()) {
     std::fprintf(stderr, "setup: %s\n", setup.status().ToString().c_str());

@@ -157,8 +157,7 @@ absl::StatusOr<Stream> OpenSinkStream(const std::string& peer,
 bool RunSinkStream(Stream& stream, uint64_t total, uint64_t io_bytes) {
   const uint64_t window = stream.window.size();
   for (uint64_t sent = 0, offset = 0; sent < total;) {
-    const uint64_t length =
-        std::min({io_bytes, window - offset, total - sent});
+    const uint64_t length = std::min({io_bytes, window - offset, total - sent});
     const ssize_t n = send(stream.fd.get(), stream.window.data() + offset,
                            length, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
@@ -253,9 +252,8 @@ absl::StatusOr<absl::Duration> MeasureStreams(const std::string& peer,
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
   for (size_t i = 0; i < open.size(); ++i) {
-    threads.emplace_back([&, i] {
-      ok[i] = RunSinkStream(open[i], bytes_per_stream, io_bytes);
-    });
+    threads.emplace_back(
+        [&, i] { ok[i] = RunSinkStream(open[i], bytes_per_stream, io_bytes); });
   }
   for (std::thread& thread : threads) thread.join();
   const absl::Duration elapsed = absl::Now() - start;
