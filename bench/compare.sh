@@ -106,8 +106,11 @@ for pair in "$NS_A $DEV_A" "$NS_B $DEV_B"; do
   ip -n "$1" link set lo up
   ip -n "$1" link set "$2" up
 done
-in_a() { ip netns exec "$NS_A" "$@"; }
-in_b() { ip netns exec "$NS_B" "$@"; }
+# Commands run in a namespace through these (arrays, not functions: a
+# background "${IN_B[@]}" cmd & leaves $! naming cmd itself, since ip execs
+# it, so the cleanup's kill reaches it).
+IN_A=(ip netns exec "$NS_A")
+IN_B=(ip netns exec "$NS_B")
 
 # Waits (bounded) for a file to appear.
 wait_for() {
@@ -126,14 +129,14 @@ start_agent() {  # side namespace address
 }
 start_agent a "$NS_A" "$ADDR_A"
 start_agent b "$NS_B" "$ADDR_B"
-in_b "$BENCH" --serve_socket_peer="$ADDR_B:$SOCKET_PEER_PORT" >"$WORK/socket-peer.log" 2>&1 &
+"${IN_B[@]}" "$BENCH" --serve_socket_peer="$ADDR_B:$SOCKET_PEER_PORT" >"$WORK/socket-peer.log" 2>&1 &
 PIDS+=($!)
 wait_for "$WORK/a/agent.sock"
 wait_for "$WORK/b/agent.sock"
 
 BENCH_ARGS=(--local="unix://$WORK/a/agent.sock" --remote="unix://$WORK/b/agent.sock"
             --socket_peer="$ADDR_B:$SOCKET_PEER_PORT" --seconds="$SECONDS_PER_TEST")
-in_a "$BENCH" "${BENCH_ARGS[@]}" --tests=info >"$WORK/info.txt"
+"${IN_A[@]}" "$BENCH" "${BENCH_ARGS[@]}" --tests=info >"$WORK/info.txt"
 STREAMS="$(sed -n 's/.*tcp_connections_per_peer=\([0-9]*\).*/\1/p' "$WORK/info.txt")"
 [[ -n "$STREAMS" ]] || { echo "agent A reports no tcp connections_per_peer" >&2; cat "$WORK/info.txt" >&2; exit 1; }
 
@@ -146,13 +149,13 @@ iperf_once() {  # processes streams output.json
   local servers=() clients=() k
   for k in $(seq 1 "$1"); do
     PORT=$((PORT + 1))
-    in_b iperf3 -s -1 -p "$PORT" >"$WORK/iperf3-server.log" 2>&1 &
+    "${IN_B[@]}" iperf3 -s -1 -p "$PORT" >"$WORK/iperf3-server.log" 2>&1 &
     servers+=($!)
     PIDS+=($!)
   done
   sleep 0.5
   for k in $(seq 1 "$1"); do
-    in_a iperf3 -c "$ADDR_B" -p "$((PORT - $1 + k))" -l 1M -P "$2" \
+    "${IN_A[@]}" iperf3 -c "$ADDR_B" -p "$((PORT - $1 + k))" -l 1M -P "$2" \
       -t "$SECONDS_PER_TEST" -J >"$3.$k" &
     clients+=($!)
   done
@@ -163,18 +166,18 @@ iperf_once() {  # processes streams output.json
 ucx_once() {  # output.log ucx_perftest-args...
   local out="$1"; shift
   PORT=$((PORT + 1))
-  in_b env UCX_TLS=tcp UCX_NET_DEVICES="$DEV_B" timeout 120 ucx_perftest -p "$PORT" \
+  "${IN_B[@]}" env UCX_TLS=tcp UCX_NET_DEVICES="$DEV_B" timeout 120 ucx_perftest -p "$PORT" \
     >"$out.server" 2>&1 &
   local server=$!
   PIDS+=($server)
   sleep 1
-  in_a env UCX_TLS=tcp UCX_NET_DEVICES="$DEV_A" timeout 120 ucx_perftest "$ADDR_B" \
+  "${IN_A[@]}" env UCX_TLS=tcp UCX_NET_DEVICES="$DEV_A" timeout 120 ucx_perftest "$ADDR_B" \
     -p "$PORT" "$@" >"$out" 2>&1 || true
   wait "$server" 2>/dev/null || true
 }
 
 bench_part() {  # round-dir tests: appends to round-dir/bench.txt
-  in_a "$BENCH" "${BENCH_ARGS[@]}" --tests="$2" >>"$1/bench.txt" 2>>"$1/bench.err" || true
+  "${IN_A[@]}" "$BENCH" "${BENCH_ARGS[@]}" --tests="$2" >>"$1/bench.txt" 2>>"$1/bench.err" || true
 }
 
 load() { cut -d' ' -f1-3 /proc/loadavg; }
