@@ -1,63 +1,116 @@
 #!/usr/bin/env bash
-# Side-by-side bandwidth on loopback, in one run on one machine:
-#   iperf3 -l 1M, single stream            (the TCP ceiling)
-#   ucx_perftest, UCX_TLS=tcp, 1 MiB put and get
-#   rdma-agent-bench between two rdma-agentd (tcp backend)
-# then prints a table and the ratios the TCP backend is held to:
-#   256 MiB write and read >= 0.9x iperf3; 1 MiB put/get >= 3x ucx_perftest.
+# rdma-agentd next to the tools it is judged by, in one run on one machine,
+# between two network namespaces joined by a veth pair (two "hosts"):
+#
+#   namespace A (10.77.0.1)                    namespace B (10.77.0.2)
+#   rdma-agentd A  <── tcp data plane ──>      rdma-agentd B
+#   rdma-agent-bench (client of A; registers   rdma-agent-bench --serve_socket_peer
+#     its remote buffers through B's socket)     (TCP ping-pong and sink)
+#   iperf3 -c, ucx_perftest client             iperf3 -s, ucx_perftest server
+#
+# Each round runs every tool once, each peer right before the bench tests it
+# is compared with, so that the noise of a shared machine hits both alike:
+#   UCX_TLS=tcp ucx_perftest -t ucp_put_lat -s 8   then  bench latency
+#   ucx_perftest -t ucp_put_bw -s 4096             then  bench ops, async
+#   iperf3 -l 1M: 1 stream, N streams (N = the agent's tcp
+#     connections_per_peer) and N processes of 1 stream at once (iperf3 3.12
+#     runs one process on one thread)              then  bench kv, bulk, socket
+#   bench memory, register, clients (their references are in the bench)
+# The table (bench/summarize.py) shows each figure's best round, each ratio
+# as the median of the rounds' own ratios, and every round.
 #
 # Usage: bench/compare.sh [--bin_dir DIR] [--seconds N] [--rounds N]
+#                         [--netns PREFIX] [--keep DIR]
 #                         [-- extra rdma-agentd flags, e.g. --tcp_chunk_bytes=N]
-#   Each round runs iperf3 (N seconds), ucx_perftest put and get and the bench
-#   once, interleaved; the table shows each tool's best round.
+#   --seconds   length of each iperf3 run and of each bench throughput test
+#   --netns     namespaces PREFIX-a/PREFIX-b, veth PREFIX-va/PREFIX-vb (rat)
+#   --keep      copy the raw outputs (agent logs, bench, iperf3, ucx) there
 #   Binaries come from DIR, else from the runfiles of
 #   `bazel run -c opt //bench:compare`, else from an optimised build made
 #   here (`bazel build -c opt ...`, then `bazel info -c opt bazel-bin`).
-#   Needs iperf3 and ucx-utils (Debian packages) and python3.
+#   Needs root (namespaces), iproute2, iperf3 and ucx-utils (Debian
+#   packages) and /usr/bin/python3.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR=""
 SECONDS_PER_TEST=3
 ROUNDS=3
+PREFIX=rat
+KEEP=""
 AGENT_FLAGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --bin_dir) BIN_DIR="$2"; shift 2 ;;
     --seconds) SECONDS_PER_TEST="$2"; shift 2 ;;
     --rounds) ROUNDS="$2"; shift 2 ;;
+    --netns) PREFIX="$2"; shift 2 ;;
+    --keep) KEEP="$2"; shift 2 ;;
     --) shift; AGENT_FLAGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
+[[ $(id -u) -eq 0 ]] || { echo "compare.sh creates network namespaces: run it as root" >&2; exit 1; }
 
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 RUNFILES="${BASH_SOURCE[0]}.runfiles/rdma_agentd"
 if [[ -z "$BIN_DIR" && -x "$RUNFILES/daemon/rdma-agentd" ]]; then
   # bazel run -c opt //bench:compare
   BIN_DIR="$RUNFILES"
+  SCRIPT_DIR="$RUNFILES/bench"
 elif [[ -z "$BIN_DIR" ]]; then
   (cd "$ROOT" && bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench >&2)
   BIN_DIR="$(cd "$ROOT" && bazel info -c opt bazel-bin 2>/dev/null)"
 fi
 AGENTD="$BIN_DIR/daemon/rdma-agentd"
 BENCH="$BIN_DIR/bench/rdma-agent-bench"
-for tool in iperf3 ucx_perftest "$AGENTD" "$BENCH"; do
-  command -v "$tool" >/dev/null || { echo "missing: $tool" >&2; exit 1; }
+SUMMARIZE="$SCRIPT_DIR/summarize.py"
+for tool in ip iperf3 ucx_perftest /usr/bin/python3 "$AGENTD" "$BENCH" "$SUMMARIZE"; do
+  command -v "$tool" >/dev/null || [[ -e "$tool" ]] || { echo "missing: $tool" >&2; exit 1; }
+done
+
+NS_A="$PREFIX-a"; NS_B="$PREFIX-b"
+DEV_A="$PREFIX-va"; DEV_B="$PREFIX-vb"
+ADDR_A=10.77.0.1; ADDR_B=10.77.0.2
+SOCKET_PEER_PORT=7479
+for ns in "$NS_A" "$NS_B"; do
+  if ip netns list | awk '{print $1}' | grep -qxF "$ns"; then
+    echo "network namespace $ns exists: another compare.sh running? (else: ip netns delete $ns)" >&2
+    exit 1
+  fi
 done
 
 WORK="$(mktemp -d /tmp/rdma-bench.XXXXXX)"
 PIDS=()
 cleanup() {
+  local status=$?
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  ip netns delete "$NS_A" 2>/dev/null || true  # takes the veth pair with it
+  ip netns delete "$NS_B" 2>/dev/null || true
+  if [[ -n "$KEEP" ]]; then mkdir -p "$KEEP" && cp -r "$WORK"/. "$KEEP"/; fi
   rm -rf "$WORK"
+  exit $status
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 
-# A free TCP port on loopback.
-free_port() {
-  /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
+# The two "hosts".
+ip netns add "$NS_A"
+ip netns add "$NS_B"
+ip link add "$DEV_A" netns "$NS_A" type veth peer name "$DEV_B" netns "$NS_B"
+ip -n "$NS_A" addr add "$ADDR_A/24" dev "$DEV_A"
+ip -n "$NS_B" addr add "$ADDR_B/24" dev "$DEV_B"
+for pair in "$NS_A $DEV_A" "$NS_B $DEV_B"; do
+  set -- $pair
+  ip -n "$1" link set lo up
+  ip -n "$1" link set "$2" up
+done
+# Commands run in a namespace through these (arrays, not functions: a
+# background "${IN_B[@]}" cmd & leaves $! naming cmd itself, since ip execs
+# it, so the cleanup's kill reaches it).
+IN_A=(ip netns exec "$NS_A")
+IN_B=(ip netns exec "$NS_B")
 
 # Waits (bounded) for a file to appear.
 wait_for() {
@@ -65,80 +118,95 @@ wait_for() {
   echo "timed out waiting for $1" >&2; return 1
 }
 
-# Each round runs every tool once, interleaved, so that the noise of a shared
-# 2-core machine hits all of them alike; each figure is the best round.
-best() { /usr/bin/python3 -c 'import sys; v=[float(x) for x in sys.argv[1:] if x]; print("%.1f" % max(v) if v else "nan")' "$@"; }
-
-iperf_once() {
-  local port
-  port="$(free_port)"
-  iperf3 -s -1 -p "$port" >"$WORK/iperf3-server.log" 2>&1 &
-  local server=$!
-  PIDS+=($server)
-  sleep 0.5
-  iperf3 -c 127.0.0.1 -p "$port" -l 1M -t "$SECONDS_PER_TEST" -J >"$WORK/iperf3.json"
-  wait "$server" 2>/dev/null || true
-  /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("%.1f" % (d["end"]["sum_received"]["bits_per_second"]/8/2**20))' "$WORK/iperf3.json"
-}
-
-ucx_once() {  # test name -> overall bandwidth (ucx_perftest's "MB/s" = MiB/s)
-  local test="$1" port
-  port="$(free_port)"
-  UCX_TLS=tcp ucx_perftest -p "$port" >"$WORK/ucx-server-$test.log" 2>&1 &
-  local server=$!
-  PIDS+=($server)
-  sleep 1
-  UCX_TLS=tcp ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s 1048576 -n 2000 \
-    >"$WORK/ucx-$test.log" 2>&1
-  wait "$server" 2>/dev/null || true
-  awk '/^Final:/ {print $7}' "$WORK/ucx-$test.log"
-}
-
-# The rdma-agentd pair, started once.
-for side in a b; do
-  mkdir -p "$WORK/$side"
-  "$AGENTD" --runtime_dir="$WORK/$side" --state_dir="$WORK/$side" --backends=memory,tcp \
-    --tcp_listen=127.0.0.1:0 --peer_listen=127.0.0.1:0 \
-    --advertise_host=127.0.0.1 --log_level=warn ${AGENT_FLAGS[@]+"${AGENT_FLAGS[@]}"} \
-    >"$WORK/agentd-$side.log" 2>&1 &
+# The rdma-agentd pair and the bench's TCP peer, started once.
+start_agent() {  # side namespace address
+  mkdir -p "$WORK/$1"
+  ip netns exec "$2" "$AGENTD" --runtime_dir="$WORK/$1" --state_dir="$WORK/$1" \
+    --backends=memory,tcp --tcp_listen="$3:7471" --peer_listen="$3:7470" \
+    --advertise_host="$3" --log_level=warn ${AGENT_FLAGS[@]+"${AGENT_FLAGS[@]}"} \
+    >"$WORK/agentd-$1.log" 2>&1 &
   PIDS+=($!)
-done
+}
+start_agent a "$NS_A" "$ADDR_A"
+start_agent b "$NS_B" "$ADDR_B"
+"${IN_B[@]}" "$BENCH" --serve_socket_peer="$ADDR_B:$SOCKET_PEER_PORT" >"$WORK/socket-peer.log" 2>&1 &
+PIDS+=($!)
 wait_for "$WORK/a/agent.sock"
 wait_for "$WORK/b/agent.sock"
 
-value() { awk -v name="$1" '$1 ~ "^"name {print $4}' "$2"; }
-IPERF=(); UCX_PUT=(); UCX_GET=(); WRITE=(); READ=(); PUT=(); GET=(); COLD=(); HOT=()
-for round in $(seq 1 "$ROUNDS"); do
-  IPERF+=("$(iperf_once)")
-  UCX_PUT+=("$(ucx_once ucp_put_bw)")
-  UCX_GET+=("$(ucx_once ucp_get)")
-  "$BENCH" --local="unix://$WORK/a/agent.sock" --remote="unix://$WORK/b/agent.sock" \
-    >"$WORK/bench-$round.txt"
-  WRITE+=("$(value write_ "$WORK/bench-$round.txt")")
-  READ+=("$(value read_ "$WORK/bench-$round.txt")")
-  PUT+=("$(value put_ "$WORK/bench-$round.txt")")
-  GET+=("$(value get_ "$WORK/bench-$round.txt")")
-  COLD+=("$(value socket_cold "$WORK/bench-$round.txt")")
-  HOT+=("$(value socket_hot "$WORK/bench-$round.txt")")
-  echo "round $round (MiB/s): iperf3 ${IPERF[-1]}  ucx put ${UCX_PUT[-1]} get ${UCX_GET[-1]}  agent write ${WRITE[-1]} read ${READ[-1]} put ${PUT[-1]} get ${GET[-1]}  socket cold ${COLD[-1]} hot ${HOT[-1]}"
-done
-IPERF_MIBS="$(best "${IPERF[@]}")"
-UCX_PUT="$(best "${UCX_PUT[@]}")"; UCX_GET="$(best "${UCX_GET[@]}")"
-WRITE="$(best "${WRITE[@]}")"; READ="$(best "${READ[@]}")"
-PUT="$(best "${PUT[@]}")"; GET="$(best "${GET[@]}")"
-COLD="$(best "${COLD[@]}")"; HOT="$(best "${HOT[@]}")"
+BENCH_ARGS=(--local="unix://$WORK/a/agent.sock" --remote="unix://$WORK/b/agent.sock"
+            --socket_peer="$ADDR_B:$SOCKET_PEER_PORT" --seconds="$SECONDS_PER_TEST")
+"${IN_A[@]}" "$BENCH" "${BENCH_ARGS[@]}" --tests=info >"$WORK/info.txt"
+STREAMS="$(sed -n 's/.*tcp_connections_per_peer=\([0-9]*\).*/\1/p' "$WORK/info.txt")"
+[[ -n "$STREAMS" ]] || { echo "agent A reports no tcp connections_per_peer" >&2; cat "$WORK/info.txt" >&2; exit 1; }
 
-ratio() { /usr/bin/python3 -c 'import sys; print("%.2f" % (float(sys.argv[1])/float(sys.argv[2])))' "$1" "$2"; }
+PORT=5200
+# iperf3 -l 1M: `processes` clients at once, each with `streams` streams;
+# client k writes output.json.k. (iperf3 before 3.16, Debian 12's 3.12
+# included, runs all the streams of one process on one thread: -P N does not
+# use N cores, N processes do.)
+iperf_once() {  # processes streams output.json
+  local servers=() clients=() k
+  for k in $(seq 1 "$1"); do
+    PORT=$((PORT + 1))
+    "${IN_B[@]}" iperf3 -s -1 -p "$PORT" >"$WORK/iperf3-server.log" 2>&1 &
+    servers+=($!)
+    PIDS+=($!)
+  done
+  sleep 0.5
+  for k in $(seq 1 "$1"); do
+    "${IN_A[@]}" iperf3 -c "$ADDR_B" -p "$((PORT - $1 + k))" -l 1M -P "$2" \
+      -t "$SECONDS_PER_TEST" -J >"$3.$k" &
+    clients+=($!)
+  done
+  for pid in "${clients[@]}" "${servers[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+
+# ucx_perftest picks its devices from UCX_NET_DEVICES: only the veth.
+ucx_once() {  # output.log ucx_perftest-args...
+  local out="$1"; shift
+  PORT=$((PORT + 1))
+  "${IN_B[@]}" env UCX_TLS=tcp UCX_NET_DEVICES="$DEV_B" timeout 120 ucx_perftest -p "$PORT" \
+    >"$out.server" 2>&1 &
+  local server=$!
+  PIDS+=($server)
+  sleep 1
+  "${IN_A[@]}" env UCX_TLS=tcp UCX_NET_DEVICES="$DEV_A" timeout 120 ucx_perftest "$ADDR_B" \
+    -p "$PORT" "$@" >"$out" 2>&1 || true
+  wait "$server" 2>/dev/null || true
+}
+
+bench_part() {  # round-dir tests: appends to round-dir/bench.txt
+  "${IN_A[@]}" "$BENCH" "${BENCH_ARGS[@]}" --tests="$2" >>"$1/bench.txt" 2>>"$1/bench.err" || true
+}
+
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+{
+  echo "date=$(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "load_start=$(load)"
+  echo "nproc=$(nproc)"
+  echo "rounds=$ROUNDS"
+  echo "streams=$STREAMS"
+  echo "agent_flags=${AGENT_FLAGS[*]+"${AGENT_FLAGS[*]}"}"
+} >"$WORK/meta.txt"
+
+for round in $(seq 1 "$ROUNDS"); do
+  R="$WORK/round-$round"
+  mkdir -p "$R"
+  echo "round $round/$ROUNDS: iperf3, ucx_perftest, rdma-agent-bench" >&2
+  # Each peer runs right before the bench tests it is compared with.
+  ucx_once "$R/ucx_lat.log" -t ucp_put_lat -s 8 -n 20000
+  bench_part "$R" latency
+  ucx_once "$R/ucx_bw.log" -t ucp_put_bw -s 4096 -n 300000
+  bench_part "$R" ops,async
+  iperf_once 1 1 "$R/iperf1.json"
+  iperf_once 1 "$STREAMS" "$R/iperfN.json"
+  iperf_once "$STREAMS" 1 "$R/iperfNproc.json"
+  bench_part "$R" kv,bulk,socket
+  bench_part "$R" memory,register,clients
+done
+echo "load_end=$(load)" >>"$WORK/meta.txt"
+
 echo
-printf '%-34s %12s %12s %8s %s\n' "test" "rdma-agentd" "peer" "ratio" "target"
-printf '%-34s %12s %12s %8s %s\n' "256 MiB write vs iperf3 -l 1M" "$WRITE" "$IPERF_MIBS" "$(ratio "$WRITE" "$IPERF_MIBS")" ">= 0.90"
-printf '%-34s %12s %12s %8s %s\n' "256 MiB read  vs iperf3 -l 1M" "$READ" "$IPERF_MIBS" "$(ratio "$READ" "$IPERF_MIBS")" ">= 0.90"
-printf '%-34s %12s %12s %8s %s\n' "1 MiB put vs ucx_perftest put_bw" "$PUT" "$UCX_PUT" "$(ratio "$PUT" "$UCX_PUT")" ">= 3.00"
-printf '%-34s %12s %12s %8s %s\n' "1 MiB get vs ucx_perftest get" "$GET" "$UCX_GET" "$(ratio "$GET" "$UCX_GET")" ">= 3.00"
-echo
-echo "References (no agent; one loopback TCP stream in rdma-agent-bench, send/recv 1 MiB calls):"
-printf '%-34s %12s\n' "socket, 256 MiB cold buffers" "$COLD"
-printf '%-34s %12s\n' "socket, 1 MiB hot buffer" "$HOT"
-printf '%-34s %12s %8s\n' "256 MiB write vs cold socket" "$WRITE" "$(ratio "$WRITE" "$COLD")"
-printf '%-34s %12s %8s\n' "256 MiB read  vs cold socket" "$READ" "$(ratio "$READ" "$COLD")"
-echo "(MiB/s, best of $ROUNDS rounds; $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%Y-%m-%dT%H:%MZ))"
+cat "$WORK/info.txt"
+/usr/bin/python3 "$SUMMARIZE" "$WORK"

@@ -1,264 +1,497 @@
-// rdma-agent-bench: bandwidth between two running rdma-agentd processes, as a
-// client of the first one sees it.
+// rdma-agent-bench: what a client of one rdma-agentd sees when it moves bytes
+// to and from a second agent (tcp backend), next to the references the
+// numbers are judged by. See bench/README.md for the table compare.sh makes.
 //
 //   rdma-agent-bench --local=unix:///tmp/a/agent.sock
 //                    --remote=unix:///tmp/b/agent.sock
+//                    --socket_peer=10.77.0.2:7479      # see
+//                    --serve_socket_peer
 //
-// Registers a buffer on each agent (memfd attached by this process), then
-// measures, after one untimed warm-up of each:
-//   write  --size bytes as one op (local -> remote), --iterations times
-//   read   --size bytes as one op (remote -> local)
-//   put    --op_bytes ops (local -> remote), --ops in all, --batch per Submit
-//   get    the same, remote -> local
-// and, as references, a plain loopback TCP stream in this process with cold
-// (--size) and hot (1 MiB) buffers; prints "name bytes seconds MiB/s Gbit/s".
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
+// Registers a buffer on each agent (memfds attached by this process,
+// pre-faulted), then runs --tests, each after an untimed warm-up. Prints one
+// line per result: "name key=value ...".
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/agent_ops.h"
+#include "bench/clients.h"
+#include "bench/socket_peer.h"
 #include "client/rdma_agent_client.h"
-#include "common/shared_memory.h"
-#include "common/unique_fd.h"
 
 ABSL_FLAG(std::string, local, "unix:///run/rdma-agentd/agent.sock",
-          "gRPC target of the agent that runs the ops.");
+          "gRPC target of the agent that runs the ops (agent A).");
 ABSL_FLAG(std::string, remote, "",
-          "gRPC target of the agent that owns the remote buffer.");
-ABSL_FLAG(uint64_t, size, 256ull << 20, "Bytes of the single-op tests.");
-ABSL_FLAG(int, iterations, 8, "Timed repetitions of the single-op tests.");
-ABSL_FLAG(uint64_t, op_bytes, 1ull << 20, "Bytes per op of put/get.");
-ABSL_FLAG(int, ops, 2048, "Timed put (and get) ops in all.");
-ABSL_FLAG(int, batch, 64, "put/get ops per Submit.");
-ABSL_FLAG(uint64_t, put_window_bytes, 8ull << 20,
-          "put/get ops cycle through this many bytes of each buffer (like "
-          "ucx_perftest, which reuses one message buffer).");
-ABSL_FLAG(std::string, tests, "write,read,put,get,socket_cold,socket_hot",
-          "Tests to run. socket_cold/socket_hot are references without any "
-          "agent: one loopback TCP stream in this process moving --size "
-          "bytes between two memfd mappings of --size bytes (cold) or of "
-          "1 MiB reused (hot, what iperf3 -l 1M does).");
+          "gRPC target of the agent that owns the remote buffers (agent B). "
+          "Its Unix socket is a file: it is reachable from any network "
+          "namespace.");
+ABSL_FLAG(std::string, socket_peer, "",
+          "ipv4:port of a `rdma-agent-bench --serve_socket_peer` on agent B's "
+          "host, for the TCP round trip of the latency floor and the socket "
+          "references. Empty: one started in this process on loopback.");
+ABSL_FLAG(std::string, serve_socket_peer, "",
+          "Serve ping-pong and sink connections on this ipv4:port until "
+          "killed, and do nothing else (run it on agent B's host).");
+ABSL_FLAG(bool, client_child, false,
+          "Internal: one of the processes of the `clients` test.");
+ABSL_FLAG(std::string, tests,
+          "latency,ops,async,kv,bulk,memory,register,clients,socket",
+          "Comma-separated tests to run (see bench/README.md); `info` alone "
+          "only prints agent A's tcp settings (every run prints them).");
+ABSL_FLAG(double, seconds, 2.0,
+          "Length of each throughput measurement, in seconds.");
+ABSL_FLAG(int, latency_iterations, 5000,
+          "Timed round trips of each kind in `latency` (after the warm-up).");
+ABSL_FLAG(int, warmup_iterations, 500,
+          "Untimed round trips of each kind before `latency` measures.");
+ABSL_FLAG(uint64_t, latency_bytes, 8, "Bytes of the latency ops.");
+ABSL_FLAG(std::string, latency_kinds,
+          "getinfo,tcp_rtt,read,write,submit_rejected,mem_write",
+          "Round trips `latency` times (all of them for the floor line), "
+          "e.g. one alone under perf.");
+ABSL_FLAG(uint64_t, small_op_bytes, 4096,
+          "Bytes per op of ops/memory/clients.");
+ABSL_FLAG(int, small_batch, 1000, "Ops per Submit of ops/memory/clients.");
+ABSL_FLAG(uint64_t, kv_op_bytes, 64 << 10, "Bytes per op of kv.");
+ABSL_FLAG(int, kv_batch, 256, "Ops per Submit of kv.");
+ABSL_FLAG(uint64_t, size, 256ull << 20,
+          "Bytes of the bulk op, and of each registered buffer.");
+ABSL_FLAG(int, clients, 8, "Client processes of `clients`.");
+ABSL_FLAG(int, streams, 0,
+          "Connections of the socket references; 0: agent A's "
+          "tcp connections_per_peer.");
+ABSL_FLAG(int, socket_passes, 8,
+          "The socket references move --size bytes this many times.");
 
 namespace rdma_agent::bench {
 namespace {
 
-namespace v1 = ::rdma::agent::v1;
 using client::AgentClient;
 using client::Buffer;
 using client::OpSpec;
 
-struct Result {
-  std::string name;
-  uint64_t bytes = 0;
-  absl::Duration time;
+// Everything the tests run against.
+struct Setup {
+  std::unique_ptr<AgentClient> local_agent;
+  std::unique_ptr<AgentClient> remote_agent;
+  std::unique_ptr<Buffer> local;   // on agent A
+  std::unique_ptr<Buffer> remote;  // on agent B
+  std::string socket_peer;         // ip:port of the socket peer
+  int connections_per_peer = 0;    // agent A's tcp setting
 };
 
-absl::Status RunBatch(AgentClient& agent, const std::vector<OpSpec>& ops) {
-  auto results = agent.Submit(ops, absl::Seconds(120));
-  if (!results.ok()) return results.status();
-  for (const auto& result : *results) {
-    if (!result.status.ok()) return result.status;
-    if (result.backend != "tcp") {
-      return absl::FailedPreconditionError(
-          absl::StrCat("op ran on ", result.backend, ", not tcp"));
+absl::Duration Seconds() { return absl::Seconds(absl::GetFlag(FLAGS_seconds)); }
+
+void Print(const Report& report) {
+  std::printf("%s\n", report.Line().c_str());
+  std::fflush(stdout);
+}
+
+absl::StatusOr<Buffer> AttachPrefaulted(AgentClient& agent, uint64_t bytes,
+                                        char fill) {
+  auto buffer = agent.Attach(bytes, v1::ACCESS_READ_WRITE, "bench");
+  if (!buffer.ok()) return buffer.status();
+  for (uint64_t i = 0; i < bytes; i += 4096) {
+    buffer->data()[i] = std::byte{static_cast<uint8_t>(fill)};
+  }
+  return buffer;
+}
+
+// Agent A's tcp settings, printed for the record ("info" line).
+absl::StatusOr<int> ReportInfo(AgentClient& agent) {
+  auto info = agent.GetInfo();
+  if (!info.ok()) return info.status();
+  Report report("info");
+  int connections = 0;
+  std::vector<std::string> backends;
+  for (const v1::BackendInfo& backend : info->backends()) {
+    if (backend.available()) backends.push_back(backend.name());
+    if (backend.name() != "tcp") continue;
+    for (const auto& [key, value] : backend.transport_info().attributes()) {
+      report.Add(absl::StrCat("tcp_", key), value);
+      if (key == "connections_per_peer")
+        (void)absl::SimpleAtoi(value, &connections);
+    }
+  }
+  report.Add("backends", absl::StrJoin(backends, ","));
+  report.Add("version", info->version());
+  Print(report);
+  if (connections <= 0) {
+    return absl::FailedPreconditionError("agent A has no tcp backend");
+  }
+  return connections;
+}
+
+// ---- latency: one op per Submit, next to its floor -------------------------
+
+// One timed call of each kind; interleaved in blocks so that a noisy moment
+// of a shared machine hits every kind alike. The floor is GetInfo (a gRPC
+// unary call to agent A) plus one TCP round trip to B's host; the rejected
+// Submit and the memory-backend op split the rest into the Submit machinery
+// and the tcp data plane.
+absl::Status TestLatency(Setup& setup) {
+  const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
+  auto ping = PingPong::Connect(setup.socket_peer);
+  if (!ping.ok()) return ping.status();
+  const auto read =
+      MakeOps(v1::OP_TYPE_READ_INTO_LOCAL, setup.local->id(),
+              setup.remote->remote_context(), bytes, 1, bytes, bytes);
+  const auto write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              setup.remote->remote_context(), bytes, 1, bytes, bytes);
+  AgentClient& agent = *setup.local_agent;
+  // For the breakdown: the same op between two buffers of agent A (memory
+  // backend), and a Submit whose op the agent rejects before any backend
+  // sees it (length 0: INVALID_ARGUMENT in the op's result).
+  auto other = AttachPrefaulted(agent, 4096, 3);
+  if (!other.ok()) return other.status();
+  const auto memory_write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), bytes, 1, bytes, bytes);
+  auto rejected = write;
+  rejected.front().length = 0;
+  auto submit_rejected = [&]() -> absl::Status {
+    auto results = agent.Submit(rejected, absl::Seconds(120));
+    if (!results.ok()) return results.status();
+    if (!absl::IsInvalidArgument(results->front().status)) {
+      return absl::InternalError("an op of length 0 was not rejected");
+    }
+    return absl::OkStatus();
+  };
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
+      kinds = {
+          {"lat_getinfo", [&] { return agent.GetInfo().status(); }},
+          {"lat_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
+          {"lat_read", [&] { return RunBatch(agent, read, "tcp"); }},
+          {"lat_write", [&] { return RunBatch(agent, write, "tcp"); }},
+          {"lat_submit_rejected", submit_rejected},
+          {"lat_mem_write",
+           [&] { return RunBatch(agent, memory_write, "memory"); }},
+      };
+  const std::vector<std::string> wanted = absl::StrSplit(
+      absl::GetFlag(FLAGS_latency_kinds), ',', absl::SkipEmpty());
+  auto timed = [&](size_t k) {
+    return std::find(wanted.begin(), wanted.end(), kinds[k].first.substr(4)) !=
+           wanted.end();
+  };
+  std::vector<std::vector<absl::Duration>> samples(kinds.size());
+  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
+  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
+  constexpr int kBlock = 100;
+  for (int done = -warmup; done < iterations; done += kBlock) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      if (!timed(k)) continue;
+      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
+        const absl::Time start = absl::Now();
+        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
+        if (i >= 0) samples[k].push_back(absl::Now() - start);
+      }
+    }
+  }
+  std::vector<Latency> latency;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    latency.push_back(Summarize(samples[k]));
+    if (!timed(k)) continue;
+    Report report(kinds[k].first);
+    if (k >= 2 && k != 4) report.Add("bytes", static_cast<double>(bytes), 0);
+    Print(report.AddLatency("", latency.back()));
+  }
+  if (!timed(0) || !timed(1) || !timed(2) || !timed(3)) return absl::OkStatus();
+  const double floor = latency[0].p50_us + latency[1].p50_us;
+  Print(Report("lat_floor")
+            .Add("p50_us", floor)
+            .Add("read_ratio", latency[2].p50_us / floor, 2)
+            .Add("write_ratio", latency[3].p50_us / floor, 2));
+  return absl::OkStatus();
+}
+
+// ---- throughput of batches --------------------------------------------------
+
+// Runs `ops` as one Submit after one untimed one, for --seconds.
+absl::Status MeasureBatches(const std::string& name, AgentClient& agent,
+                            const std::vector<OpSpec>& ops,
+                            const std::string& backend) {
+  if (absl::Status s = RunBatch(agent, ops, backend); !s.ok()) return s;
+  auto timed =
+      RunFor(Seconds(), 2, [&] { return RunBatch(agent, ops, backend); });
+  if (!timed.ok()) return timed.status();
+  const double seconds = absl::ToDoubleSeconds(timed->elapsed);
+  const double count = static_cast<double>(timed->steps * ops.size());
+  const double bytes = count * static_cast<double>(ops.front().length);
+  Print(Report(name)
+            .Add("ops_per_s", count / seconds, 0)
+            .Add("MiB_per_s", bytes / seconds / (1 << 20))
+            .Add("op_bytes", static_cast<double>(ops.front().length), 0)
+            .Add("batch", static_cast<double>(ops.size()), 0)
+            .Add("submits", static_cast<double>(timed->steps), 0)
+            .Add("seconds", seconds, 3)
+            .Add("backend", backend));
+  return absl::OkStatus();
+}
+
+// WRITE then READ of `count` ops of `op_bytes` per Submit, over tcp.
+absl::Status TestBatches(Setup& setup, const std::string& prefix,
+                         uint64_t op_bytes, int count) {
+  const uint64_t window = op_bytes * count;
+  for (const auto& [suffix, type] :
+       {std::pair<std::string, v1::OpType>{"_write",
+                                           v1::OP_TYPE_WRITE_FROM_LOCAL},
+        std::pair<std::string, v1::OpType>{"_read",
+                                           v1::OP_TYPE_READ_INTO_LOCAL}}) {
+    const auto ops =
+        MakeOps(type, setup.local->id(), setup.remote->remote_context(),
+                op_bytes, count, window, setup.local->size());
+    if (absl::Status s =
+            MeasureBatches(prefix + suffix, *setup.local_agent, ops, "tcp");
+        !s.ok()) {
+      return s;
     }
   }
   return absl::OkStatus();
 }
 
-// The socket ceiling with no agent involved: one loopback TCP stream moving
-// `total` bytes from a memfd mapping of `window` bytes into another, 1 MiB
-// per call, cycling through the window.
-absl::StatusOr<Result> MeasureSocket(const std::string& name, uint64_t window,
-                                     uint64_t total) {
-  auto src = SharedMemory::Allocate(window, "bench-src");
-  auto dst = SharedMemory::Allocate(window, "bench-dst");
-  if (!src.ok()) return src.status();
-  if (!dst.ok()) return dst.status();
-  std::fill_n(src->data(), window, std::byte{1});
-  std::fill_n(dst->data(), window, std::byte{2});
-  UniqueFd listener(socket(AF_INET, SOCK_STREAM, 0));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&address),
-           sizeof(address)) != 0 ||
-      listen(listener.get(), 1) != 0 ||
-      getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address),
-                  &length) != 0) {
-    return absl::InternalError("socket reference: cannot listen");
-  }
-  UniqueFd sender(socket(AF_INET, SOCK_STREAM, 0));
-  if (connect(sender.get(), reinterpret_cast<sockaddr*>(&address),
-              sizeof(address)) != 0) {
-    return absl::InternalError("socket reference: cannot connect");
-  }
-  UniqueFd receiver(accept(listener.get(), nullptr, nullptr));
-  constexpr uint64_t kIo = 1 << 20;
-  const absl::Time start = absl::Now();
-  std::thread reader([&] {
-    for (uint64_t got = 0, offset = 0; got < total;) {
-      const ssize_t n = recv(receiver.get(), dst->data() + offset,
-                             std::min(kIo, window - offset), 0);
-      if (n <= 0) return;
-      got += n;
-      offset = (offset + n) % window;
-    }
-  });
-  for (uint64_t sent = 0, offset = 0; sent < total;) {
-    const ssize_t n = send(sender.get(), src->data() + offset,
-                           std::min(kIo, window - offset), MSG_NOSIGNAL);
-    if (n <= 0) break;
-    sent += n;
-    offset = (offset + n) % window;
-  }
-  reader.join();
-  return Result{name, total, absl::Now() - start};
+absl::Status TestOps(Setup& setup) {
+  return TestBatches(setup, "ops", absl::GetFlag(FLAGS_small_op_bytes),
+                     absl::GetFlag(FLAGS_small_batch));
 }
 
-// Builds `count` ops of `op_bytes`, cycling through the first `window` bytes.
-std::vector<OpSpec> MakeOps(v1::OpType type, const Buffer& local,
-                            const Buffer& remote, uint64_t op_bytes,
-                            int count, uint64_t window) {
-  const uint64_t slots =
-      std::max<uint64_t>(1, std::min(window, local.size()) / op_bytes);
-  std::vector<OpSpec> ops;
-  for (int i = 0; i < count; ++i) {
-    OpSpec op;
-    op.type = type;
-    op.local_buffer_id = local.id();
-    op.local_offset = (i % slots) * op_bytes;
-    op.length = op_bytes;
-    op.remote_context = remote.remote_context();
-    op.remote_offset = (i % slots) * op_bytes;
-    ops.push_back(std::move(op));
-  }
-  return ops;
+absl::Status TestKv(Setup& setup) {
+  return TestBatches(setup, "kv", absl::GetFlag(FLAGS_kv_op_bytes),
+                     absl::GetFlag(FLAGS_kv_batch));
 }
 
-// Runs `batches` once untimed, then timed; bytes = all ops' lengths.
-absl::StatusOr<Result> Measure(const std::string& name, AgentClient& agent,
-                               const std::vector<std::vector<OpSpec>>& warmup,
-                               const std::vector<std::vector<OpSpec>>& timed) {
-  for (const auto& batch : warmup) {
-    if (absl::Status s = RunBatch(agent, batch); !s.ok()) return s;
-  }
-  Result result;
-  result.name = name;
-  const absl::Time start = absl::Now();
-  for (const auto& batch : timed) {
-    if (absl::Status s = RunBatch(agent, batch); !s.ok()) return s;
-    for (const auto& op : batch) result.bytes += op.length;
-  }
-  result.time = absl::Now() - start;
-  return result;
+absl::Status TestBulk(Setup& setup) {
+  return TestBatches(setup, "bulk", setup.local->size(), 1);
 }
 
-int Main() {
+// Reserved for SubmitAsync (issue 9): transfers of --small_batch WRITEs of
+// --small_op_bytes, 8 kept in flight for --seconds, printed as "async_write
+// ops_per_s=... MiB_per_s=..." like MeasureBatches. compare.sh already runs
+// this test (with `ops`) and summarize.py already has its row.
+absl::Status TestAsync(Setup& /*setup*/) {
+  Print(Report("async_write").Add("skipped", "needs_SubmitAsync"));
+  return absl::OkStatus();
+}
+
+// Both buffers on agent A: the memory backend.
+absl::Status TestMemory(Setup& setup) {
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
+  const int count = absl::GetFlag(FLAGS_small_batch);
+  auto other = AttachPrefaulted(*setup.local_agent, op_bytes * count, 3);
+  if (!other.ok()) return other.status();
+  const auto ops =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), op_bytes, count, op_bytes * count,
+              std::min(setup.local->size(), other->size()));
+  return MeasureBatches("mem_write", *setup.local_agent, ops, "memory");
+}
+
+// ---- Register + Release against two GetInfo calls ---------------------------
+
+absl::Status TestRegister(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t bytes = absl::GetFlag(FLAGS_small_op_bytes);
+  auto register_release = [&]() -> absl::Status {
+    auto registration =
+        agent.AllocateUnmapped(bytes, v1::ACCESS_READ_WRITE, "bench");
+    if (!registration.ok()) return registration.status();
+    return agent.Release(registration->id);
+  };
+  auto getinfo_twice = [&]() -> absl::Status {
+    if (absl::Status s = agent.GetInfo().status(); !s.ok()) return s;
+    return agent.GetInfo().status();
+  };
+  for (int i = 0; i < 50; ++i) {
+    if (absl::Status s = register_release(); !s.ok()) return s;
+    if (absl::Status s = getinfo_twice(); !s.ok()) return s;
+  }
+  // Alternating 100 ms slices, so both see the same noise.
+  Timed registers, getinfos;
+  const absl::Duration slice = absl::Milliseconds(100);
+  for (absl::Duration spent; spent < Seconds(); spent += 2 * slice) {
+    auto a = RunFor(slice, 1, register_release);
+    if (!a.ok()) return a.status();
+    auto b = RunFor(slice, 1, getinfo_twice);
+    if (!b.ok()) return b.status();
+    registers.steps += a->steps;
+    registers.elapsed += a->elapsed;
+    getinfos.steps += b->steps;
+    getinfos.elapsed += b->elapsed;
+  }
+  const double register_rate =
+      registers.steps / absl::ToDoubleSeconds(registers.elapsed);
+  const double getinfo_rate =
+      getinfos.steps / absl::ToDoubleSeconds(getinfos.elapsed);
+  Print(Report("register_release")
+            .Add("per_s", register_rate, 0)
+            .Add("us", 1e6 / register_rate)
+            .Add("bytes", static_cast<double>(bytes), 0));
+  Print(Report("getinfo_x2")
+            .Add("per_s", getinfo_rate, 0)
+            .Add("us", 1e6 / getinfo_rate));
+  Print(Report("register_ratio").Add("ratio", register_rate / getinfo_rate, 2));
+  return absl::OkStatus();
+}
+
+// ---- several client processes -----------------------------------------------
+
+absl::Status TestClients(Setup& /*setup*/) {
+  const int count = std::max(1, absl::GetFlag(FLAGS_clients));
+  const std::vector<std::string> args = {
+      "--client_child",
+      absl::StrCat("--local=", absl::GetFlag(FLAGS_local)),
+      absl::StrCat("--remote=", absl::GetFlag(FLAGS_remote)),
+      absl::StrCat("--small_op_bytes=", absl::GetFlag(FLAGS_small_op_bytes)),
+      absl::StrCat("--small_batch=", absl::GetFlag(FLAGS_small_batch)),
+      absl::StrCat("--seconds=", absl::GetFlag(FLAGS_seconds)),
+  };
+  auto rates = RunClients(count, args, absl::Seconds(60) + 4 * Seconds());
+  if (!rates.ok()) return rates.status();
+  const std::vector<double>& r = rates->ops_per_second;
+  double sum = 0, squares = 0;
+  for (double rate : r) {
+    sum += rate;
+    squares += rate * rate;
+  }
+  const auto [low, high] = std::minmax_element(r.begin(), r.end());
+  Print(Report("clients_write")
+            .Add("clients", static_cast<double>(r.size()), 0)
+            .Add("ops_per_s", sum, 0)
+            .Add("min_client_ops_per_s", *low, 0)
+            .Add("max_client_ops_per_s", *high, 0)
+            .Add("min_share", *low / sum, 3)
+            .Add("max_share", *high / sum, 3)
+            .Add("jain", sum * sum / (r.size() * squares), 3)
+            .Add("op_bytes",
+                 static_cast<double>(absl::GetFlag(FLAGS_small_op_bytes)), 0)
+            .Add("batch", absl::GetFlag(FLAGS_small_batch), 0));
+  return absl::OkStatus();
+}
+
+// ---- socket references (no agent) -------------------------------------------
+
+absl::Status TestSocket(Setup& setup) {
+  const int streams = absl::GetFlag(FLAGS_streams) > 0
+                          ? absl::GetFlag(FLAGS_streams)
+                          : setup.connections_per_peer;
+  const uint64_t size = absl::GetFlag(FLAGS_size);
+  const uint64_t per_stream =
+      size / streams * std::max(1, absl::GetFlag(FLAGS_socket_passes));
+  for (const auto& [name, window] :
+       {std::pair<std::string, uint64_t>{"socket_cold", size / streams},
+        std::pair<std::string, uint64_t>{"socket_hot", uint64_t{1} << 20}}) {
+    auto elapsed = MeasureStreams(setup.socket_peer, streams, window,
+                                  per_stream, uint64_t{1} << 20);
+    if (!elapsed.ok()) return elapsed.status();
+    const double seconds = absl::ToDoubleSeconds(*elapsed);
+    Print(Report(name)
+              .Add("MiB_per_s", per_stream * streams / seconds / (1 << 20))
+              .Add("streams", streams, 0)
+              .Add("window_bytes", static_cast<double>(window), 0)
+              .Add("seconds", seconds, 3));
+  }
+  return absl::OkStatus();
+}
+
+// ---- main
+// ----------------------------------------------------------------------
+
+// Connects to both agents and prints agent A's info line; with
+// `with_buffers`, also registers the two --size buffers and finds the socket
+// peer.
+absl::StatusOr<Setup> Connect(bool with_buffers) {
+  Setup setup;
   client::ConnectOptions local_options;
   local_options.target = absl::GetFlag(FLAGS_local);
   client::ConnectOptions remote_options;
   remote_options.target = absl::GetFlag(FLAGS_remote);
   auto local_agent = AgentClient::Connect(local_options);
+  if (!local_agent.ok()) return local_agent.status();
   auto remote_agent = AgentClient::Connect(remote_options);
-  if (!local_agent.ok() || !remote_agent.ok()) {
-    std::fprintf(stderr, "connect: %s / %s\n",
-                 local_agent.status().ToString().c_str(),
-                 remote_agent.status().ToString().c_str());
-    return 1;
-  }
+  if (!remote_agent.ok()) return remote_agent.status();
+  setup.local_agent = std::move(*local_agent);
+  setup.remote_agent = std::move(*remote_agent);
+  auto connections = ReportInfo(*setup.local_agent);
+  if (!connections.ok()) return connections.status();
+  setup.connections_per_peer = *connections;
+  if (!with_buffers) return setup;
   const uint64_t size = absl::GetFlag(FLAGS_size);
-  auto local = (*local_agent)->Attach(size, v1::ACCESS_READ_WRITE, "bench");
-  auto remote = (*remote_agent)->Attach(size, v1::ACCESS_READ_WRITE, "bench");
-  if (!local.ok() || !remote.ok()) {
-    std::fprintf(stderr, "attach: %s / %s\n",
-                 local.status().ToString().c_str(),
-                 remote.status().ToString().c_str());
+  auto local = AttachPrefaulted(*setup.local_agent, size, 1);
+  if (!local.ok()) return local.status();
+  auto remote = AttachPrefaulted(*setup.remote_agent, size, 2);
+  if (!remote.ok()) return remote.status();
+  setup.local = std::make_unique<Buffer>(std::move(*local));
+  setup.remote = std::make_unique<Buffer>(std::move(*remote));
+  setup.socket_peer = absl::GetFlag(FLAGS_socket_peer);
+  if (setup.socket_peer.empty()) {
+    auto peer = StartLoopbackSocketPeer();
+    if (!peer.ok()) return peer.status();
+    setup.socket_peer = *peer;
+  }
+  return setup;
+}
+
+int RunTests() {
+  const std::vector<std::pair<std::string, absl::Status (*)(Setup&)>> all = {
+      {"latency", TestLatency},   {"ops", TestOps},
+      {"async", TestAsync},       {"kv", TestKv},
+      {"bulk", TestBulk},         {"memory", TestMemory},
+      {"register", TestRegister}, {"clients", TestClients},
+      {"socket", TestSocket},
+  };
+  const std::vector<std::string> wanted =
+      absl::StrSplit(absl::GetFlag(FLAGS_tests), ',', absl::SkipEmpty());
+  for (const std::string& name : wanted) {
+    if (name == "info") continue;  // printed by every run
+    if (std::none_of(all.begin(), all.end(),
+                     [&](const auto& test) { return test.first == name; })) {
+      std::fprintf(stderr, "unknown test %s\n", name.c_str());
+      return 2;
+    }
+  }
+  const bool only_info =
+      std::all_of(wanted.begin(), wanted.end(),
+                  [](const std::string& name) { return name == "info"; });
+  auto setup = Connect(/*with_buffers=*/!only_info);
+  if (!setup.ok()) {
+    std::fprintf(stderr, "setup: %s\n", setup.status().ToString().c_str());
     return 1;
   }
-  // Touch every page so first-use page faults are not measured.
-  for (uint64_t i = 0; i < size; i += 4096) {
-    local->data()[i] = std::byte{1};
-    remote->data()[i] = std::byte{2};
+  int failed = 0;
+  for (const auto& [name, test] : all) {
+    if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;
+    if (absl::Status status = test(*setup); !status.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name.c_str(), status.ToString().c_str());
+      Print(Report(name).Add("failed", status.ToString()));
+      ++failed;
+    }
   }
+  return failed == 0 ? 0 : 1;
+}
 
-  const std::string tests = absl::GetFlag(FLAGS_tests);
-  const int iterations = absl::GetFlag(FLAGS_iterations);
-  const uint64_t op_bytes = absl::GetFlag(FLAGS_op_bytes);
-  const int batch = std::max(1, absl::GetFlag(FLAGS_batch));
-  const int total_ops = absl::GetFlag(FLAGS_ops);
-  std::vector<Result> results;
-  auto run = [&](const std::string& name, v1::OpType type, bool single) {
-    if (tests.find(name) == std::string::npos) return true;
-    std::vector<std::vector<OpSpec>> timed;
-    std::vector<std::vector<OpSpec>> warmup;
-    if (single) {
-      auto op = MakeOps(type, *local, *remote, size, 1, size);
-      warmup.push_back(op);
-      timed.assign(iterations, op);
-    } else {
-      for (int done = 0; done < total_ops; done += batch) {
-        timed.push_back(MakeOps(type, *local, *remote, op_bytes,
-                                std::min(batch, total_ops - done),
-                                absl::GetFlag(FLAGS_put_window_bytes)));
-      }
-      warmup.push_back(timed.front());
-    }
-    auto result = Measure(
-        single ? absl::StrCat(name, "_", size >> 20, "MiB")
-               : absl::StrCat(name, "_", op_bytes >> 10, "KiB_x", batch),
-        **local_agent, warmup, timed);
-    if (!result.ok()) {
-      std::fprintf(stderr, "%s: %s\n", name.c_str(),
-                   result.status().ToString().c_str());
-      return false;
-    }
-    results.push_back(*result);
-    return true;
-  };
-  bool ok = run("write", v1::OP_TYPE_WRITE_FROM_LOCAL, true) &&
-            run("read", v1::OP_TYPE_READ_INTO_LOCAL, true) &&
-            run("put", v1::OP_TYPE_WRITE_FROM_LOCAL, false) &&
-            run("get", v1::OP_TYPE_READ_INTO_LOCAL, false);
-  const uint64_t socket_bytes = size * std::max(1, iterations);
-  for (const auto& [name, window] :
-       {std::pair<std::string, uint64_t>{"socket_cold", size},
-        std::pair<std::string, uint64_t>{"socket_hot", 1 << 20}}) {
-    if (!ok || tests.find(name) == std::string::npos) continue;
-    auto result = MeasureSocket(
-        absl::StrCat(name, "_", window >> 20, "MiB"), window, socket_bytes);
-    if (!result.ok()) {
-      std::fprintf(stderr, "%s: %s\n", name.c_str(),
-                   result.status().ToString().c_str());
-      ok = false;
-      continue;
-    }
-    results.push_back(*result);
-  }
-  std::printf("%-20s %14s %10s %10s %9s\n", "test", "bytes", "seconds",
-              "MiB/s", "Gbit/s");
-  for (const Result& r : results) {
-    const double seconds = absl::ToDoubleSeconds(r.time);
-    std::printf("%-20s %14llu %10.4f %10.1f %9.2f\n", r.name.c_str(),
-                static_cast<unsigned long long>(r.bytes), seconds,
-                r.bytes / seconds / (1 << 20), r.bytes * 8 / seconds / 1e9);
-  }
-  return ok ? 0 : 1;
+int ServeSocketPeerForever() {
+  absl::Status status = ServeSocketPeer(
+      absl::GetFlag(FLAGS_serve_socket_peer), [](const std::string& bound) {
+        std::printf("serving %s\n", bound.c_str());
+        std::fflush(stdout);
+      });
+  std::fprintf(stderr, "%s\n", status.ToString().c_str());
+  return 1;
 }
 
 }  // namespace
@@ -266,5 +499,18 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  return rdma_agent::bench::Main();
+  namespace bench = rdma_agent::bench;
+  if (!absl::GetFlag(FLAGS_serve_socket_peer).empty()) {
+    return bench::ServeSocketPeerForever();
+  }
+  if (absl::GetFlag(FLAGS_client_child)) {
+    bench::ClientChildOptions options;
+    options.local = absl::GetFlag(FLAGS_local);
+    options.remote = absl::GetFlag(FLAGS_remote);
+    options.op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
+    options.batch = absl::GetFlag(FLAGS_small_batch);
+    options.duration = absl::Seconds(absl::GetFlag(FLAGS_seconds));
+    return bench::RunClientChild(options);
+  }
+  return bench::RunTests();
 }
