@@ -801,7 +801,7 @@ class WatchCommand : public Command {
           ++printed;
         });
     if (!watch.ok()) return Failed("watch", watch.status());
-    const timespec tick = {0, 100 * 1000 * 1000};
+    const timespec tick = {0, 100000000L};  // 100 ms
     while (true) {
       if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) return Ok();
       {
