@@ -609,7 +609,7 @@ TEST_F(AsyncTransferTest, ACallbackMayWaitForAnotherTransfer) {
   // Holds a's one transfer worker for seconds, so that the two after it are
   // still queued when their callbacks are set.
   auto blocker = client_->SubmitAsync(
-      std::vector<OpSpec>(16, ReadOp(local, 0, 64 * kMiB, remote, 0)),
+      std::vector<OpSpec>(64, ReadOp(local, 0, 64 * kMiB, remote, 0)),
       absl::Minutes(5));
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   auto first = client_->SubmitAsync({ReadOp(local, 0, 4096, local, 4096)},

@@ -344,9 +344,10 @@ class AsyncTransferTest(unittest.TestCase):
     def watch_threads(self):
         return [t for t in threading.enumerate() if t.name == "rdma-xfer-watch"]
 
-    def long_transfer(self, size=64 * MIB, count=64):
-        """A transfer that copies `size` bytes `count` times (seconds on the
-        memory backend), with its local buffer zeroed and the source 0x5a."""
+    def long_transfer(self, size=64 * MIB, count=1024):
+        """A transfer that copies `size` bytes `count` times (64 GiB: many
+        seconds on the memory backend; cancel() stops it at once), with its
+        local buffer zeroed and the source 0x5a."""
         local = self.client.allocate(size)
         source = self.client.allocate(size)
         source.memory[:] = b"\x5a" * size
@@ -484,7 +485,7 @@ class AsyncTransferTest(unittest.TestCase):
             size = 64 * MIB
             local, source = watching.allocate(size), watching.allocate(size)
             transfer = watching.submit_async(
-                [Op("read", local.id, 0, size, source.remote_context, 0)] * 64, timeout=300)
+                [Op("read", local.id, 0, size, source.remote_context, 0)] * 1024, timeout=300)
             self.assertEqual(len(self.watch_threads()), 1)
         with self.assertRaises(AgentError) as raised:
             transfer.future.result(timeout=30)
