@@ -14,52 +14,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "client/internal/attach_socket.h"
+#include "client/internal/client_state.h"
+#include "client/internal/conversions.h"
 #include "common/grpc_status.h"
 #include "common/shared_memory.h"
-#include "common/status_util.h"
 #include "common/unique_fd.h"
-#include "google/protobuf/duration.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "rdma/agent/v1/attach.pb.h"
 
 namespace rdma_agent::client {
-namespace internal {
-
-// What a client and every Buffer it made share: a Buffer may outlive its
-// AgentClient and still release itself.
-class ClientState {
- public:
-  ClientState(ConnectOptions options, std::shared_ptr<grpc::Channel> channel,
-              absl::StatusOr<std::string> attach_socket)
-      : options_(std::move(options)),
-        channel_(std::move(channel)),
-        stub_(v1::RdmaAgent::NewStub(channel_)),
-        attach_socket_(std::move(attach_socket)) {}
-
-  const ConnectOptions& options() const { return options_; }
-  grpc::Channel& channel() { return *channel_; }
-  const std::shared_ptr<grpc::Channel>& shared_channel() const {
-    return channel_;
-  }
-  v1::RdmaAgent::Stub& stub() { return *stub_; }
-  const absl::StatusOr<std::string>& attach_socket() const {
-    return attach_socket_;
-  }
-
-  // Sets the deadline every non-Submit RPC gets.
-  void PrepareContext(grpc::ClientContext* context) const {
-    context->set_deadline(
-        absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-  }
-
- private:
-  const ConnectOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::RdmaAgent::Stub> stub_;
-  const absl::StatusOr<std::string> attach_socket_;
-};
-
-}  // namespace internal
 
 namespace {
 
@@ -384,25 +347,8 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
 
 absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
     const std::vector<OpSpec>& ops, absl::Duration timeout) {
-  v1::SubmitRequest request;
-  for (const OpSpec& spec : ops) {
-    v1::Op* op = request.add_ops();
-    op->set_type(spec.type);
-    op->set_local_buffer_id(spec.local_buffer_id);
-    op->set_local_offset(spec.local_offset);
-    op->set_length(spec.length);
-    op->set_remote_context(spec.remote_context);
-    op->set_remote_offset(spec.remote_offset);
-  }
-  const bool agent_default =
-      timeout == absl::ZeroDuration() || timeout == absl::InfiniteDuration();
-  if (!agent_default) {
-    // Negative timeouts are sent as they are: the agent rejects them.
-    const int64_t nanos = absl::ToInt64Nanoseconds(timeout);
-    request.mutable_timeout()->set_seconds(nanos / 1000000000);
-    request.mutable_timeout()->set_nanos(
-        static_cast<int32_t>(nanos % 1000000000));
-  }
+  const v1::SubmitRequest request = internal::SubmitRequestFor(ops, timeout);
+  const bool agent_default = internal::LeavesTimeoutToAgent(timeout);
   grpc::ClientContext context;
   const absl::Duration bound = (agent_default || timeout < absl::ZeroDuration()
                                     ? state_->options().rpc_timeout
@@ -420,8 +366,7 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
   std::vector<OpResult> results;
   results.reserve(response.results_size());
   for (const v1::OpResult& result : response.results()) {
-    results.push_back(OpResult{StatusFromInt(result.code(), result.message()),
-                               result.backend()});
+    results.push_back(internal::FromProto(result));
   }
   return results;
 }

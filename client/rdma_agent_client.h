@@ -2,9 +2,11 @@
 #define RDMA_AGENTD_CLIENT_RDMA_AGENT_CLIENT_H_
 
 // The C++ client of rdma-agentd: connect to the host's agent, register memory
-// (mapped into this process), run one-sided ops against remote contexts, and
-// release. Thread-safe: one AgentClient may be used from many threads; a
-// Buffer is used like any other piece of memory.
+// (mapped into this process), run one-sided ops against remote contexts
+// (synchronously, or as asynchronous transfers with handles and completion
+// callbacks), and release. Thread-safe: one AgentClient may be used from many
+// threads; a Buffer is used like any other piece of memory; a Transfer and a
+// TransferWatch may be used from several threads at once.
 
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -90,9 +93,172 @@ struct Registration {
   v1::Lifetime lifetime = v1::LIFETIME_AGENT;  // as the agent keeps it
 };
 
+// Where an asynchronous transfer is (the agent's TransferState). kPending is
+// the only state that changes.
+enum class TransferState {
+  kPending,    // queued or running: its ops may still touch local memory
+  kDone,       // ended, every op OK
+  kFailed,     // ended, some op failed (its OpResult says why)
+  kCancelled,  // ended because Cancel stopped it
+};
+
+// "PENDING", "DONE", "FAILED" or "CANCELLED".
+const char* TransferStateName(TransferState state);
+
+// A transfer as the client last learnt it.
+struct TransferResult {
+  uint64_t id = 0;
+  TransferState state = TransferState::kPending;
+  // One per op, in request order, once ended; empty while kPending (the
+  // agent reports the ops of a batch together when it ends).
+  std::vector<OpResult> results;
+  // When the agent accepted it, started running it (InfinitePast if it
+  // never ran: cancelled while queued, or no valid op) and ended it
+  // (InfinitePast while pending). InfinitePast where the client does not
+  // know them.
+  absl::Time create_time = absl::InfinitePast();
+  absl::Time start_time = absl::InfinitePast();
+  absl::Time end_time = absl::InfinitePast();
+
+  bool ended() const { return state != TransferState::kPending; }
+  bool ok() const { return state == TransferState::kDone; }
+};
+
+// Called exactly once with a transfer's final result (or with why it will
+// not be learnt). See Transfer::OnDone.
+using TransferCallback =
+    absl::AnyInvocable<void(absl::StatusOr<TransferResult>) &&>;
+// Called for every transfer end a TransferWatch's stream delivers.
+using TransferEndCallback = absl::AnyInvocable<void(const TransferResult&)>;
+
 namespace internal {
 class ClientState;
+struct TransferCore;
+class WatchStream;
 }  // namespace internal
+
+// A handle on one asynchronous transfer (AgentClient::SubmitAsync). Movable,
+// not copyable; every method may be called from any thread, concurrently.
+//
+// Destroying a handle does NOT cancel the transfer. The agent owns the
+// transfer once SubmitAsync has returned, and it pins the registrations the
+// ops use, so releasing or unmapping a Buffer while a transfer still runs
+// does not make the agent touch freed memory; cancelling from a destructor
+// would instead turn every early return and every `auto t = ...;` scope into
+// a blocking RPC that waits for in-flight ops to drain, and would make
+// fire-and-forget transfers (submit, hand the id elsewhere or rely on
+// OnDone) impossible. Call Cancel() when you mean it. A callback set with
+// OnDone still runs after the handle is gone.
+//
+// Once the client learns a transfer's end (from a TransferWatch, or from
+// Wait, Poll or Cancel), it keeps it: later calls return it without asking
+// the agent again, and every path agrees on it.
+class Transfer {
+ public:
+  Transfer(Transfer&& other) noexcept;
+  Transfer& operator=(Transfer&& other) noexcept;
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+  ~Transfer();
+
+  // The agent's transfer id, scoped to this user on this agent.
+  uint64_t id() const { return id_; }
+
+  // The final result, once the transfer has ended; DEADLINE_EXCEEDED if it
+  // has not ended within `timeout` (zero: look once). While a TransferWatch
+  // of this client runs, waiting costs no RPC (the watch's stream delivers
+  // the end); otherwise each Wait holds one GetTransfers long poll on the
+  // agent, which counts toward --max_rpcs_per_user. An ended transfer is
+  // returned whatever its state: check result.ok() (DONE) or its results.
+  // NOT_FOUND when the agent does not know the id (never this user's, or
+  // its end was already reported to another reader of this user, such as a
+  // watch of another client, or has expired).
+  absl::StatusOr<TransferResult> Wait(
+      absl::Duration timeout = absl::InfiniteDuration());
+
+  // The state now: the final result once the end is known, otherwise the
+  // agent's answer (GetTransfers without waiting; PENDING with no results
+  // while the transfer runs). Errors as Wait.
+  absl::StatusOr<TransferResult> Poll();
+
+  // Stops the transfer (CancelTransfer): ops not started never start, ops in
+  // flight stop, and when Cancel returns no part of the transfer reads or
+  // writes local memory any more. Returns the final result: kCancelled, or
+  // the state a transfer that had already ended ended in.
+  absl::StatusOr<TransferResult> Cancel();
+
+  // Has `callback` called exactly once with the final result: on the
+  // watch's callback thread when the watch delivers the end; on the caller's
+  // thread, before OnDone returns, when the end is already known, or in
+  // Wait, Poll or Cancel when they learn it first. If the watch stops before
+  // the end arrives, the callback gets the reason instead, on the watch's
+  // callback thread: CANCELLED (the TransferWatch was stopped or destroyed)
+  // or the stream's error (UNAVAILABLE: the agent went away). Needs a
+  // running TransferWatch on this client unless the end is already known:
+  // FAILED_PRECONDITION otherwise, and then `callback` is never called;
+  // FAILED_PRECONDITION too while another callback is pending on this
+  // transfer. The callback runs even if the handle is gone by then.
+  // Callbacks run one at a time, in the order the ends arrived; a slow one
+  // delays the others (not the stream), and one may Wait for another
+  // transfer.
+  absl::Status OnDone(TransferCallback callback);
+
+ private:
+  friend class AgentClient;
+  Transfer(std::shared_ptr<internal::ClientState> state,
+           std::shared_ptr<internal::TransferCore> core);
+  // The client's record of the transfer, or FAILED_PRECONDITION for a
+  // moved-from handle.
+  absl::Status CheckUsable() const;
+  void Drop();
+
+  std::shared_ptr<internal::ClientState> state_;
+  std::shared_ptr<internal::TransferCore> core_;
+  uint64_t id_ = 0;
+};
+
+// The completion stream of one AgentClient (AgentClient::WatchTransfers):
+// one WatchTransfers stream and two threads, however many transfers are in
+// flight. The reader ("rdma-xfer-watch") reads the stream and records each
+// end, which wakes Wait at once; the callback thread ("rdma-xfer-cb") runs
+// OnDone callbacks and `on_end`, one at a time, in the order the ends came.
+// No user code runs on the reader, so callbacks may block or Wait for other
+// transfers without stalling the stream. Movable, not copyable. Destroying it
+// (or Stop) cancels the stream and joins both threads; by then every OnDone
+// callback it still held has run (with CANCELLED).
+//
+// The agent's stream carries every end of this user's transfers on the
+// agent, not only this client's, and an end it delivers is reported: the
+// agent forgets it (GetTransfers and other watches of this user no longer
+// see it). So run at most one watching client per user and agent: another
+// client of the same user that learns its ends by itself (Wait, Poll) may
+// find them taken (NOT_FOUND).
+class TransferWatch {
+ public:
+  TransferWatch(TransferWatch&& other) noexcept;
+  TransferWatch& operator=(TransferWatch&& other) noexcept;
+  TransferWatch(const TransferWatch&) = delete;
+  TransferWatch& operator=(const TransferWatch&) = delete;
+  ~TransferWatch();
+
+  // OK while the stream is open; why it ended otherwise (CANCELLED after
+  // Stop, UNAVAILABLE when the agent went away, the agent's refusal, such as
+  // RESOURCE_EXHAUSTED). Once ended, Transfer::Wait falls back to asking the
+  // agent, and the client may start a new watch.
+  absl::Status status() const;
+
+  // Cancels the stream and waits for both threads to end. From one of its
+  // own callbacks it returns once the stream is closed; the callbacks still
+  // queued (the CANCELLED ones included) run after the current one returns.
+  // Idempotent; the watch may also be destroyed from its own callback.
+  void Stop();
+
+ private:
+  friend class AgentClient;
+  explicit TransferWatch(std::shared_ptr<internal::WatchStream> stream);
+
+  std::shared_ptr<internal::WatchStream> stream_;
+};
 
 // A registration mapped into this process. Movable, not copyable. The
 // destructor unmaps the memory and releases the registration (best effort,
@@ -190,6 +356,39 @@ class AgentClient {
   // --default_submit_timeout. Either way the RPC has a deadline.
   absl::StatusOr<std::vector<OpResult>> Submit(const std::vector<OpSpec>& ops,
                                                absl::Duration timeout);
+
+  // Starts `ops` as one asynchronous transfer and returns its handle as soon
+  // as the agent has accepted it (SubmitAsync). A bad batch or timeout is
+  // the returned status, with Submit's codes; a bad op is reported in the
+  // transfer's results. RESOURCE_EXHAUSTED when this user has
+  // --max_transfers_in_flight_per_user transfers queued or running.
+  // `timeout` bounds the transfer on the agent from now, time queued
+  // included; zero or infinite leaves it to --default_submit_timeout.
+  absl::StatusOr<Transfer> SubmitAsync(const std::vector<OpSpec>& ops,
+                                       absl::Duration timeout);
+
+  // A handle on transfer `transfer_id` of this user submitted elsewhere (an
+  // earlier process, rdma-agentctl submit --async); no RPC: an id the agent
+  // does not know shows as NOT_FOUND from Wait, Poll and Cancel. Handles on
+  // one id share what the client learns about it.
+  Transfer TransferById(uint64_t transfer_id);
+
+  // Opens this client's completion stream (see TransferWatch): from now on,
+  // ends the agent pushes resolve this client's Transfer handles (Wait
+  // returns without an RPC, OnDone callbacks run) and, if given, `on_end`
+  // is called for every end the stream delivers: this user's transfers,
+  // whoever submitted them, after the handle's own OnDone callback. (Ends a
+  // Poll, or a Wait while no watch ran, already took from the agent do not
+  // come again.) Returns at once; if the agent refuses the stream (e.g.
+  // RESOURCE_EXHAUSTED: each open stream holds one of the user's
+  // --max_rpcs_per_user), the watch ends soon with the reason
+  // (TransferWatch::status()). One watch per client at a time:
+  // FAILED_PRECONDITION while another one runs.
+  //
+  // For thousands of transfers in flight: one watch and OnDone on each
+  // handle (or `on_end` and a table of your own); no thread per transfer.
+  absl::StatusOr<TransferWatch> WatchTransfers(
+      TransferEndCallback on_end = nullptr);
 
   // Drops registration `buffer_id`.
   absl::Status Release(uint64_t buffer_id);

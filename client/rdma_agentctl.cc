@@ -5,6 +5,7 @@
 // file could not be read or written.
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,14 +26,16 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/internal/context_text.h"
+#include "client/internal/conversions.h"
+#include "client/internal/http_get.h"
 #include "client/rdma_agent_client.h"
 #include "common/grpc_status.h"
 #include "common/unique_fd.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
-#include "client/internal/http_get.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -52,9 +55,9 @@ constexpr char kDescription[] =
     "Talks to the host's rdma-agentd.\n\n"
     "The agent is found from --target, else $RDMA_AGENT_SOCKET, else "
     "unix:///run/rdma-agentd/agent.sock; a bare socket path works too.\n"
-    "Exit codes: 0 ok, 1 the agent refused or an op failed (or, for health, "
-    "the agent is not serving), 2 bad usage, 3 a local file could not be "
-    "read or written.";
+    "Exit codes: 0 ok, 1 the agent refused or an op failed (for health, the "
+    "agent is not serving; for wait, the transfer did not end DONE), 2 bad "
+    "usage, 3 a local file could not be read or written.";
 
 // What a command ends with: an exit code and, unless OK, why.
 struct Outcome {
@@ -176,10 +179,12 @@ struct Global {
   }
 };
 
-// `message` as JSON (proto field names, every field), one object.
-std::string ToJson(const google::protobuf::Message& message) {
+// `message` as JSON (proto field names, every field), one object; on one
+// line unless `indented`.
+std::string ToJson(const google::protobuf::Message& message,
+                   bool indented = true) {
   google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
+  options.add_whitespace = indented;
   options.preserve_proto_field_names = true;
   options.always_print_primitive_fields = true;
   std::string json;
@@ -541,6 +546,43 @@ class ReadCommand : public BufferCommand {
   std::string out_ = "-";
 };
 
+// "op I: CODE backend=NAME[ message=...]", as submit, wait and watch print
+// each op's result.
+void PrintOpResult(size_t i, const OpResult& result) {
+  std::printf("op %zu: %s backend=%s%s%s\n", i,
+              absl::StatusCodeToString(result.status.code()).c_str(),
+              result.backend.empty() ? "-" : result.backend.c_str(),
+              result.status.ok() ? "" : " message=",
+              std::string(result.status.message()).c_str());
+}
+
+// A transfer as wait, cancel and watch print it: "transfer ID: STATE" and
+// its ops' results, or its Transfer message as JSON (on one line for watch's
+// stream of them).
+void PrintTransfer(const Global& global, const TransferResult& transfer,
+                   bool one_line = false) {
+  if (global.json()) {
+    const v1::Transfer message = internal::ToProto(transfer);
+    std::string text;
+    if (one_line) {
+      v1::TransferEvent event;
+      *event.mutable_transfer() = message;
+      text = ToJson(event, /*indented=*/false) + "\n";
+    } else {
+      text = ToJson(message);
+    }
+    std::fputs(text.c_str(), stdout);
+  } else {
+    std::printf("transfer %llu: %s\n",
+                static_cast<unsigned long long>(transfer.id),
+                TransferStateName(transfer.state));
+    for (size_t i = 0; i < transfer.results.size(); ++i) {
+      PrintOpResult(i, transfer.results[i]);
+    }
+  }
+  std::fflush(stdout);
+}
+
 // Options naming a remote context: --context BASE64 or --context_file FILE.
 struct ContextOptions {
   std::string base64;
@@ -557,7 +599,14 @@ class SubmitCommand : public Command {
  public:
   explicit SubmitCommand(CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
-        "submit", "one one-sided op between a local buffer and a remote one");
+        "submit",
+        "one one-sided op between a local buffer and a remote one (--async: "
+        "as a transfer, printing its id)");
+    sub->footer(
+        "The global --timeout (default 30s) bounds the op. With --async the "
+        "command returns once the agent has accepted the op, printing "
+        "transfer_id: ID; the agent runs it after the command has exited. "
+        "Follow it with wait ID, cancel ID or watch.");
     sub->add_option("--op", op_,
                     "read (READ_INTO_LOCAL) or write (WRITE_FROM_LOCAL)");
     sub->add_option("--local", local_, "local buffer id");
@@ -566,6 +615,9 @@ class SubmitCommand : public Command {
     sub->add_option("--length", length_, "bytes to move");
     sub->add_option("--remote_offset", remote_offset_,
                     "offset in the remote buffer");
+    sub->add_flag("--async", async_,
+                  "return at once with the transfer id (SubmitAsync); the "
+                  "agent runs it after this command has exited");
     context_.Add(sub);
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
@@ -591,6 +643,20 @@ class SubmitCommand : public Command {
     op.remote_offset = remote_offset_;
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
+    if (async_) {
+      absl::StatusOr<Transfer> transfer =
+          (*client)->SubmitAsync({op}, global.rpc_timeout());
+      if (!transfer.ok()) return Failed("submit", transfer.status());
+      if (global.json()) {
+        v1::SubmitAsyncResponse response;
+        response.set_transfer_id(transfer->id());
+        Print(global, response);
+      } else {
+        std::printf("transfer_id: %llu\n",
+                    static_cast<unsigned long long>(transfer->id()));
+      }
+      return Ok();
+    }
     absl::StatusOr<std::vector<OpResult>> results =
         (*client)->Submit({op}, global.rpc_timeout());
     if (!results.ok()) return Failed("submit", results.status());
@@ -603,13 +669,7 @@ class SubmitCommand : public Command {
       printed->set_code(static_cast<int>(result.status.code()));
       printed->set_message(std::string(result.status.message()));
       printed->set_backend(result.backend);
-      if (!global.json()) {
-        std::printf("op %zu: %s backend=%s%s%s\n", i,
-                    absl::StatusCodeToString(result.status.code()).c_str(),
-                    result.backend.empty() ? "-" : result.backend.c_str(),
-                    result.status.ok() ? "" : " message=",
-                    std::string(result.status.message()).c_str());
-      }
+      if (!global.json()) PrintOpResult(i, result);
     }
     if (global.json()) Print(global, response);
     if (!all_ok) return {kExitFailed, "submit: an op failed"};
@@ -622,7 +682,140 @@ class SubmitCommand : public Command {
   uint64_t local_offset_ = 0;
   std::optional<uint64_t> length_;
   uint64_t remote_offset_ = 0;
+  bool async_ = false;
   ContextOptions context_;
+};
+
+// Commands that take one transfer ID.
+class TransferCommand : public Command {
+ protected:
+  void AddId(CLI::App* sub) {
+    sub->add_option("ID", ids_, "transfer id (as submit --async prints it)");
+  }
+  absl::StatusOr<uint64_t> Id() const {
+    uint64_t id;
+    if (ids_.size() != 1 || !absl::SimpleAtoi(ids_[0], &id)) {
+      return absl::InvalidArgumentError("expected exactly one transfer ID");
+    }
+    return id;
+  }
+
+ private:
+  std::vector<std::string> ids_;
+};
+
+class WaitCommand : public TransferCommand {
+ public:
+  explicit WaitCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "wait", "wait for a transfer to end; exit 0 only when it ended DONE");
+    sub->footer(
+        "Waits up to the global --timeout (default 30s; e.g. wait 7 --timeout "
+        "5m), then prints the transfer's state and each op's result (-o json: "
+        "its Transfer). Exit 1 when it ended FAILED or CANCELLED or is still "
+        "PENDING. Once ended it is reported: the agent forgets it, and a "
+        "second wait answers NOT_FOUND.");
+    AddId(sub);
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<uint64_t> id = Id();
+    if (!id.ok()) return Usage(absl::StrCat("wait: ", id.status().message()));
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    Transfer transfer = (*client)->TransferById(*id);
+    absl::StatusOr<TransferResult> end = transfer.Wait(global.rpc_timeout());
+    if (end.status().code() == absl::StatusCode::kDeadlineExceeded) {
+      end = transfer.Poll();  // PENDING, with its times
+    }
+    if (!end.ok()) return Failed(absl::StrCat("wait ", *id), end.status());
+    PrintTransfer(global, *end);
+    if (!end->ok()) {
+      return {kExitFailed, absl::StrCat("wait: transfer ", *id, " is ",
+                                        TransferStateName(end->state))};
+    }
+    return Ok();
+  }
+};
+
+class CancelCommand : public TransferCommand {
+ public:
+  explicit CancelCommand(CLI::App& app) {
+    CLI::App* sub =
+        app.add_subcommand("cancel", "stop a transfer and print its end");
+    sub->footer(
+        "Ops not started never start, ops in flight stop; returns once "
+        "nothing of the transfer touches local memory, printing its final "
+        "state: CANCELLED, or the state it had already ended in (exit 0 "
+        "either way; 1 when the agent does not know the id). The end stays "
+        "readable by wait and watch.");
+    AddId(sub);
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<uint64_t> id = Id();
+    if (!id.ok()) return Usage(absl::StrCat("cancel: ", id.status().message()));
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<TransferResult> end = (*client)->TransferById(*id).Cancel();
+    if (!end.ok()) return Failed(absl::StrCat("cancel ", *id), end.status());
+    PrintTransfer(global, *end);
+    return Ok();
+  }
+};
+
+class WatchCommand : public Command {
+ public:
+  explicit WatchCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "watch", "print this user's transfers as they end, until interrupted");
+    sub->footer(
+        "Streams WatchTransfers: first the transfers that had ended "
+        "unreported, then each one as it ends, whoever submitted it; -o "
+        "json prints one TransferEvent per line. Runs until SIGINT or SIGTERM "
+        "(exit 0), --count ends (exit 0) or the agent goes away (exit 1). "
+        "The agent forgets every end it sends here: wait no longer finds "
+        "it.");
+    sub->add_option("--count", count_,
+                    "stop after this many ends (ends the agent had already "
+                    "sent past them are dropped)");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    if (count_.has_value() && *count_ < 1) {
+      return Usage("watch: --count must be at least 1");
+    }
+    // Before any thread exists, so that every thread inherits the mask and
+    // SIGINT/SIGTERM reach sigtimedwait below.
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Mutex mu;
+    uint64_t printed = 0;
+    absl::StatusOr<TransferWatch> watch =
+        (*client)->WatchTransfers([&](const TransferResult& end) {
+          absl::MutexLock lock(&mu);
+          if (count_.has_value() && printed >= *count_) return;
+          PrintTransfer(global, end, /*one_line=*/true);
+          ++printed;
+        });
+    if (!watch.ok()) return Failed("watch", watch.status());
+    const timespec tick = {0, 100000000L};  // 100 ms
+    while (true) {
+      if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) return Ok();
+      {
+        absl::MutexLock lock(&mu);
+        if (count_.has_value() && printed >= *count_) return Ok();
+      }
+      if (absl::Status status = watch->status(); !status.ok()) {
+        return Failed("watch", status);
+      }
+    }
+  }
+
+ private:
+  std::optional<uint64_t> count_;
 };
 
 class DecodeCommand : public Command {
@@ -705,9 +898,11 @@ int Main(int argc, char** argv) {
                  "attach socket; default: attach.sock next to the agent "
                  "socket");
   app.add_option("--timeout", global.timeout,
-                 "deadline of each RPC, and the op timeout of submit (e.g. "
-                 "30s, 500ms)")
+                 "deadline of each RPC, the op timeout of submit (with "
+                 "--async too), and how long wait waits (e.g. 30s, 500ms); "
+                 "the last one given wins")
       ->capture_default_str()
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->check([](const std::string& text) {
         absl::Duration value;
         return absl::ParseDuration(text, &value) && value > absl::ZeroDuration()
@@ -729,6 +924,9 @@ int Main(int argc, char** argv) {
   owned.push_back(std::make_unique<WriteCommand>(app));
   owned.push_back(std::make_unique<ReadCommand>(app));
   owned.push_back(std::make_unique<SubmitCommand>(app));
+  owned.push_back(std::make_unique<WaitCommand>(app));
+  owned.push_back(std::make_unique<CancelCommand>(app));
+  owned.push_back(std::make_unique<WatchCommand>(app));
   owned.push_back(std::make_unique<DecodeCommand>(app));
   // Subcommands are kept in the order they were added.
   const std::vector<CLI::App*> subs = app.get_subcommands({});

@@ -14,17 +14,31 @@ directory holding `rdma/` on sys.path.
             results = agent.submit([Op("write", mine.id, 0, 5, peer_context, 0)])
             assert results[0].ok, results[0]
 
+Asynchronous transfers return a Transfer at once; its end comes from one
+watch-stream thread per client, as a concurrent.futures.Future (so also
+`await transfer` in asyncio):
+
+    transfer = agent.submit_async([Op("read", mine.id, 0, 5, peer_context, 0)])
+    end = transfer.wait(timeout=10)        # TransferResult: state, results
+    end = await transfer                   # the same, from a coroutine
+    transfer.cancel()                      # nothing of it touches memory after
+
 Errors of RPCs are raised as AgentError, whose `code` is a grpc.StatusCode
 (NOT_FOUND, OUT_OF_RANGE, PERMISSION_DENIED, ...). Submit reports each op's
-own outcome in its OpResult instead.
+own outcome in its OpResult instead, and a transfer in its TransferResult.
 """
 
+import asyncio
+import concurrent.futures
 import errno
 import fcntl
 import mmap
 import os
 import socket
 import struct
+import threading
+import time
+import weakref
 from collections import namedtuple
 
 import grpc
@@ -58,6 +72,26 @@ LIFETIME = {
     "connection": types_pb2.LIFETIME_CLIENT_CONNECTION,
 }
 
+# Where an asynchronous transfer is (types.proto TransferState). PENDING is
+# the only state that changes.
+PENDING = "pending"      # queued or running: its ops may still touch memory
+DONE = "done"            # ended, every op OK
+FAILED = "failed"        # ended, some op failed (its OpResult says why)
+CANCELLED = "cancelled"  # ended because cancel() stopped it
+_STATE = {
+    types_pb2.TRANSFER_STATE_UNSPECIFIED: PENDING,
+    types_pb2.TRANSFER_STATE_PENDING: PENDING,
+    types_pb2.TRANSFER_STATE_DONE: DONE,
+    types_pb2.TRANSFER_STATE_FAILED: FAILED,
+    types_pb2.TRANSFER_STATE_CANCELLED: CANCELLED,
+}
+# How long an end the agent no longer knows (NOT_FOUND) is awaited from the
+# client's watch, which may have taken it and still be delivering it.
+_IN_TRANSIT_GRACE = 5.0
+# Longest GetTransfers long poll asked for at once (the agent cuts it to its
+# --max_transfer_wait; wait() asks again).
+_LONGEST_POLL = 600.0
+
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 # Matches the agent's attach framing (common/fd_message.h).
 _MAX_ATTACH_MESSAGE = 64 * 1024
@@ -89,6 +123,126 @@ class OpResult(namedtuple("OpResult", "code message backend")):
     @property
     def ok(self):
         return self.code == grpc.StatusCode.OK
+
+
+class TransferResult(namedtuple(
+        "TransferResult", "transfer_id state results create_time start_time end_time")):
+    """A transfer as the client last learnt it.
+
+    `state` is PENDING, DONE, FAILED or CANCELLED; `results` one OpResult per
+    op, in order, once ended (empty while pending); the times are Unix
+    seconds (float), None when unset: `start_time` for a transfer that never
+    ran (cancelled while queued), `end_time` while pending.
+    """
+
+    @property
+    def ended(self):
+        return self.state != PENDING
+
+    @property
+    def ok(self):
+        return self.state == DONE
+
+
+def _seconds(message, field):
+    return getattr(message, field).ToNanoseconds() / 1e9 if message.HasField(field) else None
+
+
+def _transfer_result(message):
+    return TransferResult(
+        message.transfer_id, _STATE.get(message.state, FAILED),
+        [OpResult(status_code(r.code), r.message, r.backend) for r in message.results],
+        _seconds(message, "create_time"), _seconds(message, "start_time"),
+        _seconds(message, "end_time"))
+
+
+def _duration(seconds):
+    return duration_pb2.Duration(seconds=int(seconds),
+                                 nanos=int(round((seconds - int(seconds)) * 1e9)))
+
+
+class _Record:
+    """What one client knows about one transfer; its handles share it. The
+    client's lock guards `end` and `confirmed`."""
+
+    __slots__ = ("transfer_id", "end", "confirmed", "future", "__weakref__")
+
+    def __init__(self, transfer_id):
+        self.transfer_id = transfer_id
+        self.end = None           # the TransferResult once ended; never changes
+        self.confirmed = False    # the agent has answered for this id
+        self.future = concurrent.futures.Future()
+
+
+class Transfer:
+    """A handle on one asynchronous transfer (AgentClient.submit_async).
+
+    Dropping it does not cancel the transfer: the agent owns it, and pins the
+    registrations it uses. Once the client learns the end (from its watch
+    thread, or from wait(), poll() or cancel()) it keeps it, and every path
+    agrees on it. Thread-safe.
+
+    The end also resolves `future` (a concurrent.futures.Future of the
+    TransferResult); `await transfer` waits for it in asyncio. With the
+    client's watch (the default), the future resolves when the agent pushes
+    the end; it fails with AgentError if the watch stops first (close(), or
+    the agent went away); without the watch, only wait(), poll() and cancel()
+    resolve it. Callbacks added to the future run on the watch thread: keep
+    them short, and do not wait() there for another transfer (asyncio's
+    wrap_future only schedules onto its loop, which is fine).
+    """
+
+    def __init__(self, client, record):
+        self._client = client
+        self._record = record
+        self.transfer_id = record.transfer_id
+
+    @property
+    def future(self):
+        return self._record.future
+
+    def done(self):
+        """True once the client knows the end."""
+        return self._record.end is not None
+
+    def wait(self, timeout=None):
+        """The final TransferResult, once ended (whatever its state: check
+        `.ok`); AgentError DEADLINE_EXCEEDED if it did not end within
+        `timeout` seconds (None: no bound; 0: look once). With the watch it
+        waits for the pushed end (no RPC); otherwise each call holds one
+        GetTransfers long poll on the agent. NOT_FOUND when the agent does not
+        know the id (not this user's, or its end was already reported to
+        another reader, or expired)."""
+        return self._client._wait(self._record, timeout)
+
+    def result(self, timeout=None):
+        """As wait(), with concurrent.futures' manners: TimeoutError instead
+        of AgentError DEADLINE_EXCEEDED."""
+        try:
+            return self.wait(timeout)
+        except AgentError as error:
+            if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(error.message) from None
+            raise
+
+    def poll(self):
+        """The TransferResult now: the end once known, else the agent's answer
+        (PENDING with no results while it runs)."""
+        return self._client._poll(self._record)
+
+    def cancel(self):
+        """Stops the transfer (CancelTransfer): ops not started never start,
+        ops in flight stop, and once this returns nothing of the transfer
+        reads or writes local memory. Returns the final TransferResult:
+        CANCELLED, or the state it had already ended in."""
+        return self._client._cancel(self._record)
+
+    def __await__(self):
+        return asyncio.wrap_future(self._record.future).__await__()
+
+    def __repr__(self):
+        end = self._record.end
+        return "Transfer(%d, %s)" % (self.transfer_id, end.state if end else PENDING)
 
 
 def _access(access):
@@ -254,10 +408,17 @@ class AgentClient:
     `attach_socket` defaults to attach.sock next to it. `timeout` (seconds)
     bounds each RPC and attach exchange, and the wait for the agent. A socket
     that is missing or forbidden fails at once with the errno.
+
+    `watch` (default True): the first submit_async() (or transfer()) starts
+    one thread that reads the agent's WatchTransfers stream and resolves the
+    transfers' futures; close() stops it. The stream carries every end of
+    this user's transfers on the agent, and an end it delivers is gone from
+    the agent: run at most one watching client per user and agent, and pass
+    watch=False to the others (they learn ends with wait() and poll()).
     """
 
     def __init__(self, socket_path=None, attach_socket=None,
-                 timeout=30.0, chunk_bytes=1 << 20):
+                 timeout=30.0, chunk_bytes=1 << 20, watch=True):
         path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         for prefix in ("unix://", "unix:"):
             if path.startswith(prefix):
@@ -283,8 +444,33 @@ class AgentClient:
                              "cannot reach rdma-agentd at unix:%s within %ss"
                              % (path, timeout)) from None
         self.stub = agent_pb2_grpc.RdmaAgentStub(self._channel)
+        # Asynchronous transfers: records by id (weakly: handles on one id
+        # share one), those the watch must still resolve (strongly, until
+        # ended), and ends the watch delivered for a submit_async() still in
+        # progress, kept until every such call has claimed its own.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._records = weakref.WeakValueDictionary()
+        self._pending = {}
+        self._last_ticket = 0
+        self._submitting = set()
+        self._unclaimed = {}
+        self._watch_enabled = watch
+        self._watching = False
+        self._watch_call = None
+        self._watch_thread = None
+        self._closing = False
 
     def close(self):
+        """Stops the watch (pending futures fail with AgentError CANCELLED)
+        and closes the channel."""
+        with self._lock:
+            self._closing = True
+            call, thread = self._watch_call, self._watch_thread
+        if call is not None:
+            call.cancel()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         self._channel.close()
 
     def __enter__(self):
@@ -367,9 +553,8 @@ class AgentClient:
         return Buffer(self, response.buffer_id, memory, response.remote_context,
                       response.backends, response.lifetime)
 
-    def submit(self, ops, timeout=None):
-        """Runs `ops` (Op tuples) as one batch: one OpResult per op. `timeout`
-        (seconds) bounds the batch on the agent; None = the agent's default."""
+    @staticmethod
+    def _submit_request(ops, timeout):
         request = agent_pb2.SubmitRequest()
         for op in ops:
             request.ops.add(type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
@@ -378,11 +563,261 @@ class AgentClient:
                             remote_context=op.remote_context,
                             remote_offset=op.remote_offset)
         if timeout is not None:
-            request.timeout.CopyFrom(duration_pb2.Duration(
-                seconds=int(timeout), nanos=int(round((timeout - int(timeout)) * 1e9))))
+            request.timeout.CopyFrom(_duration(timeout))
+        return request
+
+    def submit(self, ops, timeout=None):
+        """Runs `ops` (Op tuples) as one batch: one OpResult per op. `timeout`
+        (seconds) bounds the batch on the agent; None = the agent's default."""
+        request = self._submit_request(ops, timeout)
         deadline = (timeout if timeout is not None else self.timeout) + 5
         response = _rpc(self.stub.Submit, request, deadline)
         return [OpResult(status_code(r.code), r.message, r.backend) for r in response.results]
+
+    def submit_async(self, ops, timeout=None):
+        """Starts `ops` as one asynchronous transfer and returns its Transfer
+        once the agent has accepted it. A bad batch raises AgentError with
+        submit()'s codes (RESOURCE_EXHAUSTED beyond the agent's transfers in
+        flight per user); a bad op is reported in the transfer's results.
+        `timeout` (seconds) bounds the transfer on the agent from now, time
+        queued included; None = the agent's default."""
+        request = self._submit_request(ops, timeout)
+        self._ensure_watch()
+        # Taken before the request leaves: the watch may deliver the end
+        # before the answer arrives.
+        with self._lock:
+            self._last_ticket += 1
+            ticket = self._last_ticket
+            self._submitting.add(ticket)
+        transfer_id = None
+        try:
+            transfer_id = _rpc(self.stub.SubmitAsync, request, self.timeout).transfer_id
+        finally:
+            with self._lock:
+                self._submitting.discard(ticket)
+                record = None
+                if transfer_id is not None:
+                    record = self._record_locked(transfer_id)
+                    record.confirmed = True
+                self._prune_unclaimed_locked()
+            if record is not None and record.end is not None:
+                self._settle(record.future, record.end)
+        return Transfer(self, record)
+
+    def transfer(self, transfer_id):
+        """A Transfer for an id of this user submitted elsewhere (another
+        process, rdma-agentctl submit --async); no RPC: an id the agent does
+        not know raises NOT_FOUND from wait(), poll() and cancel()."""
+        self._ensure_watch()
+        with self._lock:
+            record = self._record_locked(transfer_id)
+        return Transfer(self, record)
+
+    # -- asynchronous transfers: the client's side ------------------------
+
+    def _record_locked(self, transfer_id):
+        record = self._records.get(transfer_id)
+        if record is None:
+            record = _Record(transfer_id)
+            self._records[transfer_id] = record
+        if record.end is None:
+            early = self._unclaimed.pop(transfer_id, None)
+            if early is not None:
+                record.end = early[0]  # its future is settled by the caller
+            elif self._watch_enabled:
+                self._pending[transfer_id] = record
+        return record
+
+    def _prune_unclaimed_locked(self):
+        # A submit_async() can claim an end only if it was in progress when
+        # the end arrived: its ticket is at most the end's horizon.
+        oldest = min(self._submitting) if self._submitting else self._last_ticket + 1
+        for transfer_id in [i for i, (_, horizon) in self._unclaimed.items()
+                            if horizon < oldest]:
+            del self._unclaimed[transfer_id]
+
+    @staticmethod
+    def _settle(future, end=None, error=None):
+        """Resolves a future once; a future its user cancelled stays so."""
+        try:
+            if error is None:
+                future.set_result(end)
+            else:
+                future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    def _resolve(self, record, end):
+        """Records `end` unless an end is known; returns the end in force."""
+        with self._lock:
+            if record.end is not None:
+                return record.end
+            record.end = end
+            self._pending.pop(record.transfer_id, None)
+            self._changed.notify_all()
+        self._settle(record.future, end)
+        return end
+
+    def _ensure_watch(self):
+        if not self._watch_enabled:
+            return
+        with self._lock:
+            if self._watching or self._closing:
+                return
+            self._watching = True
+            # Started here, read there; close() cancels it.
+            self._watch_call = self.stub.WatchTransfers(agent_pb2.WatchTransfersRequest())
+            self._watch_thread = threading.Thread(
+                target=self._watch_loop, args=(self._watch_call,),
+                name="rdma-xfer-watch", daemon=True)
+            self._watch_thread.start()
+
+    def _watch_loop(self, call):
+        why = AgentError(grpc.StatusCode.UNAVAILABLE, "the agent ended the WatchTransfers stream")
+        try:
+            for event in call:
+                end = _transfer_result(event.transfer)
+                if end.ended:
+                    self._delivered(end)
+        except grpc.RpcError as error:
+            why = AgentError(error.code(), error.details())
+        with self._lock:
+            if self._closing:
+                why = AgentError(grpc.StatusCode.CANCELLED, "the client was closed")
+            self._watching = False
+            self._watch_call = None
+            waiting = [r for r in self._pending.values() if not r.future.done()]
+            self._changed.notify_all()
+        # The records stay pending: a watch started later may still bring
+        # their ends (the futures, though, have failed).
+        for record in waiting:
+            self._settle(record.future, error=AgentError(
+                why.code, "transfer %d: the watch ended before its end arrived: %s"
+                % (record.transfer_id, why.message)))
+
+    def _delivered(self, end):
+        with self._lock:
+            record = self._pending.get(end.transfer_id)
+            if record is None:
+                if self._submitting:  # maybe one of theirs
+                    self._unclaimed[end.transfer_id] = (end, self._last_ticket)
+                return
+            if record.end is not None:
+                return
+            record.end = end
+            del self._pending[end.transfer_id]
+            self._changed.notify_all()
+        self._settle(record.future, end)
+
+    def _on_watch_thread(self):
+        return threading.current_thread() is self._watch_thread
+
+    def _await_end(self, record, deadline):
+        """Waits without an RPC for the watch to bring the end: "ended",
+        "timeout" (a watch still runs) or "nowatch"."""
+        with self._lock:
+            while record.end is None and self._watching and \
+                    record.transfer_id in self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return "timeout"
+                self._changed.wait(remaining)
+            if record.end is not None:
+                return "ended"
+            return "nowatch"
+
+    def _watch_serves(self, record):
+        with self._lock:
+            return self._watching and record.transfer_id in self._pending and \
+                not self._on_watch_thread()
+
+    def _end_in_transit(self, record):
+        """After NOT_FOUND: the end, if this client knows it or its watch
+        brings it within the grace."""
+        if not self._on_watch_thread() and \
+                self._await_end(record, time.monotonic() + _IN_TRANSIT_GRACE) == "ended":
+            return record.end
+        return None
+
+    def _get_transfer(self, transfer_id, wait):
+        wait = max(0.0, min(wait, _LONGEST_POLL))
+        request = agent_pb2.GetTransfersRequest(transfer_ids=[transfer_id])
+        if wait > 0:
+            request.wait.CopyFrom(_duration(wait))
+        return _rpc(self.stub.GetTransfers, request, wait + self.timeout).transfers[0]
+
+    def _wait(self, record, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        asked = False
+        while True:
+            if record.end is not None:
+                return record.end
+            if self._on_watch_thread() and self._watch_enabled:
+                raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 "wait() for transfer %d on the watch thread (in a future's "
+                                 "callback) would wait for itself" % record.transfer_id)
+            if record.confirmed and self._watch_serves(record):
+                outcome = self._await_end(record, deadline)
+                if outcome == "ended":
+                    return record.end
+                if outcome == "timeout":
+                    break
+                continue  # the watch stopped: ask the agent
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if asked and remaining is not None and remaining <= 0:
+                break
+            # With the watch, only to learn that the agent knows the id.
+            wait = 0.0 if self._watch_serves(record) else \
+                (_LONGEST_POLL if remaining is None else remaining)
+            try:
+                message = self._get_transfer(record.transfer_id, wait)
+            except AgentError as error:
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    end = self._end_in_transit(record)
+                    if end is not None:
+                        return end
+                raise
+            asked = True
+            result = _transfer_result(message)
+            if result.ended:
+                return self._resolve(record, result)
+            with self._lock:
+                record.confirmed = True
+        raise AgentError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         "transfer %d did not end within %ss" % (record.transfer_id, timeout))
+
+    def _poll(self, record):
+        if record.end is not None:
+            return record.end
+        try:
+            message = self._get_transfer(record.transfer_id, 0.0)
+        except AgentError as error:
+            if error.code == grpc.StatusCode.NOT_FOUND:
+                end = self._end_in_transit(record)
+                if end is not None:
+                    return end
+            raise
+        result = _transfer_result(message)
+        if result.ended:
+            return self._resolve(record, result)
+        with self._lock:
+            record.confirmed = True
+        return result
+
+    def _cancel(self, record):
+        if record.end is not None:  # ended: nothing to stop
+            return record.end
+        try:
+            response = _rpc(self.stub.CancelTransfer,
+                            agent_pb2.CancelTransferRequest(transfer_id=record.transfer_id),
+                            self.timeout)
+        except AgentError as error:
+            if error.code == grpc.StatusCode.NOT_FOUND:
+                end = self._end_in_transit(record)
+                if end is not None:
+                    return end
+            raise
+        return self._resolve(record, _transfer_result(response.transfer))
 
     def release(self, buffer_id):
         _rpc(self.stub.Release, agent_pb2.ReleaseRequest(buffer_id=buffer_id), self.timeout)

@@ -1,12 +1,15 @@
 // rdma-agentctl end to end, as a user runs it: the real binary against a
 // real rdma-agentd. register -> write from a file and from stdin -> read back
-// -> decode -> submit both ways -> list -> release; then the failure paths
-// and their exit codes (1 the agent refused, 2 usage, 3 local files).
+// -> decode -> submit both ways -> list -> release; asynchronous transfers
+// (submit --async, wait, cancel, watch); then the failure paths and their
+// exit codes (1 the agent refused, 2 usage, 3 local files).
 
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/rdma_agent_client.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -212,6 +216,182 @@ TEST_F(AgentctlTest, RegisterWriteReadDecodeSubmitRelease) {
       ::testing::Not(MatchesRegex(absl::StrCat("(.|\n)*\n", src, " (.|\n)*"))));
 }
 
+// The id in "transfer_id: ID" (submit --async).
+std::string TransferId(const RunResult& r) {
+  return Field(r.out, "transfer_id");
+}
+
+TEST_F(AgentctlTest, SubmitAsyncThenWaitPrintsTheEnd) {
+  auto [src, src_context] = Register(4096);
+  auto [dst, dst_context] = Register(4096);
+  const std::string payload = PatternString(9, 0, 1000);
+  RunResult r = Ctl({"write", src, "--in=-"}, payload);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  r = Ctl({"submit", "--async", "--op=read", "--local=" + dst,
+           "--local_offset=7", "--length=1000", "--context=" + src_context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string id = TransferId(r);
+  ASSERT_THAT(id, MatchesRegex("[1-9][0-9]*")) << r.out;
+  r = Ctl({"wait", id});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out,
+            absl::StrCat("transfer ", id, ": DONE\nop 0: OK backend=memory\n"));
+  r = Ctl({"read", dst, "--offset=7", "--length=1000"});
+  EXPECT_TRUE(r.out == payload);
+  // Reported: the agent has forgotten it.
+  r = Ctl({"wait", id});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("wait ", id, ": NOT_FOUND")));
+
+  // A failing op: accepted, then FAILED, exit 1.
+  r = Ctl({"submit", "--async", "--op=read", "--local=" + dst, "--length=10",
+           "--remote_offset=4090", "--context=" + src_context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string failing = TransferId(r);
+  r = Ctl({"wait", failing});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("transfer ", failing,
+                                            ": FAILED\nop 0: OUT_OF_RANGE")));
+  EXPECT_THAT(r.err,
+              HasSubstr(absl::StrCat("transfer ", failing, " is FAILED")));
+
+  // JSON: SubmitAsyncResponse, then the Transfer.
+  r = Ctl({"-o", "json", "submit", "--async", "--op=read", "--local=" + dst,
+           "--length=8", "--context=" + src_context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::SubmitAsyncResponse submitted;
+  ASSERT_TRUE(
+      google::protobuf::util::JsonStringToMessage(r.out, &submitted).ok())
+      << r.out;
+  EXPECT_GT(submitted.transfer_id(), 0u);
+  r = Ctl({"wait", absl::StrCat(submitted.transfer_id()), "--output=json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::Transfer transfer;
+  ASSERT_TRUE(
+      google::protobuf::util::JsonStringToMessage(r.out, &transfer).ok())
+      << r.out;
+  EXPECT_EQ(transfer.transfer_id(), submitted.transfer_id());
+  EXPECT_EQ(transfer.state(), v1::TRANSFER_STATE_DONE);
+  ASSERT_EQ(transfer.results_size(), 1);
+  EXPECT_EQ(transfer.results(0).backend(), "memory");
+  EXPECT_GT(transfer.create_time().seconds(), 0);
+  EXPECT_GE(transfer.end_time().seconds(), transfer.start_time().seconds());
+  EXPECT_THAT(r.out, HasSubstr("\"state\": \"TRANSFER_STATE_DONE\""));
+}
+
+TEST_F(AgentctlTest, WaitGivesUpOnAPendingTransferAndCancelStopsIt) {
+  // 64 GiB of copying on the agent's memory backend (many seconds; cancel
+  // stops it at once), through the library.
+  constexpr uint64_t kSize = 64 << 20;
+  auto from = agent_->client().Allocate(kSize, v1::ACCESS_READ_WRITE);
+  auto to = agent_->client().Allocate(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(from.ok() && to.ok());
+  client::OpSpec op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = to->id();
+  op.length = kSize;
+  op.remote_context = from->remote_context();
+  auto transfer = agent_->client().SubmitAsync(
+      std::vector<client::OpSpec>(1024, op), absl::Minutes(5));
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  const std::string id = absl::StrCat(transfer->id());
+
+  const absl::Time start = absl::Now();
+  RunResult r = Ctl({"wait", id, "--timeout=300ms"});
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, absl::StrCat("transfer ", id, ": PENDING\n"));
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("transfer ", id, " is PENDING")));
+
+  r = Ctl({"-o", "json", "cancel", id});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::Transfer cancelled;
+  ASSERT_TRUE(
+      google::protobuf::util::JsonStringToMessage(r.out, &cancelled).ok())
+      << r.out;
+  EXPECT_EQ(cancelled.state(), v1::TRANSFER_STATE_CANCELLED);
+  ASSERT_EQ(cancelled.results_size(), 1024);
+  EXPECT_EQ(cancelled.results(1023).code(), 1);  // CANCELLED: never started
+  // Cancel does not report it: a second cancel and a wait still see it.
+  r = Ctl({"cancel", id});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("transfer ", id, ": CANCELLED\n")));
+  r = Ctl({"wait", id});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("transfer ", id, ": CANCELLED\n")));
+  EXPECT_THAT(r.out, HasSubstr(" CANCELLED backend="));
+  EXPECT_THAT(r.err, HasSubstr("is CANCELLED"));
+
+  r = Ctl({"cancel", "999999"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("cancel 999999: NOT_FOUND"));
+}
+
+TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
+  auto buffer = agent_->client().Allocate(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::OpSpec op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = buffer->id();
+  op.length = 100;
+  op.remote_context = buffer->remote_context();
+  op.remote_offset = 1000;
+  auto submit = [&]() -> std::string {
+    auto transfer = agent_->client().SubmitAsync({op}, absl::Seconds(30));
+    EXPECT_TRUE(transfer.ok()) << transfer.status();
+    return transfer.ok() ? absl::StrCat(transfer->id()) : "";
+  };
+  // Ended, most likely, before the watch opens: it starts with those.
+  const std::set<std::string> ids = {submit(), submit(), submit()};
+  RunResult r = Ctl({"watch", "--count=3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::set<std::string> printed;
+  for (absl::string_view line :
+       absl::StrSplit(r.out, '\n', absl::SkipEmpty())) {
+    if (absl::ConsumePrefix(&line, "transfer ")) {
+      EXPECT_TRUE(absl::ConsumeSuffix(&line, ": DONE")) << line;
+      printed.insert(std::string(line));
+    } else {
+      EXPECT_EQ(line, "op 0: OK backend=memory");
+    }
+  }
+  EXPECT_EQ(printed, ids) << r.out;
+
+  // JSON: one TransferEvent per line.
+  const std::set<std::string> more = {submit(), submit()};
+  r = Ctl({"-o", "json", "watch", "--count", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::set<std::string> seen;
+  for (absl::string_view line :
+       absl::StrSplit(r.out, '\n', absl::SkipEmpty())) {
+    v1::TransferEvent event;
+    ASSERT_TRUE(
+        google::protobuf::util::JsonStringToMessage(std::string(line), &event)
+            .ok())
+        << line;
+    EXPECT_EQ(event.transfer().state(), v1::TRANSFER_STATE_DONE);
+    seen.insert(absl::StrCat(event.transfer().transfer_id()));
+  }
+  EXPECT_EQ(seen, more) << r.out;
+
+  // Until interrupted: an end that comes while it runs, then SIGINT.
+  Subprocess::Options options;
+  options.argv = {RunfilePath("client/rdma-agentctl"),
+                  "--target=" + agent_->target(), "watch"};
+  options.pipe_stdio = true;
+  auto watch = Subprocess::Spawn(options);
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  const std::string later = submit();
+  auto line = watch->ReadLine(absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_EQ(*line, absl::StrCat("transfer ", later, ": DONE"));
+  watch->Signal(SIGINT);
+  auto code = watch->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+}
+
 TEST_F(AgentctlTest, InfoDescribesTheAgent) {
   const RunResult r = Ctl({"info"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -252,6 +432,15 @@ TEST_F(AgentctlTest, BadUsageExitsTwoWithAMessage) {
       {{"decode", "not base64 at all!"}, "not base64"},
       {{"decode", truncated}, "not a serialized RemoteBuffer"},
       {{"decode", "--context_file=" + File("missing")}, "cannot open"},
+      {{"submit", "--async", "--op=read", "--length=1", "--context=" + context},
+       "submit needs --local ID"},
+      {{"wait"}, "wait: expected exactly one transfer ID"},
+      {{"wait", "soon"}, "wait: expected exactly one transfer ID"},
+      {{"cancel"}, "cancel: expected exactly one transfer ID"},
+      {{"cancel", "1", "2"}, "cancel: expected exactly one transfer ID"},
+      {{"watch", "--count=0"}, "--count must be at least 1"},
+      {{"watch", "--count=lots"}, "--count"},
+      {{"watch", "extra"}, "extra"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(absl::StrJoin(c.args, " "));
@@ -315,8 +504,9 @@ TEST_F(AgentctlTest, UnreachableAgentExitsOneWithUnavailable) {
 TEST_F(AgentctlTest, HelpListsCommandsAndEachCommandHasItsOwn) {
   RunResult r = Ctl({"--help"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  for (const char* command : {"info", "health", "register", "list", "release",
-                              "write", "read", "submit", "decode"}) {
+  for (const char* command :
+       {"info", "health", "register", "list", "release", "write", "read",
+        "submit", "wait", "cancel", "watch", "decode"}) {
     EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
   }
   EXPECT_THAT(r.out, HasSubstr("rdma-agentctl help COMMAND"));
@@ -329,6 +519,15 @@ TEST_F(AgentctlTest, HelpListsCommandsAndEachCommandHasItsOwn) {
   EXPECT_EQ(topic.exit_code, 0) << topic.err;
   EXPECT_EQ(topic.out, r.out);
   EXPECT_EQ(Ctl({"help", "nonsense"}).exit_code, 2);
+  r = Ctl({"submit", "--help"});
+  EXPECT_THAT(r.out, HasSubstr("--async"));
+  for (const char* command : {"wait", "cancel", "watch"}) {
+    r = Ctl({"help", command});
+    EXPECT_EQ(r.exit_code, 0) << command << ": " << r.err;
+    EXPECT_THAT(r.out, HasSubstr("Usage: rdma-agentctl ")) << command;
+  }
+  EXPECT_THAT(Ctl({"help", "wait"}).out, HasSubstr("--timeout"));
+  EXPECT_THAT(Ctl({"help", "watch"}).out, HasSubstr("--count"));
   // A malformed option value is bad usage too.
   r = Ctl({"register", "--size=lots"});
   EXPECT_EQ(r.exit_code, 2);
@@ -446,10 +645,9 @@ TEST_F(AgentctlTest, MetricsPrintsTheAgentsEndpointOrSaysThereIsNone) {
   auto served = AgentProcess::Start(options);
   ASSERT_TRUE(served.ok()) << served.status();
   ASSERT_TRUE((*served)->client().GetInfo().ok());
-  auto result = RunToCompletion(
-      {RunfilePath("client/rdma-agentctl"), "--target=" + (*served)->target(),
-       "metrics"},
-      "", absl::Seconds(60));
+  auto result = RunToCompletion({RunfilePath("client/rdma-agentctl"),
+                                 "--target=" + (*served)->target(), "metrics"},
+                                "", absl::Seconds(60));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->exit_code, 0) << result->err;
   EXPECT_THAT(result->out, HasSubstr("# TYPE rdma_agentd_rpcs_total counter"));

@@ -27,6 +27,11 @@
 //   wait) transfer_cancel ID          -> status CODE [STATE]   (CancelTransfer)
 //   transfer_watch MILLISECONDS -> events ID,ID,...
 //        the ends WatchTransfers pushed within that time
+//   watch_start                 -> ok STATE | error CODE MESSAGE
+//        starts the client library's TransferWatch (kept until the worker
+//        exits; started again if it has ended), then runs one small transfer
+//        between two buffers of its own and waits for its OnDone callback:
+//        once this answers ok, the agent holds the stream open
 //   release ID                  -> status CODE
 //   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
 //   writebuf ID OFFSET HEX_DATA -> status CODE
@@ -49,6 +54,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -254,6 +260,7 @@ class Worker {
       (void)stream->Finish();
       return absl::StrCat("events ", absl::StrJoin(ids, ","));
     }
+    if (command == "watch_start") return WatchStart();
     if (command == "release" && need(1)) {
       auto it = buffers_.find(n[0]);
       if (it == buffers_.end()) {
@@ -309,6 +316,46 @@ class Worker {
     return *stub_;
   }
 
+  std::string WatchStart() {
+    if (!watch_.has_value() || !watch_->status().ok()) {
+      watch_.reset();  // one the agent refused, if any
+      absl::StatusOr<client::TransferWatch> watch = client_->WatchTransfers();
+      if (!watch.ok()) return Error(watch.status());
+      watch_.emplace(std::move(*watch));
+    }
+    // Kept for the next watch_start (a retry after a refusal).
+    while (watch_buffers_.size() < 2) {
+      absl::StatusOr<Buffer> buffer =
+          client_->Attach(4096, v1::ACCESS_READ_WRITE);
+      if (!buffer.ok()) return Error(buffer.status());
+      watch_buffers_.push_back(std::move(*buffer));
+    }
+    client::OpSpec op;
+    op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+    op.local_buffer_id = watch_buffers_[1].id();
+    op.length = 4096;
+    op.remote_context = watch_buffers_[0].remote_context();
+    absl::StatusOr<client::Transfer> transfer =
+        client_->SubmitAsync({op}, absl::Seconds(30));
+    if (!transfer.ok()) return Error(transfer.status());
+    // Shared: a callback that comes after the 30 s below still has it.
+    auto ended = std::make_shared<
+        std::promise<absl::StatusOr<client::TransferResult>>>();
+    std::future<absl::StatusOr<client::TransferResult>> end =
+        ended->get_future();
+    const absl::Status set = transfer->OnDone(
+        [ended](absl::StatusOr<client::TransferResult> result) {
+          ended->set_value(std::move(result));
+        });
+    if (!set.ok()) return Error(set);
+    if (end.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+      return "error DEADLINE_EXCEEDED no OnDone callback within 30s";
+    }
+    absl::StatusOr<client::TransferResult> result = end.get();
+    if (!result.ok()) return Error(result.status());
+    return absl::StrCat("ok ", client::TransferStateName(result->state));
+  }
+
   Buffer* Find(uint64_t id) {
     auto it = buffers_.find(id);
     return it == buffers_.end() ? nullptr : &it->second;
@@ -359,6 +406,8 @@ class Worker {
   std::unique_ptr<AgentClient> client_;
   std::unique_ptr<v1::RdmaAgent::Stub> stub_;
   std::map<uint64_t, Buffer> buffers_;
+  std::vector<Buffer> watch_buffers_;
+  std::optional<client::TransferWatch> watch_;
 };
 
 int Main(int argc, char** argv) {

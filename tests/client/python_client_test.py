@@ -7,7 +7,9 @@ cross-process test.
 """
 
 import argparse
+import asyncio
 import base64
+import concurrent.futures
 import os
 import time
 import queue
@@ -22,6 +24,7 @@ import unittest
 import grpc
 
 from rdma.agent.v1 import types_pb2
+import rdma_agent_client
 from rdma_agent_client import AgentClient, AgentError, Op, decode_context
 
 AGENTD = None
@@ -36,14 +39,14 @@ class Agent:
     """A real rdma-agentd in a fresh short runtime dir; ready once it logs
     that it serves its sockets."""
 
-    def __init__(self):
+    def __init__(self, flags=()):
         self.dir = tempfile.mkdtemp(prefix="rac.", dir="/tmp")
         self.socket = os.path.join(self.dir, "agent.sock")
         self.log = []
         self.process = subprocess.Popen(
             [AGENTD, "--runtime_dir=" + self.dir, "--state_dir=" + self.dir,
              "--backends=memory",
-             "--peer_listen=127.0.0.1:0", "--log_level=debug"],
+             "--peer_listen=127.0.0.1:0", "--log_level=debug"] + list(flags),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         lines = queue.Queue()
 
@@ -81,7 +84,9 @@ class PythonClientTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.agent = Agent()
+        # One transfer worker: a transfer queued behind a long one stays
+        # queued until that one ends.
+        cls.agent = Agent(["--transfer_workers=1"])
 
     @classmethod
     def tearDownClass(cls):
@@ -314,6 +319,203 @@ class PythonClientTest(unittest.TestCase):
             code = child.wait(timeout=30)
             child.stdout.close()
             self.assertEqual(code, 0)
+
+
+class AsyncTransferTest(unittest.TestCase):
+    """submit_async() and its Transfer: wait, poll, cancel, futures, asyncio.
+    The tests' clients share one user: only self.client watches."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.agent = Agent(["--transfer_workers=1"])
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.agent.stop() == 0
+
+    def setUp(self):
+        self.client = AgentClient(self.agent.socket, timeout=30)
+
+    def tearDown(self):
+        for info in self.client.list_buffers():
+            self.client.release(info.buffer_id)
+        self.client.close()
+
+    def watch_threads(self):
+        return [t for t in threading.enumerate() if t.name == "rdma-xfer-watch"]
+
+    def long_transfer(self, size=64 * MIB, count=1024):
+        """A transfer that copies `size` bytes `count` times (64 GiB: many
+        seconds on the memory backend; cancel() stops it at once), with its
+        local buffer zeroed and the source 0x5a."""
+        local = self.client.allocate(size)
+        source = self.client.allocate(size)
+        source.memory[:] = b"\x5a" * size
+        transfer = self.client.submit_async(
+            [Op("read", local.id, 0, size, source.remote_context, 0)] * count, timeout=300)
+        return transfer, local, source
+
+    def test_wait_poll_and_futures_of_a_done_transfer(self):
+        with self.client.allocate(MIB + 3) as a, self.client.attach(MIB + 3) as b:
+            b.memory[:] = pattern(3, MIB + 3)
+            before = time.time()
+            transfer = self.client.submit_async(
+                [Op("read", a.id, 3, MIB, b.remote_context, 1)], timeout=30)
+            self.assertGreater(transfer.transfer_id, 0)
+            end = transfer.wait(30)
+            self.assertEqual(end.state, rdma_agent_client.DONE)
+            self.assertTrue(end.ok and end.ended)
+            self.assertEqual(end.transfer_id, transfer.transfer_id)
+            [result] = end.results
+            self.assertTrue(result.ok, result)
+            self.assertEqual(result.backend, "memory")
+            self.assertTrue(bytes(a.memory[3:MIB + 3]) == pattern(3, MIB + 3)[1:MIB + 1])
+            self.assertGreaterEqual(end.create_time, before - 1)
+            self.assertGreaterEqual(end.start_time, end.create_time)
+            self.assertGreaterEqual(end.end_time, end.start_time)
+            # The end is kept: the agent has forgotten it by now.
+            self.assertEqual(transfer.poll(), end)
+            self.assertEqual(transfer.result(), end)
+            self.assertEqual(transfer.future.result(timeout=30), end)
+            self.assertTrue(transfer.done())
+            self.assertEqual(transfer.cancel(), end)  # ended: nothing changes
+            with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
+                self.assertCode(grpc.StatusCode.NOT_FOUND, other.transfer(end.transfer_id).poll)
+
+    def assertCode(self, code, call, *args):
+        with self.assertRaises(AgentError) as raised:
+            call(*args)
+        self.assertEqual(raised.exception.code, code, raised.exception)
+
+    def test_a_failed_op_ends_the_transfer_failed(self):
+        with self.client.allocate(4096) as a:
+            transfer = self.client.submit_async([
+                Op("read", a.id, 0, 10, a.remote_context, 100),
+                Op("read", a.id, 0, 10, a.remote_context, 4090)], timeout=30)
+            end = transfer.wait(30)
+            self.assertEqual(end.state, rdma_agent_client.FAILED)
+            self.assertFalse(end.ok)
+            self.assertEqual([r.code for r in end.results],
+                             [grpc.StatusCode.OK, grpc.StatusCode.OUT_OF_RANGE])
+            self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.submit_async, [])
+
+    def test_await_and_gather_in_asyncio(self):
+        with self.client.allocate(64 * 4096) as a, self.client.allocate(64 * 4096) as b:
+            b.memory[:] = pattern(5, 64 * 4096)
+
+            async def main():
+                transfers = [self.client.submit_async(
+                    [Op("read", a.id, i * 4096, 4096, b.remote_context, i * 4096)])
+                    for i in range(64)]
+                first = await transfers[0]
+                rest = await asyncio.wait_for(asyncio.gather(*transfers[1:]), 60)
+                return [first] + rest
+
+            ends = asyncio.run(main())
+            self.assertEqual(len(ends), 64)
+            self.assertTrue(all(e.state == rdma_agent_client.DONE for e in ends), ends)
+            self.assertEqual(len({e.transfer_id for e in ends}), 64)
+            self.assertTrue(bytes(a.memory) == bytes(b.memory))
+
+    def test_two_hundred_futures_resolved_by_one_watch_thread(self):
+        with self.client.allocate(200 * 4096) as a, self.client.allocate(200 * 4096) as b:
+            b.memory[:] = pattern(6, 200 * 4096)
+            calls = {}
+            lock = threading.Lock()
+
+            def count(future):
+                with lock:
+                    end = future.result()
+                    calls[end.transfer_id] = calls.get(end.transfer_id, 0) + 1
+
+            transfers = []
+            for i in range(200):
+                transfer = self.client.submit_async(
+                    [Op("read", a.id, i * 4096, 4096, b.remote_context, i * 4096)])
+                transfer.future.add_done_callback(count)
+                transfers.append(transfer)
+            done, not_done = concurrent.futures.wait([t.future for t in transfers], 60)
+            self.assertEqual(not_done, set())
+            self.assertEqual(len(self.watch_threads()), 1)
+            time.sleep(0.2)
+            self.assertEqual(calls, {t.transfer_id: 1 for t in transfers})
+            self.assertTrue(all(t.future.result().ok for t in transfers))
+            self.assertTrue(bytes(a.memory) == bytes(b.memory))
+
+    def test_poll_wait_and_cancel_of_a_running_and_a_queued_transfer(self):
+        running, local, source = self.long_transfer()
+        with self.client.allocate(4096) as small:
+            queued = self.client.submit_async(
+                [Op("read", small.id, 0, 4096, source.remote_context, 0)], timeout=300)
+            deadline = time.monotonic() + 60
+            while local.memory[0] != 0x5a:
+                self.assertLess(time.monotonic(), deadline, "the transfer never moved a byte")
+                time.sleep(0.005)
+            now = running.poll()
+            self.assertEqual(now.state, rdma_agent_client.PENDING)
+            self.assertEqual(now.results, [])
+            self.assertIsNotNone(now.start_time)
+            self.assertIsNone(now.end_time)
+            self.assertEqual(queued.poll().start_time, None)  # still queued
+            self.assertCode(grpc.StatusCode.DEADLINE_EXCEEDED, running.wait, 0.2)
+            with self.assertRaises(TimeoutError):
+                running.result(0.1)
+            self.assertFalse(running.future.done())
+
+            never = queued.cancel()
+            self.assertEqual(never.state, rdma_agent_client.CANCELLED)
+            self.assertEqual([r.code for r in never.results], [grpc.StatusCode.CANCELLED])
+            self.assertIsNone(never.start_time)
+            self.assertEqual(bytes(small.memory), bytes(4096))
+
+            stopped = running.cancel()
+            # Nothing of it writes into `local` once cancel() has returned.
+            local.memory[:] = b"\xc3" * len(local.memory)
+            self.assertEqual(stopped.state, rdma_agent_client.CANCELLED)
+            self.assertIn(grpc.StatusCode.CANCELLED, [r.code for r in stopped.results])
+            time.sleep(0.5)
+            self.assertTrue(bytes(local.memory) == b"\xc3" * len(local.memory))
+            self.assertEqual(running.wait(0), stopped)
+            self.assertEqual(running.future.result(timeout=30), stopped)
+        local.close()
+        source.close()
+
+    def test_closing_the_client_fails_pending_futures(self):
+        with AgentClient(self.agent.socket, timeout=30) as watching:
+            size = 64 * MIB
+            local, source = watching.allocate(size), watching.allocate(size)
+            transfer = watching.submit_async(
+                [Op("read", local.id, 0, size, source.remote_context, 0)] * 1024, timeout=300)
+            self.assertEqual(len(self.watch_threads()), 1)
+        with self.assertRaises(AgentError) as raised:
+            transfer.future.result(timeout=30)
+        self.assertEqual(raised.exception.code, grpc.StatusCode.CANCELLED)
+        self.assertIn("closed", raised.exception.message)
+        self.assertEqual(self.watch_threads(), [])
+        # The transfer runs on; another client of the user stops it.
+        with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
+            self.assertEqual(other.transfer(transfer.transfer_id).cancel().state,
+                             rdma_agent_client.CANCELLED)
+
+    def test_without_the_watch_wait_asks_the_agent(self):
+        with AgentClient(self.agent.socket, timeout=30, watch=False) as quiet, \
+                quiet.allocate(4096) as a:
+            transfer = quiet.submit_async([Op("read", a.id, 0, 10, a.remote_context, 100)])
+            self.assertEqual(self.watch_threads(), [])
+            self.assertFalse(transfer.future.done())  # nobody pushes it
+            end = transfer.wait(30)
+            self.assertEqual(end.state, rdma_agent_client.DONE)
+            self.assertEqual(transfer.future.result(timeout=0), end)
+            self.assertCode(grpc.StatusCode.NOT_FOUND, quiet.transfer(999999).wait, 1)
+
+    def test_a_transfer_submitted_elsewhere_by_id(self):
+        with AgentClient(self.agent.socket, timeout=30, watch=False) as other, \
+                other.allocate(4096) as a:
+            submitted = other.submit_async([Op("read", a.id, 0, 10, a.remote_context, 100)])
+            followed = self.client.transfer(submitted.transfer_id)
+            self.assertEqual(followed.wait(30).state, rdma_agent_client.DONE)
+            self.assertEqual(followed.future.result(timeout=30).state, rdma_agent_client.DONE)
+            self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.transfer(999999).wait, 1)
 
 
 def child(socket_path):
