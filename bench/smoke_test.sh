@@ -49,6 +49,8 @@ for line in info lat_getinfo lat_tcp_rtt lat_read lat_write lat_floor \
   grep -q "^$line " "$WORK/round-1/bench.txt" || { echo "FAIL: no $line line"; exit 1; }
 done
 if grep -q "failed=" "$WORK/round-1/bench.txt"; then echo "FAIL: a test failed"; exit 1; fi
+grep -q "^async_write .*ops_per_s=" "$WORK/round-1/bench.txt" ||
+  { echo "FAIL: async_write measured nothing"; exit 1; }
 
 printf 'date=now\nload_start=0\nload_end=0\nnproc=1\nrounds=1\nstreams=2\nagent_flags=\n' \
   >"$WORK/meta.txt"
