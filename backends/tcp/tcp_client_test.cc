@@ -65,7 +65,8 @@ class Agent {
   Op MakeOp(v1::OpType type, std::shared_ptr<v1::RemoteBuffer> remote,
             uint64_t length, size_t index = 0) const {
     return ::rdma_agent::testing::MakeOp(
-        index, type, ::rdma_agent::testing::TestBuffer{local_}, 0, length,
+        index, type, ::rdma_agent::testing::TestBuffer{local_, nullptr}, 0,
+        length,
         ::rdma_agent::testing::TestBuffer{nullptr, std::move(remote)}, 0);
   }
 

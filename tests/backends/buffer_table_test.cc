@@ -73,7 +73,9 @@ TEST(BufferTableScopingTest, IdsAreNeverReusedAfterRemoveOrClear) {
       EXPECT_GT(registration->id(), last);
       last = registration->id();
       EXPECT_TRUE(seen.insert(last).second) << last;
-      if (i % 2 == 0) ASSERT_TRUE(table.Remove(last, kAlice).ok());
+      if (i % 2 == 0) {
+        ASSERT_TRUE(table.Remove(last, kAlice).ok());
+      }
     }
     table.Clear();
     EXPECT_TRUE(table.ListAll().empty());

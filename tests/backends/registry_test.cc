@@ -101,7 +101,7 @@ std::shared_ptr<const v1::RemoteBuffer> Advertising(
 Op ReadOp(size_t index, std::shared_ptr<const v1::RemoteBuffer> remote,
           std::shared_ptr<Registration> local) {
   Op op = testing::MakeOp(index, v1::OP_TYPE_READ_INTO_LOCAL,
-                          testing::TestBuffer{std::move(local)}, 0, 1,
+                          testing::TestBuffer{std::move(local), nullptr}, 0, 1,
                           testing::TestBuffer{nullptr, std::move(remote)}, 0);
   op.endpoint = nullptr;  // BackendRegistry::Submit chooses it
   return op;
