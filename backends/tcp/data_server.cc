@@ -326,19 +326,22 @@ bool DataServer::ReceiveRequest(Connection* connection, BufferedSocket& io,
                                 bool first, bool trusted,
                                 RequestHeader* header, std::string* token) {
   const int fd = connection->fd.get();
-  if (!first && io.buffered() == 0) {
-    // Nothing more has arrived: the answers so far go out before waiting.
-    if (!io.Flush().ok()) return false;
+  if (!first) {
     // Between requests: wait for the next one's first byte, at most the
     // idle timeout, or, on a connection that never named a registration
     // with its token, the handshake timeout (which then also covers header
     // and token): a stranger's well-formed but refused requests do not buy
-    // it a long-lived slot.
+    // it a long-lived slot. Timed so even when the request already waits in
+    // `io` (pipelined): every request gets its own timeout.
     connection->Enter(
         trusted ? Phase::kIdle : Phase::kHandshake,
         trusted ? options_.idle_timeout : options_.handshake_timeout);
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, -1) < 0 && errno != EINTR) return false;
+    if (io.buffered() == 0) {
+      // Nothing more has arrived: the answers so far go out before waiting.
+      if (!io.Flush().ok()) return false;
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, -1) < 0 && errno != EINTR) return false;
+    }
     if (trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
   }
   std::byte bytes[kRequestHeaderBytes];

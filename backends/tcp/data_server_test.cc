@@ -373,6 +373,42 @@ TEST_F(DataServerTest, StalledPartialWriteReleasesTheRegistration) {
   EXPECT_EQ(*received, "") << "no response to a request cut short";
 }
 
+TEST_F(DataServerTest, EachPipelinedRequestGetsTheRequestTimeoutAnew) {
+  // Requests that arrived together are served from the server's buffer; each
+  // still gets its own request timeout, so a long pipelined stream whose
+  // every request is prompt is never cut.
+  DataServerOptions options = Patient();
+  options.request_timeout = absl::Milliseconds(400);
+  StartServer(options);
+  constexpr uint64_t kSize = 1 << 20;
+  constexpr int kRequests = 24;
+  auto buffer = Register(1, kSize);
+  UniqueFd fd = Connect(port());
+  ASSERT_TRUE(ReadHello(fd.get()).ok());
+  std::string requests;
+  for (int i = 0; i < kRequests; ++i) {
+    requests += Header(RequestKind::kRead, 1, 0, kSize, "token-1");
+  }
+  SendAll(fd.get(), requests);
+  // Read each answer 100 ms apart: 2.4 s in all, each request 100 ms.
+  std::string payload;
+  for (int i = 0; i < kRequests; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    std::byte bytes[kResponseHeaderBytes];
+    ASSERT_TRUE(ReadFull(fd.get(), bytes, sizeof(bytes)).ok())
+        << "cut at request " << i;
+    auto response = DecodeResponseHeader(bytes);
+    ASSERT_TRUE(response.ok()) << response.status();
+    ASSERT_EQ(response->code, 0u);
+    payload.resize(response->message_bytes + response->payload_bytes);
+    ASSERT_TRUE(ReadFull(fd.get(), payload.data(), payload.size()).ok())
+        << "cut at request " << i;
+    ASSERT_EQ(std::memcmp(payload.data() + response->message_bytes,
+                          buffer->data(), kSize),
+              0);
+  }
+}
+
 TEST_F(DataServerTest, UnreadResponseReleasesTheRegistration) {
   DataServerOptions options = Patient();
   options.request_timeout = absl::Milliseconds(500);
