@@ -99,4 +99,13 @@ bool IsWildcardHost(absl::string_view host) {
          host == "*";
 }
 
+std::string AdvertisedHost(absl::string_view listen_host,
+                           absl::string_view chosen,
+                           absl::string_view detected) {
+  for (absl::string_view host : {chosen, listen_host, detected}) {
+    if (!IsWildcardHost(host)) return std::string(host);
+  }
+  return "127.0.0.1";
+}
+
 }  // namespace rdma_agent

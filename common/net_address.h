@@ -28,6 +28,17 @@ std::string JoinHostPort(absl::string_view host, uint16_t port);
 // True for addresses that mean "every interface" ("", 0.0.0.0, ::, [::], *).
 bool IsWildcardHost(absl::string_view host);
 
+// The host others are told to dial to reach a listener bound to
+// `listen_host`, never a wildcard: `chosen` (an operator's
+// --advertise_host: NAT, containers) unless empty or a wildcard; else
+// `listen_host` when the listener is bound to that one address (it is
+// reachable only there; any other host would be a closed port); else
+// `detected` (the default-route address) unless empty or a wildcard; else
+// loopback.
+std::string AdvertisedHost(absl::string_view listen_host,
+                           absl::string_view chosen,
+                           absl::string_view detected);
+
 }  // namespace rdma_agent
 
 #endif  // RDMA_AGENTD_COMMON_NET_ADDRESS_H_

@@ -29,6 +29,19 @@ TEST(NetAddressTest, ParsesAndFormatsAddresses) {
   EXPECT_FALSE(IsWildcardHost("127.0.0.1"));
 }
 
+TEST(NetAddressTest, AdvertisedHostPrefersTheChoiceThenTheBoundAddress) {
+  // An operator's choice wins (NAT).
+  EXPECT_EQ(AdvertisedHost("127.0.0.1", "10.9.8.7", "10.1.1.1"), "10.9.8.7");
+  // A listener bound to one address is reachable only there.
+  EXPECT_EQ(AdvertisedHost("127.0.0.1", "", "10.1.1.1"), "127.0.0.1");
+  // A wildcard listener takes the detected host, else loopback.
+  EXPECT_EQ(AdvertisedHost("0.0.0.0", "", "10.1.1.1"), "10.1.1.1");
+  EXPECT_EQ(AdvertisedHost("::", "", ""), "127.0.0.1");
+  // A wildcard is never advertised, whoever gave it.
+  EXPECT_EQ(AdvertisedHost("10.2.2.2", "0.0.0.0", "10.1.1.1"), "10.2.2.2");
+  EXPECT_EQ(AdvertisedHost("0.0.0.0", "0.0.0.0", "0.0.0.0"), "127.0.0.1");
+}
+
 TEST(NetAddressTest, DefaultAdvertiseHostIsNeverAWildcard) {
   EXPECT_FALSE(IsWildcardHost(DefaultAdvertiseHost()));
 }

@@ -290,23 +290,17 @@ absl::Status Agent::StartPeerListener() {
   for (grpc::Service* service : peer_services) {
     builder.RegisterService(service);
   }
-  std::vector<std::unique_ptr<
-      grpc::experimental::ServerInterceptorFactoryInterface>>
-      observers;
-  observers.push_back(std::make_unique<RpcObserverFactory>(metrics_.get()));
-  builder.experimental().SetInterceptorCreators(std::move(observers));
+  ObserveRpcs(builder, std::make_unique<RpcObserverFactory>(metrics_.get()));
   peer_server_ = builder.BuildAndStart();
   if (peer_server_ == nullptr || port == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen for peers on ", options_.peer_listen));
   }
-  // The port actually bound; the host peers can reach it at: a listener
-  // bound to one address is reachable only there, unless an operator chose
-  // the advertised host (NAT).
+  // The port actually bound, at the host peers can reach it at.
   peer_address_ = JoinHostPort(
-      advertise_host_explicit_ || IsWildcardHost(listen->host)
-          ? options_.advertise_host
-          : listen->host,
+      AdvertisedHost(listen->host,
+                     advertise_host_explicit_ ? options_.advertise_host : "",
+                     options_.advertise_host),
       static_cast<uint16_t>(port));
   if (options_.peer_tls.enabled()) {
     spdlog::info("Peer listener {} requires client certificates (mTLS)",
@@ -365,12 +359,8 @@ absl::Status Agent::StartApiServer() {
   builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
-  std::vector<std::unique_ptr<
-      grpc::experimental::ServerInterceptorFactoryInterface>>
-      observers;
-  observers.push_back(
-      std::make_unique<RpcObserverFactory>(callers_.get(), metrics_.get()));
-  builder.experimental().SetInterceptorCreators(std::move(observers));
+  ObserveRpcs(builder, std::make_unique<RpcObserverFactory>(callers_.get(),
+                                                            metrics_.get()));
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::InternalError("cannot start the RdmaAgent gRPC server");
@@ -509,8 +499,7 @@ absl::Status Agent::StartMetricsServer() {
   // The port bound, on the host asked for (a wildcard is reached locally).
   auto listen = ParseHostPort(options_.metrics_listen);
   metrics_address_ = JoinHostPort(
-      !listen.ok() || IsWildcardHost(listen->host) ? "127.0.0.1"
-                                                   : listen->host,
+      AdvertisedHost(listen.ok() ? listen->host : "", "", ""),
       metrics_server_->port());
   return absl::OkStatus();
 }

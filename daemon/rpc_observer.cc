@@ -2,6 +2,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
@@ -97,6 +98,15 @@ RpcObserverFactory::RpcObserverFactory(AgentMetrics* metrics)
 grpc::experimental::Interceptor* RpcObserverFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
   return new RpcObserver(info, callers_, metrics_, &error_log_);
+}
+
+void ObserveRpcs(grpc::ServerBuilder& builder,
+                 std::unique_ptr<RpcObserverFactory> observer) {
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      observers;
+  observers.push_back(std::move(observer));
+  builder.experimental().SetInterceptorCreators(std::move(observers));
 }
 
 }  // namespace rdma_agent

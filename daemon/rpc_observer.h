@@ -1,7 +1,10 @@
 #ifndef RDMA_AGENTD_DAEMON_RPC_OBSERVER_H_
 #define RDMA_AGENTD_DAEMON_RPC_OBSERVER_H_
 
+#include <memory>
+
 #include "common/rate_limited_log.h"
+#include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
 
 namespace rdma_agent {
@@ -34,6 +37,10 @@ class RpcObserverFactory
   // Shared by every call: 20 lines at once, then one a second.
   LogRateLimiter error_log_{absl::Seconds(1), 20};
 };
+
+// Has the server `builder` builds log and count its RPCs through `observer`.
+void ObserveRpcs(grpc::ServerBuilder& builder,
+                 std::unique_ptr<RpcObserverFactory> observer);
 
 }  // namespace rdma_agent
 

@@ -41,16 +41,9 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
         "tcp advertise host \"", advertise, "\" is a wildcard address"));
   }
   if (advertise.empty()) {
-    // A listener bound to one address is reachable only there: advertising
-    // the agent's host instead would send peers to a closed port. Only a
-    // wildcard listener takes the agent's advertise host.
-    // (An operator's --advertise_host still wins: NAT.)
-    const bool agent_host =
-        env.advertise_host_explicit || IsWildcardHost(listen->host);
-    advertise = !agent_host ? listen->host
-                : !IsWildcardHost(env.advertise_host) ? env.advertise_host
-                : !IsWildcardHost(listen->host)       ? listen->host
-                                                      : "127.0.0.1";
+    advertise = AdvertisedHost(
+        listen->host, env.advertise_host_explicit ? env.advertise_host : "",
+        env.advertise_host);
   }
 
   auto client = tcp::DataClient::Create(options.client);
