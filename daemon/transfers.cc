@@ -224,16 +224,20 @@ v1::Transfer TransferTable::Describe(const Record& record) const {
   return transfer;
 }
 
+std::unique_ptr<Cancellation::Callback> TransferTable::WakeOnCancel(
+    const Cancellation* stop, bool* stopped) {
+  if (stop == nullptr) return nullptr;
+  return stop->OnCancel([this, stopped] {
+    absl::MutexLock lock(&mu_);
+    *stopped = true;
+  });
+}
+
 absl::StatusOr<std::vector<v1::Transfer>> TransferTable::Get(
     uid_t uid, absl::Span<const uint64_t> ids, absl::Time deadline,
     const Cancellation* stop) {
-  // Registered before the lock is taken (it may run at once, and takes the
-  // lock), and unregistered after it is released (declaration order).
   bool stopped = false;
-  auto wake = stop == nullptr ? nullptr : stop->OnCancel([this, &stopped] {
-    absl::MutexLock lock(&mu_);
-    stopped = true;
-  });
+  auto wake = WakeOnCancel(stop, &stopped);
   absl::MutexLock lock(&mu_);
   DropExpired();
   std::vector<RecordPtr> records;
@@ -310,10 +314,7 @@ std::unique_ptr<TransferTable::Watcher> TransferTable::Watch(uid_t uid) {
 std::vector<v1::Transfer> TransferTable::NextEnded(Watcher& watcher,
                                                    const Cancellation* stop) {
   bool stopped = false;
-  auto wake = stop == nullptr ? nullptr : stop->OnCancel([this, &stopped] {
-    absl::MutexLock lock(&mu_);
-    stopped = true;
-  });
+  auto wake = WakeOnCancel(stop, &stopped);
   absl::MutexLock lock(&mu_);
   const auto unseen = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     auto ended = ended_by_uid_.find(watcher.uid_);

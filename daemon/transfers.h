@@ -169,6 +169,13 @@ class TransferTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops ended records older than the retention.
   void DropExpired() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // While the handle lives, `stop` firing sets *stopped under mu_, so that a
+  // wait on mu_ sees it. Take it before mu_ (the callback may run at once,
+  // and takes mu_) and let it go after (declare it first). Null without a
+  // `stop`.
+  std::unique_ptr<Cancellation::Callback> WakeOnCancel(const Cancellation* stop,
+                                                       bool* stopped)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Drops ended `record` from every index.
   void Drop(const Record& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Transfer Describe(const Record& record) const
