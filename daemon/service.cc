@@ -368,18 +368,14 @@ class RdmaAgentService::Batch final : public TransferWork {
       std::vector<OpOutcome> outcomes =
           service_->backends_->Submit(ready_, stop);
       for (size_t k = 0; k < ready_.size(); ++k) {
-        const size_t i = ready_index_[k];
-        statuses_[i] = std::move(outcomes[k].status);
-        used_[i] = std::move(outcomes[k].backend);
-        retried_from_[i] = std::move(outcomes[k].retried_from);
-        latencies_[i] = outcomes[k].latency;
+        outcomes_[ready_index_[k]] = std::move(outcomes[k]);
       }
     }
     return Finish();
   }
 
   std::vector<v1::OpResult> Skip(const absl::Status& reason) override {
-    for (size_t i : ready_index_) statuses_[i] = AnnotateOp(reason, i);
+    for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
     return Finish();
   }
 
@@ -390,17 +386,14 @@ class RdmaAgentService::Batch final : public TransferWork {
         caller_(caller),
         request_(request),
         rpc_(rpc),
-        statuses_(request->ops_size()),
-        used_(request->ops_size()),
-        retried_from_(request->ops_size()),
-        latencies_(request->ops_size()) {}
+        outcomes_(request->ops_size()) {}
 
   void PrepareOps() {
-    for (size_t i = 0; i < statuses_.size(); ++i) {
+    for (size_t i = 0; i < outcomes_.size(); ++i) {
       auto op = service_->PrepareOp(request_->ops(static_cast<int>(i)), i,
                                     caller_.uid);
       if (!op.ok()) {
-        statuses_[i] = AnnotateOp(op.status(), i);
+        outcomes_[i].status = AnnotateOp(op.status(), i);
         continue;
       }
       ready_.push_back(std::move(*op));
@@ -412,7 +405,7 @@ class RdmaAgentService::Batch final : public TransferWork {
   // are unpinned.
   std::vector<v1::OpResult> Finish() {
     ready_.clear();
-    std::vector<v1::OpResult> results(statuses_.size());
+    std::vector<v1::OpResult> results(outcomes_.size());
     // Ops that ended alike are counted together: a few label lookups per
     // batch, not one per op.
     struct Alike {
@@ -420,24 +413,27 @@ class RdmaAgentService::Batch final : public TransferWork {
       uint64_t bytes = 0;
     };
     std::map<std::tuple<std::string, int, int, int64_t>, Alike> alike;
-    for (size_t i = 0; i < statuses_.size(); ++i) {
+    for (size_t i = 0; i < outcomes_.size(); ++i) {
       const v1::Op& wire = request_->ops(static_cast<int>(i));
+      const OpOutcome& outcome = outcomes_[i];
       if (service_->metrics_ != nullptr) {
-        Alike& group = alike[{used_[i], wire.type(),
-                              static_cast<int>(statuses_[i].code()),
-                              absl::ToInt64Nanoseconds(latencies_[i])}];
+        Alike& group = alike[{outcome.backend, wire.type(),
+                              static_cast<int>(outcome.status.code()),
+                              absl::ToInt64Nanoseconds(outcome.latency)}];
         ++group.count;
         group.bytes += wire.length();
-        if (!retried_from_[i].empty()) {
-          service_->metrics_->RecordRetry(retried_from_[i], used_[i]);
+        if (!outcome.retried_from.empty()) {
+          service_->metrics_->RecordRetry(outcome.retried_from,
+                                          outcome.backend);
         }
       }
-      if (!statuses_[i].ok()) {
-        service_->LogFailedOp(caller_, rpc_, wire, used_[i], statuses_[i]);
+      if (!outcome.status.ok()) {
+        service_->LogFailedOp(caller_, rpc_, wire, outcome.backend,
+                              outcome.status);
       }
-      results[i].set_code(static_cast<int>(statuses_[i].code()));
-      results[i].set_message(std::string(statuses_[i].message()));
-      results[i].set_backend(used_[i]);
+      results[i].set_code(static_cast<int>(outcome.status.code()));
+      results[i].set_message(std::string(outcome.status.message()));
+      results[i].set_backend(outcome.backend);
     }
     for (const auto& [key, group] : alike) {
       const auto& [backend, type, code, nanos] = key;
@@ -455,11 +451,8 @@ class RdmaAgentService::Batch final : public TransferWork {
   const std::string rpc_;
   std::unique_ptr<v1::SubmitRequest> owned_request_;  // *request_, if owned
   std::unique_ptr<ActiveCalls::OpsCharge> charge_;
-  // Per op of the request.
-  std::vector<absl::Status> statuses_;
-  std::vector<std::string> used_;
-  std::vector<std::string> retried_from_;
-  std::vector<absl::Duration> latencies_;
+  // Per op of the request: what ended it (validation or its backend).
+  std::vector<OpOutcome> outcomes_;
   // The ops that passed validation, and their positions in the request.
   std::vector<Op> ready_;
   std::vector<size_t> ready_index_;
