@@ -4,9 +4,9 @@
 
 #include <memory>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
+#include "common/net_address.h"
 
 namespace rdma_agent::client {
 namespace {
@@ -22,21 +22,14 @@ struct CloseConnection {
 absl::StatusOr<std::string> HttpGet(const std::string& address,
                                     const std::string& path,
                                     absl::Duration timeout) {
-  // "host:port" or "[v6]:port".
-  const size_t colon = address.rfind(':');
-  uint32_t port = 0;
-  if (colon == std::string::npos ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port == 0 ||
-      port > 65535) {
+  auto where = ParseHostPort(address);
+  if (!where.ok() || where->port == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("\"", address, "\" is not host:port"));
   }
-  absl::string_view host = absl::string_view(address).substr(0, colon);
-  absl::ConsumePrefix(&host, "[");
-  absl::ConsumeSuffix(&host, "]");
   char error[256] = {};
   std::unique_ptr<mg_connection, CloseConnection> connection(
-      mg_connect_client(std::string(host).c_str(), static_cast<int>(port),
+      mg_connect_client(where->host.c_str(), static_cast<int>(where->port),
                         /*use_ssl=*/0, error, sizeof(error)));
   if (connection == nullptr) {
     return absl::UnavailableError(
