@@ -769,28 +769,23 @@ class AgentClient:
             # With the watch, only to learn that the agent knows the id.
             wait = 0.0 if self._watch_serves(record) else \
                 (_LONGEST_POLL if remaining is None else remaining)
-            try:
-                message = self._get_transfer(record.transfer_id, wait)
-            except AgentError as error:
-                if error.code == grpc.StatusCode.NOT_FOUND:
-                    end = self._end_in_transit(record)
-                    if end is not None:
-                        return end
-                raise
+            result = self._ask(record, wait)
             asked = True
-            result = _transfer_result(message)
             if result.ended:
-                return self._resolve(record, result)
-            with self._lock:
-                record.confirmed = True
+                return result
         raise AgentError(grpc.StatusCode.DEADLINE_EXCEEDED,
                          "transfer %d did not end within %ss" % (record.transfer_id, timeout))
 
     def _poll(self, record):
         if record.end is not None:
             return record.end
+        return self._ask(record, 0.0)
+
+    def _ask(self, record, wait):
+        """GetTransfers for `record`, long-polling up to `wait` s: its end
+        (kept), or its PENDING state (the agent is then known to have it)."""
         try:
-            message = self._get_transfer(record.transfer_id, 0.0)
+            message = self._get_transfer(record.transfer_id, wait)
         except AgentError as error:
             if error.code == grpc.StatusCode.NOT_FOUND:
                 end = self._end_in_transit(record)
