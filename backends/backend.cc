@@ -31,4 +31,20 @@ ServeRequest ServeRequestFor(const Op& op) {
   return request;
 }
 
+ServeRequest NotificationTarget(const v1::RemoteBuffer& remote) {
+  ServeRequest request;
+  request.agent_epoch = remote.agent_epoch();
+  request.buffer_id = remote.buffer_id();
+  request.token = remote.token();
+  request.proof_only = true;
+  return request;
+}
+
+absl::Status Backend::Notify(const v1::RemoteBuffer&,
+                             const v1::BackendEndpoint&, absl::string_view,
+                             const StopToken&) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", name(), " backend carries no notifications"));
+}
+
 }  // namespace rdma_agent

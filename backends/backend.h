@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "backends/buffer_directory.h"
+#include "backends/notification_sink.h"
 #include "backends/peer_tls.h"
 #include "backends/registration.h"
 #include "common/stop_token.h"
@@ -44,6 +45,10 @@ struct BackendEnvironment {
   // Credentials for calling peers' Peer services (the agent's Peer listener
   // serves with the same material). Not enabled = plaintext.
   PeerTls peer_tls;
+  // Takes the notifications peers send to local registrations' owners.
+  // Outlives the backend. nullptr: this agent takes none (backends refuse
+  // them with UNIMPLEMENTED).
+  NotificationSink* notifications = nullptr;
 };
 
 // One op as the agent hands it to a backend, already validated: the local
@@ -131,6 +136,19 @@ class Backend {
   // returned no part of it reads or writes any op's local memory again.
   virtual std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                            const StopToken& stop) = 0;
+
+  // Sends `data` over this backend's own channel to the agent that issued
+  // `remote` (`endpoint` is this backend's entry in it), for the owner of
+  // the buffer it names: that agent's NotificationSink. The registry calls
+  // it after ops of a batch on that agent completed through this backend,
+  // so the notification follows their bytes. OK once the target queued it;
+  // never resent, so a failure after sending (say so in the message) may
+  // still have been delivered once. Returns by `stop.deadline()`, or soon
+  // after `stop` is cancelled. Backends that carry no notifications answer
+  // UNIMPLEMENTED.
+  virtual absl::Status Notify(const v1::RemoteBuffer& remote,
+                              const v1::BackendEndpoint& endpoint,
+                              absl::string_view data, const StopToken& stop);
 };
 
 // Spawns a backend from its configuration (captured by the factory) for an
@@ -148,6 +166,10 @@ absl::Status AnnotateOp(const absl::Status& status, size_t op_index);
 
 // The ServeRequest a peer sends for `op`'s remote side.
 ServeRequest ServeRequestFor(const Op& op);
+
+// The proof_only ServeRequest naming `remote`'s buffer: what a notification
+// to its owner carries.
+ServeRequest NotificationTarget(const v1::RemoteBuffer& remote);
 
 }  // namespace rdma_agent
 

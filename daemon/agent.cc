@@ -126,6 +126,10 @@ absl::Status Agent::Init() {
   SetUpQuotas();
   metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
+  notifications_ = std::make_unique<NotificationInbox>(
+      buffers_.get(),
+      NotificationLimits{options_.max_notification_bytes,
+                         options_.max_notifications_per_user});
   ObservePeerRefusals();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;
@@ -243,6 +247,7 @@ absl::Status Agent::SpawnBackends() {
   env.advertise_host = options_.advertise_host;
   env.advertise_host_explicit = advertise_host_explicit_;
   env.peer_tls = options_.peer_tls;
+  env.notifications = notifications_.get();
   std::vector<std::unique_ptr<Backend>> backends;
   for (const BackendFactory& factory : options_.backends) {
     auto backend = factory(env);
@@ -343,7 +348,8 @@ absl::Status Agent::StartApiServer() {
   service_ = std::make_unique<RdmaAgentService>(
       options_, identity_, backends_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
-      client_watcher_.get(), transfers_.get(), metrics_.get(),
+      client_watcher_.get(), transfers_.get(), notifications_.get(),
+      metrics_.get(),
       metrics_address_);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
@@ -469,6 +475,8 @@ void Agent::Shutdown() {
   if (transfers_ != nullptr) {
     transfers_->Shutdown(absl::UnavailableError("the agent is shutting down"));
   }
+  // Notification readers (long polls, streams) end now too.
+  if (notifications_ != nullptr) notifications_->Close();
   const absl::Time grace = absl::Now() + options_.shutdown_grace;
   if (server_ != nullptr) {
     // gRPC's Shutdown would spend the whole grace on connections that are

@@ -11,6 +11,7 @@
 #include "common/rate_limited_log.h"
 #include "common/unique_fd.h"
 #include "daemon/agent_options.h"
+#include "daemon/notifications.h"
 #include "daemon/quota.h"
 
 namespace grpc {
@@ -115,6 +116,8 @@ class Agent {
   // registries and backends they call into are destroyed.
   std::unique_ptr<AgentMetrics> metrics_;
   std::unique_ptr<BufferTable> buffers_;
+  // Backends deliver into it: it outlives them.
+  std::unique_ptr<NotificationInbox> notifications_;
   std::unique_ptr<ClientWatcher> client_watcher_;
   std::unique_ptr<AttachTokens> attach_tokens_;
   std::unique_ptr<BackendRegistry> backends_;

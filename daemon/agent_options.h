@@ -82,6 +82,10 @@ struct AgentOptions {
   size_t max_transfers_in_flight = 8192;
   absl::Duration transfer_retention = absl::Minutes(5);
   absl::Duration max_transfer_wait = absl::Minutes(1);
+  // Notifications (daemon/notifications.h): the longest one sent or taken,
+  // and how many are kept for one user (the oldest dropped beyond).
+  size_t max_notification_bytes = 4096;
+  size_t max_notifications_per_user = 1024;
   // Longest Shutdown() waits for RPCs once their work is cancelled.
   absl::Duration shutdown_grace = absl::Seconds(5);
   // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.

@@ -142,6 +142,13 @@ ABSL_FLAG(absl::Duration, transfer_retention, absl::Minutes(5),
           "NOT_FOUND.");
 ABSL_FLAG(absl::Duration, max_transfer_wait, absl::Minutes(1),
           "Longest GetTransfers long poll; longer waits are cut to it.");
+ABSL_FLAG(int64_t, max_notification_bytes, 4096,
+          "Longest notification a Submit may carry and a peer may deliver "
+          "here; longer is INVALID_ARGUMENT.");
+ABSL_FLAG(int64_t, max_notifications_per_user, 1024,
+          "Notifications kept for one local user until read (and for each "
+          "of its WatchNotifications streams); beyond, the oldest is dropped "
+          "and the drop reported to the user.");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
           "agent waits at most this long for RPCs to finish.");
@@ -265,6 +272,18 @@ int Run() {
       static_cast<size_t>(absl::GetFlag(FLAGS_max_transfers_in_flight));
   options.transfer_retention = absl::GetFlag(FLAGS_transfer_retention);
   options.max_transfer_wait = absl::GetFlag(FLAGS_max_transfer_wait);
+  if (absl::GetFlag(FLAGS_max_notification_bytes) < 0 ||
+      absl::GetFlag(FLAGS_max_notification_bytes) > (1 << 20) ||
+      absl::GetFlag(FLAGS_max_notifications_per_user) < 1) {
+    spdlog::critical(
+        "--max_notification_bytes must be 0 to 1048576 and "
+        "--max_notifications_per_user at least 1");
+    return 2;
+  }
+  options.max_notification_bytes =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_notification_bytes));
+  options.max_notifications_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_notifications_per_user));
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));

@@ -14,6 +14,7 @@
 #include "common/random.h"
 #include "common/status_util.h"
 #include "daemon/metrics.h"
+#include "daemon/notification_plan.h"
 #include "daemon/remote_context.h"
 #include "daemon/version.h"
 #include "google/protobuf/util/time_util.h"
@@ -25,6 +26,8 @@ namespace {
 // Transfers one GetTransfers may name: bounds the reply (each carries one
 // result per op).
 constexpr size_t kMaxTransfersPerGet = 1024;
+// Notifications one GetNotifications (or one stream read) returns at most.
+constexpr size_t kMaxNotificationsPerGet = 1024;
 
 bool ValidAccess(v1::Access access) {
   return AllowsRead(access) || AllowsWrite(access);
@@ -65,7 +68,8 @@ RdmaAgentService::RdmaAgentService(
     const BackendRegistry* backends, BufferTable* buffers,
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
-    AgentMetrics* metrics, std::string metrics_address)
+    NotificationInbox* notifications, AgentMetrics* metrics,
+    std::string metrics_address)
     : options_(options),
       identity_(identity),
       backends_(backends),
@@ -76,6 +80,7 @@ RdmaAgentService::RdmaAgentService(
       quotas_(std::move(quotas)),
       client_watcher_(client_watcher),
       transfers_(transfers),
+      notifications_(notifications),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)) {}
 
@@ -267,6 +272,12 @@ absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
         absl::StrCat(rpc, ": ", request.ops_size(), " ops exceed the limit of ",
                      options_.max_ops_per_submit, " per Submit"));
   }
+  const size_t most = notifications_->limits().max_bytes;
+  if (request.notification().size() > most) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        rpc, ": the notification is ", request.notification().size(),
+        " bytes; at most ", most, " (--max_notification_bytes)"));
+  }
   return absl::OkStatus();
 }
 
@@ -289,6 +300,19 @@ absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
     }
   }
   return timeout;
+}
+
+absl::StatusOr<absl::Duration> RdmaAgentService::LongPollWait(
+    const google::protobuf::Duration* wait) const {
+  if (wait == nullptr) return absl::ZeroDuration();
+  if (wait->seconds() < 0 || wait->nanos() < 0 || wait->nanos() > 999999999) {
+    return absl::InvalidArgumentError(
+        "wait must be a well-formed, non-negative Duration");
+  }
+  // Cut, not refused: a long poll asking for more simply polls again.
+  return std::min(
+      absl::Seconds(wait->seconds()) + absl::Nanoseconds(wait->nanos()),
+      options_.max_transfer_wait);
 }
 
 absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
@@ -363,20 +387,40 @@ class RdmaAgentService::Batch final : public TransferWork {
     return batch;
   }
 
-  std::vector<v1::OpResult> Run(const StopToken& stop) override {
+  v1::SubmitResponse Run(const StopToken& stop) override {
+    std::vector<OpOutcome> ran;
     if (!ready_.empty()) {
-      std::vector<OpOutcome> outcomes =
-          service_->backends_->Submit(ready_, stop);
+      ran = service_->backends_->Submit(ready_, stop);
       for (size_t k = 0; k < ready_.size(); ++k) {
-        outcomes_[ready_index_[k]] = std::move(outcomes[k]);
+        outcomes_[ready_index_[k]] = ran[k];
       }
     }
-    return Finish();
+    v1::SubmitResponse response;
+    if (!request_->notification().empty()) {
+      for (const PlannedNotification& planned :
+           PlanNotifications(ready_, ran, first_refused_)) {
+        Notify(planned, stop, response.add_notifications());
+      }
+    }
+    Finish(response);
+    return response;
   }
 
-  std::vector<v1::OpResult> Skip(const absl::Status& reason) override {
+  v1::SubmitResponse Skip(const absl::Status& reason) override {
     for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
-    return Finish();
+    v1::SubmitResponse response;
+    if (!request_->notification().empty()) {
+      const absl::Status not_sent(
+          reason.code(), absl::StrCat("not sent: ", reason.message()));
+      for (PlannedNotification planned :
+           PlanNotifications(ready_, outcomes_of_ready(), first_refused_)) {
+        if (planned.status.ok()) planned.status = not_sent;
+        Notify(planned, StopToken(absl::InfinitePast()),
+               response.add_notifications());
+      }
+    }
+    Finish(response);
+    return response;
   }
 
  private:
@@ -394,6 +438,7 @@ class RdmaAgentService::Batch final : public TransferWork {
                                     caller_.uid);
       if (!op.ok()) {
         outcomes_[i].status = AnnotateOp(op.status(), i);
+        if (!first_refused_.has_value()) first_refused_ = i;
         continue;
       }
       ready_.push_back(std::move(*op));
@@ -401,11 +446,57 @@ class RdmaAgentService::Batch final : public TransferWork {
     }
   }
 
-  // Records every op's end and returns the results; the ops' registrations
-  // are unpinned.
-  std::vector<v1::OpResult> Finish() {
+  // The outcomes of the ops that passed validation, in their order.
+  std::vector<OpOutcome> outcomes_of_ready() const {
+    std::vector<OpOutcome> outcomes;
+    outcomes.reserve(ready_index_.size());
+    for (size_t i : ready_index_) outcomes.push_back(outcomes_[i]);
+    return outcomes;
+  }
+
+  // Sends one planned notification (unless it is blocked) and records what
+  // became of it in `result`.
+  void Notify(const PlannedNotification& planned, const StopToken& stop,
+              v1::NotificationResult* result) const {
+    const v1::RemoteBuffer& remote = *planned.remote;
+    result->set_agent_id(remote.agent_id());
+    result->set_buffer_id(remote.buffer_id());
+    absl::Status status = planned.status;
+    if (status.ok()) {
+      status = stop.Check("before the notification was sent");
+      if (!status.ok()) {
+        status = absl::Status(status.code(),
+                              absl::StrCat("not sent: ", status.message()));
+      }
+    }
+    if (status.ok()) {
+      Backend* backend = service_->backends_->Find(planned.backend);
+      const v1::BackendEndpoint* endpoint =
+          FindEndpoint(remote, planned.backend);
+      if (backend == nullptr || endpoint == nullptr) {
+        status = absl::InternalError(absl::StrCat(
+            "not sent: no ", planned.backend, " endpoint to carry it"));
+      } else {
+        result->set_backend(planned.backend);
+        status = backend->Notify(remote, *endpoint, request_->notification(),
+                                 stop);
+      }
+    }
+    result->set_code(static_cast<int>(status.code()));
+    result->set_message(std::string(status.message()));
+    if (!status.ok()) {
+      service_->LogFailedNotification(caller_, rpc_, remote, status);
+    }
+  }
+
+  // Records every op's end into `response`; the ops' registrations are
+  // unpinned.
+  void Finish(v1::SubmitResponse& response) {
     ready_.clear();
-    std::vector<v1::OpResult> results(outcomes_.size());
+    google::protobuf::RepeatedPtrField<v1::OpResult>& results =
+        *response.mutable_results();
+    results.Reserve(static_cast<int>(outcomes_.size()));
+    for (size_t i = 0; i < outcomes_.size(); ++i) results.Add();
     // Ops that ended alike are counted together: a few label lookups per
     // batch, not one per op.
     struct Alike {
@@ -431,9 +522,10 @@ class RdmaAgentService::Batch final : public TransferWork {
         service_->LogFailedOp(caller_, rpc_, wire, outcome.backend,
                               outcome.status);
       }
-      results[i].set_code(static_cast<int>(outcome.status.code()));
-      results[i].set_message(std::string(outcome.status.message()));
-      results[i].set_backend(outcome.backend);
+      v1::OpResult& result = results[static_cast<int>(i)];
+      result.set_code(static_cast<int>(outcome.status.code()));
+      result.set_message(std::string(outcome.status.message()));
+      result.set_backend(outcome.backend);
     }
     for (const auto& [key, group] : alike) {
       const auto& [backend, type, code, nanos] = key;
@@ -442,7 +534,6 @@ class RdmaAgentService::Batch final : public TransferWork {
                                     group.count, group.bytes,
                                     absl::Nanoseconds(nanos));
     }
-    return results;
   }
 
   RdmaAgentService* const service_;
@@ -456,6 +547,8 @@ class RdmaAgentService::Batch final : public TransferWork {
   // The ops that passed validation, and their positions in the request.
   std::vector<Op> ready_;
   std::vector<size_t> ready_index_;
+  // The first op refused before it ran, if any: it blocks notifications.
+  std::optional<size_t> first_refused_;
 };
 
 grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
@@ -475,10 +568,7 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   // On this thread, not a transfer worker's: a Submit waits behind no
   // transfer, and its client's going away stops it (ActiveCalls).
   auto batch = Batch::Prepare(this, admitted->caller, request, "Submit");
-  for (v1::OpResult& result :
-       batch->Run(admitted->call->stop_token(deadline))) {
-    *response->add_results() = std::move(result);
-  }
+  *response = batch->Run(admitted->call->stop_token(deadline));
   return grpc::Status::OK;
 }
 
@@ -526,19 +616,10 @@ grpc::Status RdmaAgentService::GetTransfers(
         absl::StrCat("GetTransfers: name 1 to ", kMaxTransfersPerGet,
                      " transfers (got ", request->transfer_ids_size(), ")")));
   }
-  absl::Duration wait;
-  if (request->has_wait()) {
-    const auto& w = request->wait();
-    if (w.seconds() < 0 || w.nanos() < 0 || w.nanos() > 999999999) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          "GetTransfers: wait must be a well-formed, non-negative Duration"));
-    }
-    // Cut, not refused: a long poll asking for more simply polls again.
-    wait = std::min(absl::Seconds(w.seconds()) + absl::Nanoseconds(w.nanos()),
-                    options_.max_transfer_wait);
-  }
+  auto wait = LongPollWait(request->has_wait() ? &request->wait() : nullptr);
+  if (!wait.ok()) return ToGrpcStatus(Prefixed(wait.status(), "GetTransfers"));
   const absl::Time deadline =
-      std::min(absl::Now() + wait, absl::FromChrono(context->deadline()));
+      std::min(absl::Now() + *wait, absl::FromChrono(context->deadline()));
   auto transfers =
       transfers_->Get(admitted->caller.uid,
                       absl::MakeConstSpan(request->transfer_ids().data(),
@@ -600,6 +681,88 @@ grpc::Status RdmaAgentService::CancelTransfer(
   }
   *response->mutable_transfer() = std::move(*transfer);
   return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::GetNotifications(
+    grpc::ServerContext* context, const v1::GetNotificationsRequest* request,
+    v1::GetNotificationsResponse* response) {
+  auto admitted = Admit(*context, "GetNotifications");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  if (request->max_count() > kMaxNotificationsPerGet) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "GetNotifications: max_count ", request->max_count(),
+        " is more than ", kMaxNotificationsPerGet)));
+  }
+  auto wait = LongPollWait(request->has_wait() ? &request->wait() : nullptr);
+  if (!wait.ok()) {
+    return ToGrpcStatus(Prefixed(wait.status(), "GetNotifications"));
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + *wait, absl::FromChrono(context->deadline()));
+  const size_t most = request->max_count() == 0 ? kMaxNotificationsPerGet
+                                                : request->max_count();
+  NotificationInbox::Batch batch =
+      notifications_->Take(admitted->caller.uid, most, deadline,
+                           &admitted->call->cancellation());
+  for (v1::Notification& notification : batch.notifications) {
+    *response->add_notifications() = std::move(notification);
+  }
+  response->set_dropped(batch.dropped);
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::WatchNotifications(
+    grpc::ServerContext* context, const v1::WatchNotificationsRequest*,
+    grpc::ServerWriter<v1::NotificationEvent>* writer) {
+  // Holds a call slot (and a gRPC thread) while it lasts, like
+  // WatchTransfers.
+  auto admitted = Admit(*context, "WatchNotifications");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const Cancellation& call = admitted->call->cancellation();
+  auto stream = notifications_->OpenStream(admitted->caller.uid);
+  while (true) {
+    NotificationInbox::Batch batch =
+        notifications_->Next(*stream, kMaxNotificationsPerGet, &call);
+    if (batch.notifications.empty() && batch.dropped == 0) break;
+    if (batch.notifications.empty()) {
+      v1::NotificationEvent event;
+      event.set_dropped(batch.dropped);
+      if (!writer->Write(event)) break;
+      continue;
+    }
+    bool first = true;
+    for (v1::Notification& notification : batch.notifications) {
+      v1::NotificationEvent event;
+      *event.mutable_notification() = std::move(notification);
+      if (first) event.set_dropped(batch.dropped);
+      first = false;
+      if (!writer->Write(event)) {
+        return ToGrpcStatus(
+            absl::CancelledError("WatchNotifications: the client went away"));
+      }
+    }
+  }
+  absl::Status why = call.reason();
+  if (why.ok()) why = absl::UnavailableError("the agent is shutting down");
+  return ToGrpcStatus(Prefixed(why, "WatchNotifications"));
+}
+
+void RdmaAgentService::LogFailedNotification(const PeerCredentials& caller,
+                                             absl::string_view rpc,
+                                             const v1::RemoteBuffer& remote,
+                                             const absl::Status& status) {
+  const auto suppressed = failed_op_log_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  const std::string line = absl::StrCat(
+      rpc, " from uid ", caller.uid, " pid ", caller.pid,
+      ": notification to buffer ", remote.buffer_id(), " of agent ",
+      LogSafe(remote.agent_id()), " not delivered: ",
+      LogSafe(status.ToString()));
+  if (suppressed) {
+    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
+  } else {
+    spdlog::debug("{}", line);
+  }
 }
 
 void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,

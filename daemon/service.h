@@ -19,6 +19,7 @@
 #include "daemon/attach_tokens.h"
 #include "daemon/caller_identity.h"
 #include "daemon/client_watcher.h"
+#include "daemon/notifications.h"
 #include "daemon/quota.h"
 #include "daemon/transfers.h"
 #include "daemon/unix_socket.h"
@@ -37,7 +38,8 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas,
                    ClientWatcher* client_watcher, TransferTable* transfers,
-                   AgentMetrics* metrics, std::string metrics_address);
+                   NotificationInbox* notifications, AgentMetrics* metrics,
+                   std::string metrics_address);
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -72,6 +74,13 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   grpc::Status CancelTransfer(grpc::ServerContext* context,
                               const v1::CancelTransferRequest* request,
                               v1::CancelTransferResponse* response) override;
+  grpc::Status GetNotifications(
+      grpc::ServerContext* context, const v1::GetNotificationsRequest* request,
+      v1::GetNotificationsResponse* response) override;
+  grpc::Status WatchNotifications(
+      grpc::ServerContext* context,
+      const v1::WatchNotificationsRequest* request,
+      grpc::ServerWriter<v1::NotificationEvent>* writer) override;
 
  private:
   // The validated ops of one SubmitRequest, run once: on the Submit's own
@@ -94,9 +103,13 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   absl::StatusOr<std::optional<ClientWatcher::Ticket>> WatchCaller(
       const grpc::ServerContext& context, v1::Lifetime lifetime);
   // The checks that fail a whole Submit (or SubmitAsync, named `rpc`): the
-  // batch is empty or too large.
+  // batch is empty or too large, or its notification too long.
   absl::Status CheckBatchSize(const v1::SubmitRequest& request,
                               absl::string_view rpc) const;
+  // A long poll's `wait` (null: none), cut to --max_transfer_wait;
+  // INVALID_ARGUMENT when malformed.
+  absl::StatusOr<absl::Duration> LongPollWait(
+      const google::protobuf::Duration* wait) const;
   // Validates op `index` of a Submit and resolves its buffers.
   absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
                                uid_t caller) const;
@@ -109,6 +122,11 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   void LogFailedOp(const PeerCredentials& caller, absl::string_view rpc,
                    const v1::Op& op, const std::string& backend,
                    const absl::Status& status);
+  // The same for a notification that was not delivered.
+  void LogFailedNotification(const PeerCredentials& caller,
+                             absl::string_view rpc,
+                             const v1::RemoteBuffer& remote,
+                             const absl::Status& status);
 
   const AgentOptions& options_;
   const AgentIdentity identity_;
@@ -120,6 +138,7 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   const AgentQuotas quotas_;
   ClientWatcher* const client_watcher_;
   TransferTable* const transfers_;
+  NotificationInbox* const notifications_;
   AgentMetrics* const metrics_;  // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   // Failed ops, one warning each: 20 at once, then one a second.

@@ -23,8 +23,9 @@ google::protobuf::Timestamp ToTimestamp(absl::Time time) {
 // DONE when every op is OK; CANCELLED when Cancel was asked and stopped at
 // least one op (a transfer the deadline ended first stays FAILED, so that
 // the state never contradicts the results); FAILED otherwise.
-v1::TransferState FinalState(const std::vector<v1::OpResult>& results,
-                             bool cancel_asked) {
+v1::TransferState FinalState(
+    const google::protobuf::RepeatedPtrField<v1::OpResult>& results,
+    bool cancel_asked) {
   const auto has_code = [&](absl::StatusCode code) {
     return std::any_of(results.begin(), results.end(),
                        [code](const v1::OpResult& result) {
@@ -70,7 +71,7 @@ struct TransferTable::Record {
   absl::Time start_time = absl::InfinitePast();  // InfinitePast: never ran
   absl::Time end_time = absl::InfinitePast();
   v1::TransferState state = v1::TRANSFER_STATE_PENDING;
-  std::vector<v1::OpResult> results;
+  v1::SubmitResponse outcome;  // results and notifications, once ended
   uint64_t end_sequence = 0;
   std::list<std::pair<absl::Time, uint64_t>>::iterator end_position;
 };
@@ -139,32 +140,32 @@ TransferTable::RecordPtr TransferTable::NextQueued() {
 
 void TransferTable::Finish(const RecordPtr& record, const absl::Status& skip) {
   const StopToken stop(record->deadline, &record->cancellation);
-  std::vector<v1::OpResult> results;
+  v1::SubmitResponse outcome;
   if (!skip.ok()) {
-    results = record->work->Skip(skip);
+    outcome = record->work->Skip(skip);
   } else if (stop.stopped()) {
     // Cancelled or expired while queued: nothing of it starts.
-    results =
+    outcome =
         record->work->Skip(stop.StopStatus("before the transfer started"));
   } else {
     {
       absl::MutexLock lock(&mu_);
       record->start_time = absl::Now();
     }
-    results = record->work->Run(stop);
+    outcome = record->work->Run(stop);
   }
   // Before the end is visible: a client that sees it may submit again at
   // once, and must find the ops and registrations given back.
   record->work.reset();
   absl::MutexLock lock(&mu_);
-  End(*record, std::move(results));
+  End(*record, std::move(outcome));
 }
 
-void TransferTable::End(Record& record, std::vector<v1::OpResult> results) {
+void TransferTable::End(Record& record, v1::SubmitResponse outcome) {
   record.phase = Record::Phase::kEnded;
   record.end_time = absl::Now();
-  record.state = FinalState(results, record.cancel_asked);
-  record.results = std::move(results);
+  record.state = FinalState(outcome.results(), record.cancel_asked);
+  record.outcome = std::move(outcome);
   record.end_sequence = next_end_++;
   ended_by_uid_[record.uid].emplace(record.end_sequence, record.id);
   ends_.emplace_back(record.end_time, record.id);
@@ -211,9 +212,8 @@ v1::Transfer TransferTable::Describe(const Record& record) const {
   v1::Transfer transfer;
   transfer.set_transfer_id(record.id);
   transfer.set_state(record.state);
-  for (const v1::OpResult& result : record.results) {
-    *transfer.add_results() = result;
-  }
+  *transfer.mutable_results() = record.outcome.results();
+  *transfer.mutable_notifications() = record.outcome.notifications();
   *transfer.mutable_create_time() = ToTimestamp(record.create_time);
   if (record.start_time != absl::InfinitePast()) {
     *transfer.mutable_start_time() = ToTimestamp(record.start_time);

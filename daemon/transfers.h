@@ -32,12 +32,13 @@ namespace v1 = ::rdma::agent::v1;
 class TransferWork {
  public:
   virtual ~TransferWork() = default;
-  // Runs the ops until they end or `stop` fires; one result per op, in
-  // order. Returns only when nothing of the work touches local memory.
-  virtual std::vector<v1::OpResult> Run(const StopToken& stop) = 0;
-  // The results of work that never runs: `reason` for each op that had not
-  // already failed.
-  virtual std::vector<v1::OpResult> Skip(const absl::Status& reason) = 0;
+  // Runs the ops until they end or `stop` fires: one result per op, in
+  // order, and what became of the batch's notifications. Returns only when
+  // nothing of the work touches local memory.
+  virtual v1::SubmitResponse Run(const StopToken& stop) = 0;
+  // The outcome of work that never runs: `reason` for each op that had not
+  // already failed (and no notification sent).
+  virtual v1::SubmitResponse Skip(const absl::Status& reason) = 0;
 };
 
 // Bounds of the transfer table (flags --transfer_workers,
@@ -162,7 +163,7 @@ class TransferTable {
   // its end. Called without the lock.
   void Finish(const RecordPtr& record, const absl::Status& skip);
   // Records the end of `record` with `results` and wakes waiters.
-  void End(Record& record, std::vector<v1::OpResult> results)
+  void End(Record& record, v1::SubmitResponse outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // uid's record `id`, or NOT_FOUND.
   absl::StatusOr<RecordPtr> Find(uid_t uid, uint64_t id) const

@@ -49,6 +49,13 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status Notify(grpc::ServerContext* context,
+                      const v1::NotifyRequest* request,
+                      v1::NotifyResponse*) override {
+    return ToGrpcStatus(
+        backend_->AcceptNotification(*request, context->peer()));
+  }
+
  private:
   IbverbsBackend* const backend_;
 };
@@ -845,6 +852,59 @@ absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
   v1::GrantBufferResponse response;
   *response.mutable_grant() = *grant;
   return response;
+}
+
+absl::Status IbverbsBackend::Notify(const v1::RemoteBuffer& remote,
+                                    const v1::BackendEndpoint& endpoint,
+                                    absl::string_view data,
+                                    const StopToken& stop) {
+  absl::Status stopped = stop.Check("before the notification was sent");
+  if (!stopped.ok()) return stopped;
+  v1::NotifyRequest request;
+  request.set_agent_id(env_.identity.agent_id);
+  request.set_expected_epoch(remote.agent_epoch());
+  request.set_buffer_id(remote.buffer_id());
+  request.set_token(remote.token());
+  request.set_data(std::string(data));
+  v1::NotifyResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(
+      std::min(stop.deadline(), absl::Now() + options_.connect_timeout)));
+  const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
+  const std::string& address = endpoint.ibverbs().peer_address();
+  const grpc::Status status =
+      StubFor(address)->Notify(&context, request, &response);
+  if (status.ok()) return absl::OkStatus();
+  // Sent, maybe received: the answer is what went missing.
+  const bool maybe_delivered =
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+      status.error_code() == grpc::StatusCode::CANCELLED ||
+      status.error_code() == grpc::StatusCode::UNAVAILABLE;
+  absl::Status failed = stop.cancelled()
+                            ? stop.StopStatus("while notifying the peer")
+                            : FromGrpcStatus(status);
+  return Prefixed(
+      failed,
+      absl::StrCat("notification to agent ", remote.agent_id(), " at ",
+                   address,
+                   maybe_delivered ? " (it may have arrived all the same)"
+                                   : ""));
+}
+
+absl::Status IbverbsBackend::AcceptNotification(
+    const v1::NotifyRequest& request, absl::string_view peer) {
+  if (env_.notifications == nullptr) {
+    return absl::UnimplementedError("this agent takes no notifications");
+  }
+  ServeRequest target;
+  target.agent_epoch = request.expected_epoch();
+  target.buffer_id = request.buffer_id();
+  target.token = request.token();
+  target.proof_only = true;
+  target.requester = absl::StrCat("agent ", LogSafe(request.agent_id()),
+                                  " at ", LogSafe(peer));
+  return env_.notifications->Deliver(target, request.agent_id(),
+                                     request.data());
 }
 
 absl::Status IbverbsBackend::CheckOp(const Op& op) const {

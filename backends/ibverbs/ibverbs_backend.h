@@ -105,6 +105,12 @@ class IbverbsBackend : public Backend {
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;
+  // Peer.Notify to the target agent's Peer listener (the address its
+  // context advertises), once the ops' completions are in: RC completions
+  // mean the bytes are in the target's memory.
+  absl::Status Notify(const v1::RemoteBuffer& remote,
+                      const v1::BackendEndpoint& endpoint,
+                      absl::string_view data, const StopToken& stop) override;
 
   // The responder half of the handshake (what the Peer service calls).
   // `peer` (the caller's address, for logs) is empty when unknown.
@@ -113,6 +119,10 @@ class IbverbsBackend : public Backend {
   // Grants a session one more registration (what the Peer service calls).
   absl::StatusOr<v1::GrantBufferResponse> GrantBuffer(
       const v1::GrantBufferRequest& request, absl::string_view peer = "");
+  // Hands a peer's notification to the agent's NotificationSink (what the
+  // Peer service calls).
+  absl::Status AcceptNotification(const v1::NotifyRequest& request,
+                                  absl::string_view peer = "");
 
   // Requester QPs by peer "agent/device" ("out") and responder QPs by the
   // requesting agent's "agent/device" ("in").

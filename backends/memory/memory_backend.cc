@@ -64,4 +64,17 @@ absl::Status MemoryBackend::Run(const Op& op, const StopToken& stop) const {
   return absl::OkStatus();
 }
 
+absl::Status MemoryBackend::Notify(const v1::RemoteBuffer& remote,
+                                   const v1::BackendEndpoint&,
+                                   absl::string_view data,
+                                   const StopToken& stop) {
+  absl::Status stopped = stop.Check("before the notification was sent");
+  if (!stopped.ok()) return stopped;
+  if (env_.notifications == nullptr) {
+    return absl::UnimplementedError("this agent takes no notifications");
+  }
+  return env_.notifications->Deliver(NotificationTarget(remote),
+                                     env_.identity.agent_id, data);
+}
+
 }  // namespace rdma_agent

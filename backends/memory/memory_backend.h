@@ -30,6 +30,10 @@ class MemoryBackend : public Backend {
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;
+  // The target is this agent: straight into its NotificationSink.
+  absl::Status Notify(const v1::RemoteBuffer& remote,
+                      const v1::BackendEndpoint& endpoint,
+                      absl::string_view data, const StopToken& stop) override;
 
  private:
   absl::Status Run(const Op& op, const StopToken& stop) const;

@@ -371,6 +371,45 @@ bool DataServer::ReceiveRequest(Connection* connection, BufferedSocket& io,
   return true;
 }
 
+bool DataServer::ServeNotification(Connection* connection,
+                                   BufferedSocket& io,
+                                   const RequestHeader& header,
+                                   const std::string& token, bool* accepted) {
+  // Bounded by DecodeRequestHeader (kMaxNotificationPayloadBytes).
+  std::string payload(header.length, '\0');
+  if (!io.Read(reinterpret_cast<std::byte*>(payload.data()), payload.size())
+           .ok()) {
+    return false;
+  }
+  absl::Status status;
+  auto decoded = DecodeNotification(payload);
+  if (!decoded.ok()) {
+    status = decoded.status();
+  } else if (options_.notifications == nullptr) {
+    status = absl::UnimplementedError("this agent takes no notifications");
+  } else {
+    ServeRequest target;
+    target.agent_epoch = header.epoch;
+    target.buffer_id = header.buffer_id;
+    target.token = token;
+    target.proof_only = true;
+    target.requester = connection->source;
+    status = options_.notifications->Deliver(target, decoded->from_agent_id,
+                                             decoded->data);
+  }
+  *accepted = status.ok();
+  const std::string message(status.message().substr(
+      0, std::min<size_t>(status.message().size(), kMaxMessageBytes)));
+  ResponseHeader response;
+  response.request_id = header.request_id;
+  response.code = static_cast<uint32_t>(status.code());
+  response.message_bytes = static_cast<uint32_t>(message.size());
+  std::byte response_bytes[kResponseHeaderBytes];
+  EncodeResponseHeader(response, response_bytes);
+  return io.Write(response_bytes, sizeof(response_bytes)).ok() &&
+         io.Write(message.data(), message.size()).ok();
+}
+
 void DataServer::Serve(Connection* connection) {
   const int fd = connection->fd.get();
   BufferedSocket io(fd);
@@ -384,6 +423,12 @@ void DataServer::Serve(Connection* connection) {
   for (bool first = true;; first = false) {
     if (!ReceiveRequest(connection, io, first, trusted, &header, &token)) {
       break;
+    }
+    if (header.kind == RequestKind::kNotify) {
+      bool accepted = false;
+      if (!ServeNotification(connection, io, header, token, &accepted)) break;
+      trusted = trusted || accepted;
+      continue;
     }
 
     ServeRequest request;

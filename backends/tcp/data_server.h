@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backends/buffer_directory.h"
+#include "backends/notification_sink.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
 #include "common/accept_loop.h"
@@ -44,6 +45,8 @@ struct DataServerOptions {
   int max_connections_per_source = 64;
   // Connections served at once in all; 0: DefaultMaxConnections().
   int max_connections = 0;
+  // Takes kNotify requests; nullptr: they are answered UNIMPLEMENTED.
+  NotificationSink* notifications = nullptr;
 };
 
 // min(kMaxConnectionsCeiling, soft RLIMIT_NOFILE / 4): a quarter of the
@@ -139,6 +142,12 @@ class DataServer {
   // be dropped (closed, cut, or not speaking the protocol).
   bool ReceiveRequest(Connection* connection, BufferedSocket& io, bool first,
                       bool trusted, RequestHeader* header, std::string* token);
+  // Answers a kNotify request whose header and token were read: reads its
+  // payload and hands it to the sink. False when the connection is to be
+  // dropped; `*accepted` when the sink took it (the token was right).
+  bool ServeNotification(Connection* connection, BufferedSocket& io,
+                         const RequestHeader& header, const std::string& token,
+                         bool* accepted);
   // Cuts connections past their deadline and reaps finished ones until
   // the server stops.
   void WatchdogLoop();

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "backends/tcp/notify_client.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
@@ -51,6 +52,7 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
   tcp::DataServerOptions server_options = options.server;
   server_options.zero_copy_send = options.client.zero_copy_send;
   server_options.socket_buffer_bytes = options.client.socket_buffer_bytes;
+  server_options.notifications = env.notifications;
   auto server = tcp::DataServer::Start(*listen, env.directory, server_options);
   if (!server.ok()) {
     // An advertise host that is not this host's (NAT) cannot be bound.
@@ -109,10 +111,11 @@ bool TcpBackend::CanReach(const v1::RemoteBuffer& remote) const {
          endpoint->tcp().port() != 0 && endpoint->tcp().port() <= 65535;
 }
 
-absl::StatusOr<HostPort> TcpBackend::PeerOf(const Op& op) const {
+absl::StatusOr<HostPort> TcpBackend::PeerOf(
+    const v1::BackendEndpoint& entry) const {
   // Routed here by the registry, which checked CanReach (backend.h).
-  assert(op.endpoint != nullptr && op.endpoint->has_tcp());
-  const v1::TcpEndpoint& endpoint = op.endpoint->tcp();
+  assert(entry.has_tcp());
+  const v1::TcpEndpoint& endpoint = entry.tcp();
   if (!options_.client.allow_host_names && !tcp::IsIpLiteral(endpoint.host())) {
     // Resolving caller-supplied names would let a context stall this agent
     // in DNS; contexts this agent family issues carry addresses.
@@ -123,6 +126,17 @@ absl::StatusOr<HostPort> TcpBackend::PeerOf(const Op& op) const {
   return HostPort{endpoint.host(), static_cast<uint16_t>(endpoint.port())};
 }
 
+absl::Status TcpBackend::Notify(const v1::RemoteBuffer& remote,
+                                const v1::BackendEndpoint& endpoint,
+                                absl::string_view data,
+                                const StopToken& stop) {
+  auto peer = PeerOf(endpoint);
+  if (!peer.ok()) return peer.status();
+  return tcp::SendNotification(*peer, NotificationTarget(remote),
+                               env_.identity.agent_id, data, stop,
+                               options_.client.connect_timeout);
+}
+
 std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
                                              const StopToken& stop) {
   std::vector<absl::Status> results(ops.size());
@@ -130,7 +144,7 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
   std::vector<tcp::DataClient::PeerBatch> batches;
   std::map<std::string, size_t> batch_of;
   for (size_t i = 0; i < ops.size(); ++i) {
-    auto peer = PeerOf(ops[i]);
+    auto peer = PeerOf(*ops[i].endpoint);
     if (!peer.ok()) {
       results[i] = peer.status();
       continue;

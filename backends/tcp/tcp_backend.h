@@ -67,6 +67,12 @@ class TcpBackend : public Backend {
   // INVALID_ARGUMENT unless `client.allow_host_names`.
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;
+  // A kNotify request to the target's data port, on a connection of its own
+  // (tcp/notify_client.h): it follows the ops' answers, so their bytes are
+  // in the target's memory.
+  absl::Status Notify(const v1::RemoteBuffer& remote,
+                      const v1::BackendEndpoint& endpoint,
+                      absl::string_view data, const StopToken& stop) override;
   // Outgoing connections by peer address, incoming ones by source address.
   std::vector<PeerLinks> peer_links() const override;
 
@@ -83,8 +89,9 @@ class TcpBackend : public Backend {
              std::string advertise_host,
              std::unique_ptr<tcp::DataClient> client,
              std::unique_ptr<tcp::DataServer> server);
-  // The peer serving `op`, or why the op cannot be run.
-  absl::StatusOr<HostPort> PeerOf(const Op& op) const;
+  // The data port `endpoint` (this backend's entry of a remote context)
+  // names, or why it cannot be used.
+  absl::StatusOr<HostPort> PeerOf(const v1::BackendEndpoint& endpoint) const;
 
   const std::string name_ = "tcp";
   const TcpOptions options_;

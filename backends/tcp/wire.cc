@@ -1,5 +1,7 @@
 #include "backends/tcp/wire.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace rdma_agent::tcp {
@@ -81,7 +83,8 @@ absl::StatusOr<RequestHeader> DecodeRequestHeader(const std::byte* in) {
         absl::StrCat("unsupported tcp data-plane version ", version));
   }
   if (kind != static_cast<uint16_t>(RequestKind::kRead) &&
-      kind != static_cast<uint16_t>(RequestKind::kWrite)) {
+      kind != static_cast<uint16_t>(RequestKind::kWrite) &&
+      kind != static_cast<uint16_t>(RequestKind::kNotify)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown request kind ", kind));
   }
@@ -95,7 +98,44 @@ absl::StatusOr<RequestHeader> DecodeRequestHeader(const std::byte* in) {
         absl::StrCat("request of ", header.length, " bytes exceeds the ",
                      kMaxPayloadBytes, "-byte limit"));
   }
+  if (header.kind == RequestKind::kNotify &&
+      header.length > kMaxNotificationPayloadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("notification of ", header.length, " bytes exceeds the ",
+                     kMaxNotificationPayloadBytes, "-byte limit"));
+  }
   return header;
+}
+
+std::string EncodeNotification(absl::string_view from_agent_id,
+                               absl::string_view data) {
+  const size_t id_bytes =
+      std::min<size_t>(from_agent_id.size(), kMaxTokenBytes);
+  std::string payload;
+  payload.reserve(2 + id_bytes + data.size());
+  payload.push_back(static_cast<char>(id_bytes & 0xff));
+  payload.push_back(static_cast<char>(id_bytes >> 8));
+  payload.append(from_agent_id.data(), id_bytes);
+  payload.append(data.data(), data.size());
+  return payload;
+}
+
+absl::StatusOr<DecodedNotification> DecodeNotification(
+    absl::string_view payload) {
+  if (payload.size() < 2) {
+    return absl::InvalidArgumentError("notification payload is truncated");
+  }
+  const size_t id_bytes = static_cast<uint8_t>(payload[0]) |
+                          (static_cast<size_t>(static_cast<uint8_t>(payload[1]))
+                           << 8);
+  if (id_bytes > kMaxTokenBytes || 2 + id_bytes > payload.size()) {
+    return absl::InvalidArgumentError(
+        "notification payload names a sender id that does not fit");
+  }
+  DecodedNotification decoded;
+  decoded.from_agent_id = payload.substr(2, id_bytes);
+  decoded.data = payload.substr(2 + id_bytes);
+  return decoded;
 }
 
 void EncodeResponseHeader(const ResponseHeader& header, std::byte* out) {

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace rdma_agent::tcp {
@@ -44,7 +45,26 @@ inline constexpr uint32_t kMaxMessageBytes = 4096;
 enum class RequestKind : uint16_t {
   kRead = 1,   // the requester reads: the response carries the payload
   kWrite = 2,  // the requester writes: the request carries the payload
+  // A notification for the owner of the named buffer (offset ignored): the
+  // payload is EncodeNotification's, the response carries no payload.
+  kNotify = 3,
 };
+
+// Longest kNotify payload a server reads: the sender's agent id and up to
+// 1 MiB of data (agents take at most 1 MiB, --max_notification_bytes).
+inline constexpr uint64_t kMaxNotificationPayloadBytes = (1ull << 20) + 2 + 256;
+
+// A kNotify payload: the sender's agent id (uint16 length, at most
+// kMaxTokenBytes bytes) then the data.
+std::string EncodeNotification(absl::string_view from_agent_id,
+                               absl::string_view data);
+struct DecodedNotification {
+  absl::string_view from_agent_id;
+  absl::string_view data;
+};
+// Views into `payload`. INVALID_ARGUMENT when the id does not fit.
+absl::StatusOr<DecodedNotification> DecodeNotification(
+    absl::string_view payload);
 
 struct RequestHeader {
   RequestKind kind = RequestKind::kRead;
@@ -77,7 +97,7 @@ absl::Status DecodeServerHello(const std::byte* in);
 void EncodeRequestHeader(const RequestHeader& header, std::byte* out);
 // Parses kRequestHeaderBytes bytes. INVALID_ARGUMENT on a wrong magic,
 // version, kind, a token longer than kMaxTokenBytes or a payload longer than
-// kMaxPayloadBytes.
+// kMaxPayloadBytes (kMaxNotificationPayloadBytes for kNotify).
 absl::StatusOr<RequestHeader> DecodeRequestHeader(const std::byte* in);
 
 // Serializes `header` into exactly kResponseHeaderBytes bytes at `out`.

@@ -41,25 +41,29 @@ class FakeWork : public TransferWork {
       : probe_(std::move(probe)), codes_(std::move(codes)) {}
   ~FakeWork() override { probe_->destroyed = true; }
 
-  std::vector<v1::OpResult> Run(const StopToken& stop) override {
+  v1::SubmitResponse Run(const StopToken& stop) override {
     probe_->started = true;
     while (!probe_->release.HasBeenNotified() && !stop.stopped()) {
       absl::SleepFor(absl::Milliseconds(1));
     }
-    std::vector<v1::OpResult> results;
+    v1::SubmitResponse outcome;
     const absl::Status stopped = stop.Check("during the fake run");
     for (absl::StatusCode code : codes_) {
-      results.push_back(
-          Result(stopped.ok() ? absl::Status(code, "fake") : stopped));
+      *outcome.add_results() =
+          Result(stopped.ok() ? absl::Status(code, "fake") : stopped);
     }
     probe_->run_returned = true;
-    return results;
+    return outcome;
   }
 
-  std::vector<v1::OpResult> Skip(const absl::Status& reason) override {
+  v1::SubmitResponse Skip(const absl::Status& reason) override {
     probe_->skip_reason = reason;
     probe_->skipped = true;
-    return std::vector<v1::OpResult>(codes_.size(), Result(reason));
+    v1::SubmitResponse outcome;
+    for (size_t i = 0; i < codes_.size(); ++i) {
+      *outcome.add_results() = Result(reason);
+    }
+    return outcome;
   }
 
  private:

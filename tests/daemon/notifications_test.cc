@@ -1,0 +1,238 @@
+// NotificationInbox: what a peer's notification must prove (the target's
+// token, before anything else is said), where it goes (the buffer owner's
+// queue, or every open stream of that owner), what a full queue drops and
+// how the drop is shown, and that waiting readers wake.
+
+#include "daemon/notifications.h"
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "backends/buffer_table.h"
+#include "common/shared_memory.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent {
+namespace {
+
+constexpr uint64_t kEpoch = 11;
+constexpr uid_t kOwner = 1000;
+constexpr uid_t kOther = 1001;
+
+class NotificationsTest : public ::testing::Test {
+ protected:
+  // Registers a buffer of `owner` with token "token-<id>".
+  uint64_t AddBuffer(uid_t owner) {
+    const uint64_t id = table_.NextId();
+    auto memory = SharedMemory::Allocate(4096, "notifications_test");
+    EXPECT_TRUE(memory.ok()) << memory.status();
+    table_.Add(std::make_shared<Registration>(
+        id, owner, v1::ACCESS_READ_WRITE, "label", Token(id),
+        std::move(*memory), /*agent_allocated=*/true));
+    return id;
+  }
+
+  static std::string Token(uint64_t id) { return "token-" + std::to_string(id); }
+
+  static ServeRequest Target(uint64_t id, uint64_t epoch = kEpoch) {
+    ServeRequest target;
+    target.agent_epoch = epoch;
+    target.buffer_id = id;
+    target.token = Token(id);
+    return target;
+  }
+
+  NotificationInbox::Batch TakeNow(NotificationInbox& inbox, uid_t uid,
+                                   size_t max_count = 100) {
+    return inbox.Take(uid, max_count, absl::Now(), nullptr);
+  }
+
+  BufferTable table_{kEpoch};
+};
+
+TEST_F(NotificationsTest, DeliversToTheBufferOwnerInOrder) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t mine = AddBuffer(kOwner);
+  const uint64_t theirs = AddBuffer(kOther);
+  ASSERT_TRUE(inbox.Deliver(Target(mine), "agent-a", "first").ok());
+  ASSERT_TRUE(inbox.Deliver(Target(theirs), "agent-b", "other").ok());
+  ASSERT_TRUE(inbox.Deliver(Target(mine), "agent-c", "second").ok());
+
+  NotificationInbox::Batch batch = TakeNow(inbox, kOwner);
+  ASSERT_EQ(batch.notifications.size(), 2u);
+  EXPECT_EQ(batch.dropped, 0u);
+  EXPECT_EQ(batch.notifications[0].from_agent_id(), "agent-a");
+  EXPECT_EQ(batch.notifications[0].buffer_id(), mine);
+  EXPECT_EQ(batch.notifications[0].data(), "first");
+  EXPECT_EQ(batch.notifications[0].sequence(), 1u);
+  EXPECT_EQ(batch.notifications[1].data(), "second");
+  EXPECT_EQ(batch.notifications[1].sequence(), 2u);
+  EXPECT_GT(batch.notifications[1].receive_time().seconds(), 0);
+  // Each is returned once.
+  EXPECT_TRUE(TakeNow(inbox, kOwner).notifications.empty());
+  // The other user's is its own, numbered from 1 too.
+  batch = TakeNow(inbox, kOther);
+  ASSERT_EQ(batch.notifications.size(), 1u);
+  EXPECT_EQ(batch.notifications[0].data(), "other");
+  EXPECT_EQ(batch.notifications[0].sequence(), 1u);
+}
+
+TEST_F(NotificationsTest, RefusesWithoutTheTokenBeforeSayingAnythingElse) {
+  NotificationLimits limits;
+  limits.max_bytes = 4;
+  NotificationInbox inbox(&table_, limits);
+  const uint64_t id = AddBuffer(kOwner);
+
+  ServeRequest forged = Target(id);
+  forged.token = "token-999";
+  // Too long as well: the token is what is reported.
+  absl::Status status = inbox.Deliver(forged, "x", "longer than four");
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+  status = inbox.Deliver(Target(id + 100), "x", "ok");
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+  status = inbox.Deliver(Target(id, kEpoch + 1), "x", "ok");
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  // With the token, the length.
+  status = inbox.Deliver(Target(id), "x", "12345");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("--max_notification_bytes"),
+            absl::string_view::npos)
+      << status;
+  EXPECT_TRUE(inbox.Deliver(Target(id), "x", "1234").ok());
+  EXPECT_EQ(TakeNow(inbox, kOwner).notifications.size(), 1u);
+  EXPECT_EQ(inbox.delivered_total(), 1u);
+}
+
+TEST_F(NotificationsTest, ReleasedBufferTakesNoMore) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t id = AddBuffer(kOwner);
+  ASSERT_TRUE(table_.Remove(id, kOwner).ok());
+  EXPECT_EQ(inbox.Deliver(Target(id), "x", "late").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(inbox.queued(kOwner), 0u);
+}
+
+TEST_F(NotificationsTest, FullQueueDropsTheOldestAndSaysSo) {
+  NotificationLimits limits;
+  limits.max_queued_per_user = 3;
+  NotificationInbox inbox(&table_, limits);
+  const uint64_t id = AddBuffer(kOwner);
+  for (int i = 1; i <= 5; ++i) {
+    ASSERT_TRUE(inbox.Deliver(Target(id), "a", std::to_string(i)).ok());
+  }
+  EXPECT_EQ(inbox.queued(kOwner), 3u);
+  NotificationInbox::Batch batch = TakeNow(inbox, kOwner, 2);
+  EXPECT_EQ(batch.dropped, 2u);
+  ASSERT_EQ(batch.notifications.size(), 2u);
+  // The newest three were kept; the gap in sequence numbers is the drop.
+  EXPECT_EQ(batch.notifications[0].data(), "3");
+  EXPECT_EQ(batch.notifications[0].sequence(), 3u);
+  // The drop is reported once.
+  batch = TakeNow(inbox, kOwner);
+  EXPECT_EQ(batch.dropped, 0u);
+  ASSERT_EQ(batch.notifications.size(), 1u);
+  EXPECT_EQ(batch.notifications[0].data(), "5");
+  EXPECT_EQ(inbox.dropped_total(), 2u);
+}
+
+TEST_F(NotificationsTest, DropsAloneWakeAPoll) {
+  NotificationLimits limits;
+  limits.max_queued_per_user = 1;
+  NotificationInbox inbox(&table_, limits);
+  const uint64_t id = AddBuffer(kOwner);
+  ASSERT_TRUE(inbox.Deliver(Target(id), "a", "1").ok());
+  ASSERT_TRUE(inbox.Deliver(Target(id), "a", "2").ok());
+  NotificationInbox::Batch batch = TakeNow(inbox, kOwner, 1);
+  EXPECT_EQ(batch.dropped, 1u);
+  EXPECT_EQ(batch.notifications.size(), 1u);
+}
+
+TEST_F(NotificationsTest, EveryOpenStreamGetsEachNotification) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t id = AddBuffer(kOwner);
+  ASSERT_TRUE(inbox.Deliver(Target(id), "a", "queued").ok());
+  // The first stream takes over the queue; the second starts empty.
+  auto first = inbox.OpenStream(kOwner);
+  auto second = inbox.OpenStream(kOwner);
+  ASSERT_TRUE(inbox.Deliver(Target(id), "a", "live").ok());
+
+  NotificationInbox::Batch a = inbox.Next(*first, 10, nullptr);
+  ASSERT_EQ(a.notifications.size(), 2u);
+  EXPECT_EQ(a.notifications[0].data(), "queued");
+  EXPECT_EQ(a.notifications[1].data(), "live");
+  NotificationInbox::Batch b = inbox.Next(*second, 10, nullptr);
+  ASSERT_EQ(b.notifications.size(), 1u);
+  EXPECT_EQ(b.notifications[0].data(), "live");
+  // Nothing went to the poll queue while streams were open.
+  EXPECT_EQ(inbox.queued(kOwner), 0u);
+}
+
+TEST_F(NotificationsTest, LastStreamClosedGivesBackWhatItNeverHandedOut) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t id = AddBuffer(kOwner);
+  {
+    auto stream = inbox.OpenStream(kOwner);
+    ASSERT_TRUE(inbox.Deliver(Target(id), "a", "unread").ok());
+  }
+  NotificationInbox::Batch batch = TakeNow(inbox, kOwner);
+  ASSERT_EQ(batch.notifications.size(), 1u);
+  EXPECT_EQ(batch.notifications[0].data(), "unread");
+}
+
+TEST_F(NotificationsTest, SlowStreamDropsItsOwnOldest) {
+  NotificationLimits limits;
+  limits.max_queued_per_user = 2;
+  NotificationInbox inbox(&table_, limits);
+  const uint64_t id = AddBuffer(kOwner);
+  auto stream = inbox.OpenStream(kOwner);
+  for (int i = 1; i <= 4; ++i) {
+    ASSERT_TRUE(inbox.Deliver(Target(id), "a", std::to_string(i)).ok());
+  }
+  NotificationInbox::Batch batch = inbox.Next(*stream, 10, nullptr);
+  EXPECT_EQ(batch.dropped, 2u);
+  ASSERT_EQ(batch.notifications.size(), 2u);
+  EXPECT_EQ(batch.notifications[0].data(), "3");
+}
+
+TEST_F(NotificationsTest, WaitingPollWakesOnDelivery) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t id = AddBuffer(kOwner);
+  NotificationInbox::Batch batch;
+  std::thread reader([&] {
+    batch = inbox.Take(kOwner, 10, absl::Now() + absl::Seconds(60), nullptr);
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(inbox.Deliver(Target(id), "a", "wake").ok());
+  reader.join();
+  ASSERT_EQ(batch.notifications.size(), 1u);
+  EXPECT_EQ(batch.notifications[0].data(), "wake");
+}
+
+TEST_F(NotificationsTest, CancellationAndCloseEndWaits) {
+  NotificationInbox inbox(&table_, {});
+  Cancellation cancel;
+  std::thread poll([&] {
+    EXPECT_TRUE(inbox.Take(kOwner, 10, absl::InfiniteFuture(), &cancel)
+                    .notifications.empty());
+  });
+  auto stream = inbox.OpenStream(kOther);
+  std::thread watch([&] {
+    NotificationInbox::Batch batch = inbox.Next(*stream, 10, nullptr);
+    EXPECT_TRUE(batch.notifications.empty());
+    EXPECT_EQ(batch.dropped, 0u);
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  cancel.Cancel(absl::CancelledError("client went away"));
+  poll.join();
+  inbox.Close();
+  watch.join();
+  const uint64_t id = AddBuffer(kOwner);
+  EXPECT_EQ(inbox.Deliver(Target(id), "a", "late").code(),
+            absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace rdma_agent
