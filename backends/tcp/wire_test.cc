@@ -49,7 +49,18 @@ TEST(WireTest, MalformedRequestsAreInvalidArgument) {
             absl::StatusCode::kInvalidArgument);
 
   EncodeRequestHeader(header, bytes);
-  bytes[6] = std::byte{3};  // kind
+  bytes[6] = std::byte{4};  // kind
+  EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // A notification is bounded far below a data payload.
+  RequestHeader notify = header;
+  notify.kind = RequestKind::kNotify;
+  notify.length = kMaxNotificationPayloadBytes;
+  EncodeRequestHeader(notify, bytes);
+  EXPECT_TRUE(DecodeRequestHeader(bytes).ok());
+  notify.length = kMaxNotificationPayloadBytes + 1;
+  EncodeRequestHeader(notify, bytes);
   EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
             absl::StatusCode::kInvalidArgument);
 
@@ -62,6 +73,30 @@ TEST(WireTest, MalformedRequestsAreInvalidArgument) {
   header.token_bytes = kMaxTokenBytes + 1;
   EncodeRequestHeader(header, bytes);
   EXPECT_EQ(DecodeRequestHeader(bytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(WireTest, NotificationPayloadRoundTripsAndRejectsJunk) {
+  const std::string data("data\0bytes", 10);
+  const std::string payload = EncodeNotification("agent-1", data);
+  auto decoded = DecodeNotification(payload);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->from_agent_id, "agent-1");
+  EXPECT_EQ(decoded->data, data);
+  // An empty id and empty data are fine.
+  decoded = DecodeNotification(EncodeNotification("", ""));
+  ASSERT_TRUE(decoded.ok());
+  EXPECT_TRUE(decoded->from_agent_id.empty());
+  EXPECT_TRUE(decoded->data.empty());
+  // Truncated, and an id longer than the payload or than allowed.
+  EXPECT_EQ(DecodeNotification("x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeNotification(std::string("\x09\x00abc", 5)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::string huge = EncodeNotification(std::string(300, 'a'), "d");
+  huge[0] = static_cast<char>(0x2c);  // 300: past kMaxTokenBytes
+  huge[1] = static_cast<char>(0x01);
+  EXPECT_EQ(DecodeNotification(huge).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
