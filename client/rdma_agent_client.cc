@@ -347,7 +347,18 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
 
 absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
     const std::vector<OpSpec>& ops, absl::Duration timeout) {
-  const v1::SubmitRequest request = internal::SubmitRequestFor(ops, timeout);
+  SubmitOptions options;
+  options.timeout = timeout;
+  auto submitted = Submit(ops, options);
+  if (!submitted.ok()) return submitted.status();
+  return std::move(submitted->results);
+}
+
+absl::StatusOr<SubmitResult> AgentClient::Submit(
+    const std::vector<OpSpec>& ops, const SubmitOptions& options) {
+  const absl::Duration timeout = options.timeout;
+  v1::SubmitRequest request = internal::SubmitRequestFor(ops, timeout);
+  request.set_notification(options.notification);
   const bool agent_default = internal::LeavesTimeoutToAgent(timeout);
   grpc::ClientContext context;
   const absl::Duration bound = (agent_default || timeout < absl::ZeroDuration()
@@ -363,12 +374,15 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
         absl::StrCat("Submit: the agent answered ", response.results_size(),
                      " results for ", request.ops_size(), " ops"));
   }
-  std::vector<OpResult> results;
-  results.reserve(response.results_size());
-  for (const v1::OpResult& result : response.results()) {
-    results.push_back(internal::FromProto(result));
+  SubmitResult result;
+  result.results.reserve(response.results_size());
+  for (const v1::OpResult& op : response.results()) {
+    result.results.push_back(internal::FromProto(op));
   }
-  return results;
+  for (const v1::NotificationResult& sent : response.notifications()) {
+    result.notifications.push_back(internal::FromProto(sent));
+  }
+  return result;
 }
 
 absl::Status AgentClient::Release(uint64_t buffer_id) {

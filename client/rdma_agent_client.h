@@ -83,6 +83,63 @@ struct OpResult {
   std::string backend;  // backend that ran it; empty if none did
 };
 
+// What became of a batch's notification to one remote buffer (see
+// SubmitOptions::notification).
+struct NotificationResult {
+  std::string agent_id;  // the target agent
+  uint64_t buffer_id = 0;  // the target buffer there
+  // OK: the target queued it for the buffer's owner. ABORTED: not sent,
+  // because an op of the batch on that agent did not succeed. Otherwise
+  // sending it failed (never resent; the message says if it may have
+  // arrived all the same).
+  absl::Status status;
+  std::string backend;  // backend that carried it; empty if none did
+};
+
+// How a Submit or SubmitAsync runs beyond its ops.
+struct SubmitOptions {
+  // Bounds the batch on the agent; zero or infinite leaves it to the agent's
+  // --default_submit_timeout.
+  absl::Duration timeout = absl::ZeroDuration();
+  // Bytes for the owner of each remote buffer the batch targets, sent once
+  // every op of the batch on its agent has succeeded (at most the agent's
+  // --max_notification_bytes, 4 KiB by default). Empty: none.
+  std::string notification;
+};
+
+// The outcome of a Submit with options.
+struct SubmitResult {
+  std::vector<OpResult> results;  // one per op, in order
+  // One per distinct remote buffer when a notification was asked for.
+  std::vector<NotificationResult> notifications;
+};
+
+// A notification another agent's client (or this agent's) sent to the owner
+// of one of this user's buffers, after its ops there succeeded: its bytes
+// are in the buffer.
+struct Notification {
+  std::string from_agent_id;  // as the sending agent names itself
+  uint64_t buffer_id = 0;     // this user's buffer the ops targeted
+  std::string data;
+  absl::Time receive_time = absl::InfinitePast();
+  // This user's notifications on the agent, numbered from 1; a gap is where
+  // some were dropped.
+  uint64_t sequence = 0;
+};
+
+// What one read of this user's notifications returned.
+struct NotificationBatch {
+  std::vector<Notification> notifications;  // oldest first, each once
+  // How many were dropped (queue full) since the last read that said so.
+  uint64_t dropped = 0;
+};
+
+// Called for each event of a NotificationWatch: a notification, or only a
+// count of dropped ones (then `notification` is nullptr).
+using NotificationCallback =
+    absl::AnyInvocable<void(const Notification* notification,
+                            uint64_t dropped)>;
+
 // A registration as the agent reported it, without a mapping in this process
 // and without ownership: it stays registered until someone calls Release.
 struct Registration {
@@ -119,6 +176,8 @@ struct TransferResult {
   absl::Time create_time = absl::InfinitePast();
   absl::Time start_time = absl::InfinitePast();
   absl::Time end_time = absl::InfinitePast();
+  // As SubmitResult::notifications, once ended.
+  std::vector<NotificationResult> notifications;
 
   bool ended() const { return state != TransferState::kPending; }
   bool ok() const { return state == TransferState::kDone; }
@@ -135,7 +194,32 @@ namespace internal {
 class ClientState;
 struct TransferCore;
 class WatchStream;
+class NotificationStream;
 }  // namespace internal
+
+// The notification stream of AgentClient::WatchNotifications: one
+// WatchNotifications RPC and one thread, which runs the callback. Movable;
+// Stop() or destruction cancels the stream and joins the thread (after the
+// callback in progress, if any, has returned).
+class NotificationWatch {
+ public:
+  NotificationWatch(NotificationWatch&& other) noexcept;
+  NotificationWatch& operator=(NotificationWatch&& other) noexcept;
+  NotificationWatch(const NotificationWatch&) = delete;
+  NotificationWatch& operator=(const NotificationWatch&) = delete;
+  ~NotificationWatch();
+
+  // Cancels the stream and waits for its thread. Idempotent.
+  void Stop();
+  // OK while streaming; then why the stream ended (CANCELLED after Stop,
+  // UNAVAILABLE when the agent stopped, RESOURCE_EXHAUSTED when refused).
+  absl::Status status() const;
+
+ private:
+  friend class AgentClient;
+  explicit NotificationWatch(std::shared_ptr<internal::NotificationStream> s);
+  std::shared_ptr<internal::NotificationStream> stream_;
+};
 
 // A handle on one asynchronous transfer (AgentClient::SubmitAsync). Movable,
 // not copyable; every method may be called from any thread, concurrently.
@@ -356,6 +440,9 @@ class AgentClient {
   // --default_submit_timeout. Either way the RPC has a deadline.
   absl::StatusOr<std::vector<OpResult>> Submit(const std::vector<OpSpec>& ops,
                                                absl::Duration timeout);
+  // The same with a notification for the targets' owners.
+  absl::StatusOr<SubmitResult> Submit(const std::vector<OpSpec>& ops,
+                                      const SubmitOptions& options);
 
   // Starts `ops` as one asynchronous transfer and returns its handle as soon
   // as the agent has accepted it (SubmitAsync). A bad batch or timeout is
@@ -366,6 +453,25 @@ class AgentClient {
   // included; zero or infinite leaves it to --default_submit_timeout.
   absl::StatusOr<Transfer> SubmitAsync(const std::vector<OpSpec>& ops,
                                        absl::Duration timeout);
+  // The same with a notification (TransferResult::notifications says what
+  // became of it).
+  absl::StatusOr<Transfer> SubmitAsync(const std::vector<OpSpec>& ops,
+                                       const SubmitOptions& options);
+
+  // Takes up to `max_count` (0: the agent's most, 1024) of this user's
+  // queued notifications, waiting up to `wait` for the first one (cut to
+  // the agent's --max_transfer_wait). While a NotificationWatch of this
+  // user is open, notifications go to it instead.
+  absl::StatusOr<NotificationBatch> GetNotifications(
+      absl::Duration wait = absl::ZeroDuration(), uint32_t max_count = 0);
+
+  // Streams this user's notifications to `on_notification`, called on the
+  // watch's own thread, in arrival order, until the watch is stopped or
+  // destroyed (first those queued). Every open watch of the user gets every
+  // notification. Each open watch holds one of the user's
+  // --max_rpcs_per_user.
+  absl::StatusOr<NotificationWatch> WatchNotifications(
+      NotificationCallback on_notification);
 
   // A handle on transfer `transfer_id` of this user submitted elsewhere (an
   // earlier process, rdma-agentctl submit --async); no RPC: an id the agent

@@ -556,6 +556,17 @@ void PrintOpResult(size_t i, const OpResult& result) {
               std::string(result.status.message()).c_str());
 }
 
+// "notification to buffer B of agent A: CODE backend=NAME[ message=...]".
+void PrintNotificationResult(const NotificationResult& result) {
+  std::printf("notification to buffer %llu of agent %s: %s backend=%s%s%s\n",
+              static_cast<unsigned long long>(result.buffer_id),
+              absl::CEscape(result.agent_id).c_str(),
+              absl::StatusCodeToString(result.status.code()).c_str(),
+              result.backend.empty() ? "-" : result.backend.c_str(),
+              result.status.ok() ? "" : " message=",
+              std::string(result.status.message()).c_str());
+}
+
 // A transfer as wait, cancel and watch print it: "transfer ID: STATE" and
 // its ops' results, or its Transfer message as JSON (on one line for watch's
 // stream of them).
@@ -578,6 +589,9 @@ void PrintTransfer(const Global& global, const TransferResult& transfer,
                 TransferStateName(transfer.state));
     for (size_t i = 0; i < transfer.results.size(); ++i) {
       PrintOpResult(i, transfer.results[i]);
+    }
+    for (const NotificationResult& sent : transfer.notifications) {
+      PrintNotificationResult(sent);
     }
   }
   std::fflush(stdout);
@@ -618,6 +632,9 @@ class SubmitCommand : public Command {
     sub->add_flag("--async", async_,
                   "return at once with the transfer id (SubmitAsync); the "
                   "agent runs it after this command has exited");
+    sub->add_option("--notify", notify_,
+                    "bytes for the remote buffer's owner, delivered once the "
+                    "op succeeded (read there with notifications)");
     context_.Add(sub);
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
@@ -643,9 +660,12 @@ class SubmitCommand : public Command {
     op.remote_offset = remote_offset_;
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
+    SubmitOptions options;
+    options.timeout = global.rpc_timeout();
+    options.notification = notify_;
     if (async_) {
       absl::StatusOr<Transfer> transfer =
-          (*client)->SubmitAsync({op}, global.rpc_timeout());
+          (*client)->SubmitAsync({op}, options);
       if (!transfer.ok()) return Failed("submit", transfer.status());
       if (global.json()) {
         v1::SubmitAsyncResponse response;
@@ -657,9 +677,9 @@ class SubmitCommand : public Command {
       }
       return Ok();
     }
-    absl::StatusOr<std::vector<OpResult>> results =
-        (*client)->Submit({op}, global.rpc_timeout());
-    if (!results.ok()) return Failed("submit", results.status());
+    absl::StatusOr<SubmitResult> submitted = (*client)->Submit({op}, options);
+    if (!submitted.ok()) return Failed("submit", submitted.status());
+    const std::vector<OpResult>* results = &submitted->results;
     bool all_ok = true;
     v1::SubmitResponse response;
     for (size_t i = 0; i < results->size(); ++i) {
@@ -671,8 +691,16 @@ class SubmitCommand : public Command {
       printed->set_backend(result.backend);
       if (!global.json()) PrintOpResult(i, result);
     }
+    for (const NotificationResult& sent : submitted->notifications) {
+      all_ok = all_ok && sent.status.ok();
+      *response.add_notifications() = internal::ToProto(sent);
+      if (!global.json()) PrintNotificationResult(sent);
+    }
     if (global.json()) Print(global, response);
-    if (!all_ok) return {kExitFailed, "submit: an op failed"};
+    if (!all_ok) {
+      return {kExitFailed, "submit: an op failed or the notification was not "
+                           "delivered"};
+    }
     return Ok();
   }
 
@@ -683,6 +711,7 @@ class SubmitCommand : public Command {
   std::optional<uint64_t> length_;
   uint64_t remote_offset_ = 0;
   bool async_ = false;
+  std::string notify_;
   ContextOptions context_;
 };
 
@@ -818,6 +847,117 @@ class WatchCommand : public Command {
   std::optional<uint64_t> count_;
 };
 
+// "notification #SEQ from AGENT to buffer ID: DATA" (C-escaped), or the
+// NotificationEvent as one JSON line.
+void PrintNotification(const Global& global, const Notification* notification,
+                       uint64_t dropped) {
+  if (global.json()) {
+    v1::NotificationEvent event;
+    if (notification != nullptr) {
+      v1::Notification* out = event.mutable_notification();
+      out->set_from_agent_id(notification->from_agent_id);
+      out->set_buffer_id(notification->buffer_id);
+      out->set_data(notification->data);
+      out->set_sequence(notification->sequence);
+      out->mutable_receive_time()->set_seconds(
+          absl::ToUnixSeconds(notification->receive_time));
+    }
+    event.set_dropped(dropped);
+    std::fputs((ToJson(event, /*indented=*/false) + "\n").c_str(), stdout);
+  } else {
+    if (dropped > 0) {
+      std::printf("dropped: %llu\n", static_cast<unsigned long long>(dropped));
+    }
+    if (notification != nullptr) {
+      std::printf("notification #%llu from %s to buffer %llu: %s\n",
+                  static_cast<unsigned long long>(notification->sequence),
+                  absl::CEscape(notification->from_agent_id).c_str(),
+                  static_cast<unsigned long long>(notification->buffer_id),
+                  absl::CEscape(notification->data).c_str());
+    }
+  }
+  std::fflush(stdout);
+}
+
+class NotificationsCommand : public Command {
+ public:
+  explicit NotificationsCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "notifications",
+        "print the notifications peers sent to this user's buffers");
+    sub->footer(
+        "Takes the queued notifications (GetNotifications), waiting up to "
+        "--wait for the first, and prints each once (data C-escaped; -o "
+        "json: one NotificationEvent per line). With --watch, streams them "
+        "(WatchNotifications) until SIGINT or SIGTERM (exit 0), --count "
+        "notifications (exit 0) or the agent goes away (exit 1). 'dropped: "
+        "N' says N were lost to a full queue.");
+    sub->add_option("--wait", wait_,
+                    "longest wait for the first one (e.g. 10s; default 0)");
+    sub->add_flag("--watch", watch_, "stream them until interrupted");
+    sub->add_option("--count", count_,
+                    "with --watch: stop after this many notifications");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::Duration wait;
+    if (!absl::ParseDuration(wait_, &wait) || wait < absl::ZeroDuration()) {
+      return Usage("notifications: --wait takes a duration such as 10s");
+    }
+    if (count_.has_value() && (*count_ < 1 || !watch_)) {
+      return Usage("notifications: --count needs --watch and at least 1");
+    }
+    if (!watch_) {
+      absl::StatusOr<AgentClient*> client = lazy.Get();
+      if (!client.ok()) return Failed("connect", client.status());
+      absl::StatusOr<NotificationBatch> batch =
+          (*client)->GetNotifications(wait);
+      if (!batch.ok()) return Failed("notifications", batch.status());
+      if (batch->notifications.empty() && batch->dropped > 0) {
+        PrintNotification(global, nullptr, batch->dropped);
+      }
+      for (size_t i = 0; i < batch->notifications.size(); ++i) {
+        PrintNotification(global, &batch->notifications[i],
+                          i == 0 ? batch->dropped : 0);
+      }
+      return Ok();
+    }
+    // As watch: signals blocked before any thread exists.
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Mutex mu;
+    uint64_t printed = 0;
+    absl::StatusOr<NotificationWatch> stream = (*client)->WatchNotifications(
+        [&](const Notification* notification, uint64_t dropped) {
+          absl::MutexLock lock(&mu);
+          if (count_.has_value() && printed >= *count_) return;
+          PrintNotification(global, notification, dropped);
+          if (notification != nullptr) ++printed;
+        });
+    if (!stream.ok()) return Failed("notifications", stream.status());
+    const timespec tick = {0, 100000000L};  // 100 ms
+    while (true) {
+      if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) return Ok();
+      {
+        absl::MutexLock lock(&mu);
+        if (count_.has_value() && printed >= *count_) return Ok();
+      }
+      if (absl::Status status = stream->status(); !status.ok()) {
+        return Failed("notifications", status);
+      }
+    }
+  }
+
+ private:
+  std::string wait_ = "0s";
+  bool watch_ = false;
+  std::optional<uint64_t> count_;
+};
+
 class DecodeCommand : public Command {
  public:
   explicit DecodeCommand(CLI::App& app) {
@@ -927,6 +1067,7 @@ int Main(int argc, char** argv) {
   owned.push_back(std::make_unique<WaitCommand>(app));
   owned.push_back(std::make_unique<CancelCommand>(app));
   owned.push_back(std::make_unique<WatchCommand>(app));
+  owned.push_back(std::make_unique<NotificationsCommand>(app));
   owned.push_back(std::make_unique<DecodeCommand>(app));
   // Subcommands are kept in the order they were added.
   const std::vector<CLI::App*> subs = app.get_subcommands({});

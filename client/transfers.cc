@@ -397,7 +397,15 @@ void TransferWatch::Stop() {
 
 absl::StatusOr<Transfer> AgentClient::SubmitAsync(
     const std::vector<OpSpec>& ops, absl::Duration timeout) {
-  const v1::SubmitRequest request = internal::SubmitRequestFor(ops, timeout);
+  SubmitOptions options;
+  options.timeout = timeout;
+  return SubmitAsync(ops, options);
+}
+
+absl::StatusOr<Transfer> AgentClient::SubmitAsync(
+    const std::vector<OpSpec>& ops, const SubmitOptions& options) {
+  v1::SubmitRequest request = internal::SubmitRequestFor(ops, options.timeout);
+  request.set_notification(options.notification);
   grpc::ClientContext context;
   state_->PrepareContext(&context);
   v1::SubmitAsyncResponse response;

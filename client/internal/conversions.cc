@@ -95,6 +95,37 @@ v1::TransferState ToProto(TransferState state) {
   return v1::TRANSFER_STATE_UNSPECIFIED;
 }
 
+NotificationResult FromProto(const v1::NotificationResult& result) {
+  NotificationResult out;
+  out.agent_id = result.agent_id();
+  out.buffer_id = result.buffer_id();
+  out.status = absl::Status(static_cast<absl::StatusCode>(result.code()),
+                            result.message());
+  out.backend = result.backend();
+  return out;
+}
+
+v1::NotificationResult ToProto(const NotificationResult& result) {
+  v1::NotificationResult out;
+  out.set_agent_id(result.agent_id);
+  out.set_buffer_id(result.buffer_id);
+  out.set_code(static_cast<int>(result.status.code()));
+  out.set_message(std::string(result.status.message()));
+  out.set_backend(result.backend);
+  return out;
+}
+
+Notification FromProto(const v1::Notification& notification) {
+  Notification out;
+  out.from_agent_id = notification.from_agent_id();
+  out.buffer_id = notification.buffer_id();
+  out.data = notification.data();
+  out.receive_time = FromTimestamp(notification.has_receive_time(),
+                                   notification.receive_time());
+  out.sequence = notification.sequence();
+  return out;
+}
+
 TransferResult FromProto(const v1::Transfer& transfer) {
   TransferResult result;
   result.id = transfer.transfer_id();
@@ -108,6 +139,9 @@ TransferResult FromProto(const v1::Transfer& transfer) {
   result.start_time =
       FromTimestamp(transfer.has_start_time(), transfer.start_time());
   result.end_time = FromTimestamp(transfer.has_end_time(), transfer.end_time());
+  for (const v1::NotificationResult& sent : transfer.notifications()) {
+    result.notifications.push_back(FromProto(sent));
+  }
   return result;
 }
 
@@ -117,6 +151,9 @@ v1::Transfer ToProto(const TransferResult& result) {
   transfer.set_state(ToProto(result.state));
   for (const OpResult& op : result.results) {
     *transfer.add_results() = ToProto(op);
+  }
+  for (const NotificationResult& sent : result.notifications) {
+    *transfer.add_notifications() = ToProto(sent);
   }
   if (result.create_time != absl::InfinitePast()) {
     SetTimestamp(result.create_time, transfer.mutable_create_time());

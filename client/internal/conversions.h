@@ -19,6 +19,10 @@ bool LeavesTimeoutToAgent(absl::Duration timeout);
 v1::SubmitRequest SubmitRequestFor(const std::vector<OpSpec>& ops,
                                    absl::Duration timeout);
 
+NotificationResult FromProto(const v1::NotificationResult& result);
+v1::NotificationResult ToProto(const NotificationResult& result);
+Notification FromProto(const v1::Notification& notification);
+
 OpResult FromProto(const v1::OpResult& result);
 v1::OpResult ToProto(const OpResult& result);
 

@@ -696,5 +696,73 @@ TEST_F(AgentctlTest, MissingOrForbiddenSocketFailsAtOnceNamingTheErrno) {
   EXPECT_THAT(r->err, HasSubstr("Permission denied"));
 }
 
+TEST_F(AgentctlTest, SubmitNotifiesTheOwnerAndNotificationsPrintsIt) {
+  auto [src, src_context] = Register(4096);
+  auto [dst, dst_context] = Register(4096);
+  RunResult r = Ctl({"info", "-o", "json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::AgentInfo info;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &info).ok());
+  const std::string agent = info.agent_id();
+
+  r = Ctl({"write", src, "--in=-"}, PatternString(3, 0, 100));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"submit", "--op=write", "--local=" + src, "--length=100",
+           "--context=" + dst_context, "--notify=block 1 ready"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, absl::StrCat("op 0: OK backend=memory\n",
+                                "notification to buffer ", dst, " of agent ",
+                                agent, ": OK backend=memory\n"));
+  // The owner (this user) reads it once, after the bytes.
+  r = Ctl({"notifications"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, absl::StrCat("notification #1 from ", agent,
+                                " to buffer ", dst, ": block 1 ready\n"));
+  r = Ctl({"read", dst, "--length=100"});
+  EXPECT_TRUE(r.out == PatternString(3, 0, 100));
+  r = Ctl({"notifications"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "");
+
+  // Asynchronously, with bytes that need escaping; a stream starts with the
+  // queued ones.
+  r = Ctl({"submit", "--async", "--op=write", "--local=" + src, "--length=1",
+           "--context=" + dst_context, "--notify=two\nlines"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"wait", TransferId(r)});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("notification to buffer ", dst,
+                                            " of agent ", agent,
+                                            ": OK backend=memory")));
+  r = Ctl({"notifications", "--watch", "--count=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, absl::StrCat("notification #2 from ", agent, " to buffer ",
+                                dst, ": two\\nlines\n"));
+
+  // JSON: one NotificationEvent per line.
+  r = Ctl({"submit", "--op=write", "--local=" + src, "--length=1",
+           "--context=" + dst_context, "--notify=j"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"-o", "json", "notifications", "--wait=5s"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::NotificationEvent event;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &event).ok())
+      << r.out;
+  EXPECT_EQ(event.notification().data(), "j");
+  EXPECT_EQ(event.notification().sequence(), 3u);
+  EXPECT_EQ(absl::StrCat(event.notification().buffer_id()), dst);
+
+  // Too long for the agent: the whole submit is refused.
+  r = Ctl({"submit", "--op=write", "--local=" + src, "--length=1",
+           "--context=" + dst_context, "--notify=" + std::string(5000, 'x')});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT: Submit: the notification is "
+                               "5000 bytes; at most 4096"));
+  // Bad usage.
+  r = Ctl({"notifications", "--count=2"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--count needs --watch"));
+}
+
 }  // namespace
 }  // namespace rdma_agent::testing
