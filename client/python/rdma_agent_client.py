@@ -125,14 +125,57 @@ class OpResult(namedtuple("OpResult", "code message backend")):
         return self.code == grpc.StatusCode.OK
 
 
+class NotificationResult(namedtuple("NotificationResult",
+                                    "agent_id buffer_id code message backend")):
+    """What became of a batch's notification to one remote buffer: `code` OK
+    when the target agent queued it for the buffer's owner, ABORTED when an
+    op on that agent did not succeed (not sent), anything else when sending
+    failed (never resent)."""
+
+    @property
+    def ok(self):
+        return self.code == grpc.StatusCode.OK
+
+
+class SubmitResult(namedtuple("SubmitResult", "results notifications")):
+    """submit_notify(): one OpResult per op and one NotificationResult per
+    distinct remote buffer."""
+
+
+class Notification(namedtuple("Notification",
+                              "from_agent_id buffer_id data receive_time sequence")):
+    """Bytes a client of `from_agent_id` sent to the owner of this user's
+    buffer `buffer_id` after its ops there succeeded (their bytes are in the
+    buffer). `receive_time` in Unix seconds; `sequence` numbers this user's
+    notifications from 1 (a gap is where some were dropped)."""
+
+
+class NotificationBatch(namedtuple("NotificationBatch", "notifications dropped")):
+    """get_notifications(): the notifications, oldest first, and how many
+    were dropped (queue full) since the last answer that said so."""
+
+
+def _notification_results(messages):
+    return [NotificationResult(n.agent_id, n.buffer_id, status_code(n.code), n.message,
+                               n.backend) for n in messages]
+
+
+def _notification(message):
+    return Notification(message.from_agent_id, message.buffer_id, message.data,
+                        _seconds(message, "receive_time"), message.sequence)
+
+
 class TransferResult(namedtuple(
-        "TransferResult", "transfer_id state results create_time start_time end_time")):
+        "TransferResult",
+        "transfer_id state results create_time start_time end_time notifications")):
     """A transfer as the client last learnt it.
 
     `state` is PENDING, DONE, FAILED or CANCELLED; `results` one OpResult per
     op, in order, once ended (empty while pending); the times are Unix
     seconds (float), None when unset: `start_time` for a transfer that never
-    ran (cancelled while queued), `end_time` while pending.
+    ran (cancelled while queued), `end_time` while pending; `notifications`
+    one NotificationResult per distinct remote buffer when the transfer
+    carried a notification, once ended.
     """
 
     @property
@@ -153,7 +196,7 @@ def _transfer_result(message):
         message.transfer_id, _STATE.get(message.state, FAILED),
         [OpResult(status_code(r.code), r.message, r.backend) for r in message.results],
         _seconds(message, "create_time"), _seconds(message, "start_time"),
-        _seconds(message, "end_time"))
+        _seconds(message, "end_time"), _notification_results(message.notifications))
 
 
 def _duration(seconds):
@@ -554,8 +597,8 @@ class AgentClient:
                       response.backends, response.lifetime)
 
     @staticmethod
-    def _submit_request(ops, timeout):
-        request = agent_pb2.SubmitRequest()
+    def _submit_request(ops, timeout, notification=None):
+        request = agent_pb2.SubmitRequest(notification=_as_bytes(notification))
         for op in ops:
             request.ops.add(type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
                             local_buffer_id=op.local_buffer_id,
@@ -574,14 +617,43 @@ class AgentClient:
         response = _rpc(self.stub.Submit, request, deadline)
         return [OpResult(status_code(r.code), r.message, r.backend) for r in response.results]
 
-    def submit_async(self, ops, timeout=None):
+    def submit_notify(self, ops, notification, timeout=None):
+        """submit() that also sends `notification` (bytes or str, at most the
+        agent's --max_notification_bytes) to the owner of each remote buffer
+        the batch targets, once every op on its agent has succeeded. Returns
+        a SubmitResult."""
+        request = self._submit_request(ops, timeout, notification)
+        deadline = (timeout if timeout is not None else self.timeout) + 5
+        response = _rpc(self.stub.Submit, request, deadline)
+        return SubmitResult(
+            [OpResult(status_code(r.code), r.message, r.backend) for r in response.results],
+            _notification_results(response.notifications))
+
+    def get_notifications(self, wait=0, max_count=0):
+        """Takes this user's queued notifications (at most `max_count`; 0 =
+        the agent's most), waiting up to `wait` seconds for the first one.
+        Returns a NotificationBatch; each notification is returned once."""
+        request = agent_pb2.GetNotificationsRequest(wait=_duration(wait), max_count=max_count)
+        response = _rpc(self.stub.GetNotifications, request, wait + self.timeout)
+        return NotificationBatch([_notification(n) for n in response.notifications],
+                                 response.dropped)
+
+    def watch_notifications(self):
+        """A NotificationStream: iterate it for (Notification or None, dropped)
+        pairs as notifications arrive (first those queued), until close()."""
+        return NotificationStream(
+            self.stub.WatchNotifications(agent_pb2.WatchNotificationsRequest()))
+
+    def submit_async(self, ops, timeout=None, notification=None):
         """Starts `ops` as one asynchronous transfer and returns its Transfer
         once the agent has accepted it. A bad batch raises AgentError with
         submit()'s codes (RESOURCE_EXHAUSTED beyond the agent's transfers in
         flight per user); a bad op is reported in the transfer's results.
         `timeout` (seconds) bounds the transfer on the agent from now, time
-        queued included; None = the agent's default."""
-        request = self._submit_request(ops, timeout)
+        queued included; None = the agent's default. `notification` as for
+        submit_notify(); the TransferResult's `notifications` say what became
+        of it."""
+        request = self._submit_request(ops, timeout, notification)
         self._ensure_watch()
         # Taken before the request leaves: the watch may deliver the end
         # before the answer arrives.
@@ -854,6 +926,44 @@ class AgentClient:
             done += n
             if done >= len(view):
                 return
+
+
+def _as_bytes(data):
+    if data is None:
+        return b""
+    return data.encode() if isinstance(data, str) else bytes(data)
+
+
+class NotificationStream:
+    """One WatchNotifications stream. Iterating yields (notification, dropped)
+    pairs: a Notification (or None when the event only reports drops) and the
+    notifications this stream lost to a full queue since the previous event.
+    Iteration ends after close(), or raises AgentError when the agent ends
+    the stream. A context manager."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self):
+        try:
+            for event in self._call:
+                notification = (_notification(event.notification)
+                                if event.HasField("notification") else None)
+                yield notification, event.dropped
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise AgentError(error.code(), error.details()) from None
+
+    def close(self):
+        """Cancels the stream; an iteration in progress ends."""
+        self._call.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def decode_context(remote_context):

@@ -518,6 +518,73 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.transfer(999999).wait, 1)
 
 
+class NotificationTest(unittest.TestCase):
+    """submit_notify(), submit_async(notification=...), get_notifications()
+    and watch_notifications() on one agent: the target is its own buffer."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.agent = Agent([])
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.agent.stop() == 0
+
+    def setUp(self):
+        self.client = AgentClient(self.agent.socket, timeout=30)
+
+    def tearDown(self):
+        for info in self.client.list_buffers():
+            self.client.release(info.buffer_id)
+        self.client.close()
+
+    def test_notify_then_poll_and_stream(self):
+        agent_id = self.client.info().agent_id
+        with self.client.attach(8192) as src, self.client.allocate(8192) as dst:
+            src.memory[:] = pattern(4, 8192)
+            sent = self.client.submit_notify(
+                [Op("write", src.id, 100, 1000, dst.remote_context, 7)], "ready", timeout=20)
+            self.assertTrue(sent.results[0].ok, sent)
+            [result] = sent.notifications
+            self.assertEqual((result.code, result.buffer_id, result.agent_id, result.backend),
+                             (grpc.StatusCode.OK, dst.id, agent_id, "memory"))
+            batch = self.client.get_notifications(wait=5)
+            self.assertEqual(batch.dropped, 0)
+            [got] = batch.notifications
+            self.assertEqual((got.from_agent_id, got.buffer_id, got.data, got.sequence),
+                             (agent_id, dst.id, b"ready", 1))
+            self.assertGreater(got.receive_time, 0)
+            self.assertTrue(bytes(dst.memory[7:1007]) == bytes(src.memory[100:1100]))
+            self.assertEqual(self.client.get_notifications().notifications, [])
+
+            # Asynchronously, received on a stream.
+            transfer = self.client.submit_async(
+                [Op("write", src.id, 0, 10, dst.remote_context, 0)], notification=b"\x00bin")
+            end = transfer.result(timeout=20)
+            self.assertTrue(end.ok, end)
+            [result] = end.notifications
+            self.assertTrue(result.ok, result)
+            with self.client.watch_notifications() as stream:
+                notification, dropped = next(iter(stream))
+            self.assertEqual((notification.data, notification.sequence, dropped),
+                             (b"\x00bin", 2, 0))
+
+    def test_failed_op_sends_nothing_and_oversized_is_refused(self):
+        with self.client.allocate(64) as src, self.client.allocate(64) as dst:
+            sent = self.client.submit_notify(
+                [Op("write", src.id, 0, 10, dst.remote_context, 60)], "never", timeout=20)
+            self.assertEqual(sent.results[0].code, grpc.StatusCode.OUT_OF_RANGE)
+            self.assertEqual(sent.notifications, [])
+            self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.submit_notify,
+                            [Op("write", src.id, 0, 10, dst.remote_context, 0)], b"x" * 4097)
+            self.assertEqual(self.client.get_notifications(wait=0.2).notifications, [])
+
+    def assertCode(self, code, call, *args):
+        with self.assertRaises(AgentError) as raised:
+            call(*args)
+        self.assertEqual(raised.exception.code, code, raised.exception)
+
+
 def child(socket_path):
     with AgentClient(socket_path, timeout=30) as client:
         with client.attach(MIB, "read_write") as buffer:
