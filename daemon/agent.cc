@@ -532,6 +532,16 @@ void Agent::AddGauges() {
                        return std::vector<GaugeSample>{
                            {{}, static_cast<double>(transfers->in_flight())}};
                      });
+  metrics_->AddGauge(
+      "rdma_agentd_notifications_received",
+      "Notifications peers delivered here since start, and those dropped "
+      "because their owner's queue was full (kind)",
+      [inbox = notifications_.get()] {
+        return std::vector<GaugeSample>{
+            {{{"kind", "delivered"}},
+             static_cast<double>(inbox->delivered_total())},
+            {{{"kind", "dropped"}}, static_cast<double>(inbox->dropped_total())}};
+      });
   const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
     return [quota] {
       std::vector<GaugeSample> samples;

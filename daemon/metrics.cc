@@ -116,7 +116,13 @@ AgentMetrics::AgentMetrics(absl::string_view version)
       refusals_(prometheus::BuildCounter()
                     .Name("rdma_agentd_refusals_total")
                     .Help("Requests refused to protect the agent, by reason")
-                    .Register(*registry_)) {
+                    .Register(*registry_)),
+      notifications_sent_(
+          prometheus::BuildCounter()
+              .Name("rdma_agentd_notifications_sent_total")
+              .Help("Notifications of this agent's batches to remote buffers, "
+                    "by the backend that carried them and the outcome")
+              .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("rdma_agentd_build_info")
       .Help("The running agent's version")
@@ -164,6 +170,14 @@ void AgentMetrics::RecordSubmit(absl::Duration latency) {
 
 void AgentMetrics::RecordRetry(absl::string_view from, absl::string_view to) {
   retries_.Add({{"from", std::string(from)}, {"to", std::string(to)}})
+      .Increment();
+}
+
+void AgentMetrics::RecordNotificationSent(absl::string_view backend,
+                                          absl::StatusCode code) {
+  notifications_sent_
+      .Add({{"backend", std::string(backend)},
+            {"code", absl::StatusCodeToString(code)}})
       .Increment();
 }
 

@@ -63,6 +63,9 @@ class AgentMetrics {
   void RecordRetry(absl::string_view from, absl::string_view to);
   // Something was refused to protect the agent (a limit, a stranger).
   void RecordRefusal(absl::string_view reason);
+  // A batch's notification to one remote buffer ended with `code` (sent by
+  // `backend`; empty when it was not sent).
+  void RecordNotificationSent(absl::string_view backend, absl::StatusCode code);
 
   // Adds a gauge family whose samples `read` returns at every scrape.
   void AddGauge(const std::string& name, const std::string& help,
@@ -83,6 +86,7 @@ class AgentMetrics {
   prometheus::Histogram& submit_seconds_;
   prometheus::Family<prometheus::Counter>& retries_;
   prometheus::Family<prometheus::Counter>& refusals_;
+  prometheus::Family<prometheus::Counter>& notifications_sent_;
 };
 
 // Serves /metrics (the text format) and /healthz (200 "ok" while the agent

@@ -484,6 +484,10 @@ class RdmaAgentService::Batch final : public TransferWork {
     }
     result->set_code(static_cast<int>(status.code()));
     result->set_message(std::string(status.message()));
+    if (service_->metrics_ != nullptr) {
+      service_->metrics_->RecordNotificationSent(result->backend(),
+                                                 status.code());
+    }
     if (!status.ok()) {
       service_->LogFailedNotification(caller_, rpc_, remote, status);
     }
