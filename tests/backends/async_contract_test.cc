@@ -61,7 +61,8 @@ std::optional<uint64_t> FirstWrong(absl::Span<const std::byte> bytes,
             [](const Moved& x, const Moved& y) { return x.offset < y.offset; });
   uint64_t at = 0;
   for (const Moved& range : moved) {
-    if (auto bad = FindMismatch(bytes.subspan(at, range.offset - at), own, at)) {
+    if (auto bad =
+            FindMismatch(bytes.subspan(at, range.offset - at), own, at)) {
       return at + *bad;
     }
     if (auto bad = FindMismatch(bytes.subspan(range.offset, range.length),
@@ -246,8 +247,8 @@ TEST_P(AsyncContractTest, OneResultPerOpInOrderAsSubmitGivesThem) {
        MakeWireOp(kRead, near.id(), 0, 100, forged, 0),
        MakeWireOp(kWrite, near, 1000 + length, length, far, length + 7)},
       absl::Seconds(60));
-  const std::vector<int> want = {kOk, kOutOfRange, kOk, kFailedPrecondition,
-                                 kNotFound, kOk};
+  const std::vector<int> want = {
+      kOk, kOutOfRange, kOk, kFailedPrecondition, kNotFound, kOk};
   // What the ops leave: far gets two WRITEs, near one READ.
   const std::vector<Moved> far_moved = {
       {0, 100, kNearSeed, 0}, {length + 7, length, kNearSeed, 1000 + length}};

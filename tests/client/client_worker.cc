@@ -26,7 +26,7 @@
 //   transfer_get ID             -> status CODE [STATE]   (GetTransfers, no
 //   wait) transfer_cancel ID          -> status CODE [STATE]   (CancelTransfer)
 //   transfer_detail get|cancel ID[,ID...]
-//                               -> status OK STATE[,STATE...] | status CODE MESSAGE
+//                   -> status OK STATE[,STATE...] | status CODE MESSAGE
 //        GetTransfers (no wait) of every id, or CancelTransfer of the first,
 //        with the agent's message when it refuses
 //   transfer_watch MILLISECONDS -> events ID,ID,...
@@ -255,7 +255,8 @@ class Worker {
       std::vector<uint64_t> ids;
       for (absl::string_view word : absl::StrSplit(words[2], ',')) {
         uint64_t id = 0;
-        if (!absl::SimpleAtoi(word, &id)) return "error INVALID_ARGUMENT bad id";
+        if (!absl::SimpleAtoi(word, &id))
+          return "error INVALID_ARGUMENT bad id";
         ids.push_back(id);
       }
       grpc::ClientContext context;
@@ -265,8 +266,8 @@ class Worker {
         v1::CancelTransferRequest request;
         request.set_transfer_id(ids.front());
         v1::CancelTransferResponse response;
-        status = FromGrpcStatus(
-            Stub().CancelTransfer(&context, request, &response));
+        status =
+            FromGrpcStatus(Stub().CancelTransfer(&context, request, &response));
         states.push_back(v1::TransferState_Name(response.transfer().state()));
       } else {
         v1::GetTransfersRequest request;

@@ -93,8 +93,7 @@ class KilledClientTransfersTest : public ::testing::Test {
     if (b_ != nullptr) ADD_FAILURE() << "agent b log:\n" << b_->Log();
   }
 
-  void ExpectGauge(AgentProcess& agent, const std::string& name,
-                   double want) {
+  void ExpectGauge(AgentProcess& agent, const std::string& name, double want) {
     absl::StatusOr<double> value;
     EXPECT_TRUE(Eventually(
         [&] {
@@ -130,8 +129,8 @@ TEST_F(KilledClientTransfersTest, KilledMidSubmitStopsTheBatchAndFreesItsOps) {
 
   auto worker = WorkerProcess::Start(*a_);
   ASSERT_TRUE(worker.ok()) << worker.status();
-  auto words = worker->CallWords(absl::StrCat("allocate ", kSize, " ",
-                                              kReadWrite));
+  auto words =
+      worker->CallWords(absl::StrCat("allocate ", kSize, " ", kReadWrite));
   ASSERT_TRUE(words.ok()) << words.status();
   auto local = ParseRegistered(*words);
   ASSERT_TRUE(local.ok()) << local.status();
@@ -155,8 +154,7 @@ TEST_F(KilledClientTransfersTest, KilledMidSubmitStopsTheBatchAndFreesItsOps) {
                                            *scratch, 0, 100, *scratch, 200)),
       absl::Seconds(60));
   auto refused = SubmitSync(*stub, all_of_it);
-  EXPECT_TRUE(absl::IsResourceExhausted(refused.status()))
-      << refused.status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
   EXPECT_TRUE(absl::StrContains(refused.status().message(),
                                 "--max_ops_in_flight_per_user"))
       << refused.status();
@@ -212,7 +210,8 @@ TEST_F(KilledClientTransfersTest, KilledMidSubmitStopsTheBatchAndFreesItsOps) {
 constexpr uint64_t kBlockerHalf = 64ull << 20;
 constexpr int kBlockerOps = 4096;  // 256 GiB of copying: never ends by itself
 
-TEST_F(KilledClientTransfersTest, KilledMidWatchFreesTheStreamTransfersStillEnd) {
+TEST_F(KilledClientTransfersTest,
+       KilledMidWatchFreesTheStreamTransfersStillEnd) {
   constexpr int kTransfers = 8;
   constexpr uint64_t kSlot = 64 << 10;
   constexpr uint64_t kSize = 2 * kTransfers * kSlot;
@@ -263,9 +262,9 @@ TEST_F(KilledClientTransfersTest, KilledMidWatchFreesTheStreamTransfersStillEnd)
   ASSERT_TRUE(blocker.ok()) << blocker.status();
   std::vector<std::string> ids;
   for (int i = 0; i < kTransfers; ++i) {
-    const std::string answer = watcher->Answer(absl::StrCat(
-        "submit_async read ", destination.id, " ", i * kSlot, " ", kSlot, " ",
-        i * kSlot, " ", source.context));
+    const std::string answer = watcher->Answer(
+        absl::StrCat("submit_async read ", destination.id, " ", i * kSlot, " ",
+                     kSlot, " ", i * kSlot, " ", source.context));
     ASSERT_TRUE(absl::StartsWith(answer, "transfer ")) << answer;
     ids.push_back(answer.substr(9));
   }

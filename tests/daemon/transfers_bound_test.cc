@@ -63,8 +63,8 @@ struct Outcome {
 struct Bound {
   std::string name;
   std::vector<std::string> flags;
-  std::string flag;        // named in every refusal
-  std::string not_flag;    // never named (empty: no check)
+  std::string flag;      // named in every refusal
+  std::string not_flag;  // never named (empty: no check)
 };
 
 class TransfersBoundTest : public ::testing::TestWithParam<Bound> {
@@ -211,9 +211,9 @@ class TransfersBoundTest : public ::testing::TestWithParam<Bound> {
   void ExpectAllDone(const std::vector<uint64_t>& ids) {
     for (size_t first = 0; first < ids.size(); first += kIdsPerGet) {
       const size_t n = std::min(kIdsPerGet, ids.size() - first);
-      auto ended = GetTransfers(
-          *stub_, absl::MakeConstSpan(ids).subspan(first, n),
-          absl::Seconds(60));
+      auto ended =
+          GetTransfers(*stub_, absl::MakeConstSpan(ids).subspan(first, n),
+                       absl::Seconds(60));
       ASSERT_TRUE(ended.ok()) << ended.status();
       for (const v1::Transfer& transfer : *ended) {
         EXPECT_EQ(transfer.state(), v1::TRANSFER_STATE_DONE)
@@ -232,8 +232,8 @@ class TransfersBoundTest : public ::testing::TestWithParam<Bound> {
     for (int i = 0; i < kTransfers; ++i) {
       const auto slot = destination_->bytes().subspan(i * kSlot, kSlot);
       const bool ran = outcomes[i].status.ok();
-      const auto bad = FindMismatch(
-          slot, ran ? kSourceSeed : kDestinationSeed, i * kSlot);
+      const auto bad =
+          FindMismatch(slot, ran ? kSourceSeed : kDestinationSeed, i * kSlot);
       if (bad.has_value() && wrong++ < 5) {
         ADD_FAILURE() << "slot " << i << " (transfer "
                       << (ran ? "accepted" : "refused") << ") wrong at byte "
@@ -256,8 +256,8 @@ class TransfersBoundTest : public ::testing::TestWithParam<Bound> {
             return value.ok() && *value == 0;
           },
           absl::Seconds(20)))
-          << gauge << ": " << (value.ok() ? absl::StrCat(*value)
-                                          : value.status().ToString());
+          << gauge << ": "
+          << (value.ok() ? absl::StrCat(*value) : value.status().ToString());
     }
   }
 

@@ -31,9 +31,9 @@ namespace {
 
 constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
 constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
-constexpr int kCancelled = 1;          // absl::StatusCode::kCancelled
-constexpr int kDeadlineExceeded = 4;   // absl::StatusCode::kDeadlineExceeded
-constexpr int kOutOfRange = 11;        // absl::StatusCode::kOutOfRange
+constexpr int kCancelled = 1;         // absl::StatusCode::kCancelled
+constexpr int kDeadlineExceeded = 4;  // absl::StatusCode::kDeadlineExceeded
+constexpr int kOutOfRange = 11;       // absl::StatusCode::kOutOfRange
 
 constexpr uint64_t kBlockerHalf = 64ull << 20;
 constexpr int kBlockerOps = 4096;  // 256 GiB of copying: never ends by itself
@@ -86,9 +86,9 @@ class TransfersCancelRaceTest : public ::testing::Test {
       if (!buffer.ok()) return 0;
       blocker_ = *buffer;
     }
-    std::vector<v1::Op> ops(
-        kBlockerOps, MakeWireOp(kRead, blocker_->id, 0, kBlockerHalf,
-                                blocker_->remote_context, kBlockerHalf));
+    std::vector<v1::Op> ops(kBlockerOps,
+                            MakeWireOp(kRead, blocker_->id, 0, kBlockerHalf,
+                                       blocker_->remote_context, kBlockerHalf));
     auto id = SubmitAsync(*stub_, MakeBatch(std::move(ops), absl::Minutes(10)));
     EXPECT_TRUE(id.ok()) << id.status();
     if (!id.ok()) return 0;
@@ -200,10 +200,10 @@ TEST_F(TransfersCancelRaceTest, CancelAfterTheEndReturnsItAndChangesNothing) {
   // DONE: a READ and a WRITE at odd offsets over tcp. FAILED: one good op
   // and one past the end of the remote buffer.
   auto done = SubmitAsync(
-      *stub_, MakeBatch({MakeWireOp(kRead, local, 5, 100003, remote, 7),
-                         MakeWireOp(kWrite, local, 200001, 70001, remote,
-                                    300003)},
-                        absl::Seconds(60)));
+      *stub_,
+      MakeBatch({MakeWireOp(kRead, local, 5, 100003, remote, 7),
+                 MakeWireOp(kWrite, local, 200001, 70001, remote, 300003)},
+                absl::Seconds(60)));
   ASSERT_TRUE(done.ok()) << done.status();
   auto failed = SubmitAsync(
       *stub_, MakeBatch({MakeWireOp(kRead, local, 1000000, 10, remote, 0),
@@ -293,7 +293,8 @@ std::optional<uint64_t> FindNeither(absl::Span<const std::byte> bytes,
   return std::nullopt;
 }
 
-TEST_F(TransfersCancelRaceTest, DeadlineRacingCancelEndsOneWayAndTouchesNothing) {
+TEST_F(TransfersCancelRaceTest,
+       DeadlineRacingCancelEndsOneWayAndTouchesNothing) {
   constexpr uint64_t kLocalSeed = 1, kRemoteSeed = 2;
   constexpr int kRounds = 24;
   const absl::Duration timeout = absl::Milliseconds(150);
@@ -341,8 +342,8 @@ TEST_F(TransfersCancelRaceTest, DeadlineRacingCancelEndsOneWayAndTouchesNothing)
       ++deadline_rounds;
       EXPECT_EQ(end.state(), v1::TRANSFER_STATE_FAILED)
           << DescribeFailures(end);
-      EXPECT_EQ(stopped, 0) << "FAILED, yet an op says CANCELLED: "
-                            << DescribeFailures(end);
+      EXPECT_EQ(stopped, 0)
+          << "FAILED, yet an op says CANCELLED: " << DescribeFailures(end);
       EXPECT_GT(expired, 0) << DescribeFailures(end);
     }
     // GetTransfers reads exactly the end CancelTransfer answered.
@@ -368,10 +369,10 @@ TEST_F(TransfersCancelRaceTest, DeadlineRacingCancelEndsOneWayAndTouchesNothing)
   FillPattern(local.bytes(), kLocalSeed);
   FillPattern(remote.bytes(), kRemoteSeed);
   auto id = SubmitAsync(
-      *stub_, MakeBatch({MakeWireOp(kRead, local, 1, 1000, remote, 3),
-                         MakeWireOp(kWrite, local, kRegion, 1000, remote,
-                                    kRegion + 5)},
-                        absl::Seconds(60)));
+      *stub_,
+      MakeBatch({MakeWireOp(kRead, local, 1, 1000, remote, 3),
+                 MakeWireOp(kWrite, local, kRegion, 1000, remote, kRegion + 5)},
+                absl::Seconds(60)));
   ASSERT_TRUE(id.ok()) << id.status();
   auto end = GetTransfer(*stub_, *id, absl::Seconds(60));
   ASSERT_TRUE(end.ok()) << end.status();

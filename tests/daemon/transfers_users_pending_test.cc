@@ -104,8 +104,8 @@ TEST(TransfersUsersPendingTest, AnotherUsersPendingTransferIsInvisible) {
     EXPECT_EQ(WithoutId(theirs, id), WithoutId(nobodys, unknown));
   }
   // Named with one of its own: NOT_FOUND, and its own is not reported.
-  const std::string both = other.Answer(
-      absl::StrCat("transfer_detail get ", own_id, ",", id));
+  const std::string both =
+      other.Answer(absl::StrCat("transfer_detail get ", own_id, ",", id));
   EXPECT_EQ(both.rfind("status NOT_FOUND ", 0), 0u) << both;
   EXPECT_EQ(other.Answer(absl::StrCat("transfer_detail get ", own_id)),
             "status OK TRANSFER_STATE_PENDING");
@@ -131,9 +131,9 @@ TEST(TransfersUsersPendingTest, AnotherUsersPendingTransferIsInvisible) {
       absl::Seconds(30)));
   EXPECT_EQ(answer, "status OK TRANSFER_STATE_DONE");
   // Bytes [4096, 8192) hold pattern 7 from position 0, the rest its own.
-  EXPECT_EQ(owner.Answer(absl::StrCat("verify ", buffer->id,
-                                      " 7 0 4096 4096 7")),
-            "ok");
+  EXPECT_EQ(
+      owner.Answer(absl::StrCat("verify ", buffer->id, " 7 0 4096 4096 7")),
+      "ok");
 }
 
 }  // namespace

@@ -44,8 +44,9 @@ constexpr uint64_t kLocalSeed = 1, kRemoteSeed = 2;
 // Data connections `netns`'s agent serves on `port`: "peer:port" of each.
 absl::StatusOr<std::vector<std::string>> ServedConnections(
     const std::string& netns, uint16_t port) {
-  auto out = RunCommand({"ip", "netns", "exec", netns, "ss", "-Htn", "state",
-                         "established", absl::StrCat("( sport = :", port, " )")});
+  auto out =
+      RunCommand({"ip", "netns", "exec", netns, "ss", "-Htn", "state",
+                  "established", absl::StrCat("( sport = :", port, " )")});
   if (!out.ok()) return out.status();
   std::vector<std::string> peers;
   for (absl::string_view line : absl::StrSplit(*out, '\n')) {
@@ -60,8 +61,8 @@ absl::StatusOr<std::vector<std::string>> ServedConnections(
 // neither pattern kLocalSeed at their own position nor pattern kRemoteSeed
 // at the position the op reads them from (`first` - kGuard + i): the first
 // such one.
-std::optional<uint64_t> FindNeitherOldNorMoved(absl::Span<const std::byte> bytes,
-                                               uint64_t first) {
+std::optional<uint64_t> FindNeitherOldNorMoved(
+    absl::Span<const std::byte> bytes, uint64_t first) {
   constexpr uint64_t kChunk = 64 << 10;
   for (uint64_t at = 0; at < bytes.size(); at += kChunk) {
     const auto chunk = bytes.subspan(at, std::min(kChunk, bytes.size() - at));
@@ -104,10 +105,9 @@ class TransfersNetnsTest : public ::testing::Test {
     ASSERT_TRUE(pair.ok()) << pair.status();
     pair_ = std::move(*pair);
     // b sends the READ's payload: its end of the link is throttled.
-    auto throttled =
-        RunCommand({"tc", "-n", pair_->netns(1), "qdisc", "add", "dev",
-                    pair_->link(1), "root", "tbf", "rate", "1gbit", "burst",
-                    "256kb", "latency", "100ms"});
+    auto throttled = RunCommand(
+        {"tc", "-n", pair_->netns(1), "qdisc", "add", "dev", pair_->link(1),
+         "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"});
     ASSERT_TRUE(throttled.ok())
         << "tc's token bucket (sch_tbf) is needed to keep the 1 GiB "
            "transfer in flight: "
@@ -145,18 +145,16 @@ TEST_F(TransfersNetnsTest, CancelMidFlightOfOneGibibyteAcrossHosts) {
   auto remote = b.client().Attach(kGiB, v1::ACCESS_READ_WRITE, "remote");
   ASSERT_TRUE(remote.ok()) << remote.status();
   {
-    std::thread fill_remote(
-        [&] { FillPattern(remote->bytes(), kRemoteSeed); });
+    std::thread fill_remote([&] { FillPattern(remote->bytes(), kRemoteSeed); });
     FillPattern(local->bytes(), kLocalSeed);
     fill_remote.join();
   }
   auto stub = v1::RdmaAgent::NewStub(a.client().channel());
 
   auto id = SubmitAsync(
-      *stub,
-      MakeBatch({MakeWireOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kGiB,
-                            *remote, 0)},
-                absl::Minutes(10)));
+      *stub, MakeBatch({MakeWireOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
+                                   kGiB, *remote, 0)},
+                       absl::Minutes(10)));
   ASSERT_TRUE(id.ok()) << id.status();
   // Mid-flight: bytes have started to land (a word of the remote's pattern
   // where the op puts it, at 1 MiB steps).
@@ -191,11 +189,11 @@ TEST_F(TransfersNetnsTest, CancelMidFlightOfOneGibibyteAcrossHosts) {
   // and the op cut short (some of the range still old).
   const absl::Span<const std::byte> image = absl::MakeConstSpan(snapshot);
   EXPECT_EQ(FindMismatch(image.subspan(0, kGuard), kLocalSeed), std::nullopt);
-  EXPECT_EQ(FindMismatch(image.subspan(kGuard + kGiB), kLocalSeed,
-                         kGuard + kGiB),
-            std::nullopt);
-  const auto neither = FindNeitherOldNorMoved(image.subspan(kGuard, kGiB),
-                                              kGuard);
+  EXPECT_EQ(
+      FindMismatch(image.subspan(kGuard + kGiB), kLocalSeed, kGuard + kGiB),
+      std::nullopt);
+  const auto neither =
+      FindNeitherOldNorMoved(image.subspan(kGuard, kGiB), kGuard);
   EXPECT_EQ(neither, std::nullopt)
       << "byte " << kGuard + *neither << " holds neither its own nor the "
       << "remote's byte";
@@ -244,17 +242,17 @@ TEST_F(TransfersNetnsTest, CancelMidFlightOfOneGibibyteAcrossHosts) {
   }
   // Local: the READ's range holds the remote's bytes; every other byte is
   // as the snapshot had it.
-  EXPECT_EQ(FindMismatch(bytes.subspan(kReadAt, kReadLength), kRemoteSeed,
-                         kReadFrom),
-            std::nullopt);
+  EXPECT_EQ(
+      FindMismatch(bytes.subspan(kReadAt, kReadLength), kRemoteSeed, kReadFrom),
+      std::nullopt);
   const absl::Span<const std::byte> image_now = absl::MakeConstSpan(snapshot);
-  const auto before = FirstDifference(image_now.subspan(0, kReadAt),
-                                      bytes.subspan(0, kReadAt));
+  const auto before =
+      FirstDifference(image_now.subspan(0, kReadAt), bytes.subspan(0, kReadAt));
   EXPECT_EQ(before, std::nullopt)
       << "local byte " << *before << " before the READ's range changed";
   const uint64_t read_end = kReadAt + kReadLength;
-  const auto after = FirstDifference(image_now.subspan(read_end),
-                                     bytes.subspan(read_end));
+  const auto after =
+      FirstDifference(image_now.subspan(read_end), bytes.subspan(read_end));
   EXPECT_EQ(after, std::nullopt)
       << "local byte " << read_end + *after << " after the READ's range "
       << "changed";

@@ -82,8 +82,8 @@ absl::StatusOr<std::vector<v1::Transfer>> GetTransfers(
                                    response.transfers().end());
 }
 
-absl::StatusOr<v1::Transfer> GetTransfer(v1::RdmaAgent::Stub& stub,
-                                         uint64_t id, absl::Duration wait) {
+absl::StatusOr<v1::Transfer> GetTransfer(v1::RdmaAgent::Stub& stub, uint64_t id,
+                                         absl::Duration wait) {
   auto transfers = GetTransfers(stub, {id}, wait);
   if (!transfers.ok()) return transfers.status();
   return std::move(transfers->front());
@@ -105,8 +105,7 @@ absl::StatusOr<v1::Transfer> CancelTransfer(v1::RdmaAgent::Stub& stub,
 absl::StatusOr<std::vector<v1::OpResult>> SubmitSync(
     v1::RdmaAgent::Stub& stub, const v1::SubmitRequest& request) {
   grpc::ClientContext context;
-  SetDeadline(context,
-              absl::Seconds(request.timeout().seconds()) + kCallSlack);
+  SetDeadline(context, absl::Seconds(request.timeout().seconds()) + kCallSlack);
   v1::SubmitResponse response;
   const absl::Status status =
       FromGrpcStatus(stub.Submit(&context, request, &response));
@@ -116,18 +115,17 @@ absl::StatusOr<std::vector<v1::OpResult>> SubmitSync(
 }
 
 std::string DescribeFailures(const v1::Transfer& transfer, int limit) {
-  std::string text = absl::StrCat(
-      "transfer ", transfer.transfer_id(), " ",
-      v1::TransferState_Name(transfer.state()), " (", transfer.results_size(),
-      " results)");
+  std::string text = absl::StrCat("transfer ", transfer.transfer_id(), " ",
+                                  v1::TransferState_Name(transfer.state()),
+                                  " (", transfer.results_size(), " results)");
   int shown = 0;
   for (int i = 0; i < transfer.results_size() && shown < limit; ++i) {
     const v1::OpResult& result = transfer.results(i);
     if (result.code() == 0) continue;
-    absl::StrAppend(&text, "; op ", i, ": ",
-                    absl::StatusCodeToString(
-                        static_cast<absl::StatusCode>(result.code())),
-                    " ", result.message());
+    absl::StrAppend(
+        &text, "; op ", i, ": ",
+        absl::StatusCodeToString(static_cast<absl::StatusCode>(result.code())),
+        " ", result.message());
     ++shown;
   }
   return text;
