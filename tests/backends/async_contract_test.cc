@@ -221,11 +221,12 @@ TEST_P(AsyncContractTest, OneResultPerOpInOrderAsSubmitGivesThem) {
   // Chunked ops (past the backend's largest message) between refusals that
   // the serving side decides, each with its own code.
   const uint64_t length = 2 * GetParam().max_message_bytes + 3;
-  // far: [0, 100) and [length + 7, 2 length + 7) are written, the READ's
-  // source starts at read_from, clear of both (ops of a batch run in any
-  // order).
-  const uint64_t size = 3 * length + 8192;
-  const uint64_t read_from = 2 * length + 100;
+  // far: [0, 100) and [length + 307, 2 length + 307) are written; the
+  // READ's source [200, length + 200) is clear of both (the ops of a batch
+  // run in any order).
+  const uint64_t size = 2 * length + 8192;
+  const uint64_t read_from = 200;
+  const uint64_t write_at = length + 307;
   constexpr uint64_t kNearSeed = 11, kFarSeed = 12;
   client::Buffer near = Near(size, kNearSeed);
   client::Buffer far = Far(size, kFarSeed);
@@ -245,13 +246,13 @@ TEST_P(AsyncContractTest, OneResultPerOpInOrderAsSubmitGivesThem) {
        MakeWireOp(kRead, near, 1000, length, far, read_from),
        MakeWireOp(kWrite, near.id(), 0, 100, stale, 0),
        MakeWireOp(kRead, near.id(), 0, 100, forged, 0),
-       MakeWireOp(kWrite, near, 1000 + length, length, far, length + 7)},
+       MakeWireOp(kWrite, near, 1000 + length, length, far, write_at)},
       absl::Seconds(60));
   const std::vector<int> want = {
       kOk, kOutOfRange, kOk, kFailedPrecondition, kNotFound, kOk};
   // What the ops leave: far gets two WRITEs, near one READ.
   const std::vector<Moved> far_moved = {
-      {0, 100, kNearSeed, 0}, {length + 7, length, kNearSeed, 1000 + length}};
+      {0, 100, kNearSeed, 0}, {write_at, length, kNearSeed, 1000 + length}};
   const std::vector<Moved> near_moved = {{1000, length, kFarSeed, read_from}};
 
   auto id = SubmitAsync(stub(), batch);
