@@ -25,6 +25,10 @@
 //                BASE64_CONTEXT -> transfer ID | error CODE MESSAGE
 //   transfer_get ID             -> status CODE [STATE]   (GetTransfers, no
 //   wait) transfer_cancel ID          -> status CODE [STATE]   (CancelTransfer)
+//   transfer_detail get|cancel ID[,ID...]
+//                   -> status OK STATE[,STATE...] | status CODE MESSAGE
+//        GetTransfers (no wait) of every id, or CancelTransfer of the first,
+//        with the agent's message when it refuses
 //   transfer_watch MILLISECONDS -> events ID,ID,...
 //        the ends WatchTransfers pushed within that time
 //   watch_start                 -> ok STATE | error CODE MESSAGE
@@ -246,6 +250,40 @@ class Worker {
       if (!status.ok()) return absl::StrCat("status ", CodeName(status));
       return absl::StrCat("status OK ",
                           v1::TransferState_Name(response.transfer().state()));
+    }
+    if (command == "transfer_detail" && need(2)) {
+      std::vector<uint64_t> ids;
+      for (absl::string_view word : absl::StrSplit(words[2], ',')) {
+        uint64_t id = 0;
+        if (!absl::SimpleAtoi(word, &id))
+          return "error INVALID_ARGUMENT bad id";
+        ids.push_back(id);
+      }
+      grpc::ClientContext context;
+      std::vector<std::string> states;
+      absl::Status status;
+      if (words[1] == "cancel") {
+        v1::CancelTransferRequest request;
+        request.set_transfer_id(ids.front());
+        v1::CancelTransferResponse response;
+        status =
+            FromGrpcStatus(Stub().CancelTransfer(&context, request, &response));
+        states.push_back(v1::TransferState_Name(response.transfer().state()));
+      } else {
+        v1::GetTransfersRequest request;
+        for (uint64_t id : ids) request.add_transfer_ids(id);
+        v1::GetTransfersResponse response;
+        status =
+            FromGrpcStatus(Stub().GetTransfers(&context, request, &response));
+        for (const v1::Transfer& transfer : response.transfers()) {
+          states.push_back(v1::TransferState_Name(transfer.state()));
+        }
+      }
+      if (!status.ok()) {
+        return absl::StrCat("status ", CodeName(status), " ",
+                            OneLine(status.message()));
+      }
+      return absl::StrCat("status OK ", absl::StrJoin(states, ","));
     }
     if (command == "transfer_watch" && need(1)) {
       grpc::ClientContext context;
