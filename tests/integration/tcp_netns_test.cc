@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
+#include "absl/synchronization/mutex.h"
 #include "tests/integration/netns.h"
 #include "tests/integration/tcp_checks.h"
 #include "tests/testing/agent_process.h"
@@ -366,4 +367,94 @@ TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
 }
 
 }  // namespace
+// A notification crosses hosts behind its bytes: when the owner on B has it,
+// every byte of the batch is in its buffer (checked on the notification's
+// own callback), and the bytes around the op's range are untouched.
+TEST_F(TcpNetnsTest, NotificationArrivesAfterTheBytesItAnnounces) {
+  constexpr uint64_t kLength = (17ull << 20) + 3;
+  constexpr uint64_t kGuard = 4096;
+  auto local = a().Attach(kLength, v1::ACCESS_READ_WRITE, "notify-local");
+  auto remote =
+      b().Attach(kLength + 2 * kGuard, v1::ACCESS_READ_WRITE, "notify-remote");
+  ASSERT_TRUE(local.ok() && remote.ok());
+  FillPattern(local->bytes(), 7);
+  FillPattern(remote->bytes(), 8);
+  absl::Mutex mu;
+  int seen = 0;
+  bool bytes_there = false;
+  auto watch = b().WatchNotifications(
+      [&](const client::Notification* notification, uint64_t) {
+        ASSERT_NE(notification, nullptr);
+        const bool there =
+            !FindMismatch(remote->bytes().subspan(kGuard, kLength), 7, 0)
+                 .has_value();
+        absl::MutexLock lock(&mu);
+        ++seen;
+        bytes_there = there && notification->data == "landed";
+      });
+  ASSERT_TRUE(watch.ok());
+  absl::SleepFor(absl::Milliseconds(200));  // the stream opens
+  client::SubmitOptions options;
+  options.timeout = absl::Seconds(60);
+  options.notification = "landed";
+  auto submitted = a().Submit(
+      {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, kLength, *remote,
+              kGuard)},
+      options);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  ASSERT_TRUE(submitted->results[0].status.ok()) << submitted->results[0].status;
+  ASSERT_EQ(submitted->notifications.size(), 1u);
+  EXPECT_TRUE(submitted->notifications[0].status.ok())
+      << submitted->notifications[0].status;
+  {
+    absl::MutexLock lock(&mu);
+    mu.AwaitWithTimeout(absl::Condition(
+                            +[](int* n) { return *n > 0; }, &seen),
+                        absl::Seconds(20));
+    EXPECT_EQ(seen, 1);
+    EXPECT_TRUE(bytes_there);
+  }
+  watch->Stop();
+  EXPECT_EQ(FindMismatch(remote->bytes().subspan(0, kGuard), 8, 0),
+            std::nullopt);
+  EXPECT_EQ(FindMismatch(remote->bytes().subspan(kGuard + kLength, kGuard), 8,
+                         kGuard + kLength),
+            std::nullopt);
+}
+
+// An initiating agent killed in the middle of a batch never notifies: the
+// owner on B finds nothing, then or later.
+TEST_F(TcpNetnsTest, KilledInitiatorNotifiesNothing) {
+  constexpr uint64_t kSize = 64ull << 20;
+  auto local = a().Attach(kSize, v1::ACCESS_READ_WRITE, "local");
+  auto remote = b().Attach(kSize, v1::ACCESS_READ_WRITE, "remote");
+  ASSERT_TRUE(local.ok() && remote.ok());
+  const uint64_t remote_id = remote->id();
+  std::vector<client::OpSpec> ops(
+      64, MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, kSize, *remote, 0));
+  client::SubmitOptions options;
+  options.timeout = absl::Seconds(60);
+  options.notification = "never";
+  std::thread submit([&] { (void)a().Submit(ops, options); });
+  // Killed once bytes are flowing.
+  bool flowing = false;
+  for (int i = 0; i < 3000 && !flowing; ++i) {
+    auto buffers = b().ListBuffers();
+    if (buffers.ok()) {
+      for (const auto& info : *buffers) {
+        flowing = flowing ||
+                  (info.buffer_id() == remote_id && info.bytes_served() > 0);
+      }
+    }
+    if (!flowing) absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(flowing) << "no bytes were served";
+  agents_[0]->Kill();
+  submit.join();
+  auto batch = b().GetNotifications(absl::Seconds(2));
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(batch->notifications.empty());
+  EXPECT_EQ(batch->dropped, 0u);
+}
+
 }  // namespace rdma_agent::testing
