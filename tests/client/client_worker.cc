@@ -229,6 +229,19 @@ class Worker {
       if (!status.ok()) return Error(status);
       return absl::StrCat("transfer ", response.transfer_id());
     }
+    if (command == "notifications" && need(1)) {
+      // "notifications N DATA,DATA,... dropped D": what GetNotifications
+      // returned after waiting up to n[0] ms.
+      auto batch = client_->GetNotifications(absl::Milliseconds(n[0]));
+      if (!batch.ok()) return Error(batch.status());
+      std::vector<std::string> data;
+      for (const auto& notification : batch->notifications) {
+        data.push_back(absl::CEscape(notification.data));
+      }
+      return absl::StrCat("notifications ", batch->notifications.size(), " ",
+                          data.empty() ? "-" : absl::StrJoin(data, ","),
+                          " dropped ", batch->dropped);
+    }
     if (command == "transfer_get" && need(1)) {
       grpc::ClientContext context;
       v1::GetTransfersRequest request;
