@@ -55,7 +55,7 @@ write("remote_context_fuzzer", "incomplete",
 
 # --- tcp wire ----------------------------------------------------------------
 REQUEST_MAGIC, RESPONSE_MAGIC, HELLO_MAGIC = 0x52415443, 0x52415452, 0x52415448
-READ, WRITE = 1, 2
+READ, WRITE, NOTIFY = 1, 2, 3
 
 
 def request(kind, request_id, epoch, buffer_id, offset, length, token,
@@ -96,6 +96,21 @@ write(T, "wrong_token", request(READ, 8, EPOCH, RO, 0, 16, b"guess"))
 write(T, "out_of_bounds", request(WRITE, 9, EPOCH, RW, 4090, 16, TOKEN,
                                   b"O" * 16))
 write(T, "unknown_buffer", request(READ, 10, EPOCH, 99, 0, 16, TOKEN))
+
+
+def notification(sender, data):
+    return struct.pack("<H", len(sender)) + sender + data
+
+
+NOTE = notification(b"agent-a", b"ready")
+write(T, "notify", request(NOTIFY, 11, EPOCH, RW, 0, len(NOTE), TOKEN, NOTE))
+write(T, "notify_wrong_token",
+      request(NOTIFY, 12, EPOCH, RO, 0, len(NOTE), b"guess", NOTE))
+write(T, "notify_bad_sender_length",
+      request(NOTIFY, 13, EPOCH, RW, 0, 4, TOKEN, b"\xff\x00ab"))
+write(T, "notify_then_read",
+      request(NOTIFY, 14, EPOCH, RO, 0, len(NOTE), TOKEN, NOTE) +
+      request(READ, 15, EPOCH, RO, 0, 16, TOKEN))
 
 # --- attach_frame_fuzzer -------------------------------------------------------
 

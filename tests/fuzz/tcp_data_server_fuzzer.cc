@@ -12,6 +12,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -49,8 +50,30 @@ int ThreadCount() {
   return -1;
 }
 
+// Takes notifications as the agent's inbox does: the target proven first
+// (token before anything else), then counted.
+class CountingSink : public NotificationSink {
+ public:
+  explicit CountingSink(const BufferDirectory* directory)
+      : directory_(directory) {}
+  absl::Status Deliver(const ServeRequest& target, absl::string_view,
+                       absl::string_view data) override {
+    FUZZ_CHECK(target.proof_only);
+    auto registration = directory_->ResolveForPeer(target);
+    if (!registration.ok()) return registration.status();
+    FUZZ_CHECK(data.size() <= kMaxNotificationPayloadBytes);
+    accepted_.fetch_add(1);
+    return absl::OkStatus();
+  }
+
+ private:
+  const BufferDirectory* const directory_;
+  std::atomic<uint64_t> accepted_{0};
+};
+
 struct Fixture {
   BufferTable directory{kEpoch};
+  CountingSink notifications{&directory};
   // Threads while no connection is served: the server's accept thread and
   // whatever the fuzzing engine runs.
   int idle_threads = 0;
@@ -78,7 +101,10 @@ Fixture& TheFixture() {
         reinterpret_cast<const char*>(f->read_only->data()), kSize);
     f->directory.Add(f->read_only);
     f->directory.Add(NewBuffer(kReadWriteId, v1::ACCESS_READ_WRITE));
-    auto server = DataServer::Start(HostPort{"127.0.0.1", 0}, &f->directory);
+    DataServerOptions options;
+    options.notifications = &f->notifications;
+    auto server =
+        DataServer::Start(HostPort{"127.0.0.1", 0}, &f->directory, options);
     FUZZ_CHECK(server.ok());
     f->server = std::move(*server);
     f->idle_threads = ThreadCount();

@@ -35,13 +35,30 @@ void FuzzRequest(const uint8_t* data, size_t size) {
     return;
   }
   FUZZ_CHECK(header->kind == RequestKind::kRead ||
-             header->kind == RequestKind::kWrite);
+             header->kind == RequestKind::kWrite ||
+             header->kind == RequestKind::kNotify);
   FUZZ_CHECK(header->token_bytes <= kMaxTokenBytes);
   FUZZ_CHECK(header->length <= kMaxPayloadBytes);
+  FUZZ_CHECK(header->kind != RequestKind::kNotify ||
+             header->length <= kMaxNotificationPayloadBytes);
   std::byte out[kRequestHeaderBytes];
   EncodeRequestHeader(*header, out);
   // The last 4 bytes are reserved and not read.
   FUZZ_CHECK(std::memcmp(out, in.get(), kRequestHeaderBytes - 4) == 0);
+}
+
+// A notification payload decodes to views inside it, or INVALID_ARGUMENT;
+// what decodes encodes back to the same bytes.
+void FuzzNotification(const uint8_t* data, size_t size) {
+  const absl::string_view payload(reinterpret_cast<const char*>(data), size);
+  auto decoded = DecodeNotification(payload);
+  if (!decoded.ok()) {
+    FUZZ_CHECK(decoded.status().code() == absl::StatusCode::kInvalidArgument);
+    return;
+  }
+  FUZZ_CHECK(decoded->from_agent_id.size() <= kMaxTokenBytes);
+  FUZZ_CHECK(EncodeNotification(decoded->from_agent_id, decoded->data) ==
+             payload);
 }
 
 void FuzzResponse(const uint8_t* data, size_t size) {
@@ -82,5 +99,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   rdma_agent::tcp::FuzzRequest(data, size);
   rdma_agent::tcp::FuzzResponse(data, size);
   rdma_agent::tcp::FuzzHello(data, size);
+  rdma_agent::tcp::FuzzNotification(data, size);
   return 0;
 }
