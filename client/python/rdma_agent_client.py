@@ -939,10 +939,45 @@ class NotificationStream:
     pairs: a Notification (or None when the event only reports drops) and the
     notifications this stream lost to a full queue since the previous event.
     Iteration ends after close(), or raises AgentError when the agent ends
-    the stream. A context manager."""
+    the stream. A context manager; in asyncio, `async for` over it (one
+    reader thread feeds the event loop) and `async with`."""
 
     def __init__(self, call):
         self._call = call
+        self._reader = None
+
+    def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        queue = asyncio.Queue()
+        end = object()
+
+        def read():
+            try:
+                for item in self:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, end)
+            except AgentError as error:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+
+        self._reader = threading.Thread(target=read, name="rdma-notify-watch", daemon=True)
+        self._reader.start()
+
+        async def events():
+            while True:
+                item = await queue.get()
+                if item is end:
+                    return
+                if isinstance(item, AgentError):
+                    raise item
+                yield item
+
+        return events()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
 
     def __iter__(self):
         try:
