@@ -15,16 +15,14 @@
 #include "common/status_util.h"
 #include "daemon/metrics.h"
 #include "daemon/remote_context.h"
+#include "daemon/transfer_rpcs.h"
 #include "daemon/version.h"
+#include "daemon/waiting_rpcs.h"
 #include "google/protobuf/util/time_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 namespace {
-
-// Transfers one GetTransfers may name: bounds the reply (each carries one
-// result per op).
-constexpr size_t kMaxTransfersPerGet = 1024;
 
 bool ValidAccess(v1::Access access) {
   return AllowsRead(access) || AllowsWrite(access);
@@ -85,6 +83,15 @@ absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
   auto caller = callers_->Lookup(context);
   if (!caller.ok()) return Prefixed(caller.status(), rpc);
   auto call = calls_->Start(&context, caller->uid, ops);
+  if (!call.ok()) return Prefixed(call.status(), rpc);
+  return Admitted{*caller, std::move(*call)};
+}
+
+absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::AdmitWaiting(
+    const grpc::CallbackServerContext& context, absl::string_view rpc) const {
+  auto caller = callers_->Lookup(context);
+  if (!caller.ok()) return Prefixed(caller.status(), rpc);
+  auto call = calls_->StartWaiting(caller->uid);
   if (!call.ok()) return Prefixed(call.status(), rpc);
   return Admitted{*caller, std::move(*call)};
 }
@@ -515,75 +522,28 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status RdmaAgentService::GetTransfers(
-    grpc::ServerContext* context, const v1::GetTransfersRequest* request,
+grpc::ServerUnaryReactor* RdmaAgentService::GetTransfers(
+    grpc::CallbackServerContext* context,
+    const v1::GetTransfersRequest* request,
     v1::GetTransfersResponse* response) {
-  auto admitted = Admit(*context, "GetTransfers");
-  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  if (request->transfer_ids().empty() ||
-      static_cast<size_t>(request->transfer_ids_size()) > kMaxTransfersPerGet) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("GetTransfers: name 1 to ", kMaxTransfersPerGet,
-                     " transfers (got ", request->transfer_ids_size(), ")")));
-  }
-  absl::Duration wait;
-  if (request->has_wait()) {
-    const auto& w = request->wait();
-    if (w.seconds() < 0 || w.nanos() < 0 || w.nanos() > 999999999) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          "GetTransfers: wait must be a well-formed, non-negative Duration"));
-    }
-    // Cut, not refused: a long poll asking for more simply polls again.
-    wait = std::min(absl::Seconds(w.seconds()) + absl::Nanoseconds(w.nanos()),
-                    options_.max_transfer_wait);
-  }
-  const absl::Time deadline =
-      std::min(absl::Now() + wait, absl::FromChrono(context->deadline()));
-  auto transfers =
-      transfers_->Get(admitted->caller.uid,
-                      absl::MakeConstSpan(request->transfer_ids().data(),
-                                          request->transfer_ids_size()),
-                      deadline, &admitted->call->cancellation());
-  if (!transfers.ok()) {
-    return ToGrpcStatus(Prefixed(transfers.status(), "GetTransfers"));
-  }
-  for (v1::Transfer& transfer : *transfers) {
-    *response->add_transfers() = std::move(transfer);
-  }
-  return grpc::Status::OK;
+  // A waiting slot, not a call slot: a long poll holds no thread.
+  auto admitted = AdmitWaiting(*context, "GetTransfers");
+  if (!admitted.ok()) return RefuseUnary(context, admitted.status());
+  return ServeGetTransfers(context, std::move(admitted->call),
+                           admitted->caller.uid, *request, response,
+                           transfers_, options_.max_transfer_wait);
 }
 
-grpc::Status RdmaAgentService::WatchTransfers(
-    grpc::ServerContext* context, const v1::WatchTransfersRequest*,
-    grpc::ServerWriter<v1::TransferEvent>* writer) {
-  // A watch holds a call slot (and a gRPC thread) while it lasts; the
-  // ActiveCalls watcher cancels it when its client goes away.
-  auto admitted = Admit(*context, "WatchTransfers");
-  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  const uid_t uid = admitted->caller.uid;
-  const Cancellation& call = admitted->call->cancellation();
-  auto watcher = transfers_->Watch(uid);
-  while (true) {
-    std::vector<v1::Transfer> ended = transfers_->NextEnded(*watcher, &call);
-    if (ended.empty()) break;
-    for (v1::Transfer& transfer : ended) {
-      const uint64_t id = transfer.transfer_id();
-      v1::TransferEvent event;
-      *event.mutable_transfer() = std::move(transfer);
-      // Reported only once handed to gRPC: an end that could not be sent
-      // stays readable by GetTransfers until it expires.
-      if (!writer->Write(event)) {
-        return ToGrpcStatus(
-            absl::CancelledError("WatchTransfers: the client went away"));
-      }
-      transfers_->MarkReported(uid, id);
-    }
+grpc::ServerWriteReactor<v1::TransferEvent>* RdmaAgentService::WatchTransfers(
+    grpc::CallbackServerContext* context, const v1::WatchTransfersRequest*) {
+  // A waiting slot for as long as the stream is open; its reactor hears of
+  // the client's going from gRPC.
+  auto admitted = AdmitWaiting(*context, "WatchTransfers");
+  if (!admitted.ok()) {
+    return RefuseStream<v1::TransferEvent>(admitted.status());
   }
-  // The client cancelled the stream (CANCELLED) or the agent is stopping
-  // (UNAVAILABLE).
-  absl::Status why = call.reason();
-  if (why.ok()) why = absl::UnavailableError("the agent is shutting down");
-  return ToGrpcStatus(Prefixed(why, "WatchTransfers"));
+  return ServeWatchTransfers(std::move(admitted->call), admitted->caller.uid,
+                             transfers_);
 }
 
 grpc::Status RdmaAgentService::CancelTransfer(

@@ -28,9 +28,15 @@ namespace rdma_agent {
 
 class AgentMetrics;
 
+// The RPCs that may wait for something to happen are served with gRPC's
+// callback API (daemon/waiting_rpcs.h): they hold no thread while they
+// wait. Every other RPC is synchronous (a gRPC server thread each).
+using RdmaAgentServiceBase = v1::RdmaAgent::WithCallbackMethod_GetTransfers<
+    v1::RdmaAgent::WithCallbackMethod_WatchTransfers<v1::RdmaAgent::Service>>;
+
 // The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
 // whose credentials the caller table holds for its connection.
-class RdmaAgentService final : public v1::RdmaAgent::Service {
+class RdmaAgentService final : public RdmaAgentServiceBase {
  public:
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferTable* buffers,
@@ -63,12 +69,13 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   grpc::Status SubmitAsync(grpc::ServerContext* context,
                            const v1::SubmitRequest* request,
                            v1::SubmitAsyncResponse* response) override;
-  grpc::Status GetTransfers(grpc::ServerContext* context,
-                            const v1::GetTransfersRequest* request,
-                            v1::GetTransfersResponse* response) override;
-  grpc::Status WatchTransfers(
-      grpc::ServerContext* context, const v1::WatchTransfersRequest* request,
-      grpc::ServerWriter<v1::TransferEvent>* writer) override;
+  grpc::ServerUnaryReactor* GetTransfers(
+      grpc::CallbackServerContext* context,
+      const v1::GetTransfersRequest* request,
+      v1::GetTransfersResponse* response) override;
+  grpc::ServerWriteReactor<v1::TransferEvent>* WatchTransfers(
+      grpc::CallbackServerContext* context,
+      const v1::WatchTransfersRequest* request) override;
   grpc::Status CancelTransfer(grpc::ServerContext* context,
                               const v1::CancelTransferRequest* request,
                               v1::CancelTransferResponse* response) override;
@@ -86,6 +93,10 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   };
   absl::StatusOr<Admitted> Admit(const grpc::ServerContext& context,
                                  absl::string_view rpc, size_t ops = 0) const;
+  // The same for an RPC that waits without a thread: a waiting slot
+  // (ActiveCalls::StartWaiting) instead of a call slot.
+  absl::StatusOr<Admitted> AdmitWaiting(
+      const grpc::CallbackServerContext& context, absl::string_view rpc) const;
 
   absl::StatusOr<v1::RegisterResponse> DoRegister(
       const v1::RegisterRequest& request, const grpc::ServerContext& context,
