@@ -155,6 +155,9 @@ class TransfersApiTest : public ::testing::Test {
   };
   std::unique_ptr<Watch> OpenWatch() {
     auto watch = std::make_unique<Watch>();
+    // A test expecting ends that never come fails instead of hanging.
+    watch->context.set_deadline(
+        absl::ToChronoTime(absl::Now() + absl::Minutes(2)));
     watch->stub = fixture_->NewStub();
     watch->reader = watch->stub->WatchTransfers(&watch->context,
                                                 v1::WatchTransfersRequest());
@@ -172,6 +175,12 @@ class TransfersApiTest : public ::testing::Test {
 
   // A GetTransfers long poll for `id` on a thread of its own.
   struct LongPoll {
+    // A test that stops early gives the poll up rather than wait for it.
+    ~LongPoll() {
+      context.TryCancel();
+      if (thread.joinable()) thread.join();
+    }
+
     grpc::ClientContext context;
     grpc::Status status;
     v1::GetTransfersResponse response;
