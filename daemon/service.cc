@@ -87,11 +87,15 @@ absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
   return Admitted{*caller, std::move(*call)};
 }
 
-absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::AdmitWaiting(
-    const grpc::CallbackServerContext& context, absl::string_view rpc) const {
+absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::AdmitCallback(
+    const grpc::CallbackServerContext& context, absl::string_view rpc,
+    bool may_wait) const {
   auto caller = callers_->Lookup(context);
   if (!caller.ok()) return Prefixed(caller.status(), rpc);
-  auto call = calls_->StartWaiting(caller->uid);
+  // A call that answers at once is not watched for abandonment: it is over
+  // before the watcher would look.
+  auto call = may_wait ? calls_->StartWaiting(caller->uid)
+                       : calls_->Start(nullptr, caller->uid, 0);
   if (!call.ok()) return Prefixed(call.status(), rpc);
   return Admitted{*caller, std::move(*call)};
 }
@@ -526,8 +530,12 @@ grpc::ServerUnaryReactor* RdmaAgentService::GetTransfers(
     grpc::CallbackServerContext* context,
     const v1::GetTransfersRequest* request,
     v1::GetTransfersResponse* response) {
-  // A waiting slot, not a call slot: a long poll holds no thread.
-  auto admitted = AdmitWaiting(*context, "GetTransfers");
+  // A long poll takes a waiting slot (it holds no thread, and must not eat
+  // into the user's call slots); a plain read is an ordinary call, so that
+  // a user whose watches fill its waiting slots can still poll.
+  const bool may_wait = request->has_wait() && (request->wait().seconds() > 0 ||
+                                                request->wait().nanos() > 0);
+  auto admitted = AdmitCallback(*context, "GetTransfers", may_wait);
   if (!admitted.ok()) return RefuseUnary(context, admitted.status());
   return ServeGetTransfers(context, std::move(admitted->call),
                            admitted->caller.uid, *request, response,
@@ -538,7 +546,7 @@ grpc::ServerWriteReactor<v1::TransferEvent>* RdmaAgentService::WatchTransfers(
     grpc::CallbackServerContext* context, const v1::WatchTransfersRequest*) {
   // A waiting slot for as long as the stream is open; its reactor hears of
   // the client's going from gRPC.
-  auto admitted = AdmitWaiting(*context, "WatchTransfers");
+  auto admitted = AdmitCallback(*context, "WatchTransfers", /*may_wait=*/true);
   if (!admitted.ok()) {
     return RefuseStream<v1::TransferEvent>(admitted.status());
   }

@@ -93,10 +93,12 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   };
   absl::StatusOr<Admitted> Admit(const grpc::ServerContext& context,
                                  absl::string_view rpc, size_t ops = 0) const;
-  // The same for an RPC that waits without a thread: a waiting slot
-  // (ActiveCalls::StartWaiting) instead of a call slot.
-  absl::StatusOr<Admitted> AdmitWaiting(
-      const grpc::CallbackServerContext& context, absl::string_view rpc) const;
+  // The same for an RPC served with the callback API: a waiting slot
+  // (ActiveCalls::StartWaiting) when it `may_wait`, otherwise a call slot
+  // (it answers at once).
+  absl::StatusOr<Admitted> AdmitCallback(
+      const grpc::CallbackServerContext& context, absl::string_view rpc,
+      bool may_wait) const;
 
   absl::StatusOr<v1::RegisterResponse> DoRegister(
       const v1::RegisterRequest& request, const grpc::ServerContext& context,

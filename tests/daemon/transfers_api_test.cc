@@ -677,10 +677,9 @@ TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
 
 TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
   AgentOptions options;
+  options.transfer_workers = 1;
   options.max_waiting_rpcs_per_user = 2;
   StartAgent(std::move(options));
-  Buffer source, destination;
-  MakePair(4096, &source, &destination);
   auto first = OpenWatch();
   auto second = OpenWatch();
   ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 2; }));
@@ -691,12 +690,16 @@ TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
               HasSubstr("WatchTransfers: user "));
   EXPECT_THAT(refused.error_message(),
               HasSubstr("--max_waiting_rpcs_per_user"));
-  // A GetTransfers is a waiting call too (it may wait).
-  auto id = SubmitAsync(Batch(
-      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 0, 100, source, 0)}));
-  ASSERT_TRUE(id.ok()) << id.status();
-  EXPECT_TRUE(absl::IsResourceExhausted(Get(*id).status()));
-  // Not the synchronous RPCs: they have call slots of their own.
+  // A GetTransfers long poll is a waiting call too...
+  const uint64_t blocker = StartBlocker();
+  const absl::Status poll = Get(blocker, absl::Seconds(10)).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(poll)) << poll;
+  // ...not a GetTransfers that answers at once, nor the other RPCs: they
+  // take call slots, so a user whose watches fill its waiting slots can
+  // still read and act.
+  auto now = Get(blocker);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->state(), v1::TRANSFER_STATE_PENDING);
   grpc::ClientContext context;
   v1::AgentInfo info;
   EXPECT_TRUE(
@@ -704,10 +707,18 @@ TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
 
   // A watch its client cancels gives its slot back.
   EXPECT_EQ(Close(*first).error_code(), grpc::StatusCode::CANCELLED);
-  ASSERT_TRUE(Eventually([&] { return Get(*id).ok(); }))
-      << "the cancelled watch kept its slot";
-  auto again = OpenWatch();
-  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 2; }));
+  std::unique_ptr<Watch> again;
+  ASSERT_TRUE(Eventually([&] {
+    // Accepted, the agent registers it; refused, it ends at once (the
+    // slot comes back when gRPC is done with the cancelled call).
+    again = OpenWatch();
+    return Eventually([&] { return transfers().watchers() == 2; },
+                      absl::Milliseconds(200));
+  })) << "the cancelled watch kept its slot";
+  ASSERT_TRUE(Cancel(blocker).ok());
+  v1::TransferEvent event;
+  ASSERT_TRUE(again->reader->Read(&event)) << "the new watch was refused";
+  EXPECT_EQ(event.transfer().transfer_id(), blocker);
   Close(*second);
   Close(*again);
 }
