@@ -53,8 +53,7 @@ void ActiveCalls::Remove(uid_t uid, size_t calls, size_t ops) {
   it->second.calls -= calls;
   it->second.ops -= ops;
   ops_total_ -= ops;
-  if (it->second.calls == 0 && it->second.ops == 0 &&
-      it->second.waiting == 0) {
+  if (it->second.calls == 0 && it->second.ops == 0 && it->second.waiting == 0) {
     by_uid_.erase(it);
   }
 }
@@ -99,9 +98,8 @@ absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::StartWaiting(
   }
   if (waiting_total_ >= limits_.max_waiting) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the agent already has ", waiting_total_,
-        " waiting calls open (limit ", limits_.max_waiting,
-        ", --max_waiting_rpcs)"));
+        "the agent already has ", waiting_total_, " waiting calls open (limit ",
+        limits_.max_waiting, ", --max_waiting_rpcs)"));
   }
   ++by_uid_[uid].waiting;
   ++waiting_total_;

@@ -281,8 +281,8 @@ int Run() {
       absl::GetFlag(FLAGS_max_transfers_in_flight_per_user));
   options.max_transfers_in_flight =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_transfers_in_flight));
-  options.max_kept_transfers_per_user = static_cast<size_t>(
-      absl::GetFlag(FLAGS_max_kept_transfers_per_user));
+  options.max_kept_transfers_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_kept_transfers_per_user));
   options.transfer_retention = absl::GetFlag(FLAGS_transfer_retention);
   options.max_transfer_wait = absl::GetFlag(FLAGS_max_transfer_wait);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);

@@ -538,8 +538,8 @@ grpc::ServerUnaryReactor* RdmaAgentService::GetTransfers(
   auto admitted = AdmitCallback(*context, "GetTransfers", may_wait);
   if (!admitted.ok()) return RefuseUnary(context, admitted.status());
   return ServeGetTransfers(context, std::move(admitted->call),
-                           admitted->caller.uid, *request, response,
-                           transfers_, options_.max_transfer_wait);
+                           admitted->caller.uid, *request, response, transfers_,
+                           options_.max_transfer_wait);
 }
 
 grpc::ServerWriteReactor<v1::TransferEvent>* RdmaAgentService::WatchTransfers(

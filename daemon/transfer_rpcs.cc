@@ -97,7 +97,8 @@ grpc::ServerUnaryReactor* ServeGetTransfers(
   return ServeLongPoll<v1::GetTransfersResponse>(
       std::move(call), "GetTransfers", deadline, response,
       [&](std::function<void()> wake)
-          -> absl::StatusOr<std::unique_ptr<PollSource<v1::GetTransfersResponse>>> {
+          -> absl::StatusOr<
+              std::unique_ptr<PollSource<v1::GetTransfersResponse>>> {
         auto poll = transfers->StartPoll(uid, ids, std::move(wake));
         if (!poll.ok()) return poll.status();
         return std::make_unique<TransferPoll>(std::move(*poll));

@@ -203,9 +203,8 @@ absl::Status TransferTable::MakeRoom(uid_t uid, User& user) {
     if (user.delivered.empty()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "user ", uid, " keeps ", user.in_flight + user.ended.size(),
-          " transfers (limit ", bound,
-          ", --max_kept_transfers_per_user): ", user.in_flight,
-          " in flight and ", user.ended.size(),
+          " transfers (limit ", bound, ", --max_kept_transfers_per_user): ",
+          user.in_flight, " in flight and ", user.ended.size(),
           " ended that no GetTransfers has read and no WatchTransfers "
           "stream has delivered; read them with GetTransfers"));
     }

@@ -554,8 +554,9 @@ TEST_F(AsyncTransferTest, TwoWatchingClientsOfOneUserBothGetEveryEnd) {
   }
   ASSERT_TRUE(Eventually([&] {
     return mine.Get() == expected && theirs.Get() == expected;
-  })) << mine.Get().size() << " and " << theirs.Get().size() << " of "
-      << kTransfers << " ends: the watches split them";
+  })) << mine.Get().size()
+      << " and " << theirs.Get().size() << " of " << kTransfers
+      << " ends: the watches split them";
   ASSERT_TRUE(Eventually([&] { return ends.called() == kTransfers; }));
   // The other client's watch took nothing from this one's handles, nor from
   // a third client that asks: each end is still there to read, once.
@@ -747,8 +748,8 @@ TEST(KilledWatcherTest, AnEndAKilledWatcherWasSentIsStillThere) {
   ASSERT_TRUE(client.ok()) << client.status();
   auto buffer = (*client)->Attach(4096, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(buffer.ok()) << buffer.status();
-  auto transfer = (*client)->SubmitAsync(
-      {ReadOp(*buffer, 0, 10, *buffer, 100)}, absl::Seconds(30));
+  auto transfer = (*client)->SubmitAsync({ReadOp(*buffer, 0, 10, *buffer, 100)},
+                                         absl::Seconds(30));
   ASSERT_TRUE(transfer.ok()) << transfer.status();
   const std::string seen = absl::StrCat("watch_seen ", transfer->id());
   ASSERT_TRUE(Eventually([&] { return worker->Answer(seen) == "seen"; }));
@@ -763,8 +764,7 @@ TEST(KilledWatcherTest, AnEndAKilledWatcherWasSentIsStillThere) {
 TEST(KilledWatcherTest, AClientKilledMidWatchLeavesTheAgentServing) {
   // Each open watch holds one of the user's waiting-call slots; a slot a
   // killed client left behind would run these out after three kills.
-  auto agent =
-      AgentProcess::Start(TcpAgent({"--max_waiting_rpcs_per_user=3"}));
+  auto agent = AgentProcess::Start(TcpAgent({"--max_waiting_rpcs_per_user=3"}));
   ASSERT_TRUE(agent.ok()) << agent.status();
   for (int i = 0; i < 6; ++i) {
     SCOPED_TRACE(absl::StrCat("worker ", i));

@@ -557,8 +557,8 @@ TEST_F(TransfersApiTest, TwoWatchersBothSeeEveryEnd) {
   ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 2; }));
   std::vector<uint64_t> ids;
   for (int i = 0; i < 6; ++i) {
-    auto id = SubmitAsync(Batch({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL,
-                                        destination, i, 100, source, 0)}));
+    auto id = SubmitAsync(Batch(
+        {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, i, 100, source, 0)}));
     ASSERT_TRUE(id.ok()) << id.status();
     ids.push_back(*id);
   }
@@ -652,8 +652,8 @@ TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
   ASSERT_TRUE(Eventually([&] {
     return transfers().watchers() == kEach &&
            transfers().waiting_polls() == kEach;
-  })) << transfers().watchers() << " watches and "
-      << transfers().waiting_polls() << " polls are waiting";
+  })) << transfers().watchers()
+      << " watches and " << transfers().waiting_polls() << " polls are waiting";
   // ...and a synchronous RPC still gets a thread.
   grpc::ClientContext context;
   v1::AgentInfo info;
@@ -686,8 +686,7 @@ TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
   auto third = OpenWatch();
   const grpc::Status refused = Close(*third, /*cancel=*/false);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(refused.error_message(),
-              HasSubstr("WatchTransfers: user "));
+  EXPECT_THAT(refused.error_message(), HasSubstr("WatchTransfers: user "));
   EXPECT_THAT(refused.error_message(),
               HasSubstr("--max_waiting_rpcs_per_user"));
   // A GetTransfers long poll is a waiting call too...
@@ -735,20 +734,22 @@ TEST_F(TransfersApiTest, TheRpcObserverSeesTheWaitingCalls) {
   // Counted by the interceptor once their status is sent (the watch's after
   // its client is gone: the agent still finishes it).
   const auto count = [&](const std::string& method, const std::string& code) {
-    auto page = client::HttpGet(fixture_->agent().metrics_address(),
-                                "/metrics", absl::Seconds(10));
+    auto page = client::HttpGet(fixture_->agent().metrics_address(), "/metrics",
+                                absl::Seconds(10));
     if (!page.ok()) return -1;
-    const std::string series = absl::StrCat(
-        "rdma_agentd_rpcs_total{code=\"", code,
-        "\",method=\"rdma.agent.v1.RdmaAgent/", method, "\"} ");
+    const std::string series =
+        absl::StrCat("rdma_agentd_rpcs_total{code=\"", code,
+                     "\",method=\"rdma.agent.v1.RdmaAgent/", method, "\"} ");
     const size_t at = page->find(series);
     if (at == std::string::npos) return 0;
     return std::atoi(page->c_str() + at + series.size());
   };
-  EXPECT_TRUE(Eventually([&] { return count("GetTransfers", "NOT_FOUND") == 2; }))
-      << count("GetTransfers", "NOT_FOUND");
-  EXPECT_TRUE(Eventually([&] { return count("WatchTransfers", "CANCELLED") == 1; }))
-      << count("WatchTransfers", "CANCELLED");
+  EXPECT_TRUE(Eventually([&] {
+    return count("GetTransfers", "NOT_FOUND") == 2;
+  })) << count("GetTransfers", "NOT_FOUND");
+  EXPECT_TRUE(Eventually([&] {
+    return count("WatchTransfers", "CANCELLED") == 1;
+  })) << count("WatchTransfers", "CANCELLED");
 }
 
 TEST_F(TransfersApiTest, AWatchFirstPushesEndsNobodyReadYet) {
@@ -804,7 +805,9 @@ TEST_F(TransfersApiTest, ShutdownEndsTransfersWatchesAndPollsPromptly) {
   }));
   std::thread stopper([&] { fixture_->agent().Shutdown(); });
   const bool stopped = Eventually(
-      [&] { return transfers().in_flight() == 0 && transfers().watchers() == 0; },
+      [&] {
+        return transfers().in_flight() == 0 && transfers().watchers() == 0;
+      },
       absl::Seconds(60));
   stopper.join();
   ASSERT_TRUE(stopped) << "shutdown waited for the transfers or the watch";

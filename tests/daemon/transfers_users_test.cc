@@ -97,9 +97,10 @@ TEST(TransfersUsersTest, WaitingCallsAndStreamsAreEachUsersOwn) {
   ASSERT_EQ(owner.Answer("watch_start"), "ok DONE");
   const std::string seen = absl::StrCat("watch_seen ", id);
   ASSERT_TRUE(Eventually([&] { return owner.Answer(seen) == "seen"; }));
-  EXPECT_EQ(owner.Answer("transfer_watch 200").rfind(
-                "error RESOURCE_EXHAUSTED WatchTransfers: user 65533", 0),
-            0u);
+  EXPECT_EQ(
+      owner.Answer("transfer_watch 200")
+          .rfind("error RESOURCE_EXHAUSTED WatchTransfers: user 65533", 0),
+      0u);
   // The other user's bound is its own, and its stream carries nothing of
   // the owner's.
   EXPECT_EQ(other.Answer("transfer_watch 300"), "events ");
