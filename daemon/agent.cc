@@ -462,8 +462,9 @@ void Agent::Shutdown() {
     server_->GetHealthCheckService()->SetServingStatus(false);
   attach_server_.reset();
   listener_.reset();
-  // Transfers in flight stop now (their ops end UNAVAILABLE), so the grace
-  // below is spent only on RPCs that are already finishing.
+  // Submits in flight stop now (their ops end UNAVAILABLE), and open
+  // WatchTransfers streams and GetTransfers long polls end UNAVAILABLE, so
+  // the grace below is spent only on RPCs that are already finishing.
   if (calls_ != nullptr) {
     calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
   }
