@@ -252,11 +252,12 @@ class Transfer {
   // has not ended within `timeout` (zero: look once). While a TransferWatch
   // of this client runs, waiting costs no RPC (the watch's stream delivers
   // the end); otherwise each Wait holds one GetTransfers long poll on the
-  // agent, which counts toward --max_rpcs_per_user. An ended transfer is
-  // returned whatever its state: check result.ok() (DONE) or its results.
-  // NOT_FOUND when the agent does not know the id (never this user's, or
-  // its end was already reported to another reader of this user, such as a
-  // watch of another client, or has expired).
+  // agent, which holds no agent thread but one of the user's
+  // --max_waiting_rpcs_per_user. An ended transfer is returned whatever its
+  // state: check result.ok() (DONE) or its results. NOT_FOUND when the agent
+  // does not know the id: never this user's, or its end was already read by
+  // a GetTransfers of another client of this user (its Poll or Wait), or has
+  // expired (--transfer_retention).
   absl::StatusOr<TransferResult> Wait(
       absl::Duration timeout = absl::InfiniteDuration());
 
@@ -312,11 +313,10 @@ class Transfer {
 // callback it still held has run (with CANCELLED).
 //
 // The agent's stream carries every end of this user's transfers on the
-// agent, not only this client's, and an end it delivers is reported: the
-// agent forgets it (GetTransfers and other watches of this user no longer
-// see it). So run at most one watching client per user and agent: another
-// client of the same user that learns its ends by itself (Wait, Poll) may
-// find them taken (NOT_FOUND).
+// agent, not only this client's (ends of other ids go to `on_end` only).
+// It takes nothing from anyone: every watching client of the user gets
+// every end, and an end a watch delivered stays readable by Wait and Poll
+// of other clients until one of them reads it.
 class TransferWatch {
  public:
   TransferWatch(TransferWatch&& other) noexcept;
@@ -483,13 +483,14 @@ class AgentClient {
   // ends the agent pushes resolve this client's Transfer handles (Wait
   // returns without an RPC, OnDone callbacks run) and, if given, `on_end`
   // is called for every end the stream delivers: this user's transfers,
-  // whoever submitted them, after the handle's own OnDone callback. (Ends a
-  // Poll, or a Wait while no watch ran, already took from the agent do not
-  // come again.) Returns at once; if the agent refuses the stream (e.g.
-  // RESOURCE_EXHAUSTED: each open stream holds one of the user's
-  // --max_rpcs_per_user), the watch ends soon with the reason
+  // whoever submitted them, after the handle's own OnDone callback; first
+  // the ends the agent still keeps (not yet read by a GetTransfers: a Poll,
+  // or a Wait while no watch ran). Returns at once; if the agent refuses the
+  // stream (e.g. RESOURCE_EXHAUSTED: each open stream holds one of the
+  // user's --max_waiting_rpcs_per_user), the watch ends soon with the reason
   // (TransferWatch::status()). One watch per client at a time:
-  // FAILED_PRECONDITION while another one runs.
+  // FAILED_PRECONDITION while another one runs; other clients of the same
+  // user may watch too.
   //
   // For thousands of transfers in flight: one watch and OnDone on each
   // handle (or `on_end` and a table of your own); no thread per transfer.

@@ -742,7 +742,7 @@ class WaitCommand : public TransferCommand {
         "Waits up to the global --timeout (default 30s; e.g. wait 7 --timeout "
         "5m), then prints the transfer's state and each op's result (-o json: "
         "its Transfer). Exit 1 when it ended FAILED or CANCELLED or is still "
-        "PENDING. Once ended it is reported: the agent forgets it, and a "
+        "PENDING. Once ended it is read: the agent forgets it, and a "
         "second wait answers NOT_FOUND.");
     AddId(sub);
   }
@@ -797,15 +797,13 @@ class WatchCommand : public Command {
     CLI::App* sub = app.add_subcommand(
         "watch", "print this user's transfers as they end, until interrupted");
     sub->footer(
-        "Streams WatchTransfers: first the transfers that had ended "
-        "unreported, then each one as it ends, whoever submitted it; -o "
-        "json prints one TransferEvent per line. Runs until SIGINT or SIGTERM "
-        "(exit 0), --count ends (exit 0) or the agent goes away (exit 1). "
-        "The agent forgets every end it sends here: wait no longer finds "
-        "it.");
-    sub->add_option("--count", count_,
-                    "stop after this many ends (ends the agent had already "
-                    "sent past them are dropped)");
+        "Streams WatchTransfers: first the ended transfers the agent still "
+        "keeps (not read yet by wait or another client), then each one as "
+        "it ends, whoever submitted it; -o json prints one TransferEvent per "
+        "line. Runs until SIGINT or SIGTERM (exit 0), --count ends (exit 0) "
+        "or the agent goes away (exit 1). Watching reads nothing: wait still "
+        "finds each end, and other watches see it too.");
+    sub->add_option("--count", count_, "stop after this many ends");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
     if (count_.has_value() && *count_ < 1) {

@@ -166,22 +166,6 @@ using internal::TransferTracker;
 // --max_transfer_wait, and Wait asks again until its own timeout.
 constexpr absl::Duration kLongestPoll = absl::Minutes(10);
 
-// How long an end the agent no longer knows (NOT_FOUND) is awaited from the
-// client's watch, which may have taken it and still be delivering it.
-constexpr absl::Duration kInTransitGrace = absl::Seconds(5);
-
-// After the agent answered NOT_FOUND for `core`: its end, if the client knows
-// it or its watch delivers it within the grace.
-std::optional<TransferResult> EndInTransit(TransferTracker& tracker,
-                                           const internal::TransferCore& core) {
-  TransferResult end;
-  if (tracker.AwaitEnd(core, absl::Now() + kInTransitGrace, &end) ==
-      TransferTracker::Awaited::kEnded) {
-    return end;
-  }
-  return std::nullopt;
-}
-
 absl::Status NotEnded(uint64_t id, absl::Duration timeout) {
   return absl::DeadlineExceededError(absl::StrCat(
       "transfer ", id, " did not end within ", absl::FormatDuration(timeout)));
@@ -293,14 +277,9 @@ absl::StatusOr<TransferResult> Transfer::Wait(absl::Duration timeout) {
         tracker.WatchServes() ? absl::ZeroDuration() : deadline - absl::Now();
     absl::StatusOr<v1::Transfer> transfer = GetTransfer(*state_, id_, wait);
     asked = true;
-    if (!transfer.ok()) {
-      if (transfer.status().code() == absl::StatusCode::kNotFound) {
-        if (std::optional<TransferResult> end = EndInTransit(tracker, *core_)) {
-          return *end;
-        }
-      }
-      return transfer.status();
-    }
+    // NOT_FOUND means what it says: the agent's streams never take an end
+    // from it, so the client's own watch cannot have one in transit.
+    if (!transfer.ok()) return transfer.status();
     if (transfer->state() != v1::TRANSFER_STATE_PENDING) {
       return tracker.Resolve(core_, internal::FromProto(*transfer));
     }
@@ -314,14 +293,7 @@ absl::StatusOr<TransferResult> Transfer::Poll() {
   if (std::optional<TransferResult> end = tracker.End(*core_)) return *end;
   absl::StatusOr<v1::Transfer> transfer =
       GetTransfer(*state_, id_, absl::ZeroDuration());
-  if (!transfer.ok()) {
-    if (transfer.status().code() == absl::StatusCode::kNotFound) {
-      if (std::optional<TransferResult> end = EndInTransit(tracker, *core_)) {
-        return *end;
-      }
-    }
-    return transfer.status();
-  }
+  if (!transfer.ok()) return transfer.status();
   TransferResult result = internal::FromProto(*transfer);
   if (result.ended()) return tracker.Resolve(core_, std::move(result));
   tracker.Confirm(*core_);
@@ -331,7 +303,8 @@ absl::StatusOr<TransferResult> Transfer::Poll() {
 absl::StatusOr<TransferResult> Transfer::Cancel() {
   if (absl::Status usable = CheckUsable(); !usable.ok()) return usable;
   TransferTracker& tracker = state_->transfers();
-  // Ended: the agent may have forgotten it, and there is nothing to stop.
+  // Ended: another reader may have read it since, and there is nothing to
+  // stop.
   if (std::optional<TransferResult> end = tracker.End(*core_)) return *end;
   grpc::ClientContext context;
   state_->PrepareContext(&context);
@@ -340,14 +313,7 @@ absl::StatusOr<TransferResult> Transfer::Cancel() {
   v1::CancelTransferResponse response;
   const grpc::Status status =
       state_->stub().CancelTransfer(&context, request, &response);
-  if (!status.ok()) {
-    if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
-      if (std::optional<TransferResult> end = EndInTransit(tracker, *core_)) {
-        return *end;
-      }
-    }
-    return FromGrpcStatus(status);
-  }
+  if (!status.ok()) return FromGrpcStatus(status);
   TransferResult result = internal::FromProto(response.transfer());
   if (!result.ended()) {
     return absl::InternalError(absl::StrCat(

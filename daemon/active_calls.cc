@@ -53,7 +53,16 @@ void ActiveCalls::Remove(uid_t uid, size_t calls, size_t ops) {
   it->second.calls -= calls;
   it->second.ops -= ops;
   ops_total_ -= ops;
-  if (it->second.calls == 0 && it->second.ops == 0) by_uid_.erase(it);
+  if (it->second.calls == 0 && it->second.ops == 0 && it->second.waiting == 0) {
+    by_uid_.erase(it);
+  }
+}
+
+std::unique_ptr<ActiveCalls::Call> ActiveCalls::Track(
+    std::unique_ptr<Call> call) {
+  calls_.push_front(call.get());
+  call->position_ = calls_.begin();
+  return call;
 }
 
 absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
@@ -69,11 +78,33 @@ absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::Start(
   }
   absl::Status fits = CheckOps(uid, ops);
   if (!fits.ok()) return fits;
-  std::unique_ptr<Call> call(new Call(this, context, uid, ops));
   Add(uid, 1, ops);
-  calls_.push_front(call.get());
-  call->position_ = calls_.begin();
-  return call;
+  return Track(std::unique_ptr<Call>(
+      new Call(this, context, uid, ops, /*waiting=*/false)));
+}
+
+absl::StatusOr<std::unique_ptr<ActiveCalls::Call>> ActiveCalls::StartWaiting(
+    uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return closed_reason_;
+  auto found = by_uid_.find(uid);
+  const size_t mine = found == by_uid_.end() ? 0 : found->second.waiting;
+  if (mine >= limits_.max_waiting_per_user) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "user ", uid, " already has ", mine,
+        " waiting calls open (WatchTransfers streams, GetTransfers long "
+        "polls; limit ",
+        limits_.max_waiting_per_user, ", --max_waiting_rpcs_per_user)"));
+  }
+  if (waiting_total_ >= limits_.max_waiting) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the agent already has ", waiting_total_, " waiting calls open (limit ",
+        limits_.max_waiting, ", --max_waiting_rpcs)"));
+  }
+  ++by_uid_[uid].waiting;
+  ++waiting_total_;
+  return Track(std::unique_ptr<Call>(
+      new Call(this, /*context=*/nullptr, uid, 0, /*waiting=*/true)));
 }
 
 absl::StatusOr<std::unique_ptr<ActiveCalls::OpsCharge>> ActiveCalls::ChargeOps(
@@ -94,7 +125,13 @@ ActiveCalls::OpsCharge::~OpsCharge() {
 void ActiveCalls::End(Call* call) {
   absl::MutexLock lock(&mu_);
   calls_.erase(call->position_);
-  Remove(call->uid_, 1, call->ops_);
+  if (call->waiting_) {
+    --by_uid_[call->uid_].waiting;
+    --waiting_total_;
+    Remove(call->uid_, 0, 0);
+  } else {
+    Remove(call->uid_, 1, call->ops_);
+  }
 }
 
 void ActiveCalls::CancelAll(const absl::Status& reason) {
@@ -119,6 +156,11 @@ bool ActiveCalls::WaitUntilIdle(absl::Time deadline) const {
 size_t ActiveCalls::calls() const {
   absl::MutexLock lock(&mu_);
   return calls_.size();
+}
+
+size_t ActiveCalls::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return waiting_total_;
 }
 
 size_t ActiveCalls::ops_in_flight(uid_t uid) const {

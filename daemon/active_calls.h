@@ -23,7 +23,7 @@ class ServerContext;
 namespace rdma_agent {
 
 // Bounds on RPCs and data-path work in flight (flags --max_ops_in_flight*,
-// --max_rpcs_per_user).
+// --max_rpcs_per_user, --max_waiting_rpcs*).
 struct InFlightLimits {
   // Ops of running Submits, over all users and for one user.
   size_t max_ops = 262144;
@@ -32,6 +32,11 @@ struct InFlightLimits {
   // this stays well below the server's thread bound: one user cannot take
   // every thread.
   size_t max_calls_per_user = 64;
+  // Waiting RPCs (StartWaiting) open at once, for one user and over all
+  // users. They hold no thread, only memory (a reactor, a stream's queued
+  // events), so they get bounds of their own instead of call slots.
+  size_t max_waiting_per_user = 128;
+  size_t max_waiting = 4096;
 };
 
 // The agent's running RPCs: what they may hold and how they are stopped.
@@ -48,6 +53,13 @@ struct InFlightLimits {
 //   its ops with ChargeOps: they count toward the same bounds as a Submit's,
 //   but take no call slot (they hold no gRPC thread) and are not watched
 //   (their owner cancels them).
+// - Waiting RPCs (StartWaiting: served by gRPC's callback API, e.g. a
+//   WatchTransfers stream or a GetTransfers long poll) hold no thread while
+//   they wait, so they take no call slot either: a client's open watch does
+//   not eat into what it may run. They count toward their own per-user and
+//   total bounds instead, are not watched (their reactor hears of its
+//   client's going from gRPC, at once), and are cancelled by CancelAll and
+//   awaited by WaitUntilIdle like every call.
 //
 // Thread-safe.
 class ActiveCalls {
@@ -68,13 +80,18 @@ class ActiveCalls {
    private:
     friend class ActiveCalls;
     Call(ActiveCalls* owner, const grpc::ServerContext* context, uid_t uid,
-         size_t ops)
-        : owner_(owner), context_(context), uid_(uid), ops_(ops) {}
+         size_t ops, bool waiting)
+        : owner_(owner),
+          context_(context),
+          uid_(uid),
+          ops_(ops),
+          waiting_(waiting) {}
 
     ActiveCalls* const owner_;
     const grpc::ServerContext* const context_;  // nullptr: not watched
     const uid_t uid_;
     const size_t ops_;
+    const bool waiting_;  // StartWaiting: no call slot, a waiting one
     Cancellation cancellation_;
     std::list<Call*>::iterator position_;
   };
@@ -111,6 +128,12 @@ class ActiveCalls {
   absl::StatusOr<std::unique_ptr<Call>> Start(
       const grpc::ServerContext* context, uid_t uid, size_t ops);
 
+  // Admits a waiting RPC of `uid` (see the class comment): no call slot,
+  // one of the user's --max_waiting_rpcs_per_user and of the agent's
+  // --max_waiting_rpcs (RESOURCE_EXHAUSTED beyond); UNAVAILABLE after
+  // CancelAll(). Its Cancellation fires at CancelAll() only.
+  absl::StatusOr<std::unique_ptr<Call>> StartWaiting(uid_t uid);
+
   // Admits `ops` ops of `uid` that no call holds, within the same bounds and
   // with the same errors as Start; UNAVAILABLE after CancelAll().
   absl::StatusOr<std::unique_ptr<OpsCharge>> ChargeOps(uid_t uid, size_t ops);
@@ -122,8 +145,11 @@ class ActiveCalls {
   // Waits until no call is running or `deadline` passes; true when idle.
   bool WaitUntilIdle(absl::Time deadline) const;
 
-  // Calls running now (for shutdown, tests and metrics).
+  // Calls running now, waiting ones included (for shutdown, tests and
+  // metrics).
   size_t calls() const;
+  // Waiting calls open now (for tests and metrics).
+  size_t waiting() const;
   // Ops in flight for `uid` / in total, calls' and charges' (for tests and
   // metrics).
   size_t ops_in_flight(uid_t uid) const;
@@ -132,6 +158,9 @@ class ActiveCalls {
  private:
   // OK when `ops` more ops of `uid` fit under the bounds.
   absl::Status CheckOps(uid_t uid, size_t ops) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers `call` (admitted) for watching and CancelAll.
+  std::unique_ptr<Call> Track(std::unique_ptr<Call> call)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Add(uid_t uid, size_t calls, size_t ops)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -148,9 +177,11 @@ class ActiveCalls {
   absl::Status closed_reason_ ABSL_GUARDED_BY(mu_);
   std::list<Call*> calls_ ABSL_GUARDED_BY(mu_);
   size_t ops_total_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t waiting_total_ ABSL_GUARDED_BY(mu_) = 0;
   struct UserLoad {
     size_t calls = 0;
     size_t ops = 0;
+    size_t waiting = 0;
   };
   absl::flat_hash_map<uid_t, UserLoad> by_uid_ ABSL_GUARDED_BY(mu_);
   std::thread watcher_;

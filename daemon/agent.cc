@@ -337,12 +337,15 @@ absl::Status Agent::StartApiServer() {
   limits.max_ops = options_.max_ops_in_flight;
   limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
   limits.max_calls_per_user = options_.max_rpcs_per_user;
+  limits.max_waiting = options_.max_waiting_rpcs;
+  limits.max_waiting_per_user = options_.max_waiting_rpcs_per_user;
   calls_ = std::make_unique<ActiveCalls>(limits);
   TransferLimits transfer_limits;
   transfer_limits.workers = options_.transfer_workers;
   transfer_limits.max_in_flight_per_user =
       options_.max_transfers_in_flight_per_user;
   transfer_limits.max_in_flight = options_.max_transfers_in_flight;
+  transfer_limits.max_kept_per_user = options_.max_kept_transfers_per_user;
   transfer_limits.retention = options_.transfer_retention;
   transfers_ = std::make_unique<TransferTable>(transfer_limits);
   service_ = std::make_unique<RdmaAgentService>(
@@ -359,7 +362,8 @@ absl::Status Agent::StartApiServer() {
   grpc::ServerBuilder builder;
   builder.RegisterService(service_.get());
   // Every sync RPC holds a thread: bounded here (RESOURCE_EXHAUSTED beyond),
-  // and per user by ActiveCalls well below this bound.
+  // and per user by ActiveCalls well below this bound. The waiting RPCs
+  // (callback API) hold none; ActiveCalls bounds them on their own.
   grpc::ResourceQuota quota("rdma-agentd");
   quota.SetMaxThreads(static_cast<int>(options_.max_rpcs));
   builder.SetResourceQuota(quota);
@@ -464,8 +468,9 @@ void Agent::Shutdown() {
     server_->GetHealthCheckService()->SetServingStatus(false);
   attach_server_.reset();
   listener_.reset();
-  // Transfers in flight stop now (their ops end UNAVAILABLE), so the grace
-  // below is spent only on RPCs that are already finishing.
+  // Submits in flight stop now (their ops end UNAVAILABLE), and open
+  // WatchTransfers streams and GetTransfers long polls end UNAVAILABLE, so
+  // the grace below is spent only on RPCs that are already finishing.
   if (calls_ != nullptr) {
     calls_->CancelAll(absl::UnavailableError("the agent is shutting down"));
   }
@@ -518,6 +523,14 @@ void Agent::AddGauges() {
       [calls = calls_.get()] {
         return std::vector<GaugeSample>{
             {{}, static_cast<double>(calls->calls())}};
+      });
+  metrics_->AddGauge(
+      "rdma_agentd_waiting_rpcs",
+      "API RPCs waiting without a thread now (WatchTransfers streams, "
+      "GetTransfers long polls)",
+      [calls = calls_.get()] {
+        return std::vector<GaugeSample>{
+            {{}, static_cast<double>(calls->waiting())}};
       });
   metrics_->AddGauge(
       "rdma_agentd_ops_in_flight",

@@ -71,15 +71,21 @@ struct AgentOptions {
   // RdmaAgent RPCs served at once (gRPC server threads), and per user.
   size_t max_rpcs = 256;
   size_t max_rpcs_per_user = 64;
+  // RPCs that wait without a thread (WatchTransfers streams, GetTransfers
+  // long polls) open at once, in total and per user.
+  size_t max_waiting_rpcs = 4096;
+  size_t max_waiting_rpcs_per_user = 128;
   // Connections to the RdmaAgent socket, in total and per user.
   size_t max_connections = 1024;
   size_t max_connections_per_user = 128;
   // Asynchronous transfers (daemon/transfers.h): worker threads, transfers
-  // queued or running per user and in total, how long an ended transfer
-  // nobody has read is kept, and the longest GetTransfers long poll.
+  // queued or running per user and in total, transfers one user keeps (in
+  // flight or ended and unread), how long an ended transfer nobody has read
+  // is kept, and the longest GetTransfers long poll.
   size_t transfer_workers = 4;
   size_t max_transfers_in_flight_per_user = 1024;
   size_t max_transfers_in_flight = 8192;
+  size_t max_kept_transfers_per_user = 4096;
   absl::Duration transfer_retention = absl::Minutes(5);
   absl::Duration max_transfer_wait = absl::Minutes(1);
   // Notifications (daemon/notifications.h): the longest one sent or taken,

@@ -123,7 +123,14 @@ ABSL_FLAG(int64_t, max_ops_in_flight_per_user, 65536,
 ABSL_FLAG(int64_t, max_rpcs, 256,
           "RdmaAgent RPCs served at once (gRPC server threads).");
 ABSL_FLAG(int64_t, max_rpcs_per_user, 64,
-          "RdmaAgent RPCs one local user may have running at once.");
+          "RdmaAgent RPCs one local user may have running at once (not "
+          "counting waiting ones: --max_waiting_rpcs_per_user).");
+ABSL_FLAG(int64_t, max_waiting_rpcs, 4096,
+          "RPCs that wait without holding a thread (WatchTransfers streams, "
+          "GetTransfers long polls) open at once, over all users.");
+ABSL_FLAG(int64_t, max_waiting_rpcs_per_user, 128,
+          "Waiting RPCs one local user may have open; beyond, they are "
+          "refused with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_connections, 1024,
           "Connections to the RdmaAgent socket, over all users.");
 ABSL_FLAG(int64_t, max_connections_per_user, 128,
@@ -136,10 +143,16 @@ ABSL_FLAG(int64_t, max_transfers_in_flight_per_user, 1024,
           "beyond, SubmitAsync is refused with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_transfers_in_flight, 8192,
           "Asynchronous transfers queued or running over all users.");
+ABSL_FLAG(int64_t, max_kept_transfers_per_user, 4096,
+          "Asynchronous transfers one local user may have in the agent: in "
+          "flight, or ended and not yet read by GetTransfers. Beyond, "
+          "SubmitAsync drops the oldest end a WatchTransfers stream has "
+          "delivered, or is refused with RESOURCE_EXHAUSTED when there is "
+          "none. Also how far a WatchTransfers stream may fall behind.");
 ABSL_FLAG(absl::Duration, transfer_retention, absl::Minutes(5),
-          "How long an ended transfer is kept for GetTransfers and "
-          "WatchTransfers when neither has reported it; then its id is "
-          "NOT_FOUND.");
+          "How long an ended transfer is kept for GetTransfers and new "
+          "WatchTransfers streams when no GetTransfers has read it; then its "
+          "id is NOT_FOUND.");
 ABSL_FLAG(absl::Duration, max_transfer_wait, absl::Minutes(1),
           "Longest GetTransfers long poll; longer waits are cut to it.");
 ABSL_FLAG(int64_t, max_notification_bytes, 4096,
@@ -258,10 +271,15 @@ int Run() {
       static_cast<size_t>(absl::GetFlag(FLAGS_max_ops_in_flight_per_user));
   if (absl::GetFlag(FLAGS_transfer_workers) < 1 ||
       absl::GetFlag(FLAGS_max_transfers_in_flight_per_user) < 1 ||
-      absl::GetFlag(FLAGS_max_transfers_in_flight) < 1) {
+      absl::GetFlag(FLAGS_max_transfers_in_flight) < 1 ||
+      absl::GetFlag(FLAGS_max_kept_transfers_per_user) < 1 ||
+      absl::GetFlag(FLAGS_max_waiting_rpcs) < 1 ||
+      absl::GetFlag(FLAGS_max_waiting_rpcs_per_user) < 1) {
     spdlog::critical(
-        "--transfer_workers, --max_transfers_in_flight_per_user and "
-        "--max_transfers_in_flight must be at least 1");
+        "--transfer_workers, --max_transfers_in_flight_per_user, "
+        "--max_transfers_in_flight, --max_kept_transfers_per_user, "
+        "--max_waiting_rpcs and --max_waiting_rpcs_per_user must be at "
+        "least 1");
     return 2;
   }
   options.transfer_workers =
@@ -270,6 +288,8 @@ int Run() {
       absl::GetFlag(FLAGS_max_transfers_in_flight_per_user));
   options.max_transfers_in_flight =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_transfers_in_flight));
+  options.max_kept_transfers_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_kept_transfers_per_user));
   options.transfer_retention = absl::GetFlag(FLAGS_transfer_retention);
   options.max_transfer_wait = absl::GetFlag(FLAGS_max_transfer_wait);
   if (absl::GetFlag(FLAGS_max_notification_bytes) < 0 ||
@@ -289,6 +309,10 @@ int Run() {
   options.max_rpcs = static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs));
   options.max_rpcs_per_user =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_rpcs_per_user));
+  options.max_waiting_rpcs =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_waiting_rpcs));
+  options.max_waiting_rpcs_per_user =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_waiting_rpcs_per_user));
   options.max_connections =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_connections));
   options.max_connections_per_user =

@@ -10,6 +10,8 @@
 namespace rdma_agent {
 
 NotificationInbox::Stream::~Stream() {
+  // First: once revoked, no delivery runs it while this stream goes.
+  wake_->Revoke();
   absl::MutexLock lock(&owner_->mu_);
   User& user = owner_->users_[uid_];
   user.streams.erase(this);
@@ -27,6 +29,42 @@ NotificationInbox::Stream::~Stream() {
     }
     user.dropped += dropped_;
   }
+}
+
+std::optional<v1::NotificationEvent> NotificationInbox::Stream::Next() {
+  absl::MutexLock lock(&owner_->mu_);
+  if (queue_.empty() && dropped_ == 0) return std::nullopt;
+  v1::NotificationEvent event;
+  event.set_dropped(std::exchange(dropped_, 0));
+  if (!queue_.empty()) {
+    *event.mutable_notification() = std::move(queue_.front());
+    queue_.pop_front();
+  }
+  return event;
+}
+
+absl::Status NotificationInbox::Stream::status() const {
+  absl::MutexLock lock(&owner_->mu_);
+  if (owner_->closed_) {
+    return absl::UnavailableError("the agent is shutting down");
+  }
+  return absl::OkStatus();
+}
+
+NotificationInbox::Poll::~Poll() {
+  wake_->Revoke();
+  absl::MutexLock lock(&owner_->mu_);
+  owner_->users_[uid_].polls.erase(this);
+}
+
+bool NotificationInbox::Poll::settled() const {
+  absl::MutexLock lock(&owner_->mu_);
+  const User& user = owner_->users_[uid_];
+  return owner_->closed_ || !user.queue.empty() || user.dropped > 0;
+}
+
+NotificationInbox::Batch NotificationInbox::Poll::Take(size_t max_count) {
+  return owner_->Take(uid_, max_count);
 }
 
 NotificationInbox::NotificationInbox(const BufferDirectory* directory,
@@ -57,21 +95,31 @@ absl::Status NotificationInbox::Deliver(const ServeRequest& target,
       google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
           absl::ToUnixNanos(absl::Now()));
   const uid_t owner = (*registration)->owner();
-  absl::MutexLock lock(&mu_);
-  if (closed_) {
-    return absl::UnavailableError("the agent is shutting down");
-  }
-  User& user = users_[owner];
-  notification.set_sequence(user.next_sequence++);
-  ++delivered_total_;
-  if (user.streams.empty()) {
-    Push(user.queue, user.dropped, std::move(notification));
-  } else {
-    for (Stream* stream : user.streams) {
-      Push(stream->queue_, stream->dropped_, notification);
+  Wakeups wake;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) {
+      return absl::UnavailableError("the agent is shutting down");
+    }
+    User& user = users_[owner];
+    notification.set_sequence(user.next_sequence++);
+    ++delivered_total_;
+    if (user.streams.empty()) {
+      Push(user.queue, user.dropped, std::move(notification));
+      for (Poll* poll : user.polls) wake.push_back(poll->wake_);
+    } else {
+      for (Stream* stream : user.streams) {
+        Push(stream->queue_, stream->dropped_, notification);
+        wake.push_back(stream->wake_);
+      }
     }
   }
+  RunAll(wake);
   return absl::OkStatus();
+}
+
+void NotificationInbox::RunAll(const Wakeups& wakeups) {
+  for (const auto& wake : wakeups) wake->Run();
 }
 
 void NotificationInbox::Push(std::deque<v1::Notification>& queue,
@@ -99,32 +147,23 @@ NotificationInbox::Batch NotificationInbox::Pop(
   return batch;
 }
 
-std::unique_ptr<Cancellation::Callback> NotificationInbox::WakeOnCancel(
-    const Cancellation* stop, bool* stopped) {
-  if (stop == nullptr) return nullptr;
-  return stop->OnCancel([this, stopped] {
-    absl::MutexLock lock(&mu_);
-    *stopped = true;
-  });
-}
-
-NotificationInbox::Batch NotificationInbox::Take(uid_t uid, size_t max_count,
-                                                 absl::Time deadline,
-                                                 const Cancellation* stop) {
-  bool stopped = false;
-  auto wake = WakeOnCancel(stop, &stopped);
+NotificationInbox::Batch NotificationInbox::Take(uid_t uid, size_t max_count) {
   absl::MutexLock lock(&mu_);
   User& user = users_[uid];
-  const auto ready = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return stopped || closed_ || !user.queue.empty() || user.dropped > 0;
-  };
-  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
   return Pop(user.queue, user.dropped, max_count);
 }
 
+std::unique_ptr<NotificationInbox::Poll> NotificationInbox::StartPoll(
+    uid_t uid, std::function<void()> wake) {
+  std::unique_ptr<Poll> poll(new Poll(this, uid, std::move(wake)));
+  absl::MutexLock lock(&mu_);
+  users_[uid].polls.insert(poll.get());
+  return poll;
+}
+
 std::unique_ptr<NotificationInbox::Stream> NotificationInbox::OpenStream(
-    uid_t uid) {
-  std::unique_ptr<Stream> stream(new Stream(this, uid));
+    uid_t uid, std::function<void()> wake) {
+  std::unique_ptr<Stream> stream(new Stream(this, uid, std::move(wake)));
   absl::MutexLock lock(&mu_);
   User& user = users_[uid];
   if (user.streams.empty()) {
@@ -133,20 +172,6 @@ std::unique_ptr<NotificationInbox::Stream> NotificationInbox::OpenStream(
   }
   user.streams.insert(stream.get());
   return stream;
-}
-
-NotificationInbox::Batch NotificationInbox::Next(Stream& stream,
-                                                 size_t max_count,
-                                                 const Cancellation* stop) {
-  bool stopped = false;
-  auto wake = WakeOnCancel(stop, &stopped);
-  absl::MutexLock lock(&mu_);
-  const auto ready = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return stopped || closed_ || !stream.queue_.empty() || stream.dropped_ > 0;
-  };
-  mu_.Await(absl::Condition(&ready));
-  if (stopped || closed_) return Batch{};
-  return Pop(stream.queue_, stream.dropped_, max_count);
 }
 
 size_t NotificationInbox::queued(uid_t uid) const {
@@ -166,8 +191,17 @@ uint64_t NotificationInbox::dropped_total() const {
 }
 
 void NotificationInbox::Close() {
-  absl::MutexLock lock(&mu_);
-  closed_ = true;
+  Wakeups wake;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    closed_ = true;
+    for (auto& [uid, user] : users_) {
+      for (Stream* stream : user.streams) wake.push_back(stream->wake_);
+      for (Poll* poll : user.polls) wake.push_back(poll->wake_);
+    }
+  }
+  RunAll(wake);
 }
 
 }  // namespace rdma_agent

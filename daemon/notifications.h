@@ -6,7 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -14,10 +16,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "backends/buffer_directory.h"
 #include "backends/notification_sink.h"
-#include "common/stop_token.h"
+#include "common/revocable_callback.h"
 #include "rdma/agent/v1/agent.pb.h"
 
 namespace rdma_agent {
@@ -35,8 +36,11 @@ struct NotificationLimits {
 };
 
 // The notifications peers sent to the owners of this agent's registrations,
-// kept per owning user until that user reads them (GetNotifications, Take)
-// or streams them (WatchNotifications, a Stream).
+// kept per owning user until that user reads them (GetNotifications: Take,
+// or a Poll that waits) or streams them (WatchNotifications: a Stream).
+// Readers never block here: a Poll or a Stream is told by its `wake`
+// callback when there is something for it, so the RPCs that wait hold no
+// thread (daemon/waiting_rpcs.h).
 //
 // - Each notification gets the next sequence number of its user (from 1),
 //   so a reader sees where drops were.
@@ -47,14 +51,15 @@ struct NotificationLimits {
 //   the user's queue when it was the user's last.
 // - A full queue drops its oldest notification and counts the drop; the
 //   count is reported once, with the reader's next answer.
-// - Close() wakes every waiting reader and refuses further deliveries.
+// - Close() wakes every reader and refuses further deliveries.
 //
 // Memory: at most max_queued_per_user × max_bytes per user and per open
-// stream (streams are bounded by the caller's RPC limits), and a few words
+// stream (streams are bounded by the waiting-RPC limits), and a few words
 // per local user ever notified (kept so that sequence numbers never
 // restart).
 //
-// Thread-safe.
+// Thread-safe. `wake` callbacks run on the delivering thread (or Close's),
+// without the inbox's lock held.
 class NotificationInbox : public NotificationSink {
  public:
   // What one read returns.
@@ -68,17 +73,53 @@ class NotificationInbox : public NotificationSink {
    public:
     Stream(const Stream&) = delete;
     Stream& operator=(const Stream&) = delete;
+    // Revokes `wake` (waiting for a run in progress), then gives back what
+    // it never handed out (see above).
     ~Stream();
+
+    // The next event: a notification with the drops before it, or only a
+    // count of drops; nullopt when there is none now.
+    std::optional<v1::NotificationEvent> Next();
+    // OK while open; UNAVAILABLE once the inbox is closed.
+    absl::Status status() const;
 
    private:
     friend class NotificationInbox;
-    Stream(NotificationInbox* owner, uid_t uid) : owner_(owner), uid_(uid) {}
+    Stream(NotificationInbox* owner, uid_t uid, std::function<void()> wake)
+        : owner_(owner),
+          uid_(uid),
+          wake_(std::make_shared<RevocableCallback>(std::move(wake))) {}
 
     NotificationInbox* const owner_;
     const uid_t uid_;
+    const std::shared_ptr<RevocableCallback> wake_;
     // Guarded by owner_->mu_.
     std::deque<v1::Notification> queue_;
     uint64_t dropped_ = 0;
+  };
+
+  // A GetNotifications long poll: settled once its user has something
+  // queued (or drops to report) or the inbox closes.
+  class Poll {
+   public:
+    Poll(const Poll&) = delete;
+    Poll& operator=(const Poll&) = delete;
+    ~Poll();
+
+    bool settled() const;
+    // Takes up to `max_count` of the user's queued notifications.
+    Batch Take(size_t max_count);
+
+   private:
+    friend class NotificationInbox;
+    Poll(NotificationInbox* owner, uid_t uid, std::function<void()> wake)
+        : owner_(owner),
+          uid_(uid),
+          wake_(std::make_shared<RevocableCallback>(std::move(wake))) {}
+
+    NotificationInbox* const owner_;
+    const uid_t uid_;
+    const std::shared_ptr<RevocableCallback> wake_;
   };
 
   // `directory` resolves the buffers notifications name; it outlives the
@@ -96,17 +137,15 @@ class NotificationInbox : public NotificationSink {
                        absl::string_view data) override;
 
   // Takes up to `max_count` of uid's queued notifications, oldest first,
-  // waiting for the first until `deadline`, until `stop` (may be null) is
-  // cancelled, or until Close().
-  Batch Take(uid_t uid, size_t max_count, absl::Time deadline,
-             const Cancellation* stop);
-
+  // at once.
+  Batch Take(uid_t uid, size_t max_count);
+  // Starts a long poll of uid's queue; `wake` runs when it may have
+  // settled. Every Poll must be destroyed before the inbox.
+  std::unique_ptr<Poll> StartPoll(uid_t uid, std::function<void()> wake);
   // Opens a stream of uid's notifications; it starts with uid's queue.
-  std::unique_ptr<Stream> OpenStream(uid_t uid);
-  // The stream's next notifications (up to `max_count`), waiting until there
-  // are some, `stop` (may be null) is cancelled or Close(): then an empty
-  // batch (with dropped == 0).
-  Batch Next(Stream& stream, size_t max_count, const Cancellation* stop);
+  // `wake` runs when it may have a new event or has closed. Every Stream
+  // must be destroyed before the inbox.
+  std::unique_ptr<Stream> OpenStream(uid_t uid, std::function<void()> wake);
 
   // Notifications queued for uid outside streams (for metrics and tests).
   size_t queued(uid_t uid) const;
@@ -118,11 +157,14 @@ class NotificationInbox : public NotificationSink {
   void Close();
 
  private:
+  using Wakeups = std::vector<std::shared_ptr<RevocableCallback>>;
+
   struct User {
     std::deque<v1::Notification> queue;
     uint64_t dropped = 0;
     uint64_t next_sequence = 1;
     std::set<Stream*> streams;
+    std::set<Poll*> polls;
   };
 
   // Appends to a bounded queue, dropping (and counting) its oldest.
@@ -131,9 +173,7 @@ class NotificationInbox : public NotificationSink {
   // Up to `max_count` from the front of `queue`, with `dropped` (reset).
   static Batch Pop(std::deque<v1::Notification>& queue, uint64_t& dropped,
                    size_t max_count);
-  // Sets *stopped under mu_ when `stop` fires (waking Await).
-  std::unique_ptr<Cancellation::Callback> WakeOnCancel(const Cancellation* stop,
-                                                       bool* stopped);
+  static void RunAll(const Wakeups& wakeups);
 
   const BufferDirectory* const directory_;
   const NotificationLimits limits_;

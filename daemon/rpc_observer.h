@@ -16,7 +16,9 @@ class CallerTable;
 // each handler: logs each at debug (method, caller, code, time), logs each
 // error the client sees at warning with its caller (rate limited: a client
 // in a loop cannot flood the journal), and counts it in the metrics (RPCs by
-// method and code, Submit latency).
+// method and code, Submit latency). gRPC runs server interceptors for the
+// callback-API methods too (GetTransfers, WatchTransfers): they are seen
+// when their status is sent, like the synchronous ones.
 class RpcObserverFactory
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:

@@ -15,19 +15,16 @@
 #include "common/status_util.h"
 #include "daemon/metrics.h"
 #include "daemon/notification_plan.h"
+#include "daemon/notification_rpcs.h"
 #include "daemon/remote_context.h"
+#include "daemon/transfer_rpcs.h"
 #include "daemon/version.h"
+#include "daemon/waiting_rpcs.h"
 #include "google/protobuf/util/time_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
 namespace {
-
-// Transfers one GetTransfers may name: bounds the reply (each carries one
-// result per op).
-constexpr size_t kMaxTransfersPerGet = 1024;
-// Notifications one GetNotifications (or one stream read) returns at most.
-constexpr size_t kMaxNotificationsPerGet = 1024;
 
 bool ValidAccess(v1::Access access) {
   return AllowsRead(access) || AllowsWrite(access);
@@ -90,6 +87,19 @@ absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
   auto caller = callers_->Lookup(context);
   if (!caller.ok()) return Prefixed(caller.status(), rpc);
   auto call = calls_->Start(&context, caller->uid, ops);
+  if (!call.ok()) return Prefixed(call.status(), rpc);
+  return Admitted{*caller, std::move(*call)};
+}
+
+absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::AdmitCallback(
+    const grpc::CallbackServerContext& context, absl::string_view rpc,
+    bool may_wait) const {
+  auto caller = callers_->Lookup(context);
+  if (!caller.ok()) return Prefixed(caller.status(), rpc);
+  // A call that answers at once is not watched for abandonment: it is over
+  // before the watcher would look.
+  auto call = may_wait ? calls_->StartWaiting(caller->uid)
+                       : calls_->Start(nullptr, caller->uid, 0);
   if (!call.ok()) return Prefixed(call.status(), rpc);
   return Admitted{*caller, std::move(*call)};
 }
@@ -300,19 +310,6 @@ absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
     }
   }
   return timeout;
-}
-
-absl::StatusOr<absl::Duration> RdmaAgentService::LongPollWait(
-    const google::protobuf::Duration* wait) const {
-  if (wait == nullptr) return absl::ZeroDuration();
-  if (wait->seconds() < 0 || wait->nanos() < 0 || wait->nanos() > 999999999) {
-    return absl::InvalidArgumentError(
-        "wait must be a well-formed, non-negative Duration");
-  }
-  // Cut, not refused: a long poll asking for more simply polls again.
-  return std::min(
-      absl::Seconds(wait->seconds()) + absl::Nanoseconds(wait->nanos()),
-      options_.max_transfer_wait);
 }
 
 absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
@@ -609,66 +606,32 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status RdmaAgentService::GetTransfers(
-    grpc::ServerContext* context, const v1::GetTransfersRequest* request,
+grpc::ServerUnaryReactor* RdmaAgentService::GetTransfers(
+    grpc::CallbackServerContext* context,
+    const v1::GetTransfersRequest* request,
     v1::GetTransfersResponse* response) {
-  auto admitted = Admit(*context, "GetTransfers");
-  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  if (request->transfer_ids().empty() ||
-      static_cast<size_t>(request->transfer_ids_size()) > kMaxTransfersPerGet) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("GetTransfers: name 1 to ", kMaxTransfersPerGet,
-                     " transfers (got ", request->transfer_ids_size(), ")")));
-  }
-  auto wait = LongPollWait(request->has_wait() ? &request->wait() : nullptr);
-  if (!wait.ok()) return ToGrpcStatus(Prefixed(wait.status(), "GetTransfers"));
-  const absl::Time deadline =
-      std::min(absl::Now() + *wait, absl::FromChrono(context->deadline()));
-  auto transfers =
-      transfers_->Get(admitted->caller.uid,
-                      absl::MakeConstSpan(request->transfer_ids().data(),
-                                          request->transfer_ids_size()),
-                      deadline, &admitted->call->cancellation());
-  if (!transfers.ok()) {
-    return ToGrpcStatus(Prefixed(transfers.status(), "GetTransfers"));
-  }
-  for (v1::Transfer& transfer : *transfers) {
-    *response->add_transfers() = std::move(transfer);
-  }
-  return grpc::Status::OK;
+  // A long poll takes a waiting slot (it holds no thread, and must not eat
+  // into the user's call slots); a plain read is an ordinary call, so that
+  // a user whose watches fill its waiting slots can still poll.
+  const bool may_wait = request->has_wait() && (request->wait().seconds() > 0 ||
+                                                request->wait().nanos() > 0);
+  auto admitted = AdmitCallback(*context, "GetTransfers", may_wait);
+  if (!admitted.ok()) return RefuseUnary(context, admitted.status());
+  return ServeGetTransfers(context, std::move(admitted->call),
+                           admitted->caller.uid, *request, response, transfers_,
+                           options_.max_transfer_wait);
 }
 
-grpc::Status RdmaAgentService::WatchTransfers(
-    grpc::ServerContext* context, const v1::WatchTransfersRequest*,
-    grpc::ServerWriter<v1::TransferEvent>* writer) {
-  // A watch holds a call slot (and a gRPC thread) while it lasts; the
-  // ActiveCalls watcher cancels it when its client goes away.
-  auto admitted = Admit(*context, "WatchTransfers");
-  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  const uid_t uid = admitted->caller.uid;
-  const Cancellation& call = admitted->call->cancellation();
-  auto watcher = transfers_->Watch(uid);
-  while (true) {
-    std::vector<v1::Transfer> ended = transfers_->NextEnded(*watcher, &call);
-    if (ended.empty()) break;
-    for (v1::Transfer& transfer : ended) {
-      const uint64_t id = transfer.transfer_id();
-      v1::TransferEvent event;
-      *event.mutable_transfer() = std::move(transfer);
-      // Reported only once handed to gRPC: an end that could not be sent
-      // stays readable by GetTransfers until it expires.
-      if (!writer->Write(event)) {
-        return ToGrpcStatus(
-            absl::CancelledError("WatchTransfers: the client went away"));
-      }
-      transfers_->MarkReported(uid, id);
-    }
+grpc::ServerWriteReactor<v1::TransferEvent>* RdmaAgentService::WatchTransfers(
+    grpc::CallbackServerContext* context, const v1::WatchTransfersRequest*) {
+  // A waiting slot for as long as the stream is open; its reactor hears of
+  // the client's going from gRPC.
+  auto admitted = AdmitCallback(*context, "WatchTransfers", /*may_wait=*/true);
+  if (!admitted.ok()) {
+    return RefuseStream<v1::TransferEvent>(admitted.status());
   }
-  // The client cancelled the stream (CANCELLED) or the agent is stopping
-  // (UNAVAILABLE).
-  absl::Status why = call.reason();
-  if (why.ok()) why = absl::UnavailableError("the agent is shutting down");
-  return ToGrpcStatus(Prefixed(why, "WatchTransfers"));
+  return ServeWatchTransfers(std::move(admitted->call), admitted->caller.uid,
+                             transfers_);
 }
 
 grpc::Status RdmaAgentService::CancelTransfer(
@@ -687,68 +650,30 @@ grpc::Status RdmaAgentService::CancelTransfer(
   return grpc::Status::OK;
 }
 
-grpc::Status RdmaAgentService::GetNotifications(
-    grpc::ServerContext* context, const v1::GetNotificationsRequest* request,
+grpc::ServerUnaryReactor* RdmaAgentService::GetNotifications(
+    grpc::CallbackServerContext* context,
+    const v1::GetNotificationsRequest* request,
     v1::GetNotificationsResponse* response) {
-  auto admitted = Admit(*context, "GetNotifications");
-  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  if (request->max_count() > kMaxNotificationsPerGet) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-        "GetNotifications: max_count ", request->max_count(),
-        " is more than ", kMaxNotificationsPerGet)));
-  }
-  auto wait = LongPollWait(request->has_wait() ? &request->wait() : nullptr);
-  if (!wait.ok()) {
-    return ToGrpcStatus(Prefixed(wait.status(), "GetNotifications"));
-  }
-  const absl::Time deadline =
-      std::min(absl::Now() + *wait, absl::FromChrono(context->deadline()));
-  const size_t most = request->max_count() == 0 ? kMaxNotificationsPerGet
-                                                : request->max_count();
-  NotificationInbox::Batch batch =
-      notifications_->Take(admitted->caller.uid, most, deadline,
-                           &admitted->call->cancellation());
-  for (v1::Notification& notification : batch.notifications) {
-    *response->add_notifications() = std::move(notification);
-  }
-  response->set_dropped(batch.dropped);
-  return grpc::Status::OK;
+  // As GetTransfers: a waiting slot only when it may wait.
+  const bool may_wait = request->has_wait() && (request->wait().seconds() > 0 ||
+                                                request->wait().nanos() > 0);
+  auto admitted = AdmitCallback(*context, "GetNotifications", may_wait);
+  if (!admitted.ok()) return RefuseUnary(context, admitted.status());
+  return ServeGetNotifications(context, std::move(admitted->call),
+                               admitted->caller.uid, *request, response,
+                               notifications_, options_.max_transfer_wait);
 }
 
-grpc::Status RdmaAgentService::WatchNotifications(
-    grpc::ServerContext* context, const v1::WatchNotificationsRequest*,
-    grpc::ServerWriter<v1::NotificationEvent>* writer) {
-  // Holds a call slot (and a gRPC thread) while it lasts, like
-  // WatchTransfers.
-  auto admitted = Admit(*context, "WatchNotifications");
-  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  const Cancellation& call = admitted->call->cancellation();
-  auto stream = notifications_->OpenStream(admitted->caller.uid);
-  while (true) {
-    NotificationInbox::Batch batch =
-        notifications_->Next(*stream, kMaxNotificationsPerGet, &call);
-    if (batch.notifications.empty() && batch.dropped == 0) break;
-    if (batch.notifications.empty()) {
-      v1::NotificationEvent event;
-      event.set_dropped(batch.dropped);
-      if (!writer->Write(event)) break;
-      continue;
-    }
-    bool first = true;
-    for (v1::Notification& notification : batch.notifications) {
-      v1::NotificationEvent event;
-      *event.mutable_notification() = std::move(notification);
-      if (first) event.set_dropped(batch.dropped);
-      first = false;
-      if (!writer->Write(event)) {
-        return ToGrpcStatus(
-            absl::CancelledError("WatchNotifications: the client went away"));
-      }
-    }
+grpc::ServerWriteReactor<v1::NotificationEvent>*
+RdmaAgentService::WatchNotifications(grpc::CallbackServerContext* context,
+                                     const v1::WatchNotificationsRequest*) {
+  auto admitted =
+      AdmitCallback(*context, "WatchNotifications", /*may_wait=*/true);
+  if (!admitted.ok()) {
+    return RefuseStream<v1::NotificationEvent>(admitted.status());
   }
-  absl::Status why = call.reason();
-  if (why.ok()) why = absl::UnavailableError("the agent is shutting down");
-  return ToGrpcStatus(Prefixed(why, "WatchNotifications"));
+  return ServeWatchNotifications(std::move(admitted->call),
+                                 admitted->caller.uid, notifications_);
 }
 
 void RdmaAgentService::LogFailedNotification(const PeerCredentials& caller,

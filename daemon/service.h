@@ -29,9 +29,18 @@ namespace rdma_agent {
 
 class AgentMetrics;
 
+// The RPCs that may wait for something to happen are served with gRPC's
+// callback API (daemon/waiting_rpcs.h): they hold no thread while they
+// wait. Every other RPC is synchronous (a gRPC server thread each).
+using RdmaAgentServiceBase = v1::RdmaAgent::WithCallbackMethod_GetTransfers<
+    v1::RdmaAgent::WithCallbackMethod_WatchTransfers<
+        v1::RdmaAgent::WithCallbackMethod_GetNotifications<
+            v1::RdmaAgent::WithCallbackMethod_WatchNotifications<
+                v1::RdmaAgent::Service>>>>;
+
 // The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
 // whose credentials the caller table holds for its connection.
-class RdmaAgentService final : public v1::RdmaAgent::Service {
+class RdmaAgentService final : public RdmaAgentServiceBase {
  public:
   RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferTable* buffers,
@@ -65,22 +74,23 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   grpc::Status SubmitAsync(grpc::ServerContext* context,
                            const v1::SubmitRequest* request,
                            v1::SubmitAsyncResponse* response) override;
-  grpc::Status GetTransfers(grpc::ServerContext* context,
-                            const v1::GetTransfersRequest* request,
-                            v1::GetTransfersResponse* response) override;
-  grpc::Status WatchTransfers(
-      grpc::ServerContext* context, const v1::WatchTransfersRequest* request,
-      grpc::ServerWriter<v1::TransferEvent>* writer) override;
+  grpc::ServerUnaryReactor* GetTransfers(
+      grpc::CallbackServerContext* context,
+      const v1::GetTransfersRequest* request,
+      v1::GetTransfersResponse* response) override;
+  grpc::ServerWriteReactor<v1::TransferEvent>* WatchTransfers(
+      grpc::CallbackServerContext* context,
+      const v1::WatchTransfersRequest* request) override;
   grpc::Status CancelTransfer(grpc::ServerContext* context,
                               const v1::CancelTransferRequest* request,
                               v1::CancelTransferResponse* response) override;
-  grpc::Status GetNotifications(
-      grpc::ServerContext* context, const v1::GetNotificationsRequest* request,
+  grpc::ServerUnaryReactor* GetNotifications(
+      grpc::CallbackServerContext* context,
+      const v1::GetNotificationsRequest* request,
       v1::GetNotificationsResponse* response) override;
-  grpc::Status WatchNotifications(
-      grpc::ServerContext* context,
-      const v1::WatchNotificationsRequest* request,
-      grpc::ServerWriter<v1::NotificationEvent>* writer) override;
+  grpc::ServerWriteReactor<v1::NotificationEvent>* WatchNotifications(
+      grpc::CallbackServerContext* context,
+      const v1::WatchNotificationsRequest* request) override;
 
  private:
   // The validated ops of one SubmitRequest, run once: on the Submit's own
@@ -95,6 +105,12 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   };
   absl::StatusOr<Admitted> Admit(const grpc::ServerContext& context,
                                  absl::string_view rpc, size_t ops = 0) const;
+  // The same for an RPC served with the callback API: a waiting slot
+  // (ActiveCalls::StartWaiting) when it `may_wait`, otherwise a call slot
+  // (it answers at once).
+  absl::StatusOr<Admitted> AdmitCallback(
+      const grpc::CallbackServerContext& context, absl::string_view rpc,
+      bool may_wait) const;
 
   absl::StatusOr<v1::RegisterResponse> DoRegister(
       const v1::RegisterRequest& request, const grpc::ServerContext& context,
@@ -106,10 +122,6 @@ class RdmaAgentService final : public v1::RdmaAgent::Service {
   // batch is empty or too large, or its notification too long.
   absl::Status CheckBatchSize(const v1::SubmitRequest& request,
                               absl::string_view rpc) const;
-  // A long poll's `wait` (null: none), cut to --max_transfer_wait;
-  // INVALID_ARGUMENT when malformed.
-  absl::StatusOr<absl::Duration> LongPollWait(
-      const google::protobuf::Duration* wait) const;
   // Validates op `index` of a Submit and resolves its buffers.
   absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
                                uid_t caller) const;

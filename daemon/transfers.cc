@@ -1,6 +1,7 @@
 #include "daemon/transfers.h"
 
 #include <algorithm>
+#include <deque>
 #include <iterator>
 #include <utility>
 
@@ -10,10 +11,6 @@
 
 namespace rdma_agent {
 namespace {
-
-// Ends NextEnded returns at once: a watcher with a large backlog sends it
-// in pieces instead of holding every result in one batch.
-constexpr size_t kMaxEndsPerWake = 64;
 
 google::protobuf::Timestamp ToTimestamp(absl::Time time) {
   return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
@@ -74,12 +71,122 @@ struct TransferTable::Record {
   v1::SubmitResponse outcome;  // results and notifications, once ended
   uint64_t end_sequence = 0;
   std::list<std::pair<absl::Time, uint64_t>>::iterator end_position;
+  // A Stream has delivered its end (it may be dropped to make room).
+  bool delivered = false;
+  // Polls waiting for its end (one entry per time a poll names it).
+  std::vector<std::shared_ptr<Poll::State>> polls;
 };
 
-TransferTable::Watcher::~Watcher() {
-  absl::MutexLock lock(&owner_->mu_);
-  --owner_->watchers_;
+// Guarded by the table's mu_, except `wake` (its own lock) and what is const.
+struct TransferTable::Poll::State {
+  State(uid_t uid, std::function<void()> on_settled)
+      : uid(uid),
+        wake(std::make_shared<RevocableCallback>(std::move(on_settled))) {}
+
+  const uid_t uid;
+  const std::shared_ptr<RevocableCallback> wake;
+  std::vector<RecordPtr> records;  // one per id asked for
+  size_t pending = 0;              // of `records`, not ended yet
+  bool reported = false;
+};
+
+struct TransferTable::Stream::State {
+  State(uid_t uid, std::function<void()> on_ready)
+      : uid(uid),
+        wake(std::make_shared<RevocableCallback>(std::move(on_ready))) {}
+
+  const uid_t uid;
+  const std::shared_ptr<RevocableCallback> wake;
+  std::deque<RecordPtr> queue;  // ends not taken by Next yet
+  absl::Status status;          // OK while open
+};
+
+// ------------------------------------------------------------------ Poll
+
+TransferTable::Poll::~Poll() {
+  state_->wake->Revoke();
+  owner_->ForgetPoll(state_);
 }
+
+bool TransferTable::Poll::settled() const {
+  absl::MutexLock lock(&owner_->mu_);
+  return state_->pending == 0;
+}
+
+std::vector<v1::Transfer> TransferTable::Poll::Report() {
+  absl::MutexLock lock(&owner_->mu_);
+  std::vector<v1::Transfer> transfers;
+  for (const RecordPtr& record : state_->records) {
+    transfers.push_back(owner_->Describe(*record));
+  }
+  if (state_->reported) return transfers;
+  state_->reported = true;
+  for (const RecordPtr& record : state_->records) {
+    // Still kept, and by this very record (not dropped meanwhile by another
+    // reader, expiry or room-making: it is described all the same).
+    auto kept = owner_->records_.find(record->id);
+    if (record->phase == Record::Phase::kEnded &&
+        kept != owner_->records_.end() && kept->second == record) {
+      owner_->Drop(*record);
+      owner_->ForgetIfIdle(record->uid);
+    }
+  }
+  return transfers;
+}
+
+void TransferTable::ForgetPoll(const std::shared_ptr<Poll::State>& poll) {
+  absl::MutexLock lock(&mu_);
+  if (poll->pending > 0) --waiting_polls_;
+  // Records still running would otherwise keep it until they end.
+  for (const RecordPtr& record : poll->records) {
+    auto& polls = record->polls;
+    polls.erase(std::remove(polls.begin(), polls.end(), poll), polls.end());
+  }
+}
+
+// ---------------------------------------------------------------- Stream
+
+TransferTable::Stream::~Stream() {
+  state_->wake->Revoke();
+  owner_->ForgetStream(state_);
+}
+
+std::optional<v1::Transfer> TransferTable::Stream::Next() {
+  absl::MutexLock lock(&owner_->mu_);
+  if (!state_->status.ok() || state_->queue.empty()) return std::nullopt;
+  RecordPtr record = std::move(state_->queue.front());
+  state_->queue.pop_front();
+  return owner_->Describe(*record);
+}
+
+void TransferTable::Stream::Delivered(uint64_t id) {
+  absl::MutexLock lock(&owner_->mu_);
+  auto record = owner_->Find(state_->uid, id);
+  if (!record.ok() || (*record)->phase != Record::Phase::kEnded ||
+      (*record)->delivered) {
+    return;
+  }
+  (*record)->delivered = true;
+  owner_->users_[state_->uid].delivered.insert((*record)->end_sequence);
+}
+
+absl::Status TransferTable::Stream::status() const {
+  absl::MutexLock lock(&owner_->mu_);
+  return state_->status;
+}
+
+void TransferTable::ForgetStream(const std::shared_ptr<Stream::State>& stream) {
+  absl::MutexLock lock(&mu_);
+  --streams_;
+  auto user = users_.find(stream->uid);
+  if (user == users_.end()) return;
+  auto& streams = user->second.streams;
+  streams.erase(std::remove(streams.begin(), streams.end(), stream),
+                streams.end());
+  ForgetIfIdle(stream->uid);
+}
+
+// ----------------------------------------------------------------- table
 
 TransferTable::TransferTable(TransferLimits limits) : limits_(limits) {
   for (size_t i = 0; i < std::max<size_t>(limits_.workers, 1); ++i) {
@@ -91,31 +198,51 @@ TransferTable::~TransferTable() {
   Shutdown(absl::UnavailableError("the agent is shutting down"));
 }
 
+absl::Status TransferTable::MakeRoom(uid_t uid, User& user) {
+  const size_t bound = std::max<size_t>(limits_.max_kept_per_user, 1);
+  while (user.in_flight + user.ended.size() >= bound) {
+    if (user.delivered.empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "user ", uid, " keeps ", user.in_flight + user.ended.size(),
+          " transfers (limit ", bound, ", --max_kept_transfers_per_user): ",
+          user.in_flight, " in flight and ", user.ended.size(),
+          " ended that no GetTransfers has read and no WatchTransfers "
+          "stream has delivered; read them with GetTransfers"));
+    }
+    // The oldest end a stream delivered: its client has it already.
+    Drop(*user.ended.at(*user.delivered.begin()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> TransferTable::Submit(
     uid_t uid, std::unique_ptr<TransferWork> work, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   if (closed_) return closed_reason_;
   DropExpired();
-  auto mine = in_flight_by_uid_.find(uid);
-  const size_t user_in_flight =
-      mine == in_flight_by_uid_.end() ? 0 : mine->second;
-  if (user_in_flight >= limits_.max_in_flight_per_user) {
+  User& user = users_[uid];
+  if (user.in_flight >= limits_.max_in_flight_per_user) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "user ", uid, " already has ", user_in_flight,
+        "user ", uid, " already has ", user.in_flight,
         " transfers in flight (limit ", limits_.max_in_flight_per_user,
         ", --max_transfers_in_flight_per_user)"));
   }
   if (in_flight_ >= limits_.max_in_flight) {
+    ForgetIfIdle(uid);
     return absl::ResourceExhaustedError(absl::StrCat(
         "the agent already has ", in_flight_, " transfers in flight (limit ",
         limits_.max_in_flight, ", --max_transfers_in_flight)"));
+  }
+  if (absl::Status room = MakeRoom(uid, user); !room.ok()) {
+    ForgetIfIdle(uid);
+    return room;
   }
   const uint64_t id = next_id_++;
   auto record = std::make_shared<Record>(id, uid, std::move(work), deadline);
   queue_.push_back(record);
   record->queue_position = std::prev(queue_.end());
   records_.emplace(id, std::move(record));
-  ++in_flight_by_uid_[uid];
+  ++user.in_flight;
   ++in_flight_;
   return id;
 }
@@ -157,23 +284,58 @@ void TransferTable::Finish(const RecordPtr& record, const absl::Status& skip) {
   // Before the end is visible: a client that sees it may submit again at
   // once, and must find the ops and registrations given back.
   record->work.reset();
-  absl::MutexLock lock(&mu_);
-  End(*record, std::move(outcome));
+  Wakeups wake;
+  {
+    absl::MutexLock lock(&mu_);
+    wake = End(record, std::move(outcome));
+  }
+  // Without the lock: they take the waiting RPCs' locks, which call into
+  // the table.
+  for (const auto& callback : wake) callback->Run();
 }
 
-void TransferTable::End(Record& record, v1::SubmitResponse outcome) {
-  record.phase = Record::Phase::kEnded;
-  record.end_time = absl::Now();
-  record.state = FinalState(outcome.results(), record.cancel_asked);
-  record.outcome = std::move(outcome);
-  record.end_sequence = next_end_++;
-  ended_by_uid_[record.uid].emplace(record.end_sequence, record.id);
-  ends_.emplace_back(record.end_time, record.id);
-  record.end_position = std::prev(ends_.end());
-  running_.erase(record.id);
-  auto mine = in_flight_by_uid_.find(record.uid);
-  if (--mine->second == 0) in_flight_by_uid_.erase(mine);
+TransferTable::Wakeups TransferTable::End(const RecordPtr& record,
+                                          v1::SubmitResponse outcome) {
+  record->phase = Record::Phase::kEnded;
+  record->end_time = absl::Now();
+  record->state = FinalState(outcome.results(), record->cancel_asked);
+  record->outcome = std::move(outcome);
+  record->end_sequence = next_end_++;
+  ends_.emplace_back(record->end_time, record->id);
+  record->end_position = std::prev(ends_.end());
+  running_.erase(record->id);
   --in_flight_;
+  User& user = users_[record->uid];
+  --user.in_flight;
+  user.ended.emplace(record->end_sequence, record);
+  Wakeups wake;
+  for (const auto& poll : record->polls) {
+    if (--poll->pending == 0) {
+      --waiting_polls_;
+      wake.push_back(poll->wake);
+    }
+  }
+  record->polls.clear();
+  for (const auto& stream : user.streams) {
+    Queue(*stream, record);
+    wake.push_back(stream->wake);
+  }
+  return wake;
+}
+
+void TransferTable::Queue(Stream::State& stream, const RecordPtr& record) {
+  if (!stream.status.ok()) return;
+  if (stream.queue.size() >= std::max<size_t>(limits_.max_kept_per_user, 1)) {
+    // Its client does not read: holding more for it would let one stalled
+    // reader keep every end of its user.
+    stream.status = absl::ResourceExhaustedError(absl::StrCat(
+        "the stream fell ", stream.queue.size() + 1,
+        " transfer ends behind (limit --max_kept_transfers_per_user); the "
+        "agent keeps the ends for GetTransfers and for a new stream"));
+    stream.queue.clear();
+    return;
+  }
+  stream.queue.push_back(record);
 }
 
 absl::StatusOr<TransferTable::RecordPtr> TransferTable::Find(
@@ -184,7 +346,7 @@ absl::StatusOr<TransferTable::RecordPtr> TransferTable::Find(
     return absl::NotFoundError(absl::StrCat(
         "transfer ", id,
         " is not known (never submitted by this user, or its end was already "
-        "reported or has expired)"));
+        "read or has expired)"));
   }
   return it->second;
 }
@@ -192,20 +354,29 @@ absl::StatusOr<TransferTable::RecordPtr> TransferTable::Find(
 void TransferTable::DropExpired() {
   const absl::Time cutoff = absl::Now() - limits_.retention;
   while (!ends_.empty() && ends_.front().first <= cutoff) {
-    Drop(*records_.at(ends_.front().second));
+    const RecordPtr record = records_.at(ends_.front().second);
+    Drop(*record);
+    ForgetIfIdle(record->uid);
   }
 }
 
 void TransferTable::Drop(const Record& record) {
   // Copied first: erasing the map entry may destroy `record`.
   const uint64_t id = record.id;
-  const uid_t uid = record.uid;
   const uint64_t sequence = record.end_sequence;
   ends_.erase(record.end_position);
-  auto ended = ended_by_uid_.find(uid);
-  ended->second.erase(sequence);
-  if (ended->second.empty()) ended_by_uid_.erase(ended);
+  User& user = users_.at(record.uid);
+  user.ended.erase(sequence);
+  user.delivered.erase(sequence);
   records_.erase(id);
+}
+
+void TransferTable::ForgetIfIdle(uid_t uid) {
+  auto user = users_.find(uid);
+  if (user != users_.end() && user->second.in_flight == 0 &&
+      user->second.ended.empty() && user->second.streams.empty()) {
+    users_.erase(user);
+  }
 }
 
 v1::Transfer TransferTable::Describe(const Record& record) const {
@@ -224,50 +395,31 @@ v1::Transfer TransferTable::Describe(const Record& record) const {
   return transfer;
 }
 
-std::unique_ptr<Cancellation::Callback> TransferTable::WakeOnCancel(
-    const Cancellation* stop, bool* stopped) {
-  if (stop == nullptr) return nullptr;
-  return stop->OnCancel([this, stopped] {
-    absl::MutexLock lock(&mu_);
-    *stopped = true;
-  });
-}
-
-absl::StatusOr<std::vector<v1::Transfer>> TransferTable::Get(
-    uid_t uid, absl::Span<const uint64_t> ids, absl::Time deadline,
-    const Cancellation* stop) {
-  bool stopped = false;
-  auto wake = WakeOnCancel(stop, &stopped);
+absl::StatusOr<std::unique_ptr<TransferTable::Poll>> TransferTable::StartPoll(
+    uid_t uid, absl::Span<const uint64_t> ids,
+    std::function<void()> on_settled) {
+  auto poll = std::make_shared<Poll::State>(uid, std::move(on_settled));
   absl::MutexLock lock(&mu_);
   DropExpired();
-  std::vector<RecordPtr> records;
   for (uint64_t id : ids) {
     auto record = Find(uid, id);
     if (!record.ok()) return record.status();
-    records.push_back(std::move(*record));
+    poll->records.push_back(std::move(*record));
   }
-  // Records are held, not looked up again: a watcher may report (drop) one
-  // while this call waits, and it is still described here.
-  const auto settled = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return stopped ||
-           std::all_of(records.begin(), records.end(),
-                       [](const RecordPtr& record) {
-                         return record->phase == Record::Phase::kEnded;
-                       });
-  };
-  mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
-  std::vector<v1::Transfer> transfers;
-  for (const RecordPtr& record : records) {
-    transfers.push_back(Describe(*record));
+  for (const RecordPtr& record : poll->records) {
+    if (record->phase == Record::Phase::kEnded) continue;
+    record->polls.push_back(poll);
+    ++poll->pending;
   }
-  for (const RecordPtr& record : records) {
-    auto kept = records_.find(record->id);
-    if (record->phase == Record::Phase::kEnded && kept != records_.end() &&
-        kept->second == record) {
-      Drop(*record);
-    }
-  }
-  return transfers;
+  if (poll->pending > 0) ++waiting_polls_;
+  return std::unique_ptr<Poll>(new Poll(this, std::move(poll)));
+}
+
+absl::StatusOr<std::vector<v1::Transfer>> TransferTable::Get(
+    uid_t uid, absl::Span<const uint64_t> ids) {
+  auto poll = StartPoll(uid, ids, nullptr);
+  if (!poll.ok()) return poll.status();
+  return (*poll)->Report();
 }
 
 absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
@@ -297,6 +449,8 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
                        "transfer ", id,
                        " was cancelled (CancelTransfer) before it started")));
   }
+  // CancelTransfer's contract is to return only once the run has ended, so
+  // this one waits (on its own RPC thread).
   absl::MutexLock lock(&mu_);
   const auto ended = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return record->phase == Record::Phase::kEnded;
@@ -305,47 +459,26 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
   return Describe(*record);
 }
 
-std::unique_ptr<TransferTable::Watcher> TransferTable::Watch(uid_t uid) {
+absl::StatusOr<std::unique_ptr<TransferTable::Stream>> TransferTable::Watch(
+    uid_t uid, std::function<void()> on_ready) {
+  auto stream = std::make_shared<Stream::State>(uid, std::move(on_ready));
   absl::MutexLock lock(&mu_);
-  ++watchers_;
-  return std::unique_ptr<Watcher>(new Watcher(this, uid));
-}
-
-std::vector<v1::Transfer> TransferTable::NextEnded(Watcher& watcher,
-                                                   const Cancellation* stop) {
-  bool stopped = false;
-  auto wake = WakeOnCancel(stop, &stopped);
-  absl::MutexLock lock(&mu_);
-  const auto unseen = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    auto ended = ended_by_uid_.find(watcher.uid_);
-    return ended != ended_by_uid_.end() &&
-           ended->second.upper_bound(watcher.seen_) != ended->second.end();
-  };
-  const auto wake_up = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return stopped || closed_ || unseen();
-  };
-  mu_.Await(absl::Condition(&wake_up));
-  std::vector<v1::Transfer> transfers;
-  if (stopped || closed_) return transfers;
+  if (closed_) return closed_reason_;
   DropExpired();
-  auto ended = ended_by_uid_.find(watcher.uid_);
-  if (ended == ended_by_uid_.end()) return transfers;
-  for (auto it = ended->second.upper_bound(watcher.seen_);
-       it != ended->second.end() && transfers.size() < kMaxEndsPerWake; ++it) {
-    transfers.push_back(Describe(*records_.at(it->second)));
-    watcher.seen_ = it->first;
+  User& user = users_[uid];
+  // The backlog: every end kept (whether or not another stream has
+  // delivered it), oldest first.
+  for (const auto& [sequence, record] : user.ended) {
+    stream->queue.push_back(record);
   }
-  return transfers;
-}
-
-void TransferTable::MarkReported(uid_t uid, uint64_t id) {
-  absl::MutexLock lock(&mu_);
-  auto record = Find(uid, id);
-  if (record.ok() && (*record)->phase == Record::Phase::kEnded) Drop(**record);
+  user.streams.push_back(stream);
+  ++streams_;
+  return std::unique_ptr<Stream>(new Stream(this, std::move(stream)));
 }
 
 void TransferTable::Shutdown(const absl::Status& reason) {
   std::vector<RecordPtr> queued;
+  Wakeups wake;
   absl::Status why;
   {
     absl::MutexLock lock(&mu_);
@@ -360,8 +493,17 @@ void TransferTable::Shutdown(const absl::Status& reason) {
     }
     queue_.clear();
     for (auto& [id, record] : running_) record->cancellation.Cancel(why);
+    for (auto& [uid, user] : users_) {
+      for (const auto& stream : user.streams) {
+        if (!stream->status.ok()) continue;
+        stream->status = why;
+        stream->queue.clear();
+        wake.push_back(stream->wake);
+      }
+    }
     stopping_ = true;
   }
+  for (const auto& callback : wake) callback->Run();
   for (const RecordPtr& record : queued) Finish(record, why);
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
@@ -375,8 +517,8 @@ size_t TransferTable::in_flight() const {
 
 size_t TransferTable::in_flight(uid_t uid) const {
   absl::MutexLock lock(&mu_);
-  auto it = in_flight_by_uid_.find(uid);
-  return it == in_flight_by_uid_.end() ? 0 : it->second;
+  auto it = users_.find(uid);
+  return it == users_.end() ? 0 : it->second.in_flight;
 }
 
 size_t TransferTable::kept() const {
@@ -386,7 +528,12 @@ size_t TransferTable::kept() const {
 
 size_t TransferTable::watchers() const {
   absl::MutexLock lock(&mu_);
-  return watchers_;
+  return streams_;
+}
+
+size_t TransferTable::waiting_polls() const {
+  absl::MutexLock lock(&mu_);
+  return waiting_polls_;
 }
 
 }  // namespace rdma_agent

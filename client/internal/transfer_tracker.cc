@@ -160,7 +160,7 @@ absl::Status TransferTracker::BeginWatch() {
   if (watching_) {
     return absl::FailedPreconditionError(
         "WatchTransfers: this client already runs a TransferWatch (one per "
-        "client: the agent's stream carries every transfer of the user)");
+        "client: it carries every transfer of the user)");
   }
   watching_ = true;
   return absl::OkStatus();
@@ -195,8 +195,8 @@ TransferTracker::Orphans TransferTracker::EndWatch() {
     core->on_done = nullptr;
     DropIfUnused(*core);
   }
-  // Ends kept for a SubmitAsync in progress stay: the agent has already
-  // reported them, so nobody else can learn them.
+  // Ends kept for a SubmitAsync in progress stay: that call claims them
+  // once it returns the id.
   return orphans;
 }
 

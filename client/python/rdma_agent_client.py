@@ -85,9 +85,6 @@ _STATE = {
     types_pb2.TRANSFER_STATE_FAILED: FAILED,
     types_pb2.TRANSFER_STATE_CANCELLED: CANCELLED,
 }
-# How long an end the agent no longer knows (NOT_FOUND) is awaited from the
-# client's watch, which may have taken it and still be delivering it.
-_IN_TRANSIT_GRACE = 5.0
 # Longest GetTransfers long poll asked for at once (the agent cuts it to its
 # --max_transfer_wait; wait() asks again).
 _LONGEST_POLL = 600.0
@@ -253,9 +250,10 @@ class Transfer:
         `.ok`); AgentError DEADLINE_EXCEEDED if it did not end within
         `timeout` seconds (None: no bound; 0: look once). With the watch it
         waits for the pushed end (no RPC); otherwise each call holds one
-        GetTransfers long poll on the agent. NOT_FOUND when the agent does not
-        know the id (not this user's, or its end was already reported to
-        another reader, or expired)."""
+        GetTransfers long poll on the agent (no agent thread; one of the
+        user's --max_waiting_rpcs_per_user). NOT_FOUND when the agent does
+        not know the id (not this user's, or its end was already read by a
+        GetTransfers of another client, or expired)."""
         return self._client._wait(self._record, timeout)
 
     def result(self, timeout=None):
@@ -455,9 +453,11 @@ class AgentClient:
     `watch` (default True): the first submit_async() (or transfer()) starts
     one thread that reads the agent's WatchTransfers stream and resolves the
     transfers' futures; close() stops it. The stream carries every end of
-    this user's transfers on the agent, and an end it delivers is gone from
-    the agent: run at most one watching client per user and agent, and pass
-    watch=False to the others (they learn ends with wait() and poll()).
+    this user's transfers on the agent and takes none away: every watching
+    client of the user gets every end, and an end stays readable by other
+    clients' wait() and poll() until one of them reads it. With
+    watch=False, no thread: wait() long-polls the agent (no agent thread
+    either) and futures resolve only through wait(), poll() and cancel().
     """
 
     def __init__(self, socket_path=None, attach_socket=None,
@@ -803,14 +803,6 @@ class AgentClient:
             return self._watching and record.transfer_id in self._pending and \
                 not self._on_watch_thread()
 
-    def _end_in_transit(self, record):
-        """After NOT_FOUND: the end, if this client knows it or its watch
-        brings it within the grace."""
-        if not self._on_watch_thread() and \
-                self._await_end(record, time.monotonic() + _IN_TRANSIT_GRACE) == "ended":
-            return record.end
-        return None
-
     def _get_transfer(self, transfer_id, wait):
         wait = max(0.0, min(wait, _LONGEST_POLL))
         request = agent_pb2.GetTransfersRequest(transfer_ids=[transfer_id])
@@ -855,15 +847,10 @@ class AgentClient:
 
     def _ask(self, record, wait):
         """GetTransfers for `record`, long-polling up to `wait` s: its end
-        (kept), or its PENDING state (the agent is then known to have it)."""
-        try:
-            message = self._get_transfer(record.transfer_id, wait)
-        except AgentError as error:
-            if error.code == grpc.StatusCode.NOT_FOUND:
-                end = self._end_in_transit(record)
-                if end is not None:
-                    return end
-            raise
+        (kept), or its PENDING state (the agent is then known to have it).
+        NOT_FOUND means what it says: the agent's watch streams never take
+        an end away, so this client's watch cannot have one in transit."""
+        message = self._get_transfer(record.transfer_id, wait)
         result = _transfer_result(message)
         if result.ended:
             return self._resolve(record, result)
@@ -874,16 +861,9 @@ class AgentClient:
     def _cancel(self, record):
         if record.end is not None:  # ended: nothing to stop
             return record.end
-        try:
-            response = _rpc(self.stub.CancelTransfer,
-                            agent_pb2.CancelTransferRequest(transfer_id=record.transfer_id),
-                            self.timeout)
-        except AgentError as error:
-            if error.code == grpc.StatusCode.NOT_FOUND:
-                end = self._end_in_transit(record)
-                if end is not None:
-                    return end
-            raise
+        response = _rpc(self.stub.CancelTransfer,
+                        agent_pb2.CancelTransferRequest(transfer_id=record.transfer_id),
+                        self.timeout)
         return self._resolve(record, _transfer_result(response.transfer))
 
     def release(self, buffer_id):

@@ -357,6 +357,13 @@ TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
     }
   }
   EXPECT_EQ(printed, ids) << r.out;
+  // Watching read nothing: each end is still there for wait, which reads
+  // it (so the next watch does not start with it).
+  for (const std::string& id : ids) {
+    r = Ctl({"wait", id});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("transfer ", id, ": DONE")));
+  }
 
   // JSON: one TransferEvent per line.
   const std::set<std::string> more = {submit(), submit()};
@@ -374,6 +381,7 @@ TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
     seen.insert(absl::StrCat(event.transfer().transfer_id()));
   }
   EXPECT_EQ(seen, more) << r.out;
+  for (const std::string& id : more) EXPECT_EQ(Ctl({"wait", id}).exit_code, 0);
 
   // Until interrupted: an end that comes while it runs, then SIGINT.
   Subprocess::Options options;

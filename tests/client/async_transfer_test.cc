@@ -1,9 +1,9 @@
 // The C++ client's asynchronous transfers against real rdma-agentd
 // processes: Transfer handles (Wait, Poll, Cancel, OnDone) over the memory
 // backend (both buffers on one agent) and over tcp (two agents), one
-// TransferWatch carrying hundreds of transfers, stopping a watch with ends
-// pending, an agent that goes away under a watch, and a watching client
-// process killed outright.
+// TransferWatch carrying hundreds of transfers, two watching clients of one
+// user, stopping a watch with ends pending, an agent that goes away under a
+// watch, and a watching client process killed outright.
 
 #include <pthread.h>
 #include <signal.h>
@@ -494,7 +494,7 @@ TEST_F(AsyncTransferTest, OneWatchPerClientAndANewOneOnceItStops) {
   ASSERT_TRUE(watch.ok()) << watch.status();
   auto second = client_->WatchTransfers();
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
-  // Another client may watch (it competes for the same ends).
+  // Another client may watch (it gets every end too).
   auto other = a_->NewClient();
   ASSERT_TRUE(other.ok());
   auto theirs = (*other)->WatchTransfers();
@@ -515,6 +515,60 @@ TEST_F(AsyncTransferTest, OneWatchPerClientAndANewOneOnceItStops) {
   auto end = transfer->Wait(absl::Seconds(30));
   ASSERT_TRUE(end.ok()) << end.status();
   EXPECT_EQ(end->state, TransferState::kDone);
+}
+
+TEST_F(AsyncTransferTest, TwoWatchingClientsOfOneUserBothGetEveryEnd) {
+  constexpr int kTransfers = 30;
+  Buffer local = On(*a_, kTransfers * 4096, 1);
+  Buffer remote = On(*b_, kTransfers * 4096, 2);
+  auto other = a_->NewClient();
+  ASSERT_TRUE(other.ok()) << other.status();
+  // What each client's watch delivered (this user's ends, whoever
+  // submitted them).
+  struct Seen {
+    absl::Mutex mu;
+    std::map<uint64_t, int> ends ABSL_GUARDED_BY(mu);
+    client::TransferEndCallback Record() {
+      return [this](const TransferResult& end) {
+        absl::MutexLock lock(&mu);
+        ++ends[end.id];
+      };
+    }
+    std::map<uint64_t, int> Get() {
+      absl::MutexLock lock(&mu);
+      return ends;
+    }
+  } mine, theirs;
+  auto my_watch = client_->WatchTransfers(mine.Record());
+  ASSERT_TRUE(my_watch.ok()) << my_watch.status();
+  auto their_watch = (*other)->WatchTransfers(theirs.Record());
+  ASSERT_TRUE(their_watch.ok()) << their_watch.status();
+  Ends ends;
+  std::map<uint64_t, int> expected;
+  for (int i = 0; i < kTransfers; ++i) {
+    auto transfer = client_->SubmitAsync(
+        {ReadOp(local, i * 4096, 4096, remote, i * 4096)}, absl::Seconds(60));
+    ASSERT_TRUE(transfer.ok()) << transfer.status();
+    ASSERT_TRUE(transfer->OnDone(ends.For(transfer->id())).ok());
+    expected[transfer->id()] = 1;
+  }
+  ASSERT_TRUE(Eventually([&] {
+    return mine.Get() == expected && theirs.Get() == expected;
+  })) << mine.Get().size()
+      << " and " << theirs.Get().size() << " of " << kTransfers
+      << " ends: the watches split them";
+  ASSERT_TRUE(Eventually([&] { return ends.called() == kTransfers; }));
+  // The other client's watch took nothing from this one's handles, nor from
+  // a third client that asks: each end is still there to read, once.
+  auto third = a_->NewClient();
+  ASSERT_TRUE(third.ok()) << third.status();
+  const uint64_t first = expected.begin()->first;
+  auto read = (*third)->TransferById(first).Poll();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->state, TransferState::kDone);
+  EXPECT_EQ((*third)->TransferById(first).Poll().status().code(),
+            absl::StatusCode::kNotFound)
+      << "a read by GetTransfers is the one that counts";
 }
 
 TEST_F(AsyncTransferTest, DestroyingTheWatchRunsEveryPendingCallbackOnce) {
@@ -682,10 +736,35 @@ TEST(AsyncTransferAgentGoneTest,
 
 // ---------------------------------------------- a killed client process
 
+TEST(KilledWatcherTest, AnEndAKilledWatcherWasSentIsStillThere) {
+  auto agent = AgentProcess::Start(TcpAgent());
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto worker = WorkerProcess::Start(**agent);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_EQ(worker->Answer("watch_start"), "ok DONE");
+  // This client submits; the worker's watch (same user) delivers the end to
+  // the worker, which dies before doing anything with it.
+  auto client = (*agent)->NewClient();
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto buffer = (*client)->Attach(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  auto transfer = (*client)->SubmitAsync({ReadOp(*buffer, 0, 10, *buffer, 100)},
+                                         absl::Seconds(30));
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  const std::string seen = absl::StrCat("watch_seen ", transfer->id());
+  ASSERT_TRUE(Eventually([&] { return worker->Answer(seen) == "seen"; }));
+  worker->process().Signal(SIGKILL);
+  ASSERT_TRUE(worker->process().Wait(absl::Seconds(30)).ok());
+  // Delivered is not read: the submitter still learns its end.
+  auto end = transfer->Poll();
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_EQ(end->state, TransferState::kDone);
+}
+
 TEST(KilledWatcherTest, AClientKilledMidWatchLeavesTheAgentServing) {
-  // Each open watch holds one of the user's RPC slots; a slot a killed
-  // client left behind would run these out after three kills.
-  auto agent = AgentProcess::Start(TcpAgent({"--max_rpcs_per_user=3"}));
+  // Each open watch holds one of the user's waiting-call slots; a slot a
+  // killed client left behind would run these out after three kills.
+  auto agent = AgentProcess::Start(TcpAgent({"--max_waiting_rpcs_per_user=3"}));
   ASSERT_TRUE(agent.ok()) << agent.status();
   for (int i = 0; i < 6; ++i) {
     SCOPED_TRACE(absl::StrCat("worker ", i));

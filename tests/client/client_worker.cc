@@ -29,13 +29,19 @@
 //                   -> status OK STATE[,STATE...] | status CODE MESSAGE
 //        GetTransfers (no wait) of every id, or CancelTransfer of the first,
 //        with the agent's message when it refuses
-//   transfer_watch MILLISECONDS -> events ID,ID,...
-//        the ends WatchTransfers pushed within that time
+//   transfer_watch MILLISECONDS -> events ID,ID,... | error CODE MESSAGE
+//        the ends WatchTransfers pushed within that time (error: the agent
+//        ended the stream before that, e.g. refused it)
+//   notifications MILLISECONDS -> notifications N DATA,... dropped D
+//        what GetNotifications returned after waiting that long
 //   watch_start                 -> ok STATE | error CODE MESSAGE
 //        starts the client library's TransferWatch (kept until the worker
 //        exits; started again if it has ended), then runs one small transfer
 //        between two buffers of its own and waits for its OnDone callback:
 //        once this answers ok, the agent holds the stream open
+//   watch_seen ID               -> seen | unseen
+//        whether that watch has delivered the end of transfer ID (any
+//        transfer of the user, through its on_end callback)
 //   release ID                  -> status CODE
 //   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
 //   writebuf ID OFFSET HEX_DATA -> status CODE
@@ -61,7 +67,9 @@
 #include <future>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -72,6 +80,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
 #include "common/grpc_status.h"
@@ -308,10 +317,15 @@ class Worker {
       v1::TransferEvent event;
       while (stream->Read(&event))
         ids.push_back(event.transfer().transfer_id());
-      (void)stream->Finish();
+      const absl::Status ended = FromGrpcStatus(stream->Finish());
+      if (!ended.ok() && !absl::IsDeadlineExceeded(ended)) return Error(ended);
       return absl::StrCat("events ", absl::StrJoin(ids, ","));
     }
     if (command == "watch_start") return WatchStart();
+    if (command == "watch_seen" && need(1)) {
+      absl::MutexLock lock(&watch_seen_->mu);
+      return watch_seen_->ids.count(n[0]) > 0 ? "seen" : "unseen";
+    }
     if (command == "release" && need(1)) {
       auto it = buffers_.find(n[0]);
       if (it == buffers_.end()) {
@@ -370,7 +384,11 @@ class Worker {
   std::string WatchStart() {
     if (!watch_.has_value() || !watch_->status().ok()) {
       watch_.reset();  // one the agent refused, if any
-      absl::StatusOr<client::TransferWatch> watch = client_->WatchTransfers();
+      absl::StatusOr<client::TransferWatch> watch = client_->WatchTransfers(
+          [seen = watch_seen_](const client::TransferResult& end) {
+            absl::MutexLock lock(&seen->mu);
+            seen->ids.insert(end.id);
+          });
       if (!watch.ok()) return Error(watch.status());
       watch_.emplace(std::move(*watch));
     }
@@ -458,6 +476,12 @@ class Worker {
   std::unique_ptr<v1::RdmaAgent::Stub> stub_;
   std::map<uint64_t, Buffer> buffers_;
   std::vector<Buffer> watch_buffers_;
+  // Ends the watch delivered (written by its callback thread).
+  struct Seen {
+    absl::Mutex mu;
+    std::set<uint64_t> ids ABSL_GUARDED_BY(mu);
+  };
+  std::shared_ptr<Seen> watch_seen_ = std::make_shared<Seen>();
   std::optional<client::TransferWatch> watch_;
 };
 

@@ -323,7 +323,7 @@ class PythonClientTest(unittest.TestCase):
 
 class AsyncTransferTest(unittest.TestCase):
     """submit_async() and its Transfer: wait, poll, cancel, futures, asyncio.
-    The tests' clients share one user: only self.client watches."""
+    The tests' clients share one user; any of them may watch."""
 
     @classmethod
     def setUpClass(cls):
@@ -373,13 +373,16 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertGreaterEqual(end.create_time, before - 1)
             self.assertGreaterEqual(end.start_time, end.create_time)
             self.assertGreaterEqual(end.end_time, end.start_time)
-            # The end is kept: the agent has forgotten it by now.
+            # The end is kept here: no RPC asks for it again.
             self.assertEqual(transfer.poll(), end)
             self.assertEqual(transfer.result(), end)
             self.assertEqual(transfer.future.result(timeout=30), end)
             self.assertTrue(transfer.done())
             self.assertEqual(transfer.cancel(), end)  # ended: nothing changes
+            # The watch that delivered it read nothing: another client of the
+            # user still finds it, once (its poll is the read).
             with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
+                self.assertEqual(other.transfer(end.transfer_id).poll(), end)
                 self.assertCode(grpc.StatusCode.NOT_FOUND, other.transfer(end.transfer_id).poll)
 
     def assertCode(self, code, call, *args):
@@ -496,6 +499,40 @@ class AsyncTransferTest(unittest.TestCase):
         with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
             self.assertEqual(other.transfer(transfer.transfer_id).cancel().state,
                              rdma_agent_client.CANCELLED)
+
+    def test_two_watching_clients_both_get_every_end(self):
+        running, local, source = self.long_transfer()  # holds the one worker
+        with AgentClient(self.agent.socket, timeout=30) as other, \
+                self.client.allocate(20 * 4096) as a:
+            mine = [self.client.submit_async(
+                [Op("read", a.id, i * 4096, 4096, source.remote_context, 0)], timeout=300)
+                for i in range(20)]
+            # The other client follows each one while it is still queued.
+            theirs = [other.transfer(t.transfer_id) for t in mine]
+            self.assertEqual(len(self.watch_threads()), 2)
+            running.cancel()
+            for transfers in (mine, theirs):
+                done, not_done = concurrent.futures.wait([t.future for t in transfers], 60)
+                self.assertEqual(not_done, set(), "the watches split the ends")
+                self.assertTrue(all(t.future.result().state == rdma_agent_client.DONE
+                                    for t in transfers))
+            # Delivered twice, read by nobody: a third client still reads each.
+            with AgentClient(self.agent.socket, timeout=30, watch=False) as third:
+                for t in mine:
+                    self.assertEqual(third.transfer(t.transfer_id).poll().state,
+                                     rdma_agent_client.DONE)
+        local.close()
+        source.close()
+
+    def test_a_watching_client_that_goes_away_takes_no_end_with_it(self):
+        with self.client.allocate(4096) as a:
+            with AgentClient(self.agent.socket, timeout=30) as watching:
+                transfer = watching.submit_async(
+                    [Op("read", a.id, 0, 10, a.remote_context, 100)])
+                end = transfer.future.result(timeout=30)  # its watch delivered it
+            # Gone with it in hand: the end is still the agent's to give.
+            with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
+                self.assertEqual(other.transfer(transfer.transfer_id).wait(30), end)
 
     def test_without_the_watch_wait_asks_the_agent(self):
         with AgentClient(self.agent.socket, timeout=30, watch=False) as quiet, \

@@ -119,5 +119,54 @@ TEST(ActiveCallsTest, ChargesAreRefusedAfterCancelAll) {
             absl::UnavailableError("the agent is shutting down"));
 }
 
+TEST(ActiveCallsTest, WaitingCallsHaveTheirOwnBoundsAndNoCallSlot) {
+  InFlightLimits limits = Limits(100, 100);
+  limits.max_calls_per_user = 1;
+  limits.max_waiting_per_user = 2;
+  limits.max_waiting = 3;
+  ActiveCalls calls(limits);
+  auto first = calls.StartWaiting(1000);
+  auto second = calls.StartWaiting(1000);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(calls.waiting(), 2u);
+  auto third = calls.StartWaiting(1000);
+  EXPECT_TRUE(absl::IsResourceExhausted(third.status()));
+  EXPECT_NE(third.status().message().find("--max_waiting_rpcs_per_user"),
+            absl::string_view::npos)
+      << third.status();
+  // The user's one call slot is still free: waiting calls hold no thread.
+  auto sync = calls.Start(nullptr, 1000, 0);
+  EXPECT_TRUE(sync.ok()) << sync.status();
+  // The total holds across users.
+  auto other = calls.StartWaiting(1001);
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto over = calls.StartWaiting(1002);
+  EXPECT_TRUE(absl::IsResourceExhausted(over.status()));
+  EXPECT_NE(over.status().message().find("--max_waiting_rpcs)"),
+            absl::string_view::npos)
+      << over.status();
+  // Ending one gives its slot back.
+  first->reset();
+  EXPECT_EQ(calls.waiting(), 2u);
+  EXPECT_TRUE(calls.StartWaiting(1000).ok());
+}
+
+TEST(ActiveCallsTest, CancelAllStopsWaitingCallsAndIdleWaitsForThem) {
+  ActiveCalls calls(Limits(100, 100));
+  auto waiting = calls.StartWaiting(1);
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  bool told = false;
+  auto on_cancel = (*waiting)->cancellation().OnCancel([&] { told = true; });
+  EXPECT_FALSE(calls.WaitUntilIdle(absl::Now()));
+  calls.CancelAll(absl::UnavailableError("the agent is shutting down"));
+  EXPECT_TRUE(told);
+  EXPECT_TRUE(absl::IsUnavailable((*waiting)->cancellation().reason()));
+  EXPECT_TRUE(absl::IsUnavailable(calls.StartWaiting(1).status()));
+  EXPECT_FALSE(calls.WaitUntilIdle(absl::Now()));
+  on_cancel.reset();
+  waiting->reset();
+  EXPECT_TRUE(calls.WaitUntilIdle(absl::Now()));
+}
+
 }  // namespace
 }  // namespace rdma_agent

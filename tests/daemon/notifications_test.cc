@@ -7,9 +7,8 @@
 
 #include <memory>
 #include <string>
-#include <thread>
+#include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "backends/buffer_table.h"
 #include "common/shared_memory.h"
@@ -47,7 +46,15 @@ class NotificationsTest : public ::testing::Test {
 
   NotificationInbox::Batch TakeNow(NotificationInbox& inbox, uid_t uid,
                                    size_t max_count = 100) {
-    return inbox.Take(uid, max_count, absl::Now(), nullptr);
+    return inbox.Take(uid, max_count);
+  }
+
+  // Every event `stream` has now.
+  static std::vector<v1::NotificationEvent> Drain(
+      NotificationInbox::Stream& stream) {
+    std::vector<v1::NotificationEvent> events;
+    while (auto event = stream.Next()) events.push_back(std::move(*event));
+    return events;
   }
 
   BufferTable table_{kEpoch};
@@ -155,17 +162,20 @@ TEST_F(NotificationsTest, EveryOpenStreamGetsEachNotification) {
   const uint64_t id = AddBuffer(kOwner);
   ASSERT_TRUE(inbox.Deliver(Target(id), "a", "queued").ok());
   // The first stream takes over the queue; the second starts empty.
-  auto first = inbox.OpenStream(kOwner);
-  auto second = inbox.OpenStream(kOwner);
+  int first_woken = 0, second_woken = 0;
+  auto first = inbox.OpenStream(kOwner, [&] { ++first_woken; });
+  auto second = inbox.OpenStream(kOwner, [&] { ++second_woken; });
   ASSERT_TRUE(inbox.Deliver(Target(id), "a", "live").ok());
+  EXPECT_EQ(first_woken, 1);
+  EXPECT_EQ(second_woken, 1);
 
-  NotificationInbox::Batch a = inbox.Next(*first, 10, nullptr);
-  ASSERT_EQ(a.notifications.size(), 2u);
-  EXPECT_EQ(a.notifications[0].data(), "queued");
-  EXPECT_EQ(a.notifications[1].data(), "live");
-  NotificationInbox::Batch b = inbox.Next(*second, 10, nullptr);
-  ASSERT_EQ(b.notifications.size(), 1u);
-  EXPECT_EQ(b.notifications[0].data(), "live");
+  std::vector<v1::NotificationEvent> a = Drain(*first);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[0].notification().data(), "queued");
+  EXPECT_EQ(a[1].notification().data(), "live");
+  std::vector<v1::NotificationEvent> b = Drain(*second);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_EQ(b[0].notification().data(), "live");
   // Nothing went to the poll queue while streams were open.
   EXPECT_EQ(inbox.queued(kOwner), 0u);
 }
@@ -174,7 +184,7 @@ TEST_F(NotificationsTest, LastStreamClosedGivesBackWhatItNeverHandedOut) {
   NotificationInbox inbox(&table_, {});
   const uint64_t id = AddBuffer(kOwner);
   {
-    auto stream = inbox.OpenStream(kOwner);
+    auto stream = inbox.OpenStream(kOwner, [] {});
     ASSERT_TRUE(inbox.Deliver(Target(id), "a", "unread").ok());
   }
   NotificationInbox::Batch batch = TakeNow(inbox, kOwner);
@@ -187,48 +197,61 @@ TEST_F(NotificationsTest, SlowStreamDropsItsOwnOldest) {
   limits.max_queued_per_user = 2;
   NotificationInbox inbox(&table_, limits);
   const uint64_t id = AddBuffer(kOwner);
-  auto stream = inbox.OpenStream(kOwner);
+  auto stream = inbox.OpenStream(kOwner, [] {});
   for (int i = 1; i <= 4; ++i) {
     ASSERT_TRUE(inbox.Deliver(Target(id), "a", std::to_string(i)).ok());
   }
-  NotificationInbox::Batch batch = inbox.Next(*stream, 10, nullptr);
-  EXPECT_EQ(batch.dropped, 2u);
-  ASSERT_EQ(batch.notifications.size(), 2u);
-  EXPECT_EQ(batch.notifications[0].data(), "3");
+  std::vector<v1::NotificationEvent> events = Drain(*stream);
+  ASSERT_EQ(events.size(), 2u);
+  // The drops come with the first event after them.
+  EXPECT_EQ(events[0].dropped(), 2u);
+  EXPECT_EQ(events[0].notification().data(), "3");
+  EXPECT_EQ(events[1].dropped(), 0u);
 }
 
-TEST_F(NotificationsTest, WaitingPollWakesOnDelivery) {
+TEST_F(NotificationsTest, PollIsWokenAndSettlesOnDelivery) {
   NotificationInbox inbox(&table_, {});
   const uint64_t id = AddBuffer(kOwner);
-  NotificationInbox::Batch batch;
-  std::thread reader([&] {
-    batch = inbox.Take(kOwner, 10, absl::Now() + absl::Seconds(60), nullptr);
-  });
-  absl::SleepFor(absl::Milliseconds(50));
+  int woken = 0;
+  auto poll = inbox.StartPoll(kOwner, [&] { ++woken; });
+  EXPECT_FALSE(poll->settled());
+  // Another user's notification neither wakes nor settles it.
+  ASSERT_TRUE(inbox.Deliver(Target(AddBuffer(kOther)), "a", "other").ok());
+  EXPECT_EQ(woken, 0);
+  EXPECT_FALSE(poll->settled());
   ASSERT_TRUE(inbox.Deliver(Target(id), "a", "wake").ok());
-  reader.join();
+  EXPECT_EQ(woken, 1);
+  ASSERT_TRUE(poll->settled());
+  NotificationInbox::Batch batch = poll->Take(10);
   ASSERT_EQ(batch.notifications.size(), 1u);
   EXPECT_EQ(batch.notifications[0].data(), "wake");
+  EXPECT_FALSE(poll->settled());
 }
 
-TEST_F(NotificationsTest, CancellationAndCloseEndWaits) {
+TEST_F(NotificationsTest, DestroyedReadersAreNeverWokenAgain) {
   NotificationInbox inbox(&table_, {});
-  Cancellation cancel;
-  std::thread poll([&] {
-    EXPECT_TRUE(inbox.Take(kOwner, 10, absl::InfiniteFuture(), &cancel)
-                    .notifications.empty());
-  });
-  auto stream = inbox.OpenStream(kOther);
-  std::thread watch([&] {
-    NotificationInbox::Batch batch = inbox.Next(*stream, 10, nullptr);
-    EXPECT_TRUE(batch.notifications.empty());
-    EXPECT_EQ(batch.dropped, 0u);
-  });
-  absl::SleepFor(absl::Milliseconds(20));
-  cancel.Cancel(absl::CancelledError("client went away"));
-  poll.join();
+  const uint64_t id = AddBuffer(kOwner);
+  int woken = 0;
+  inbox.StartPoll(kOwner, [&] { ++woken; }).reset();
+  inbox.OpenStream(kOwner, [&] { ++woken; }).reset();
+  ASSERT_TRUE(inbox.Deliver(Target(id), "a", "nobody").ok());
   inbox.Close();
-  watch.join();
+  EXPECT_EQ(woken, 0);
+  EXPECT_EQ(inbox.queued(kOwner), 1u);
+}
+
+TEST_F(NotificationsTest, CloseWakesEveryReaderAndRefusesDeliveries) {
+  NotificationInbox inbox(&table_, {});
+  int poll_woken = 0, stream_woken = 0;
+  auto poll = inbox.StartPoll(kOwner, [&] { ++poll_woken; });
+  auto stream = inbox.OpenStream(kOther, [&] { ++stream_woken; });
+  EXPECT_TRUE(stream->status().ok());
+  inbox.Close();
+  EXPECT_EQ(poll_woken, 1);
+  EXPECT_EQ(stream_woken, 1);
+  EXPECT_TRUE(poll->settled());
+  EXPECT_EQ(stream->status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(stream->Next().has_value());
   const uint64_t id = AddBuffer(kOwner);
   EXPECT_EQ(inbox.Deliver(Target(id), "a", "late").code(),
             absl::StatusCode::kUnavailable);

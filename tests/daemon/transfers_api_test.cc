@@ -7,6 +7,7 @@
 // 64 MiB copies inside one buffer (minutes of work) that keeps the agent's
 // only transfer worker busy until the test cancels it.
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/internal/http_get.h"
 #include "daemon/transfers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -143,6 +145,57 @@ class TransfersApiTest : public ::testing::Test {
         FromGrpc(stub().CancelTransfer(&context, request, &response));
     if (!status.ok()) return status;
     return response.transfer();
+  }
+
+  // A WatchTransfers stream on a connection of its own.
+  struct Watch {
+    std::unique_ptr<v1::RdmaAgent::Stub> stub;
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::TransferEvent>> reader;
+  };
+  std::unique_ptr<Watch> OpenWatch() {
+    auto watch = std::make_unique<Watch>();
+    // A test expecting ends that never come fails instead of hanging.
+    watch->context.set_deadline(
+        absl::ToChronoTime(absl::Now() + absl::Minutes(2)));
+    watch->stub = fixture_->NewStub();
+    watch->reader = watch->stub->WatchTransfers(&watch->context,
+                                                v1::WatchTransfersRequest());
+    return watch;
+  }
+  // The stream's end, once its client has cancelled it or the agent ended
+  // it.
+  static grpc::Status Close(Watch& watch, bool cancel = true) {
+    if (cancel) watch.context.TryCancel();
+    v1::TransferEvent ignored;
+    while (watch.reader->Read(&ignored)) {
+    }
+    return watch.reader->Finish();
+  }
+
+  // A GetTransfers long poll for `id` on a thread of its own.
+  struct LongPoll {
+    // A test that stops early gives the poll up rather than wait for it.
+    ~LongPoll() {
+      context.TryCancel();
+      if (thread.joinable()) thread.join();
+    }
+
+    grpc::ClientContext context;
+    grpc::Status status;
+    v1::GetTransfersResponse response;
+    std::thread thread;
+  };
+  std::unique_ptr<LongPoll> StartLongPoll(uint64_t id, absl::Duration wait) {
+    auto poll = std::make_unique<LongPoll>();
+    v1::GetTransfersRequest request;
+    request.add_transfer_ids(id);
+    request.mutable_wait()->set_seconds(absl::ToInt64Seconds(wait));
+    poll->thread = std::thread([this, request, poll = poll.get()] {
+      poll->status =
+          stub().GetTransfers(&poll->context, request, &poll->response);
+    });
+    return poll;
   }
 
   // A transfer of kBlockerOps 64 MiB copies inside one buffer, running on
@@ -458,7 +511,7 @@ TEST_F(TransfersApiTest, InFlightBoundIsHitCleanlyAndFreesUp) {
   EXPECT_TRUE(FromGrpc(stub().Submit(&retry, Batch(ops), &response)).ok());
 }
 
-TEST_F(TransfersApiTest, WatchTransfersPushesEndsAndForgetsGoneWatchers) {
+TEST_F(TransfersApiTest, WatchTransfersPushesEndsAndLeavesThemReadable) {
   Buffer source, destination;
   MakePair(4096, &source, &destination);
   grpc::ClientContext watch_context;
@@ -479,17 +532,224 @@ TEST_F(TransfersApiTest, WatchTransfersPushesEndsAndForgetsGoneWatchers) {
   EXPECT_EQ(event.transfer().transfer_id(), *failed);
   EXPECT_EQ(event.transfer().state(), v1::TRANSFER_STATE_FAILED);
   EXPECT_EQ(event.transfer().results(0).code(), 11);
-  // Pushed means reported: they are gone.
-  ASSERT_TRUE(Eventually([&] { return transfers().kept() == 0; }));
+  // Pushed is not read: GetTransfers still reports them, and its report is
+  // the read.
+  EXPECT_EQ(transfers().kept(), 2u);
+  auto read = Get(*done);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->state(), v1::TRANSFER_STATE_DONE);
   EXPECT_TRUE(absl::IsNotFound(Get(*done).status()));
 
-  // The watcher goes away: the agent notices and lets its thread go.
+  // The watcher goes away: the agent hears it from gRPC and frees it.
   watch_context.TryCancel();
   v1::TransferEvent ignored;
   while (stream->Read(&ignored)) {
   }
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_TRUE(Eventually([&] { return transfers().watchers() == 0; }));
+}
+
+TEST_F(TransfersApiTest, TwoWatchersBothSeeEveryEnd) {
+  Buffer source, destination;
+  MakePair(4096, &source, &destination);
+  auto first = OpenWatch();
+  auto second = OpenWatch();
+  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 2; }));
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 6; ++i) {
+    auto id = SubmitAsync(Batch(
+        {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, i, 100, source, 0)}));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  for (Watch* watch : {first.get(), second.get()}) {
+    std::vector<uint64_t> seen;
+    v1::TransferEvent event;
+    while (seen.size() < ids.size() && watch->reader->Read(&event)) {
+      EXPECT_EQ(event.transfer().state(), v1::TRANSFER_STATE_DONE);
+      seen.push_back(event.transfer().transfer_id());
+    }
+    // One transfer worker: they end in the order they were submitted.
+    EXPECT_EQ(seen, ids) << "the watchers split the ends between them";
+  }
+  EXPECT_EQ(Close(*first).error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(Close(*second).error_code(), grpc::StatusCode::CANCELLED);
+}
+
+TEST_F(TransfersApiTest, AWatcherKilledMidStreamLosesNothing) {
+  Buffer source, destination;
+  MakePair(4096, &source, &destination);
+  auto doomed = OpenWatch();
+  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 1; }));
+  auto id = SubmitAsync(Batch(
+      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 0, 100, source, 0)}));
+  ASSERT_TRUE(id.ok()) << id.status();
+  // The agent has written the end to the stream (it arrived), and its
+  // client dies before acting on it: its connection closes under it.
+  v1::TransferEvent event;
+  ASSERT_TRUE(doomed->reader->Read(&event));
+  ASSERT_EQ(event.transfer().transfer_id(), *id);
+  doomed->reader.reset();
+  doomed.reset();
+  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 0; }));
+  auto read = Get(*id);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->state(), v1::TRANSFER_STATE_DONE);
+  ASSERT_EQ(read->results_size(), 1);
+  EXPECT_EQ(read->results(0).code(), 0);
+}
+
+TEST_F(TransfersApiTest, TheKeptBoundRefusesUnseenEndsAndDropsDeliveredOnes) {
+  AgentOptions options;
+  options.max_kept_transfers_per_user = 2;
+  StartAgent(std::move(options));
+  Buffer source, destination;
+  MakePair(4096, &source, &destination);
+  const v1::SubmitRequest small = Batch(
+      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 0, 100, source, 0)});
+  auto first = SubmitAsync(small);
+  auto second = SubmitAsync(small);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE(Eventually([&] { return transfers().in_flight() == 0; }));
+  // Two ends nobody has seen: no room, and none is dropped to make some.
+  auto refused = SubmitAsync(small);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("--max_kept_transfers_per_user"));
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::StartsWith("SubmitAsync: "));
+  EXPECT_EQ(transfers().kept(), 2u);
+
+  // A watch delivers both; the next SubmitAsync drops the oldest.
+  auto watch = OpenWatch();
+  v1::TransferEvent event;
+  ASSERT_TRUE(watch->reader->Read(&event));
+  ASSERT_TRUE(watch->reader->Read(&event));
+  ASSERT_TRUE(Eventually([&] { return SubmitAsync(small).ok(); }))
+      << "the delivered ends were not made room of";
+  EXPECT_TRUE(absl::IsNotFound(Get(*first).status()));
+  auto kept = Get(*second);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->state(), v1::TRANSFER_STATE_DONE);
+  Close(*watch);
+}
+
+TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
+  AgentOptions options;
+  options.transfer_workers = 1;
+  options.max_rpcs = 4;  // gRPC server threads for the synchronous RPCs
+  StartAgent(std::move(options));
+  const uint64_t blocker = StartBlocker();
+  constexpr int kEach = 8;
+  std::vector<std::unique_ptr<Watch>> watches;
+  std::vector<std::unique_ptr<LongPoll>> polls;
+  for (int i = 0; i < kEach; ++i) {
+    watches.push_back(OpenWatch());
+    polls.push_back(StartLongPoll(blocker, absl::Seconds(50)));
+  }
+  // All of them wait in the agent at once, four times more than it has
+  // threads for...
+  ASSERT_TRUE(Eventually([&] {
+    return transfers().watchers() == kEach &&
+           transfers().waiting_polls() == kEach;
+  })) << transfers().watchers()
+      << " watches and " << transfers().waiting_polls() << " polls are waiting";
+  // ...and a synchronous RPC still gets a thread.
+  grpc::ClientContext context;
+  v1::AgentInfo info;
+  EXPECT_TRUE(
+      FromGrpc(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
+  // The polls answer once the blocker ends, with its end.
+  ASSERT_TRUE(Cancel(blocker).ok());
+  for (auto& poll : polls) {
+    poll->thread.join();
+    ASSERT_TRUE(poll->status.ok()) << poll->status.error_message();
+    EXPECT_EQ(poll->response.transfers(0).state(),
+              v1::TRANSFER_STATE_CANCELLED);
+  }
+  for (auto& watch : watches) {
+    v1::TransferEvent event;
+    ASSERT_TRUE(watch->reader->Read(&event));
+    EXPECT_EQ(event.transfer().transfer_id(), blocker);
+    EXPECT_EQ(Close(*watch).error_code(), grpc::StatusCode::CANCELLED);
+  }
+}
+
+TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
+  AgentOptions options;
+  options.transfer_workers = 1;
+  options.max_waiting_rpcs_per_user = 2;
+  StartAgent(std::move(options));
+  auto first = OpenWatch();
+  auto second = OpenWatch();
+  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 2; }));
+  auto third = OpenWatch();
+  const grpc::Status refused = Close(*third, /*cancel=*/false);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("WatchTransfers: user "));
+  EXPECT_THAT(refused.error_message(),
+              HasSubstr("--max_waiting_rpcs_per_user"));
+  // A GetTransfers long poll is a waiting call too...
+  const uint64_t blocker = StartBlocker();
+  const absl::Status poll = Get(blocker, absl::Seconds(10)).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(poll)) << poll;
+  // ...not a GetTransfers that answers at once, nor the other RPCs: they
+  // take call slots, so a user whose watches fill its waiting slots can
+  // still read and act.
+  auto now = Get(blocker);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->state(), v1::TRANSFER_STATE_PENDING);
+  grpc::ClientContext context;
+  v1::AgentInfo info;
+  EXPECT_TRUE(
+      FromGrpc(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
+
+  // A watch its client cancels gives its slot back.
+  EXPECT_EQ(Close(*first).error_code(), grpc::StatusCode::CANCELLED);
+  std::unique_ptr<Watch> again;
+  ASSERT_TRUE(Eventually([&] {
+    // Accepted, the agent registers it; refused, it ends at once (the
+    // slot comes back when gRPC is done with the cancelled call).
+    again = OpenWatch();
+    return Eventually([&] { return transfers().watchers() == 2; },
+                      absl::Milliseconds(200));
+  })) << "the cancelled watch kept its slot";
+  ASSERT_TRUE(Cancel(blocker).ok());
+  v1::TransferEvent event;
+  ASSERT_TRUE(again->reader->Read(&event)) << "the new watch was refused";
+  EXPECT_EQ(event.transfer().transfer_id(), blocker);
+  Close(*second);
+  Close(*again);
+}
+
+TEST_F(TransfersApiTest, TheRpcObserverSeesTheWaitingCalls) {
+  AgentOptions options;
+  options.metrics_listen = "127.0.0.1:0";
+  StartAgent(std::move(options));
+  EXPECT_TRUE(absl::IsNotFound(Get(12345).status()));
+  EXPECT_TRUE(absl::IsNotFound(Get(12345, absl::Seconds(1)).status()));
+  auto watch = OpenWatch();
+  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 1; }));
+  EXPECT_EQ(Close(*watch).error_code(), grpc::StatusCode::CANCELLED);
+  // Counted by the interceptor once their status is sent (the watch's after
+  // its client is gone: the agent still finishes it).
+  const auto count = [&](const std::string& method, const std::string& code) {
+    auto page = client::HttpGet(fixture_->agent().metrics_address(), "/metrics",
+                                absl::Seconds(10));
+    if (!page.ok()) return -1;
+    const std::string series =
+        absl::StrCat("rdma_agentd_rpcs_total{code=\"", code,
+                     "\",method=\"rdma.agent.v1.RdmaAgent/", method, "\"} ");
+    const size_t at = page->find(series);
+    if (at == std::string::npos) return 0;
+    return std::atoi(page->c_str() + at + series.size());
+  };
+  EXPECT_TRUE(Eventually([&] {
+    return count("GetTransfers", "NOT_FOUND") == 2;
+  })) << count("GetTransfers", "NOT_FOUND");
+  EXPECT_TRUE(Eventually([&] {
+    return count("WatchTransfers", "CANCELLED") == 1;
+  })) << count("WatchTransfers", "CANCELLED");
 }
 
 TEST_F(TransfersApiTest, AWatchFirstPushesEndsNobodyReadYet) {
@@ -525,28 +785,40 @@ TEST_F(TransfersApiTest, UnreadEndsExpireAfterTheRetention) {
   EXPECT_EQ(transfers().kept(), 0u);
 }
 
-TEST_F(TransfersApiTest, ShutdownEndsTransfersAndWatchesPromptly) {
+TEST_F(TransfersApiTest, ShutdownEndsTransfersWatchesAndPollsPromptly) {
+  AgentOptions options;
+  options.transfer_workers = 1;
+  // Shutdown waits this long for calls that do not end by themselves: if
+  // the watch or the poll held on, it would take an hour.
+  options.shutdown_grace = absl::Hours(1);
+  StartAgent(std::move(options));
   Buffer source, destination;
   MakePair(4096, &source, &destination);
-  StartBlocker();
+  const uint64_t blocker = StartBlocker();
   auto queued = SubmitAsync(Batch(
       {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, destination, 0, 100, source, 0)}));
   ASSERT_TRUE(queued.ok());
-  grpc::ClientContext watch_context;
-  auto stream =
-      stub().WatchTransfers(&watch_context, v1::WatchTransfersRequest());
-  ASSERT_TRUE(Eventually([&] { return transfers().watchers() == 1; }));
-  const absl::Time start = absl::Now();
-  fixture_->agent().Shutdown();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5))
-      << "shutdown waited for the transfers";
-  EXPECT_EQ(transfers().in_flight(), 0u);
-  v1::TransferEvent event;
-  while (stream->Read(&event)) {
-  }
-  const grpc::Status status = stream->Finish();
-  EXPECT_TRUE(status.error_code() == grpc::StatusCode::UNAVAILABLE)
-      << status.error_code() << " " << status.error_message();
+  auto watch = OpenWatch();
+  auto poll = StartLongPoll(blocker, absl::Seconds(50));
+  ASSERT_TRUE(Eventually([&] {
+    return transfers().watchers() == 1 && transfers().waiting_polls() == 1;
+  }));
+  std::thread stopper([&] { fixture_->agent().Shutdown(); });
+  const bool stopped = Eventually(
+      [&] {
+        return transfers().in_flight() == 0 && transfers().watchers() == 0;
+      },
+      absl::Seconds(60));
+  stopper.join();
+  ASSERT_TRUE(stopped) << "shutdown waited for the transfers or the watch";
+  // Both end UNAVAILABLE: the agent is going away, ask again elsewhere or
+  // later (not OK, which would read as "nothing more will ever come").
+  const grpc::Status ended = Close(*watch, /*cancel=*/false);
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << ended.error_code() << " " << ended.error_message();
+  poll->thread.join();
+  EXPECT_EQ(poll->status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << poll->status.error_code() << " " << poll->status.error_message();
 }
 
 }  // namespace

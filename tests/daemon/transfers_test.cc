@@ -4,8 +4,10 @@
 
 #include "daemon/transfers.h"
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -100,14 +102,35 @@ class TransfersTest : public ::testing::Test {
     return id.ok() ? *id : 0;
   }
 
-  // GetTransfers of one id, waiting up to `wait`.
+  // GetTransfers of one id, waiting up to `wait` for its end as the
+  // service does: a Poll whose callback wakes the waiter.
   absl::StatusOr<v1::Transfer> Get(TransferTable& table, uint64_t id,
                                    absl::Duration wait = absl::ZeroDuration(),
                                    uid_t uid = kUser) {
+    absl::Notification settled;
     const uint64_t ids[] = {id};
-    auto transfers = table.Get(uid, ids, absl::Now() + wait, nullptr);
-    if (!transfers.ok()) return transfers.status();
-    return transfers->at(0);
+    auto poll = table.StartPoll(uid, ids, [&] { settled.Notify(); });
+    if (!poll.ok()) return poll.status();
+    if (!(*poll)->settled()) settled.WaitForNotificationWithTimeout(wait);
+    return (*poll)->Report().at(0);
+  }
+
+  // Opens a stream of `uid`'s ends whose callback counts its wake-ups.
+  std::unique_ptr<TransferTable::Stream> Watch(TransferTable& table,
+                                               std::atomic<int>* wakes,
+                                               uid_t uid = kUser) {
+    auto stream = table.Watch(uid, [wakes] { ++*wakes; });
+    EXPECT_TRUE(stream.ok()) << stream.status();
+    return stream.ok() ? std::move(*stream) : nullptr;
+  }
+
+  // The ids a stream has queued now, in order (taken off its queue).
+  static std::vector<uint64_t> Drain(TransferTable::Stream& stream) {
+    std::vector<uint64_t> ids;
+    while (std::optional<v1::Transfer> end = stream.Next()) {
+      ids.push_back(end->transfer_id());
+    }
+    return ids;
   }
 
   absl::Status last_status_;
@@ -192,24 +215,49 @@ TEST_F(TransfersTest, GetWithWaitReturnsPendingWhenTheWaitPasses) {
   probe->release.Notify();
 }
 
-TEST_F(TransfersTest, GetReturnsWhenTheCallerGoes) {
+TEST_F(TransfersTest, APollIsToldWhenTheLastOfItsTransfersEnds) {
+  TransferTable table(Limits());
+  auto first = std::make_shared<Probe>();
+  auto second = std::make_shared<Probe>();
+  const uint64_t ids[] = {Submit(table, first), Submit(table, second)};
+  std::atomic<int> calls{0};
+  auto poll = table.StartPoll(kUser, ids, [&] { ++calls; });
+  ASSERT_TRUE(poll.ok()) << poll.status();
+  EXPECT_EQ(table.waiting_polls(), 1u);
+  first->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 1; }));
+  EXPECT_FALSE((*poll)->settled());
+  EXPECT_EQ(calls, 0) << "told before the last one ended";
+  second->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return calls == 1; }));
+  EXPECT_TRUE((*poll)->settled());
+  EXPECT_EQ(table.waiting_polls(), 0u);
+  auto transfers = (*poll)->Report();
+  ASSERT_EQ(transfers.size(), 2u);
+  EXPECT_EQ(transfers[0].state(), v1::TRANSFER_STATE_DONE);
+  EXPECT_EQ(transfers[1].state(), v1::TRANSFER_STATE_DONE);
+  EXPECT_EQ(table.kept(), 0u) << "a report reads (drops) the ends";
+  EXPECT_EQ(calls, 1);
+}
+
+TEST_F(TransfersTest, APollGivenUpReportsNothingAndIsNeverCalledAgain) {
   TransferTable table(Limits());
   auto probe = std::make_shared<Probe>();
-  const uint64_t id = Submit(table, probe);
-  Cancellation call;
-  std::thread leaver([&] {
-    absl::SleepFor(absl::Milliseconds(100));
-    call.Cancel(absl::CancelledError("client gone"));
-  });
-  const uint64_t ids[] = {id};
-  const absl::Time start = absl::Now();
-  auto transfers =
-      table.Get(kUser, ids, absl::Now() + absl::Seconds(30), &call);
-  leaver.join();
-  ASSERT_TRUE(transfers.ok()) << transfers.status();
-  EXPECT_EQ(transfers->at(0).state(), v1::TRANSFER_STATE_PENDING);
-  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  const uint64_t ids[] = {Submit(table, probe)};
+  std::atomic<int> calls{0};
+  {
+    auto poll = table.StartPoll(kUser, ids, [&] { ++calls; });
+    ASSERT_TRUE(poll.ok()) << poll.status();
+    // Its client went away: destroyed without Report.
+  }
+  EXPECT_EQ(table.waiting_polls(), 0u);
   probe->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  EXPECT_EQ(calls, 0);
+  // Nothing was read: the end is still there for the next reader.
+  auto kept = Get(table, ids[0]);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->state(), v1::TRANSFER_STATE_DONE);
 }
 
 TEST_F(TransfersTest, CancelStopsARunningTransferAndWaitsForItsRun) {
@@ -343,13 +391,13 @@ TEST_F(TransfersTest, AnotherUsersIdIsNotFoundLikeAnUnknownOne) {
   EXPECT_EQ(without_id(other.status(), id),
             without_id(unknown.status(), id + 1000));
   EXPECT_TRUE(absl::IsNotFound(table.Cancel(kOtherUser, id).status()));
-  // Its watch sees nothing of the owner's transfer.
-  auto watch = table.Watch(kOtherUser);
+  // Its stream sees nothing of the owner's transfer.
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes, kOtherUser);
   probe->release.Notify();
   ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
-  Cancellation stop;
-  stop.Cancel(absl::CancelledError("done"));
-  EXPECT_TRUE(table.NextEnded(*watch, &stop).empty());
+  EXPECT_TRUE(Drain(*watch).empty());
+  EXPECT_EQ(wakes, 0);
   // The owner still gets it, untouched.
   auto mine = Get(table, id);
   ASSERT_TRUE(mine.ok()) << mine.status();
@@ -395,46 +443,156 @@ TEST_F(TransfersTest, InFlightBoundsRefuseCleanlyAndFreeUpAgain) {
   for (size_t i = 1; i < probes.size(); ++i) probes[i]->release.Notify();
 }
 
-TEST_F(TransfersTest, WatchersGetEachEndOnceTheyAsk) {
+TEST_F(TransfersTest, EveryStreamGetsEveryEndAndReadingIsLeftToGet) {
   TransferTable table(Limits());
-  // Ended before the watch starts, and not reported: the backlog.
+  // Ended before any stream opens, and not read: the backlog.
   auto early = std::make_shared<Probe>();
   early->release.Notify();
   const uint64_t before = Submit(table, early);
   ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
-  auto watch = table.Watch(kUser);
-  EXPECT_EQ(table.watchers(), 1u);
-  auto backlog = table.NextEnded(*watch, nullptr);
-  ASSERT_EQ(backlog.size(), 1u);
-  EXPECT_EQ(backlog[0].transfer_id(), before);
-  EXPECT_EQ(backlog[0].state(), v1::TRANSFER_STATE_DONE);
-  table.MarkReported(kUser, before);
-  EXPECT_TRUE(absl::IsNotFound(Get(table, before).status()));
+  std::atomic<int> first_wakes{0}, second_wakes{0};
+  auto first = Watch(table, &first_wakes);
+  auto second = Watch(table, &second_wakes);
+  EXPECT_EQ(table.watchers(), 2u);
+  EXPECT_EQ(Drain(*first), std::vector<uint64_t>{before});
+  first->Delivered(before);
+  EXPECT_EQ(Drain(*second), std::vector<uint64_t>{before})
+      << "the first stream took it from the second";
 
-  // One that ends while the watcher waits.
-  auto later = std::make_shared<Probe>();
-  const uint64_t after = Submit(table, later, {absl::StatusCode::kAborted});
-  std::thread releaser([&] {
-    absl::SleepFor(absl::Milliseconds(50));
-    later->release.Notify();
-  });
-  auto ended = table.NextEnded(*watch, nullptr);
-  releaser.join();
-  ASSERT_EQ(ended.size(), 1u);
-  EXPECT_EQ(ended[0].transfer_id(), after);
-  EXPECT_EQ(ended[0].state(), v1::TRANSFER_STATE_FAILED);
+  // Ends while both are open: each stream gets all of them, in order, and
+  // is told as each is queued.
+  std::vector<std::shared_ptr<Probe>> probes;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 3; ++i) {
+    probes.push_back(std::make_shared<Probe>());
+    ids.push_back(Submit(table, probes.back(), {absl::StatusCode::kAborted}));
+  }
+  for (auto& probe : probes) {
+    probe->release.Notify();
+    ASSERT_TRUE(Eventually([&] { return probe->destroyed.load(); }));
+  }
+  // Told after the end is recorded, outside the table's lock.
+  ASSERT_TRUE(Eventually([&] { return first_wakes == 3 && second_wakes == 3; }))
+      << first_wakes << " " << second_wakes;
+  std::vector<uint64_t> got = Drain(*first);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, ids);
+  got = Drain(*second);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, ids);
 
-  // A watcher whose caller goes away returns empty-handed, and is gone once
-  // destroyed.
-  Cancellation call;
-  std::thread leaver([&] {
-    absl::SleepFor(absl::Milliseconds(50));
-    call.Cancel(absl::CancelledError("client gone"));
-  });
-  EXPECT_TRUE(table.NextEnded(*watch, &call).empty());
-  leaver.join();
-  watch.reset();
+  // Streamed is not read: every end is still there for GetTransfers, and
+  // for a stream opened now.
+  for (uint64_t id : ids) first->Delivered(id);
+  EXPECT_EQ(table.kept(), 4u);
+  std::atomic<int> late_wakes{0};
+  auto late = Watch(table, &late_wakes);
+  EXPECT_EQ(Drain(*late).size(), 4u);
+  auto read = Get(table, ids[1]);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->state(), v1::TRANSFER_STATE_FAILED);
+  EXPECT_TRUE(absl::IsNotFound(Get(table, ids[1]).status()))
+      << "a GetTransfers report is the read";
+  EXPECT_EQ(table.kept(), 3u);
+
+  first.reset();
+  second.reset();
+  late.reset();
   EXPECT_EQ(table.watchers(), 0u);
+}
+
+TEST_F(TransfersTest, AStreamKeepsWhatItQueuedWhenAnotherReaderTakesIt) {
+  TransferTable table(Limits());
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes);
+  auto probe = std::make_shared<Probe>();
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe);
+  ASSERT_TRUE(Eventually([&] { return wakes == 1; }));
+  // Read (and so dropped) by a GetTransfers before the stream wrote it.
+  ASSERT_TRUE(Get(table, id).ok());
+  EXPECT_EQ(table.kept(), 0u);
+  std::optional<v1::Transfer> end = watch->Next();
+  ASSERT_TRUE(end.has_value()) << "the stream lost an end that happened "
+                                  "while it was open";
+  EXPECT_EQ(end->transfer_id(), id);
+  EXPECT_EQ(end->state(), v1::TRANSFER_STATE_DONE);
+  watch->Delivered(id);  // no longer kept: nothing to mark
+  EXPECT_EQ(table.kept(), 0u);
+}
+
+TEST_F(TransfersTest, TheKeptBoundDropsDeliveredEndsFirstAndNeverUnseenOnes) {
+  TransferLimits limits = Limits(/*workers=*/1);
+  limits.max_kept_per_user = 3;
+  TransferTable table(limits);
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto probe = std::make_shared<Probe>();
+    probe->release.Notify();
+    ids.push_back(Submit(table, probe));
+    ASSERT_NE(ids.back(), 0u) << last_status_;
+  }
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  // Three ends nobody has seen: a fourth transfer is refused, not made room
+  // for.
+  auto refused = std::make_shared<Probe>();
+  EXPECT_EQ(Submit(table, refused), 0u);
+  EXPECT_TRUE(absl::IsResourceExhausted(last_status_)) << last_status_;
+  EXPECT_NE(last_status_.message().find("--max_kept_transfers_per_user"),
+            absl::string_view::npos)
+      << last_status_;
+  EXPECT_TRUE(refused->destroyed);
+  EXPECT_EQ(table.kept(), 3u);
+
+  // A stream delivers the second and third: the next Submit drops the
+  // oldest delivered one (the second), never the first, which nobody saw.
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes);
+  ASSERT_EQ(Drain(*watch), ids);
+  watch->Delivered(ids[1]);
+  watch->Delivered(ids[2]);
+  auto fourth = std::make_shared<Probe>();
+  fourth->release.Notify();
+  ids.push_back(Submit(table, fourth));
+  ASSERT_NE(ids.back(), 0u) << last_status_;
+  EXPECT_EQ(table.kept(), 3u);
+  EXPECT_TRUE(Get(table, ids[0]).ok()) << "an unseen end was dropped";
+  EXPECT_TRUE(absl::IsNotFound(Get(table, ids[1]).status()));
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  EXPECT_EQ(Drain(*watch), std::vector<uint64_t>{ids[3]});
+}
+
+TEST_F(TransfersTest, AStreamThatFallsTooFarBehindIsClosed) {
+  TransferLimits limits = Limits(/*workers=*/1);
+  limits.max_kept_per_user = 3;
+  TransferTable table(limits);
+  std::atomic<int> wakes{0};
+  auto stalled = Watch(table, &wakes);
+  auto reading = Watch(table, &wakes);
+  for (int i = 0; i < 4; ++i) {
+    auto probe = std::make_shared<Probe>();
+    probe->release.Notify();
+    const uint64_t id = Submit(table, probe);
+    ASSERT_NE(id, 0u) << last_status_;
+    ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+    // The reading stream delivers, so there is always room to submit.
+    for (uint64_t delivered : Drain(*reading)) reading->Delivered(delivered);
+    EXPECT_TRUE(reading->status().ok()) << reading->status();
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(stalled->status()))
+      << stalled->status();
+  EXPECT_FALSE(stalled->Next().has_value());
+}
+
+TEST_F(TransfersTest, ShutdownClosesEveryStreamAndTellsIt) {
+  TransferTable table(Limits());
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes);
+  table.Shutdown(absl::UnavailableError("the agent is shutting down"));
+  EXPECT_EQ(wakes, 1);
+  EXPECT_TRUE(absl::IsUnavailable(watch->status())) << watch->status();
+  auto refused = table.Watch(kUser, [] {});
+  EXPECT_TRUE(absl::IsUnavailable(refused.status())) << refused.status();
 }
 
 TEST_F(TransfersTest, UnreadEndsExpireAfterTheRetention) {

@@ -2,7 +2,8 @@
 // user (a client_worker process that drops to uid 65534 before connecting)
 // naming them gets NOT_FOUND, exactly as for ids that do not exist, cannot
 // cancel them and sees none of their ends on its watch; the owner (uid
-// 65533) still gets its transfer, untouched. Needs root to switch users.
+// 65533) still gets its transfer, untouched. Waiting calls are bounded per
+// user. Needs root to switch users.
 
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "tests/client/worker_process.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/eventually.h"
 
 namespace rdma_agent::testing {
 namespace {
@@ -71,6 +73,38 @@ TEST(TransfersUsersTest, AnotherUsersTransfersAreInvisible) {
   EXPECT_EQ(other.Answer("transfer_watch 500"),
             absl::StrCat("events ", own_id));
 
+  EXPECT_EQ(owner.Answer(absl::StrCat("transfer_get ", id)),
+            "status OK TRANSFER_STATE_DONE");
+}
+
+TEST(TransfersUsersTest, WaitingCallsAndStreamsAreEachUsersOwn) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
+  AgentOptions options;
+  options.max_waiting_rpcs_per_user = 1;
+  auto agent = InProcessAgent::Start(std::move(options));
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  WorkerProcess owner = StartWorker(**agent, kOwner);
+  WorkerProcess other = StartWorker(**agent, kOther);
+
+  auto words = owner.CallWords(absl::StrCat("allocate 4096 ", kReadWrite));
+  ASSERT_TRUE(words.ok()) << words.status();
+  auto buffer = ParseRegistered(*words);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  const std::string id = TransferId(owner.Answer(absl::StrCat(
+      "submit_async read ", buffer->id, " 0 100 200 ", buffer->context)));
+  // The owner's watch stays open: it holds the owner's one waiting slot, and
+  // it gets the owner's end.
+  ASSERT_EQ(owner.Answer("watch_start"), "ok DONE");
+  const std::string seen = absl::StrCat("watch_seen ", id);
+  ASSERT_TRUE(Eventually([&] { return owner.Answer(seen) == "seen"; }));
+  EXPECT_EQ(
+      owner.Answer("transfer_watch 200")
+          .rfind("error RESOURCE_EXHAUSTED WatchTransfers: user 65533", 0),
+      0u);
+  // The other user's bound is its own, and its stream carries nothing of
+  // the owner's.
+  EXPECT_EQ(other.Answer("transfer_watch 300"), "events ");
+  // The owner's watch delivered the end without reading it.
   EXPECT_EQ(owner.Answer(absl::StrCat("transfer_get ", id)),
             "status OK TRANSFER_STATE_DONE");
 }
