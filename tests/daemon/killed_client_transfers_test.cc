@@ -216,9 +216,9 @@ TEST_F(KilledClientTransfersTest,
   constexpr uint64_t kSlot = 64 << 10;
   constexpr uint64_t kSize = 2 * kTransfers * kSlot;
   constexpr uint64_t kSourceSeed = 5, kDestinationSeed = 6;
-  // Two calls at a time for this user: the watch holds one.
-  auto a = AgentProcess::Start(
-      Agent("memory", {"--transfer_workers=1", "--max_rpcs_per_user=2"}));
+  // Two waiting calls at a time for this user: the watch holds one.
+  auto a = AgentProcess::Start(Agent(
+      "memory", {"--transfer_workers=1", "--max_waiting_rpcs_per_user=2"}));
   ASSERT_TRUE(a.ok()) << a.status();
   a_ = std::move(*a);
   auto stub = v1::RdmaAgent::NewStub(a_->client().channel());
@@ -269,9 +269,9 @@ TEST_F(KilledClientTransfersTest,
     ids.push_back(answer.substr(9));
   }
 
-  // Fill the user's other call slot with a long poll (on the blocker), and
-  // make sure it holds it: a quick call is refused (which it can only be
-  // once the watch and the long poll both hold theirs).
+  // Fill the user's other waiting slot with a long poll (on the blocker),
+  // and make sure it holds it: a short long poll is refused (which it can
+  // only be once the watch and the long poll both hold theirs).
   absl::StatusOr<v1::Transfer> polled;
   std::thread long_poll([&] {
     auto client = a_->NewClient();
@@ -280,7 +280,7 @@ TEST_F(KilledClientTransfersTest,
       return;
     }
     auto own = v1::RdmaAgent::NewStub((*client)->channel());
-    // Refused while a quick call below holds the slot: asked again until in.
+    // Refused while a short poll below holds the slot: asked again until in.
     const absl::Time give_up = absl::Now() + absl::Seconds(20);
     for (;;) {
       polled = GetTransfer(*own, *blocker, absl::Seconds(60));
@@ -294,12 +294,13 @@ TEST_F(KilledClientTransfersTest,
   absl::Status quick;
   EXPECT_TRUE(Eventually(
       [&] {
-        quick = GetTransfer(*stub, *blocker).status();
+        quick = GetTransfer(*stub, *blocker, absl::Seconds(1)).status();
         return absl::IsResourceExhausted(quick);
       },
       absl::Seconds(20)))
       << "the watch and the long poll should hold both slots: " << quick;
-  EXPECT_TRUE(absl::StrContains(quick.message(), "--max_rpcs_per_user"))
+  EXPECT_TRUE(
+      absl::StrContains(quick.message(), "--max_waiting_rpcs_per_user"))
       << quick;
 
   ASSERT_NO_FATAL_FAILURE(KillAndReap(*watcher));
@@ -307,7 +308,7 @@ TEST_F(KilledClientTransfersTest,
   // long poll still holds the other.
   EXPECT_TRUE(Eventually(
       [&] {
-        quick = GetTransfer(*stub, *blocker).status();
+        quick = GetTransfer(*stub, *blocker, absl::Seconds(1)).status();
         return quick.ok();
       },
       absl::Seconds(20)))
