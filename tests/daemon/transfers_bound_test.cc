@@ -75,8 +75,12 @@ class TransfersBoundTest : public ::testing::TestWithParam<Bound> {
     AgentProcess::Options options;
     options.backends = "memory";
     options.log_level = "info";  // debug would log each of 10,000 RPCs
+    // Every one of the 10,000 ends may stay unread while the storm lasts:
+    // the bound on kept ends (tested in transfers_api_test) stays out of the
+    // way of the in-flight bounds tested here.
     options.extra_flags = {
         "--transfer_workers=1", "--metrics_listen=127.0.0.1:0",
+        "--max_kept_transfers_per_user=20000",
         absl::StrCat("--transfer_retention=", absl::FormatDuration(retention))};
     for (const std::string& flag : GetParam().flags) {
       options.extra_flags.push_back(flag);
