@@ -14,7 +14,7 @@
 #include "common/random.h"
 #include "common/status_util.h"
 #include "daemon/metrics.h"
-#include "daemon/remote_context.h"
+#include "daemon/op_preparer.h"
 #include "daemon/version.h"
 #include "google/protobuf/util/time_util.h"
 #include "spdlog/spdlog.h"
@@ -291,54 +291,6 @@ absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
   return timeout;
 }
 
-absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
-                                               uid_t caller) const {
-  Op op;
-  op.index = index;
-  op.type = wire.type();
-  if (op.type != v1::OP_TYPE_READ_INTO_LOCAL &&
-      op.type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
-    return absl::InvalidArgumentError(
-        "type must be OP_TYPE_READ_INTO_LOCAL or OP_TYPE_WRITE_FROM_LOCAL");
-  }
-  if (wire.length() == 0) {
-    return absl::InvalidArgumentError("length must be positive");
-  }
-  auto remote = ParseRemoteContext(wire.remote_context());
-  if (!remote.ok()) return remote.status();
-  auto local = buffers_->Find(wire.local_buffer_id(), caller);
-  if (!local.ok()) {
-    return absl::NotFoundError(absl::StrCat(
-        "local buffer ", wire.local_buffer_id(), " is not registered"));
-  }
-  absl::Status status =
-      CheckRange(wire.local_offset(), wire.length(), (*local)->size(), "local");
-  if (!status.ok()) return status;
-  status = CheckRange(wire.remote_offset(), wire.length(),
-                      (*remote)->size_bytes(), "remote");
-  if (!status.ok()) return status;
-  const bool reads = op.reads_into_local();
-  if (reads ? !(*local)->writable() : !(*local)->readable()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "local buffer ", wire.local_buffer_id(), " has access ",
-        v1::Access_Name((*local)->access()), "; ",
-        reads ? "reading into it needs WRITE" : "writing from it needs READ"));
-  }
-  if (reads ? !AllowsRead((*remote)->access())
-            : !AllowsWrite((*remote)->access())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "remote buffer ", (*remote)->buffer_id(), " has access ",
-        v1::Access_Name((*remote)->access()), "; ",
-        reads ? "reading it needs READ" : "writing into it needs WRITE"));
-  }
-  op.local = std::move(*local);
-  op.local_offset = wire.local_offset();
-  op.length = wire.length();
-  op.remote = std::move(*remote);
-  op.remote_offset = wire.remote_offset();
-  return op;
-}
-
 class RdmaAgentService::Batch final : public TransferWork {
  public:
   // Validates every op of `request` (which must outlive the batch) for
@@ -389,9 +341,11 @@ class RdmaAgentService::Batch final : public TransferWork {
         outcomes_(request->ops_size()) {}
 
   void PrepareOps() {
+    // What the ops share (their contexts, their local buffers) is resolved
+    // once for the whole batch; each op is still checked on its own.
+    OpPreparer preparer(service_->buffers_, caller_.uid);
     for (size_t i = 0; i < outcomes_.size(); ++i) {
-      auto op = service_->PrepareOp(request_->ops(static_cast<int>(i)), i,
-                                    caller_.uid);
+      auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
       if (!op.ok()) {
         outcomes_[i].status = AnnotateOp(op.status(), i);
         continue;
