@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "backends/memory/batch_resolver.h"
 
 namespace rdma_agent {
 
@@ -30,28 +31,32 @@ bool MemoryBackend::CanReach(const v1::RemoteBuffer& remote) const {
 
 std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
                                                 const StopToken& stop) {
+  // Pins what the ops' remote sides resolve to until every op has ended.
+  BatchResolver remotes(env_.directory);
   std::vector<absl::Status> results;
   results.reserve(ops.size());
-  for (const Op& op : ops) results.push_back(Run(op, stop));
+  for (const Op& op : ops) results.push_back(Run(op, remotes, stop));
   return results;
 }
 
-absl::Status MemoryBackend::Run(const Op& op, const StopToken& stop) const {
+absl::Status MemoryBackend::Run(const Op& op, BatchResolver& remotes,
+                                const StopToken& stop) const {
   if (absl::Status stopped = stop.Check("before the copy began");
       !stopped.ok()) {
     return stopped;
   }
-  auto remote = env_.directory->ResolveForPeer(ServeRequestFor(op));
+  auto remote = remotes.Resolve(op);
   if (!remote.ok()) return remote.status();
 
   std::byte* local = op.local->data() + op.local_offset;
   std::byte* other = (*remote)->data() + op.remote_offset;
   std::byte* dst = op.reads_into_local() ? local : other;
   const std::byte* src = op.reads_into_local() ? other : local;
-  // Sliced so that a huge copy still honours the deadline between slices;
-  // memmove because both sides may be the same registration.
+  // Sliced so that a huge copy still honours the deadline between slices
+  // (the first slice was cleared by the check above: no second clock read
+  // per small op); memmove because both sides may be the same registration.
   for (uint64_t done = 0; done < op.length;) {
-    if (stop.stopped()) {
+    if (done > 0 && stop.stopped()) {
       return stop.StopStatus(
           absl::StrCat("after ", done, " of ", op.length, " bytes"));
     }

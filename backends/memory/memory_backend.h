@@ -9,6 +9,8 @@
 
 namespace rdma_agent {
 
+class BatchResolver;
+
 // Same-host transport: both buffers are registrations of this agent, so an op
 // is a memcpy inside the agent. Reaches only contexts this agent issued.
 class MemoryBackend : public Backend {
@@ -32,7 +34,8 @@ class MemoryBackend : public Backend {
                                    const StopToken& stop) override;
 
  private:
-  absl::Status Run(const Op& op, const StopToken& stop) const;
+  absl::Status Run(const Op& op, BatchResolver& remotes,
+                   const StopToken& stop) const;
 
   const std::string name_ = "memory";
   const BackendEnvironment env_;

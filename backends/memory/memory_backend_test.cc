@@ -14,8 +14,11 @@ namespace {
 using ::absl::StatusCode;
 using testing::FirstChangedByte;
 using testing::FirstWrongByte;
+using testing::Apply;
+using testing::FirstDifference;
 using testing::In;
 using testing::MakeOp;
+using testing::Snapshot;
 using testing::TestAgent;
 using testing::TestBuffer;
 
@@ -100,6 +103,78 @@ TEST(MemoryBackendTest, CountsBytesMovedAndServedOnlyForDoneOps) {
   EXPECT_EQ(results[0].code(), StatusCode::kUnavailable) << results[0];
   EXPECT_EQ(near.registration->bytes_moved(), 1024u);
   EXPECT_EQ(far.registration->bytes_served(), 1024u);
+}
+
+// One Submit of many ops on a few contexts, as clients send them: the
+// directory is consulted once per distinct context, but a forged token that
+// shares the buffer id, an op outside its range or against its buffer's
+// access is refused on its own, and moves nothing; every good op moves
+// exactly its range.
+TEST(MemoryBackendTest, ABatchOnSharedContextsStillChecksEveryOp) {
+  auto agent = MemoryAgent("agent-m");
+  constexpr uint64_t kSize = 1 << 16;
+  TestBuffer near = agent->Register(kSize, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(kSize, v1::ACCESS_READ_WRITE, 2);
+  TestBuffer read_only = agent->Register(kSize, v1::ACCESS_READ, 3);
+  TestBuffer forged = far.WithContext([](v1::RemoteBuffer& r) {
+    r.set_token(std::string(r.token().size(), 'x'));
+  });
+  // Claims READ_WRITE on a READ buffer.
+  TestBuffer lying = read_only.WithContext(
+      [](v1::RemoteBuffer& r) { r.set_access(v1::ACCESS_READ_WRITE); });
+  std::vector<Op> ops;
+  std::vector<StatusCode> expected;
+  auto add = [&](Op op, StatusCode code) {
+    op.index = ops.size();
+    ops.push_back(std::move(op));
+    expected.push_back(code);
+  };
+  for (uint64_t i = 0; i < 200; ++i) {
+    const uint64_t at = i * 256;
+    switch (i % 8) {
+      case 0:  // forged token, same buffer id, never moves a byte
+        add(MakeOp(0, i % 16 == 0 ? kWrite : kRead, near, at, 64, forged, at),
+            StatusCode::kNotFound);
+        break;
+      case 1:  // past the end of the shared context's buffer
+        add(MakeOp(0, kWrite, near, at, 64, far, kSize - 63),
+            StatusCode::kOutOfRange);
+        break;
+      case 2:  // writing into the READ buffer through a lying context
+        add(MakeOp(0, kWrite, near, at, 64, lying, at),
+            StatusCode::kPermissionDenied);
+        break;
+      case 3:  // reading it through the same lying context is allowed
+        add(MakeOp(0, kRead, near, at, 64, lying, at), StatusCode::kOk);
+        break;
+      default:
+        add(MakeOp(0, i % 2 == 0 ? kWrite : kRead, near, at, 64 + i % 5, far,
+                   at + 7),
+            StatusCode::kOk);
+    }
+  }
+  std::vector<uint8_t> near_image = Snapshot(near);
+  std::vector<uint8_t> far_image = Snapshot(far);
+  std::vector<uint8_t> read_only_image = Snapshot(read_only);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (expected[i] != StatusCode::kOk) continue;
+    Apply(ops[i], near_image, ops[i].remote == lying.context ? read_only_image
+                                                             : far_image);
+  }
+  agent->gate().Close(absl::InfinitePast());
+  const auto results = agent->backend().Submit(ops, In(absl::Seconds(10)));
+  ASSERT_EQ(results.size(), ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    EXPECT_EQ(results[i].code(), expected[i]) << "op " << i << ": "
+                                              << results[i];
+  }
+  EXPECT_EQ(FirstDifference(near, near_image), std::nullopt);
+  EXPECT_EQ(FirstDifference(far, far_image), std::nullopt);
+  EXPECT_EQ(FirstDifference(read_only, read_only_image), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(read_only), std::nullopt);
+  // One lookup per distinct context (far, forged, lying), not per op.
+  EXPECT_TRUE(agent->gate().AwaitArrivals(3, absl::ZeroDuration()));
+  EXPECT_FALSE(agent->gate().AwaitArrivals(4, absl::ZeroDuration()));
 }
 
 TEST(MemoryBackendTest, StopsBetweenSlicesOfAHugeCopy) {
