@@ -344,6 +344,8 @@ class RdmaAgentService::Batch final : public TransferWork {
     // What the ops share (their contexts, their local buffers) is resolved
     // once for the whole batch; each op is still checked on its own.
     OpPreparer preparer(service_->buffers_, caller_.uid);
+    ready_.reserve(outcomes_.size());
+    ready_index_.reserve(outcomes_.size());
     for (size_t i = 0; i < outcomes_.size(); ++i) {
       auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
       if (!op.ok()) {
@@ -366,16 +368,29 @@ class RdmaAgentService::Batch final : public TransferWork {
       uint64_t count = 0;
       uint64_t bytes = 0;
     };
-    std::map<std::tuple<std::string, int, int, int64_t>, Alike> alike;
+    using Key = std::tuple<std::string, int, int, int64_t>;
+    std::map<Key, Alike> alike;
+    // Consecutive ops mostly ended alike: their group is found without a
+    // map lookup.
+    const Key* last_key = nullptr;
+    Alike* last = nullptr;
     for (size_t i = 0; i < outcomes_.size(); ++i) {
       const v1::Op& wire = request_->ops(static_cast<int>(i));
       const OpOutcome& outcome = outcomes_[i];
       if (service_->metrics_ != nullptr) {
-        Alike& group = alike[{outcome.backend, wire.type(),
-                              static_cast<int>(outcome.status.code()),
-                              absl::ToInt64Nanoseconds(outcome.latency)}];
-        ++group.count;
-        group.bytes += wire.length();
+        const int type = wire.type();
+        const int code = static_cast<int>(outcome.status.code());
+        const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
+        if (last == nullptr || std::get<3>(*last_key) != nanos ||
+            std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
+            std::get<0>(*last_key) != outcome.backend) {
+          auto it = alike.try_emplace(Key{outcome.backend, type, code, nanos})
+                        .first;
+          last_key = &it->first;
+          last = &it->second;
+        }
+        ++last->count;
+        last->bytes += wire.length();
         if (!outcome.retried_from.empty()) {
           service_->metrics_->RecordRetry(outcome.retried_from,
                                           outcome.backend);
@@ -386,7 +401,10 @@ class RdmaAgentService::Batch final : public TransferWork {
                               outcome.status);
       }
       results[i].set_code(static_cast<int>(outcome.status.code()));
-      results[i].set_message(std::string(outcome.status.message()));
+      // An OK op has no message: setting an empty one would still allocate.
+      if (!outcome.status.message().empty()) {
+        results[i].set_message(std::string(outcome.status.message()));
+      }
       results[i].set_backend(outcome.backend);
     }
     for (const auto& [key, group] : alike) {
@@ -429,6 +447,7 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   // On this thread, not a transfer worker's: a Submit waits behind no
   // transfer, and its client's going away stops it (ActiveCalls).
   auto batch = Batch::Prepare(this, admitted->caller, request, "Submit");
+  response->mutable_results()->Reserve(static_cast<int>(count));
   for (v1::OpResult& result :
        batch->Run(admitted->call->stop_token(deadline))) {
     *response->add_results() = std::move(result);
