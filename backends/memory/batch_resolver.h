@@ -37,6 +37,11 @@ class BatchResolver {
   // destroyed. `op.remote` must stay alive (as it does while the op runs).
   absl::StatusOr<Registration*> Resolve(const Op& op);
 
+  // How many times the directory was asked so far: once per distinct
+  // context. A caller that must not be held up unawares (by the
+  // directory's lock) sees when a Resolve went to the directory.
+  size_t lookups() const { return contexts_.size(); }
+
  private:
   struct Context {
     // The context's request; offset, length and direction are set per op.

@@ -9,14 +9,18 @@
 
 namespace rdma_agent {
 
-class BatchResolver;
-
 // Same-host transport: both buffers are registrations of this agent, so an op
 // is a memcpy inside the agent. Reaches only contexts this agent issued.
 class MemoryBackend : public Backend {
  public:
   // Largest copy done between deadline and cancellation checks.
   static constexpr uint64_t kCopySliceBytes = 64ull << 20;
+  // Between ops, the cancellation is checked before every op but the clock
+  // (the deadline) only once this many bytes were copied since it was last
+  // read (and after every directory lookup): a batch of small ops does not
+  // read the clock for each, and overruns its deadline by the time of such
+  // a copy at most (microseconds).
+  static constexpr uint64_t kClockCheckBytes = 256ull << 10;
 
   explicit MemoryBackend(BackendEnvironment env);
 
@@ -34,9 +38,6 @@ class MemoryBackend : public Backend {
                                    const StopToken& stop) override;
 
  private:
-  absl::Status Run(const Op& op, BatchResolver& remotes,
-                   const StopToken& stop) const;
-
   const std::string name_ = "memory";
   const BackendEnvironment env_;
 };

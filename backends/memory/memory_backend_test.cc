@@ -3,6 +3,8 @@
 #include "backends/memory/memory_backend.h"
 
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "backends/testing/harness.h"
 #include "gtest/gtest.h"
@@ -175,6 +177,54 @@ TEST(MemoryBackendTest, ABatchOnSharedContextsStillChecksEveryOp) {
   // One lookup per distinct context (far, forged, lying), not per op.
   EXPECT_TRUE(agent->gate().AwaitArrivals(3, absl::ZeroDuration()));
   EXPECT_FALSE(agent->gate().AwaitArrivals(4, absl::ZeroDuration()));
+}
+
+// Small ops read the clock only now and then (kClockCheckBytes), but always
+// after a directory lookup, which may have waited: a deadline or a
+// cancellation that came while the first lookup was held stops that op and
+// every later one before any byte is copied.
+TEST(MemoryBackendTest, ADeadlineOrCancellationDuringALookupStopsSmallOps) {
+  auto agent = MemoryAgent("agent-m");
+  TestBuffer near = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 2);
+  TestBuffer other = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 3);
+  std::vector<Op> ops;
+  for (uint64_t i = 0; i < 100; ++i) {
+    ops.push_back(MakeOp(i, i % 2 == 0 ? kWrite : kRead, near, i * 64, 64,
+                         i % 3 == 0 ? other : far, i * 64));
+  }
+  {
+    // The lookups answer only after the deadline.
+    const absl::Time deadline = In(absl::Milliseconds(100));
+    agent->gate().Close(deadline + absl::Milliseconds(100));
+    const auto results = agent->backend().Submit(ops, deadline);
+    agent->gate().Open();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      EXPECT_EQ(results[i].code(), StatusCode::kDeadlineExceeded)
+          << "op " << i << ": " << results[i];
+    }
+  }
+  {
+    Cancellation cancellation;
+    agent->gate().Close();
+    std::vector<absl::Status> results;
+    std::thread submit([&] {
+      results = agent->backend().Submit(
+          ops, StopToken(In(absl::Seconds(60)), &cancellation));
+    });
+    EXPECT_TRUE(agent->gate().AwaitArrivals(1, absl::Seconds(60)));
+    cancellation.Cancel(absl::CancelledError("the client went away"));
+    agent->gate().Open();
+    submit.join();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      EXPECT_EQ(results[i].code(), StatusCode::kCancelled)
+          << "op " << i << ": " << results[i];
+    }
+  }
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(other), std::nullopt);
+  EXPECT_EQ(near.registration->bytes_moved(), 0u);
 }
 
 TEST(MemoryBackendTest, StopsBetweenSlicesOfAHugeCopy) {
