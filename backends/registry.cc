@@ -72,25 +72,32 @@ std::vector<Backend*> BackendRegistry::Route(
   return route;
 }
 
-void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
+void BackendRegistry::RunOn(Backend* backend, absl::Span<Op> ops,
                             const std::vector<size_t>& indices,
                             const StopToken& stop,
                             std::vector<OpOutcome>& outcomes) const {
-  std::vector<Op> batch;
-  batch.reserve(indices.size());
-  // Ops of one batch mostly share their context: its entry for this backend
-  // is looked up once per run of ops sharing it.
+  // The routing decision travels with the op: the backend runs it against
+  // its own entry of the context without looking it up again. Ops of one
+  // batch mostly share their context: its entry is looked up once per run
+  // of ops sharing it.
   const v1::RemoteBuffer* last_remote = nullptr;
   const v1::BackendEndpoint* last_endpoint = nullptr;
   for (size_t i : indices) {
-    batch.push_back(ops[i]);
-    // The routing decision travels with the op: the backend runs it against
-    // its own entry of the context without looking it up again.
     if (ops[i].remote.get() != last_remote) {
       last_remote = ops[i].remote.get();
       last_endpoint = FindEndpoint(*last_remote, backend->name());
     }
-    batch.back().endpoint = last_endpoint;
+    ops[i].endpoint = last_endpoint;
+  }
+  // One run of consecutive ops goes as it lies; scattered ones as copies.
+  std::vector<Op> gathered;
+  absl::Span<const Op> batch;
+  if (indices.back() - indices.front() + 1 == indices.size()) {
+    batch = ops.subspan(indices.front(), indices.size());
+  } else {
+    gathered.reserve(indices.size());
+    for (size_t i : indices) gathered.push_back(ops[i]);
+    batch = gathered;
   }
   const absl::Time start = absl::Now();
   std::vector<absl::Status> statuses = backend->Submit(batch, stop);
@@ -125,6 +132,12 @@ void MarkLocalsUsed(absl::Span<const Op> ops) {
 
 std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
                                                const StopToken& stop) const {
+  std::vector<Op> routed(ops.begin(), ops.end());
+  return SubmitInPlace(absl::MakeSpan(routed), stop);
+}
+
+std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
+    absl::Span<Op> ops, const StopToken& stop) const {
   MarkLocalsUsed(ops);
   std::vector<OpOutcome> outcomes(ops.size());
   // Each op's backends, best first, as an index into `routes`: ops sharing

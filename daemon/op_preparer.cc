@@ -9,11 +9,17 @@ namespace rdma_agent {
 
 const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>&
 OpPreparer::Context(const std::string& bytes) {
+  // Consecutive ops mostly carry the same context: comparing the bytes
+  // with the last op's is cheaper than hashing them.
+  if (last_context_ != nullptr && last_context_->first == bytes) {
+    return last_context_->second;
+  }
   // Looked up by the op's own string: no copy unless it is new.
   auto it = contexts_.find(bytes);
   if (it == contexts_.end()) {
     it = contexts_.emplace(bytes, ParseRemoteContext(bytes)).first;
   }
+  last_context_ = &*it;
   return it->second;
 }
 

@@ -6,8 +6,10 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "backends/backend.h"
 #include "backends/buffer_table.h"
@@ -54,9 +56,14 @@ class OpPreparer {
   const uid_t caller_;
   // By the exact bytes: equal bytes parse to an equal message, and a parse
   // error is the same for every op that carries them.
-  absl::flat_hash_map<std::string,
+  absl::node_hash_map<std::string,
                       absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>
       contexts_;
+  // The entry of the last op's context (node_hash_map: stays valid as
+  // entries are added).
+  const std::pair<const std::string,
+                  absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>*
+      last_context_ = nullptr;
   // By id, for this caller. A Release during the batch is seen as if it came
   // after the batch was validated (the ops pin what they found).
   absl::flat_hash_map<uint64_t, absl::StatusOr<std::shared_ptr<Registration>>>

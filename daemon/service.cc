@@ -318,7 +318,7 @@ class RdmaAgentService::Batch final : public TransferWork {
   std::vector<v1::OpResult> Run(const StopToken& stop) override {
     if (!ready_.empty()) {
       std::vector<OpOutcome> outcomes =
-          service_->backends_->Submit(ready_, stop);
+          service_->backends_->SubmitInPlace(absl::MakeSpan(ready_), stop);
       for (size_t k = 0; k < ready_.size(); ++k) {
         outcomes_[ready_index_[k]] = std::move(outcomes[k]);
       }
