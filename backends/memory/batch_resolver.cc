@@ -27,6 +27,9 @@ BatchResolver::Context& BatchResolver::Find(const v1::RemoteBuffer* remote) {
 absl::StatusOr<Registration*> BatchResolver::Resolve(const Op& op) {
   Context& context = Find(op.remote.get());
   if (!context.registration.ok()) return context.registration.status();
+  // Released since the lookup: the directory would no longer find it, so
+  // an op that begins now fails as its own lookup would have.
+  if ((*context.registration)->released()) return NotRegisteredError();
   ServeRequest& request = context.request;
   request.offset = op.remote_offset;
   request.length = op.length;

@@ -18,10 +18,12 @@ namespace rdma_agent {
 // directory's lookup (epoch, then id and token; a lock, a hash lookup and a
 // pin) depends only on the op's context, so it runs once per distinct
 // context; the checks that depend on the op (token, access for its
-// direction, its range: CheckServeRequest) run for every op. Contexts are
-// told apart by object: ops share one only when the agent parsed the same
-// bytes for them (daemon/op_preparer.h), and a context differing in any
-// byte (another token) is resolved on its own.
+// direction, its range: CheckServeRequest) run for every op, and so does
+// the one thing a lookup could answer differently later in the batch:
+// whether the registration was released since (Registration::released()).
+// Contexts are told apart by object: ops share one only when the agent
+// parsed the same bytes for them (daemon/op_preparer.h), and a context
+// differing in any byte (another token) is resolved on its own.
 //
 // One per Backend::Submit call, on one thread; not thread-safe.
 class BatchResolver {

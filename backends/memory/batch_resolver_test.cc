@@ -188,6 +188,26 @@ TEST_F(BatchResolverTest, StaleAndUnknownContextsFailEveryOpThatCarriesThem) {
   EXPECT_EQ(statuses[4], NotRegisteredError());
 }
 
+// The one lookup per context must not outlive a Release: an op that begins
+// after it fails NOT_FOUND as its own lookup would have, while the ops
+// before it ran.
+TEST_F(BatchResolverTest, OpsBeginningAfterAReleaseFailAsALookupWould) {
+  auto released = Add(v1::ACCESS_READ_WRITE);
+  auto kept = Add(v1::ACCESS_READ_WRITE);
+  BatchResolver resolver(&directory_);
+  EXPECT_TRUE(resolver.Resolve(MakeOp(kRead, released, 0, 8)).ok());
+  EXPECT_TRUE(resolver.Resolve(MakeOp(kRead, kept, 0, 8)).ok());
+  ASSERT_TRUE(directory_.table.Remove(released->buffer_id(), 1000).ok());
+  EXPECT_EQ(resolver.Resolve(MakeOp(kRead, released, 8, 8)).status(),
+            NotRegisteredError());
+  EXPECT_TRUE(resolver.Resolve(MakeOp(kRead, kept, 8, 8)).ok());
+  // Dropping every registration (shutdown) counts as a release too.
+  directory_.table.Clear();
+  EXPECT_EQ(resolver.Resolve(MakeOp(kRead, kept, 16, 8)).status(),
+            NotRegisteredError());
+  EXPECT_EQ(directory_.lookups, 2);
+}
+
 TEST_F(BatchResolverTest, PinsWhatItResolvedUntilDestroyed) {
   auto context = Add(v1::ACCESS_READ_WRITE);
   std::weak_ptr<Registration> watched;
