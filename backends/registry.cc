@@ -1,14 +1,14 @@
 #include "backends/registry.h"
 
 #include <algorithm>
-#include <map>
 #include <functional>
+#include <map>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/status_util.h"
 
 namespace rdma_agent {

@@ -86,14 +86,14 @@ TEST_F(OpPreparerTest, EveryOpOfASharedContextIsCheckedForItsOwnRange) {
   // Good and bad ops of one context interleaved: the bad ones come both
   // before and after the context was first parsed successfully.
   const auto prepared = PrepareAll({
-      Wire(kRead, local, 0, 8, ctx, kSize),          // remote past the end
-      Wire(kRead, local, 0, 8, ctx, 0),              // good
-      Wire(kWrite, local, 0, 8, ctx, kSize - 7),     // remote overlaps end
-      Wire(kWrite, local, kSize - 8, 8, ctx, 100),   // good
-      Wire(kRead, local, kSize - 7, 8, ctx, 0),      // local overlaps end
-      Wire(kRead, local, 8, ~uint64_t{0}, ctx, 0),   // overflowing length
-      Wire(kRead, local, 0, 0, ctx, 0),              // zero length
-      Wire(kWrite, local, 0, kSize, ctx, 0),         // good, whole buffer
+      Wire(kRead, local, 0, 8, ctx, kSize),         // remote past the end
+      Wire(kRead, local, 0, 8, ctx, 0),             // good
+      Wire(kWrite, local, 0, 8, ctx, kSize - 7),    // remote overlaps end
+      Wire(kWrite, local, kSize - 8, 8, ctx, 100),  // good
+      Wire(kRead, local, kSize - 7, 8, ctx, 0),     // local overlaps end
+      Wire(kRead, local, 8, ~uint64_t{0}, ctx, 0),  // overflowing length
+      Wire(kRead, local, 0, 0, ctx, 0),             // zero length
+      Wire(kWrite, local, 0, kSize, ctx, 0),        // good, whole buffer
   });
   ASSERT_EQ(prepared.size(), 8u);
   EXPECT_EQ(prepared[0].status().code(), StatusCode::kOutOfRange);
@@ -119,13 +119,14 @@ TEST_F(OpPreparerTest, EveryOpOfASharedContextIsCheckedForItsDirection) {
   const uint64_t local = Add(v1::ACCESS_READ_WRITE);
   const uint64_t read_only = Add(v1::ACCESS_READ);
   const uint64_t local_write_only = Add(v1::ACCESS_WRITE);
-  const std::string ctx = Context(read_only, v1::ACCESS_READ).SerializeAsString();
+  const std::string ctx =
+      Context(read_only, v1::ACCESS_READ).SerializeAsString();
   const auto prepared = PrepareAll({
-      Wire(kRead, local, 0, 8, ctx, 0),               // good
-      Wire(kWrite, local, 0, 8, ctx, 0),              // remote is READ only
-      Wire(kRead, local, 0, 8, ctx, 8),               // good again
-      Wire(kRead, local_write_only, 0, 8, ctx, 0),    // good: writes local
-      Wire(kWrite, local_write_only, 0, 8, ctx, 0),   // local not readable
+      Wire(kRead, local, 0, 8, ctx, 0),              // good
+      Wire(kWrite, local, 0, 8, ctx, 0),             // remote is READ only
+      Wire(kRead, local, 0, 8, ctx, 8),              // good again
+      Wire(kRead, local_write_only, 0, 8, ctx, 0),   // good: writes local
+      Wire(kWrite, local_write_only, 0, 8, ctx, 0),  // local not readable
   });
   ASSERT_TRUE(prepared[0].ok()) << prepared[0].status();
   EXPECT_EQ(prepared[1].status().code(), StatusCode::kPermissionDenied);

@@ -384,8 +384,8 @@ class RdmaAgentService::Batch final : public TransferWork {
         if (last == nullptr || std::get<3>(*last_key) != nanos ||
             std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
             std::get<0>(*last_key) != outcome.backend) {
-          auto it = alike.try_emplace(Key{outcome.backend, type, code, nanos})
-                        .first;
+          auto it =
+              alike.try_emplace(Key{outcome.backend, type, code, nanos}).first;
           last_key = &it->first;
           last = &it->second;
         }

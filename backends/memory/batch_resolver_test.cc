@@ -153,8 +153,8 @@ TEST_F(BatchResolverTest, EveryOpIsCheckedForItsOwnDirection) {
   auto read_only = Add(v1::ACCESS_READ);
   auto write_only = Add(v1::ACCESS_WRITE);
   const auto statuses = ResolveAll({
-      MakeOp(kRead, read_only, 0, 8),    // reads it: allowed
-      MakeOp(kWrite, read_only, 0, 8),   // writes into it: refused
+      MakeOp(kRead, read_only, 0, 8),   // reads it: allowed
+      MakeOp(kWrite, read_only, 0, 8),  // writes into it: refused
       MakeOp(kRead, read_only, 8, 8),
       MakeOp(kWrite, write_only, 0, 8),  // writes into it: allowed
       MakeOp(kRead, write_only, 0, 8),   // reads it: refused
@@ -171,9 +171,8 @@ TEST_F(BatchResolverTest, StaleAndUnknownContextsFailEveryOpThatCarriesThem) {
   auto stale = Mutated(good, [](v1::RemoteBuffer& r) {
     r.set_agent_epoch(r.agent_epoch() + 1);
   });
-  auto unknown = Mutated(good, [](v1::RemoteBuffer& r) {
-    r.set_buffer_id(r.buffer_id() + 100);
-  });
+  auto unknown = Mutated(
+      good, [](v1::RemoteBuffer& r) { r.set_buffer_id(r.buffer_id() + 100); });
   const auto statuses = ResolveAll({
       MakeOp(kRead, stale, 0, 8),
       MakeOp(kRead, good, 0, 8),

@@ -98,8 +98,8 @@ absl::Status RunOp(const Op& op, BatchResolver& remotes, PacedStop& stop) {
       return stop.token().StopStatus(
           absl::StrCat("after ", done, " of ", op.length, " bytes"));
     }
-    const uint64_t n = std::min(MemoryBackend::kCopySliceBytes,
-                                op.length - done);
+    const uint64_t n =
+        std::min(MemoryBackend::kCopySliceBytes, op.length - done);
     std::memmove(dst + done, src + done, n);
     done += n;
     stop.Copied(n);

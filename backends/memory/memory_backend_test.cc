@@ -14,10 +14,10 @@ namespace rdma_agent {
 namespace {
 
 using ::absl::StatusCode;
-using testing::FirstChangedByte;
-using testing::FirstWrongByte;
 using testing::Apply;
+using testing::FirstChangedByte;
 using testing::FirstDifference;
+using testing::FirstWrongByte;
 using testing::In;
 using testing::MakeOp;
 using testing::Snapshot;
@@ -160,15 +160,15 @@ TEST(MemoryBackendTest, ABatchOnSharedContextsStillChecksEveryOp) {
   std::vector<uint8_t> read_only_image = Snapshot(read_only);
   for (size_t i = 0; i < ops.size(); ++i) {
     if (expected[i] != StatusCode::kOk) continue;
-    Apply(ops[i], near_image, ops[i].remote == lying.context ? read_only_image
-                                                             : far_image);
+    Apply(ops[i], near_image,
+          ops[i].remote == lying.context ? read_only_image : far_image);
   }
   agent->gate().Close(absl::InfinitePast());
   const auto results = agent->backend().Submit(ops, In(absl::Seconds(10)));
   ASSERT_EQ(results.size(), ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
-    EXPECT_EQ(results[i].code(), expected[i]) << "op " << i << ": "
-                                              << results[i];
+    EXPECT_EQ(results[i].code(), expected[i])
+        << "op " << i << ": " << results[i];
   }
   EXPECT_EQ(FirstDifference(near, near_image), std::nullopt);
   EXPECT_EQ(FirstDifference(far, far_image), std::nullopt);

@@ -208,10 +208,9 @@ TEST(BackendRegistryTest, RoutesInterleavedSharedContextsEachByItsOwn) {
   auto far = Advertising({"tcp", "nic"});
   auto nowhere = Advertising({"elsewhere"});
   std::vector<Op> ops = {
-      ReadOp(0, near, local),    ReadOp(1, near, local),
-      ReadOp(2, far, local),     ReadOp(3, near, local),
-      ReadOp(4, nowhere, local), ReadOp(5, far, local),
-      ReadOp(6, far, local),     ReadOp(7, near, local),
+      ReadOp(0, near, local), ReadOp(1, near, local),    ReadOp(2, far, local),
+      ReadOp(3, near, local), ReadOp(4, nowhere, local), ReadOp(5, far, local),
+      ReadOp(6, far, local),  ReadOp(7, near, local),
   };
   auto outcomes = fakes.registry->Submit(ops, absl::Now() + absl::Seconds(5));
   ASSERT_EQ(outcomes.size(), ops.size());
@@ -237,8 +236,8 @@ TEST(BackendRegistryTest, SubmitInPlaceRoutesTheCallersOps) {
       ReadOp(0, near, local), ReadOp(1, near, local), ReadOp(2, near, local),
       ReadOp(3, far, local),  ReadOp(4, far, local),  ReadOp(5, near, local),
   };
-  auto outcomes = fakes.registry->SubmitInPlace(
-      absl::MakeSpan(ops), absl::Now() + absl::Seconds(5));
+  auto outcomes = fakes.registry->SubmitInPlace(absl::MakeSpan(ops),
+                                                absl::Now() + absl::Seconds(5));
   ASSERT_EQ(outcomes.size(), ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
     EXPECT_TRUE(outcomes[i].status.ok()) << i << ": " << outcomes[i].status;

@@ -439,13 +439,13 @@ TEST_F(AgentApiTest, ABatchOnFewContextsStillChecksEveryOp) {
         codes.push_back(absl::StatusCode::kNotFound);
         break;
       case 1:
-        ops.push_back(MakeOp(W, id, at, 64, remote.remote_context(),
-                             kSize - 63));
+        ops.push_back(
+            MakeOp(W, id, at, 64, remote.remote_context(), kSize - 63));
         codes.push_back(absl::StatusCode::kOutOfRange);
         break;
       case 2:
-        ops.push_back(MakeOp(R, id, kSize - 63, 64, remote.remote_context(),
-                             at));
+        ops.push_back(
+            MakeOp(R, id, kSize - 63, 64, remote.remote_context(), at));
         codes.push_back(absl::StatusCode::kOutOfRange);
         break;
       case 3:
