@@ -37,6 +37,8 @@ absl::Status BufferTable::Remove(uint64_t id, uid_t caller) {
     }
     removed = std::move(it->second);
     buffers_.erase(it);
+    // Under the lock: once Remove returns, no op that begins can use it.
+    removed->MarkReleased();
     if (removal_listener_) removal_listener_(id);
   }
   // `removed` may be the last reference: unmap outside the lock.
@@ -80,6 +82,7 @@ void BufferTable::Clear() {
   {
     absl::MutexLock lock(&mu_);
     dropped.swap(buffers_);
+    for (auto& [id, registration] : dropped) registration->MarkReleased();
   }
 }
 

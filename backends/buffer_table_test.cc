@@ -57,6 +57,22 @@ TEST(BufferTableTest, OwnerScopingHidesForeignIds) {
             absl::StatusCode::kNotFound);
 }
 
+TEST(BufferTableTest, UnpublishingMarksARegistrationReleased) {
+  BufferTable table(kEpoch);
+  auto removed = MakeRegistration(table.NextId(), v1::ACCESS_READ_WRITE);
+  auto cleared = MakeRegistration(table.NextId(), v1::ACCESS_READ_WRITE);
+  table.Add(removed);
+  table.Add(cleared);
+  EXPECT_EQ(table.Remove(removed->id(), kOther).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_FALSE(removed->released()) << "a refused Remove releases nothing";
+  ASSERT_TRUE(table.Remove(removed->id(), kOwner).ok());
+  EXPECT_TRUE(removed->released());
+  EXPECT_FALSE(cleared->released());
+  table.Clear();
+  EXPECT_TRUE(cleared->released());
+}
+
 TEST(BufferTableTest, IdsAreNeverReused) {
   BufferTable table(kEpoch);
   EXPECT_NE(table.NextId(), table.NextId());

@@ -133,6 +133,14 @@ class Registration {
       last_use_nanos_.store(now, std::memory_order_relaxed);
     }
   }
+  // Set once, by the buffer table, when it unpublishes the registration
+  // (Release, or the agent dropping every registration). Whoever pinned it
+  // earlier to serve several ops (a batch's one lookup) asks before each op,
+  // so that an op which begins after the release fails as if it had looked
+  // the buffer up itself.
+  void MarkReleased() { released_.store(true, std::memory_order_release); }
+  bool released() const { return released_.load(std::memory_order_acquire); }
+
   // Unix nanoseconds of the registration and of its last use (the
   // registration's time until it is used).
   int64_t create_time_nanos() const { return create_time_nanos_; }
@@ -152,6 +160,7 @@ class Registration {
   std::atomic<uint64_t> bytes_served_{0};
   const int64_t create_time_nanos_;
   std::atomic<int64_t> last_use_nanos_;
+  std::atomic<bool> released_{false};
   // Declared before backends_ so that backend state (MRs) is dropped before
   // the memory it covers is unmapped.
   SharedMemory memory_;

@@ -1,13 +1,14 @@
 #include "backends/registry.h"
 
 #include <algorithm>
-#include <map>
 #include <functional>
+#include <map>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/status_util.h"
 
 namespace rdma_agent {
@@ -71,17 +72,32 @@ std::vector<Backend*> BackendRegistry::Route(
   return route;
 }
 
-void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
+void BackendRegistry::RunOn(Backend* backend, absl::Span<Op> ops,
                             const std::vector<size_t>& indices,
                             const StopToken& stop,
                             std::vector<OpOutcome>& outcomes) const {
-  std::vector<Op> batch;
-  batch.reserve(indices.size());
+  // The routing decision travels with the op: the backend runs it against
+  // its own entry of the context without looking it up again. Ops of one
+  // batch mostly share their context: its entry is looked up once per run
+  // of ops sharing it.
+  const v1::RemoteBuffer* last_remote = nullptr;
+  const v1::BackendEndpoint* last_endpoint = nullptr;
   for (size_t i : indices) {
-    batch.push_back(ops[i]);
-    // The routing decision travels with the op: the backend runs it against
-    // its own entry of the context without looking it up again.
-    batch.back().endpoint = FindEndpoint(*ops[i].remote, backend->name());
+    if (ops[i].remote.get() != last_remote) {
+      last_remote = ops[i].remote.get();
+      last_endpoint = FindEndpoint(*last_remote, backend->name());
+    }
+    ops[i].endpoint = last_endpoint;
+  }
+  // One run of consecutive ops goes as it lies; scattered ones as copies.
+  std::vector<Op> gathered;
+  absl::Span<const Op> batch;
+  if (indices.back() - indices.front() + 1 == indices.size()) {
+    batch = ops.subspan(indices.front(), indices.size());
+  } else {
+    gathered.reserve(indices.size());
+    for (size_t i : indices) gathered.push_back(ops[i]);
+    batch = gathered;
   }
   const absl::Time start = absl::Now();
   std::vector<absl::Status> statuses = backend->Submit(batch, stop);
@@ -102,10 +118,13 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<const Op> ops,
 namespace {
 
 // Each op's local buffer counts as used when the op starts and when it ends,
-// so that a long transfer shows in last use while it runs.
+// so that a long transfer shows in last use while it runs. Once per run of
+// ops on the same buffer: the stamp is a clock read.
 void MarkLocalsUsed(absl::Span<const Op> ops) {
+  const Registration* last = nullptr;
   for (const Op& op : ops) {
-    if (op.local != nullptr) op.local->MarkUsed();
+    if (op.local != nullptr && op.local.get() != last) op.local->MarkUsed();
+    last = op.local.get();
   }
 }
 
@@ -113,17 +132,35 @@ void MarkLocalsUsed(absl::Span<const Op> ops) {
 
 std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
                                                const StopToken& stop) const {
+  std::vector<Op> routed(ops.begin(), ops.end());
+  return SubmitInPlace(absl::MakeSpan(routed), stop);
+}
+
+std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
+    absl::Span<Op> ops, const StopToken& stop) const {
   MarkLocalsUsed(ops);
   std::vector<OpOutcome> outcomes(ops.size());
-  std::vector<std::vector<Backend*>> routes(ops.size());
+  // Each op's backends, best first, as an index into `routes`: ops sharing
+  // a context (one parsed object) share its route, computed once per batch.
+  std::vector<std::vector<Backend*>> routes;
+  absl::flat_hash_map<const v1::RemoteBuffer*, size_t> route_of_context;
+  std::vector<size_t> route(ops.size());
   // Attempt number per op: 0 = best backend, 1 = the retry.
   std::vector<size_t> attempt(ops.size(), 0);
   std::vector<size_t> pending;
+  pending.reserve(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
-    routes[i] = Route(*ops[i].remote);
-    if (routes[i].empty()) {
+    const v1::RemoteBuffer* remote = ops[i].remote.get();
+    if (i > 0 && remote == ops[i - 1].remote.get()) {
+      route[i] = route[i - 1];
+    } else {
+      auto [it, added] = route_of_context.try_emplace(remote, routes.size());
+      if (added) routes.push_back(Route(*remote));
+      route[i] = it->second;
+    }
+    if (routes[route[i]].empty()) {
       std::vector<std::string> names;
-      for (const auto& endpoint : ops[i].remote->endpoints()) {
+      for (const auto& endpoint : remote->endpoints()) {
         names.push_back(endpoint.backend());
       }
       outcomes[i].status = absl::UnavailableError(absl::StrCat(
@@ -138,7 +175,7 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
 
   while (!pending.empty()) {
     std::map<Backend*, std::vector<size_t>> groups;
-    for (size_t i : pending) groups[routes[i][attempt[i]]].push_back(i);
+    for (size_t i : pending) groups[routes[route[i]][attempt[i]]].push_back(i);
 
     // Backends run their shares at once, on the caller and the fan-out
     // pool (no thread is started per Submit).
@@ -153,7 +190,7 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
     std::vector<size_t> retry;
     for (size_t i : pending) {
       if (absl::IsUnavailable(outcomes[i].status) && attempt[i] == 0 &&
-          routes[i].size() > 1 && !stop.stopped()) {
+          routes[route[i]].size() > 1 && !stop.stopped()) {
         attempt[i] = 1;
         retry.push_back(i);
       }

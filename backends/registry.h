@@ -57,10 +57,18 @@ class BackendRegistry {
   // local memory after it has returned.
   std::vector<OpOutcome> Submit(absl::Span<const Op> ops,
                                 const StopToken& stop) const;
+  // Submit for a caller that owns its ops: they are routed where they lie
+  // (each op's Op::endpoint is left set to the entry of the backend that
+  // ran it last), and a backend's share that is one run of consecutive ops
+  // (a whole batch for one backend, usually) is handed over without copying
+  // its ops.
+  std::vector<OpOutcome> SubmitInPlace(absl::Span<Op> ops,
+                                       const StopToken& stop) const;
 
  private:
-  // Runs ops[i] for i in `indices` on `backend`, writing into `outcomes`.
-  void RunOn(Backend* backend, absl::Span<const Op> ops,
+  // Runs ops[i] for i in `indices` (ascending) on `backend`, writing into
+  // `outcomes`.
+  void RunOn(Backend* backend, absl::Span<Op> ops,
              const std::vector<size_t>& indices, const StopToken& stop,
              std::vector<OpOutcome>& outcomes) const;
 

@@ -12,6 +12,7 @@ void Cancellation::Cancel(absl::Status reason) {
   if (cancelled_) return;
   cancelled_ = true;
   reason_ = std::move(reason);
+  cancelled_flag_.store(true, std::memory_order_release);
   // Run each callback without the lock (they may take other locks), one at
   // a time; Unregister waits while its callback is the one running.
   while (!callbacks_.empty()) {
@@ -24,11 +25,6 @@ void Cancellation::Cancel(absl::Status reason) {
     mu_.Lock();
     running_ = 0;
   }
-}
-
-bool Cancellation::cancelled() const {
-  absl::MutexLock lock(&mu_);
-  return cancelled_;
 }
 
 absl::Status Cancellation::reason() const {

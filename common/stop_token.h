@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_COMMON_STOP_TOKEN_H_
 #define RDMA_AGENTD_COMMON_STOP_TOKEN_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -31,7 +32,10 @@ class Cancellation {
   // every registered callback once. Idempotent.
   void Cancel(absl::Status reason);
 
-  bool cancelled() const;
+  // Lock-free: work polls it between small steps (every op of a batch).
+  bool cancelled() const {
+    return cancelled_flag_.load(std::memory_order_acquire);
+  }
   // The reason given to Cancel(); OK while not cancelled.
   absl::Status reason() const;
 
@@ -47,6 +51,10 @@ class Cancellation {
 
   mutable absl::Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // cancelled_, for cancelled() without the lock; set (release) once
+  // reason_ is, so a reader that sees it and then takes the lock finds the
+  // reason.
+  std::atomic<bool> cancelled_flag_{false};
   absl::Status reason_ ABSL_GUARDED_BY(mu_);
   mutable uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   mutable std::map<uint64_t, std::function<void()>> callbacks_

@@ -66,6 +66,21 @@ TEST(CancellationTest, UnregisterWaitsForARunningCallback) {
   releaser.join();
 }
 
+// cancelled() reads no lock: a thread that sees it true must still find the
+// reason Cancel() set.
+TEST(CancellationTest, SeenCancelledFromAnotherThreadCarriesTheReason) {
+  for (int round = 0; round < 100; ++round) {
+    Cancellation cancellation;
+    std::thread watcher([&] {
+      while (!cancellation.cancelled()) {
+      }
+      EXPECT_EQ(cancellation.reason(), absl::UnavailableError("stopping"));
+    });
+    cancellation.Cancel(absl::UnavailableError("stopping"));
+    watcher.join();
+  }
+}
+
 TEST(StopTokenTest, DeadlineOnly) {
   StopToken future(absl::Now() + absl::Hours(1));
   EXPECT_FALSE(future.stopped());

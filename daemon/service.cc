@@ -16,7 +16,7 @@
 #include "daemon/metrics.h"
 #include "daemon/notification_plan.h"
 #include "daemon/notification_rpcs.h"
-#include "daemon/remote_context.h"
+#include "daemon/op_preparer.h"
 #include "daemon/transfer_rpcs.h"
 #include "daemon/version.h"
 #include "daemon/waiting_rpcs.h"
@@ -312,54 +312,6 @@ absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
   return timeout;
 }
 
-absl::StatusOr<Op> RdmaAgentService::PrepareOp(const v1::Op& wire, size_t index,
-                                               uid_t caller) const {
-  Op op;
-  op.index = index;
-  op.type = wire.type();
-  if (op.type != v1::OP_TYPE_READ_INTO_LOCAL &&
-      op.type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
-    return absl::InvalidArgumentError(
-        "type must be OP_TYPE_READ_INTO_LOCAL or OP_TYPE_WRITE_FROM_LOCAL");
-  }
-  if (wire.length() == 0) {
-    return absl::InvalidArgumentError("length must be positive");
-  }
-  auto remote = ParseRemoteContext(wire.remote_context());
-  if (!remote.ok()) return remote.status();
-  auto local = buffers_->Find(wire.local_buffer_id(), caller);
-  if (!local.ok()) {
-    return absl::NotFoundError(absl::StrCat(
-        "local buffer ", wire.local_buffer_id(), " is not registered"));
-  }
-  absl::Status status =
-      CheckRange(wire.local_offset(), wire.length(), (*local)->size(), "local");
-  if (!status.ok()) return status;
-  status = CheckRange(wire.remote_offset(), wire.length(),
-                      (*remote)->size_bytes(), "remote");
-  if (!status.ok()) return status;
-  const bool reads = op.reads_into_local();
-  if (reads ? !(*local)->writable() : !(*local)->readable()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "local buffer ", wire.local_buffer_id(), " has access ",
-        v1::Access_Name((*local)->access()), "; ",
-        reads ? "reading into it needs WRITE" : "writing from it needs READ"));
-  }
-  if (reads ? !AllowsRead((*remote)->access())
-            : !AllowsWrite((*remote)->access())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "remote buffer ", (*remote)->buffer_id(), " has access ",
-        v1::Access_Name((*remote)->access()), "; ",
-        reads ? "reading it needs READ" : "writing into it needs WRITE"));
-  }
-  op.local = std::move(*local);
-  op.local_offset = wire.local_offset();
-  op.length = wire.length();
-  op.remote = std::move(*remote);
-  op.remote_offset = wire.remote_offset();
-  return op;
-}
-
 class RdmaAgentService::Batch final : public TransferWork {
  public:
   // Validates every op of `request` (which must outlive the batch) for
@@ -387,9 +339,11 @@ class RdmaAgentService::Batch final : public TransferWork {
   v1::SubmitResponse Run(const StopToken& stop) override {
     std::vector<OpOutcome> ran;
     if (!ready_.empty()) {
-      ran = service_->backends_->Submit(ready_, stop);
+      ran = service_->backends_->SubmitInPlace(absl::MakeSpan(ready_), stop);
+      // Kept whole only when notifications are planned from them.
+      const bool keep = !request_->notification().empty();
       for (size_t k = 0; k < ready_.size(); ++k) {
-        outcomes_[ready_index_[k]] = ran[k];
+        outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
       }
     }
     v1::SubmitResponse response;
@@ -430,9 +384,13 @@ class RdmaAgentService::Batch final : public TransferWork {
         outcomes_(request->ops_size()) {}
 
   void PrepareOps() {
+    // What the ops share (their contexts, their local buffers) is resolved
+    // once for the whole batch; each op is still checked on its own.
+    OpPreparer preparer(service_->buffers_, caller_.uid);
+    ready_.reserve(outcomes_.size());
+    ready_index_.reserve(outcomes_.size());
     for (size_t i = 0; i < outcomes_.size(); ++i) {
-      auto op = service_->PrepareOp(request_->ops(static_cast<int>(i)), i,
-                                    caller_.uid);
+      auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
       if (!op.ok()) {
         outcomes_[i].status = AnnotateOp(op.status(), i);
         if (!first_refused_.has_value()) first_refused_ = i;
@@ -504,16 +462,29 @@ class RdmaAgentService::Batch final : public TransferWork {
       uint64_t count = 0;
       uint64_t bytes = 0;
     };
-    std::map<std::tuple<std::string, int, int, int64_t>, Alike> alike;
+    using Key = std::tuple<std::string, int, int, int64_t>;
+    std::map<Key, Alike> alike;
+    // Consecutive ops mostly ended alike: their group is found without a
+    // map lookup.
+    const Key* last_key = nullptr;
+    Alike* last = nullptr;
     for (size_t i = 0; i < outcomes_.size(); ++i) {
       const v1::Op& wire = request_->ops(static_cast<int>(i));
       const OpOutcome& outcome = outcomes_[i];
       if (service_->metrics_ != nullptr) {
-        Alike& group = alike[{outcome.backend, wire.type(),
-                              static_cast<int>(outcome.status.code()),
-                              absl::ToInt64Nanoseconds(outcome.latency)}];
-        ++group.count;
-        group.bytes += wire.length();
+        const int type = wire.type();
+        const int code = static_cast<int>(outcome.status.code());
+        const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
+        if (last == nullptr || std::get<3>(*last_key) != nanos ||
+            std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
+            std::get<0>(*last_key) != outcome.backend) {
+          auto it =
+              alike.try_emplace(Key{outcome.backend, type, code, nanos}).first;
+          last_key = &it->first;
+          last = &it->second;
+        }
+        ++last->count;
+        last->bytes += wire.length();
         if (!outcome.retried_from.empty()) {
           service_->metrics_->RecordRetry(outcome.retried_from,
                                           outcome.backend);
@@ -525,7 +496,10 @@ class RdmaAgentService::Batch final : public TransferWork {
       }
       v1::OpResult& result = results[static_cast<int>(i)];
       result.set_code(static_cast<int>(outcome.status.code()));
-      result.set_message(std::string(outcome.status.message()));
+      // An OK op has no message: setting an empty one would still allocate.
+      if (!outcome.status.message().empty()) {
+        result.set_message(std::string(outcome.status.message()));
+      }
       result.set_backend(outcome.backend);
     }
     for (const auto& [key, group] : alike) {

@@ -122,9 +122,6 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   // batch is empty or too large, or its notification too long.
   absl::Status CheckBatchSize(const v1::SubmitRequest& request,
                               absl::string_view rpc) const;
-  // Validates op `index` of a Submit and resolves its buffers.
-  absl::StatusOr<Op> PrepareOp(const v1::Op& op, size_t index,
-                               uid_t caller) const;
   // The request's timeout, or the default; INVALID_ARGUMENT when malformed
   // or past the limit.
   absl::StatusOr<absl::Duration> SubmitTimeout(

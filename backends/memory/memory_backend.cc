@@ -4,6 +4,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "backends/memory/batch_resolver.h"
 
 namespace rdma_agent {
 
@@ -28,21 +30,62 @@ bool MemoryBackend::CanReach(const v1::RemoteBuffer& remote) const {
          remote.agent_id() == env_.identity.agent_id;
 }
 
-std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
-                                                const StopToken& stop) {
-  std::vector<absl::Status> results;
-  results.reserve(ops.size());
-  for (const Op& op : ops) results.push_back(Run(op, stop));
-  return results;
-}
+namespace {
 
-absl::Status MemoryBackend::Run(const Op& op, const StopToken& stop) const {
+// Whether a batch must stop, asked before each op. The cancellation (an
+// atomic load) is looked at before every op; the clock only before the
+// first op, after a directory lookup (which may have waited) and once
+// MemoryBackend::kClockCheckBytes have been copied since it was last read:
+// a clock read costs about as much as the rest of a small op's checks, and
+// copying that many bytes takes microseconds. Once stopped, every later op
+// is stopped too.
+class PacedStop {
+ public:
+  explicit PacedStop(const StopToken& stop) : stop_(stop) {}
+
+  // OK while ops may go on. `force_clock`: read the clock whatever was
+  // copied since.
+  absl::Status Check(absl::string_view what, bool force_clock = false) {
+    if (stopped_ || stop_.cancelled()) return Stop(what);
+    if (!force_clock && unclocked_bytes_ < MemoryBackend::kClockCheckBytes) {
+      return absl::OkStatus();
+    }
+    unclocked_bytes_ = 0;
+    if (absl::Now() >= stop_.deadline()) return Stop(what);
+    return absl::OkStatus();
+  }
+  void Copied(uint64_t bytes) { unclocked_bytes_ += bytes; }
+  const StopToken& token() const { return stop_; }
+
+ private:
+  absl::Status Stop(absl::string_view what) {
+    stopped_ = true;
+    return stop_.StopStatus(what);
+  }
+
+  const StopToken& stop_;
+  bool stopped_ = false;
+  // Forces a clock read before the first op.
+  uint64_t unclocked_bytes_ = MemoryBackend::kClockCheckBytes;
+};
+
+absl::Status RunOp(const Op& op, BatchResolver& remotes, PacedStop& stop) {
   if (absl::Status stopped = stop.Check("before the copy began");
       !stopped.ok()) {
     return stopped;
   }
-  auto remote = env_.directory->ResolveForPeer(ServeRequestFor(op));
+  const size_t lookups = remotes.lookups();
+  auto remote = remotes.Resolve(op);
   if (!remote.ok()) return remote.status();
+  // A lookup in the directory may have waited (for its lock): the clock is
+  // read again before anything is copied.
+  if (remotes.lookups() != lookups) {
+    if (absl::Status stopped =
+            stop.Check("before the copy began", /*force_clock=*/true);
+        !stopped.ok()) {
+      return stopped;
+    }
+  }
 
   std::byte* local = op.local->data() + op.local_offset;
   std::byte* other = (*remote)->data() + op.remote_offset;
@@ -51,17 +94,32 @@ absl::Status MemoryBackend::Run(const Op& op, const StopToken& stop) const {
   // Sliced so that a huge copy still honours the deadline between slices;
   // memmove because both sides may be the same registration.
   for (uint64_t done = 0; done < op.length;) {
-    if (stop.stopped()) {
-      return stop.StopStatus(
+    if (done > 0 && stop.token().stopped()) {
+      return stop.token().StopStatus(
           absl::StrCat("after ", done, " of ", op.length, " bytes"));
     }
-    const uint64_t n = std::min(kCopySliceBytes, op.length - done);
+    const uint64_t n =
+        std::min(MemoryBackend::kCopySliceBytes, op.length - done);
     std::memmove(dst + done, src + done, n);
     done += n;
+    stop.Copied(n);
   }
   op.local->CountMoved(op.length);
   (*remote)->CountServed(op.length);
   return absl::OkStatus();
+}
+
+}  // namespace
+
+std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
+                                                const StopToken& stop) {
+  // Pins what the ops' remote sides resolve to until every op has ended.
+  BatchResolver remotes(env_.directory);
+  PacedStop paced(stop);
+  std::vector<absl::Status> results;
+  results.reserve(ops.size());
+  for (const Op& op : ops) results.push_back(RunOp(op, remotes, paced));
+  return results;
 }
 
 absl::Status MemoryBackend::Notify(const v1::RemoteBuffer& remote,

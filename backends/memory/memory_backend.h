@@ -15,6 +15,12 @@ class MemoryBackend : public Backend {
  public:
   // Largest copy done between deadline and cancellation checks.
   static constexpr uint64_t kCopySliceBytes = 64ull << 20;
+  // Between ops, the cancellation is checked before every op but the clock
+  // (the deadline) only once this many bytes were copied since it was last
+  // read (and after every directory lookup): a batch of small ops does not
+  // read the clock for each, and overruns its deadline by the time of such
+  // a copy at most (microseconds).
+  static constexpr uint64_t kClockCheckBytes = 256ull << 10;
 
   explicit MemoryBackend(BackendEnvironment env);
 
@@ -36,8 +42,6 @@ class MemoryBackend : public Backend {
                       absl::string_view data, const StopToken& stop) override;
 
  private:
-  absl::Status Run(const Op& op, const StopToken& stop) const;
-
   const std::string name_ = "memory";
   const BackendEnvironment env_;
 };

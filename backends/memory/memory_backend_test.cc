@@ -3,6 +3,8 @@
 #include "backends/memory/memory_backend.h"
 
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "backends/testing/harness.h"
 #include "gtest/gtest.h"
@@ -12,10 +14,13 @@ namespace rdma_agent {
 namespace {
 
 using ::absl::StatusCode;
+using testing::Apply;
 using testing::FirstChangedByte;
+using testing::FirstDifference;
 using testing::FirstWrongByte;
 using testing::In;
 using testing::MakeOp;
+using testing::Snapshot;
 using testing::TestAgent;
 using testing::TestBuffer;
 
@@ -100,6 +105,126 @@ TEST(MemoryBackendTest, CountsBytesMovedAndServedOnlyForDoneOps) {
   EXPECT_EQ(results[0].code(), StatusCode::kUnavailable) << results[0];
   EXPECT_EQ(near.registration->bytes_moved(), 1024u);
   EXPECT_EQ(far.registration->bytes_served(), 1024u);
+}
+
+// One Submit of many ops on a few contexts, as clients send them: the
+// directory is consulted once per distinct context, but a forged token that
+// shares the buffer id, an op outside its range or against its buffer's
+// access is refused on its own, and moves nothing; every good op moves
+// exactly its range.
+TEST(MemoryBackendTest, ABatchOnSharedContextsStillChecksEveryOp) {
+  auto agent = MemoryAgent("agent-m");
+  constexpr uint64_t kSize = 1 << 16;
+  TestBuffer near = agent->Register(kSize, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(kSize, v1::ACCESS_READ_WRITE, 2);
+  TestBuffer read_only = agent->Register(kSize, v1::ACCESS_READ, 3);
+  TestBuffer forged = far.WithContext([](v1::RemoteBuffer& r) {
+    r.set_token(std::string(r.token().size(), 'x'));
+  });
+  // Claims READ_WRITE on a READ buffer.
+  TestBuffer lying = read_only.WithContext(
+      [](v1::RemoteBuffer& r) { r.set_access(v1::ACCESS_READ_WRITE); });
+  std::vector<Op> ops;
+  std::vector<StatusCode> expected;
+  auto add = [&](Op op, StatusCode code) {
+    op.index = ops.size();
+    ops.push_back(std::move(op));
+    expected.push_back(code);
+  };
+  for (uint64_t i = 0; i < 200; ++i) {
+    const uint64_t at = i * 256;
+    switch (i % 8) {
+      case 0:  // forged token, same buffer id, never moves a byte
+        add(MakeOp(0, i % 16 == 0 ? kWrite : kRead, near, at, 64, forged, at),
+            StatusCode::kNotFound);
+        break;
+      case 1:  // past the end of the shared context's buffer
+        add(MakeOp(0, kWrite, near, at, 64, far, kSize - 63),
+            StatusCode::kOutOfRange);
+        break;
+      case 2:  // writing into the READ buffer through a lying context
+        add(MakeOp(0, kWrite, near, at, 64, lying, at),
+            StatusCode::kPermissionDenied);
+        break;
+      case 3:  // reading it through the same lying context is allowed
+        add(MakeOp(0, kRead, near, at, 64, lying, at), StatusCode::kOk);
+        break;
+      default:
+        add(MakeOp(0, i % 2 == 0 ? kWrite : kRead, near, at, 64 + i % 5, far,
+                   at + 7),
+            StatusCode::kOk);
+    }
+  }
+  std::vector<uint8_t> near_image = Snapshot(near);
+  std::vector<uint8_t> far_image = Snapshot(far);
+  std::vector<uint8_t> read_only_image = Snapshot(read_only);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (expected[i] != StatusCode::kOk) continue;
+    Apply(ops[i], near_image,
+          ops[i].remote == lying.context ? read_only_image : far_image);
+  }
+  agent->gate().Close(absl::InfinitePast());
+  const auto results = agent->backend().Submit(ops, In(absl::Seconds(10)));
+  ASSERT_EQ(results.size(), ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    EXPECT_EQ(results[i].code(), expected[i])
+        << "op " << i << ": " << results[i];
+  }
+  EXPECT_EQ(FirstDifference(near, near_image), std::nullopt);
+  EXPECT_EQ(FirstDifference(far, far_image), std::nullopt);
+  EXPECT_EQ(FirstDifference(read_only, read_only_image), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(read_only), std::nullopt);
+  // One lookup per distinct context (far, forged, lying), not per op.
+  EXPECT_TRUE(agent->gate().AwaitArrivals(3, absl::ZeroDuration()));
+  EXPECT_FALSE(agent->gate().AwaitArrivals(4, absl::ZeroDuration()));
+}
+
+// Small ops read the clock only now and then (kClockCheckBytes), but always
+// after a directory lookup, which may have waited: a deadline or a
+// cancellation that came while the first lookup was held stops that op and
+// every later one before any byte is copied.
+TEST(MemoryBackendTest, ADeadlineOrCancellationDuringALookupStopsSmallOps) {
+  auto agent = MemoryAgent("agent-m");
+  TestBuffer near = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 2);
+  TestBuffer other = agent->Register(1 << 16, v1::ACCESS_READ_WRITE, 3);
+  std::vector<Op> ops;
+  for (uint64_t i = 0; i < 100; ++i) {
+    ops.push_back(MakeOp(i, i % 2 == 0 ? kWrite : kRead, near, i * 64, 64,
+                         i % 3 == 0 ? other : far, i * 64));
+  }
+  {
+    // The lookups answer only after the deadline.
+    const absl::Time deadline = In(absl::Milliseconds(100));
+    agent->gate().Close(deadline + absl::Milliseconds(100));
+    const auto results = agent->backend().Submit(ops, deadline);
+    agent->gate().Open();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      EXPECT_EQ(results[i].code(), StatusCode::kDeadlineExceeded)
+          << "op " << i << ": " << results[i];
+    }
+  }
+  {
+    Cancellation cancellation;
+    agent->gate().Close();
+    std::vector<absl::Status> results;
+    std::thread submit([&] {
+      results = agent->backend().Submit(
+          ops, StopToken(In(absl::Seconds(60)), &cancellation));
+    });
+    EXPECT_TRUE(agent->gate().AwaitArrivals(1, absl::Seconds(60)));
+    cancellation.Cancel(absl::CancelledError("the client went away"));
+    agent->gate().Open();
+    submit.join();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      EXPECT_EQ(results[i].code(), StatusCode::kCancelled)
+          << "op " << i << ": " << results[i];
+    }
+  }
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(other), std::nullopt);
+  EXPECT_EQ(near.registration->bytes_moved(), 0u);
 }
 
 TEST(MemoryBackendTest, StopsBetweenSlicesOfAHugeCopy) {

@@ -197,6 +197,63 @@ TEST(BackendRegistryTest, RoutesEachOpToTheBestCommonBackend) {
   EXPECT_THAT(fakes.memory->submitted, ElementsAre(2));
 }
 
+// Routes are worked out once per distinct context of a batch: ops sharing
+// a context, interleaved with ops of others, still each go to their own
+// context's best backend with their own context's endpoint (FakeBackend
+// checks the endpoint of every op it gets).
+TEST(BackendRegistryTest, RoutesInterleavedSharedContextsEachByItsOwn) {
+  Fakes fakes = MakeRegistry();
+  auto local = MakeRegistration();
+  auto near = Advertising({"memory", "tcp"});
+  auto far = Advertising({"tcp", "nic"});
+  auto nowhere = Advertising({"elsewhere"});
+  std::vector<Op> ops = {
+      ReadOp(0, near, local), ReadOp(1, near, local),    ReadOp(2, far, local),
+      ReadOp(3, near, local), ReadOp(4, nowhere, local), ReadOp(5, far, local),
+      ReadOp(6, far, local),  ReadOp(7, near, local),
+  };
+  auto outcomes = fakes.registry->Submit(ops, absl::Now() + absl::Seconds(5));
+  ASSERT_EQ(outcomes.size(), ops.size());
+  for (size_t i : {0, 1, 3, 7}) EXPECT_EQ(outcomes[i].backend, "memory") << i;
+  for (size_t i : {2, 5, 6}) EXPECT_EQ(outcomes[i].backend, "nic") << i;
+  EXPECT_EQ(outcomes[4].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(outcomes[4].status.message(), HasSubstr("op 4"));
+  EXPECT_THAT(fakes.memory->submitted, ElementsAre(0, 1, 3, 7));
+  EXPECT_THAT(fakes.nic->submitted, ElementsAre(2, 5, 6));
+  EXPECT_TRUE(fakes.tcp->submitted.empty());
+}
+
+// SubmitInPlace routes the caller's own ops: a run of consecutive ops for
+// one backend goes over as it lies, scattered ones as copies, and each op
+// is left with the entry of the backend that ran it last (the retry's).
+TEST(BackendRegistryTest, SubmitInPlaceRoutesTheCallersOps) {
+  Fakes fakes = MakeRegistry();
+  fakes.nic->script = {absl::OkStatus(), absl::UnavailableError("link down")};
+  auto local = MakeRegistration();
+  auto near = Advertising({"memory", "tcp"});
+  auto far = Advertising({"nic", "tcp"});
+  std::vector<Op> ops = {
+      ReadOp(0, near, local), ReadOp(1, near, local), ReadOp(2, near, local),
+      ReadOp(3, far, local),  ReadOp(4, far, local),  ReadOp(5, near, local),
+  };
+  auto outcomes = fakes.registry->SubmitInPlace(absl::MakeSpan(ops),
+                                                absl::Now() + absl::Seconds(5));
+  ASSERT_EQ(outcomes.size(), ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    EXPECT_TRUE(outcomes[i].status.ok()) << i << ": " << outcomes[i].status;
+  }
+  EXPECT_THAT(fakes.memory->submitted, ElementsAre(0, 1, 2, 5));
+  EXPECT_THAT(fakes.nic->submitted, ElementsAre(3, 4));
+  EXPECT_THAT(fakes.tcp->submitted, ElementsAre(4));
+  EXPECT_EQ(outcomes[4].backend, "tcp");
+  EXPECT_EQ(outcomes[4].retried_from, "nic");
+  for (size_t i : {0, 1, 2, 5}) {
+    EXPECT_EQ(ops[i].endpoint, FindEndpoint(*near, "memory")) << i;
+  }
+  EXPECT_EQ(ops[3].endpoint, FindEndpoint(*far, "nic"));
+  EXPECT_EQ(ops[4].endpoint, FindEndpoint(*far, "tcp"));
+}
+
 TEST(BackendRegistryTest, SkipsUnavailableBackendsWhenRouting) {
   Fakes fakes = MakeRegistry(/*nic_available=*/false);
   auto outcomes = fakes.registry->Submit(

@@ -406,6 +406,95 @@ TEST_F(AgentApiTest, BadOpsFailAloneAndTouchNothing) {
   EXPECT_EQ(*Read(write_only.buffer_id(), 0, kSize), write_only_data);
 }
 
+// A batch as clients send them: 1000 ops carrying a few contexts. The agent
+// works out what the ops share once per batch (a context's parse, a
+// buffer's lookup), yet every op keeps its own verdict: a forged token that
+// shares the good context's buffer id, ranges past either end and writes
+// into a READ buffer fail alone (with the right op's index) and move no
+// byte; every good op moves exactly its range; every OK result has no
+// message.
+TEST_F(AgentApiTest, ABatchOnFewContextsStillChecksEveryOp) {
+  constexpr uint64_t kSize = 1 << 20;
+  const v1::RegisterResponse local = Allocate(kSize);
+  const v1::RegisterResponse remote = Allocate(kSize);
+  const v1::RegisterResponse read_only = Allocate(kSize, v1::ACCESS_READ);
+  std::string local_expected = Fill(local.buffer_id(), kSize, 8);
+  std::string remote_expected = Fill(remote.buffer_id(), kSize, 9);
+  const std::string read_only_data = Fill(read_only.buffer_id(), kSize, 10);
+  v1::RemoteBuffer forged;
+  ASSERT_TRUE(forged.ParseFromString(remote.remote_context()));
+  forged.set_token(std::string(forged.token().size(), 'x'));
+  const std::string forged_ctx = forged.SerializeAsString();
+  const auto R = v1::OP_TYPE_READ_INTO_LOCAL;
+  const auto W = v1::OP_TYPE_WRITE_FROM_LOCAL;
+  const uint64_t id = local.buffer_id();
+
+  std::vector<v1::Op> ops;
+  std::vector<absl::StatusCode> codes;
+  for (uint64_t i = 0; i < 1000; ++i) {
+    const uint64_t at = i * 1024;
+    switch (i % 10) {
+      case 0:
+        ops.push_back(MakeOp(i % 20 == 0 ? W : R, id, at, 64, forged_ctx, at));
+        codes.push_back(absl::StatusCode::kNotFound);
+        break;
+      case 1:
+        ops.push_back(
+            MakeOp(W, id, at, 64, remote.remote_context(), kSize - 63));
+        codes.push_back(absl::StatusCode::kOutOfRange);
+        break;
+      case 2:
+        ops.push_back(
+            MakeOp(R, id, kSize - 63, 64, remote.remote_context(), at));
+        codes.push_back(absl::StatusCode::kOutOfRange);
+        break;
+      case 3:
+        ops.push_back(MakeOp(W, id, at, 64, read_only.remote_context(), at));
+        codes.push_back(absl::StatusCode::kPermissionDenied);
+        break;
+      case 4: {
+        ops.push_back(MakeOp(R, id, at, 64, read_only.remote_context(), at));
+        codes.push_back(absl::StatusCode::kOk);
+        local_expected.replace(at, 64, read_only_data.substr(at, 64));
+        break;
+      }
+      default: {
+        const uint64_t length = 64 + i % 7;
+        if (i % 2 == 0) {
+          ops.push_back(
+              MakeOp(W, id, at, length, remote.remote_context(), at + 9));
+          remote_expected.replace(at + 9, length,
+                                  local_expected.substr(at, length));
+        } else {
+          ops.push_back(
+              MakeOp(R, id, at, length, remote.remote_context(), at + 9));
+          local_expected.replace(at, length,
+                                 remote_expected.substr(at + 9, length));
+        }
+        codes.push_back(absl::StatusCode::kOk);
+      }
+    }
+  }
+  auto results = Submit(ops);
+  ASSERT_EQ(results.size(), ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("op ", i));
+    if (codes[i] == absl::StatusCode::kOk) {
+      EXPECT_EQ(results[i].code(), 0) << results[i].message();
+      EXPECT_EQ(results[i].message(), "");
+      EXPECT_EQ(results[i].backend(), "memory");
+    } else {
+      ExpectOpFailed(results[i], codes[i], i);
+    }
+  }
+  EXPECT_TRUE(*Read(local.buffer_id(), 0, kSize) == local_expected)
+      << "bytes of the local buffer differ";
+  EXPECT_TRUE(*Read(remote.buffer_id(), 0, kSize) == remote_expected)
+      << "bytes of the remote buffer differ";
+  EXPECT_TRUE(*Read(read_only.buffer_id(), 0, kSize) == read_only_data)
+      << "the READ buffer was written";
+}
+
 TEST_F(AgentApiTest, OpOnReleasedRemoteBufferIsNotFound) {
   const v1::RegisterResponse local = Allocate(64);
   const v1::RegisterResponse remote = Allocate(64);
