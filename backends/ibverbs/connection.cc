@@ -87,6 +87,10 @@ void OpTracker::Override(size_t op, absl::Status status) {
   ops_[op].status = std::move(status);
 }
 
+void OpTracker::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
+  WrCompleted(static_cast<size_t>(cookie), CompletionStatus(wc));
+}
+
 // --- Completion statuses --------------------------------------------------
 
 absl::Status CompletionStatus(const ibv_wc& wc) {
@@ -253,9 +257,11 @@ absl::Status QueuePairConnection::ConnectTo(
                                IBV_QP_MAX_QP_RD_ATOMIC);
 }
 
-absl::Status QueuePairConnection::Post(
-    ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker, size_t op,
-    std::shared_ptr<Registration> pin, const StopToken& stop) {
+absl::Status QueuePairConnection::Post(ibv_send_wr& wr,
+                                       std::shared_ptr<CompletionSink> sink,
+                                       uint64_t cookie,
+                                       std::shared_ptr<Registration> pin,
+                                       const StopToken& stop) {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return credits_ > 0 || broken_.load() || stop_;
@@ -279,16 +285,23 @@ absl::Status QueuePairConnection::Post(
   wr.next = nullptr;
   wr.send_flags |= IBV_SEND_SIGNALED;
   --credits_;
-  tracker->WrPosted(op);
-  in_flight_[id] = InFlight{tracker, op, std::move(pin)};
+  in_flight_[id] = InFlight{std::move(sink), cookie, std::move(pin)};
   ibv_send_wr* bad = nullptr;
   const int err = qp_->PostSend(&wr, &bad);
   if (err == 0) return absl::OkStatus();
   in_flight_.erase(id);
   ++credits_;
-  absl::Status status =
-      absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
-  tracker->WrCompleted(op, status);
+  return absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
+}
+
+absl::Status QueuePairConnection::Post(
+    ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker, size_t op,
+    std::shared_ptr<Registration> pin, const StopToken& stop) {
+  // Counted before posting: the completion may arrive before Post returns.
+  tracker->WrPosted(op);
+  absl::Status status = Post(wr, std::shared_ptr<CompletionSink>(tracker), op,
+                             std::move(pin), stop);
+  if (!status.ok()) tracker->WrCompleted(op, status);
   return status;
 }
 
@@ -329,7 +342,7 @@ void QueuePairConnection::Reap(absl::Span<const ibv_wc> wcs) {
     // Unpinned before the op is reported, so that a Submit returning has
     // no reference of ours left on its registrations.
     done.pin.reset();
-    done.tracker->WrCompleted(done.op, CompletionStatus(wc));
+    done.sink->OnCompletion(done.cookie, wc);
   }
 }
 

@@ -21,11 +21,23 @@
 
 namespace rdma_agent::ibverbs {
 
-// Progress of one Submit's ops, fed by the completion pollers of the
-// connections its WRs went to. An op is done once all of its WRs were posted
-// (or posting stopped) and every posted WR completed; its status is the first
-// error seen. Thread-safe.
-class OpTracker {
+// Takes the completions of WRs posted through QueuePairConnection::Post.
+class CompletionSink {
+ public:
+  virtual ~CompletionSink() = default;
+  // The WR posted with `cookie` completed. Called once per posted WR, on the
+  // connection's poller thread, after its send-queue credit and the
+  // registration it pinned were released. Must not block, and must not drop
+  // the last reference to the connection it came from.
+  virtual void OnCompletion(uint64_t cookie, const ibv_wc& wc) = 0;
+};
+
+// Progress of a set of ops posted op by op (the cookie of each WR is its
+// op's index), fed by the completion pollers of the connections its WRs
+// went to. An op is done once all of its WRs were posted (or posting
+// stopped) and every posted WR completed; its status is the first error
+// seen. Thread-safe.
+class OpTracker : public CompletionSink {
  public:
   explicit OpTracker(size_t ops);
 
@@ -49,6 +61,9 @@ class OpTracker {
   // Replaces op's status (used to report DEADLINE_EXCEEDED for ops the
   // deadline cut short).
   void Override(size_t op, absl::Status status);
+
+  // WrCompleted(cookie, CompletionStatus(wc)).
+  void OnCompletion(uint64_t cookie, const ibv_wc& wc) override;
 
  private:
   struct Progress {
@@ -117,10 +132,16 @@ class QueuePairConnection {
   absl::Status ConnectTo(const v1::QueuePairEndpoint& remote);
 
   // Posts one signaled WR (wr.wr_id is assigned here) once a send-queue
-  // credit is free. Its completion goes to `tracker` as op `op`; `pin` is
-  // held until then. If no credit frees up before `stop` fires: its status
-  // (DEADLINE_EXCEEDED, or the cancellation's reason). UNAVAILABLE once the
-  // connection is broken.
+  // credit is free. OK: its completion goes to `sink` with `cookie`, and
+  // `pin` is held until then. Otherwise the sink never hears of it: if no
+  // credit frees up before `stop` fires, its status (DEADLINE_EXCEEDED, or
+  // the cancellation's reason); UNAVAILABLE once the connection is broken;
+  // INTERNAL when ibv_post_send refuses it.
+  absl::Status Post(ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink,
+                    uint64_t cookie, std::shared_ptr<Registration> pin,
+                    const StopToken& stop);
+  // The same for a WR of op `op` of `tracker`, which hears of it either way
+  // (WrPosted, then WrCompleted with the error when it was not posted).
   absl::Status Post(ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker,
                     size_t op, std::shared_ptr<Registration> pin,
                     const StopToken& stop);
@@ -135,8 +156,8 @@ class QueuePairConnection {
 
  private:
   struct InFlight {
-    std::shared_ptr<OpTracker> tracker;
-    size_t op = 0;
+    std::shared_ptr<CompletionSink> sink;
+    uint64_t cookie = 0;
     std::shared_ptr<Registration> pin;
   };
 

@@ -125,6 +125,8 @@ class Verbs {
 std::string WcStatusName(ibv_wc_status status);
 // "RTS", "ERR"...
 std::string QpStateName(ibv_qp_state state);
+// "ACTIVE", "DOWN"...
+std::string PortStateName(ibv_port_state state);
 // IBV_MTU_1024 -> 1024; 0 for an unknown value.
 uint32_t MtuBytes(ibv_mtu mtu);
 // 1024 -> IBV_MTU_1024; INVALID_ARGUMENT unless one of 256..4096.
