@@ -4,11 +4,14 @@
 // fewer rails, agents with one rail), and every byte checked, inside and
 // outside each op's range.
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/testing/harness.h"
@@ -370,6 +373,228 @@ TEST_F(MultiRailTest, OddOffsetsAndSizesAcrossRailsAndMessageSizes) {
   for (uint64_t bytes : RailBytes(a->backend<IbverbsBackend>())) {
     EXPECT_GT(bytes, 0u);
   }
+}
+
+// --- Failover -------------------------------------------------------------
+
+// Devices a0..a3 and b0..b3 whose links carry 8 MiB/s each, so that a
+// 32 MiB op takes about a second over four rails: a cable pulled once a
+// rail has moved its first half MiB is pulled mid-transfer.
+class FailoverTest : public MultiRailTest {
+ protected:
+  static constexpr uint64_t kRate = 8 << 20;
+  static constexpr uint64_t kLength = (32u << 20) + 5;
+
+  void SetUp() override {
+    for (const char* side : {"a", "b"}) {
+      for (int i = 0; i < 4; ++i) {
+        SoftDeviceConfig config = Device(absl::StrCat(side, i));
+        config.bytes_per_second = kRate;
+        Add(config);
+        (side[0] == 'a' ? a_devices_ : b_devices_).push_back(config.name);
+      }
+    }
+  }
+
+  static IbverbsOptions Options(absl::Duration cooldown) {
+    IbverbsOptions options = Fast();
+    options.qp.max_message_bytes = 256 << 10;  // a rail's piece: many WRs
+    options.rail_cooldown = cooldown;
+    options.rail_max_cooldown = cooldown;
+    return options;
+  }
+
+  // Runs `op` on `a` while pulling `unplug`'s cable once `moved()` says
+  // half a MiB went through it; the op's status.
+  absl::Status SubmitAndUnplug(TestAgent& a, const Op& op,
+                               const std::function<uint64_t()>& moved,
+                               const std::string& unplug) {
+    absl::Status result = absl::UnknownError("not run");
+    absl::Notification done;
+    std::thread submit([&] {
+      result = a.backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(60)))[0];
+      done.Notify();
+    });
+    while (moved() < (512u << 10) && !done.HasBeenNotified()) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_FALSE(done.HasBeenNotified())
+        << "the transfer ended before the cable was pulled";
+    EXPECT_TRUE(fabric_.Unplug(unplug).ok());
+    submit.join();
+    return result;
+  }
+
+  static std::string Attribute(const IbverbsBackend& backend,
+                               const std::string& key) {
+    const auto info = backend.transport_info();
+    auto it = info.attributes().find(key);
+    return it == info.attributes().end() ? "" : it->second;
+  }
+  static uint64_t Counter(const IbverbsBackend& backend,
+                          const std::string& key) {
+    return std::stoull("0" + Attribute(backend, key));
+  }
+
+  std::vector<std::string> a_devices_;
+  std::vector<std::string> b_devices_;
+};
+
+TEST_F(FailoverTest, RequesterRailUnpluggedMidTransferFailsOverToTheOthers) {
+  auto a = Agent("agent-a", a_devices_, Options(absl::Minutes(10)));
+  auto b = Agent("agent-b", b_devices_, Options(absl::Minutes(10)));
+  TestBuffer near = a->Register(kLength + 64, v1::ACCESS_READ_WRITE, 61);
+  TestBuffer far = b->Register(kLength + 64, v1::ACCESS_READ_WRITE, 62);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  const absl::Status status = SubmitAndUnplug(
+      *a, MakeOp(0, kWrite, near, 3, kLength, far, 7),
+      [&] { return fabric_.bytes_moved("a2"); }, "a2");
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(FirstWrongByte(far, near.seed, 3, 7, kLength), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+  // a2 carried part of its piece; the rest went over the other rails, and
+  // every byte moved exactly once.
+  const std::vector<uint64_t> bytes = RailBytes(backend);
+  EXPECT_LT(bytes[2], kLength / 4);
+  EXPECT_GT(bytes[0] + bytes[1] + bytes[3], 3 * (kLength / 4));
+  EXPECT_EQ(bytes[0] + bytes[1] + bytes[2] + bytes[3], kLength);
+  EXPECT_GT(Counter(backend, "rail.a2:1.errors"), 0u);
+  EXPECT_GT(Counter(backend, "rail.a2:1.reposted_bytes"), 0u);
+  EXPECT_EQ(Counter(backend, "rail.a0:1.errors"), 0u);
+  // Its port is DOWN: the rail itself is left out.
+  EXPECT_EQ(Attribute(backend, "rail.a2:1.health").rfind("cooling down", 0),
+            0u)
+      << Attribute(backend, "rail.a2:1.health");
+  EXPECT_EQ(backend.transport_info().devices(2).state(), "DOWN");
+  // The next op goes over the three others without trying a2 again.
+  const uint64_t errors = Counter(backend, "rail.a2:1.errors");
+  MoveAndCheck(*a, kRead, near, 1, kLength / 2, far, 9);
+  EXPECT_EQ(RailBytes(backend)[2], bytes[2]);
+  EXPECT_EQ(Counter(backend, "rail.a2:1.errors"), errors);
+}
+
+TEST_F(FailoverTest, ResponderRailUnpluggedMidTransferFailsOverToTheOthers) {
+  auto a = Agent("agent-a", a_devices_, Options(absl::Minutes(10)));
+  auto b = Agent("agent-b", b_devices_, Options(absl::Minutes(10)));
+  TestBuffer near = a->Register(kLength + 64, v1::ACCESS_READ_WRITE, 71);
+  TestBuffer far = b->Register(kLength + 64, v1::ACCESS_READ_WRITE, 72);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  // A READ: the unplugged responder's NIC is where the bytes come from.
+  const absl::Status status = SubmitAndUnplug(
+      *a, MakeOp(0, kRead, near, 5, kLength, far, 1),
+      [&] { return fabric_.bytes_served("b2"); }, "b2");
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(FirstWrongByte(near, far.seed, 1, 5, kLength), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+  const std::vector<uint64_t> bytes = RailBytes(backend);
+  EXPECT_EQ(bytes[0] + bytes[1] + bytes[2] + bytes[3], kLength);
+  EXPECT_LT(fabric_.bytes_served("b2"), kLength / 4);
+  // The requester's port is fine: the pair cools down, not the rail.
+  EXPECT_EQ(Attribute(backend, "rail.a2:1.health"), "ok");
+  EXPECT_EQ(Attribute(backend, "rail.a2:1.lanes_cooling_down"), "1");
+  EXPECT_GT(Counter(backend, "rail.a2:1.reposted_bytes"), 0u);
+  // The next op leaves b2 out (no other rail of A tries it) and still
+  // uses a2, with another of B's rails.
+  const uint64_t served = fabric_.bytes_served("b2");
+  uint64_t errors = 0;
+  for (int i = 0; i < 4; ++i) {
+    errors += Counter(backend, absl::StrCat("rail.a", i, ":1.errors"));
+  }
+  MoveAndCheck(*a, kWrite, near, 2, kLength / 2, far, 3);
+  EXPECT_EQ(fabric_.bytes_served("b2"), served);
+  uint64_t errors_after = 0;
+  for (int i = 0; i < 4; ++i) {
+    errors_after += Counter(backend, absl::StrCat("rail.a", i, ":1.errors"));
+  }
+  EXPECT_EQ(errors_after, errors);
+  EXPECT_GT(RailBytes(backend)[2], bytes[2]);
+}
+
+TEST_F(MultiRailTest, EveryRailDownIsUnavailable) {
+  const std::vector<std::string> a_devices = AddDevices("a", 2);
+  const std::vector<std::string> b_devices = AddDevices("b", 2);
+  IbverbsOptions options = Fast();
+  options.rail_cooldown = absl::Minutes(10);
+  options.rail_max_cooldown = absl::Minutes(10);
+  auto a = Agent("agent-a", a_devices, options);
+  auto b = Agent("agent-b", b_devices, options);
+  TestBuffer near = a->Register(1 << 20, v1::ACCESS_READ_WRITE, 81);
+  TestBuffer far = b->Register(1 << 20, v1::ACCESS_READ_WRITE, 82);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  const auto run = [&] {
+    return backend.Submit({MakeOp(0, kWrite, near, 1, (1 << 20) - 9, far, 3),
+                           MakeOp(1, kRead, near, 7, 100, far, 11)},
+                          In(absl::Seconds(30)));
+  };
+  // The peer's rails go dark.
+  ASSERT_TRUE(fabric_.Unplug("b0").ok());
+  ASSERT_TRUE(fabric_.Unplug("b1").ok());
+  for (const absl::Status& status : run()) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_NE(status.message().find("no other RDMA rail to agent agent-b"),
+              std::string::npos)
+        << status;
+  }
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+  // Then this agent's: nothing is tried, there is no ACTIVE port.
+  ASSERT_TRUE(fabric_.Unplug("a0").ok());
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  for (const absl::Status& status : run()) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  }
+  for (const absl::Status& status : run()) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_NE(status.message().find("ACTIVE port"), std::string::npos)
+        << status;
+  }
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+}
+
+// A rail that comes back is used again: its cooldown runs out (20 ms here),
+// then this agent's rail is back once its port is ACTIVE, and the peer's
+// once a probe over it completed.
+TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
+  const std::vector<std::string> a_devices = AddDevices("a", 3);
+  const std::vector<std::string> b_devices = AddDevices("b", 3);
+  IbverbsOptions options = Fast();
+  options.rail_cooldown = absl::Milliseconds(20);
+  options.rail_max_cooldown = absl::Milliseconds(20);
+  auto a = Agent("agent-a", a_devices, options);
+  auto b = Agent("agent-b", b_devices, options);
+  const uint64_t kSize = 3 << 20;
+  TestBuffer near = a->Register(kSize, v1::ACCESS_READ_WRITE, 91);
+  TestBuffer far = b->Register(kSize, v1::ACCESS_READ_WRITE, 92);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  // Striped ops until `back()` says the rail carried bytes again.
+  const auto until_used = [&](const std::function<bool()>& back) {
+    for (int round = 0; round < 2000; ++round) {
+      MoveAndCheck(*a, round % 2 ? kRead : kWrite, near, round % 7,
+                   kSize - 8, far, round % 5);
+      if (back()) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  };
+
+  // This agent's a1.
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  MoveAndCheck(*a, kWrite, near, 0, kSize, far, 0);  // fails over
+  const uint64_t a1_before = backend.rail_bytes("a1:1");
+  MoveAndCheck(*a, kWrite, near, 1, kSize - 1, far, 0);
+  EXPECT_EQ(backend.rail_bytes("a1:1"), a1_before) << "left out while down";
+  ASSERT_TRUE(fabric_.Replug("a1").ok());
+  EXPECT_TRUE(until_used([&] { return backend.rail_bytes("a1:1") > a1_before; }))
+      << "a1 never carried bytes again";
+
+  // The peer's b1.
+  ASSERT_TRUE(fabric_.Unplug("b1").ok());
+  MoveAndCheck(*a, kRead, near, 0, kSize, far, 0);  // fails over
+  const uint64_t b1_before = fabric_.bytes_served("b1");
+  ASSERT_TRUE(fabric_.Replug("b1").ok());
+  EXPECT_TRUE(until_used([&] { return fabric_.bytes_served("b1") > b1_before; }))
+      << "b1 never carried bytes again";
 }
 
 }  // namespace

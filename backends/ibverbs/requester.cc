@@ -258,39 +258,61 @@ IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
     return plan;
   }
 
-  // Which pairs are healthy, and which are worth a probe, by lane key.
+  // Which pairs failed (and are not shown to work again yet), and which of
+  // those are worth a probe, by lane key.
   const absl::Time now = absl::Now();
+  const size_t locals = rails.size();
+  const size_t remotes = plan.remote_rails.size();
   const auto key_of = [&](size_t l, size_t r) {
     return absl::StrCat(plan.peer, "/", rails[l]->name, ">",
                         plan.remote_rails[r].name());
   };
-  std::vector<std::vector<bool>> healthy(
-      rails.size(), std::vector<bool>(plan.remote_rails.size(), true));
+  std::vector<std::vector<bool>> failed(locals,
+                                        std::vector<bool>(remotes, false));
   std::vector<std::pair<size_t, size_t>> expired;
   {
     absl::MutexLock lock(&mu_);
-    for (size_t l = 0; l < rails.size(); ++l) {
-      for (size_t r = 0; r < plan.remote_rails.size(); ++r) {
+    for (size_t l = 0; l < locals; ++l) {
+      for (size_t r = 0; r < remotes; ++r) {
         auto it = lanes_.find(key_of(l, r));
         if (it == lanes_.end()) continue;  // never used: healthy
         LaneHealth& health = *it->second->health;
         absl::MutexLock health_lock(&health.mu);
         if (!health.cooldown.failed()) continue;
-        healthy[l][r] = false;
+        failed[l][r] = true;
         if (!health.cooldown.cooling(now) && !health.probing) {
           expired.emplace_back(l, r);
         }
       }
     }
   }
+  // Whose fault a failed pair was is a guess: this agent's port was
+  // ACTIVE (else the rail itself cooled down). A rail of ours whose pairs
+  // to two or more of the peer's rails failed is suspect itself (a path cut
+  // beyond its port); otherwise the peer's rail is, and no other rail of
+  // ours is paired with it either until a probe shows it works, rather
+  // than each finding out with a transport timeout of its own.
+  std::vector<bool> local_suspect(locals, false);
+  std::vector<bool> remote_suspect(remotes, false);
+  for (size_t l = 0; l < locals; ++l) {
+    local_suspect[l] =
+        remotes > 1 && std::count(failed[l].begin(), failed[l].end(), true) > 1;
+  }
+  for (size_t l = 0; l < locals; ++l) {
+    for (size_t r = 0; r < remotes; ++r) {
+      if (failed[l][r] && !local_suspect[l]) remote_suspect[r] = true;
+    }
+  }
+  const auto healthy = [&](size_t l, size_t r) {
+    return !failed[l][r] && !local_suspect[l] && !remote_suspect[r];
+  };
   std::vector<double> local_gbps;
   for (Rail* rail : rails) local_gbps.push_back(rail->speed_gbps);
   std::vector<double> remote_gbps;
   for (const RemoteRail& rail : plan.remote_rails) {
     remote_gbps.push_back(rail.speed_gbps);
   }
-  std::vector<RailPair> pairs = PairRails(
-      local_gbps, remote_gbps, [&](size_t l, size_t r) { return healthy[l][r]; });
+  std::vector<RailPair> pairs = PairRails(local_gbps, remote_gbps, healthy);
   if (pairs.empty()) {
     // Nothing healthy: try them all rather than fail outright (a failure
     // costs a transport timeout, and then the registry's retry on tcp).

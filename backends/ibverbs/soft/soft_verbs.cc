@@ -66,7 +66,8 @@ struct DeviceState {
   // Unplug/Replug: what QueryPort reports.
   std::atomic<int> port_state{IBV_PORT_ACTIVE};
   TokenBucket link;
-  std::atomic<uint64_t> bytes_moved{0};
+  std::atomic<uint64_t> bytes_moved{0};   // as requester
+  std::atomic<uint64_t> bytes_served{0};  // as responder
 
   // Whether WRs get through this device's port.
   bool Up() const { return reachable && port_state == IBV_PORT_ACTIVE; }
@@ -598,7 +599,10 @@ class SoftQueuePair : public QueuePair {
       absl::MutexLock lock(&peer.qp->mu);
       peer.qp->state = IBV_QPS_ERR;  // the responder errors too
     }
-    if (status == IBV_WC_SUCCESS) qp.device->bytes_moved += total;
+    if (status == IBV_WC_SUCCESS) {
+      qp.device->bytes_moved += total;
+      peer.qp->device->bytes_served += total;
+    }
     return status;
   }
 
@@ -957,6 +961,12 @@ uint64_t SoftFabric::bytes_moved(const std::string& device) const {
   absl::MutexLock lock(&state_->mu);
   auto it = state_->devices.find(device);
   return it == state_->devices.end() ? 0 : it->second->bytes_moved.load();
+}
+
+uint64_t SoftFabric::bytes_served(const std::string& device) const {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->devices.find(device);
+  return it == state_->devices.end() ? 0 : it->second->bytes_served.load();
 }
 int SoftFabric::max_outstanding_seen() const { return state_->max_outstanding; }
 

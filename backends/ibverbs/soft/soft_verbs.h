@@ -146,6 +146,8 @@ class SoftFabric {
   // Bytes moved by WRs posted on `device`'s QPs (as requester), over the
   // fabric's life; 0 for an unknown device.
   uint64_t bytes_moved(const std::string& device) const;
+  // Bytes moved by peers' WRs through `device`'s QPs (as responder).
+  uint64_t bytes_served(const std::string& device) const;
   // Highest number of WRs ever outstanding on one QP.
   int max_outstanding_seen() const;
   // Queue pairs that exist now, over every device.

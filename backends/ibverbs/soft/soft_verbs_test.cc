@@ -631,6 +631,8 @@ TEST_F(SoftLinkTest, WrsPostedWhileUnpluggedRetryOutAndReplugBringsItBack) {
   EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
   EXPECT_EQ(0, std::memcmp(b_.buffer.data() + 9, a_.buffer.data() + 5, 777));
   EXPECT_EQ(fabric_.bytes_moved("plug_a"), 777u);
+  EXPECT_EQ(fabric_.bytes_served("plug_b"), 777u);
+  EXPECT_EQ(fabric_.bytes_served("plug_a"), 0u);
 }
 
 TEST_F(SoftLinkTest, UnpluggedResponderRetriesOutAndIdleQpsSurviveIt) {
