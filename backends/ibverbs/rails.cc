@@ -26,6 +26,7 @@ std::string RemoteRail::name() const { return absl::StrCat(device, ":", port); }
 std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint) {
   std::vector<RemoteRail> rails;
   for (const v1::IbverbsRail& rail : endpoint.rails()) {
+    if (rails.size() == kMaxRemoteRails) break;
     RemoteRail r;
     r.device = rail.device();
     r.port = rail.port();

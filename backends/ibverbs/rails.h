@@ -102,8 +102,14 @@ struct RemoteRail {
   std::string name() const;
 };
 
-// The rails `endpoint` advertises: its `rails`, or its single-rail fields
-// when it has none (a context from an agent with one rail).
+// Rails of a context taken into account at most: more than any host has,
+// and a bound on the queue pairs one (forged) context can make this agent
+// create.
+inline constexpr size_t kMaxRemoteRails = 32;
+
+// The rails `endpoint` advertises: its `rails` (the first kMaxRemoteRails),
+// or its single-rail fields when it has none (a context from an agent with
+// one rail).
 std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint);
 
 // What a peer granted this agent for one of its buffers over one session.
