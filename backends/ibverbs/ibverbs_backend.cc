@@ -358,10 +358,20 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
   holder->index = devices_.size();
   holder->device = std::move(device);
   holder->pd = std::move(*pd);
+  // One polling thread per CQ of kCqEntries (fewer if the device's CQs are
+  // smaller): 256 requester QPs of the generic profile, 64 of mlx5's, or
+  // that many thousand responder QPs (1 entry each), per thread.
+  constexpr int kCqEntries = 1 << 16;
+  holder->pollers = std::make_unique<CompletionPollers>(
+      holder->device.get(),
+      static_cast<uint32_t>(
+          attr->max_cqe > 0 ? std::min(attr->max_cqe, kCqEntries) : kCqEntries),
+      options_.busy_poll);
   for (auto& rail : rails) {
     rail->index = rails_.size();
     rail->local.device = holder->device.get();
     rail->local.pd = holder->pd.get();
+    rail->local.pollers = holder->pollers.get();
     rails_.push_back(std::move(rail));
   }
   devices_.push_back(std::move(holder));
@@ -400,6 +410,12 @@ uint64_t IbverbsBackend::rail_bytes(const std::string& name) const {
     if (rail->name == name) return rail->counters.bytes;
   }
   return 0;
+}
+
+size_t IbverbsBackend::completion_threads() const {
+  size_t threads = 0;
+  for (const auto& device : devices_) threads += device->pollers->size();
+  return threads;
 }
 
 v1::TransportInfo IbverbsBackend::transport_info() const {
@@ -470,6 +486,7 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
   }
   const Rail& first = *rails_.front();
   attributes["rails"] = absl::StrCat(rails_.size());
+  attributes["completion_threads"] = absl::StrCat(completion_threads());
   attributes["stripe_threshold_bytes"] =
       absl::StrCat(options_.stripe_threshold_bytes);
   attributes["profile"] = first.profile.name;
@@ -646,8 +663,13 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
       std::shared_ptr<verbs::ProtectionDomain>(std::move(*pd)));
   LocalPort port = rail->local;
   port.pd = session->pd();
+  // A responder QP only answers (the peer's NIC drives one-sided ops): it
+  // posts nothing, so one send-queue slot, and one entry of the device's
+  // shared CQ, is all it takes.
+  QueuePairParams params = rail->params;
+  params.sq_depth = 1;
   auto created = QueuePairConnection::Create(
-      port, rail->params, options_.busy_poll, options_.drain_timeout,
+      port, params, options_.busy_poll, options_.drain_timeout,
       QueuePairConnection::Inbound::kAccept);
   if (!created.ok()) return created.status();
   absl::Status connected = (*created)->ConnectTo(requester);

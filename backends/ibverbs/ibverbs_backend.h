@@ -169,6 +169,9 @@ class IbverbsBackend : public Backend {
   std::vector<std::string> rail_names() const;
   // Bytes that WRs of `rail` moved successfully; 0 for an unknown rail.
   uint64_t rail_bytes(const std::string& rail) const;
+  // Threads polling completion queues now (shared by every QP of a device:
+  // one per device, more only for very many QPs).
+  size_t completion_threads() const;
 
  private:
   // Tests that play a rogue peer read local keys through it.

@@ -279,9 +279,12 @@ TEST_F(MultiRailTest, LargeOpsAreSplitInProportionToLinkSpeed) {
   bytes = RailBytes(a->backend<IbverbsBackend>());
   EXPECT_EQ(bytes[0] + bytes[1] + bytes[2] + bytes[3], 2 * kLength);
   EXPECT_NEAR(static_cast<double>(bytes[1]) / bytes[3], 2.0, 0.01);
-  // One queue pair per rail pair, each a session on B.
+  // One queue pair per rail pair, each a session on B; one polling thread
+  // per device however many QPs it has.
   EXPECT_EQ(a->backend<IbverbsBackend>().requester_count(), 4u);
   EXPECT_EQ(b->backend<IbverbsBackend>().responder_count(), 4u);
+  EXPECT_EQ(a->backend<IbverbsBackend>().completion_threads(), 4u);
+  EXPECT_EQ(b->backend<IbverbsBackend>().completion_threads(), 4u);
 }
 
 TEST_F(MultiRailTest, SmallOpsAreSpreadOverTheRails) {

@@ -57,6 +57,9 @@ struct RailDevice {
   size_t index = 0;
   std::unique_ptr<verbs::Device> device;
   std::unique_ptr<verbs::ProtectionDomain> pd;
+  // The CQs and polling threads every QP of the device (requester or
+  // responder, on any of its ports) shares.
+  std::unique_ptr<CompletionPollers> pollers;
 };
 
 // What a rail has carried, for GetInfo. Atomics: completions are counted on
