@@ -5,6 +5,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 
 namespace rdma_agent::ibverbs {
@@ -87,6 +88,10 @@ void OpTracker::Override(size_t op, absl::Status status) {
   ops_[op].status = std::move(status);
 }
 
+void OpTracker::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
+  WrCompleted(static_cast<size_t>(cookie), CompletionStatus(wc));
+}
+
 // --- Completion statuses --------------------------------------------------
 
 absl::Status CompletionStatus(const ibv_wc& wc) {
@@ -127,19 +132,145 @@ uint32_t RandomPsn() {
 
 }  // namespace
 
+// --- CompletionPoller ------------------------------------------------------
+
+absl::StatusOr<std::shared_ptr<CompletionPoller>> CompletionPoller::Create(
+    verbs::Device& device, uint32_t entries, absl::Duration busy_poll) {
+  auto cq = device.CreateCompletionQueue(static_cast<int>(entries));
+  if (!cq.ok()) return cq.status();
+  return std::shared_ptr<CompletionPoller>(
+      new CompletionPoller(std::move(*cq), entries, busy_poll));
+}
+
+CompletionPoller::CompletionPoller(std::unique_ptr<verbs::CompletionQueue> cq,
+                                   uint32_t entries, absl::Duration busy_poll)
+    : cq_(std::move(cq)), entries_(entries), busy_poll_(busy_poll) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+CompletionPoller::~CompletionPoller() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+bool CompletionPoller::Reserve(uint32_t entries) {
+  absl::MutexLock lock(&mu_);
+  if (entries > entries_ - reserved_) return false;
+  reserved_ += entries;
+  return true;
+}
+
+void CompletionPoller::Unreserve(uint32_t entries) {
+  absl::MutexLock lock(&mu_);
+  reserved_ -= std::min(entries, reserved_);
+}
+
+void CompletionPoller::Attach(uint32_t qp_num,
+                              QueuePairConnection* connection) {
+  absl::MutexLock lock(&mu_);
+  connections_[qp_num] = connection;
+}
+
+void CompletionPoller::Detach(uint32_t qp_num) {
+  // Completions are handed over under mu_, so none is in progress once it
+  // is taken.
+  absl::MutexLock lock(&mu_);
+  connections_.erase(qp_num);
+}
+
+void CompletionPoller::Dispatch(absl::Span<const ibv_wc> wcs) {
+  absl::MutexLock lock(&mu_);
+  for (const ibv_wc& wc : wcs) {
+    auto it = connections_.find(wc.qp_num);
+    if (it != connections_.end()) it->second->Reap(wc);
+  }
+}
+
+void CompletionPoller::Run() {
+  std::array<ibv_wc, 32> wcs;
+  absl::Time last_completion = absl::Now();
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+    }
+    absl::StatusOr<int> n = cq_->Poll(absl::MakeSpan(wcs));
+    if (n.ok() && *n > 0) {
+      Dispatch(absl::MakeConstSpan(wcs.data(), *n));
+      last_completion = absl::Now();
+      continue;
+    }
+    if (n.ok() && absl::Now() - last_completion < busy_poll_) {
+      std::this_thread::yield();
+      continue;
+    }
+    // Idle: arm the channel, catch completions that raced with arming, then
+    // block. The wait is bounded so that stop_ is noticed.
+    if (n.ok() && cq_->RequestNotify().ok()) {
+      n = cq_->Poll(absl::MakeSpan(wcs));
+      if (n.ok() && *n > 0) {
+        Dispatch(absl::MakeConstSpan(wcs.data(), *n));
+        last_completion = absl::Now();
+        continue;
+      }
+    }
+    (void)cq_->WaitForEvent(absl::Milliseconds(50));
+    last_completion = absl::Now();
+  }
+}
+
+CompletionPollers::CompletionPollers(verbs::Device* device,
+                                     uint32_t entries_per_cq,
+                                     absl::Duration busy_poll)
+    : device_(device), entries_per_cq_(entries_per_cq), busy_poll_(busy_poll) {}
+
+absl::StatusOr<std::shared_ptr<CompletionPoller>> CompletionPollers::Reserve(
+    uint32_t entries) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& poller : pollers_) {
+    if (poller->Reserve(entries)) return poller;
+  }
+  auto poller = CompletionPoller::Create(
+      *device_, std::max(entries_per_cq_, entries), busy_poll_);
+  if (!poller.ok()) return poller.status();
+  (*poller)->Reserve(entries);
+  pollers_.push_back(*poller);
+  return *poller;
+}
+
+size_t CompletionPollers::size() const {
+  absl::MutexLock lock(&mu_);
+  return pollers_.size();
+}
+
+// --- QueuePairConnection -----------------------------------------------------
+
 absl::StatusOr<std::unique_ptr<QueuePairConnection>>
 QueuePairConnection::Create(const LocalPort& local,
                             const QueuePairParams& params,
                             absl::Duration busy_poll,
                             absl::Duration drain_timeout, Inbound inbound) {
-  // Every WR is signaled and the send queue holds at most sq_depth, so a CQ
-  // of that size never overflows.
-  auto cq =
-      local.device->CreateCompletionQueue(static_cast<int>(params.sq_depth));
-  if (!cq.ok()) return cq.status();
+  // Every WR is signaled and the send queue holds at most sq_depth, so
+  // reserving that many CQ entries means the CQ never overflows.
+  absl::StatusOr<std::shared_ptr<CompletionPoller>> poller =
+      local.pollers != nullptr
+          ? local.pollers->Reserve(params.sq_depth)
+          : CompletionPoller::Create(*local.device, params.sq_depth, busy_poll);
+  if (!poller.ok()) return poller.status();
+  if (local.pollers == nullptr) (*poller)->Reserve(params.sq_depth);
+  // Given back when this function fails; the connection gives it back once
+  // its QP is gone.
+  std::shared_ptr<CompletionPoller> reserved = *poller;
+  bool kept = false;
+  const auto release = absl::MakeCleanup([&] {
+    if (!kept) reserved->Unreserve(params.sq_depth);
+  });
   verbs::QueuePairInit init;
-  init.send_cq = cq->get();
-  init.recv_cq = cq->get();
+  init.send_cq = reserved->cq();
+  init.recv_cq = reserved->cq();
   init.cap.max_send_wr = params.sq_depth;
   init.cap.max_recv_wr = 1;
   init.cap.max_send_sge = 1;
@@ -160,25 +291,24 @@ QueuePairConnection::Create(const LocalPort& local,
       (*qp)->Modify(attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
                               IBV_QP_ACCESS_FLAGS);
   if (!status.ok()) return status;
-  return std::unique_ptr<QueuePairConnection>(new QueuePairConnection(
-      local, params, busy_poll, drain_timeout, std::move(*cq), std::move(*qp)));
+  kept = true;
+  std::unique_ptr<QueuePairConnection> connection(new QueuePairConnection(
+      local, params, drain_timeout, std::move(reserved), std::move(*qp)));
+  connection->poller_->Attach(connection->qp_num(), connection.get());
+  return connection;
 }
 
 QueuePairConnection::QueuePairConnection(
     const LocalPort& local, const QueuePairParams& params,
-    absl::Duration busy_poll, absl::Duration drain_timeout,
-    std::unique_ptr<verbs::CompletionQueue> cq,
+    absl::Duration drain_timeout, std::shared_ptr<CompletionPoller> poller,
     std::unique_ptr<verbs::QueuePair> qp)
     : local_(local),
       params_(params),
-      busy_poll_(busy_poll),
       drain_timeout_(drain_timeout),
       psn_(RandomPsn()),
-      cq_(std::move(cq)),
+      poller_(std::move(poller)),
       qp_(std::move(qp)),
-      credits_(params.sq_depth) {
-  poller_ = std::thread([this] { Poll(); });
-}
+      credits_(params.sq_depth) {}
 
 QueuePairConnection::~QueuePairConnection() {
   MoveToErrorAndDrain(drain_timeout_);
@@ -186,7 +316,11 @@ QueuePairConnection::~QueuePairConnection() {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  poller_.join();
+  // No completion reaches this object once detached; WRs that did not
+  // drain keep their pins, which are released with in_flight_.
+  poller_->Detach(qp_->qp_num());
+  qp_.reset();
+  poller_->Unreserve(params_.sq_depth);
 }
 
 v1::QueuePairEndpoint QueuePairConnection::local_endpoint() const {
@@ -253,9 +387,11 @@ absl::Status QueuePairConnection::ConnectTo(
                                IBV_QP_MAX_QP_RD_ATOMIC);
 }
 
-absl::Status QueuePairConnection::Post(
-    ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker, size_t op,
-    std::shared_ptr<Registration> pin, const StopToken& stop) {
+absl::Status QueuePairConnection::Post(ibv_send_wr& wr,
+                                       std::shared_ptr<CompletionSink> sink,
+                                       uint64_t cookie,
+                                       std::shared_ptr<Registration> pin,
+                                       const StopToken& stop) {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return credits_ > 0 || broken_.load() || stop_;
@@ -279,16 +415,23 @@ absl::Status QueuePairConnection::Post(
   wr.next = nullptr;
   wr.send_flags |= IBV_SEND_SIGNALED;
   --credits_;
-  tracker->WrPosted(op);
-  in_flight_[id] = InFlight{tracker, op, std::move(pin)};
+  in_flight_[id] = InFlight{std::move(sink), cookie, std::move(pin)};
   ibv_send_wr* bad = nullptr;
   const int err = qp_->PostSend(&wr, &bad);
   if (err == 0) return absl::OkStatus();
   in_flight_.erase(id);
   ++credits_;
-  absl::Status status =
-      absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
-  tracker->WrCompleted(op, status);
+  return absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
+}
+
+absl::Status QueuePairConnection::Post(
+    ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker, size_t op,
+    std::shared_ptr<Registration> pin, const StopToken& stop) {
+  // Counted before posting: the completion may arrive before Post returns.
+  tracker->WrPosted(op);
+  absl::Status status = Post(wr, std::shared_ptr<CompletionSink>(tracker), op,
+                             std::move(pin), stop);
+  if (!status.ok()) tracker->WrCompleted(op, status);
   return status;
 }
 
@@ -314,56 +457,21 @@ uint64_t QueuePairConnection::outstanding() const {
   return in_flight_.size();
 }
 
-void QueuePairConnection::Reap(absl::Span<const ibv_wc> wcs) {
-  for (const ibv_wc& wc : wcs) {
-    InFlight done;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = in_flight_.find(wc.wr_id);
-      if (it == in_flight_.end()) continue;
-      done = std::move(it->second);
-      in_flight_.erase(it);
-      ++credits_;
-      if (wc.status != IBV_WC_SUCCESS) broken_ = true;
-    }
-    // Unpinned before the op is reported, so that a Submit returning has
-    // no reference of ours left on its registrations.
-    done.pin.reset();
-    done.tracker->WrCompleted(done.op, CompletionStatus(wc));
+void QueuePairConnection::Reap(const ibv_wc& wc) {
+  InFlight done;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = in_flight_.find(wc.wr_id);
+    if (it == in_flight_.end()) return;
+    done = std::move(it->second);
+    in_flight_.erase(it);
+    ++credits_;
+    if (wc.status != IBV_WC_SUCCESS) broken_ = true;
   }
-}
-
-void QueuePairConnection::Poll() {
-  std::array<ibv_wc, 32> wcs;
-  absl::Time last_completion = absl::Now();
-  while (true) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (stop_) return;
-    }
-    absl::StatusOr<int> n = cq_->Poll(absl::MakeSpan(wcs));
-    if (n.ok() && *n > 0) {
-      Reap(absl::MakeConstSpan(wcs.data(), *n));
-      last_completion = absl::Now();
-      continue;
-    }
-    if (n.ok() && absl::Now() - last_completion < busy_poll_) {
-      std::this_thread::yield();
-      continue;
-    }
-    // Idle: arm the channel, catch completions that raced with arming, then
-    // block. The wait is bounded so that stop_ is noticed.
-    if (n.ok() && cq_->RequestNotify().ok()) {
-      n = cq_->Poll(absl::MakeSpan(wcs));
-      if (n.ok() && *n > 0) {
-        Reap(absl::MakeConstSpan(wcs.data(), *n));
-        last_completion = absl::Now();
-        continue;
-      }
-    }
-    (void)cq_->WaitForEvent(absl::Milliseconds(50));
-    last_completion = absl::Now();
-  }
+  // Unpinned before the op is reported, so that a Submit returning has
+  // no reference of ours left on its registrations.
+  done.pin.reset();
+  done.sink->OnCompletion(done.cookie, wc);
 }
 
 }  // namespace rdma_agent::ibverbs

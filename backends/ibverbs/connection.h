@@ -21,11 +21,23 @@
 
 namespace rdma_agent::ibverbs {
 
-// Progress of one Submit's ops, fed by the completion pollers of the
-// connections its WRs went to. An op is done once all of its WRs were posted
-// (or posting stopped) and every posted WR completed; its status is the first
-// error seen. Thread-safe.
-class OpTracker {
+// Takes the completions of WRs posted through QueuePairConnection::Post.
+class CompletionSink {
+ public:
+  virtual ~CompletionSink() = default;
+  // The WR posted with `cookie` completed. Called once per posted WR, on the
+  // connection's poller thread, after its send-queue credit and the
+  // registration it pinned were released. Must not block, and must not drop
+  // the last reference to the connection it came from.
+  virtual void OnCompletion(uint64_t cookie, const ibv_wc& wc) = 0;
+};
+
+// Progress of a set of ops posted op by op (the cookie of each WR is its
+// op's index), fed by the completion pollers of the connections its WRs
+// went to. An op is done once all of its WRs were posted (or posting
+// stopped) and every posted WR completed; its status is the first error
+// seen. Thread-safe.
+class OpTracker : public CompletionSink {
  public:
   explicit OpTracker(size_t ops);
 
@@ -50,6 +62,9 @@ class OpTracker {
   // deadline cut short).
   void Override(size_t op, absl::Status status);
 
+  // WrCompleted(cookie, CompletionStatus(wc)).
+  void OnCompletion(uint64_t cookie, const ibv_wc& wc) override;
+
  private:
   struct Progress {
     uint64_t pending = 0;
@@ -73,6 +88,74 @@ class OpTracker {
 // local errors -> INTERNAL.
 absl::Status CompletionStatus(const ibv_wc& wc);
 
+class QueuePairConnection;
+
+// One completion queue that queue pairs of one device share, and the thread
+// that polls it: it busy-polls for `busy_poll` after a completion, then arms
+// the CQ and blocks on its completion channel, and hands each completion to
+// the connection whose QP it names. Every WR is signaled and a QP holds at
+// most its send-queue depth of them, so QPs reserve that many entries and
+// the CQ never overflows. Thread-safe.
+class CompletionPoller {
+ public:
+  // Creates a CQ of `entries` on `device` and starts the thread.
+  static absl::StatusOr<std::shared_ptr<CompletionPoller>> Create(
+      verbs::Device& device, uint32_t entries, absl::Duration busy_poll);
+  // Stops and joins the thread. Nothing may be attached any more.
+  ~CompletionPoller();
+  CompletionPoller(const CompletionPoller&) = delete;
+  CompletionPoller& operator=(const CompletionPoller&) = delete;
+
+  verbs::CompletionQueue* cq() const { return cq_.get(); }
+  // Takes `entries` of the CQ for a QP's send queue; false when they do
+  // not fit.
+  bool Reserve(uint32_t entries);
+  void Unreserve(uint32_t entries);
+  // Completions of `qp_num` go to `connection` from now on.
+  void Attach(uint32_t qp_num, QueuePairConnection* connection);
+  // After it returns, `qp_num`'s completions go nowhere (none is being
+  // handed over).
+  void Detach(uint32_t qp_num);
+
+ private:
+  CompletionPoller(std::unique_ptr<verbs::CompletionQueue> cq,
+                   uint32_t entries, absl::Duration busy_poll);
+  void Run();
+  void Dispatch(absl::Span<const ibv_wc> wcs);
+
+  const std::unique_ptr<verbs::CompletionQueue> cq_;
+  const uint32_t entries_;
+  const absl::Duration busy_poll_;
+  absl::Mutex mu_;
+  uint32_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint32_t, QueuePairConnection*> connections_
+      ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+// The completion pollers of one device: one CQ and thread for as many queue
+// pairs as the CQ has entries for their send queues, another when it is
+// full. So a device costs one polling thread, plus one per
+// `entries_per_cq` entries its QPs reserve, however many peers and lanes
+// it serves. Thread-safe.
+class CompletionPollers {
+ public:
+  CompletionPollers(verbs::Device* device, uint32_t entries_per_cq,
+                    absl::Duration busy_poll);
+  // A poller with `entries` reserved on it for a new QP.
+  absl::StatusOr<std::shared_ptr<CompletionPoller>> Reserve(uint32_t entries);
+  // Polling threads (CQs) now.
+  size_t size() const;
+
+ private:
+  verbs::Device* const device_;
+  const uint32_t entries_per_cq_;
+  const absl::Duration busy_poll_;
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<CompletionPoller>> pollers_ ABSL_GUARDED_BY(mu_);
+};
+
 // Where a connection's QP sits: the local half of the handshake.
 struct LocalPort {
   verbs::Device* device = nullptr;
@@ -82,12 +165,14 @@ struct LocalPort {
   ibv_gid gid = {};
   // True when the link layer needs global routing (RoCE).
   bool global_routing = true;
+  // The device's shared pollers; nullptr: the QP gets a CQ and a polling
+  // thread of its own.
+  CompletionPollers* pollers = nullptr;
 };
 
-// One RC queue pair to one remote device, with its own CQ (sized to the send
-// queue, so it cannot overflow), its completion poller (busy-polls for
-// `busy_poll`, then blocks on the completion channel) and send-queue credits
-// so that outstanding WRs never exceed the queue depth.
+// One RC queue pair to one remote device, its completions taken by a
+// CompletionPoller (the device's shared ones, or its own), and send-queue
+// credits so that outstanding WRs never exceed the queue depth.
 //
 // Any error completion breaks the connection (the QP is in ERR); owners then
 // replace it. Destruction moves the QP to ERR, waits for every posted WR to
@@ -103,7 +188,8 @@ class QueuePairConnection {
   // granted to that peer.
   enum class Inbound { kRefuse, kAccept };
 
-  // Creates the CQ and QP in local.pd and moves the QP to INIT.
+  // Creates the QP in local.pd (its CQ from local.pollers, or its own) and
+  // moves it to INIT.
   static absl::StatusOr<std::unique_ptr<QueuePairConnection>> Create(
       const LocalPort& local, const QueuePairParams& params,
       absl::Duration busy_poll, absl::Duration drain_timeout, Inbound inbound);
@@ -117,10 +203,16 @@ class QueuePairConnection {
   absl::Status ConnectTo(const v1::QueuePairEndpoint& remote);
 
   // Posts one signaled WR (wr.wr_id is assigned here) once a send-queue
-  // credit is free. Its completion goes to `tracker` as op `op`; `pin` is
-  // held until then. If no credit frees up before `stop` fires: its status
-  // (DEADLINE_EXCEEDED, or the cancellation's reason). UNAVAILABLE once the
-  // connection is broken.
+  // credit is free. OK: its completion goes to `sink` with `cookie`, and
+  // `pin` is held until then. Otherwise the sink never hears of it: if no
+  // credit frees up before `stop` fires, its status (DEADLINE_EXCEEDED, or
+  // the cancellation's reason); UNAVAILABLE once the connection is broken;
+  // INTERNAL when ibv_post_send refuses it.
+  absl::Status Post(ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink,
+                    uint64_t cookie, std::shared_ptr<Registration> pin,
+                    const StopToken& stop);
+  // The same for a WR of op `op` of `tracker`, which hears of it either way
+  // (WrPosted, then WrCompleted with the error when it was not posted).
   absl::Status Post(ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker,
                     size_t op, std::shared_ptr<Registration> pin,
                     const StopToken& stop);
@@ -135,26 +227,27 @@ class QueuePairConnection {
 
  private:
   struct InFlight {
-    std::shared_ptr<OpTracker> tracker;
-    size_t op = 0;
+    std::shared_ptr<CompletionSink> sink;
+    uint64_t cookie = 0;
     std::shared_ptr<Registration> pin;
   };
 
+  friend class CompletionPoller;
+
   QueuePairConnection(const LocalPort& local, const QueuePairParams& params,
-                      absl::Duration busy_poll, absl::Duration drain_timeout,
-                      std::unique_ptr<verbs::CompletionQueue> cq,
+                      absl::Duration drain_timeout,
+                      std::shared_ptr<CompletionPoller> poller,
                       std::unique_ptr<verbs::QueuePair> qp);
-  void Poll();
-  // Hands completions to trackers and frees their credits.
-  void Reap(absl::Span<const ibv_wc> wcs);
+  // Hands a completion to its sink and frees its credit (on the poller's
+  // thread).
+  void Reap(const ibv_wc& wc);
 
   const LocalPort local_;
   const QueuePairParams params_;
-  const absl::Duration busy_poll_;
   const absl::Duration drain_timeout_;
   const uint32_t psn_;
-  // Declared before qp_: the QP is destroyed first.
-  std::unique_ptr<verbs::CompletionQueue> cq_;
+  // Declared before qp_: the QP is destroyed before its CQ.
+  std::shared_ptr<CompletionPoller> poller_;
   std::unique_ptr<verbs::QueuePair> qp_;
   std::atomic<bool> broken_{false};
 
@@ -163,7 +256,6 @@ class QueuePairConnection {
   uint64_t next_wr_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread poller_;
 };
 
 }  // namespace rdma_agent::ibverbs

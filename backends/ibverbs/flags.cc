@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -10,11 +11,25 @@
 ABSL_FLAG(bool, ibverbs_enable, true,
           "Use RDMA NICs through libibverbs when present. False: the ibverbs "
           "backend reports itself unavailable.");
+ABSL_FLAG(std::vector<std::string>, ibverbs_devices, {},
+          "RDMA devices to use, comma separated, e.g. mlx5_0,mlx5_1: every "
+          "ACTIVE port of each is a rail, and ops are striped over the rails. "
+          "Empty: every device.");
 ABSL_FLAG(std::string, ibverbs_device, "",
-          "RDMA device to use, e.g. mlx5_0. Empty: the first device with an "
-          "ACTIVE port.");
+          "One RDMA device to use, e.g. mlx5_0: the same as "
+          "--ibverbs_devices=mlx5_0 (kept for existing configurations).");
 ABSL_FLAG(int32_t, ibverbs_port, 0,
-          "1-based port of the device. 0: the first ACTIVE port.");
+          "1-based port used on each device. 0: every ACTIVE port.");
+ABSL_FLAG(uint64_t, ibverbs_stripe_threshold_bytes, 64 << 10,
+          "Ops of at least this many bytes are split over every rail pair to "
+          "their peer, in proportion to link speed; smaller ones go whole to "
+          "the least loaded pair.");
+ABSL_FLAG(absl::Duration, ibverbs_rail_cooldown, absl::Seconds(1),
+          "How long a rail pair whose completions failed (or a rail whose "
+          "port went down) is left out before it is probed again; doubles "
+          "with each failure in a row.");
+ABSL_FLAG(absl::Duration, ibverbs_rail_max_cooldown, absl::Seconds(30),
+          "The longest a failing rail pair or rail is left out at a time.");
 ABSL_FLAG(std::string, ibverbs_profile, "auto",
           "Device profile whose queue-pair defaults apply: auto (from the "
           "device's vendor and name), generic, mlx5, efa.");
@@ -88,7 +103,17 @@ absl::Status SetIf(int64_t value, int64_t unset, int64_t low, int64_t high,
 absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
   IbverbsOptions options;
   options.enabled = absl::GetFlag(FLAGS_ibverbs_enable);
-  options.device = absl::GetFlag(FLAGS_ibverbs_device);
+  for (const std::string& device : absl::GetFlag(FLAGS_ibverbs_devices)) {
+    if (!device.empty()) options.devices.push_back(device);
+  }
+  const std::string single = absl::GetFlag(FLAGS_ibverbs_device);
+  if (!single.empty()) {
+    if (!options.devices.empty()) {
+      return absl::InvalidArgumentError(
+          "set --ibverbs_devices or --ibverbs_device, not both");
+    }
+    options.devices.push_back(single);
+  }
   const int32_t port = absl::GetFlag(FLAGS_ibverbs_port);
   if (port < 0 || port > 255) {
     return absl::InvalidArgumentError(
@@ -136,6 +161,16 @@ absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
         "--ibverbs_max_grants_per_peer=", max_grants, " must be positive"));
   }
   options.max_grants_per_peer = static_cast<size_t>(max_grants);
+  options.stripe_threshold_bytes =
+      absl::GetFlag(FLAGS_ibverbs_stripe_threshold_bytes);
+  options.rail_cooldown = absl::GetFlag(FLAGS_ibverbs_rail_cooldown);
+  options.rail_max_cooldown = absl::GetFlag(FLAGS_ibverbs_rail_max_cooldown);
+  if (options.rail_cooldown <= absl::ZeroDuration() ||
+      options.rail_max_cooldown < options.rail_cooldown) {
+    return absl::InvalidArgumentError(
+        "--ibverbs_rail_cooldown must be positive and at most "
+        "--ibverbs_rail_max_cooldown");
+  }
   return options;
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "backends/ibverbs/registration_state.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/random.h"
@@ -81,60 +82,8 @@ void KeepGrpcAlive() {
   (void)initialized;
 }
 
-// One registration's MR in one peer session's PD.
-struct Grant {
-  // Declared first: the MR is deregistered before its PD can go.
-  std::shared_ptr<verbs::ProtectionDomain> pd;
-  std::unique_ptr<verbs::MemoryRegion> mr;
-};
-
-// The grants of one registration, by session serial. The registration owns
-// it; sessions hold it weakly, so either side going drops the grants.
-struct GrantTable {
-  absl::Mutex mu;
-  std::map<uint64_t, Grant> by_session ABSL_GUARDED_BY(mu);
-};
-
-// What the backend keeps for one registration: its MR in the main PD (local
-// access only: the lkey of this agent's own WRs) and the per-peer grants.
-// ibv_dereg_mr of all of them when the registration goes.
-class IbverbsRegistration : public BackendRegistration {
- public:
-  explicit IbverbsRegistration(std::unique_ptr<verbs::MemoryRegion> mr)
-      : mr_(std::move(mr)), grants_(std::make_shared<GrantTable>()) {}
-  ~IbverbsRegistration() override {
-    // Revokes every peer's access before the memory is unmapped.
-    std::map<uint64_t, Grant> dropped;
-    absl::MutexLock lock(&grants_->mu);
-    dropped.swap(grants_->by_session);
-  }
-  const verbs::MemoryRegion& mr() const { return *mr_; }
-  const std::shared_ptr<GrantTable>& grants() const { return grants_; }
-
- private:
-  std::unique_ptr<verbs::MemoryRegion> mr_;
-  std::shared_ptr<GrantTable> grants_;
-};
-
 std::string GidBytes(const ibv_gid& gid) {
   return std::string(reinterpret_cast<const char*>(gid.raw), sizeof(gid.raw));
-}
-
-const char* PortStateName(ibv_port_state state) {
-  switch (state) {
-    case IBV_PORT_DOWN:
-      return "DOWN";
-    case IBV_PORT_INIT:
-      return "INIT";
-    case IBV_PORT_ARMED:
-      return "ARMED";
-    case IBV_PORT_ACTIVE:
-      return "ACTIVE";
-    case IBV_PORT_ACTIVE_DEFER:
-      return "ACTIVE_DEFER";
-    default:
-      return "NOP";
-  }
 }
 
 v1::BufferGrant MakeGrant(const Registration& registration, uint32_t rkey) {
@@ -148,20 +97,26 @@ v1::BufferGrant MakeGrant(const Registration& registration, uint32_t rkey) {
 
 }  // namespace
 
-// One requesting agent's device as this agent serves it: a protection domain
-// of its own, the responder QP in it, and an MR in it for each registration
-// the peer proved (grants). The QP reaches nothing else: MRs of other
-// sessions and of the main PD are in other PDs.
+// One requesting agent's rail as one rail of this agent serves it: a
+// protection domain of its own on this agent's device, the responder QP in
+// it, and an MR in it for each registration the peer proved (grants). The
+// QP reaches nothing else: MRs of other sessions and of the main PD are in
+// other PDs.
 class IbverbsBackend::PeerSession {
  public:
-  PeerSession(uint64_t serial, std::string id,
+  PeerSession(uint64_t serial, std::string id, std::string peer,
               std::shared_ptr<verbs::ProtectionDomain> pd)
-      : serial_(serial), id_(std::move(id)), pd_(std::move(pd)) {}
+      : serial_(serial),
+        id_(std::move(id)),
+        peer_(std::move(peer)),
+        pd_(std::move(pd)) {}
   ~PeerSession() { Close(); }  // grants, then the QP, then the PD
   PeerSession(const PeerSession&) = delete;
   PeerSession& operator=(const PeerSession&) = delete;
 
   const std::string& id() const { return id_; }
+  // "agent/device" of the requesting rail, for metrics.
+  const std::string& peer() const { return peer_; }
   verbs::ProtectionDomain* pd() const { return pd_.get(); }
   void set_responder(std::unique_ptr<QueuePairConnection> responder) {
     responder_ = std::move(responder);
@@ -244,6 +199,7 @@ class IbverbsBackend::PeerSession {
  private:
   const uint64_t serial_;
   const std::string id_;
+  const std::string peer_;
   // Declared before responder_: the QP is destroyed before its PD.
   const std::shared_ptr<verbs::ProtectionDomain> pd_;
   std::unique_ptr<QueuePairConnection> responder_;
@@ -252,14 +208,6 @@ class IbverbsBackend::PeerSession {
   // The grant tables this session has an entry in (lock order: mu_, then a
   // table's mu).
   std::vector<std::weak_ptr<GrantTable>> tables_ ABSL_GUARDED_BY(mu_);
-};
-
-// A requester QP just connected, with what the handshake granted.
-struct IbverbsBackend::Handshaken {
-  std::shared_ptr<QueuePairConnection> connection;
-  std::string session;
-  uint64_t buffer_id = 0;
-  RemoteGrant grant;
 };
 
 absl::StatusOr<std::unique_ptr<IbverbsBackend>> IbverbsBackend::Create(
@@ -281,8 +229,8 @@ absl::StatusOr<std::unique_ptr<IbverbsBackend>> IbverbsBackend::Create(
   absl::Status status = backend->Discover();
   if (!status.ok()) {
     backend->unavailable_reason_ = std::string(status.message());
-    backend->pd_.reset();
-    backend->device_.reset();
+    backend->rails_.clear();
+    backend->devices_.clear();
   }
   return backend;
 }
@@ -298,16 +246,17 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
-  // Connections drain and stop their pollers, and sessions drop their
-  // grants, before the PD and device go.
-  std::map<std::string, std::shared_ptr<QueuePairConnection>> requesters;
+  // Lanes' connections drain and stop their pollers, and sessions drop their
+  // grants, before the PDs and devices go.
+  std::map<std::string, std::shared_ptr<Lane>> lanes;
   std::map<std::string, std::shared_ptr<PeerSession>> responders;
   {
     absl::MutexLock lock(&mu_);
-    requesters.swap(requesters_);
+    lanes.swap(lanes_);
     responders.swap(responders_);
-    links_.clear();
   }
+  lanes.clear();
+  responders.clear();
 }
 
 absl::Status IbverbsBackend::Discover() {
@@ -321,110 +270,233 @@ absl::Status IbverbsBackend::Discover() {
     return absl::NotFoundError(
         "no RDMA device found (ibv_get_device_list returned none)");
   }
-  std::vector<std::string> candidates = *names;
-  if (!options_.device.empty()) {
-    if (std::find(names->begin(), names->end(), options_.device) ==
-        names->end()) {
-      return absl::NotFoundError(
-          absl::StrCat("RDMA device ", options_.device, " not found (have ",
-                       absl::StrJoin(*names, ", "), ")"));
+  std::vector<std::string> selected = *names;
+  if (!options_.devices.empty()) {
+    for (const std::string& name : options_.devices) {
+      if (std::find(names->begin(), names->end(), name) == names->end()) {
+        return absl::NotFoundError(
+            absl::StrCat("RDMA device ", name, " not found (have ",
+                         absl::StrJoin(*names, ", "), ")"));
+      }
     }
-    candidates = {options_.device};
+    selected = options_.devices;
   }
   std::vector<std::string> why;
-  for (const std::string& name : candidates) {
+  for (const std::string& name : selected) {
     auto device = verbs_->OpenDevice(name);
     if (!device.ok()) {
       why.push_back(std::string(device.status().message()));
       continue;
     }
-    auto attr = (*device)->Query();
-    if (!attr.ok()) {
-      why.push_back(std::string(attr.status().message()));
+    absl::Status added = AddRails(std::move(*device), why);
+    if (!added.ok()) return added;
+  }
+  if (rails_.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("no usable RDMA port: ", absl::StrJoin(why, "; ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
+                                      std::vector<std::string>& why) {
+  const std::string name = device->name();
+  auto attr = device->Query();
+  if (!attr.ok()) {
+    why.push_back(std::string(attr.status().message()));
+    return absl::OkStatus();
+  }
+  const DeviceProfile profile = options_.profile == "auto"
+                                    ? DetectProfile(name, *attr)
+                                    : *ProfileByName(options_.profile);
+  if (!profile.unsupported_reason.empty()) {
+    why.push_back(absl::StrCat(name, ": ", profile.unsupported_reason));
+    return absl::OkStatus();
+  }
+  auto holder = std::make_unique<RailDevice>();
+  const int first = options_.port != 0 ? options_.port : 1;
+  const int last = options_.port != 0 ? options_.port : attr->phys_port_cnt;
+  std::vector<std::unique_ptr<Rail>> rails;
+  for (int port = first; port <= last; ++port) {
+    auto port_attr = device->QueryPort(static_cast<uint8_t>(port));
+    if (!port_attr.ok()) {
+      why.push_back(std::string(port_attr.status().message()));
       continue;
     }
-    const int first = options_.port != 0 ? options_.port : 1;
-    const int last = options_.port != 0 ? options_.port : attr->phys_port_cnt;
-    for (int port = first; port <= last; ++port) {
-      auto port_attr = (*device)->QueryPort(static_cast<uint8_t>(port));
-      if (!port_attr.ok()) {
-        why.push_back(std::string(port_attr.status().message()));
-        continue;
-      }
-      if (port_attr->state != IBV_PORT_ACTIVE) {
-        why.push_back(absl::StrCat(name, " port ", port, " is ",
-                                   PortStateName(port_attr->state)));
-        continue;
-      }
-      if (options_.profile == "auto") {
-        profile_ = DetectProfile(name, *attr);
-      } else {
-        profile_ = *ProfileByName(options_.profile);
-      }
-      if (!profile_.unsupported_reason.empty()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(name, ": ", profile_.unsupported_reason));
-      }
-      params_ =
-          ResolveParams(profile_.defaults, options_.qp, *attr, *port_attr);
-      auto gid =
-          (*device)->QueryGid(static_cast<uint8_t>(port), params_.gid_index);
-      if (!gid.ok()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(name, " port ", port, ": no GID at index ",
-                         params_.gid_index, ": ", gid.status().message()));
-      }
-      auto pd = (*device)->AllocateProtectionDomain();
-      if (!pd.ok()) return pd.status();
-      device_ = std::move(*device);
-      pd_ = std::move(*pd);
-      port_attr_ = *port_attr;
-      local_.device = device_.get();
-      local_.pd = pd_.get();
-      local_.port = static_cast<uint8_t>(port);
-      local_.lid = port_attr->lid;
-      local_.gid = *gid;
-      local_.global_routing =
-          port_attr->link_layer != IBV_LINK_LAYER_INFINIBAND;
-      return absl::OkStatus();
+    if (port_attr->state != IBV_PORT_ACTIVE) {
+      why.push_back(absl::StrCat(name, " port ", port, " is ",
+                                 verbs::PortStateName(port_attr->state)));
+      continue;
+    }
+    auto rail = std::make_unique<Rail>();
+    rail->name = absl::StrCat(name, ":", port);
+    rail->device = holder.get();
+    rail->profile = profile;
+    rail->params = ResolveParams(profile.defaults, options_.qp, *attr, *port_attr);
+    auto gid = device->QueryGid(static_cast<uint8_t>(port),
+                                rail->params.gid_index);
+    if (!gid.ok()) {
+      why.push_back(absl::StrCat(name, " port ", port, ": no GID at index ",
+                                 rail->params.gid_index, ": ",
+                                 gid.status().message()));
+      continue;
+    }
+    rail->port_attr = *port_attr;
+    rail->speed_gbps = verbs::PortSpeedGbps(*port_attr);
+    rail->numa_node = device->NumaNode();
+    rail->local.port = static_cast<uint8_t>(port);
+    rail->local.lid = port_attr->lid;
+    rail->local.gid = *gid;
+    rail->local.global_routing =
+        port_attr->link_layer != IBV_LINK_LAYER_INFINIBAND;
+    rails.push_back(std::move(rail));
+  }
+  if (rails.empty()) return absl::OkStatus();
+  // One PD for the device's ports: an MR of it serves WRs on any of them.
+  auto pd = device->AllocateProtectionDomain();
+  if (!pd.ok()) return pd.status();
+  holder->index = devices_.size();
+  holder->device = std::move(device);
+  holder->pd = std::move(*pd);
+  // One polling thread per CQ of kCqEntries (fewer if the device's CQs are
+  // smaller): 256 requester QPs of the generic profile, 64 of mlx5's, or
+  // that many thousand responder QPs (1 entry each), per thread.
+  constexpr int kCqEntries = 1 << 16;
+  holder->pollers = std::make_unique<CompletionPollers>(
+      holder->device.get(),
+      static_cast<uint32_t>(
+          attr->max_cqe > 0 ? std::min(attr->max_cqe, kCqEntries) : kCqEntries),
+      options_.busy_poll);
+  for (auto& rail : rails) {
+    rail->index = rails_.size();
+    rail->local.device = holder->device.get();
+    rail->local.pd = holder->pd.get();
+    rail->local.pollers = holder->pollers.get();
+    rails_.push_back(std::move(rail));
+  }
+  devices_.push_back(std::move(holder));
+  return absl::OkStatus();
+}
+
+Rail* IbverbsBackend::FindRail(const std::string& device,
+                               uint32_t port) const {
+  for (const auto& rail : rails_) {
+    if (rail->device->device->name() == device &&
+        (port == 0 || rail->local.port == port)) {
+      return rail.get();
     }
   }
-  return absl::NotFoundError(
-      absl::StrCat("no usable RDMA port: ", absl::StrJoin(why, "; ")));
+  return nullptr;
+}
+
+const QueuePairParams& IbverbsBackend::params() const {
+  static const QueuePairParams kNone;
+  return rails_.empty() ? kNone : rails_.front()->params;
+}
+
+const std::string& IbverbsBackend::profile_name() const {
+  static const std::string kNone;
+  return rails_.empty() ? kNone : rails_.front()->profile.name;
+}
+
+std::vector<std::string> IbverbsBackend::rail_names() const {
+  std::vector<std::string> names;
+  for (const auto& rail : rails_) names.push_back(rail->name);
+  return names;
+}
+
+uint64_t IbverbsBackend::rail_bytes(const std::string& name) const {
+  for (const auto& rail : rails_) {
+    if (rail->name == name) return rail->counters.bytes;
+  }
+  return 0;
+}
+
+size_t IbverbsBackend::completion_threads() const {
+  size_t threads = 0;
+  for (const auto& device : devices_) threads += device->pollers->size();
+  return threads;
 }
 
 v1::TransportInfo IbverbsBackend::transport_info() const {
   v1::TransportInfo info;
   if (!available()) return info;
-  v1::DeviceInfo* device = info.add_devices();
-  device->set_name(device_->name());
-  device->set_port(local_.port);
-  device->set_link_layer(port_attr_.link_layer == IBV_LINK_LAYER_INFINIBAND
-                             ? "InfiniBand"
-                             : "Ethernet");
-  device->set_state(PortStateName(port_attr_.state));
-  device->set_mtu_bytes(verbs::MtuBytes(port_attr_.active_mtu));
-  device->set_speed_gbps(verbs::PortSpeedGbps(port_attr_));
-  device->set_lid(port_attr_.lid);
-  const int gids = std::min<int>(port_attr_.gid_tbl_len, 16);
-  for (int i = 0; i < gids; ++i) {
-    auto gid = device_->QueryGid(local_.port, i);
-    if (!gid.ok()) break;
-    static const ibv_gid kZero = {};
-    if (std::memcmp(gid->raw, kZero.raw, sizeof(kZero.raw)) == 0) continue;
-    device->add_gids(absl::StrCat(i, ":", verbs::GidToString(*gid)));
-  }
-  device->set_profile(profile_.name);
-  device->set_max_message_bytes(params_.max_message_bytes);
   auto& attributes = *info.mutable_attributes();
-  attributes["profile"] = profile_.name;
-  attributes["gid_index"] = absl::StrCat(params_.gid_index);
-  attributes["path_mtu_bytes"] = absl::StrCat(params_.mtu_bytes);
-  attributes["sq_depth"] = absl::StrCat(params_.sq_depth);
-  attributes["timeout"] = absl::StrCat(params_.timeout);
-  attributes["retry_cnt"] = absl::StrCat(params_.retry_cnt);
-  attributes["rnr_retry"] = absl::StrCat(params_.rnr_retry);
-  attributes["max_rd_atomic"] = absl::StrCat(params_.max_rd_atomic);
+  const absl::Time now = absl::Now();
+  std::map<const Rail*, size_t> lanes_cooling;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, lane] : lanes_) {
+      absl::MutexLock health(&lane->health->mu);
+      if (lane->health->cooldown.cooling(now)) ++lanes_cooling[lane->rail];
+    }
+  }
+  for (const auto& rail : rails_) {
+    verbs::Device& dev = *rail->device->device;
+    // The port as it is now: a rail whose cable was pulled says DOWN.
+    ibv_port_attr port = rail->port_attr;
+    if (auto now_attr = dev.QueryPort(rail->local.port); now_attr.ok()) {
+      port = *now_attr;
+    } else {
+      port.state = IBV_PORT_NOP;
+    }
+    v1::DeviceInfo* device = info.add_devices();
+    device->set_name(dev.name());
+    device->set_port(rail->local.port);
+    device->set_link_layer(port.link_layer == IBV_LINK_LAYER_INFINIBAND
+                               ? "InfiniBand"
+                               : "Ethernet");
+    device->set_state(verbs::PortStateName(port.state));
+    device->set_mtu_bytes(verbs::MtuBytes(port.active_mtu));
+    device->set_speed_gbps(verbs::PortSpeedGbps(port));
+    device->set_lid(port.lid);
+    const int gids = std::min<int>(port.gid_tbl_len, 16);
+    for (int i = 0; i < gids; ++i) {
+      auto gid = dev.QueryGid(rail->local.port, i);
+      if (!gid.ok()) break;
+      static const ibv_gid kZero = {};
+      if (std::memcmp(gid->raw, kZero.raw, sizeof(kZero.raw)) == 0) continue;
+      device->add_gids(absl::StrCat(i, ":", verbs::GidToString(*gid)));
+    }
+    device->set_profile(rail->profile.name);
+    device->set_max_message_bytes(rail->params.max_message_bytes);
+    // Per rail: what it carried, whether it is left out, where it sits.
+    const std::string prefix = absl::StrCat("rail.", rail->name, ".");
+    attributes[prefix + "bytes"] = absl::StrCat(rail->counters.bytes.load());
+    attributes[prefix + "work_requests"] =
+        absl::StrCat(rail->counters.work_requests.load());
+    attributes[prefix + "errors"] = absl::StrCat(rail->counters.errors.load());
+    attributes[prefix + "reposted_bytes"] =
+        absl::StrCat(rail->counters.reposted_bytes.load());
+    {
+      absl::MutexLock lock(&rail->mu);
+      attributes[prefix + "health"] =
+          rail->health.cooling(now)
+              ? absl::StrCat("cooling down for ",
+                             absl::FormatDuration(absl::Ceil(
+                                 rail->health.until() - now,
+                                 absl::Milliseconds(1))),
+                             ": ", rail->health.why())
+              : "ok";
+    }
+    attributes[prefix + "lanes_cooling_down"] =
+        absl::StrCat(lanes_cooling[rail.get()]);
+    attributes[prefix + "numa_node"] = absl::StrCat(rail->numa_node);
+    attributes[prefix + "speed_gbps"] = absl::StrCat(rail->speed_gbps);
+  }
+  const Rail& first = *rails_.front();
+  attributes["rails"] = absl::StrCat(rails_.size());
+  attributes["completion_threads"] = absl::StrCat(completion_threads());
+  attributes["stripe_threshold_bytes"] =
+      absl::StrCat(options_.stripe_threshold_bytes);
+  attributes["profile"] = first.profile.name;
+  attributes["gid_index"] = absl::StrCat(first.params.gid_index);
+  attributes["path_mtu_bytes"] = absl::StrCat(first.params.mtu_bytes);
+  attributes["sq_depth"] = absl::StrCat(first.params.sq_depth);
+  attributes["timeout"] = absl::StrCat(first.params.timeout);
+  attributes["retry_cnt"] = absl::StrCat(first.params.retry_cnt);
+  attributes["rnr_retry"] = absl::StrCat(first.params.rnr_retry);
+  attributes["max_rd_atomic"] = absl::StrCat(first.params.max_rd_atomic);
   attributes["peer_address"] = peer_address_;
   return info;
 }
@@ -450,30 +522,61 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
         absl::StrCat("ibverbs backend unavailable: ", unavailable_reason_));
   }
   // Local access only: peers reach the memory through MRs in their own
-  // session's PD (GrantAccess), never through this one, so nothing that
-  // answers this agent's handshakes can use it.
-  auto mr = pd_->RegisterMemory(registration.data(), registration.size(),
-                                IBV_ACCESS_LOCAL_WRITE);
-  if (!mr.ok()) return mr.status();
+  // session's PD (GrantAccess), never through these, so nothing that
+  // answers this agent's handshakes can use them. One per device: an lkey
+  // is good on every port of its device.
+  std::vector<std::unique_ptr<verbs::MemoryRegion>> mrs;
+  for (const auto& device : devices_) {
+    auto mr = device->pd->RegisterMemory(
+        registration.data(), registration.size(), IBV_ACCESS_LOCAL_WRITE);
+    if (!mr.ok()) {
+      return Prefixed(mr.status(),
+                      absl::StrCat("registering buffer ", registration.id(),
+                                   " on ", device->device->name()));
+    }
+    mrs.push_back(std::move(*mr));
+  }
+  // The first rail in the single-rail fields, so that agents knowing of
+  // one port per agent reach this one through it.
+  const Rail& first = *rails_.front();
   v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
-  ib->set_device(device_->name());
-  ib->set_port(local_.port);
-  ib->set_lid(local_.lid);
-  ib->set_gid(GidBytes(local_.gid));
+  ib->set_device(first.device->device->name());
+  ib->set_port(first.local.port);
+  ib->set_lid(first.local.lid);
+  ib->set_gid(GidBytes(first.local.gid));
   // No rkey: a peer gets one for its own PD in return for the token.
   ib->set_address(reinterpret_cast<uint64_t>(registration.data()));
   ib->set_peer_address(peer_address_);
-  ib->set_max_message_bytes(params_.max_message_bytes);
+  ib->set_max_message_bytes(first.params.max_message_bytes);
+  // Listed only when there is more than one: a single-rail context stays
+  // what it always was.
+  if (rails_.size() > 1) {
+    for (const auto& rail : rails_) {
+      v1::IbverbsRail* entry = ib->add_rails();
+      entry->set_device(rail->device->device->name());
+      entry->set_port(rail->local.port);
+      entry->set_lid(rail->local.lid);
+      entry->set_gid(GidBytes(rail->local.gid));
+      entry->set_max_message_bytes(rail->params.max_message_bytes);
+      entry->set_speed_gbps(rail->speed_gbps);
+    }
+  }
   return std::unique_ptr<BackendRegistration>(
-      new IbverbsRegistration(std::move(*mr)));
+      new IbverbsRegistration(std::move(mrs)));
 }
 
 bool IbverbsBackend::CanReach(const v1::RemoteBuffer& remote) const {
   if (!available()) return false;
   const v1::BackendEndpoint* endpoint = FindEndpoint(remote, name_);
-  return endpoint != nullptr && endpoint->has_ibverbs() &&
-         !endpoint->ibverbs().peer_address().empty() &&
-         endpoint->ibverbs().gid().size() == sizeof(ibv_gid);
+  if (endpoint == nullptr || !endpoint->has_ibverbs() ||
+      endpoint->ibverbs().peer_address().empty() ||
+      endpoint->ibverbs().gid().size() != sizeof(ibv_gid)) {
+    return false;
+  }
+  for (const v1::IbverbsRail& rail : endpoint->ibverbs().rails()) {
+    if (rail.gid().size() != sizeof(ibv_gid)) return false;
+  }
+  return true;
 }
 
 std::shared_ptr<v1::Peer::Stub> IbverbsBackend::StubFor(
@@ -488,229 +591,6 @@ std::shared_ptr<v1::Peer::Stub> IbverbsBackend::StubFor(
         grpc::CreateCustomChannel(address, credentials, args));
   }
   return stub;
-}
-
-std::string IbverbsBackend::ConnectionKey(const v1::RemoteBuffer& remote,
-                                          const v1::IbverbsEndpoint& endpoint) {
-  return absl::StrCat(remote.agent_id(), "/", remote.agent_epoch(), "/",
-                      endpoint.device());
-}
-
-absl::StatusOr<std::shared_ptr<QueuePairConnection>>
-IbverbsBackend::GetConnection(const v1::RemoteBuffer& remote,
-                              const v1::IbverbsEndpoint& endpoint,
-                              absl::Time deadline) {
-  const std::string key = ConnectionKey(remote, endpoint);
-  std::shared_ptr<QueuePairConnection>
-      stale;  // destroyed (drained) outside mu_
-  std::shared_ptr<absl::Mutex> connect_lock;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = requesters_.find(key);
-    if (it != requesters_.end()) {
-      if (!it->second->broken()) return it->second;
-      stale = std::move(it->second);
-      requesters_.erase(it);
-      links_.erase(key);
-    }
-    auto& slot = connect_locks_[key];
-    if (slot == nullptr) slot = std::make_shared<absl::Mutex>();
-    connect_lock = slot;
-  }
-  stale.reset();
-  absl::MutexLock connecting(connect_lock.get());
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = requesters_.find(key);
-    if (it != requesters_.end() && !it->second->broken()) return it->second;
-  }
-  auto handshaken = Handshake(remote, endpoint, deadline);
-  if (!handshaken.ok()) {
-    spdlog::warn("ibverbs: connecting to agent {} device {} at {}: {}",
-                 LogSafe(remote.agent_id()), LogSafe(endpoint.device()),
-                 LogSafe(endpoint.peer_address()),
-                 LogSafe(handshaken.status().ToString()));
-    return handshaken.status();
-  }
-  std::shared_ptr<QueuePairConnection> connection = handshaken->connection;
-  spdlog::info(
-      "ibverbs: connected QP {} to agent {} (epoch {:016x}) device "
-      "{} at {}",
-      connection->qp_num(), LogSafe(remote.agent_id()), remote.agent_epoch(),
-      LogSafe(endpoint.device()), LogSafe(endpoint.peer_address()));
-  // The agent answered with this epoch, so QPs to its earlier lives are
-  // dead: drop them (destroyed outside mu_).
-  std::vector<std::shared_ptr<QueuePairConnection>> dead;
-  {
-    absl::MutexLock lock(&mu_);
-    const std::string agent_prefix = absl::StrCat(remote.agent_id(), "/");
-    const std::string epoch_prefix =
-        absl::StrCat(agent_prefix, remote.agent_epoch(), "/");
-    for (auto it = requesters_.lower_bound(agent_prefix);
-         it != requesters_.end() &&
-         absl::StartsWith(it->first, agent_prefix);) {
-      if (absl::StartsWith(it->first, epoch_prefix)) {
-        ++it;
-        continue;
-      }
-      dead.push_back(std::move(it->second));
-      connect_locks_.erase(it->first);
-      links_.erase(it->first);
-      it = requesters_.erase(it);
-    }
-    requesters_[key] = connection;
-    RequesterLink& link = links_[key];
-    link.connection = connection;
-    link.session = handshaken->session;
-    link.grants.clear();
-    link.grants[handshaken->buffer_id] = handshaken->grant;
-    ++connections_established_;
-  }
-  dead.clear();
-  return connection;
-}
-
-absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
-    const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
-    absl::Time deadline) {
-  // Inbound RDMA refused: whoever answers cannot reach this agent's memory
-  // through this QP.
-  auto created = QueuePairConnection::Create(
-      local_, params_, options_.busy_poll, options_.drain_timeout,
-      QueuePairConnection::Inbound::kRefuse);
-  if (!created.ok()) return created.status();
-  Handshaken result;
-  result.connection = std::move(*created);
-
-  v1::ConnectQueuePairRequest request;
-  request.set_agent_id(env_.identity.agent_id);
-  request.set_agent_epoch(env_.identity.epoch);
-  request.set_expected_epoch(remote.agent_epoch());
-  request.set_remote_device(endpoint.device());
-  *request.mutable_requester() = result.connection->local_endpoint();
-  request.set_buffer_id(remote.buffer_id());
-  request.set_token(remote.token());
-  v1::ConnectQueuePairResponse response;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(
-      std::min(deadline, absl::Now() + options_.connect_timeout)));
-  const grpc::Status status =
-      StubFor(endpoint.peer_address())
-          ->ConnectQueuePair(&context, request, &response);
-  if (!status.ok()) {
-    return Prefixed(
-        FromGrpcStatus(status),
-        absl::StrCat("queue-pair handshake with agent ", remote.agent_id(),
-                     " at ", endpoint.peer_address()));
-  }
-  if (response.session().empty() ||
-      response.grant().buffer_id() != remote.buffer_id()) {
-    return absl::UnavailableError(absl::StrCat(
-        "queue-pair handshake with agent ", remote.agent_id(), " at ",
-        endpoint.peer_address(), ": the answer has no session or grant"));
-  }
-  absl::Status connected = result.connection->ConnectTo(response.responder());
-  if (!connected.ok()) {
-    return Prefixed(
-        absl::StatusCode::kUnavailable, connected,
-        absl::StrCat("connecting the queue pair to ", endpoint.peer_address()));
-  }
-  result.session = response.session();
-  result.buffer_id = remote.buffer_id();
-  result.grant.token = remote.token();
-  result.grant.rkey = response.grant().rkey();
-  result.grant.address = response.grant().address();
-  result.grant.size_bytes = response.grant().size_bytes();
-  return result;
-}
-
-absl::StatusOr<std::shared_ptr<QueuePairConnection>>
-IbverbsBackend::ConnectForGroup(absl::Span<const Op> ops,
-                                const std::vector<size_t>& indices,
-                                absl::Time deadline) {
-  // Bounds the handshakes one batch can cost when its proofs are refused.
-  constexpr size_t kMaxProofs = 4;
-  std::vector<const Op*> tried;
-  absl::StatusOr<std::shared_ptr<QueuePairConnection>> connection =
-      absl::NotFoundError("no op to connect for");
-  for (size_t i : indices) {
-    const Op& op = ops[i];
-    const bool seen =
-        std::any_of(tried.begin(), tried.end(), [&](const Op* other) {
-          return other->remote->buffer_id() == op.remote->buffer_id() &&
-                 other->remote->token() == op.remote->token();
-        });
-    if (seen) continue;
-    tried.push_back(&op);
-    connection = GetConnection(*op.remote, op.endpoint->ibverbs(), deadline);
-    // Only a refused proof is worth another op's proof.
-    if (connection.ok() ||
-        connection.status().code() != absl::StatusCode::kNotFound ||
-        tried.size() >= kMaxProofs) {
-      break;
-    }
-  }
-  return connection;
-}
-
-absl::StatusOr<IbverbsBackend::RemoteGrant> IbverbsBackend::GrantFor(
-    const Op& op, const QueuePairConnection& connection,
-    const StopToken& stop) {
-  const v1::RemoteBuffer& remote = *op.remote;
-  const v1::IbverbsEndpoint& endpoint = op.endpoint->ibverbs();
-  const std::string key = ConnectionKey(remote, endpoint);
-  std::string session;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = links_.find(key);
-    if (it == links_.end() ||
-        it->second.connection.lock().get() != &connection) {
-      return absl::UnavailableError(
-          "the queue pair was replaced while the op was being posted");
-    }
-    auto grant = it->second.grants.find(remote.buffer_id());
-    // The token too: another local user's forged context naming the same
-    // buffer id must not ride on a grant earned by a real one.
-    if (grant != it->second.grants.end() &&
-        TokensEqual(grant->second.token, remote.token())) {
-      return grant->second;
-    }
-    session = it->second.session;
-  }
-  v1::GrantBufferRequest request;
-  request.set_agent_id(env_.identity.agent_id);
-  request.set_expected_epoch(remote.agent_epoch());
-  request.set_session(session);
-  request.set_buffer_id(remote.buffer_id());
-  request.set_token(remote.token());
-  v1::GrantBufferResponse response;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(
-      std::min(stop.deadline(), absl::Now() + options_.connect_timeout)));
-  // A cancelled Submit does not wait for a slow peer's answer.
-  const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
-  const grpc::Status status = StubFor(endpoint.peer_address())
-                                  ->GrantBuffer(&context, request, &response);
-  if (!status.ok() && stop.cancelled()) {
-    return stop.StopStatus("while asking the peer for buffer access");
-  }
-  if (!status.ok()) {
-    return Prefixed(
-        FromGrpcStatus(status),
-        absl::StrCat("access to a buffer of agent ", remote.agent_id(), " at ",
-                     endpoint.peer_address()));
-  }
-  RemoteGrant grant;
-  grant.token = remote.token();
-  grant.rkey = response.grant().rkey();
-  grant.address = response.grant().address();
-  grant.size_bytes = response.grant().size_bytes();
-  absl::MutexLock lock(&mu_);
-  auto it = links_.find(key);
-  if (it != links_.end() && it->second.connection.lock().get() == &connection) {
-    it->second.grants[remote.buffer_id()] = grant;
-  }
-  return grant;
 }
 
 absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
@@ -740,10 +620,12 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
   auto registration = env_.directory->ResolveForPeer(proof);
   // Refusals are logged by the directory's observer, with `peer`.
   if (!registration.ok()) return registration.status();
-  if (request.remote_device() != device_->name()) {
+  Rail* rail = FindRail(request.remote_device(), request.remote_port());
+  if (rail == nullptr) {
     return absl::NotFoundError(absl::StrCat(
-        "agent ", env_.identity.agent_id, " has no RDMA device ",
-        request.remote_device(), " (it uses ", device_->name(), ")"));
+        "agent ", env_.identity.agent_id, " has no RDMA rail ",
+        request.remote_device(), ":", request.remote_port(), " (it uses ",
+        absl::StrJoin(rail_names(), ", "), ")"));
   }
   const auto* state = dynamic_cast<const IbverbsRegistration*>(
       (*registration)->backend_state(name_));
@@ -752,9 +634,11 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
         absl::StrCat("buffer ", request.buffer_id(),
                      " is not registered with the ibverbs backend"));
   }
-  // One session per requester device: a reconnect replaces it.
+  // One session per (requester rail, rail of ours): a reconnect between
+  // the same two rails replaces it.
   const std::string key =
-      absl::StrCat(request.agent_id(), "/", requester.device());
+      absl::StrCat(request.agent_id(), "/", requester.device(), ":",
+                   requester.port(), ">", rail->name);
   const auto over_bound = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return responders_.count(key) == 0 &&
            responders_.size() >= options_.max_responders;
@@ -771,15 +655,21 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
     if (over_bound()) return exhausted();
     serial = next_session_serial_++;
   }
-  auto pd = device_->AllocateProtectionDomain();
+  auto pd = rail->device->device->AllocateProtectionDomain();
   if (!pd.ok()) return pd.status();
   auto session = std::make_shared<PeerSession>(
       serial, RandomBytes(16),
+      absl::StrCat(request.agent_id(), "/", requester.device()),
       std::shared_ptr<verbs::ProtectionDomain>(std::move(*pd)));
-  LocalPort port = local_;
+  LocalPort port = rail->local;
   port.pd = session->pd();
+  // A responder QP only answers (the peer's NIC drives one-sided ops): it
+  // posts nothing, so one send-queue slot, and one entry of the device's
+  // shared CQ, is all it takes.
+  QueuePairParams params = rail->params;
+  params.sq_depth = 1;
   auto created = QueuePairConnection::Create(
-      port, params_, options_.busy_poll, options_.drain_timeout,
+      port, params, options_.busy_poll, options_.drain_timeout,
       QueuePairConnection::Inbound::kAccept);
   if (!created.ok()) return created.status();
   absl::Status connected = (*created)->ConnectTo(requester);
@@ -798,9 +688,9 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
     if (over_bound()) return exhausted();
     responders_[key].swap(replaced);
   }
-  spdlog::info("ibverbs: serving agent {} device {} (QP {})",
+  spdlog::info("ibverbs: serving agent {} device {} on rail {} (QP {})",
                LogSafe(request.agent_id()), LogSafe(requester.device()),
-               response.responder().qp_num());
+               rail->name, response.responder().qp_num());
   // `replaced` (the peer's previous session) drops its grants, QP and PD.
   return response;
 }
@@ -907,155 +797,6 @@ absl::Status IbverbsBackend::AcceptNotification(
                                      request.data());
 }
 
-absl::Status IbverbsBackend::CheckOp(const Op& op) const {
-  // Routed here by the registry, which checked CanReach, with both ranges
-  // validated (backend.h): nothing of the context is checked again.
-  assert(op.endpoint != nullptr && op.endpoint->has_ibverbs());
-  // What the posting path casts to: one lookup, so that a registration that
-  // bypassed BackendRegistry::RegisterWithAll fails instead of crashing.
-  if (dynamic_cast<const IbverbsRegistration*>(
-          op.local->backend_state(name_)) == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("local buffer ", op.local->id(),
-                     " is not registered with the ibverbs backend"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status IbverbsBackend::PostOp(const Op& op, size_t index,
-                                    QueuePairConnection& connection,
-                                    const std::shared_ptr<OpTracker>& tracker,
-                                    const StopToken& stop) {
-  const v1::IbverbsEndpoint& ib = op.endpoint->ibverbs();
-  auto grant = GrantFor(op, connection, stop);
-  if (!grant.ok()) return grant.status();
-  // The grant is the remote's word on the buffer's real size, which a
-  // forged context may overstate: the contract's code rather than the NIC's
-  // access error (the remote NIC refuses the WR either way).
-  if (absl::Status range =
-          CheckRange(op.remote_offset, op.length, grant->size_bytes, "remote");
-      !range.ok()) {
-    return range;
-  }
-  const auto& local =
-      dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
-  uint64_t wr_bytes = params_.max_message_bytes;
-  if (ib.max_message_bytes() > 0) {
-    wr_bytes = std::min<uint64_t>(wr_bytes, ib.max_message_bytes());
-  }
-  absl::Status posted;
-  for (uint64_t done = 0; done < op.length && posted.ok();) {
-    const uint64_t n = std::min(wr_bytes, op.length - done);
-    ibv_sge sge = {};
-    sge.addr =
-        reinterpret_cast<uint64_t>(op.local->data() + op.local_offset + done);
-    sge.length = static_cast<uint32_t>(n);
-    sge.lkey = local.mr().lkey();
-    ibv_send_wr wr = {};
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-    wr.wr.rdma.remote_addr = grant->address + op.remote_offset + done;
-    wr.wr.rdma.rkey = grant->rkey;
-    posted = connection.Post(wr, tracker, index, op.local, stop);
-    done += n;
-  }
-  return posted;
-}
-
-std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
-                                                 const StopToken& stop) {
-  const absl::Time deadline = stop.deadline();
-  auto tracker = std::make_shared<OpTracker>(ops.size());
-  // A cancellation ends the wait for completions below; the QPs are then
-  // moved to ERR and drained exactly as at the deadline.
-  const auto on_cancel = stop.OnCancel([tracker] { tracker->Interrupt(); });
-  // Ops grouped by the QP they go through, each group in batch order.
-  std::map<std::string, std::vector<size_t>> groups;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    absl::Status checked = stop.Check("before posting");
-    if (checked.ok()) checked = CheckOp(ops[i]);
-    if (!checked.ok()) {
-      tracker->PostingFinished(i, checked);
-      continue;
-    }
-    groups[ConnectionKey(*ops[i].remote, ops[i].endpoint->ibverbs())].push_back(
-        i);
-  }
-
-  absl::Mutex used_mu;
-  std::vector<std::shared_ptr<QueuePairConnection>> used;
-  // Connects (if needed) and posts one group. Groups run concurrently, so
-  // a full send queue or a slow handshake with one peer does not hold up
-  // the others.
-  const auto run_group = [&](const std::vector<size_t>& indices) {
-    auto connection = ConnectForGroup(ops, indices, deadline);
-    if (!connection.ok()) {
-      for (size_t i : indices) tracker->PostingFinished(i, connection.status());
-      return;
-    }
-    {
-      absl::MutexLock lock(&used_mu);
-      used.push_back(*connection);
-    }
-    for (size_t i : indices) {
-      tracker->PostingFinished(
-          i, stop.cancelled() ? stop.StopStatus("before posting")
-                              : PostOp(ops[i], i, **connection, tracker, stop));
-    }
-  };
-  std::vector<std::function<void()>> postings;
-  for (const auto& [key, indices] : groups) {
-    postings.push_back([&run_group, &indices = indices] { run_group(indices); });
-  }
-  posting_pool_->RunAll(postings);
-
-  if (!tracker->WaitAllDone(deadline)) {
-    // Out of time (or cancelled) with WRs on the wire: the QPs carrying them
-    // go to ERR and are drained, so no WR of this batch touches memory after
-    // we return.
-    const std::vector<size_t> late = tracker->NotDone();
-    bool drained = true;
-    for (const auto& connection : used) {
-      if (connection->outstanding() == 0) continue;
-      drained &= connection->MoveToErrorAndDrain(options_.drain_timeout);
-    }
-    if (drained) drained = tracker->WaitAllDone(absl::Now());
-    if (!drained) {
-      // Not seen with a working device. The WRs still pin their local
-      // registrations, so memory stays mapped whatever the NIC does.
-      spdlog::error(
-          "ibverbs: a queue pair moved to ERROR did not flush "
-          "within {}",
-          absl::FormatDuration(options_.drain_timeout));
-    }
-    const bool cancelled = stop.cancelled();
-    spdlog::warn(
-        "ibverbs: {} with {} op(s) in flight; queue pair(s) moved to ERROR "
-        "and drained",
-        cancelled ? "batch cancelled" : "deadline passed", late.size());
-    const std::string what =
-        drained ? "with RDMA work requests in flight; the queue pair was "
-                  "moved to ERROR and drained"
-                : "with RDMA work requests in flight; the queue pair was "
-                  "moved to ERROR but did not drain";
-    const absl::Status cut = stop.StopStatus(what);
-    for (size_t i : late) {
-      tracker->Override(
-          i, cancelled ? absl::Status(cut.code(),
-                                      absl::StrCat(cut.message(), " ", what))
-                       : cut);
-    }
-  }
-  std::vector<absl::Status> results = tracker->Results();
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (results[i].ok()) {
-      ops[i].local->CountMoved(ops[i].length);
-    }
-  }
-  return results;
-}
-
 uint64_t IbverbsBackend::connections_established() const {
   absl::MutexLock lock(&mu_);
   return connections_established_;
@@ -1063,26 +804,26 @@ uint64_t IbverbsBackend::connections_established() const {
 
 size_t IbverbsBackend::requester_count() const {
   absl::MutexLock lock(&mu_);
-  return requesters_.size();
+  size_t connected = 0;
+  for (const auto& [key, lane] : lanes_) connected += lane->connection != nullptr;
+  return connected;
 }
 
 std::vector<Backend::PeerLinks> IbverbsBackend::peer_links() const {
   absl::MutexLock lock(&mu_);
-  // Keys are "agent/epoch/device" (out) and "agent/device" (in); a peer's
-  // epoch is no label worth a new time series per restart.
+  // By peer agent and device; a peer's epoch, or which of our rails, is no
+  // label worth a new time series.
   std::map<std::string, size_t> out;
-  for (const auto& [key, connection] : requesters_) {
-    const size_t first = key.find('/');
-    const size_t last = key.rfind('/');
-    ++out[first == std::string::npos || first == last
-              ? key
-              : key.substr(0, first) + key.substr(last)];
+  for (const auto& [key, lane] : lanes_) {
+    if (lane->connection == nullptr) continue;
+    const std::string agent = lane->peer.substr(0, lane->peer.rfind('/'));
+    ++out[absl::StrCat(agent, "/", lane->remote.device)];
   }
+  std::map<std::string, size_t> in;
+  for (const auto& [key, session] : responders_) ++in[session->peer()];
   std::vector<PeerLinks> links;
   for (const auto& [peer, count] : out) links.push_back({peer, "out", count});
-  for (const auto& [key, session] : responders_) {
-    links.push_back({key, "in", 1});
-  }
+  for (const auto& [peer, count] : in) links.push_back({peer, "in", count});
   return links;
 }
 
@@ -1103,7 +844,7 @@ size_t IbverbsBackend::grant_count() const {
 uint32_t IbverbsBackend::local_key(const Registration& registration) const {
   const auto* state = dynamic_cast<const IbverbsRegistration*>(
       registration.backend_state(name_));
-  return state == nullptr ? 0 : state->mr().lkey();
+  return state == nullptr || devices_.empty() ? 0 : state->mr(0).lkey();
 }
 
 }  // namespace rdma_agent::ibverbs

@@ -10,8 +10,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "backends/backend.h"
+#include "backends/ibverbs/batch.h"
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/profiles.h"
+#include "backends/ibverbs/rails.h"
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
@@ -29,13 +31,14 @@ namespace rdma_agent::ibverbs {
 struct IbverbsOptions {
   // False: the backend reports itself unavailable.
   bool enabled = true;
-  // Device to use; empty = the first one with an ACTIVE port.
-  std::string device;
-  // 1-based port; 0 = the first ACTIVE port.
+  // Devices to use, each ACTIVE port of each one a rail; empty = every
+  // device.
+  std::vector<std::string> devices;
+  // 1-based port used on each device; 0 = every ACTIVE port.
   uint8_t port = 0;
-  // "auto" (from the device's vendor and name), "generic", "mlx5", "efa".
+  // "auto" (from each device's vendor and name), "generic", "mlx5", "efa".
   std::string profile = "auto";
-  // Overrides of the profile's queue-pair defaults.
+  // Overrides of the profile's queue-pair defaults (on every rail).
   QueuePairOverrides qp;
   // Bound on one queue-pair handshake (also bounded by the op's deadline).
   absl::Duration connect_timeout = absl::Seconds(5);
@@ -43,37 +46,59 @@ struct IbverbsOptions {
   absl::Duration busy_poll = absl::Microseconds(50);
   // Bound on waiting for a QP in ERR to flush its WRs.
   absl::Duration drain_timeout = absl::Seconds(10);
-  // Peer sessions kept at most (one per peer agent and device, each with its
-  // own protection domain and responder QP).
+  // Peer sessions kept at most (one per peer agent rail and rail of this
+  // agent it connected to, each with its own protection domain and
+  // responder QP).
   size_t max_responders = 1024;
   // Registrations one peer session may be granted (one MR each in its PD).
   size_t max_grants_per_peer = 4096;
+  // Ops of at least this many bytes are split over every rail pair to
+  // their peer, in proportion to link speed; smaller ones go whole to the
+  // least loaded pair.
+  uint64_t stripe_threshold_bytes = 64 << 10;
+  // How long a rail pair (or a rail whose port went down) is left out after
+  // its completions failed; each further failure in a row doubles it, up to
+  // rail_max_cooldown. When it runs out the pair is probed (a zero-length
+  // RDMA WRITE) while the others carry the ops, and used again once the
+  // probe completes.
+  absl::Duration rail_cooldown = absl::Seconds(1);
+  absl::Duration rail_max_cooldown = absl::Seconds(30);
 };
 
-// One-sided RDMA READ/WRITE through a NIC ("ibverbs", level NIC).
+// One-sided RDMA READ/WRITE through the host's NICs ("ibverbs", level NIC).
 //
-// Register() registers the whole mapping as an MR in the agent's main PD
-// with local access only (the lkey of this agent's own WRs) and advertises
-// device, port, LID, GID, address, max message size and the agent's Peer
-// address; no rkey. The MR lives in the BackendRegistration, so it is
-// deregistered only once the registration and every op pinning it are gone.
+// Every ACTIVE port of every device used is a rail (README.md, "Rails").
+// Register() registers the whole mapping as an MR in the agent's main PD of
+// each device, with local access only (the lkeys of this agent's own WRs),
+// and advertises every rail (device, port, LID, GID, max message size,
+// speed), the address and the agent's Peer address; no rkey. The MRs live
+// in the BackendRegistration, so they are deregistered only once the
+// registration and every op pinning it are gone.
 //
 // Peers reach a registration only through a session: ConnectQueuePair
 // (proof of one registration: epoch, buffer id, token) gives the requesting
-// agent a protection domain of its own holding its responder QP and an MR
-// for each registration it proved (GrantBuffer adds more), with exactly the
-// remote access the registration allows. Grants hang off the registration's
-// BackendRegistration (gone with it) and off the session (gone when it is
-// replaced). This agent's own requester QPs refuse inbound RDMA.
+// agent's rail a protection domain of its own on one of this agent's rails,
+// holding its responder QP and an MR for each registration it proved
+// (GrantBuffer adds more), with exactly the remote access the registration
+// allows. Grants hang off the registration's BackendRegistration (gone with
+// it) and off the session (gone when it is replaced). This agent's own
+// requester QPs refuse inbound RDMA.
 //
-// Submit() connects an RC QP per (remote agent + epoch, remote device) on
-// first use through the Peer service, asks for a grant on first use of each
-// remote buffer over it (cached per connection, with the token that earned
-// it), splits each op into WRs of at most the smaller max message size of
-// both sides, posts them under send-queue credits, and reports each op when
-// all its WRs completed, with the first error. At the deadline every QP
-// still holding WRs of the batch is moved to ERR and drained, so no WR
-// touches memory after Submit returns; the next Submit reconnects.
+// Submit() pairs this agent's rails with the peer's (striping.h), connects
+// an RC QP per pair (lane) on first use through the Peer service, asks for
+// a grant on first use of each remote buffer over it (cached per lane, with
+// the token that earned it), splits ops of at least stripe_threshold_bytes
+// over the lanes in proportion to link speed and puts smaller ones on the
+// least loaded lane, cuts each piece into WRs of at most the smaller max
+// message size of both rails, posts them under send-queue credits, and
+// reports each op when all its bytes moved, with the first error. Bytes
+// whose WRs fail because a rail failed (retry exceeded, flushed) are posted
+// again over the other lanes, and the failed pair (or rail, when its port is
+// down) cools down; only when no lane is left does the op fail UNAVAILABLE
+// (the registry then retries it on tcp). At the deadline, or when
+// cancelled, every QP still holding WRs of the batch is moved to ERR and
+// drained, so no WR touches memory after Submit returns; the next Submit
+// reconnects.
 class IbverbsBackend : public Backend {
  public:
   // Never fails for a missing device or port: the backend is then
@@ -130,16 +155,23 @@ class IbverbsBackend : public Backend {
 
   // Queue pairs this backend connected as requester, over its life.
   uint64_t connections_established() const;
-  // Queue pairs this backend holds as requester now.
+  // Queue pairs this backend holds as requester now (one per lane in use).
   size_t requester_count() const;
   // Queue pairs peers connected to this backend, alive now (one per peer
   // session, each in a PD of its own).
   size_t responder_count() const;
   // Registrations granted to peer sessions, alive now, over all sessions.
   size_t grant_count() const;
-  // The queue-pair attributes in use.
-  const QueuePairParams& params() const { return params_; }
-  const std::string& profile_name() const { return profile_.name; }
+  // The queue-pair attributes of the first rail.
+  const QueuePairParams& params() const;
+  const std::string& profile_name() const;
+  // Rails ("mlx5_0:1"), in the order contexts list them.
+  std::vector<std::string> rail_names() const;
+  // Bytes that WRs of `rail` moved successfully; 0 for an unknown rail.
+  uint64_t rail_bytes(const std::string& rail) const;
+  // Threads polling completion queues now (shared by every QP of a device:
+  // one per device, more only for very many QPs).
+  size_t completion_threads() const;
 
  private:
   // Tests that play a rogue peer read local keys through it.
@@ -147,60 +179,95 @@ class IbverbsBackend : public Backend {
   class PeerService;
   class PeerSession;
   struct Handshaken;
-
-  // What a peer granted this agent for one of its buffers over one
-  // connection.
-  struct RemoteGrant {
-    std::string token;  // the token that earned it: a cache hit needs it too
-    uint32_t rkey = 0;
-    uint64_t address = 0;
-    uint64_t size_bytes = 0;
-  };
-  // A requester QP's session on the peer, and what it was granted.
-  struct RequesterLink {
-    std::weak_ptr<QueuePairConnection> connection;
-    std::string session;
-    std::map<uint64_t, RemoteGrant> grants;  // by remote buffer id
-  };
+  struct LaneUse;
+  struct PeerPlan;
 
   IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
                  std::unique_ptr<verbs::Verbs> verbs);
-  // Finds a device/port and sets up the PD; on failure sets the reason.
+  // Opens the devices and sets up a rail per ACTIVE port; on failure the
+  // backend is unavailable for the reason returned.
   absl::Status Discover();
-  // "agent_id/epoch/device": the requester QP an op needs.
-  static std::string ConnectionKey(const v1::RemoteBuffer& remote,
-                                   const v1::IbverbsEndpoint& endpoint);
+  // Sets up the rails of one opened device (none when it has no usable
+  // port; `why` says why).
+  absl::Status AddRails(std::unique_ptr<verbs::Device> device,
+                        std::vector<std::string>& why);
+  // The rail `device`:`port` of this agent (port 0: its first rail on
+  // `device`), or nullptr.
+  Rail* FindRail(const std::string& device, uint32_t port) const;
+  // "agent_id/epoch": whom an op goes to.
+  static std::string PeerKey(const v1::RemoteBuffer& remote);
   // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
-  // Posts `op` (checked) as WRs of at most the smaller max message size,
-  // with the rkey and address granted for its remote buffer over
-  // `connection`; returns the first posting error.
-  absl::Status PostOp(const Op& op, size_t index,
-                      QueuePairConnection& connection,
-                      const std::shared_ptr<OpTracker>& tracker,
-                      const StopToken& stop);
-  // The connection a group of ops (same remote agent, epoch and device)
-  // goes through. The handshake needs the proof of one buffer: those of the
-  // group's ops are tried in turn (a few at most), so that one forged or
-  // released context does not fail the others.
-  absl::StatusOr<std::shared_ptr<QueuePairConnection>> ConnectForGroup(
-      absl::Span<const Op> ops, const std::vector<size_t>& indices,
-      absl::Time deadline);
+
+  // Submit's steps. The rail pairs ops to one peer go over, and which bytes
+  // each lane carries; the ops fail at once when no rail can be used.
+  PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
+                    Batch& batch);
+  // Rails usable now (their port's failure cooled down, or they never
+  // failed); when none is, the rails whose ports are ACTIVE now.
+  std::vector<Rail*> UsableRails();
+  // Connects `use`'s lane and posts the bytes planned for it.
+  void RunLane(absl::Span<const Op> ops, const PeerPlan& plan, LaneUse& use,
+               const std::shared_ptr<Batch>& batch, const StopToken& stop);
+  // Posts `range` of its op over `use`'s connected lane as WRs of at most
+  // the smaller max message size of both rails. What cannot be posted
+  // because the lane failed is requeued; other failures settle it.
+  void PostRange(const Op& op, const Batch::Range& range, LaneUse& use,
+                 const std::shared_ptr<Batch>& batch, const StopToken& stop);
+  // Posts the bytes of failed WRs again over the other lanes to their peer
+  // (connecting one if needed), or settles them UNAVAILABLE when none is
+  // left.
+  void Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
+              const std::vector<size_t>& plan_of_op,
+              std::vector<Batch::Retry> retries,
+              const std::shared_ptr<Batch>& batch, const StopToken& stop);
+  // The least loaded lane of `plan` still standing in this Submit,
+  // connected (a lane that fails to connect is left out and the next one
+  // tried); when none is left, a pair the plan left out (AddLane). nullptr
+  // when there is none either.
+  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan,
+                    const StopToken& stop);
+  // Adds to `plan` a lane between usable rails that it does not have yet
+  // and that is not cooling down; nullptr when there is none.
+  LaneUse* AddLane(PeerPlan& plan);
+  // Leaves out `lane` (or its rail, when its port is not ACTIVE) for a
+  // while after its path failed with `why`.
+  void CoolDown(Lane& lane, const absl::Status& why);
+  // Reconnects a lane whose cooldown ran out and sends it a zero-length
+  // RDMA WRITE; the lane is used again once that completes.
+  void ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
+                 const std::shared_ptr<Lane>& lane, const StopToken& stop);
+  // At the deadline or cancellation: moves the QPs holding WRs of the batch
+  // to ERR, drains them, and gives the ops not done the stop's status.
+  void CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
+                const StopToken& stop);
+
+  // The lane `rail` -> `remote` to `peer`, created on first use.
+  std::shared_ptr<Lane> LaneFor(const std::string& peer, Rail& rail,
+                                const RemoteRail& remote);
+  // The lane's connection. The handshake needs the proof of one buffer:
+  // those of the `indices` ops are tried in turn (a few at most), so that
+  // one forged or released context does not fail the others.
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> ConnectLane(
+      Lane& lane, absl::Span<const Op> ops, const std::vector<size_t>& indices,
+      const StopToken& stop);
   absl::StatusOr<std::shared_ptr<QueuePairConnection>> GetConnection(
-      const v1::RemoteBuffer& remote, const v1::IbverbsEndpoint& endpoint,
-      absl::Time deadline);
-  absl::StatusOr<Handshaken> Handshake(const v1::RemoteBuffer& remote,
+      Lane& lane, const v1::RemoteBuffer& remote,
+      const v1::IbverbsEndpoint& endpoint, const StopToken& stop);
+  absl::StatusOr<Handshaken> Handshake(const Lane& lane,
+                                       const v1::RemoteBuffer& remote,
                                        const v1::IbverbsEndpoint& endpoint,
-                                       absl::Time deadline);
-  // The grant for op's remote buffer over `connection`: cached, or asked
-  // for with GrantBuffer (cut short by `stop`).
-  absl::StatusOr<RemoteGrant> GrantFor(const Op& op,
+                                       const StopToken& stop);
+  // The grant for op's remote buffer over `lane`'s `connection`: cached,
+  // or asked for with GrantBuffer (cut short by `stop`).
+  absl::StatusOr<RemoteGrant> GrantFor(const Op& op, Lane& lane,
                                        const QueuePairConnection& connection,
                                        const StopToken& stop);
   std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
   // The session `id` names, or nullptr.
   std::shared_ptr<PeerSession> FindSession(const std::string& id) const;
-  // The lkey of `registration`'s MR in the main PD (0 when it has none).
+  // The lkey of `registration`'s MR in the first device's main PD (0 when
+  // it has none).
   uint32_t local_key(const Registration& registration) const;
 
   const std::string name_ = "ibverbs";
@@ -208,16 +275,13 @@ class IbverbsBackend : public Backend {
   const IbverbsOptions options_;
   std::unique_ptr<verbs::Verbs> verbs_;
   std::string unavailable_reason_;
-  DeviceProfile profile_;
-  QueuePairParams params_;
-  // Set by Discover() when available; never changed afterwards.
-  std::unique_ptr<verbs::Device> device_;
-  std::unique_ptr<verbs::ProtectionDomain> pd_;
-  ibv_port_attr port_attr_ = {};
-  LocalPort local_;
+  // Set by Discover() when available; never changed afterwards. Declared
+  // before the lanes and sessions: their queue pairs go first.
+  std::vector<std::unique_ptr<RailDevice>> devices_;
+  std::vector<std::unique_ptr<Rail>> rails_;
   std::unique_ptr<PeerService> service_;
-  // A batch for several queue pairs connects and posts to them at once: the
-  // caller and these threads (more groups than threads: the caller runs the
+  // A batch for several lanes connects and posts to them at once: the
+  // caller and these threads (more lanes than threads: the caller runs the
   // rest in turn).
   static constexpr size_t kPostingThreads = 3;
   std::unique_ptr<TaskPool> posting_pool_;
@@ -225,18 +289,18 @@ class IbverbsBackend : public Backend {
   std::string peer_address_;
 
   mutable absl::Mutex mu_;
-  // One per requester key: serialises handshakes to the same peer device,
-  // so concurrent Submits connect it once, while a slow peer does not hold
-  // up handshakes with others.
+  // One per lane key: serialises handshakes of the same lane, so concurrent
+  // Submits connect it once, while a slow peer does not hold up handshakes
+  // with others.
   std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
       ABSL_GUARDED_BY(mu_);
-  // Requester QPs by "agent_id/epoch/device".
-  std::map<std::string, std::shared_ptr<QueuePairConnection>> requesters_
-      ABSL_GUARDED_BY(mu_);
-  // What each requester QP was granted, by the same key as requesters_.
-  std::map<std::string, RequesterLink> links_ ABSL_GUARDED_BY(mu_);
-  // Peer sessions (PD + responder QP + grants) by "agent_id/device" of the
-  // requester.
+  // Lanes by "agent_id/epoch/local rail>remote rail"; a lane's connection,
+  // session and grants are guarded by mu_ too.
+  std::map<std::string, std::shared_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
+  // Rotates ties among equally loaded lanes, per peer ("agent/epoch").
+  std::map<std::string, size_t> round_robin_ ABSL_GUARDED_BY(mu_);
+  // Peer sessions (PD + responder QP + grants) by "agent_id/requester
+  // rail>rail of this agent".
   std::map<std::string, std::shared_ptr<PeerSession>> responders_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_serial_ ABSL_GUARDED_BY(mu_) = 1;

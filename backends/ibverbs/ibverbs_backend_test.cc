@@ -190,7 +190,7 @@ TEST_F(IbverbsBackendTest, UnavailableWithoutDeviceOrWhenDisabled) {
   EXPECT_NE((*off)->unavailable_reason().find("disabled"), std::string::npos);
 
   IbverbsOptions missing;
-  missing.device = "mlx5_9";
+  missing.devices = {"mlx5_9"};
   auto wrong = IbverbsBackend::Create(env, missing, fabric_.MakeVerbs());
   ASSERT_TRUE(wrong.ok());
   EXPECT_FALSE((*wrong)->available());

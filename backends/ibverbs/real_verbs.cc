@@ -4,6 +4,7 @@
 #include <poll.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -167,10 +168,13 @@ class RealProtectionDomain : public ProtectionDomain {
 
 class RealDevice : public Device {
  public:
-  RealDevice(std::string name, ContextPtr context)
-      : name_(std::move(name)), context_(std::move(context)) {}
+  RealDevice(std::string name, ContextPtr context, int numa_node)
+      : name_(std::move(name)),
+        context_(std::move(context)),
+        numa_node_(numa_node) {}
 
   const std::string& name() const override { return name_; }
+  int NumaNode() const override { return numa_node_; }
 
   absl::StatusOr<ibv_device_attr> Query() override {
     ibv_device_attr attr = {};
@@ -230,7 +234,21 @@ class RealDevice : public Device {
  private:
   const std::string name_;
   ContextPtr context_;
+  const int numa_node_;
 };
+
+// <ibdev_path>/device/numa_node (e.g. /sys/class/infiniband/mlx5_0/...):
+// the node of the PCI device; -1 when the file is missing or says so.
+int ReadNumaNode(const char* ibdev_path) {
+  if (ibdev_path == nullptr || ibdev_path[0] == '\0') return -1;
+  const std::string path = absl::StrCat(ibdev_path, "/device/numa_node");
+  FILE* file = std::fopen(path.c_str(), "re");
+  if (file == nullptr) return -1;
+  int node = -1;
+  if (std::fscanf(file, "%d", &node) != 1) node = -1;
+  std::fclose(file);
+  return node;
+}
 
 class RealVerbs : public Verbs {
  public:
@@ -259,10 +277,12 @@ class RealVerbs : public Verbs {
     }
     ibv_context* context = nullptr;
     int err = ENODEV;
+    int numa_node = -1;
     for (int i = 0; i < count; ++i) {
       if (name == ibv_get_device_name(list[i])) {
         context = ibv_open_device(list[i]);
         if (context == nullptr) err = errno;
+        numa_node = ReadNumaNode(list[i]->ibdev_path);
         break;
       }
     }
@@ -271,7 +291,8 @@ class RealVerbs : public Verbs {
       return ErrnoStatus(absl::StrCat("ibv_open_device(", name, ")"), err);
     }
     ContextPtr owned(context, [](ibv_context* c) { ibv_close_device(c); });
-    return std::unique_ptr<Device>(new RealDevice(name, std::move(owned)));
+    return std::unique_ptr<Device>(
+        new RealDevice(name, std::move(owned), numa_node));
   }
 };
 

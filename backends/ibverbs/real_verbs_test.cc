@@ -3,8 +3,12 @@
 // the backend unavailable with a reason instead of failing.
 #include "backends/ibverbs/real_verbs.h"
 
+#include <string>
+#include <vector>
+
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
+#include "absl/time/time.h"
 #include "backends/ibverbs/flags.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "gtest/gtest.h"
@@ -13,6 +17,9 @@ ABSL_DECLARE_FLAG(bool, ibverbs_enable);
 ABSL_DECLARE_FLAG(int32_t, ibverbs_mtu);
 ABSL_DECLARE_FLAG(int32_t, ibverbs_retry_cnt);
 ABSL_DECLARE_FLAG(int32_t, ibverbs_sq_depth);
+ABSL_DECLARE_FLAG(std::vector<std::string>, ibverbs_devices);
+ABSL_DECLARE_FLAG(std::string, ibverbs_device);
+ABSL_DECLARE_FLAG(absl::Duration, ibverbs_rail_cooldown);
 
 namespace rdma_agent::ibverbs {
 namespace {
@@ -78,6 +85,33 @@ TEST(FlagsTest, FlagsBecomeOptions) {
   absl::SetFlag(&FLAGS_ibverbs_enable, true);
   absl::SetFlag(&FLAGS_ibverbs_mtu, 0);
   absl::SetFlag(&FLAGS_ibverbs_sq_depth, 0);
+}
+
+TEST(FlagsTest, DevicesListAndTheSingleDeviceFlag) {
+  absl::SetFlag(&FLAGS_ibverbs_devices,
+                std::vector<std::string>({"mlx5_0", "mlx5_1"}));
+  auto options = IbverbsOptionsFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->devices, std::vector<std::string>({"mlx5_0", "mlx5_1"}));
+  // Both at once is a configuration mistake.
+  absl::SetFlag(&FLAGS_ibverbs_device, "mlx5_2");
+  EXPECT_EQ(IbverbsOptionsFromFlags().status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The old flag alone is a list of one.
+  absl::SetFlag(&FLAGS_ibverbs_devices, std::vector<std::string>());
+  options = IbverbsOptionsFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->devices, std::vector<std::string>({"mlx5_2"}));
+  absl::SetFlag(&FLAGS_ibverbs_device, "");
+  options = IbverbsOptionsFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_TRUE(options->devices.empty());  // every device
+  EXPECT_EQ(options->stripe_threshold_bytes, 64u << 10);
+  absl::SetFlag(&FLAGS_ibverbs_rail_cooldown, absl::Seconds(60));
+  EXPECT_EQ(IbverbsOptionsFromFlags().status().code(),
+            absl::StatusCode::kInvalidArgument)
+      << "cooldown above its maximum";
+  absl::SetFlag(&FLAGS_ibverbs_rail_cooldown, absl::Seconds(1));
 }
 
 }  // namespace

@@ -61,6 +61,23 @@ std::string QpStateName(ibv_qp_state state) {
   }
 }
 
+std::string PortStateName(ibv_port_state state) {
+  switch (state) {
+    case IBV_PORT_DOWN:
+      return "DOWN";
+    case IBV_PORT_INIT:
+      return "INIT";
+    case IBV_PORT_ARMED:
+      return "ARMED";
+    case IBV_PORT_ACTIVE:
+      return "ACTIVE";
+    case IBV_PORT_ACTIVE_DEFER:
+      return "ACTIVE_DEFER";
+    default:
+      return "NOP";
+  }
+}
+
 uint32_t MtuBytes(ibv_mtu mtu) {
   switch (mtu) {
     case IBV_MTU_256:

@@ -99,6 +99,10 @@ class Device {
   virtual absl::StatusOr<ibv_port_attr> QueryPort(uint8_t port) = 0;
   // ibv_query_gid.
   virtual absl::StatusOr<ibv_gid> QueryGid(uint8_t port, int index) = 0;
+  // NUMA node the device is attached to, as sysfs tells
+  // (/sys/class/infiniband/<name>/device/numa_node); -1 when unknown (no
+  // NUMA, or a virtual device).
+  virtual int NumaNode() const = 0;
   virtual absl::StatusOr<std::unique_ptr<ProtectionDomain>>
   AllocateProtectionDomain() = 0;
   // ibv_create_cq with at least `cqe` entries and a completion channel.
@@ -121,6 +125,8 @@ class Verbs {
 std::string WcStatusName(ibv_wc_status status);
 // "RTS", "ERR"...
 std::string QpStateName(ibv_qp_state state);
+// "ACTIVE", "DOWN"...
+std::string PortStateName(ibv_port_state state);
 // IBV_MTU_1024 -> 1024; 0 for an unknown value.
 uint32_t MtuBytes(ibv_mtu mtu);
 // 1024 -> IBV_MTU_1024; INVALID_ARGUMENT unless one of 256..4096.

@@ -478,7 +478,8 @@ TEST_P(BackendContractTest, SixteenThreadsSubmitAtOnce) {
 
 INSTANTIATE_TEST_SUITE_P(
     Backends, BackendContractTest,
-    ::testing::Values(MemoryTarget(), TcpTarget(), SoftIbverbsTarget()),
+    ::testing::Values(MemoryTarget(), TcpTarget(), SoftIbverbsTarget(),
+                      SoftIbverbsRailsTarget()),
     [](const ::testing::TestParamInfo<BackendTarget>& info) {
       return info.param.name;
     });

@@ -40,6 +40,15 @@ std::unique_ptr<TestAgent> SoftIbverbsAgent(verbs::SoftFabric& fabric,
                      std::move(options)));
 }
 
+std::unique_ptr<TestAgent> SoftIbverbsAgent(
+    verbs::SoftFabric& fabric, const std::string& agent_id,
+    const std::vector<std::string>& devices, ibverbs::IbverbsOptions options) {
+  return CreateOrFail(
+      agent_id,
+      IbverbsFactory([&fabric, devices] { return fabric.MakeVerbs(devices); },
+                     std::move(options)));
+}
+
 std::unique_ptr<TestAgent> IbverbsAgent(std::unique_ptr<verbs::Verbs> verbs,
                                         const std::string& agent_id,
                                         ibverbs::IbverbsOptions options) {

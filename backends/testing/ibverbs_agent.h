@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backends/backend.h"
 #include "backends/ibverbs/ibverbs_backend.h"
@@ -25,6 +26,14 @@ BackendFactory IbverbsFactory(
 std::unique_ptr<TestAgent> SoftIbverbsAgent(
     verbs::SoftFabric& fabric, const std::string& agent_id,
     const std::string& device, ibverbs::IbverbsOptions options = {});
+
+// An agent whose ibverbs backend sees `devices` of `fabric`: one rail per
+// device (which must outlive it); nullptr (and a test failure) if it
+// cannot start.
+std::unique_ptr<TestAgent> SoftIbverbsAgent(
+    verbs::SoftFabric& fabric, const std::string& agent_id,
+    const std::vector<std::string>& devices,
+    ibverbs::IbverbsOptions options = {});
 
 // The same over `verbs`.
 std::unique_ptr<TestAgent> IbverbsAgent(std::unique_ptr<verbs::Verbs> verbs,

@@ -1,6 +1,7 @@
 #include "backends/testing/targets.h"
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/ibverbs_backend.h"
@@ -50,6 +51,38 @@ class SoftFabricWorld : public TargetWorld {
   verbs::SoftFabric fabric_;
 };
 
+// Agent 0: rails_0_0 (4x EDR), rails_0_1 (2x), rails_0_2 (4x); agent 1:
+// rails_1_0 (2x), rails_1_1 (4x).
+class SoftRailsWorld : public TargetWorld {
+ public:
+  SoftRailsWorld() {
+    const std::vector<std::vector<uint8_t>> widths = {{2, 16, 2}, {16, 2}};
+    for (int agent = 0; agent < 2; ++agent) {
+      for (size_t i = 0; i < widths[agent].size(); ++i) {
+        verbs::SoftDeviceConfig config;
+        config.name = absl::StrCat("rails_", agent, "_", i);
+        config.active_width = widths[agent][i];
+        const absl::Status added = fabric_.AddDevice(config);
+        (void)added;
+        devices_[agent].push_back(config.name);
+      }
+    }
+  }
+  BackendFactory Factory(int agent) override {
+    ibverbs::IbverbsOptions options;
+    options.qp.max_message_bytes = kIbverbsMaxMessageBytes;
+    options.qp.timeout = 8;  // ~1 ms per try: a lost peer shows quickly
+    options.qp.retry_cnt = 2;
+    const std::vector<std::string> devices = devices_[agent];
+    return IbverbsFactory([this, devices] { return fabric_.MakeVerbs(devices); },
+                          options);
+  }
+
+ private:
+  verbs::SoftFabric fabric_;
+  std::vector<std::string> devices_[2];
+};
+
 }  // namespace
 
 BackendTarget MemoryTarget() {
@@ -91,6 +124,14 @@ BackendTarget SoftIbverbsTarget() {
   target.name = "soft_ibverbs";
   target.max_message_bytes = kIbverbsMaxMessageBytes;
   target.make_world = [] { return std::make_unique<SoftFabricWorld>(); };
+  return target;
+}
+
+BackendTarget SoftIbverbsRailsTarget() {
+  BackendTarget target;
+  target.name = "soft_ibverbs_rails";
+  target.max_message_bytes = kIbverbsMaxMessageBytes;
+  target.make_world = [] { return std::make_unique<SoftRailsWorld>(); };
   return target;
 }
 

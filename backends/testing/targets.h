@@ -45,6 +45,10 @@ BackendTarget MemoryTarget();
 BackendTarget TcpTarget();
 // The ibverbs backend on the software RC NIC, one device per agent.
 BackendTarget SoftIbverbsTarget();
+// The same with several rails per agent: three devices of different link
+// speeds on agent 0, two on agent 1, so that ops are striped unevenly and
+// over fewer rails on the serving side.
+BackendTarget SoftIbverbsRailsTarget();
 
 }  // namespace testing
 }  // namespace rdma_agent

@@ -34,7 +34,7 @@ class HardwareTest : public ::testing::Test {
     }
     IbverbsOptions options;
     if (const char* device = std::getenv("RDMA_AGENT_TEST_DEVICE")) {
-      options.device = device;
+      options.devices = {device};
     }
     if (const char* gid = std::getenv("RDMA_AGENT_TEST_GID_INDEX")) {
       options.qp.gid_index = std::atoi(gid);

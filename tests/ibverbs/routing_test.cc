@@ -26,7 +26,7 @@ constexpr uint64_t kSize = 1 << 20;
 class RoutingTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const char* name : {"nic_a", "nic_b"}) {
+    for (const char* name : {"nic_a", "nic_b", "nic_a1", "nic_b1"}) {
       verbs::SoftDeviceConfig config;
       config.name = name;
       ASSERT_TRUE(fabric_->AddDevice(config).ok());
@@ -36,6 +36,13 @@ class RoutingTest : public ::testing::Test {
   // memory + tcp + ibverbs on `device` (empty: ibverbs disabled, as on a
   // host without a NIC).
   std::unique_ptr<InProcessAgent> StartAgent(const std::string& device) {
+    return StartAgent(std::vector<std::string>({device}));
+  }
+
+  // The same with a rail per device of `devices`.
+  std::unique_ptr<InProcessAgent> StartAgent(
+      const std::vector<std::string>& devices,
+      absl::Duration rail_cooldown = absl::Seconds(1)) {
     AgentOptions options;
     options.backends.push_back([](const BackendEnvironment& env)
                                    -> absl::StatusOr<std::unique_ptr<Backend>> {
@@ -50,14 +57,19 @@ class RoutingTest : public ::testing::Test {
       return std::unique_ptr<Backend>(std::move(*backend));
     });
     std::shared_ptr<verbs::SoftFabric> fabric = fabric_;
-    options.backends.push_back([fabric, device](const BackendEnvironment& env)
+    const bool enabled = !devices.empty() && !devices.front().empty();
+    options.backends.push_back([fabric, devices, enabled, rail_cooldown](
+                                   const BackendEnvironment& env)
                                    -> absl::StatusOr<std::unique_ptr<Backend>> {
       IbverbsOptions ib;
-      ib.enabled = !device.empty();
+      ib.enabled = enabled;
       ib.qp.timeout = 8;  // ~1 ms per try: a dead path fails fast
       ib.qp.retry_cnt = 2;
+      ib.rail_cooldown = rail_cooldown;
+      ib.rail_max_cooldown = rail_cooldown;
       auto backend = IbverbsBackend::Create(
-          env, ib, fabric->MakeVerbs({device.empty() ? "-" : device}));
+          env, ib,
+          fabric->MakeVerbs(enabled ? devices : std::vector<std::string>{"-"}));
       if (!backend.ok()) return backend.status();
       return std::unique_ptr<Backend>(std::move(*backend));
     });
@@ -240,6 +252,55 @@ TEST_F(RoutingTest, DeadlineOnTheNicIsReportedAndLeavesMemoryAlone) {
   // Nothing signals "the flushed WR did not run later": outwait the delay.
   absl::SleepFor(absl::Milliseconds(1200));
   EXPECT_EQ(Contents(*b, remote.buffer_id()), remote_before);
+}
+
+TEST_F(RoutingTest, EveryRailDownFallsBackToTcpAndAReplugBringsIbverbsBack) {
+  // Two rails each; the peer's rails go dark one after the other.
+  auto a = StartAgent({"nic_a", "nic_a1"}, absl::Milliseconds(20));
+  auto b = StartAgent({"nic_b", "nic_b1"}, absl::Milliseconds(20));
+  ASSERT_TRUE(a && b);
+  const v1::RegisterResponse local = Buffer(*a, 1);
+  const v1::RegisterResponse remote = Buffer(*b, 123);
+  const std::string local_before = Contents(*a, local.buffer_id());
+  std::string remote_before = Contents(*b, remote.buffer_id());
+  // One rail left: still ibverbs, every byte where it belongs.
+  fabric_->SetReachable("nic_b1", false);
+  v1::SubmitResponse response =
+      Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 5,
+                         700001, remote, 9)});
+  ASSERT_EQ(response.results_size(), 1);
+  EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(0).backend(), "ibverbs");
+  ExpectSpliced(remote_before, Contents(*b, remote.buffer_id()), 9, 700001,
+                local_before, 5);
+  // None left: UNAVAILABLE from ibverbs, and the registry's retry on tcp.
+  remote_before = Contents(*b, remote.buffer_id());
+  fabric_->SetReachable("nic_b", false);
+  response = Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                local.buffer_id(), 1001, 300007, remote, 77)});
+  ASSERT_EQ(response.results_size(), 1);
+  EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(0).backend(), "tcp");
+  ExpectSpliced(remote_before, Contents(*b, remote.buffer_id()), 77, 300007,
+                local_before, 1001);
+  // Both back: ibverbs again once the rails' cooldowns ran out and their
+  // probes answered (a few ops at most).
+  fabric_->SetReachable("nic_b", true);
+  fabric_->SetReachable("nic_b1", true);
+  std::string backend;
+  for (int round = 0; round < 500 && backend != "ibverbs"; ++round) {
+    absl::SleepFor(absl::Milliseconds(10));
+    remote_before = Contents(*b, remote.buffer_id());
+    response = Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                  local.buffer_id(), round, 200003, remote,
+                                  round + 3)});
+    ASSERT_EQ(response.results_size(), 1);
+    ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+    backend = response.results(0).backend();
+    ExpectSpliced(remote_before, Contents(*b, remote.buffer_id()), round + 3,
+                  200003, local_before, round);
+  }
+  EXPECT_EQ(backend, "ibverbs");
 }
 
 }  // namespace

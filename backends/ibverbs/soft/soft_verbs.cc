@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <thread>
 #include <utility>
@@ -23,11 +24,53 @@ struct MrEntry {
   uint64_t pd_id = 0;
 };
 
+// A link's capacity: a token bucket that WRs crossing it draw on. Bytes
+// are reserved when a WR starts (going into debt if needed), so WRs of
+// every QP on the device share the rate in the order they start, and a
+// steady stream gets exactly bytes_per_second.
+class TokenBucket {
+ public:
+  void Configure(uint64_t bytes_per_second, uint64_t burst_bytes) {
+    absl::MutexLock lock(&mu_);
+    rate_ = static_cast<double>(bytes_per_second);
+    if (bytes_per_second == 0) return;
+    if (burst_bytes == 0) burst_bytes = bytes_per_second / 1000;  // 1 ms
+    window_ = absl::Seconds(static_cast<double>(burst_bytes) / rate_);
+  }
+
+  // Takes `bytes`; returns when they may go (in the past: now).
+  absl::Time Reserve(uint64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    if (rate_ == 0) return absl::InfinitePast();
+    // Never more than a burst of credit from idle time.
+    zero_ = std::max(zero_, absl::Now() - window_) +
+            absl::Seconds(static_cast<double>(bytes) / rate_);
+    return zero_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  double rate_ ABSL_GUARDED_BY(mu_) = 0;  // bytes per second; 0 = unlimited
+  absl::Duration window_ ABSL_GUARDED_BY(mu_);
+  // When the bucket is empty: it holds (now - zero_) * rate_ bytes, at most
+  // a burst.
+  absl::Time zero_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
 struct DeviceState {
   SoftDeviceConfig config;
   uint16_t lid = 0;
   ibv_gid gid = {};
+  // SetReachable: the path beyond the port.
   std::atomic<bool> reachable{true};
+  // Unplug/Replug: what QueryPort reports.
+  std::atomic<int> port_state{IBV_PORT_ACTIVE};
+  TokenBucket link;
+  std::atomic<uint64_t> bytes_moved{0};   // as requester
+  std::atomic<uint64_t> bytes_served{0};  // as responder
+
+  // Whether WRs get through this device's port.
+  bool Up() const { return reachable && port_state == IBV_PORT_ACTIVE; }
   // Copies hold it shared; MR (de)registration exclusive, so that a
   // deregistered MR is never touched again.
   absl::Mutex mr_mu;
@@ -99,6 +142,9 @@ struct FabricState {
   uint64_t next_pd ABSL_GUARDED_BY(mu) = 1;
   std::atomic<uint64_t> ok_count{0};
   std::atomic<int> max_outstanding{0};
+  // Changes whenever a port goes down or up or a path is cut or restored,
+  // so that WRs waiting for their link look again.
+  std::atomic<uint64_t> link_generation{0};
 
   // The fault that applies to the next WR posted on `device`, consumed.
   bool TakeFault(const std::string& device, SoftFault* out) {
@@ -439,24 +485,23 @@ class SoftQueuePair : public QueuePair {
     return qp.state == IBV_QPS_ERR ? IBV_WC_WR_FLUSH_ERR : IBV_WC_RETRY_EXC_ERR;
   }
 
-  static ibv_wc_status Execute(QpState& qp, const SoftWr& wr) {
+  // The QP a WR of `qp` reaches and what it allows, or no qp when nobody
+  // answers (gone, not addressed by us, unreachable, or not connected back).
+  struct Responder {
+    std::shared_ptr<QpState> qp;
+    int access = 0;
+    uint8_t rd_atomic = 0;
+  };
+  static Responder FindResponder(QpState& qp) {
     uint32_t dest_qpn;
     ibv_ah_attr ah;
     {
       absl::MutexLock lock(&qp.mu);
-      if (qp.state == IBV_QPS_ERR) return IBV_WC_WR_FLUSH_ERR;
       dest_qpn = qp.dest_qpn;
       ah = qp.ah;
     }
-    if (wr.fate == SoftWr::Fate::kFail) return wr.fail_status;
-    if (wr.fate == SoftWr::Fate::kDrop || !qp.device->reachable) {
-      return RetryExceeded(qp);
-    }
-    uint64_t total = 0;
-    for (const ibv_sge& sge : wr.sges) total += sge.length;
-    if (total > qp.device->config.max_msg_sz) return IBV_WC_LOC_LEN_ERR;
-
-    // Find the responder. Looked up without holding our own QP's lock.
+    Responder found;
+    // Looked up without holding our own QP's lock.
     std::shared_ptr<QpState> peer;
     {
       absl::MutexLock lock(&qp.fabric->mu);
@@ -468,37 +513,95 @@ class SoftQueuePair : public QueuePair {
         (ah.is_global ? std::memcmp(ah.grh.dgid.raw, peer->device->gid.raw,
                                     sizeof(ibv_gid)) == 0
                       : ah.dlid == peer->device->lid);
-    if (!addressed || !peer->device->reachable) return RetryExceeded(qp);
-    int peer_access;
-    uint8_t peer_rd_atomic;
-    {
-      absl::MutexLock lock(&peer->mu);
-      // A responder that is not connected back to us does not answer.
-      const bool listening =
-          (peer->state == IBV_QPS_RTR || peer->state == IBV_QPS_RTS) &&
-          peer->dest_qpn == qp.qpn;
-      if (!listening) {
-        peer.reset();
-      } else {
-        peer_access = peer->access_flags;
-        peer_rd_atomic = peer->max_dest_rd_atomic;
-      }
+    if (!addressed || !peer->device->Up()) return found;
+    absl::MutexLock lock(&peer->mu);
+    // A responder that is not connected back to us does not answer.
+    const bool listening =
+        (peer->state == IBV_QPS_RTR || peer->state == IBV_QPS_RTS) &&
+        peer->dest_qpn == qp.qpn;
+    if (!listening) return found;
+    found.access = peer->access_flags;
+    found.rd_atomic = peer->max_dest_rd_atomic;
+    found.qp = std::move(peer);
+    return found;
+  }
+
+  enum class LinkWait { kGo, kFlushed, kDown };
+
+  // Waits until both links (ours and the responder's device) can carry
+  // `bytes`: kFlushed when the QP went to ERR meanwhile, kDown when either
+  // port went down or its path was cut.
+  static LinkWait AwaitLinks(QpState& qp, DeviceState& far, uint64_t bytes) {
+    absl::Time ready = qp.device->link.Reserve(bytes);
+    // A loopback WR crosses its device's link once.
+    if (&far != qp.device.get()) ready = std::max(ready, far.link.Reserve(bytes));
+    while (absl::Now() < ready) {
+      const uint64_t generation = qp.fabric->link_generation;
+      struct Wake {
+        QpState* qp;
+        uint64_t generation;
+      } wake{&qp, generation};
+      absl::MutexLock lock(&qp.mu);
+      qp.mu.AwaitWithDeadline(
+          absl::Condition(
+              +[](Wake* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return w->qp->stopping || w->qp->state == IBV_QPS_ERR ||
+                       w->qp->fabric->link_generation != w->generation;
+              },
+              &wake),
+          ready);
+      if (qp.stopping || qp.state == IBV_QPS_ERR) return LinkWait::kFlushed;
+      if (!qp.device->Up() || !far.Up()) return LinkWait::kDown;
     }
-    if (peer == nullptr) return RetryExceeded(qp);
+    return LinkWait::kGo;
+  }
+
+  static ibv_wc_status Execute(QpState& qp, const SoftWr& wr) {
+    {
+      absl::MutexLock lock(&qp.mu);
+      if (qp.state == IBV_QPS_ERR) return IBV_WC_WR_FLUSH_ERR;
+    }
+    if (wr.fate == SoftWr::Fate::kFail) return wr.fail_status;
+    if (wr.fate == SoftWr::Fate::kDrop || !qp.device->Up()) {
+      return RetryExceeded(qp);
+    }
+    uint64_t total = 0;
+    for (const ibv_sge& sge : wr.sges) total += sge.length;
+    if (total > qp.device->config.max_msg_sz) return IBV_WC_LOC_LEN_ERR;
+
+    Responder peer = FindResponder(qp);
+    if (peer.qp == nullptr) return RetryExceeded(qp);
+    if (total > 0) {
+      switch (AwaitLinks(qp, *peer.qp->device, total)) {
+        case LinkWait::kFlushed:
+          return IBV_WC_WR_FLUSH_ERR;
+        case LinkWait::kDown:
+          return RetryExceeded(qp);
+        case LinkWait::kGo:
+          break;
+      }
+      // Whoever answers once the bytes go.
+      peer = FindResponder(qp);
+      if (peer.qp == nullptr) return RetryExceeded(qp);
+    }
 
     const bool read = wr.opcode == IBV_WR_RDMA_READ;
     ibv_wc_status status = IBV_WC_SUCCESS;
-    if (read && peer_rd_atomic == 0) {
+    if (read && peer.rd_atomic == 0) {
       status = IBV_WC_REM_INV_REQ_ERR;
-    } else if (!(peer_access &
+    } else if (!(peer.access &
                  (read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE))) {
       status = IBV_WC_REM_ACCESS_ERR;
     } else {
-      status = Copy(qp, *peer, wr, read, total);
+      status = Copy(qp, *peer.qp, wr, read, total);
     }
     if (status == IBV_WC_REM_ACCESS_ERR || status == IBV_WC_REM_INV_REQ_ERR) {
-      absl::MutexLock lock(&peer->mu);
-      peer->state = IBV_QPS_ERR;  // the responder errors too
+      absl::MutexLock lock(&peer.qp->mu);
+      peer.qp->state = IBV_QPS_ERR;  // the responder errors too
+    }
+    if (status == IBV_WC_SUCCESS) {
+      qp.device->bytes_moved += total;
+      peer.qp->device->bytes_served += total;
     }
     return status;
   }
@@ -528,6 +631,9 @@ class SoftQueuePair : public QueuePair {
         return IBV_WC_LOC_PROT_ERR;
       }
     }
+    // A zero-length RDMA op names no remote memory: as on hardware, its
+    // rkey and address are not checked (a liveness probe uses one).
+    if (total == 0) return IBV_WC_SUCCESS;
     const auto& remote_mrs = peer.device->mrs;
     auto it = remote_mrs.find(wr.rkey);
     if (it == remote_mrs.end()) return IBV_WC_REM_ACCESS_ERR;
@@ -658,6 +764,7 @@ class SoftDevice : public Device {
       : fabric_(std::move(fabric)), device_(std::move(device)) {}
 
   const std::string& name() const override { return device_->config.name; }
+  int NumaNode() const override { return device_->config.numa_node; }
 
   absl::StatusOr<ibv_device_attr> Query() override {
     ibv_device_attr attr = {};
@@ -684,15 +791,15 @@ class SoftDevice : public Device {
           absl::StrCat("ibv_query_port: ", name(), " has no port ", port));
     }
     ibv_port_attr attr = {};
-    attr.state = device_->config.port_state;
+    attr.state = static_cast<ibv_port_state>(device_->port_state.load());
     attr.max_mtu = IBV_MTU_4096;
     attr.active_mtu = device_->config.active_mtu;
     attr.gid_tbl_len = 1;
     attr.max_msg_sz = device_->config.max_msg_sz;
     attr.lid = device_->lid;
     attr.link_layer = device_->config.link_layer;
-    attr.active_speed = 32;  // EDR lanes
-    attr.active_width = 2;   // 4x
+    attr.active_speed = device_->config.active_speed;
+    attr.active_width = device_->config.active_width;
     return attr;
   }
 
@@ -777,6 +884,8 @@ absl::Status SoftFabric::AddDevice(const SoftDeviceConfig& config) {
   }
   auto device = std::make_shared<DeviceState>();
   device->config = config;
+  device->port_state = config.port_state;
+  device->link.Configure(config.bytes_per_second, config.burst_bytes);
   device->lid = state_->next_lid++;
   // fe80::<lid>: a link-local GID unique on this fabric.
   device->gid.raw[0] = 0xfe;
@@ -791,10 +900,49 @@ std::unique_ptr<Verbs> SoftFabric::MakeVerbs(std::vector<std::string> devices) {
   return std::make_unique<SoftVerbs>(state_, std::move(devices));
 }
 
+namespace {
+
+// Changes what `device`'s links carry (under the fabric's lock), then wakes
+// every WR waiting for a link so that it looks again. NOT_FOUND for an
+// unknown device.
+absl::Status ChangeLink(FabricState& fabric, const std::string& device,
+                        const std::function<void(DeviceState&)>& change) {
+  std::vector<std::shared_ptr<QpState>> qps;
+  {
+    absl::MutexLock lock(&fabric.mu);
+    auto it = fabric.devices.find(device);
+    if (it == fabric.devices.end()) {
+      return absl::NotFoundError(absl::StrCat("no soft device ", device));
+    }
+    change(*it->second);
+    ++fabric.link_generation;
+    for (const auto& [qpn, weak] : fabric.qps) {
+      if (auto qp = weak.lock()) qps.push_back(std::move(qp));
+    }
+  }
+  // Outside the fabric's lock (a QP's lock is taken before it elsewhere):
+  // releasing a QP's lock re-evaluates the waits on it.
+  for (const auto& qp : qps) {
+    absl::MutexLock lock(&qp->mu);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 void SoftFabric::SetReachable(const std::string& device, bool reachable) {
-  absl::MutexLock lock(&state_->mu);
-  auto it = state_->devices.find(device);
-  if (it != state_->devices.end()) it->second->reachable = reachable;
+  (void)ChangeLink(*state_, device,
+                   [reachable](DeviceState& d) { d.reachable = reachable; });
+}
+
+absl::Status SoftFabric::Unplug(const std::string& device) {
+  return ChangeLink(*state_, device,
+                    [](DeviceState& d) { d.port_state = IBV_PORT_DOWN; });
+}
+
+absl::Status SoftFabric::Replug(const std::string& device) {
+  return ChangeLink(*state_, device,
+                    [](DeviceState& d) { d.port_state = IBV_PORT_ACTIVE; });
 }
 
 void SoftFabric::InjectFault(const SoftFault& fault) {
@@ -808,6 +956,18 @@ void SoftFabric::ClearFaults() {
 }
 
 uint64_t SoftFabric::wrs_completed_ok() const { return state_->ok_count; }
+
+uint64_t SoftFabric::bytes_moved(const std::string& device) const {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->devices.find(device);
+  return it == state_->devices.end() ? 0 : it->second->bytes_moved.load();
+}
+
+uint64_t SoftFabric::bytes_served(const std::string& device) const {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->devices.find(device);
+  return it == state_->devices.end() ? 0 : it->second->bytes_served.load();
+}
 int SoftFabric::max_outstanding_seen() const { return state_->max_outstanding; }
 
 size_t SoftFabric::live_queue_pairs() const {

@@ -30,6 +30,15 @@
 // waits for every copy touching it: after either returns, no byte is moved.
 // Fault injection: drop WRs (the requester retry-exceeds or times out), fail
 // WRs with a given status, or delay them.
+//
+// Several devices make a multi-rail host: each has its own link, which can
+// be throttled (a token bucket per device applied to the bytes of every WR
+// that crosses it, as requester or responder, so that how an agent spreads
+// bytes over its rails shows in time and in per-device counters), unplugged
+// and replugged (the port goes DOWN: WRs in flight on its QPs and WRs posted
+// afterwards retry-exceed after the transport timeout, later ones flush, as
+// on hardware; replugged, it is ACTIVE again and new QPs work), and placed on
+// a NUMA node (Device::NumaNode(), where real devices read sysfs).
 
 #include <cstdint>
 #include <memory>
@@ -37,6 +46,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backends/ibverbs/verbs.h"
@@ -57,6 +67,20 @@ struct SoftDeviceConfig {
   int max_qp_wr = 16384;
   int max_sge = 30;
   int max_cqe = 1 << 20;
+  // Link speed as ibv_query_port reports it (see ibv_query_port(3)):
+  // active_speed 32 = EDR (25.78125 Gb/s per lane), active_width 2 = 4x,
+  // so 103.125 Gb/s by default. verbs::PortSpeedGbps() reads them.
+  uint8_t active_speed = 32;
+  uint8_t active_width = 2;
+  // Bytes per second the device's link carries, over every WR crossing it
+  // (as requester or responder); 0 = as fast as memmove.
+  uint64_t bytes_per_second = 0;
+  // What the link may carry at once after being idle; 0 = 1 ms at
+  // bytes_per_second.
+  uint64_t burst_bytes = 0;
+  // What Device::NumaNode() answers (-1: unknown, like a device without a
+  // sysfs numa_node).
+  int numa_node = -1;
 };
 
 // A fault applied to WRs as they are posted.
@@ -99,15 +123,31 @@ class SoftFabric {
   // per agent in a test.
   std::unique_ptr<Verbs> MakeVerbs(std::vector<std::string> devices = {});
 
-  // Unplugs (false) or replugs a device: while unplugged nobody reaches its
-  // QPs (requesters retry-exceed) and its own WRs do not get through.
+  // Cuts (false) or restores the path beyond a device's port, which stays
+  // ACTIVE (a switch or cable further away): nobody reaches its QPs
+  // (requesters retry-exceed) and its own WRs do not get through.
   void SetReachable(const std::string& device, bool reachable);
+  // Pulls the device's cable: its port goes DOWN (QueryPort says so), the
+  // WR each of its QPs is executing or throttling and every WR after it
+  // fail as on hardware (IBV_WC_RETRY_EXC_ERR after the transport timeout,
+  // then IBV_WC_WR_FLUSH_ERR: the QP is in ERR), and so do WRs of peers'
+  // QPs connected to it. NOT_FOUND for an unknown device.
+  absl::Status Unplug(const std::string& device);
+  // Plugs it back: the port is ACTIVE again. QPs that went to ERR stay
+  // there (as on hardware: their owner reconnects); new QPs, and QPs that
+  // carried nothing meanwhile, work. NOT_FOUND for an unknown device.
+  absl::Status Replug(const std::string& device);
 
   void InjectFault(const SoftFault& fault);
   void ClearFaults();
 
   // WRs that moved bytes successfully, over the fabric's life.
   uint64_t wrs_completed_ok() const;
+  // Bytes moved by WRs posted on `device`'s QPs (as requester), over the
+  // fabric's life; 0 for an unknown device.
+  uint64_t bytes_moved(const std::string& device) const;
+  // Bytes moved by peers' WRs through `device`'s QPs (as responder).
+  uint64_t bytes_served(const std::string& device) const;
   // Highest number of WRs ever outstanding on one QP.
   int max_outstanding_seen() const;
   // Queue pairs that exist now, over every device.

@@ -1,5 +1,7 @@
 // The software RC NIC on its own: keys, access flags, the QP state machine,
-// completion codes, the send-queue depth limit and fault injection.
+// completion codes, the send-queue depth limit, fault injection, and what
+// makes a multi-rail host: throttled links, unplugged and replugged ports,
+// link speeds and NUMA nodes.
 #include "backends/ibverbs/soft/soft_verbs.h"
 
 #include <cerrno>
@@ -508,6 +510,188 @@ TEST_F(SoftVerbsTest, DeviceReportsPortAndGid) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_NE(GidToString(*a_.device->QueryGid(1, 0)),
             GidToString(*b_.device->QueryGid(1, 0)));
+}
+
+// --- Links: throttling, unplug/replug, speed, NUMA ------------------------
+
+// A device whose link carries 1 KiB/s (burst 1 KiB): a 48 KiB WR would wait
+// most of a minute for it, so anything the test sees happen to such a WR
+// happened while it waited for the link.
+SoftDeviceConfig SlowDevice(const std::string& name) {
+  SoftDeviceConfig config;
+  config.name = name;
+  config.bytes_per_second = 1024;
+  config.burst_bytes = 1024;
+  return config;
+}
+
+class SoftLinkTest : public SoftVerbsTest {
+ protected:
+  // Re-creates both sides on `a` and `b`, connected.
+  void UseDevices(const SoftDeviceConfig& a, const SoftDeviceConfig& b) {
+    ASSERT_TRUE(fabric_.AddDevice(a).ok());
+    ASSERT_TRUE(fabric_.AddDevice(b).ok());
+    MakeSide(a.name, a_);
+    MakeSide(b.name, b_);
+    Connect();
+  }
+};
+
+TEST_F(SoftLinkTest, ThrottledWrWaitsForItsLinkAndIsFlushedFromIt) {
+  SoftDeviceConfig fast;
+  fast.name = "fast_b";
+  UseDevices(SlowDevice("slow_a"), fast);
+  const std::vector<uint8_t> before = b_.buffer;
+  // Within the burst: goes at once.
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 1000, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+  EXPECT_EQ(0, std::memcmp(b_.buffer.data(), a_.buffer.data(), 1000));
+  EXPECT_EQ(fabric_.bytes_moved("slow_a"), 1000u);
+  // Far beyond it: held by the link until the QP is moved to ERR.
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 48 << 10, 4096, 2), 0);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 60000, 3), 0);
+  ibv_wc wc;
+  EXPECT_EQ(*a_.cq->Poll(absl::MakeSpan(&wc, 1)), 0);
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(a_.qp->Modify(attr, IBV_QP_STATE).ok());
+  wc = NextCompletion();
+  EXPECT_EQ(wc.wr_id, 2u);
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
+  wc = NextCompletion();
+  EXPECT_EQ(wc.wr_id, 3u);
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
+  for (size_t i = 1000; i < b_.buffer.size(); ++i) {
+    ASSERT_EQ(b_.buffer[i], before[i]) << "byte " << i;
+  }
+  EXPECT_EQ(fabric_.bytes_moved("slow_a"), 1000u);
+}
+
+// The responder's link limits too: a WR crosses both.
+TEST_F(SoftLinkTest, ResponderLinkThrottlesAsWell) {
+  SoftDeviceConfig fast;
+  fast.name = "fast_a";
+  UseDevices(fast, SlowDevice("slow_b"));
+  const std::vector<uint8_t> local_before = a_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 48 << 10, 0, 1), 0);
+  ibv_wc wc;
+  EXPECT_EQ(*a_.cq->Poll(absl::MakeSpan(&wc, 1)), 0);
+  ibv_qp_attr attr = {};
+  attr.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(a_.qp->Modify(attr, IBV_QP_STATE).ok());
+  EXPECT_EQ(NextCompletion().status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(a_.buffer, local_before);
+  EXPECT_EQ(fabric_.bytes_moved("fast_a"), 0u);
+}
+
+TEST_F(SoftLinkTest, UnpluggingFailsTheWrOnTheLinkThenFlushesTheRest) {
+  SoftDeviceConfig fast;
+  fast.name = "fast_b";
+  UseDevices(SlowDevice("slow_a"), fast);
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 48 << 10, 0, 1), 0);
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 60000, 2), 0);
+  ASSERT_EQ(a_.device->QueryPort(1)->state, IBV_PORT_ACTIVE);
+  ASSERT_TRUE(fabric_.Unplug("slow_a").ok());
+  EXPECT_EQ(a_.device->QueryPort(1)->state, IBV_PORT_DOWN);
+  // The WR on the link retries out (transport timeout ~1 ms x 2 here), the
+  // one behind it is flushed: the QP is in ERR.
+  ibv_wc wc = NextCompletion();
+  EXPECT_EQ(wc.wr_id, 1u);
+  EXPECT_EQ(wc.status, IBV_WC_RETRY_EXC_ERR);
+  wc = NextCompletion();
+  EXPECT_EQ(wc.wr_id, 2u);
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(StateOf(*a_.qp), IBV_QPS_ERR);
+  EXPECT_EQ(b_.buffer, before);
+  EXPECT_EQ(fabric_.bytes_moved("slow_a"), 0u);
+}
+
+TEST_F(SoftLinkTest, WrsPostedWhileUnpluggedRetryOutAndReplugBringsItBack) {
+  SoftDeviceConfig a;
+  a.name = "plug_a";
+  SoftDeviceConfig b;
+  b.name = "plug_b";
+  UseDevices(a, b);
+  ASSERT_TRUE(fabric_.Unplug("plug_a").ok());
+  const std::vector<uint8_t> before = b_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_RETRY_EXC_ERR);
+  EXPECT_EQ(b_.buffer, before);
+  ASSERT_TRUE(fabric_.Replug("plug_a").ok());
+  EXPECT_EQ(a_.device->QueryPort(1)->state, IBV_PORT_ACTIVE);
+  // The QP that failed stays in ERR, as on hardware: its WRs flush.
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 0, 64, 0, 2), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_WR_FLUSH_ERR);
+  // New QPs work.
+  MakeSide("plug_a", a_);
+  MakeSide("plug_b", b_);
+  Connect();
+  ASSERT_EQ(Post(IBV_WR_RDMA_WRITE, 5, 777, 9, 3), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+  EXPECT_EQ(0, std::memcmp(b_.buffer.data() + 9, a_.buffer.data() + 5, 777));
+  EXPECT_EQ(fabric_.bytes_moved("plug_a"), 777u);
+  EXPECT_EQ(fabric_.bytes_served("plug_b"), 777u);
+  EXPECT_EQ(fabric_.bytes_served("plug_a"), 0u);
+}
+
+TEST_F(SoftLinkTest, UnpluggedResponderRetriesOutAndIdleQpsSurviveIt) {
+  SoftDeviceConfig a;
+  a.name = "plug_a";
+  SoftDeviceConfig b;
+  b.name = "plug_b";
+  UseDevices(a, b);
+  ASSERT_TRUE(fabric_.Unplug("plug_b").ok());
+  ASSERT_TRUE(fabric_.Replug("plug_b").ok());
+  // Nothing was on the wire while it was out: the QP is still RTS.
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 100, 200, 1), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_SUCCESS);
+  EXPECT_EQ(0, std::memcmp(a_.buffer.data(), b_.buffer.data() + 200, 100));
+  ASSERT_TRUE(fabric_.Unplug("plug_b").ok());
+  const std::vector<uint8_t> before = a_.buffer;
+  ASSERT_EQ(Post(IBV_WR_RDMA_READ, 0, 100, 300, 2), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_RETRY_EXC_ERR);
+  EXPECT_EQ(a_.buffer, before);
+  EXPECT_EQ(fabric_.Unplug("no_such").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(fabric_.Replug("no_such").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SoftLinkTest, ZeroLengthWriteProbesThePathWithoutAKey) {
+  SoftDeviceConfig a;
+  a.name = "plug_a";
+  SoftDeviceConfig b;
+  b.name = "plug_b";
+  UseDevices(a, b);
+  const std::vector<uint8_t> before = b_.buffer;
+  ibv_send_wr wr = {};
+  wr.wr_id = 7;
+  wr.num_sge = 0;
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(a_.qp->PostSend(&wr, &bad), 0);
+  ibv_wc wc = NextCompletion();
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wc.byte_len, 0u);
+  EXPECT_EQ(b_.buffer, before);
+  ASSERT_TRUE(fabric_.Unplug("plug_b").ok());
+  ASSERT_EQ(a_.qp->PostSend(&wr, &bad), 0);
+  EXPECT_EQ(NextCompletion().status, IBV_WC_RETRY_EXC_ERR);
+}
+
+TEST_F(SoftLinkTest, DevicesReportTheirSpeedAndNumaNode) {
+  SoftDeviceConfig hdr;
+  hdr.name = "hdr_0";
+  hdr.active_speed = 64;  // HDR lanes
+  hdr.active_width = 2;   // 4x
+  hdr.numa_node = 1;
+  ASSERT_TRUE(fabric_.AddDevice(hdr).ok());
+  auto device = verbs_->OpenDevice("hdr_0");
+  ASSERT_TRUE(device.ok());
+  EXPECT_EQ((*device)->NumaNode(), 1);
+  EXPECT_DOUBLE_EQ(PortSpeedGbps(*(*device)->QueryPort(1)), 212.5);
+  EXPECT_EQ(a_.device->NumaNode(), -1);
+  EXPECT_DOUBLE_EQ(PortSpeedGbps(*a_.device->QueryPort(1)), 103.125);
 }
 
 }  // namespace

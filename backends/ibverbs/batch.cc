@@ -1,0 +1,146 @@
+#include "backends/ibverbs/batch.h"
+
+#include <utility>
+
+#include "common/status_util.h"
+
+namespace rdma_agent::ibverbs {
+
+Batch::Batch(absl::Span<const Op> ops) : ops_(ops.size()) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    ops_[i].unsettled = ops[i].length;
+    if (ops[i].length > 0) ++not_done_;
+  }
+}
+
+uint64_t Batch::WrPosting(const Range& range, const Lane& lane) {
+  lane.load->bytes += range.length;
+  absl::MutexLock lock(&mu_);
+  const uint64_t cookie = next_cookie_++;
+  wrs_[cookie] = Wr{range, &lane, lane.name(), lane.load, lane.rail};
+  return cookie;
+}
+
+void Batch::WrNotPosted(uint64_t cookie) {
+  absl::MutexLock lock(&mu_);
+  auto it = wrs_.find(cookie);
+  if (it == wrs_.end()) return;
+  it->second.load->bytes -= it->second.range.length;
+  wrs_.erase(it);
+}
+
+void Batch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
+  absl::MutexLock lock(&mu_);
+  auto it = wrs_.find(cookie);
+  if (it == wrs_.end()) return;
+  Wr wr = std::move(it->second);
+  wrs_.erase(it);
+  wr.load->bytes -= wr.range.length;
+  RailCounters& counters = wr.rail->counters;
+  if (wc.status == IBV_WC_SUCCESS) {
+    counters.bytes += wr.range.length;
+    ++counters.work_requests;
+    SettleLocked(wr.range.op, wr.range.length, absl::OkStatus());
+    return;
+  }
+  ++counters.errors;
+  // Which rail pair failed is part of what went wrong.
+  absl::Status status = Prefixed(CompletionStatus(wc),
+                                 absl::StrCat("on rail ", wr.lane_name));
+  if (status.code() == absl::StatusCode::kUnavailable &&
+      ops_[wr.range.op].status.ok()) {
+    const bool path = wc.status == IBV_WC_RETRY_EXC_ERR ||
+                      wc.status == IBV_WC_RNR_RETRY_EXC_ERR;
+    retries_.push_back(Retry{wr.range, wr.lane, std::move(status), path});
+    return;
+  }
+  SettleLocked(wr.range.op, wr.range.length, status);
+}
+
+void Batch::Settle(const Range& range, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  SettleLocked(range.op, range.length, status);
+}
+
+void Batch::Requeue(const Range& range, const Lane* lane, absl::Status why) {
+  absl::MutexLock lock(&mu_);
+  if (!ops_[range.op].status.ok()) {
+    SettleLocked(range.op, range.length, why);
+    return;
+  }
+  retries_.push_back(Retry{range, lane, std::move(why), false});
+}
+
+std::vector<Batch::Retry> Batch::TakeRetries() {
+  absl::MutexLock lock(&mu_);
+  std::vector<Retry> taken;
+  taken.swap(retries_);
+  return taken;
+}
+
+bool Batch::HasError(size_t op) {
+  absl::MutexLock lock(&mu_);
+  return !ops_[op].status.ok();
+}
+
+void Batch::SettleLocked(size_t op, uint64_t length,
+                         const absl::Status& status) {
+  OpState& state = ops_[op];
+  if (state.status.ok() && !status.ok()) state.status = status;
+  if (length == 0 || state.unsettled == 0) return;
+  state.unsettled -= std::min(length, state.unsettled);
+  if (state.unsettled == 0) --not_done_;
+}
+
+bool Batch::Woken() const {
+  return not_done_ == 0 || !retries_.empty() || interrupted_;
+}
+
+bool Batch::Wait(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithDeadline(absl::Condition(this, &Batch::Woken), deadline);
+  return not_done_ == 0;
+}
+
+void Batch::Interrupt() {
+  absl::MutexLock lock(&mu_);
+  interrupted_ = true;
+}
+
+bool Batch::AwaitNoWrs(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  const auto none = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return wrs_.empty();
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&none), deadline);
+  return wrs_.empty();
+}
+
+std::vector<size_t> Batch::NotDone() {
+  absl::MutexLock lock(&mu_);
+  std::vector<size_t> ops;
+  for (size_t i = 0; i < ops_.size(); ++i) {
+    if (ops_[i].unsettled > 0) ops.push_back(i);
+  }
+  return ops;
+}
+
+uint64_t Batch::OutstandingWrs() {
+  absl::MutexLock lock(&mu_);
+  return wrs_.size();
+}
+
+std::vector<absl::Status> Batch::Results() {
+  absl::MutexLock lock(&mu_);
+  std::vector<absl::Status> results;
+  results.reserve(ops_.size());
+  for (const OpState& op : ops_) results.push_back(op.status);
+  return results;
+}
+
+void Batch::Override(size_t op, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  ops_[op].status = std::move(status);
+}
+
+}  // namespace rdma_agent::ibverbs

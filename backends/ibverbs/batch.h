@@ -1,0 +1,119 @@
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "backends/backend.h"
+#include "backends/ibverbs/connection.h"
+#include "backends/ibverbs/rails.h"
+
+namespace rdma_agent::ibverbs {
+
+// The bytes of one Submit's ops as they go over lanes and complete. An op
+// is done once each of its bytes has moved or been given up on (Settle);
+// its status is its first error. A WR that fails in a way another rail can
+// fix (its completion means UNAVAILABLE: retry exceeded, flushed) while its
+// op has no error is not given up on: its bytes wait as a Retry for the
+// Submit to post elsewhere. Thread-safe: completions arrive on pollers'
+// threads.
+class Batch : public CompletionSink {
+ public:
+  // A byte range of an op.
+  struct Range {
+    size_t op = 0;
+    uint64_t offset = 0;  // from the op's first byte
+    uint64_t length = 0;
+  };
+  // Bytes to post again, and where they failed.
+  struct Retry {
+    Range range;
+    // The lane they failed on: for comparison only, never dereferenced (it
+    // may be gone when the Retry is read after its Submit).
+    const Lane* lane = nullptr;
+    absl::Status why;
+    // The lane's path failed (the transport retried out), as opposed to
+    // its queue pair being flushed: the lane cools down.
+    bool path_failed = false;
+  };
+
+  explicit Batch(absl::Span<const Op> ops);
+
+  // Records a WR of `range` about to be posted on `lane` (its load and its
+  // rail's counters follow it); returns the WR's cookie.
+  uint64_t WrPosting(const Range& range, const Lane& lane);
+  // The WR of `cookie` was not posted after all: forgotten; its bytes are
+  // the caller's to settle or requeue.
+  void WrNotPosted(uint64_t cookie);
+  void OnCompletion(uint64_t cookie, const ibv_wc& wc) override;
+
+  // Bytes that will not move: their op fails with `status` (unless it
+  // failed already).
+  void Settle(const Range& range, const absl::Status& status);
+  // Bytes `lane` could not take (its queue pair failed before they were
+  // posted): queued as a Retry, or settled with `why` when their op has an
+  // error already.
+  void Requeue(const Range& range, const Lane* lane, absl::Status why);
+  // The Retries queued so far (removed).
+  std::vector<Retry> TakeRetries();
+  // True when the op has an error: its remaining bytes need not move.
+  bool HasError(size_t op);
+
+  // Waits until every op is done, a Retry is queued, `deadline` passes or
+  // Interrupt() is called; true when every op is done.
+  bool Wait(absl::Time deadline);
+  // Ends every Wait now (and every later one at once): the Submit was
+  // cancelled. Callable from any thread; does not block.
+  void Interrupt();
+
+  // Waits until no WR is outstanding (every posted WR's completion has
+  // been taken), at most until `deadline`; true when none is.
+  bool AwaitNoWrs(absl::Time deadline);
+
+  // Ops not done yet.
+  std::vector<size_t> NotDone();
+  // WRs posted and not completed.
+  uint64_t OutstandingWrs();
+  std::vector<absl::Status> Results();
+  // Replaces op's status (DEADLINE_EXCEEDED for ops the deadline cut).
+  void Override(size_t op, absl::Status status);
+
+ private:
+  struct OpState {
+    uint64_t unsettled = 0;  // bytes neither moved nor given up on
+    absl::Status status;
+  };
+  struct Wr {
+    Range range;
+    const Lane* lane = nullptr;
+    std::string lane_name;
+    std::shared_ptr<LaneLoad> load;
+    Rail* rail = nullptr;
+  };
+
+  // Settles `length` bytes of `op` with `status`.
+  void SettleLocked(size_t op, uint64_t length, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Woken() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  std::vector<OpState> ops_ ABSL_GUARDED_BY(mu_);
+  size_t not_done_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_cookie_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, Wr> wrs_ ABSL_GUARDED_BY(mu_);
+  std::vector<Retry> retries_ ABSL_GUARDED_BY(mu_);
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace rdma_agent::ibverbs
+
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_

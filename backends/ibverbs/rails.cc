@@ -1,0 +1,55 @@
+#include "backends/ibverbs/rails.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdma_agent::ibverbs {
+
+void Cooldown::Fail(absl::Time now, absl::Duration initial,
+                    absl::Duration max, std::string why) {
+  backoff_ = failures_ == 0 ? initial : std::min(backoff_ * 2, max);
+  until_ = now + backoff_;
+  why_ = std::move(why);
+  ++failures_;
+}
+
+void Cooldown::Recover() {
+  until_ = absl::InfinitePast();
+  backoff_ = absl::ZeroDuration();
+  failures_ = 0;
+}
+
+std::string RemoteRail::name() const { return absl::StrCat(device, ":", port); }
+
+std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint) {
+  std::vector<RemoteRail> rails;
+  for (const v1::IbverbsRail& rail : endpoint.rails()) {
+    if (rails.size() == kMaxRemoteRails) break;
+    RemoteRail r;
+    r.device = rail.device();
+    r.port = rail.port();
+    r.lid = rail.lid();
+    r.gid = rail.gid();
+    r.max_message_bytes = rail.max_message_bytes();
+    r.speed_gbps = rail.speed_gbps();
+    rails.push_back(std::move(r));
+  }
+  if (rails.empty()) {
+    RemoteRail r;
+    r.device = endpoint.device();
+    r.port = endpoint.port();
+    r.lid = endpoint.lid();
+    r.gid = endpoint.gid();
+    r.max_message_bytes = endpoint.max_message_bytes();
+    rails.push_back(std::move(r));
+  }
+  return rails;
+}
+
+std::string Lane::name() const {
+  return absl::StrCat(rail->name, "->", remote.name());
+}
+
+}  // namespace rdma_agent::ibverbs

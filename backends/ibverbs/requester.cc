@@ -1,0 +1,918 @@
+// The requesting half of IbverbsBackend: Submit over lanes (a rail of this
+// agent paired with a rail of the peer), their handshakes and grants,
+// striping, and failover to the other lanes when one fails.
+
+#include <grpc/grpc.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cassert>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "backends/ibverbs/ibverbs_backend.h"
+#include "backends/ibverbs/registration_state.h"
+#include "backends/ibverbs/striping.h"
+#include "common/grpc_status.h"
+#include "common/log_text.h"
+#include "common/random.h"
+#include "common/status_util.h"
+#include "common/task_pool.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent::ibverbs {
+namespace {
+
+// Piece boundaries of a striped op fall on pages, so that each piece's DMA
+// starts aligned when the op's does.
+constexpr uint64_t kStripeAlign = 4096;
+
+// Takes a lane's probe completion: the lane is used again once one
+// succeeds, and cools down for longer when it fails.
+class ProbeSink : public CompletionSink {
+ public:
+  ProbeSink(std::shared_ptr<LaneHealth> health, std::string lane,
+            absl::Duration initial, absl::Duration max)
+      : health_(std::move(health)),
+        lane_(std::move(lane)),
+        initial_(initial),
+        max_(max) {}
+
+  void OnCompletion(uint64_t /*cookie*/, const ibv_wc& wc) override {
+    absl::MutexLock lock(&health_->mu);
+    health_->probing = false;
+    if (wc.status == IBV_WC_SUCCESS) {
+      health_->cooldown.Recover();
+      spdlog::info("ibverbs: rail pair {} answered its probe: in use again",
+                   lane_);
+      return;
+    }
+    health_->cooldown.Fail(absl::Now(), initial_, max_,
+                           std::string(CompletionStatus(wc).message()));
+  }
+
+ private:
+  const std::shared_ptr<LaneHealth> health_;
+  const std::string lane_;
+  const absl::Duration initial_;
+  const absl::Duration max_;
+};
+
+// "agent" of a peer key "agent/epoch".
+std::string AgentOf(const std::string& peer) {
+  return peer.substr(0, peer.rfind('/'));
+}
+
+}  // namespace
+
+// A requester QP just connected, with what the handshake granted.
+struct IbverbsBackend::Handshaken {
+  std::shared_ptr<QueuePairConnection> connection;
+  std::string session;
+  uint64_t buffer_id = 0;
+  RemoteGrant grant;
+};
+
+// One lane as one Submit uses it.
+struct IbverbsBackend::LaneUse {
+  std::shared_ptr<Lane> lane;
+  // Its share of striped ops (Gbit/s it can count on).
+  double weight = 0;
+  // The bytes planned for it, in batch order.
+  std::vector<Batch::Range> work;
+  // Set once connected.
+  std::shared_ptr<QueuePairConnection> connection;
+  // Not OK: it failed and is left out for the rest of the Submit.
+  absl::Status failed;
+  // Its path failure was acted on (CoolDown), once.
+  bool cooled = false;
+  // A WR went out on it.
+  bool posted = false;
+};
+
+// The ops of one Submit to one peer (agent and epoch) and the lanes they go
+// over. `lanes` is a deque: RunLane holds references to its elements while
+// Repost may add lanes.
+struct IbverbsBackend::PeerPlan {
+  std::string peer;
+  std::vector<size_t> ops;
+  std::vector<RemoteRail> remote_rails;
+  std::deque<LaneUse> lanes;
+  // Lanes whose cooldown ran out while others are healthy: probed aside.
+  std::vector<std::shared_ptr<Lane>> probes;
+};
+
+std::string IbverbsBackend::PeerKey(const v1::RemoteBuffer& remote) {
+  return absl::StrCat(remote.agent_id(), "/", remote.agent_epoch());
+}
+
+absl::Status IbverbsBackend::CheckOp(const Op& op) const {
+  // Routed here by the registry, which checked CanReach, with both ranges
+  // validated (backend.h): nothing of the context is checked again.
+  assert(op.endpoint != nullptr && op.endpoint->has_ibverbs());
+  // What the posting path casts to: one lookup, so that a registration that
+  // bypassed BackendRegistry::RegisterWithAll fails instead of crashing.
+  if (dynamic_cast<const IbverbsRegistration*>(
+          op.local->backend_state(name_)) == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("local buffer ", op.local->id(),
+                     " is not registered with the ibverbs backend"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
+                                                 const StopToken& stop) {
+  auto batch = std::make_shared<Batch>(ops);
+  // A cancellation ends the waits below; the QPs are then moved to ERR and
+  // drained exactly as at the deadline.
+  const auto on_cancel = stop.OnCancel([batch] { batch->Interrupt(); });
+  // Ops grouped by peer (agent and epoch), each group in batch order.
+  std::map<std::string, std::vector<size_t>> groups;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    absl::Status checked = stop.Check("before posting");
+    if (checked.ok()) checked = CheckOp(ops[i]);
+    if (!checked.ok()) {
+      batch->Settle({i, 0, ops[i].length}, checked);
+      continue;
+    }
+    groups[PeerKey(*ops[i].remote)].push_back(i);
+  }
+  std::vector<PeerPlan> plans;
+  std::vector<size_t> plan_of_op(ops.size(), 0);
+  plans.reserve(groups.size());
+  for (auto& [peer, indices] : groups) {
+    plans.push_back(PlanPeer(ops, std::move(indices), *batch));
+    for (size_t i : plans.back().ops) plan_of_op[i] = plans.size() - 1;
+  }
+
+  // Every lane connects and posts at once, so that a full send queue or a
+  // slow handshake on one does not hold up the others.
+  std::vector<std::function<void()>> tasks;
+  for (PeerPlan& plan : plans) {
+    for (LaneUse& use : plan.lanes) {
+      if (use.work.empty()) continue;
+      tasks.push_back([this, ops, &plan, &use, &batch, &stop] {
+        RunLane(ops, plan, use, batch, stop);
+      });
+    }
+    for (const std::shared_ptr<Lane>& lane : plan.probes) {
+      tasks.push_back([this, ops, &plan, lane, &stop] {
+        ProbeLane(ops, plan, lane, stop);
+      });
+    }
+  }
+  posting_pool_->RunAll(tasks);
+
+  // Bytes whose rail failed go over the remaining lanes, until every op is
+  // done, or the deadline or a cancellation cuts the batch short.
+  while (!batch->Wait(stop.deadline()) && !stop.stopped()) {
+    Repost(ops, plans, plan_of_op, batch->TakeRetries(), batch, stop);
+  }
+  if (batch->Wait(absl::Now())) {
+    // Lanes that carried their bytes without a failure are healthy, even
+    // those tried while cooling down because no other was left.
+    for (PeerPlan& plan : plans) {
+      for (LaneUse& use : plan.lanes) {
+        if (!use.posted || !use.failed.ok()) continue;
+        absl::MutexLock lock(&use.lane->health->mu);
+        if (!use.lane->health->probing) use.lane->health->cooldown.Recover();
+      }
+    }
+  } else {
+    CutShort(plans, *batch, stop);
+  }
+  std::vector<absl::Status> results = batch->Results();
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (results[i].ok()) ops[i].local->CountMoved(ops[i].length);
+  }
+  return results;
+}
+
+std::vector<Rail*> IbverbsBackend::UsableRails() {
+  const absl::Time now = absl::Now();
+  std::vector<Rail*> usable;
+  for (const auto& rail : rails_) {
+    absl::MutexLock lock(&rail->mu);
+    if (rail->health.failed()) {
+      if (rail->health.cooling(now)) continue;
+      // Its cooldown ran out: back once its port is ACTIVE again.
+      auto port = rail->device->device->QueryPort(rail->local.port);
+      if (!port.ok() || port->state != IBV_PORT_ACTIVE) {
+        rail->health.Fail(
+            now, options_.rail_cooldown, options_.rail_max_cooldown,
+            port.ok() ? absl::StrCat("port ",
+                                     verbs::PortStateName(port->state))
+                      : std::string(port.status().message()));
+        continue;
+      }
+      rail->health.Recover();
+      spdlog::info("ibverbs: rail {} is ACTIVE again: in use", rail->name);
+    }
+    usable.push_back(rail.get());
+  }
+  if (!usable.empty()) return usable;
+  // All cooling down: whichever port is ACTIVE now is worth a try.
+  for (const auto& rail : rails_) {
+    auto port = rail->device->device->QueryPort(rail->local.port);
+    if (port.ok() && port->state == IBV_PORT_ACTIVE) {
+      usable.push_back(rail.get());
+    }
+  }
+  return usable;
+}
+
+std::shared_ptr<Lane> IbverbsBackend::LaneFor(const std::string& peer,
+                                              Rail& rail,
+                                              const RemoteRail& remote) {
+  const std::string key =
+      absl::StrCat(peer, "/", rail.name, ">", remote.name());
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<Lane>& lane = lanes_[key];
+  if (lane == nullptr) lane = std::make_shared<Lane>(key, peer, &rail, remote);
+  return lane;
+}
+
+IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
+                                                  std::vector<size_t> indices,
+                                                  Batch& batch) {
+  PeerPlan plan;
+  plan.peer = PeerKey(*ops[indices.front()].remote);
+  plan.ops = std::move(indices);
+  // Every op of the group names the same agent and epoch, so the same rails.
+  plan.remote_rails = RemoteRailsOf(ops[plan.ops.front()].endpoint->ibverbs());
+  const std::vector<Rail*> rails = UsableRails();
+  if (rails.empty()) {
+    std::vector<std::string> names;
+    for (const auto& rail : rails_) names.push_back(rail->name);
+    const absl::Status none = absl::UnavailableError(absl::StrCat(
+        "no RDMA rail of this agent has an ACTIVE port (",
+        absl::StrJoin(names, ", "), ")"));
+    for (size_t i : plan.ops) batch.Settle({i, 0, ops[i].length}, none);
+    plan.ops.clear();
+    return plan;
+  }
+
+  // Which pairs failed (and are not shown to work again yet), and which of
+  // those are worth a probe, by lane key.
+  const absl::Time now = absl::Now();
+  const size_t locals = rails.size();
+  const size_t remotes = plan.remote_rails.size();
+  const auto key_of = [&](size_t l, size_t r) {
+    return absl::StrCat(plan.peer, "/", rails[l]->name, ">",
+                        plan.remote_rails[r].name());
+  };
+  std::vector<std::vector<bool>> failed(locals,
+                                        std::vector<bool>(remotes, false));
+  std::vector<std::pair<size_t, size_t>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t l = 0; l < locals; ++l) {
+      for (size_t r = 0; r < remotes; ++r) {
+        auto it = lanes_.find(key_of(l, r));
+        if (it == lanes_.end()) continue;  // never used: healthy
+        LaneHealth& health = *it->second->health;
+        absl::MutexLock health_lock(&health.mu);
+        if (!health.cooldown.failed()) continue;
+        failed[l][r] = true;
+        if (!health.cooldown.cooling(now) && !health.probing) {
+          expired.emplace_back(l, r);
+        }
+      }
+    }
+  }
+  // Whose fault a failed pair was is a guess: this agent's port was
+  // ACTIVE (else the rail itself cooled down). A rail of ours whose pairs
+  // to two or more of the peer's rails failed is suspect itself (a path cut
+  // beyond its port); otherwise the peer's rail is, and no other rail of
+  // ours is paired with it either until a probe shows it works, rather
+  // than each finding out with a transport timeout of its own.
+  std::vector<bool> local_suspect(locals, false);
+  std::vector<bool> remote_suspect(remotes, false);
+  for (size_t l = 0; l < locals; ++l) {
+    local_suspect[l] =
+        remotes > 1 && std::count(failed[l].begin(), failed[l].end(), true) > 1;
+  }
+  for (size_t l = 0; l < locals; ++l) {
+    for (size_t r = 0; r < remotes; ++r) {
+      if (failed[l][r] && !local_suspect[l]) remote_suspect[r] = true;
+    }
+  }
+  const auto healthy = [&](size_t l, size_t r) {
+    return !failed[l][r] && !local_suspect[l] && !remote_suspect[r];
+  };
+  std::vector<double> local_gbps;
+  for (Rail* rail : rails) local_gbps.push_back(rail->speed_gbps);
+  std::vector<double> remote_gbps;
+  for (const RemoteRail& rail : plan.remote_rails) {
+    remote_gbps.push_back(rail.speed_gbps);
+  }
+  std::vector<RailPair> pairs = PairRails(local_gbps, remote_gbps, healthy);
+  if (pairs.empty()) {
+    // Nothing healthy: try them all rather than fail outright (a failure
+    // costs a transport timeout, and then the registry's retry on tcp).
+    pairs = PairRails(local_gbps, remote_gbps,
+                      [](size_t, size_t) { return true; });
+  } else {
+    for (const auto& [l, r] : expired) {
+      plan.probes.push_back(LaneFor(plan.peer, *rails[l], plan.remote_rails[r]));
+    }
+  }
+  std::vector<double> weights;
+  std::vector<double> loads;
+  for (const RailPair& pair : pairs) {
+    LaneUse use;
+    use.lane = LaneFor(plan.peer, *rails[pair.local],
+                       plan.remote_rails[pair.remote]);
+    use.weight = pair.weight;
+    weights.push_back(pair.weight);
+    loads.push_back(static_cast<double>(use.lane->load->bytes.load()));
+    plan.lanes.push_back(std::move(use));
+  }
+
+  size_t round_robin;
+  {
+    absl::MutexLock lock(&mu_);
+    round_robin = round_robin_[plan.peer]++;
+  }
+  for (size_t i : plan.ops) {
+    const uint64_t length = ops[i].length;
+    if (length >= options_.stripe_threshold_bytes && plan.lanes.size() > 1) {
+      for (const Piece& piece : SplitByWeight(length, weights, kStripeAlign)) {
+        plan.lanes[piece.lane].work.push_back({i, piece.offset, piece.length});
+        loads[piece.lane] += static_cast<double>(piece.length);
+      }
+      continue;
+    }
+    const size_t k = LeastLoaded(loads, weights, round_robin++);
+    plan.lanes[k].work.push_back({i, 0, length});
+    loads[k] += static_cast<double>(length);
+  }
+  return plan;
+}
+
+void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
+                             LaneUse& use, const std::shared_ptr<Batch>& batch,
+                             const StopToken& stop) {
+  auto connection = ConnectLane(*use.lane, ops, plan.ops, stop);
+  if (!connection.ok()) {
+    // A lane that cannot connect leaves its bytes to the others; a refused
+    // proof, a stale epoch or the stop is the ops' own answer.
+    if (connection.status().code() == absl::StatusCode::kUnavailable &&
+        !stop.stopped()) {
+      use.failed = connection.status();
+      for (const Batch::Range& range : use.work) {
+        batch->Requeue(range, use.lane.get(), use.failed);
+      }
+    } else {
+      for (const Batch::Range& range : use.work) {
+        batch->Settle(range, connection.status());
+      }
+    }
+    return;
+  }
+  use.connection = *connection;
+  for (const Batch::Range& range : use.work) {
+    PostRange(ops[range.op], range, use, batch, stop);
+  }
+}
+
+void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
+                               LaneUse& use,
+                               const std::shared_ptr<Batch>& batch,
+                               const StopToken& stop) {
+  if (stop.cancelled()) {
+    batch->Settle(range, stop.StopStatus("before posting"));
+    return;
+  }
+  // An op that failed needs none of its other bytes.
+  if (batch->HasError(range.op)) {
+    batch->Settle(range, absl::OkStatus());
+    return;
+  }
+  if (!use.failed.ok()) {
+    batch->Requeue(range, use.lane.get(), use.failed);
+    return;
+  }
+  Lane& lane = *use.lane;
+  auto grant = GrantFor(op, lane, *use.connection, stop);
+  if (!grant.ok()) {
+    if (grant.status().code() == absl::StatusCode::kUnavailable &&
+        !stop.stopped()) {
+      use.failed = grant.status();
+      batch->Requeue(range, &lane, use.failed);
+    } else {
+      batch->Settle(range, grant.status());
+    }
+    return;
+  }
+  // The grant is the remote's word on the buffer's real size, which a
+  // forged context may overstate: the contract's code rather than the NIC's
+  // access error (the remote NIC refuses the WR either way).
+  if (absl::Status bounds =
+          CheckRange(op.remote_offset, op.length, grant->size_bytes, "remote");
+      !bounds.ok()) {
+    batch->Settle(range, bounds);
+    return;
+  }
+  const auto& local =
+      dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
+  const uint32_t lkey = local.mr(lane.rail->device->index).lkey();
+  uint64_t wr_bytes = lane.rail->params.max_message_bytes;
+  if (lane.remote.max_message_bytes > 0) {
+    wr_bytes = std::min(wr_bytes, lane.remote.max_message_bytes);
+  }
+  for (uint64_t done = 0; done < range.length;) {
+    const Batch::Range piece = {range.op, range.offset + done,
+                                std::min(wr_bytes, range.length - done)};
+    ibv_sge sge = {};
+    sge.addr = reinterpret_cast<uint64_t>(op.local->data() + op.local_offset +
+                                          piece.offset);
+    sge.length = static_cast<uint32_t>(piece.length);
+    sge.lkey = lkey;
+    ibv_send_wr wr = {};
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = op.reads_into_local() ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+    wr.wr.rdma.remote_addr = grant->address + op.remote_offset + piece.offset;
+    wr.wr.rdma.rkey = grant->rkey;
+    const uint64_t cookie = batch->WrPosting(piece, lane);
+    const absl::Status posted =
+        use.connection->Post(wr, batch, cookie, op.local, stop);
+    if (posted.ok()) {
+      use.posted = true;
+      done += piece.length;
+      continue;
+    }
+    batch->WrNotPosted(cookie);
+    const Batch::Range rest = {range.op, range.offset + done,
+                               range.length - done};
+    if (posted.code() == absl::StatusCode::kUnavailable && !stop.stopped()) {
+      // The queue pair failed under us: the rest goes elsewhere.
+      use.failed = Prefixed(posted, absl::StrCat("on rail ", lane.name()));
+      batch->Requeue(rest, &lane, use.failed);
+    } else {
+      batch->Settle(rest, posted);
+    }
+    return;
+  }
+}
+
+void IbverbsBackend::Repost(absl::Span<const Op> ops,
+                            std::vector<PeerPlan>& plans,
+                            const std::vector<size_t>& plan_of_op,
+                            std::vector<Batch::Retry> retries,
+                            const std::shared_ptr<Batch>& batch,
+                            const StopToken& stop) {
+  for (Batch::Retry& retry : retries) {
+    PeerPlan& plan = plans[plan_of_op[retry.range.op]];
+    // The lane it failed on is out for the rest of this Submit (its QP is
+    // in ERR; the next Submit reconnects it), and cools down when its path
+    // failed rather than its QP being flushed.
+    for (LaneUse& use : plan.lanes) {
+      if (use.lane.get() != retry.lane) continue;
+      if (use.failed.ok()) use.failed = retry.why;
+      if (retry.path_failed && !use.cooled) {
+        use.cooled = true;
+        CoolDown(*use.lane, retry.why);
+      }
+      use.lane->rail->counters.reposted_bytes += retry.range.length;
+    }
+    if (batch->HasError(retry.range.op)) {
+      batch->Settle(retry.range, absl::OkStatus());
+      continue;
+    }
+    LaneUse* target = PickLane(ops, plan, stop);
+    if (target == nullptr) {
+      std::vector<std::string> others;
+      for (const LaneUse& use : plan.lanes) {
+        if (!use.failed.ok() && use.lane.get() != retry.lane) {
+          others.push_back(std::string(use.failed.message()));
+        }
+      }
+      batch->Settle(
+          retry.range,
+          absl::UnavailableError(absl::StrCat(
+              retry.why.message(), "; no other RDMA rail to agent ",
+              AgentOf(plan.peer), " is left",
+              others.empty() ? ""
+                             : absl::StrCat(" (", absl::StrJoin(others, "; "),
+                                            ")"))));
+      continue;
+    }
+    PostRange(ops[retry.range.op], retry.range, *target, batch, stop);
+  }
+}
+
+IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
+                                                  PeerPlan& plan,
+                                                  const StopToken& stop) {
+  while (!stop.stopped()) {
+    // The least loaded of the lanes still standing.
+    LaneUse* best = nullptr;
+    double best_cost = std::numeric_limits<double>::infinity();
+    for (LaneUse& use : plan.lanes) {
+      if (!use.failed.ok()) continue;
+      const double cost = static_cast<double>(use.lane->load->bytes.load()) /
+                          std::max(use.weight, 1e-9);
+      if (best == nullptr || cost < best_cost) {
+        best = &use;
+        best_cost = cost;
+      }
+    }
+    if (best == nullptr) best = AddLane(plan);
+    if (best == nullptr) return nullptr;
+    if (best->connection != nullptr) return best;
+    auto connection = ConnectLane(*best->lane, ops, plan.ops, stop);
+    if (connection.ok()) {
+      best->connection = *connection;
+      return best;
+    }
+    best->failed = connection.status();
+  }
+  return nullptr;
+}
+
+IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan) {
+  // E.g. this agent's rail whose partner failed, with the partner of a rail
+  // of this agent whose port went down.
+  const absl::Time now = absl::Now();
+  for (Rail* rail : UsableRails()) {
+    for (const RemoteRail& remote : plan.remote_rails) {
+      const std::shared_ptr<Lane> lane = LaneFor(plan.peer, *rail, remote);
+      const bool planned =
+          std::any_of(plan.lanes.begin(), plan.lanes.end(),
+                      [&](const LaneUse& use) { return use.lane == lane; });
+      if (planned) continue;
+      {
+        absl::MutexLock lock(&lane->health->mu);
+        if (lane->health->cooldown.cooling(now)) continue;
+      }
+      LaneUse use;
+      use.lane = lane;
+      use.weight = std::min(rail->speed_gbps > 0 ? rail->speed_gbps : 1.0,
+                            remote.speed_gbps > 0 ? remote.speed_gbps
+                                                  : rail->speed_gbps);
+      plan.lanes.push_back(std::move(use));
+      return &plan.lanes.back();
+    }
+  }
+  return nullptr;
+}
+
+void IbverbsBackend::CoolDown(Lane& lane, const absl::Status& why) {
+  Rail& rail = *lane.rail;
+  const absl::Time now = absl::Now();
+  auto port = rail.device->device->QueryPort(rail.local.port);
+  if (!port.ok() || port->state != IBV_PORT_ACTIVE) {
+    // Its own port is down: every lane of the rail would fail alike.
+    const std::string state =
+        port.ok() ? absl::StrCat("port ", verbs::PortStateName(port->state))
+                  : std::string(port.status().message());
+    absl::MutexLock lock(&rail.mu);
+    rail.health.Fail(now, options_.rail_cooldown, options_.rail_max_cooldown,
+                     state);
+    spdlog::warn(
+        "ibverbs: rail {} failed ({}): left out for {}, its bytes go over "
+        "the other rails",
+        rail.name, state,
+        absl::FormatDuration(rail.health.until() - now));
+    return;
+  }
+  absl::MutexLock lock(&lane.health->mu);
+  lane.health->cooldown.Fail(now, options_.rail_cooldown,
+                             options_.rail_max_cooldown,
+                             std::string(why.message()));
+  spdlog::warn(
+      "ibverbs: rail pair {} to agent {} failed ({}): left out for {}, its "
+      "bytes go over the other rails",
+      lane.name(), LogSafe(AgentOf(lane.peer)), LogSafe(why.ToString()),
+      absl::FormatDuration(lane.health->cooldown.until() - now));
+}
+
+void IbverbsBackend::ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
+                               const std::shared_ptr<Lane>& lane,
+                               const StopToken& stop) {
+  {
+    absl::MutexLock lock(&lane->health->mu);
+    if (lane->health->probing || !lane->health->cooldown.failed() ||
+        lane->health->cooldown.cooling(absl::Now())) {
+      return;
+    }
+    lane->health->probing = true;
+  }
+  const auto give_up = [&](const absl::Status& why) {
+    absl::MutexLock lock(&lane->health->mu);
+    lane->health->probing = false;
+    lane->health->cooldown.Fail(absl::Now(), options_.rail_cooldown,
+                                options_.rail_max_cooldown,
+                                std::string(why.message()));
+  };
+  auto connection = ConnectLane(*lane, ops, plan.ops, stop);
+  if (!connection.ok()) {
+    give_up(connection.status());
+    return;
+  }
+  RemoteGrant grant;
+  {
+    absl::MutexLock lock(&mu_);
+    if (lane->connection != *connection || lane->grants.empty()) {
+      give_up(absl::UnavailableError("the queue pair was replaced"));
+      return;
+    }
+    grant = lane->grants.begin()->second;
+  }
+  // Zero bytes: names no memory, yet crosses both ports and is answered
+  // only by the peer's NIC. It touches nothing, so it may outlive the
+  // Submit.
+  ibv_send_wr wr = {};
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.num_sge = 0;
+  wr.wr.rdma.remote_addr = grant.address;
+  wr.wr.rdma.rkey = grant.rkey;
+  auto sink = std::make_shared<ProbeSink>(lane->health, lane->name(),
+                                          options_.rail_cooldown,
+                                          options_.rail_max_cooldown);
+  const absl::Status posted = (*connection)->Post(wr, sink, 0, nullptr, stop);
+  if (!posted.ok()) give_up(posted);
+}
+
+void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
+                              const StopToken& stop) {
+  // Out of time (or cancelled) with WRs on the wire: the QPs carrying them
+  // go to ERR and are drained, so no WR of this batch touches memory after
+  // we return.
+  const std::vector<size_t> late = batch.NotDone();
+  bool drained = true;
+  for (const PeerPlan& plan : plans) {
+    for (const LaneUse& use : plan.lanes) {
+      if (use.connection == nullptr || use.connection->outstanding() == 0) {
+        continue;
+      }
+      drained &= use.connection->MoveToErrorAndDrain(options_.drain_timeout);
+    }
+  }
+  // A drained WR's completion reaches the batch just after its queue pair
+  // counts it done.
+  if (drained) {
+    drained = batch.AwaitNoWrs(absl::Now() + options_.drain_timeout);
+  }
+  const std::string what =
+      drained ? "with RDMA work requests in flight; the queue pair was "
+                "moved to ERROR and drained"
+              : "with RDMA work requests in flight; the queue pair was "
+                "moved to ERROR but did not drain";
+  const bool cancelled = stop.cancelled();
+  const absl::Status stopped = stop.StopStatus(what);
+  // A cancellation's reason says nothing of the QPs: add it.
+  const absl::Status cut =
+      cancelled ? absl::Status(stopped.code(),
+                               absl::StrCat(stopped.message(), " ", what))
+                : stopped;
+  // Bytes waiting for another rail get none now.
+  for (const Batch::Retry& retry : batch.TakeRetries()) {
+    batch.Settle(retry.range, cut);
+  }
+  if (!drained) {
+    // Not seen with a working device. The WRs still pin their local
+    // registrations, so memory stays mapped whatever the NIC does.
+    spdlog::error(
+        "ibverbs: a queue pair moved to ERROR did not flush within {}",
+        absl::FormatDuration(options_.drain_timeout));
+  }
+  spdlog::warn(
+      "ibverbs: {} with {} op(s) in flight; queue pair(s) moved to ERROR "
+      "and drained",
+      cancelled ? "batch cancelled" : "deadline passed", late.size());
+  for (size_t i : late) batch.Override(i, cut);
+}
+
+absl::StatusOr<std::shared_ptr<QueuePairConnection>>
+IbverbsBackend::ConnectLane(Lane& lane, absl::Span<const Op> ops,
+                            const std::vector<size_t>& indices,
+                            const StopToken& stop) {
+  // Bounds the handshakes one batch can cost when its proofs are refused.
+  constexpr size_t kMaxProofs = 4;
+  std::vector<const Op*> tried;
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> connection =
+      absl::NotFoundError("no op to connect for");
+  for (size_t i : indices) {
+    const Op& op = ops[i];
+    const bool seen =
+        std::any_of(tried.begin(), tried.end(), [&](const Op* other) {
+          return other->remote->buffer_id() == op.remote->buffer_id() &&
+                 other->remote->token() == op.remote->token();
+        });
+    if (seen) continue;
+    tried.push_back(&op);
+    connection = GetConnection(lane, *op.remote, op.endpoint->ibverbs(), stop);
+    // Only a refused proof is worth another op's proof.
+    if (connection.ok() ||
+        connection.status().code() != absl::StatusCode::kNotFound ||
+        tried.size() >= kMaxProofs) {
+      break;
+    }
+  }
+  return connection;
+}
+
+absl::StatusOr<std::shared_ptr<QueuePairConnection>>
+IbverbsBackend::GetConnection(Lane& lane, const v1::RemoteBuffer& remote,
+                              const v1::IbverbsEndpoint& endpoint,
+                              const StopToken& stop) {
+  std::shared_ptr<QueuePairConnection> stale;  // drained outside mu_
+  std::shared_ptr<absl::Mutex> connect_lock;
+  {
+    absl::MutexLock lock(&mu_);
+    if (lane.connection != nullptr) {
+      if (!lane.connection->broken()) return lane.connection;
+      stale = std::move(lane.connection);
+      lane.connection = nullptr;
+      lane.session.clear();
+      lane.grants.clear();
+    }
+    auto& slot = connect_locks_[lane.key];
+    if (slot == nullptr) slot = std::make_shared<absl::Mutex>();
+    connect_lock = slot;
+  }
+  stale.reset();
+  absl::MutexLock connecting(connect_lock.get());
+  {
+    absl::MutexLock lock(&mu_);
+    if (lane.connection != nullptr && !lane.connection->broken()) {
+      return lane.connection;
+    }
+  }
+  auto handshaken = Handshake(lane, remote, endpoint, stop);
+  if (!handshaken.ok()) {
+    spdlog::warn("ibverbs: connecting rail {} to agent {} at {}: {}",
+                 lane.name(), LogSafe(remote.agent_id()),
+                 LogSafe(endpoint.peer_address()),
+                 LogSafe(handshaken.status().ToString()));
+    return handshaken.status();
+  }
+  std::shared_ptr<QueuePairConnection> connection = handshaken->connection;
+  spdlog::info(
+      "ibverbs: connected QP {} to agent {} (epoch {:016x}) over rail {} at "
+      "{}",
+      connection->qp_num(), LogSafe(remote.agent_id()), remote.agent_epoch(),
+      lane.name(), LogSafe(endpoint.peer_address()));
+  // The agent answered with this epoch, so lanes to its earlier lives are
+  // dead: drop them (their QPs destroyed outside mu_).
+  std::vector<std::shared_ptr<QueuePairConnection>> dead;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::string agent_prefix = absl::StrCat(remote.agent_id(), "/");
+    const std::string epoch_prefix =
+        absl::StrCat(agent_prefix, remote.agent_epoch(), "/");
+    for (auto it = lanes_.lower_bound(agent_prefix);
+         it != lanes_.end() && absl::StartsWith(it->first, agent_prefix);) {
+      if (absl::StartsWith(it->first, epoch_prefix)) {
+        ++it;
+        continue;
+      }
+      dead.push_back(std::move(it->second->connection));
+      it->second->connection = nullptr;
+      connect_locks_.erase(it->first);
+      round_robin_.erase(it->second->peer);
+      it = lanes_.erase(it);
+    }
+    lane.connection = connection;
+    lane.session = handshaken->session;
+    lane.grants.clear();
+    lane.grants[handshaken->buffer_id] = handshaken->grant;
+    ++connections_established_;
+  }
+  dead.clear();
+  return connection;
+}
+
+absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
+    const Lane& lane, const v1::RemoteBuffer& remote,
+    const v1::IbverbsEndpoint& endpoint, const StopToken& stop) {
+  const Rail& rail = *lane.rail;
+  // Inbound RDMA refused: whoever answers cannot reach this agent's memory
+  // through this QP.
+  auto created = QueuePairConnection::Create(
+      rail.local, rail.params, options_.busy_poll, options_.drain_timeout,
+      QueuePairConnection::Inbound::kRefuse);
+  if (!created.ok()) {
+    return Prefixed(created.status(),
+                    absl::StrCat("creating a queue pair on rail ", rail.name));
+  }
+  Handshaken result;
+  result.connection = std::move(*created);
+
+  v1::ConnectQueuePairRequest request;
+  request.set_agent_id(env_.identity.agent_id);
+  request.set_agent_epoch(env_.identity.epoch);
+  request.set_expected_epoch(remote.agent_epoch());
+  request.set_remote_device(lane.remote.device);
+  request.set_remote_port(lane.remote.port);
+  *request.mutable_requester() = result.connection->local_endpoint();
+  request.set_buffer_id(remote.buffer_id());
+  request.set_token(remote.token());
+  v1::ConnectQueuePairResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(
+      std::min(stop.deadline(), absl::Now() + options_.connect_timeout)));
+  // A cancelled Submit does not wait for a slow peer's answer.
+  const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
+  const grpc::Status status =
+      StubFor(endpoint.peer_address())
+          ->ConnectQueuePair(&context, request, &response);
+  if (!status.ok() && stop.cancelled()) {
+    return stop.StopStatus("while connecting a queue pair");
+  }
+  if (!status.ok()) {
+    return Prefixed(
+        FromGrpcStatus(status),
+        absl::StrCat("queue-pair handshake with agent ", remote.agent_id(),
+                     " at ", endpoint.peer_address(), " for rail ",
+                     lane.name()));
+  }
+  if (response.session().empty() ||
+      response.grant().buffer_id() != remote.buffer_id()) {
+    return absl::UnavailableError(absl::StrCat(
+        "queue-pair handshake with agent ", remote.agent_id(), " at ",
+        endpoint.peer_address(), " for rail ", lane.name(),
+        ": the answer has no session or grant"));
+  }
+  absl::Status connected = result.connection->ConnectTo(response.responder());
+  if (!connected.ok()) {
+    return Prefixed(absl::StatusCode::kUnavailable, connected,
+                    absl::StrCat("connecting the queue pair of rail ",
+                                 lane.name(), " to ", endpoint.peer_address()));
+  }
+  result.session = response.session();
+  result.buffer_id = remote.buffer_id();
+  result.grant.token = remote.token();
+  result.grant.rkey = response.grant().rkey();
+  result.grant.address = response.grant().address();
+  result.grant.size_bytes = response.grant().size_bytes();
+  return result;
+}
+
+absl::StatusOr<RemoteGrant> IbverbsBackend::GrantFor(
+    const Op& op, Lane& lane, const QueuePairConnection& connection,
+    const StopToken& stop) {
+  const v1::RemoteBuffer& remote = *op.remote;
+  std::string session;
+  {
+    absl::MutexLock lock(&mu_);
+    if (lane.connection.get() != &connection) {
+      return absl::UnavailableError(absl::StrCat(
+          "the queue pair of rail ", lane.name(),
+          " was replaced while the op was being posted"));
+    }
+    auto grant = lane.grants.find(remote.buffer_id());
+    // The token too: another local user's forged context naming the same
+    // buffer id must not ride on a grant earned by a real one.
+    if (grant != lane.grants.end() &&
+        TokensEqual(grant->second.token, remote.token())) {
+      return grant->second;
+    }
+    session = lane.session;
+  }
+  v1::GrantBufferRequest request;
+  request.set_agent_id(env_.identity.agent_id);
+  request.set_expected_epoch(remote.agent_epoch());
+  request.set_session(session);
+  request.set_buffer_id(remote.buffer_id());
+  request.set_token(remote.token());
+  v1::GrantBufferResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(
+      std::min(stop.deadline(), absl::Now() + options_.connect_timeout)));
+  // A cancelled Submit does not wait for a slow peer's answer.
+  const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
+  const std::string& address = op.endpoint->ibverbs().peer_address();
+  const grpc::Status status =
+      StubFor(address)->GrantBuffer(&context, request, &response);
+  if (!status.ok() && stop.cancelled()) {
+    return stop.StopStatus("while asking the peer for buffer access");
+  }
+  if (!status.ok()) {
+    return Prefixed(FromGrpcStatus(status),
+                    absl::StrCat("access to a buffer of agent ",
+                                 remote.agent_id(), " at ", address,
+                                 " over rail ", lane.name()));
+  }
+  RemoteGrant grant;
+  grant.token = remote.token();
+  grant.rkey = response.grant().rkey();
+  grant.address = response.grant().address();
+  grant.size_bytes = response.grant().size_bytes();
+  absl::MutexLock lock(&mu_);
+  if (lane.connection.get() == &connection) {
+    lane.grants[remote.buffer_id()] = grant;
+  }
+  return grant;
+}
+
+}  // namespace rdma_agent::ibverbs
