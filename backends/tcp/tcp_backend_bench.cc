@@ -3,9 +3,11 @@
 // Measures the data plane's own cost per op, next to a plain TCP ping-pong
 // in the same run:
 //   - 8 B READ, one op per Submit: p50/p99 latency vs the ping-pong's;
-//   - 4 KiB WRITE and READ, 1000 ops per Submit: ops/s.
+//   - 4 KiB WRITE and READ, 1000 ops per Submit: ops/s;
+//   - 64 KiB x 256 per Submit (KV-cache-sized blocks) and one 256 MiB op
+//     per Submit, WRITE and READ: MiB/s.
 //
-//   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds]
+//   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds [small]]
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -102,7 +105,7 @@ std::pair<double, double> PingPong(int iterations) {
   return result;
 }
 
-int Main(double seconds) {
+int Main(double seconds, bool bulk) {
   auto a = Agent(11);
   auto b = Agent(12);
   const uint64_t kBytes = 8 << 20;
@@ -123,31 +126,55 @@ int Main(double seconds) {
               "p99 %.1f us | p50 ratio %.2f\n",
               read50, read99, ping50, ping99, read50 / ping50);
 
-  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
-                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+  // Ops of `size` bytes, `count` per Submit, laid out back to back (wrapping
+  // within `span` bytes of both buffers).
+  auto rate = [&](v1::OpType type, uint64_t size, size_t count, uint64_t span,
+                  const TestBuffer& from, const TestBuffer& to) -> double {
     std::vector<Op> batch;
-    for (size_t i = 0; i < 1000; ++i) {
-      batch.push_back(MakeOp(i, type, local, (i * 4096) % kBytes, 4096, remote,
-                             (i * 4096) % kBytes));
+    for (size_t i = 0; i < count; ++i) {
+      const uint64_t offset = (i * size) % span;
+      batch.push_back(MakeOp(i, type, from, offset, size, to, offset));
     }
-    (void)tcp.Submit(batch, absl::Now() + absl::Seconds(30));  // warm-up
+    (void)tcp.Submit(batch, absl::Now() + absl::Seconds(60));  // warm-up
     uint64_t ops = 0;
     const absl::Time start = absl::Now();
     while (absl::Now() - start < absl::Seconds(seconds)) {
       for (const absl::Status& status :
-           tcp.Submit(batch, absl::Now() + absl::Seconds(30))) {
+           tcp.Submit(batch, absl::Now() + absl::Seconds(60))) {
         if (!status.ok()) {
-          std::fprintf(stderr, "4 KiB op failed: %s\n",
+          std::fprintf(stderr, "%lu-byte op failed: %s\n",
+                       static_cast<unsigned long>(size),
                        status.ToString().c_str());
-          return 1;
+          std::exit(1);
         }
       }
       ops += batch.size();
     }
-    const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-    std::printf("4 KiB %-5s x1000/Submit: %.0f ops/s\n",
-                type == v1::OP_TYPE_WRITE_FROM_LOCAL ? "WRITE" : "READ",
-                static_cast<double>(ops) / elapsed);
+    return static_cast<double>(ops) /
+           absl::ToDoubleSeconds(absl::Now() - start);
+  };
+  auto kind = [](v1::OpType type) {
+    return type == v1::OP_TYPE_WRITE_FROM_LOCAL ? "WRITE" : "READ";
+  };
+  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
+                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+    std::printf("4 KiB %-5s x1000/Submit: %.0f ops/s\n", kind(type),
+                rate(type, 4096, 1000, kBytes, local, remote));
+  }
+  if (!bulk) return 0;
+  constexpr uint64_t kBulk = 256 << 20;
+  TestBuffer bulk_local = a->Register(kBulk, v1::ACCESS_READ_WRITE, 3);
+  TestBuffer bulk_remote = b->Register(kBulk, v1::ACCESS_READ_WRITE, 4);
+  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
+                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+    std::printf("64 KiB %-5s x256/Submit: %.0f MiB/s\n", kind(type),
+                rate(type, 64 << 10, 256, kBulk, bulk_local, bulk_remote) /
+                    16.0);
+  }
+  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
+                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+    std::printf("256 MiB %-5s x1/Submit: %.0f MiB/s\n", kind(type),
+                rate(type, kBulk, 1, kBulk, bulk_local, bulk_remote) * 256.0);
   }
   return 0;
 }
@@ -156,5 +183,7 @@ int Main(double seconds) {
 }  // namespace rdma_agent
 
 int main(int argc, char** argv) {
-  return rdma_agent::Main(argc > 1 ? std::atof(argv[1]) : 3.0);
+  // Second argument "small": only the latency and 4 KiB rows.
+  const bool bulk = !(argc > 2 && std::string(argv[2]) == "small");
+  return rdma_agent::Main(argc > 1 ? std::atof(argv[1]) : 3.0, bulk);
 }
