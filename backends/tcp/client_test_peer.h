@@ -35,6 +35,10 @@ class ScriptedPeer {
     kRefuseAll,
     // An agent that stalls: hello, then reads requests and never answers.
     kStall,
+    // An agent gone wrong: hello, then answers every WRITE OK (READs
+    // NOT_FOUND), each answer followed, in the same send, by bytes nobody
+    // asked for.
+    kAnswerThenJunk,
   };
 
   // Empty on failure (the test then fails on port() == 0).
@@ -50,7 +54,7 @@ class ScriptedPeer {
   uint64_t bytes_received() const { return bytes_received_.load(); }
   int accepted() const { return accepted_.load(); }
   int closed_by_client() const { return closed_by_client_.load(); }
-  // Requests read (kRefuseAll, kStall).
+  // Requests read (kRefuseAll, kStall, kAnswerThenJunk).
   int requests() const { return requests_.load(); }
 
  private:

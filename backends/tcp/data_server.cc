@@ -337,10 +337,16 @@ bool DataServer::ReceiveRequest(Connection* connection, BufferedSocket& io,
         trusted ? Phase::kIdle : Phase::kHandshake,
         trusted ? options_.idle_timeout : options_.handshake_timeout);
     if (io.buffered() == 0) {
-      // Nothing more has arrived: the answers so far go out before waiting.
-      if (!io.Flush().ok()) return false;
-      pollfd p{fd, POLLIN, 0};
-      if (poll(&p, 1, -1) < 0 && errno != EINTR) return false;
+      // Requests that arrived meanwhile are served before the answers so far
+      // go out, so that one send carries the answers to all of them.
+      absl::StatusOr<size_t> more = io.Receive(/*wait=*/false);
+      if (!more.ok()) return false;
+      if (*more == 0) {
+        // Nothing more has arrived: the answers go out before waiting.
+        if (!io.Flush().ok()) return false;
+        pollfd p{fd, POLLIN, 0};
+        if (poll(&p, 1, -1) < 0 && errno != EINTR) return false;
+      }
     }
     if (trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
   }

@@ -26,6 +26,11 @@ ABSL_FLAG(uint64_t, tcp_chunk_bytes,
 ABSL_FLAG(int32_t, tcp_max_in_flight,
           rdma_agent::tcp::DataClientOptions().max_in_flight,
           "Requests pipelined on one connection before their responses.");
+ABSL_FLAG(uint64_t, tcp_in_flight_bytes,
+          rdma_agent::tcp::DataClientOptions().in_flight_bytes,
+          "A connection pipelines more than --tcp_max_in_flight requests "
+          "(up to 1024) while they carry fewer payload bytes than this, so "
+          "small ops share system calls. 0: --tcp_max_in_flight alone.");
 
 ABSL_FLAG(int32_t, tcp_socket_buffer_bytes,
           rdma_agent::tcp::DataClientOptions().socket_buffer_bytes,
@@ -99,6 +104,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
         absl::GetFlag(FLAGS_tcp_connections_per_peer);
     options.client.chunk_bytes = absl::GetFlag(FLAGS_tcp_chunk_bytes);
     options.client.max_in_flight = absl::GetFlag(FLAGS_tcp_max_in_flight);
+    options.client.in_flight_bytes = absl::GetFlag(FLAGS_tcp_in_flight_bytes);
     options.client.zero_copy_send = absl::GetFlag(FLAGS_tcp_zero_copy_send);
     options.client.socket_buffer_bytes =
         absl::GetFlag(FLAGS_tcp_socket_buffer_bytes);
