@@ -63,6 +63,11 @@ ABSL_FLAG(int32_t, tcp_max_connections,
           "Data connections served at once in all; more are closed at accept. "
           "0: min(4096, soft RLIMIT_NOFILE / 4).");
 
+ABSL_FLAG(int32_t, tcp_server_threads,
+          rdma_agent::tcp::DataServerOptions().threads,
+          "Event-loop threads serving every incoming data connection "
+          "(non-blocking; no thread per connection).");
+
 // The requesting side: threads, connection bounds, dialling.
 ABSL_FLAG(int32_t, tcp_client_threads,
           rdma_agent::tcp::DataClientOptions().threads,
@@ -115,6 +120,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.server.max_connections_per_source =
         absl::GetFlag(FLAGS_tcp_max_connections_per_source);
     options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
+    options.server.threads = absl::GetFlag(FLAGS_tcp_server_threads);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);
