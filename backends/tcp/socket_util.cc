@@ -51,7 +51,7 @@ void ConfigureDataSocket(int fd, int socket_buffer_bytes) {
   const int one = 1;
   // Responses and small requests must not wait for Nagle.
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // A peer that vanished (host down, link cut) must not hold a serving thread
+  // A peer that vanished (host down, link cut) must not hold a connection
   // and the registration it pinned forever: keepalive probes find an idle
   // dead connection within ~45 s, and unacknowledged data gives up after
   // 60 s. Client ops are bounded by their deadline anyway.
