@@ -16,6 +16,7 @@ void BufferedSocket::Reset(int fd) {
   begin_ = end_ = 0;
   small_fill_ = false;
   peer_closed_ = false;
+  drained_ = false;
 }
 
 void BufferedSocket::ReleaseIfEmpty() {
@@ -46,6 +47,7 @@ void BufferedSocket::MakeRoom() {
 }
 
 absl::StatusOr<size_t> BufferedSocket::RecvFailed(ssize_t n, int error) {
+  drained_ = true;
   if (n == 0) {
     peer_closed_ = true;
     return absl::UnavailableError("connection closed by peer");
@@ -70,6 +72,7 @@ absl::StatusOr<size_t> BufferedSocket::ReceiveAtMost(bool wait,
         recv(fd_, in_.get() + end_, room, wait ? 0 : MSG_DONTWAIT);
     if (n > 0) {
       end_ += static_cast<size_t>(n);
+      drained_ = static_cast<size_t>(n) < room;
       return static_cast<size_t>(n);
     }
     if (n < 0 && errno == EINTR) continue;
@@ -95,6 +98,7 @@ absl::StatusOr<size_t> BufferedSocket::ReadSome(void* out, size_t size,
     const ssize_t n = recv(fd_, out, size, wait ? MSG_WAITALL : MSG_DONTWAIT);
     if (n > 0) {
       small_fill_ = true;  // the next message's payload may go direct too
+      drained_ = static_cast<size_t>(n) < size;
       return static_cast<size_t>(n);
     }
     if (n < 0 && errno == EINTR) continue;

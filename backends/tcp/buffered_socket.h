@@ -93,6 +93,10 @@ class BufferedSocket {
   // True once a recv found the peer's end of the stream (as opposed to a
   // failed or reset connection).
   bool peer_closed() const { return peer_closed_; }
+  // The last recv returned less than it had room for: the socket held
+  // nothing more at that moment, so asking again now would most likely
+  // find nothing (a non-blocking owner can wait for readiness instead).
+  bool drained() const { return drained_; }
 
  private:
   // Allocates the buffer if needed and makes room after the buffered bytes:
@@ -111,6 +115,7 @@ class BufferedSocket {
   // payload is being read or was just read.
   bool small_fill_ = false;
   bool peer_closed_ = false;
+  bool drained_ = false;
 };
 
 // What a non-blocking sender has yet to send on one connection, in order:

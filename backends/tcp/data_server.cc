@@ -390,7 +390,8 @@ void DataServer::Loop() {
 
 DataServer::Next DataServer::Turn(Connection& c) {
   size_t budget = kTurnBytes;
-  PageSender* pages = c.pages.has_value() ? &*c.pages : nullptr;
+  bool received_any = false;
+  PageSender* pages = nullptr;
   while (true) {
     const Served served =
         c.peer_done ? Served::kNeedBytes : ServeBuffered(c);
@@ -413,7 +414,12 @@ DataServer::Next DataServer::Turn(Connection& c) {
     }
     // Drained enough: serve the requests that waited in the buffer.
     if (served == Served::kBacklogged) continue;
-    if (budget == 0) return c.out.empty() ? Next::kRead : Next::kReadWrite;
+    // Out of budget, or the last recv found the socket empty: wait for the
+    // next readiness rather than ask again (re-arming reports at once what
+    // arrived meanwhile), which saves a recv that would find nothing.
+    if (budget == 0 || (received_any && c.in.drained())) {
+      return c.out.empty() ? Next::kRead : Next::kReadWrite;
+    }
     // Take in more: a granted WRITE's payload straight into the mapping
     // when it is large, everything else through the buffer.
     const bool into_mapping = c.part == Connection::Part::kPayload &&
@@ -436,6 +442,7 @@ DataServer::Next DataServer::Turn(Connection& c) {
     }
     if (into_mapping) c.payload_done += *received;
     budget -= std::min(budget, *received);
+    received_any = true;
   }
 }
 

@@ -131,7 +131,15 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
   // Ops grouped by the data port that serves them.
   std::vector<tcp::DataClient::PeerBatch> batches;
   std::map<std::string, size_t> batch_of;
+  // Ops of one remote context share its endpoint (the registry parses each
+  // context once per Submit): a run of them needs one lookup, not one each.
+  const v1::BackendEndpoint* last_endpoint = nullptr;
+  size_t last_batch = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].endpoint != nullptr && ops[i].endpoint == last_endpoint) {
+      batches[last_batch].ops.push_back(i);
+      continue;
+    }
     auto peer = PeerOf(ops[i]);
     if (!peer.ok()) {
       results[i] = peer.status();
@@ -141,6 +149,8 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
         batch_of.emplace(JoinHostPort(peer->host, peer->port), batches.size());
     if (added) batches.push_back({*peer, {}});
     batches[it->second].ops.push_back(i);
+    last_endpoint = ops[i].endpoint;
+    last_batch = it->second;
   }
 
   std::vector<absl::Status> statuses = client_->Run(ops, batches, stop);
