@@ -94,12 +94,27 @@ absl::StatusOr<size_t> BufferedSocket::ReadSome(void* out, size_t size,
     if (!received.ok() || *received == 0) return received;
     return Take(out, size);
   }
+  // Without waiting, the same recv also takes the start of what follows
+  // (a header's worth) into the buffer: one system call per message
+  // instead of two. Waiting (MSG_WAITALL) it must not: it would wait for
+  // bytes that may never come.
+  MakeRoom();
+  iovec iov[2] = {{out, size},
+                  {in_.get() + end_,
+                   wait ? 0 : std::min(kHeaderFillBytes, kBufferBytes - end_)}};
+  msghdr message{};
+  message.msg_iov = iov;
+  message.msg_iovlen = iov[1].iov_len > 0 ? 2 : 1;
   while (true) {
-    const ssize_t n = recv(fd_, out, size, wait ? MSG_WAITALL : MSG_DONTWAIT);
+    const ssize_t n =
+        recvmsg(fd_, &message, wait ? MSG_WAITALL : MSG_DONTWAIT);
     if (n > 0) {
       small_fill_ = true;  // the next message's payload may go direct too
-      drained_ = static_cast<size_t>(n) < size;
-      return static_cast<size_t>(n);
+      const size_t got = static_cast<size_t>(n);
+      drained_ = got < size + iov[1].iov_len;
+      if (got <= size) return got;
+      end_ += got - size;
+      return size;
     }
     if (n < 0 && errno == EINTR) continue;
     return RecvFailed(n, errno);
@@ -129,6 +144,7 @@ void SendQueue::AppendReference(const std::byte* data, size_t size,
   segment.keep_alive = std::move(keep_alive);
   segment.splice = splice;
   ++references_;
+  referenced_bytes_ += size;
   appended_ += size;
 }
 
@@ -143,6 +159,7 @@ void SendQueue::PopFront() {
   Segment& front = segments_.front();
   if (front.data != nullptr) {
     --references_;
+    referenced_bytes_ -= front.size;
   } else {
     copied_bytes_ -= front.copy.size();
   }

@@ -87,7 +87,8 @@ class BufferedSocket {
   absl::StatusOr<size_t> Receive(bool wait);
   // Up to `size` bytes of the stream into `out`: the buffered ones first;
   // with nothing buffered, one recv, straight into `out` when `size` >=
-  // kDirectBytes (with `wait`, for all `size` bytes: MSG_WAITALL), else
+  // kDirectBytes (with `wait`, for all `size` bytes: MSG_WAITALL; without,
+  // the same recv also buffers up to kHeaderFillBytes that follow), else
   // through the buffer. Returns the bytes delivered, 0 as for Receive.
   absl::StatusOr<size_t> ReadSome(void* out, size_t size, bool wait);
   // True once a recv found the peer's end of the stream (as opposed to a
@@ -148,6 +149,8 @@ class SendQueue {
   size_t copied_bytes() const { return copied_bytes_; }
   // True while a queued reference has not been sent in full.
   bool holds_reference() const { return references_ > 0; }
+  // Bytes of the references queued (sent or not, until each is done).
+  size_t referenced_bytes() const { return referenced_bytes_; }
   // Marks the end of a message: everything appended so far.
   void EndMessage() { message_ends_.push_back(appended_); }
   // True when a message has been sent in part: closing now would cut it in
@@ -181,6 +184,7 @@ class SendQueue {
   std::deque<Segment> segments_;
   size_t copied_bytes_ = 0;
   int references_ = 0;
+  size_t referenced_bytes_ = 0;
   // Stream offsets: bytes appended and sent, the ends of messages not yet
   // sent in full, and the end of the last message that was.
   uint64_t appended_ = 0;

@@ -39,6 +39,12 @@ constexpr size_t kTurnBytes = 1 << 20;
 // Answers (copied bytes) a connection may have queued before it is read no
 // more until they drain: with the buffer, its memory bound.
 constexpr size_t kMaxQueuedAnswerBytes = BufferedSocket::kBufferBytes;
+// READ payloads sent from the mapping that may wait in a connection's queue
+// before it is read no more: a few KV-sized ones leave in one sendmsg, while
+// a large one is the only one queued, so that each request's timeout starts
+// about when its predecessor's payload has gone. (They cost no memory: the
+// queue pins the mapping.)
+constexpr size_t kMaxQueuedPayloadBytes = 256 << 10;
 // READ payloads shorter than this are copied behind their header (many
 // answers then leave in one iovec); longer ones are sent from the mapping.
 constexpr uint64_t kCopyPayloadBytes = BufferedSocket::kDirectBytes;
@@ -114,7 +120,7 @@ struct DataServer::Connection {
   // Its answers are not drained: no more requests are read for now.
   bool Backlogged() const {
     return out.copied_bytes() >= kMaxQueuedAnswerBytes ||
-           out.holds_reference();
+           out.referenced_bytes() >= kMaxQueuedPayloadBytes;
   }
 };
 
@@ -390,36 +396,49 @@ void DataServer::Loop() {
 
 DataServer::Next DataServer::Turn(Connection& c) {
   size_t budget = kTurnBytes;
-  bool received_any = false;
-  PageSender* pages = nullptr;
-  while (true) {
-    const Served served =
-        c.peer_done ? Served::kNeedBytes : ServeBuffered(c);
-    if (served == Served::kDrop) return Next::kClose;
+  // The last recv went through the buffer (requests, small payloads).
+  bool buffered_short = false;
+  // Sends what is queued as far as the socket takes it; false when the
+  // connection failed. Called only when the turn would otherwise stop
+  // reading (it waits, or the answers back up): one send then carries the
+  // answers to everything that arrived meanwhile, not one per request.
+  auto send = [&c]() -> bool {
+    if (c.out.empty()) return true;
     if (!c.pages_failed && !c.pages.has_value() && c.out.holds_reference()) {
       // First payload to splice: the pipe is made now.
       auto created = PageSender::Create();
       if (created.ok()) c.pages.emplace(std::move(*created));
       c.pages_failed = !created.ok();
     }
-    pages = c.pages.has_value() ? &*c.pages : nullptr;
-    if (!c.out.empty() && !c.out.Send(c.fd.get(), pages).ok()) {
-      return Next::kClose;
+    return c.out.Send(c.fd.get(), c.pages.has_value() ? &*c.pages : nullptr)
+        .ok();
+  };
+  auto wait = [&]() -> Next {
+    if (!send()) return Next::kClose;
+    return c.out.empty() ? Next::kRead : Next::kReadWrite;
+  };
+  while (true) {
+    const Served served =
+        c.peer_done ? Served::kNeedBytes : ServeBuffered(c);
+    if (served == Served::kDrop) return Next::kClose;
+    if (c.peer_done) {
+      // No request can follow: the answers go out, then it closes.
+      if (!send()) return Next::kClose;
+      return c.out.empty() ? Next::kClose : Next::kWrite;
     }
-    if (c.peer_done) return c.out.empty() ? Next::kClose : Next::kWrite;
     if (c.Backlogged()) {
+      if (!send()) return Next::kClose;
       // The socket took what it could: wait until it takes more before
       // reading another request.
-      return Next::kWrite;
+      if (c.Backlogged()) return Next::kWrite;
+      continue;  // drained enough: serve the requests waiting in the buffer
     }
-    // Drained enough: serve the requests that waited in the buffer.
-    if (served == Served::kBacklogged) continue;
-    // Out of budget, or the last recv found the socket empty: wait for the
-    // next readiness rather than ask again (re-arming reports at once what
-    // arrived meanwhile), which saves a recv that would find nothing.
-    if (budget == 0 || (received_any && c.in.drained())) {
-      return c.out.empty() ? Next::kRead : Next::kReadWrite;
-    }
+    // Out of budget, or the last recv of requests found the socket empty:
+    // wait for the next readiness rather than ask again (re-arming reports
+    // at once what arrived meanwhile), which saves a recv that would find
+    // nothing. Not after a payload read: a sender streaming a large WRITE
+    // has usually sent more by now.
+    if (budget == 0 || (buffered_short && c.in.drained())) return wait();
     // Take in more: a granted WRITE's payload straight into the mapping
     // when it is large, everything else through the buffer.
     const bool into_mapping = c.part == Connection::Part::kPayload &&
@@ -437,12 +456,10 @@ DataServer::Next DataServer::Turn(Connection& c) {
       c.peer_done = true;
       continue;
     }
-    if (*received == 0) {
-      return c.out.empty() ? Next::kRead : Next::kReadWrite;
-    }
+    if (*received == 0) return wait();
     if (into_mapping) c.payload_done += *received;
     budget -= std::min(budget, *received);
-    received_any = true;
+    buffered_short = !into_mapping;
   }
 }
 

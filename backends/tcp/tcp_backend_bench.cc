@@ -9,8 +9,9 @@
 //
 //   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds [rows]]
 //
-// `rows` picks what runs (comma-separated; default all): latency, write4k,
-// read4k, kv, bulk. One row alone is what to run under `perf stat` /
+// `rows` picks what runs (comma-separated; default all but sizes): latency,
+// write4k, read4k, kv, bulk, sizes (16 MiB per Submit in ops of 16 KiB to
+// 4 MiB: what a request costs beyond its bytes). One row alone is what to run under `perf stat` /
 // `perf record` to see one kind of op's system calls and profile.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -200,7 +201,7 @@ int Main(double seconds, const std::string& rows) {
     std::printf("4 KiB READ  x1000/Submit: %.0f ops/s, CPU %.2f us/op\n", ops,
                 cpu_us);
   }
-  if (!wanted("kv") && !wanted("bulk")) return 0;
+  if (!wanted("kv") && !wanted("bulk") && !wanted("sizes")) return 0;
   constexpr uint64_t kBulk = 256 << 20;
   TestBuffer bulk_local = a->Register(kBulk, v1::ACCESS_READ_WRITE, 3);
   TestBuffer bulk_remote = b->Register(kBulk, v1::ACCESS_READ_WRITE, 4);
@@ -211,6 +212,19 @@ int Main(double seconds, const std::string& rows) {
         rate(type, 64 << 10, 256, kBulk, bulk_local, bulk_remote);
     std::printf("64 KiB %-5s x256/Submit: %.0f MiB/s, CPU %.0f us/MiB\n",
                 kind(type), ops / 16.0, cpu_us * 16.0);
+  }
+  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
+                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+    if (!wanted("sizes")) break;
+    for (uint64_t size = 16 << 10; size <= (4 << 20); size *= 4) {
+      const size_t count = static_cast<size_t>((16 << 20) / size);
+      const double ops =
+          rate(type, size, count, kBulk, bulk_local, bulk_remote);
+      std::printf("%5lu KiB %-5s x%zu/Submit: %.0f MiB/s, CPU %.0f us/MiB\n",
+                  static_cast<unsigned long>(size >> 10), kind(type), count,
+                  ops * static_cast<double>(size) / (1 << 20),
+                  cpu_us * static_cast<double>(count) / 16.0);
+    }
   }
   for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
                           v1::OP_TYPE_READ_INTO_LOCAL}) {
