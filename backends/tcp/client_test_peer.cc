@@ -94,11 +94,13 @@ void ScriptedPeer::Serve(UniqueFd fd) {
     }
     case Behavior::kRefuseAll:
     case Behavior::kStall:
-    case Behavior::kAnswerThenJunk: {
+    case Behavior::kAnswerThenJunk:
+    case Behavior::kRefuseOnceThenStall: {
       std::byte hello[kServerHelloBytes];
       EncodeServerHello(hello);
       (void)send(conn, hello, sizeof(hello), MSG_NOSIGNAL);
       std::byte header_bytes[kRequestHeaderBytes];
+      int answered = 0;  // on this connection
       while (ReadExactly(conn, header_bytes, sizeof(header_bytes))) {
         auto header = DecodeRequestHeader(header_bytes);
         if (!header.ok()) break;
@@ -117,6 +119,10 @@ void ScriptedPeer::Serve(UniqueFd fd) {
         if (!ok) break;
         ++requests_;
         if (behavior_ == Behavior::kStall) continue;
+        if (behavior_ == Behavior::kRefuseOnceThenStall && answered > 0) {
+          continue;
+        }
+        ++answered;
         const bool accept = behavior_ == Behavior::kAnswerThenJunk &&
                             header->kind == RequestKind::kWrite;
         const std::string message = accept ? "" : "unknown buffer";

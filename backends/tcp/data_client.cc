@@ -61,6 +61,10 @@ struct DataClient::SubmitRun {
 struct DataClient::Connection {
   UniqueFd fd;
   bool reused = false;
+  // The send [0] and receive [1] timeouts in force on `fd` (see
+  // IdleConnection); a new socket has none.
+  absl::Duration armed[2] = {absl::InfiniteDuration(),
+                             absl::InfiniteDuration()};
 };
 
 // The ops of one Run to one peer, cut into chunks as lanes ask for them,
@@ -253,10 +257,11 @@ class Pipeline {
     armed = left;
   }
 
-  void Restart(int fd) {
+  // `armed` (two entries: send, receive) are the timeouts in force on `fd`;
+  // the pipeline keeps them up to date while it uses the connection.
+  void Restart(int fd, absl::Duration* armed) {
     fd_ = fd;
-    // A pooled connection keeps whatever timeouts it was last given.
-    armed_[0] = armed_[1] = absl::InfiniteDuration();
+    armed_ = armed;
     sent_ = 0;
     send_pos_ = 0;
     phase_ = Phase::kHeader;
@@ -668,9 +673,9 @@ class Pipeline {
   std::atomic<uint64_t>& next_request_id_;
   const std::string peer_;
   int fd_ = -1;
-  // The send [0] and receive [1] timeouts last set on fd_.
-  absl::Duration armed_[2] = {absl::InfiniteDuration(),
-                              absl::InfiniteDuration()};
+  // The send [0] and receive [1] timeouts in force on fd_ (the
+  // connection's own record).
+  absl::Duration* armed_ = nullptr;
 
   // Requests taken from the source and not answered yet, oldest first; the
   // first sent_ of them are on the wire, and send_pos_ bytes of the next.
@@ -894,7 +899,7 @@ void DataClient::RunLane(const LaneJob& job) {
                       absl::IsUnavailable(connection.status()));
       return;
     }
-    pipeline.Restart(connection->fd.get());
+    pipeline.Restart(connection->fd.get(), connection->armed);
     const PipelineOutcome outcome = pipeline.Run(stop.deadline());
     if (outcome.healthy) {
       Release(submit, peer, std::move(*connection), /*reusable=*/true);
@@ -928,18 +933,24 @@ absl::StatusOr<DataClient::Connection> DataClient::Checkout(SubmitRun& submit,
     while (it != idle_.end() && !it->second.empty()) {
       // Newest first: the least likely to have been closed by the peer.
       UniqueFd fd = std::move(it->second.back().fd);
+      const absl::Duration armed[2] = {it->second.back().armed[0],
+                                       it->second.back().armed[1]};
       it->second.pop_back();
       --idle_total_;
       if (it->second.empty()) idle_.erase(it);
       // A peer that restarted closed its end: dial it afresh instead.
       if (IdleConnectionAlive(fd.get())) {
         if (!RegisterActiveLocked(submit, fd.get())) {
-          idle_[peer.name()].push_back({std::move(fd), absl::Now()});
+          idle_[peer.name()].push_back(
+              {std::move(fd), absl::Now(), {armed[0], armed[1]}});
           ++idle_total_;
           return submit.stop.StopStatus(
               absl::StrCat("before sending to ", peer.name()));
         }
-        return Connection{std::move(fd), /*reused=*/true};
+        Connection connection{std::move(fd), /*reused=*/true};
+        connection.armed[0] = armed[0];
+        connection.armed[1] = armed[1];
+        return connection;
       }
       fd.reset();
       ReleaseConnectionSlotLocked(peer.name());
@@ -1022,7 +1033,9 @@ void DataClient::Release(SubmitRun& submit, const PeerRun& peer,
       if (idle_total_ >= static_cast<size_t>(options_.max_idle_connections)) {
         CloseOldestIdleLocked();
       }
-      idle.push_back({std::move(connection.fd), absl::Now()});
+      idle.push_back({std::move(connection.fd),
+                      absl::Now(),
+                      {connection.armed[0], connection.armed[1]}});
       ++idle_total_;
       return;
     }

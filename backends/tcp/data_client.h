@@ -160,6 +160,9 @@ class DataClient {
   struct IdleConnection {
     UniqueFd fd;
     absl::Time since;
+    // The send [0] and receive [1] timeouts in force on `fd` (pooled with
+    // it, so that the next Submit sets them only if they could overshoot).
+    absl::Duration armed[2];
   };
 
   explicit DataClient(DataClientOptions options);

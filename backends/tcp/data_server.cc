@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -625,11 +626,15 @@ void DataServer::Rearm(Connection& c, Next next) {
   }
   if (!c.in_request && c.out.empty()) {
     // Between requests, answers sent: a token holder may idle (pooled
-    // connections), a stranger keeps its handshake timeout. Nothing
-    // buffered is kept for an idle connection.
-    if (c.trusted) c.Enter(Phase::kIdle, options_.idle_timeout);
-    c.in.ReleaseIfEmpty();
-    c.out.ReleaseIfEmpty();
+    // connections) and keeps its buffers (freeing and allocating them for
+    // every request cost more than a small request itself: ~5 us per 8 B
+    // READ here); a stranger keeps its handshake timeout and no buffer.
+    if (c.trusted) {
+      c.Enter(Phase::kIdle, options_.idle_timeout);
+    } else {
+      c.in.ReleaseIfEmpty();
+      c.out.ReleaseIfEmpty();
+    }
   }
   epoll_event event{};
   event.events = static_cast<uint32_t>(EPOLLONESHOT) |

@@ -1,7 +1,6 @@
 #ifndef RDMA_AGENTD_BACKENDS_TCP_DATA_SERVER_H_
 #define RDMA_AGENTD_BACKENDS_TCP_DATA_SERVER_H_
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <list>

@@ -391,6 +391,32 @@ TEST(TcpClientPipelineTest, BytesNobodyAskedForKeepAConnectionOutOfThePool) {
   EXPECT_TRUE(Eventually([&] { return peer.closed_by_client() > 0; }));
 }
 
+// A pooled connection remembers the socket timeouts it was given (so that
+// Submits with similar deadlines set none); one with a shorter deadline
+// still ends by it.
+TEST(TcpClientPipelineTest, APooledConnectionHonoursAShorterDeadline) {
+  tcp::DataClientOptions options;
+  options.connections_per_peer = 1;
+  Agent agent(options);
+  ScriptedPeer peer(Behavior::kRefuseOnceThenStall);
+  ASSERT_NE(peer.port(), 0);
+  auto context = ContextFor("127.0.0.1", peer.port(), 64);
+  // Answered: the connection, its receive timeout set for a minute, goes
+  // back to the pool.
+  auto first = agent.backend().Submit({agent.MakeOp(kRead, context, 64)},
+                                      absl::Now() + absl::Seconds(60));
+  EXPECT_EQ(first[0].code(), StatusCode::kNotFound) << first[0];
+  ASSERT_EQ(PoolProbe(agent.backend()).idle_connections(), 1u);
+  // Reused, and the peer now stalls.
+  const absl::Time start = absl::Now();
+  auto second = agent.backend().Submit({agent.MakeOp(kRead, context, 64)},
+                                       start + absl::Milliseconds(300));
+  EXPECT_EQ(second[0].code(), StatusCode::kDeadlineExceeded) << second[0];
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10))
+      << "waited on the pooled connection's old one-minute timeout";
+  EXPECT_EQ(peer.accepted(), 1) << "the pooled connection was not reused";
+}
+
 // 2048 ops of 64 GiB each over a sparse 64 GiB buffer: chunks are cut as they
 // are sent, so memory does not follow the bytes (the old client built 32 M
 // chunks up front, gigabytes).
