@@ -10,7 +10,7 @@
 //   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds [rows]]
 //
 // `rows` picks what runs (comma-separated; default all but sizes): latency,
-// write4k, read4k, kv, bulk, sizes (16 MiB per Submit in ops of 16 KiB to
+// write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per Submit in ops of 16 KiB to
 // 4 MiB: what a request costs beyond its bytes). One row alone is what to run under `perf stat` /
 // `perf record` to see one kind of op's system calls and profile.
 #include <netinet/in.h>
@@ -201,13 +201,20 @@ int Main(double seconds, const std::string& rows) {
     std::printf("4 KiB READ  x1000/Submit: %.0f ops/s, CPU %.2f us/op\n", ops,
                 cpu_us);
   }
-  if (!wanted("kv") && !wanted("bulk") && !wanted("sizes")) return 0;
+  if (!wanted("kv") && !wanted("kvwrite") && !wanted("kvread") &&
+      !wanted("bulk") && !wanted("sizes")) {
+    return 0;
+  }
   constexpr uint64_t kBulk = 256 << 20;
   TestBuffer bulk_local = a->Register(kBulk, v1::ACCESS_READ_WRITE, 3);
   TestBuffer bulk_remote = b->Register(kBulk, v1::ACCESS_READ_WRITE, 4);
   for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
                           v1::OP_TYPE_READ_INTO_LOCAL}) {
-    if (!wanted("kv")) break;
+    if (!wanted("kv") && !wanted(type == v1::OP_TYPE_WRITE_FROM_LOCAL
+                                     ? "kvwrite"
+                                     : "kvread")) {
+      continue;
+    }
     const double ops =
         rate(type, 64 << 10, 256, kBulk, bulk_local, bulk_remote);
     std::printf("64 KiB %-5s x256/Submit: %.0f MiB/s, CPU %.0f us/MiB\n",
