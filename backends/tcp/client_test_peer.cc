@@ -93,11 +93,14 @@ void ScriptedPeer::Serve(UniqueFd fd) {
       break;
     }
     case Behavior::kRefuseAll:
-    case Behavior::kStall: {
+    case Behavior::kStall:
+    case Behavior::kAnswerThenJunk:
+    case Behavior::kRefuseOnceThenStall: {
       std::byte hello[kServerHelloBytes];
       EncodeServerHello(hello);
       (void)send(conn, hello, sizeof(hello), MSG_NOSIGNAL);
       std::byte header_bytes[kRequestHeaderBytes];
+      int answered = 0;  // on this connection
       while (ReadExactly(conn, header_bytes, sizeof(header_bytes))) {
         auto header = DecodeRequestHeader(header_bytes);
         if (!header.ok()) break;
@@ -116,16 +119,27 @@ void ScriptedPeer::Serve(UniqueFd fd) {
         if (!ok) break;
         ++requests_;
         if (behavior_ == Behavior::kStall) continue;
-        const std::string message = "unknown buffer";
+        if (behavior_ == Behavior::kRefuseOnceThenStall && answered > 0) {
+          continue;
+        }
+        ++answered;
+        const bool accept = behavior_ == Behavior::kAnswerThenJunk &&
+                            header->kind == RequestKind::kWrite;
+        const std::string message = accept ? "" : "unknown buffer";
         ResponseHeader response;
         response.request_id = header->request_id;
-        response.code = static_cast<uint32_t>(absl::StatusCode::kNotFound);
+        response.code = accept
+                            ? 0
+                            : static_cast<uint32_t>(absl::StatusCode::kNotFound);
         response.message_bytes = static_cast<uint32_t>(message.size());
         std::byte response_bytes[kResponseHeaderBytes];
         EncodeResponseHeader(response, response_bytes);
-        iovec iov[2] = {{response_bytes, sizeof(response_bytes)},
-                        {const_cast<char*>(message.data()), message.size()}};
-        if (!WriteFull(conn, iov, 2).ok()) break;
+        std::string junk =
+            behavior_ == Behavior::kAnswerThenJunk ? "JUNKJUNK" : "";
+        iovec iov[3] = {{response_bytes, sizeof(response_bytes)},
+                        {const_cast<char*>(message.data()), message.size()},
+                        {junk.data(), junk.size()}};
+        if (!WriteFull(conn, iov, 3).ok()) break;
       }
       break;
     }

@@ -35,6 +35,13 @@ class ScriptedPeer {
     kRefuseAll,
     // An agent that stalls: hello, then reads requests and never answers.
     kStall,
+    // An agent gone wrong: hello, then answers every WRITE OK (READs
+    // NOT_FOUND), each answer followed, in the same send, by bytes nobody
+    // asked for.
+    kAnswerThenJunk,
+    // An agent that answers the first request of each connection NOT_FOUND
+    // (like kRefuseAll), then stalls like kStall.
+    kRefuseOnceThenStall,
   };
 
   // Empty on failure (the test then fails on port() == 0).
@@ -50,7 +57,7 @@ class ScriptedPeer {
   uint64_t bytes_received() const { return bytes_received_.load(); }
   int accepted() const { return accepted_.load(); }
   int closed_by_client() const { return closed_by_client_.load(); }
-  // Requests read (kRefuseAll, kStall).
+  // Requests read (every agent-like behavior).
   int requests() const { return requests_.load(); }
 
  private:

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "backends/tcp/buffered_socket.h"
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
 #include "common/status_util.h"
@@ -36,7 +37,7 @@ struct Chunk {
 constexpr absl::Duration kTimeoutSlack = absl::Milliseconds(2);
 
 // Most iovecs handed to one sendmsg.
-constexpr int kMaxIov = 64;
+constexpr int kMaxIov = 192;
 
 }  // namespace
 
@@ -60,6 +61,10 @@ struct DataClient::SubmitRun {
 struct DataClient::Connection {
   UniqueFd fd;
   bool reused = false;
+  // The send [0] and receive [1] timeouts in force on `fd` (see
+  // IdleConnection); a new socket has none.
+  absl::Duration armed[2] = {absl::InfiniteDuration(),
+                             absl::InfiniteDuration()};
 };
 
 // The ops of one Run to one peer, cut into chunks as lanes ask for them,
@@ -217,8 +222,8 @@ struct PipelineOutcome {
   absl::Status status;
 };
 
-// Keeps up to `max_in_flight` requests of one lane in flight on a
-// connection: takes chunks from the peer's cursor as the window opens, sends
+// Keeps up to `max_in_flight` requests (more while they carry fewer than
+// `in_flight_bytes`) of one lane in flight on a connection: takes chunks from the peer's cursor as the window opens, sends
 // their requests and receives their responses until no chunk is left, the
 // connection fails or the deadline passes. Reports each answered chunk to
 // the PeerRun. Only this thread touches local memory through the
@@ -229,12 +234,13 @@ struct PipelineOutcome {
 template <typename Source>
 class Pipeline {
  public:
-  Pipeline(Source& source, int max_in_flight,
+  Pipeline(Source& source, int max_in_flight, uint64_t in_flight_bytes,
            std::atomic<uint64_t>& next_request_id, absl::string_view peer,
            bool zero_copy_send)
       : zero_copy_send_(zero_copy_send),
         source_(source),
         max_in_flight_(static_cast<size_t>(std::max(1, max_in_flight))),
+        in_flight_bytes_(in_flight_bytes),
         next_request_id_(next_request_id),
         peer_(peer) {}
 
@@ -251,14 +257,16 @@ class Pipeline {
     armed = left;
   }
 
-  void Restart(int fd) {
+  // `armed` (two entries: send, receive) are the timeouts in force on `fd`;
+  // the pipeline keeps them up to date while it uses the connection.
+  void Restart(int fd, absl::Duration* armed) {
     fd_ = fd;
-    // A pooled connection keeps whatever timeouts it was last given.
-    armed_[0] = armed_[1] = absl::InfiniteDuration();
+    armed_ = armed;
     sent_ = 0;
     send_pos_ = 0;
     phase_ = Phase::kHeader;
     got_ = 0;
+    io_.Reset(fd);  // drops what was buffered from the previous connection
     pages_.reset();  // it may hold bytes of the previous connection
   }
 
@@ -285,6 +293,11 @@ class Pipeline {
                      outcome);
       }
     }
+    if (io_.buffered() > 0) {
+      // Bytes nobody asked for: the stream is in an unknown state.
+      return Ended(ProtocolError("unsolicited bytes after the last response"),
+                   outcome);
+    }
     outcome.healthy = true;
     outcome.answered = answered_;
     return outcome;
@@ -295,6 +308,7 @@ class Pipeline {
     for (const InFlight& request : window_)
       source_.ChunkDone(request.chunk, status);
     window_.clear();
+    window_bytes_ = 0;
     sent_ = 0;
     send_pos_ = 0;
   }
@@ -310,9 +324,10 @@ class Pipeline {
   // window is not empty.
   bool Refill() {
     Chunk chunk;
-    while (window_.size() < max_in_flight_ && source_.NextChunk(&chunk)) {
+    while (WindowHasRoom() && source_.NextChunk(&chunk)) {
       InFlight& request = window_.emplace_back();
       request.chunk = chunk;
+      window_bytes_ += chunk.length;
       RequestHeader header;
       header.kind = chunk.kind;
       header.request_id = request.id = next_request_id_.fetch_add(1);
@@ -324,6 +339,12 @@ class Pipeline {
       EncodeRequestHeader(header, request.header.data());
     }
     return !window_.empty();
+  }
+
+  bool WindowHasRoom() const {
+    return window_.size() < max_in_flight_ ||
+           (window_bytes_ < in_flight_bytes_ &&
+            window_.size() < DataClient::kMaxRequestsInFlight);
   }
 
   const Chunk& chunk(size_t i) const { return window_[i].chunk; }
@@ -509,63 +530,68 @@ class Pipeline {
     return absl::OkStatus();
   }
 
-  // Receives what has arrived: response headers, messages, and READ payloads
-  // straight into local memory. With nothing left to send it blocks (up to
-  // the deadline) for whole parts, which costs far fewer system calls than
-  // polling for each piece.
+  // Receives what has arrived: response headers and messages through the
+  // buffer (one recv brings many responses), READ payloads into local memory
+  // (from the buffer, or straight from the socket when large). With nothing
+  // left to send it blocks (up to the deadline) for whole parts, which costs
+  // far fewer system calls than polling for each piece.
   absl::Status Receive(absl::Time deadline, bool* progress, bool* want_read) {
     // Always read, even with nothing outstanding: an EOF must be noticed
     // while blocked on sending, and unsolicited bytes are a protocol error.
     while (!window_.empty()) {
-      char* target = nullptr;
-      size_t size = 0;
+      if (absl::Status status = ParseBuffered(progress); !status.ok()) {
+        return status;
+      }
+      if (window_.empty()) break;
+      const bool block = !CanSend() && sent_ > 0;
+      if (block) {
+        const absl::Duration left = deadline - absl::Now();
+        if (left <= absl::ZeroDuration()) return absl::OkStatus();
+        ArmTimeout(/*receive=*/true, left);
+      }
+      absl::StatusOr<size_t> received =
+          phase_ == Phase::kPayload
+              ? io_.ReadSome(chunk(0).local + got_, chunk(0).length - got_,
+                             block)
+              : io_.Receive(block);
+      if (!received.ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("receive from ", peer_, ": ",
+                         received.status().message()));
+      }
+      if (*received == 0) {
+        // Non-blocking: drained for now. Blocking: the deadline passed;
+        // the caller checks it.
+        *want_read = !block;
+        return absl::OkStatus();
+      }
+      *progress = true;
+      // ReadSome counts what it delivered into local memory.
+      if (phase_ == Phase::kPayload) got_ += *received;
+    }
+    return absl::OkStatus();
+  }
+
+  // Consumes the complete parts in the buffer (and the buffered bytes of a
+  // part still arriving).
+  absl::Status ParseBuffered(bool* progress) {
+    while (!window_.empty()) {
       switch (phase_) {
         case Phase::kHeader:
-          target = reinterpret_cast<char*>(response_bytes_.data()) + got_;
-          size = kResponseHeaderBytes - got_;
+          if (io_.buffered() < kResponseHeaderBytes) return absl::OkStatus();
+          std::memcpy(response_bytes_.data(), io_.data(), kResponseHeaderBytes);
+          io_.Consume(kResponseHeaderBytes);
           break;
         case Phase::kMessage:
-          target = message_.data() + got_;
-          size = message_.size() - got_;
+          got_ += io_.Take(message_.data() + got_, message_.size() - got_);
+          if (got_ < message_.size()) return absl::OkStatus();
           break;
         case Phase::kPayload:
-          target = reinterpret_cast<char*>(chunk(0).local) + got_;
-          size = chunk(0).length - got_;
+          got_ += io_.Take(chunk(0).local + got_, chunk(0).length - got_);
+          if (got_ < chunk(0).length) return absl::OkStatus();
           break;
       }
-      if (size != 0) {
-        const bool block = !CanSend() && sent_ > 0;
-        if (block) {
-          const absl::Duration left = deadline - absl::Now();
-          if (left <= absl::ZeroDuration()) return absl::OkStatus();
-          ArmTimeout(/*receive=*/true, left);
-        }
-        const ssize_t n =
-            recv(fd_, target, size, block ? MSG_WAITALL : MSG_DONTWAIT);
-        if (n == 0) {
-          return absl::UnavailableError(
-              absl::StrCat("connection to ", peer_, " closed by the peer"));
-        }
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            *want_read = !block;
-            return absl::OkStatus();
-          }
-          return absl::UnavailableError(
-              absl::StrCat("receive from ", peer_, ": ", std::strerror(errno)));
-        }
-        *progress = true;
-        got_ += static_cast<size_t>(n);
-        if (static_cast<size_t>(n) < size) {
-          // Blocking: cut short by the deadline or a signal; let the caller
-          // check. Non-blocking: drained for now.
-          *want_read = !block;
-          if (block) return absl::OkStatus();
-          continue;
-        }
-      }
-      // The current part is complete.
+      *progress = true;
       if (absl::Status status = Advance(); !status.ok()) return status;
     }
     return absl::OkStatus();
@@ -596,6 +622,7 @@ class Pipeline {
       case Phase::kMessage:
         if (response_.payload_bytes > 0) {
           phase_ = Phase::kPayload;
+          io_.ExpectPayload(response_.payload_bytes);
           return absl::OkStatus();
         }
         break;
@@ -603,8 +630,12 @@ class Pipeline {
         break;
     }
     source_.ChunkDone(
-        chunk(0), StatusFromInt(response_.code,
-                                absl::StrCat(peer_, " refused: ", message_)));
+        chunk(0), response_.code == 0
+                      ? absl::OkStatus()
+                      : StatusFromInt(response_.code,
+                                      absl::StrCat(peer_, " refused: ",
+                                                   message_)));
+    window_bytes_ -= chunk(0).length;
     window_.pop_front();
     --sent_;
     ++answered_;
@@ -638,19 +669,24 @@ class Pipeline {
   std::optional<PageSender> pages_;
   Source& source_;
   const size_t max_in_flight_;
+  const uint64_t in_flight_bytes_;
   std::atomic<uint64_t>& next_request_id_;
   const std::string peer_;
   int fd_ = -1;
-  // The send [0] and receive [1] timeouts last set on fd_.
-  absl::Duration armed_[2] = {absl::InfiniteDuration(),
-                              absl::InfiniteDuration()};
+  // The send [0] and receive [1] timeouts in force on fd_ (the
+  // connection's own record).
+  absl::Duration* armed_ = nullptr;
 
   // Requests taken from the source and not answered yet, oldest first; the
   // first sent_ of them are on the wire, and send_pos_ bytes of the next.
   std::deque<InFlight> window_;
+  uint64_t window_bytes_ = 0;  // payload bytes of the requests in window_
   size_t sent_ = 0;
   size_t send_pos_ = 0;
   size_t answered_ = 0;  // responses received on the current connection
+  // Responses are read through it; READ payloads of kDirectBytes and more
+  // skip its buffer.
+  BufferedSocket io_;
   Phase phase_ = Phase::kHeader;
   size_t got_ = 0;  // bytes of the current part received
   std::array<std::byte, kResponseHeaderBytes> response_bytes_;
@@ -841,7 +877,8 @@ void DataClient::RunLane(const LaneJob& job) {
     }
     return;
   }
-  Pipeline<PeerRun> pipeline(peer, options_.max_in_flight, next_request_id_,
+  Pipeline<PeerRun> pipeline(peer, options_.max_in_flight,
+                             options_.in_flight_bytes, next_request_id_,
                              peer.name(), options_.zero_copy_send);
   // A reused connection that breaks before answering anything was most
   // likely stale (peer restarted): one retry on a freshly dialled one.
@@ -862,7 +899,7 @@ void DataClient::RunLane(const LaneJob& job) {
                       absl::IsUnavailable(connection.status()));
       return;
     }
-    pipeline.Restart(connection->fd.get());
+    pipeline.Restart(connection->fd.get(), connection->armed);
     const PipelineOutcome outcome = pipeline.Run(stop.deadline());
     if (outcome.healthy) {
       Release(submit, peer, std::move(*connection), /*reusable=*/true);
@@ -896,18 +933,24 @@ absl::StatusOr<DataClient::Connection> DataClient::Checkout(SubmitRun& submit,
     while (it != idle_.end() && !it->second.empty()) {
       // Newest first: the least likely to have been closed by the peer.
       UniqueFd fd = std::move(it->second.back().fd);
+      const absl::Duration armed[2] = {it->second.back().armed[0],
+                                       it->second.back().armed[1]};
       it->second.pop_back();
       --idle_total_;
       if (it->second.empty()) idle_.erase(it);
       // A peer that restarted closed its end: dial it afresh instead.
       if (IdleConnectionAlive(fd.get())) {
         if (!RegisterActiveLocked(submit, fd.get())) {
-          idle_[peer.name()].push_back({std::move(fd), absl::Now()});
+          idle_[peer.name()].push_back(
+              {std::move(fd), absl::Now(), {armed[0], armed[1]}});
           ++idle_total_;
           return submit.stop.StopStatus(
               absl::StrCat("before sending to ", peer.name()));
         }
-        return Connection{std::move(fd), /*reused=*/true};
+        Connection connection{std::move(fd), /*reused=*/true};
+        connection.armed[0] = armed[0];
+        connection.armed[1] = armed[1];
+        return connection;
       }
       fd.reset();
       ReleaseConnectionSlotLocked(peer.name());
@@ -990,7 +1033,9 @@ void DataClient::Release(SubmitRun& submit, const PeerRun& peer,
       if (idle_total_ >= static_cast<size_t>(options_.max_idle_connections)) {
         CloseOldestIdleLocked();
       }
-      idle.push_back({std::move(connection.fd), absl::Now()});
+      idle.push_back({std::move(connection.fd),
+                      absl::Now(),
+                      {connection.armed[0], connection.armed[1]}});
       ++idle_total_;
       return;
     }

@@ -3,13 +3,16 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -22,16 +25,36 @@
 #include "backends/tcp/wire.h"
 #include "common/accept_loop.h"
 #include "common/log_text.h"
+#include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent::tcp {
 namespace {
 
-// How often the watchdog looks for connections past their deadline: the
-// precision of every timeout.
+// How often connections are checked against their deadline: the precision
+// of every timeout.
 constexpr absl::Duration kWatchdogTick = absl::Milliseconds(50);
-// Accept failures that are about resources (fds, memory) are retried after
-// a pause growing from the first to the last value.
+// Most bytes one turn takes in before the connection waits its turn again,
+// so that a peer sending without pause cannot keep a loop to itself.
+constexpr size_t kTurnBytes = 1 << 20;
+// Answers (copied bytes) a connection may have queued before it is read no
+// more until they drain: with the buffer, its memory bound.
+constexpr size_t kMaxQueuedAnswerBytes = BufferedSocket::kBufferBytes;
+// READ payloads sent from the mapping that may wait in a connection's queue
+// before it is read no more: a few KV-sized ones leave in one sendmsg, while
+// a large one is the only one queued, so that each request's timeout starts
+// about when its predecessor's payload has gone. (They cost no memory: the
+// queue pins the mapping.)
+constexpr size_t kMaxQueuedPayloadBytes = 256 << 10;
+// READ payloads shorter than this are copied behind their header (many
+// answers then leave in one iovec); longer ones are sent from the mapping.
+constexpr uint64_t kCopyPayloadBytes = BufferedSocket::kDirectBytes;
+// An event loop wakes at least this often to see whether the server stops
+// (the stop's eventfd wakes them at once; this is the backstop).
+constexpr int kLoopWaitMs = 1000;
+// Magic and version: the first bytes of every valid request, checked as
+// soon as they arrive so that another protocol is turned away at once.
+constexpr size_t kPrefixBytes = 6;
 
 // The peer's host, the per-source cap's key; IPv4-mapped IPv6 addresses as
 // IPv4, so a dual-stack listener counts one host once.
@@ -51,34 +74,59 @@ std::string SourceHost(const sockaddr_storage& address) {
   return text;
 }
 
-// Reads a request header into `out` (kRequestHeaderBytes), checking the
-// magic and version as soon as they arrive, so that a stranger speaking
-// another protocol is turned away on its first bytes rather than after 56.
-// UNAVAILABLE when the connection ends or is cut first; INVALID_ARGUMENT
-// (naming the bytes, escaped) when they are not a request.
-absl::Status ReadRequestHeader(BufferedSocket& io, std::byte* out) {
-  // Magic and version: the first bytes of every valid request.
-  constexpr size_t kPrefixBytes = 6;
-  std::byte expected[kRequestHeaderBytes];
-  EncodeRequestHeader(RequestHeader{}, expected);
-  while (true) {
-    const size_t got = io.buffered();
-    const size_t check = std::min(got, kPrefixBytes);
-    if (std::memcmp(io.data(), expected, check) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "not a data-plane request: \"",
-          LogSafe(absl::string_view(reinterpret_cast<const char*>(io.data()),
-                                    std::min<size_t>(got, kRequestHeaderBytes)),
-                  64),
-          "\""));
-    }
-    if (got >= kRequestHeaderBytes) break;
-    if (absl::Status status = io.Fill(); !status.ok()) return status;
-  }
-  return io.Read(out, kRequestHeaderBytes);
-}
-
 }  // namespace
+
+// One accepted connection. Everything but `self`, `cut` (the server's mu_)
+// and the deadline (atomics the timeouts read) belongs to the loop serving
+// the connection right now: with EPOLLONESHOT there is at most one.
+struct DataServer::Connection {
+  UniqueFd fd;
+  std::string source;  // the peer's address, the per-source cap's key
+  std::list<std::unique_ptr<Connection>>::iterator self;  // in connections_
+  // When the current phase must end, absl::ToUnixNanos; the connection is
+  // cut (shutdown) past it.
+  std::atomic<int64_t> deadline_ns{0};
+  std::atomic<Phase> phase{Phase::kHandshake};
+  bool cut = false;  // guarded by DataServer::mu_
+
+  BufferedSocket in;
+  SendQueue out;
+  // Made on first use when zero-copy sending is on.
+  std::optional<PageSender> pages;
+  bool pages_failed = false;
+  // Set once a request has named a registration with its token.
+  bool trusted = false;
+  // The peer has closed its end: no request can follow; the answers go out,
+  // then the connection closes.
+  bool peer_done = false;
+
+  // The request being received: its header, then its token, then (WRITE)
+  // its payload.
+  enum class Part { kHeader, kToken, kPayload };
+  Part part = Part::kHeader;
+  // A byte of the current request has arrived.
+  bool in_request = false;
+  RequestHeader header;
+  std::string token;
+  // The request's verdict and, when it was granted, the registration it
+  // pins until its bytes have moved.
+  absl::Status verdict;
+  std::shared_ptr<Registration> pinned;
+  uint64_t payload_done = 0;
+  // A kNotify request's payload, gathered before it is delivered (bounded
+  // by kMaxNotificationPayloadBytes).
+  std::string notification;
+
+  void Enter(Phase next, absl::Duration timeout) {
+    phase.store(next);
+    deadline_ns.store(absl::ToUnixNanos(absl::Now() + timeout));
+  }
+  // Its answers are not drained: no more requests are read for now.
+  bool Backlogged() const {
+    return out.copied_bytes() >= kMaxQueuedAnswerBytes ||
+           out.referenced_bytes() >= kMaxQueuedPayloadBytes;
+  }
+};
 
 int DefaultMaxConnections() {
   rlimit limit{};
@@ -106,28 +154,56 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
   if (options.handshake_timeout <= absl::ZeroDuration() ||
       options.idle_timeout <= absl::ZeroDuration() ||
       options.request_timeout <= absl::ZeroDuration() ||
-      options.max_connections_per_source < 1 || options.max_connections < 0) {
+      options.max_connections_per_source < 1 || options.max_connections < 0 ||
+      options.threads < 1) {
     return absl::InvalidArgumentError(
         "tcp server limits out of range: timeouts must be positive, "
-        "connections per source >= 1, max connections >= 0 (0: derived from "
-        "RLIMIT_NOFILE)");
+        "connections per source and threads >= 1, max connections >= 0 (0: "
+        "derived from RLIMIT_NOFILE)");
   }
   DataServerOptions resolved = options;
   if (resolved.max_connections == 0) {
     resolved.max_connections = DefaultMaxConnections();
   }
+  UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
+  UniqueFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  UniqueFd timer(timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+  if (!epoll || !wake || !timer) {
+    return ErrnoStatus(absl::StatusCode::kResourceExhausted,
+                       "tcp data plane: epoll, eventfd or timerfd", errno);
+  }
   uint16_t port = 0;
   auto listener = ListenTcp(address, &port);
   if (!listener.ok()) return listener.status();
+  std::unique_ptr<DataServer> server(
+      new DataServer(port, directory, resolved, std::move(epoll),
+                     std::move(wake), std::move(timer)));
+  // The stop stays readable (level-triggered): it reaches every loop. The
+  // timer is one-shot: one loop at a time runs the timeouts.
+  epoll_event stop_event{};
+  stop_event.events = EPOLLIN;
+  stop_event.data.ptr = const_cast<UniqueFd*>(&server->wake_);
+  epoll_event timer_event{};
+  timer_event.events = EPOLLIN | EPOLLONESHOT;
+  timer_event.data.ptr = const_cast<UniqueFd*>(&server->timer_);
+  if (epoll_ctl(server->epoll_.get(), EPOLL_CTL_ADD, server->wake_.get(),
+                &stop_event) != 0 ||
+      epoll_ctl(server->epoll_.get(), EPOLL_CTL_ADD, server->timer_.get(),
+                &timer_event) != 0) {
+    return ErrnoStatus(absl::StatusCode::kResourceExhausted,
+                       "tcp data plane: epoll_ctl", errno);
+  }
+  if (absl::Status started = server->StartLoops(); !started.ok()) {
+    return started;  // the destructor joins the loops already started
+  }
   spdlog::info(
-      "tcp data plane: serving {} (at most {} connections, {} per source; "
-      "timeouts: handshake {}, idle {}, request {})",
-      JoinHostPort(address.host, port), resolved.max_connections,
-      resolved.max_connections_per_source,
+      "tcp data plane: serving {} on {} event loops (at most {} connections, "
+      "{} per source; timeouts: handshake {}, idle {}, request {})",
+      JoinHostPort(address.host, port), resolved.threads,
+      resolved.max_connections, resolved.max_connections_per_source,
       absl::FormatDuration(resolved.handshake_timeout),
       absl::FormatDuration(resolved.idle_timeout),
       absl::FormatDuration(resolved.request_timeout));
-  std::unique_ptr<DataServer> server(new DataServer(port, directory, resolved));
   AcceptLoop::Options loop_options;
   loop_options.name = "tcp data plane " + JoinHostPort(address.host, port);
   // What strangers can trigger is logged at most once a second.
@@ -143,30 +219,45 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
 }
 
 DataServer::DataServer(uint16_t port, const BufferDirectory* directory,
-                       DataServerOptions options)
-    : port_(port), directory_(directory), options_(std::move(options)) {
-  watchdog_thread_ = std::thread([this] { WatchdogLoop(); });
+                       DataServerOptions options, UniqueFd epoll,
+                       UniqueFd wake, UniqueFd timer)
+    : port_(port),
+      directory_(directory),
+      options_(std::move(options)),
+      epoll_(std::move(epoll)),
+      wake_(std::move(wake)),
+      timer_(std::move(timer)) {}
+
+absl::Status DataServer::StartLoops() {
+  for (int i = 0; i < options_.threads; ++i) {
+    try {
+      loops_.emplace_back([this] { Loop(); });
+    } catch (const std::system_error& e) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tcp data plane: cannot start event loop ", i + 1,
+                       " of ", options_.threads, ": ", e.what()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 DataServer::~DataServer() {
+  // No new connection once the accept loop has left.
+  if (accept_loop_ != nullptr) accept_loop_->Stop();
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    // Unblocks every serving thread's recv/send; they then exit.
-    for (auto& connection : connections_) {
-      shutdown(connection->fd.get(), SHUT_RDWR);
-    }
   }
-  if (accept_loop_ != nullptr) accept_loop_->Stop();
-  watchdog_thread_.join();
-  // No new connection can appear now: the accept loop has left. Serving
-  // threads still lock mu_ to say they finished, so join outside it.
+  const uint64_t one = 1;
+  (void)!write(wake_.get(), &one, sizeof(one));
+  for (std::thread& loop : loops_) loop.join();
+  // No loop serves anything now: closing the connections lets go of every
+  // registration they pinned.
   std::list<std::unique_ptr<Connection>> remaining;
   {
     absl::MutexLock lock(&mu_);
     remaining.swap(connections_);
   }
-  for (auto& connection : remaining) connection->thread.join();
 }
 
 const char* DataServer::PhaseText(Phase phase) {
@@ -184,7 +275,7 @@ const char* DataServer::PhaseText(Phase phase) {
 
 size_t DataServer::connections() {
   absl::MutexLock lock(&mu_);
-  return connections_.size() - static_cast<size_t>(finished_);
+  return connections_.size();
 }
 
 std::map<std::string, size_t> DataServer::ConnectionsBySource() {
@@ -196,31 +287,12 @@ std::map<std::string, size_t> DataServer::ConnectionsBySource() {
   return by_source;
 }
 
-void DataServer::ReapFinishedLocked() {
-  for (auto it = connections_.begin(); it != connections_.end();) {
-    Connection& connection = **it;
-    if (!connection.finished) {
-      ++it;
-      continue;
-    }
-    // The thread set `finished` as its last act under mu_: it is leaving.
-    connection.thread.join();
-    auto source = per_source_.find(connection.source);
-    if (source != per_source_.end() && --source->second == 0) {
-      per_source_.erase(source);
-    }
-    --finished_;
-    it = connections_.erase(it);  // closes the fd
-  }
-}
-
 void DataServer::Admit(UniqueFd fd, std::string source) {
   const char* refusal = nullptr;
   int count = 0;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
-    ReapFinishedLocked();
     const auto found = per_source_.find(source);
     count = found == per_source_.end() ? 0 : found->second;
     if (connections_.size() >= static_cast<size_t>(options_.max_connections)) {
@@ -237,12 +309,14 @@ void DataServer::Admit(UniqueFd fd, std::string source) {
           "{} ({} similar suppressed)",
           source, count, refusal, *suppressed);
     }
-    return;  // closes `fd`: nothing sent, nothing spawned
+    return;  // closes `fd`: nothing sent
   }
 
   ConfigureDataSocket(fd.get(), options_.socket_buffer_bytes);
+  const int flags = fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) return;
   // The server speaks first (wire.h). 16 bytes always fit a new socket's
-  // buffer, so this never blocks.
+  // buffer, so this never waits.
   std::byte hello[kServerHelloBytes];
   EncodeServerHello(hello);
   if (send(fd.get(), hello, sizeof(hello), MSG_DONTWAIT | MSG_NOSIGNAL) !=
@@ -250,258 +324,427 @@ void DataServer::Admit(UniqueFd fd, std::string source) {
     return;  // the peer is already gone
   }
 
-  auto connection = std::make_unique<Connection>();
-  connection->fd = std::move(fd);
-  connection->source = source;
-  connection->Enter(Phase::kHandshake, options_.handshake_timeout);
-  Connection* raw = connection.get();
-  absl::MutexLock lock(&mu_);
-  if (stopping_) return;
-  connections_.push_back(std::move(connection));
-  try {
-    raw->thread = std::thread([this, raw] { Serve(raw); });
-  } catch (const std::system_error& e) {
-    // Out of threads (or memory for a stack): refuse this one, keep serving.
-    connections_.pop_back();
+  auto owned = std::make_unique<Connection>();
+  Connection& connection = *owned;
+  connection.fd = std::move(fd);
+  connection.source = source;
+  connection.in.Reset(connection.fd.get());
+  connection.pages_failed = !options_.zero_copy_send;
+  connection.Enter(Phase::kHandshake, options_.handshake_timeout);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    connections_.push_back(std::move(owned));
+    connection.self = std::prev(connections_.end());
+    ++per_source_[source];
+    if (!timer_armed_) ArmTimerLocked(true);
+  }
+  // From here on a loop may serve (and close) it: not touched again here.
+  epoll_event event{};
+  event.events = EPOLLIN | EPOLLONESHOT;
+  event.data.ptr = &connection;
+  if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, connection.fd.get(), &event) !=
+      0) {
+    const int error = errno;
     if (const auto suppressed = refused_log_.Allow()) {
       spdlog::warn(
-          "tcp data plane: refused a connection from {}: cannot start a "
-          "thread: {} ({} similar suppressed)",
-          source, e.what(), *suppressed);
+          "tcp data plane: refused a connection from {}: epoll_ctl: {} ({} "
+          "similar suppressed)",
+          source, std::strerror(error), *suppressed);
     }
-    return;
+    Close(connection);
   }
-  ++per_source_[source];
 }
 
-void DataServer::WatchdogLoop() {
-  absl::MutexLock lock(&mu_);
+void DataServer::ArmTimerLocked(bool on) {
+  itimerspec spec{};
+  if (on) {
+    spec.it_value = absl::ToTimespec(kWatchdogTick);
+    spec.it_interval = spec.it_value;
+  }
+  timerfd_settime(timer_.get(), 0, &spec, nullptr);
+  timer_armed_ = on;
+}
+
+void DataServer::Loop() {
   while (true) {
-    if (connections_.empty()) {
-      // Nothing to watch: sleep until a connection is admitted.
-      mu_.Await(absl::Condition(
-          +[](DataServer* server) {
-            return server->stopping_ || !server->connections_.empty();
-          },
-          this));
-    } else {
-      // Woken early when a thread finished, so its fd goes back at once.
-      mu_.AwaitWithTimeout(absl::Condition(
-                               +[](DataServer* server) {
-                                 return server->stopping_ ||
-                                        server->finished_ > 0;
-                               },
-                               this),
-                           kWatchdogTick);
+    // One event at a time: a connection taken by this loop is one no other
+    // loop can serve until it is re-armed, so taking several would leave
+    // the other loops idle while they wait here.
+    epoll_event event{};
+    const int n = epoll_wait(epoll_.get(), &event, 1, kLoopWaitMs);
+    if (n < 0 && errno != EINTR) {
+      spdlog::error("tcp data plane: epoll_wait: {}", std::strerror(errno));
+      absl::SleepFor(absl::Milliseconds(10));
     }
-    if (stopping_) return;
-    ReapFinishedLocked();
-    const int64_t now = absl::ToUnixNanos(absl::Now());
-    for (auto& connection : connections_) {
-      if (connection->finished || connection->cut ||
-          connection->deadline_ns.load() > now) {
-        continue;
-      }
-      // Read first: once cut, the serving thread moves on.
-      const Phase phase = connection->phase.load();
-      // Unblocks the serving thread wherever it waits (recv, send, splice,
-      // poll); it then drops the connection and what it pinned.
-      connection->cut = true;
-      shutdown(connection->fd.get(), SHUT_RDWR);
-      if (phase == Phase::kIdle) {
-        // Routine: pooled connections a peer stopped using.
-        spdlog::debug("tcp data plane: closed a connection from {}: it {}",
-                      connection->source, PhaseText(phase));
-      } else if (const auto suppressed = timeout_log_.Allow()) {
-        spdlog::warn(
-            "tcp data plane: closed a connection from {}: it {} ({} similar "
-            "suppressed)",
-            connection->source, PhaseText(phase), *suppressed);
-      }
-    }
-  }
-}
-
-bool DataServer::ReceiveRequest(Connection* connection, BufferedSocket& io,
-                                bool first, bool trusted,
-                                RequestHeader* header, std::string* token) {
-  const int fd = connection->fd.get();
-  if (!first) {
-    // Between requests: wait for the next one's first byte, at most the
-    // idle timeout, or, on a connection that never named a registration
-    // with its token, the handshake timeout (which then also covers header
-    // and token): a stranger's well-formed but refused requests do not buy
-    // it a long-lived slot. Timed so even when the request already waits in
-    // `io` (pipelined): every request gets its own timeout.
-    connection->Enter(
-        trusted ? Phase::kIdle : Phase::kHandshake,
-        trusted ? options_.idle_timeout : options_.handshake_timeout);
-    if (io.buffered() == 0) {
-      // Nothing more has arrived: the answers so far go out before waiting.
-      if (!io.Flush().ok()) return false;
-      pollfd p{fd, POLLIN, 0};
-      if (poll(&p, 1, -1) < 0 && errno != EINTR) return false;
-    }
-    if (trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
-  }
-  std::byte bytes[kRequestHeaderBytes];
-  const absl::Status received = ReadRequestHeader(io, bytes);
-  absl::StatusOr<RequestHeader> decoded =
-      received.ok() ? DecodeRequestHeader(bytes)
-                    : absl::StatusOr<RequestHeader>(received);
-  if (!decoded.ok()) {
-    // A peer that speaks something else cannot be resynchronised: drop it.
-    if (const auto suppressed = !absl::IsUnavailable(decoded.status())
-                                    ? garbage_log_.Allow()
-                                    : std::nullopt) {
-      // The peer's bytes in the message are already LogSafe-escaped.
-      spdlog::warn(
-          "tcp data plane: closed a connection from {}: {} ({} similar "
-          "suppressed)",
-          connection->source, std::string(decoded.status().message()),
-          *suppressed);
-    }
-    return false;
-  }
-  *header = *decoded;
-  token->resize(header->token_bytes);
-  if (!io.Read(token->data(), token->size()).ok()) return false;
-  // The rest (payload, response) is timed as a request.
-  if (!trusted) connection->Enter(Phase::kRequest, options_.request_timeout);
-  return true;
-}
-
-bool DataServer::ServeNotification(Connection* connection,
-                                   BufferedSocket& io,
-                                   const RequestHeader& header,
-                                   const std::string& token, bool* accepted) {
-  // Bounded by DecodeRequestHeader (kMaxNotificationPayloadBytes).
-  std::string payload(header.length, '\0');
-  if (!io.Read(reinterpret_cast<std::byte*>(payload.data()), payload.size())
-           .ok()) {
-    return false;
-  }
-  absl::Status status;
-  auto decoded = DecodeNotification(payload);
-  if (!decoded.ok()) {
-    status = decoded.status();
-  } else if (options_.notifications == nullptr) {
-    status = absl::UnimplementedError("this agent takes no notifications");
-  } else {
-    ServeRequest target;
-    target.agent_epoch = header.epoch;
-    target.buffer_id = header.buffer_id;
-    target.token = token;
-    target.proof_only = true;
-    target.requester = connection->source;
-    status = options_.notifications->Deliver(target, decoded->from_agent_id,
-                                             decoded->data);
-  }
-  *accepted = status.ok();
-  const std::string message(status.message().substr(
-      0, std::min<size_t>(status.message().size(), kMaxMessageBytes)));
-  ResponseHeader response;
-  response.request_id = header.request_id;
-  response.code = static_cast<uint32_t>(status.code());
-  response.message_bytes = static_cast<uint32_t>(message.size());
-  std::byte response_bytes[kResponseHeaderBytes];
-  EncodeResponseHeader(response, response_bytes);
-  return io.Write(response_bytes, sizeof(response_bytes)).ok() &&
-         io.Write(message.data(), message.size()).ok();
-}
-
-void DataServer::Serve(Connection* connection) {
-  const int fd = connection->fd.get();
-  BufferedSocket io(fd);
-  RequestHeader header;
-  std::string token;
-  // Made on first use; without it payloads are sent with send().
-  std::optional<PageSender> pages;
-  bool pages_failed = !options_.zero_copy_send;
-  // Set once a request has named a registration with its token.
-  bool trusted = false;
-  for (bool first = true;; first = false) {
-    if (!ReceiveRequest(connection, io, first, trusted, &header, &token)) {
-      break;
-    }
-    if (header.kind == RequestKind::kNotify) {
-      bool accepted = false;
-      if (!ServeNotification(connection, io, header, token, &accepted)) break;
-      trusted = trusted || accepted;
+    if (n <= 0) {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
       continue;
     }
-
-    ServeRequest request;
-    request.agent_epoch = header.epoch;
-    request.buffer_id = header.buffer_id;
-    request.token = token;
-    request.offset = header.offset;
-    request.length = header.length;
-    request.write = header.kind == RequestKind::kWrite;
-    request.requester = connection->source;
-    // Pinned until the end of this iteration, and no later: a connection cut
-    // mid-request (request timeout, shutdown) lets it go by leaving the loop.
-    auto registration = directory_->ResolveForPeer(request);
-    trusted = trusted || registration.ok();
-
-    if (request.write) {
-      const absl::Status received =
-          registration.ok()
-              ? io.Read((*registration)->data() + request.offset,
-                        request.length)
-              : io.Skip(request.length);
-      if (!received.ok()) break;
-      if (registration.ok()) (*registration)->CountServed(request.length);
+    if (event.data.ptr == &wake_) return;  // stays readable for the others
+    if (event.data.ptr == &timer_) {
+      uint64_t ticks = 0;
+      (void)!read(timer_.get(), &ticks, sizeof(ticks));
+      CutExpired();
+      epoll_event again{};
+      again.events = EPOLLIN | EPOLLONESHOT;
+      again.data.ptr = const_cast<UniqueFd*>(&timer_);
+      epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, timer_.get(), &again);
+      continue;
     }
+    auto& connection = *static_cast<Connection*>(event.data.ptr);
+    Rearm(connection, Turn(connection));
+  }
+}
 
-    const absl::Status& status = registration.status();
-    const std::string message(status.message().substr(
-        0, std::min<size_t>(status.message().size(), kMaxMessageBytes)));
-    ResponseHeader response;
-    response.request_id = header.request_id;
-    response.code = static_cast<uint32_t>(status.code());
-    response.message_bytes = static_cast<uint32_t>(message.size());
-    const bool send_payload = !request.write && registration.ok();
-    response.payload_bytes = send_payload ? request.length : 0;
-    std::byte response_bytes[kResponseHeaderBytes];
-    EncodeResponseHeader(response, response_bytes);
-    std::byte* payload =
-        send_payload ? (*registration)->data() + request.offset : nullptr;
-    bool splice_payload =
-        send_payload && request.length >= kSpliceMinBytes && !pages_failed;
-    if (splice_payload && !pages.has_value()) {
+DataServer::Next DataServer::Turn(Connection& c) {
+  size_t budget = kTurnBytes;
+  // The last recv went through the buffer (requests, small payloads).
+  bool buffered_short = false;
+  // Sends what is queued as far as the socket takes it; false when the
+  // connection failed. Called only when the turn would otherwise stop
+  // reading (it waits, or the answers back up): one send then carries the
+  // answers to everything that arrived meanwhile, not one per request.
+  auto send = [&c]() -> bool {
+    if (c.out.empty()) return true;
+    if (!c.pages_failed && !c.pages.has_value() && c.out.holds_reference()) {
+      // First payload to splice: the pipe is made now.
       auto created = PageSender::Create();
-      if (created.ok()) pages.emplace(std::move(*created));
-      pages_failed = !created.ok();
-      splice_payload = created.ok();
+      if (created.ok()) c.pages.emplace(std::move(*created));
+      c.pages_failed = !created.ok();
     }
-    // Small answers collect in `io` until no request is left to read.
-    if (!io.Write(response_bytes, sizeof(response_bytes)).ok() ||
-        !io.Write(message.data(), message.size()).ok()) {
-      break;
+    return c.out.Send(c.fd.get(), c.pages.has_value() ? &*c.pages : nullptr)
+        .ok();
+  };
+  auto wait = [&]() -> Next {
+    if (!send()) return Next::kClose;
+    return c.out.empty() ? Next::kRead : Next::kReadWrite;
+  };
+  while (true) {
+    const Served served =
+        c.peer_done ? Served::kNeedBytes : ServeBuffered(c);
+    if (served == Served::kDrop) return Next::kClose;
+    if (c.peer_done) {
+      // No request can follow: the answers go out, then it closes.
+      if (!send()) return Next::kClose;
+      return c.out.empty() ? Next::kClose : Next::kWrite;
     }
-    if (send_payload && !splice_payload &&
-        !io.Write(payload, request.length).ok()) {
-      break;
+    if (c.Backlogged()) {
+      if (!send()) return Next::kClose;
+      // The socket took what it could: wait until it takes more before
+      // reading another request.
+      if (c.Backlogged()) return Next::kWrite;
+      continue;  // drained enough: serve the requests waiting in the buffer
     }
-    if (splice_payload) {
-      if (!io.Flush().ok()) break;
-      // Lent pages hold their own references: they stay valid even if the
-      // registration is released before the requester has read them.
-      size_t sent = 0;
-      if (!pages->Send(fd, payload, request.length, /*more=*/false, &sent)
-               .ok()) {
+    // Out of budget, or the last recv of requests found the socket empty:
+    // wait for the next readiness rather than ask again (re-arming reports
+    // at once what arrived meanwhile), which saves a recv that would find
+    // nothing. Not after a payload read: a sender streaming a large WRITE
+    // has usually sent more by now.
+    if (budget == 0 || (buffered_short && c.in.drained())) return wait();
+    // Take in more: a granted WRITE's payload straight into the mapping
+    // when it is large, everything else through the buffer.
+    const bool into_mapping = c.part == Connection::Part::kPayload &&
+                              c.pinned != nullptr;
+    absl::StatusOr<size_t> received =
+        into_mapping
+            ? c.in.ReadSome(c.pinned->data() + c.header.offset + c.payload_done,
+                            c.header.length - c.payload_done, /*wait=*/false)
+            : c.in.Receive(/*wait=*/false);
+    if (!received.ok()) {
+      if (!c.in.peer_closed()) return Next::kClose;
+      // Every whole request already in has been served (ServeBuffered
+      // stops only when backlogged or short of bytes); a partial one never
+      // completes. The answers still go out.
+      c.peer_done = true;
+      continue;
+    }
+    if (*received == 0) return wait();
+    if (into_mapping) c.payload_done += *received;
+    budget -= std::min(budget, *received);
+    buffered_short = !into_mapping;
+  }
+}
+
+DataServer::Served DataServer::ServeBuffered(Connection& c) {
+  while (true) {
+    switch (c.part) {
+      case Connection::Part::kHeader: {
+        if (c.Backlogged()) return Served::kBacklogged;
+        const size_t got = c.in.buffered();
+        if (got == 0) return Served::kNeedBytes;
+        if (!c.in_request) {
+          c.in_request = true;
+          // A token holder's request is timed from its first byte; a
+          // stranger's stays under the handshake timeout until its header
+          // and token are in.
+          if (c.trusted) c.Enter(Phase::kRequest, options_.request_timeout);
+        }
+        static const std::array<std::byte, kRequestHeaderBytes> expected =
+            [] {
+              std::array<std::byte, kRequestHeaderBytes> bytes;
+              EncodeRequestHeader(RequestHeader{}, bytes.data());
+              return bytes;
+            }();
+        absl::Status decoded_status;
+        if (std::memcmp(c.in.data(), expected.data(),
+                        std::min(got, kPrefixBytes)) != 0) {
+          decoded_status = absl::InvalidArgumentError(absl::StrCat(
+              "not a data-plane request: \"",
+              LogSafe(absl::string_view(
+                          reinterpret_cast<const char*>(c.in.data()),
+                          std::min<size_t>(got, kRequestHeaderBytes)),
+                      64),
+              "\""));
+        } else if (got < kRequestHeaderBytes) {
+          return Served::kNeedBytes;
+        } else {
+          absl::StatusOr<RequestHeader> decoded =
+              DecodeRequestHeader(c.in.data());
+          if (decoded.ok()) {
+            c.header = *decoded;
+          } else {
+            decoded_status = decoded.status();
+          }
+        }
+        if (!decoded_status.ok()) {
+          // A peer that speaks something else cannot be resynchronised.
+          if (const auto suppressed = garbage_log_.Allow()) {
+            // The peer's bytes in the message are already LogSafe-escaped.
+            spdlog::warn(
+                "tcp data plane: closed a connection from {}: {} ({} similar "
+                "suppressed)",
+                c.source, std::string(decoded_status.message()), *suppressed);
+          }
+          return Served::kDrop;
+        }
+        c.in.Consume(kRequestHeaderBytes);
+        c.token.clear();
+        c.part = Connection::Part::kToken;
+        break;
+      }
+      case Connection::Part::kToken: {
+        const size_t n = std::min<size_t>(
+            c.header.token_bytes - c.token.size(), c.in.buffered());
+        if (n > 0) {
+          c.token.append(reinterpret_cast<const char*>(c.in.data()), n);
+          c.in.Consume(n);
+        }
+        if (c.token.size() < c.header.token_bytes) return Served::kNeedBytes;
+        StartRequest(c);
+        break;
+      }
+      case Connection::Part::kPayload: {
+        const uint64_t rest = c.header.length - c.payload_done;
+        if (c.header.kind == RequestKind::kNotify) {
+          const size_t n = static_cast<size_t>(
+              std::min<uint64_t>(rest, c.in.buffered()));
+          c.notification.append(reinterpret_cast<const char*>(c.in.data()),
+                                n);
+          c.in.Consume(n);
+          c.payload_done += n;
+          if (c.payload_done < c.header.length) return Served::kNeedBytes;
+          DeliverNotification(c);
+          break;
+        }
+        if (c.pinned != nullptr) {
+          c.payload_done += c.in.Take(
+              c.pinned->data() + c.header.offset + c.payload_done, rest);
+        } else {
+          // Refused: read and dropped, so the next request is found.
+          const size_t n = static_cast<size_t>(
+              std::min<uint64_t>(rest, c.in.buffered()));
+          c.in.Consume(n);
+          c.payload_done += n;
+        }
+        if (c.payload_done < c.header.length) return Served::kNeedBytes;
+        if (c.pinned != nullptr) c.pinned->CountServed(c.header.length);
+        FinishRequest(c);
         break;
       }
     }
-    if (send_payload) (*registration)->CountServed(request.length);
   }
-  // The fd is closed when the watchdog (or the destructor) reaps this
-  // connection; until then it must stay open, since they may shut it down.
-  shutdown(fd, SHUT_RDWR);
+}
+
+void DataServer::StartRequest(Connection& c) {
+  // The rest (payload, answer) is timed as a request.
+  if (!c.trusted) c.Enter(Phase::kRequest, options_.request_timeout);
+  if (c.header.kind == RequestKind::kNotify) {
+    // The sink proves the target itself, once the payload is in.
+    c.pinned = nullptr;
+    c.notification.clear();
+    c.payload_done = 0;
+    if (c.header.length == 0) {
+      DeliverNotification(c);
+      return;
+    }
+    c.notification.reserve(static_cast<size_t>(c.header.length));
+    c.part = Connection::Part::kPayload;
+    return;
+  }
+  ServeRequest request;
+  request.agent_epoch = c.header.epoch;
+  request.buffer_id = c.header.buffer_id;
+  request.token = std::move(c.token);
+  request.offset = c.header.offset;
+  request.length = c.header.length;
+  request.write = c.header.kind == RequestKind::kWrite;
+  request.requester = c.source;
+  // Pinned until the request's bytes have moved, and no later: a connection
+  // cut mid-request (request timeout, shutdown) lets it go when it closes.
+  auto registration = directory_->ResolveForPeer(request);
+  c.token = std::move(request.token);  // its buffer, for the next request
+  c.verdict = registration.status();
+  c.pinned = registration.ok() ? std::move(*registration) : nullptr;
+  c.trusted = c.trusted || c.pinned != nullptr;
+  if (request.write && c.header.length > 0) {
+    c.part = Connection::Part::kPayload;
+    c.payload_done = 0;
+    if (c.pinned != nullptr) c.in.ExpectPayload(c.header.length);
+    return;
+  }
+  FinishRequest(c);
+}
+
+void DataServer::DeliverNotification(Connection& c) {
+  auto decoded = DecodeNotification(c.notification);
+  if (!decoded.ok()) {
+    c.verdict = decoded.status();
+  } else if (options_.notifications == nullptr) {
+    c.verdict = absl::UnimplementedError("this agent takes no notifications");
+  } else {
+    ServeRequest target;
+    target.agent_epoch = c.header.epoch;
+    target.buffer_id = c.header.buffer_id;
+    target.token = c.token;
+    target.proof_only = true;
+    target.requester = c.source;
+    c.verdict = options_.notifications->Deliver(
+        target, decoded->from_agent_id, decoded->data);
+  }
+  c.trusted = c.trusted || c.verdict.ok();
+  c.notification.clear();
+  c.notification.shrink_to_fit();
+  FinishRequest(c);
+}
+
+void DataServer::FinishRequest(Connection& c) {
+  const absl::Status& status = c.verdict;
+  const absl::string_view message = status.message().substr(
+      0, std::min<size_t>(status.message().size(), kMaxMessageBytes));
+  const bool send_payload =
+      c.header.kind == RequestKind::kRead && c.pinned != nullptr;
+  ResponseHeader response;
+  response.request_id = c.header.request_id;
+  response.code = static_cast<uint32_t>(status.code());
+  response.message_bytes = static_cast<uint32_t>(message.size());
+  response.payload_bytes = send_payload ? c.header.length : 0;
+  std::byte response_bytes[kResponseHeaderBytes];
+  EncodeResponseHeader(response, response_bytes);
+  c.out.Append(response_bytes, sizeof(response_bytes));
+  c.out.Append(message.data(), message.size());
+  if (send_payload) {
+    const std::byte* payload = c.pinned->data() + c.header.offset;
+    if (c.header.length < kCopyPayloadBytes) {
+      c.out.Append(payload, c.header.length);
+    } else {
+      // Sent from the mapping, which the queue keeps pinned until then.
+      // Lent pages (splice) hold their own references: they stay valid even
+      // if the registration is released before the peer has read them.
+      c.out.AppendReference(
+          payload, c.header.length, c.pinned,
+          !c.pages_failed && c.header.length >= kSpliceMinBytes);
+    }
+    c.pinned->CountServed(c.header.length);
+  }
+  c.out.EndMessage();
+  c.pinned.reset();
+  c.verdict = absl::OkStatus();
+  c.part = Connection::Part::kHeader;
+  c.in_request = false;
+  // A stranger gets the handshake timeout again for its next request, so
+  // well-formed but refused requests buy it no long-lived slot.
+  if (!c.trusted) c.Enter(Phase::kHandshake, options_.handshake_timeout);
+}
+
+void DataServer::Rearm(Connection& c, Next next) {
+  if (next == Next::kClose) {
+    Close(c);
+    return;
+  }
+  if (!c.in_request && c.out.empty()) {
+    // Between requests, answers sent: a token holder may idle (pooled
+    // connections) and keeps its buffers (freeing and allocating them for
+    // every request cost more than a small request itself: ~5 us per 8 B
+    // READ here); a stranger keeps its handshake timeout and no buffer.
+    if (c.trusted) {
+      c.Enter(Phase::kIdle, options_.idle_timeout);
+    } else {
+      c.in.ReleaseIfEmpty();
+      c.out.ReleaseIfEmpty();
+    }
+  }
+  epoll_event event{};
+  event.events = static_cast<uint32_t>(EPOLLONESHOT) |
+                 (next != Next::kWrite ? static_cast<uint32_t>(EPOLLIN) : 0) |
+                 (next != Next::kRead ? static_cast<uint32_t>(EPOLLOUT) : 0);
+  event.data.ptr = &c;
+  // From here on another loop may serve (and close) it.
+  if (epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &event) != 0) {
+    Close(c);
+  }
+}
+
+void DataServer::Close(Connection& c) {
+  if (c.out.partly_sent()) {
+    // An answer cut in the middle: reset rather than close cleanly, so the
+    // peer never takes the cut for the stream's end.
+    const linger abort_on_close{1, 0};
+    setsockopt(c.fd.get(), SOL_SOCKET, SO_LINGER, &abort_on_close,
+               sizeof(abort_on_close));
+  }
+  std::unique_ptr<Connection> owned;
+  {
+    absl::MutexLock lock(&mu_);
+    auto source = per_source_.find(c.source);
+    if (source != per_source_.end() && --source->second == 0) {
+      per_source_.erase(source);
+    }
+    owned = std::move(*c.self);
+    connections_.erase(c.self);
+  }
+  // Closes the fd (which leaves the epoll set) and lets go of what the
+  // connection pinned, outside the lock.
+  owned.reset();
+}
+
+void DataServer::CutExpired() {
   absl::MutexLock lock(&mu_);
-  connection->finished = true;
-  ++finished_;
+  if (connections_.empty()) {
+    ArmTimerLocked(false);  // Admit arms it again
+    return;
+  }
+  const int64_t now = absl::ToUnixNanos(absl::Now());
+  for (auto& connection : connections_) {
+    if (connection->cut || connection->deadline_ns.load() > now) continue;
+    const Phase phase = connection->phase.load();
+    // Its loop (or the next one to serve it) then finds the connection
+    // failed and closes it, letting go of what it pinned. The fd stays
+    // open until then: it is closed only after leaving connections_.
+    connection->cut = true;
+    shutdown(connection->fd.get(), SHUT_RDWR);
+    if (phase == Phase::kIdle) {
+      // Routine: pooled connections a peer stopped using.
+      spdlog::debug("tcp data plane: closed a connection from {}: it {}",
+                    connection->source, PhaseText(phase));
+    } else if (const auto suppressed = timeout_log_.Allow()) {
+      spdlog::warn(
+          "tcp data plane: closed a connection from {}: it {} ({} similar "
+          "suppressed)",
+          connection->source, PhaseText(phase), *suppressed);
+    }
+  }
 }
 
 }  // namespace rdma_agent::tcp

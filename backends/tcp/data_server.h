@@ -1,7 +1,6 @@
 #ifndef RDMA_AGENTD_BACKENDS_TCP_DATA_SERVER_H_
 #define RDMA_AGENTD_BACKENDS_TCP_DATA_SERVER_H_
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <list>
@@ -9,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -23,8 +23,6 @@
 #include "common/unique_fd.h"
 
 namespace rdma_agent::tcp {
-
-class BufferedSocket;
 
 // Limits and timeouts of the serving side (flags --tcp_*; see README.md).
 struct DataServerOptions {
@@ -45,6 +43,10 @@ struct DataServerOptions {
   int max_connections_per_source = 64;
   // Connections served at once in all; 0: DefaultMaxConnections().
   int max_connections = 0;
+  // Event-loop threads serving every connection. 2 keeps both cores of a
+  // small host copying (two stripes of a transfer on two cores); more only
+  // help with more cores.
+  int threads = 2;
   // Takes kNotify requests; nullptr: they are answered UNIMPLEMENTED.
   NotificationSink* notifications = nullptr;
 };
@@ -61,29 +63,41 @@ int DefaultMaxConnections();
 // Every request is checked with BufferDirectory::ResolveForPeer (epoch,
 // buffer id, token, access, bounds) before a byte of the registration is
 // touched; the resolved registration stays pinned while its bytes move.
-// Payloads go between the socket and the registration's mapping directly.
-// Requests of one connection are answered in order. A refused WRITE's payload
-// is read and dropped so the connection stays usable.
+// Payloads go between the socket and the registration's mapping directly
+// (small ones through the connection's buffers). Requests of one connection
+// are answered in order. A refused WRITE's payload is read and dropped so
+// the connection stays usable.
+//
+// Threads: `threads` event loops share one epoll set of non-blocking
+// connections. Each connection is served by one loop at a time
+// (EPOLLONESHOT) for a bounded turn: it takes in what has arrived, serves
+// every whole request, queues the answers and sends what the socket takes,
+// then waits again; so no connection can stall another, and two busy
+// connections are served on two cores, whichever they are. A connection
+// whose answers are not drained (more than a buffer of them, or a large
+// READ payload still going out) is not read until they are: its memory
+// stays bounded whatever the peer sends. One loop at a time also runs the
+// timeouts (every 50 ms while connections exist).
 //
 // Strangers are refused cheaply: a connection over the per-source or total
-// cap is closed at accept, before anything is sent or spawned; an accepted
-// one gets the server hello (wire.h) at once and is closed when its first
-// bytes are not a request, when no whole request header and token came
-// within the handshake timeout (between requests too, until one of them has
-// named a registration with its token), when it idles past the idle
-// timeout, or when a request does not complete within the request timeout. One
-// thread serves each accepted connection (bounded by the caps); a watchdog
-// thread cuts connections past their deadline and reaps finished ones, so their
-// fds go back at once. Accept failures (EMFILE...) back off from 10 ms to 1 s
-// instead of spinning. What strangers trigger is logged at most once a
-// second per kind.
+// cap is closed at accept, before anything is sent; an accepted one gets
+// the server hello (wire.h) at once and is closed when its first bytes are
+// not a request, when no whole request header and token came within the
+// handshake timeout (between requests too, until one of them has named a
+// registration with its token), when it idles past the idle timeout, or
+// when a request does not complete within the request timeout. A closed
+// connection's fd and buffers go back at once. Accept failures (EMFILE...)
+// back off from 10 ms to 1 s instead of spinning. What strangers trigger is
+// logged at most once a second per kind.
 class DataServer {
  public:
   // Largest total cap DefaultMaxConnections() derives.
   static constexpr int kMaxConnectionsCeiling = 4096;
 
   // Listens on `address` and serves until destroyed. `directory` must outlive
-  // the server. INVALID_ARGUMENT for non-positive timeouts or negative caps.
+  // the server. INVALID_ARGUMENT for non-positive timeouts, thread counts or
+  // caps out of range; RESOURCE_EXHAUSTED when the event loops cannot be
+  // started.
   static absl::StatusOr<std::unique_ptr<DataServer>> Start(
       const HostPort& address, const BufferDirectory* directory,
       const DataServerOptions& options);
@@ -92,8 +106,8 @@ class DataServer {
       const HostPort& address, const BufferDirectory* directory,
       bool zero_copy_send = false, int socket_buffer_bytes = 0);
 
-  // Stops accepting, cuts every connection and waits for all serving threads
-  // to leave registration memory.
+  // Stops accepting, stops the event loops and closes every connection,
+  // letting go of what they pinned.
   ~DataServer();
 
   DataServer(const DataServer&) = delete;
@@ -109,56 +123,61 @@ class DataServer {
   std::map<std::string, size_t> ConnectionsBySource();
 
  private:
+  struct Connection;
   // What a connection is waiting for; says why it was cut.
   enum class Phase { kHandshake, kIdle, kRequest };
   // Why a connection cut in `phase` was cut, for the log.
   static const char* PhaseText(Phase phase);
-
-  struct Connection {
-    UniqueFd fd;
-    std::string source;  // the peer's address, the per-source cap's key
-    std::thread thread;
-    // When the current phase must end, absl::ToUnixNanos; the watchdog cuts
-    // the connection (shutdown) past it.
-    std::atomic<int64_t> deadline_ns{0};
-    std::atomic<Phase> phase{Phase::kHandshake};
-    bool cut = false;       // by the watchdog; guarded by DataServer::mu_
-    bool finished = false;  // thread done; guarded by DataServer::mu_
-
-    void Enter(Phase next, absl::Duration timeout) {
-      phase.store(next);
-      deadline_ns.store(absl::ToUnixNanos(absl::Now() + timeout));
-    }
-  };
+  // What a turn left the connection waiting for.
+  enum class Next { kRead, kWrite, kReadWrite, kClose };
 
   DataServer(uint16_t port, const BufferDirectory* directory,
-             DataServerOptions options);
-  // Applies the caps to a just-accepted connection, greets it and spawns its
-  // thread, or closes it.
+             DataServerOptions options, UniqueFd epoll, UniqueFd wake,
+             UniqueFd timer);
+  // Starts the event loops; RESOURCE_EXHAUSTED when a thread cannot start.
+  absl::Status StartLoops();
+  // Applies the caps to a just-accepted connection, greets it and hands it
+  // to the event loops, or closes it.
   void Admit(UniqueFd fd, std::string source);
-  void Serve(Connection* connection);
-  // Reads the next request's header and token into `*header` and `*token`,
-  // timing each wait by the phase it is in; false when the connection is to
-  // be dropped (closed, cut, or not speaking the protocol).
-  bool ReceiveRequest(Connection* connection, BufferedSocket& io, bool first,
-                      bool trusted, RequestHeader* header, std::string* token);
-  // Answers a kNotify request whose header and token were read: reads its
-  // payload and hands it to the sink. False when the connection is to be
-  // dropped; `*accepted` when the sink took it (the token was right).
-  bool ServeNotification(Connection* connection, BufferedSocket& io,
-                         const RequestHeader& header, const std::string& token,
-                         bool* accepted);
-  // Cuts connections past their deadline and reaps finished ones until
-  // the server stops.
-  void WatchdogLoop();
-  // Joins and drops connections whose thread has finished.
-  void ReapFinishedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Blocks for `timeout` or until the server stops; false when stopping.
-  bool SleepUnlessStopping(absl::Duration timeout);
+  // One event loop: waits for ready connections (and the timer, and the
+  // stop), serving each for one turn.
+  void Loop();
+  // Serves `connection` until it would wait or its turn's budget is spent;
+  // says what it waits for next.
+  Next Turn(Connection& connection);
+  // Why ServeBuffered stopped.
+  enum class Served {
+    kNeedBytes,   // every whole request buffered is served
+    kBacklogged,  // answers are not drained; requests wait in the buffer
+    kDrop,        // the peer does not speak the protocol
+  };
+  // Serves the requests (and parts of requests) already buffered, queueing
+  // their answers, until it needs more bytes or the answers back up.
+  Served ServeBuffered(Connection& connection);
+  // The request whose header and token have arrived: resolve it (pinning
+  // its registration) and queue its answer, or start receiving its WRITE
+  // payload.
+  void StartRequest(Connection& connection);
+  // Queues the answer to the request in progress and readies the
+  // connection for the next one.
+  void FinishRequest(Connection& connection);
+  // Re-arms `connection` in the epoll set for `next`, or closes it.
+  void Rearm(Connection& connection, Next next);
+  void Close(Connection& connection);
+  // Cuts connections past their deadline (shutdown: the loop serving it then
+  // sees the error and closes it).
+  void CutExpired();
+  void ArmTimerLocked(bool on) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands a kNotify request's gathered payload to the sink and queues the
+  // answer.
+  void DeliverNotification(Connection& connection);
 
   const uint16_t port_;
   const BufferDirectory* const directory_;
   const DataServerOptions options_;
+  const UniqueFd epoll_;
+  const UniqueFd wake_;   // eventfd: readable once the server stops
+  const UniqueFd timer_;  // timerfd: the timeouts' tick
 
   // What strangers can trigger, each logged at most once per interval.
   LogRateLimiter refused_log_{absl::Seconds(1)};
@@ -167,13 +186,12 @@ class DataServer {
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Connections whose thread finished and awaits a join.
-  int finished_ ABSL_GUARDED_BY(mu_) = 0;
+  bool timer_armed_ ABSL_GUARDED_BY(mu_) = false;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> per_source_ ABSL_GUARDED_BY(mu_);
   // Calls Admit for each accepted connection; stopped first at destruction.
   std::unique_ptr<AcceptLoop> accept_loop_;
-  std::thread watchdog_thread_;
+  std::vector<std::thread> loops_;
 };
 
 }  // namespace rdma_agent::tcp

@@ -26,6 +26,11 @@ ABSL_FLAG(uint64_t, tcp_chunk_bytes,
 ABSL_FLAG(int32_t, tcp_max_in_flight,
           rdma_agent::tcp::DataClientOptions().max_in_flight,
           "Requests pipelined on one connection before their responses.");
+ABSL_FLAG(uint64_t, tcp_in_flight_bytes,
+          rdma_agent::tcp::DataClientOptions().in_flight_bytes,
+          "A connection pipelines more than --tcp_max_in_flight requests "
+          "(up to 1024) while they carry fewer payload bytes than this, so "
+          "small ops share system calls. 0: --tcp_max_in_flight alone.");
 
 ABSL_FLAG(int32_t, tcp_socket_buffer_bytes,
           rdma_agent::tcp::DataClientOptions().socket_buffer_bytes,
@@ -57,6 +62,11 @@ ABSL_FLAG(int32_t, tcp_max_connections,
           rdma_agent::tcp::DataServerOptions().max_connections,
           "Data connections served at once in all; more are closed at accept. "
           "0: min(4096, soft RLIMIT_NOFILE / 4).");
+
+ABSL_FLAG(int32_t, tcp_server_threads,
+          rdma_agent::tcp::DataServerOptions().threads,
+          "Event-loop threads serving every incoming data connection "
+          "(non-blocking; no thread per connection).");
 
 // The requesting side: threads, connection bounds, dialling.
 ABSL_FLAG(int32_t, tcp_client_threads,
@@ -99,6 +109,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
         absl::GetFlag(FLAGS_tcp_connections_per_peer);
     options.client.chunk_bytes = absl::GetFlag(FLAGS_tcp_chunk_bytes);
     options.client.max_in_flight = absl::GetFlag(FLAGS_tcp_max_in_flight);
+    options.client.in_flight_bytes = absl::GetFlag(FLAGS_tcp_in_flight_bytes);
     options.client.zero_copy_send = absl::GetFlag(FLAGS_tcp_zero_copy_send);
     options.client.socket_buffer_bytes =
         absl::GetFlag(FLAGS_tcp_socket_buffer_bytes);
@@ -109,6 +120,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.server.max_connections_per_source =
         absl::GetFlag(FLAGS_tcp_max_connections_per_source);
     options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
+    options.server.threads = absl::GetFlag(FLAGS_tcp_server_threads);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);

@@ -51,7 +51,7 @@ void ConfigureDataSocket(int fd, int socket_buffer_bytes) {
   const int one = 1;
   // Responses and small requests must not wait for Nagle.
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // A peer that vanished (host down, link cut) must not hold a serving thread
+  // A peer that vanished (host down, link cut) must not hold a connection
   // and the registration it pinned forever: keepalive probes find an idle
   // dead connection within ~45 s, and unacknowledged data gives up after
   // 60 s. Client ops are bounded by their deadline anyway.
@@ -495,6 +495,39 @@ absl::Status PageSender::Send(int fd, const std::byte* data, size_t size,
   }
   *sent += done;
   return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> PageSender::SendSome(int fd, const std::byte* data,
+                                             size_t size, bool more) {
+  size_t lent = 0;
+  while (true) {
+    // What is in the pipe goes first: it precedes `data` in the stream.
+    while (in_pipe_ > 0) {
+      const bool last = lent == size && !more;
+      const ssize_t n =
+          splice(read_.get(), nullptr, fd, nullptr, in_pipe_,
+                 SPLICE_F_MOVE | SPLICE_F_NONBLOCK | (last ? 0 : SPLICE_F_MORE));
+      if (n > 0) {
+        in_pipe_ -= static_cast<size_t>(n);
+        continue;
+      }
+      if (n == 0) return absl::UnavailableError("splice: connection closed");
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return lent;
+      return ErrnoStatus(absl::StatusCode::kUnavailable, "splice", errno);
+    }
+    if (lent == size) return lent;
+    // The pipe is empty, so this never waits.
+    iovec iov{const_cast<std::byte*>(data + lent),
+              std::min(size - lent, capacity_)};
+    const ssize_t n = vmsplice(write_.get(), &iov, 1, SPLICE_F_NONBLOCK);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(absl::StatusCode::kUnavailable, "vmsplice", errno);
+    }
+    lent += static_cast<size_t>(n);
+    in_pipe_ += static_cast<size_t>(n);
+  }
 }
 
 bool IdleConnectionAlive(int fd) {

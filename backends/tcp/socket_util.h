@@ -121,12 +121,24 @@ class PageSender {
   absl::Status Send(int fd, const std::byte* data, size_t size, bool more,
                     size_t* sent);
 
+  // The same for a non-blocking socket `fd`, as far as it takes bytes now:
+  // first moves what an earlier call left in the pipe, then lends more of
+  // `data` (the part of the payload not lent yet) and moves it on. Returns
+  // how many bytes of `data` it lent; the payload has reached the socket once
+  // all of it is lent and pending() is 0. UNAVAILABLE when the connection
+  // fails (the sender must then be dropped with it).
+  absl::StatusOr<size_t> SendSome(int fd, const std::byte* data, size_t size,
+                                  bool more);
+  // Bytes lent to the pipe and not yet in the socket.
+  size_t pending() const { return in_pipe_; }
+
  private:
   PageSender(UniqueFd read, UniqueFd write, size_t capacity)
       : read_(std::move(read)), write_(std::move(write)), capacity_(capacity) {}
   UniqueFd read_;
   UniqueFd write_;
   size_t capacity_;
+  size_t in_pipe_ = 0;  // SendSome's bytes still in the pipe
 };
 
 // True when an idle connection can be reused: the peer has not closed it and

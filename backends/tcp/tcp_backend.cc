@@ -90,6 +90,8 @@ v1::TransportInfo TcpBackend::transport_info() const {
       absl::StrCat(options_.client.connections_per_peer);
   attributes["chunk_bytes"] = absl::StrCat(options_.client.chunk_bytes);
   attributes["max_in_flight"] = absl::StrCat(options_.client.max_in_flight);
+  attributes["in_flight_bytes"] = absl::StrCat(options_.client.in_flight_bytes);
+  attributes["server_threads"] = absl::StrCat(options_.server.threads);
   attributes["zero_copy_send"] =
       options_.client.zero_copy_send ? "true" : "false";
   return info;
@@ -143,7 +145,15 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
   // Ops grouped by the data port that serves them.
   std::vector<tcp::DataClient::PeerBatch> batches;
   std::map<std::string, size_t> batch_of;
+  // Ops of one remote context share its endpoint (the registry parses each
+  // context once per Submit): a run of them needs one lookup, not one each.
+  const v1::BackendEndpoint* last_endpoint = nullptr;
+  size_t last_batch = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].endpoint != nullptr && ops[i].endpoint == last_endpoint) {
+      batches[last_batch].ops.push_back(i);
+      continue;
+    }
     auto peer = PeerOf(*ops[i].endpoint);
     if (!peer.ok()) {
       results[i] = peer.status();
@@ -153,6 +163,8 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
         batch_of.emplace(JoinHostPort(peer->host, peer->port), batches.size());
     if (added) batches.push_back({*peer, {}});
     batches[it->second].ops.push_back(i);
+    last_endpoint = ops[i].endpoint;
+    last_batch = it->second;
   }
 
   std::vector<absl::Status> statuses = client_->Run(ops, batches, stop);

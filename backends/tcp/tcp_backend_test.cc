@@ -231,6 +231,44 @@ TEST_P(TcpBackendTest, LargeReadsAndWritesShareOneConnection) {
   ExpectBytes(remote, remote_image, "remote");
 }
 
+// Ops of every size around the buffered readers' thresholds (BufferedSocket:
+// 64 KiB buffers, payloads from 32 KiB straight to memory, small fills
+// after large payloads), READ and WRITE interleaved on one connection: the
+// framing holds and every byte lands where it belongs, on both sides.
+TEST_P(TcpBackendTest, MixedSizesKeepTheFramingThroughTheBuffers) {
+  tcp::DataClientOptions options = ClientOptions(GetParam());
+  options.connections_per_peer = 1;
+  auto a = Agent(41, 0, options);
+  auto b = Agent(42, 0, options);
+  constexpr uint64_t kSizes[] = {1,     100,   4096,  32767,  32768, 65535,
+                                 65536, 65537, 70000, 200000, 7,     1024};
+  constexpr uint64_t kSlot = 256 << 10;
+  constexpr size_t kOps = 48;
+  auto local = a->Register(kOps * kSlot, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(kOps * kSlot, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  std::vector<Op> ops;
+  for (size_t i = 0; i < kOps; ++i) {
+    // Kinds in runs of 1, 2 and 3, so every transition occurs.
+    const bool read = (i % 6) == 0 || (i % 6) == 3 || (i % 6) == 4;
+    ops.push_back(MakeOp(
+        i, read ? v1::OP_TYPE_READ_INTO_LOCAL : v1::OP_TYPE_WRITE_FROM_LOCAL,
+        local, i * kSlot + 3, kSizes[(i * 5) % std::size(kSizes)], remote,
+        i * kSlot + 1));
+  }
+  auto results = Tcp(*a).Submit(ops, In(absl::Seconds(60)));
+  for (size_t i = 0; i < kOps; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i << ": " << results[i];
+    Apply(ops[i], local_image, remote_image);
+  }
+  ExpectBytes(local, local_image, "local");
+  ExpectBytes(remote, remote_image, "remote");
+  HostPort peer{"127.0.0.1", Tcp(*b).port()};
+  EXPECT_EQ(PoolProbe(Tcp(*a)).idle_connections(peer), 1u)
+      << "the one connection is healthy and pooled";
+}
+
 // The codes themselves are the contract suite's; here: refusals between good
 // ops in one Submit keep the connection's framing (a refused WRITE's payload
 // is consumed).

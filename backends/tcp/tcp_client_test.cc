@@ -338,6 +338,85 @@ TEST(TcpClientBoundsTest, ConnectionLimitQueuesDials) {
   EXPECT_LE(PoolProbe(agent.backend()).open_connections(), 1u);
 }
 
+// Small ops pipeline past max_in_flight until in_flight_bytes are in
+// flight: a peer that never answers sees exactly that many requests.
+TEST(TcpClientPipelineTest, SmallOpsFillTheWindowByBytes) {
+  for (const uint64_t in_flight_bytes : {uint64_t{64} << 10, uint64_t{0}}) {
+    tcp::DataClientOptions options;
+    options.connections_per_peer = 1;
+    options.max_in_flight = 2;
+    options.in_flight_bytes = in_flight_bytes;
+    Agent agent(options);
+    ScriptedPeer peer(Behavior::kStall);
+    ASSERT_NE(peer.port(), 0);
+    std::vector<Op> ops;
+    auto context = ContextFor("127.0.0.1", peer.port(), 4096);
+    for (size_t i = 0; i < 100; ++i) {
+      ops.push_back(agent.MakeOp(kWrite, context, 4096, i));
+    }
+    Cancellation cancellation;
+    std::vector<absl::Status> results;
+    std::thread submit([&] {
+      results = agent.backend().Submit(
+          ops, StopToken(absl::Now() + absl::Seconds(30), &cancellation));
+    });
+    const int expected = in_flight_bytes == 0 ? 2 : 16;  // 64 KiB / 4 KiB
+    EXPECT_TRUE(Eventually([&] { return peer.requests() >= expected; }))
+        << in_flight_bytes;
+    // And no more, however long the peer stays silent.
+    absl::SleepFor(absl::Milliseconds(200));
+    EXPECT_EQ(peer.requests(), expected) << in_flight_bytes;
+    cancellation.Cancel(absl::CancelledError("done"));
+    submit.join();
+    for (const absl::Status& result : results) {
+      EXPECT_EQ(result.code(), StatusCode::kCancelled) << result;
+    }
+  }
+}
+
+// Responses are read through a buffer; bytes found there after the last
+// answer mean the stream is not what it should be: that connection is not
+// pooled (the answered op still succeeds).
+TEST(TcpClientPipelineTest, BytesNobodyAskedForKeepAConnectionOutOfThePool) {
+  Agent agent;
+  ScriptedPeer peer(Behavior::kAnswerThenJunk);
+  ASSERT_NE(peer.port(), 0);
+  auto results = agent.backend().Submit(
+      {agent.MakeOp(kWrite, ContextFor("127.0.0.1", peer.port(), 64), 64)},
+      absl::Now() + absl::Seconds(20));
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(PoolProbe(agent.backend()).idle_connections(), 0u);
+  EXPECT_EQ(PoolProbe(agent.backend()).open_connections(), 0u);
+  EXPECT_TRUE(Eventually([&] { return peer.closed_by_client() > 0; }));
+}
+
+// A pooled connection remembers the socket timeouts it was given (so that
+// Submits with similar deadlines set none); one with a shorter deadline
+// still ends by it.
+TEST(TcpClientPipelineTest, APooledConnectionHonoursAShorterDeadline) {
+  tcp::DataClientOptions options;
+  options.connections_per_peer = 1;
+  Agent agent(options);
+  ScriptedPeer peer(Behavior::kRefuseOnceThenStall);
+  ASSERT_NE(peer.port(), 0);
+  auto context = ContextFor("127.0.0.1", peer.port(), 64);
+  // Answered: the connection, its receive timeout set for a minute, goes
+  // back to the pool.
+  auto first = agent.backend().Submit({agent.MakeOp(kRead, context, 64)},
+                                      absl::Now() + absl::Seconds(60));
+  EXPECT_EQ(first[0].code(), StatusCode::kNotFound) << first[0];
+  ASSERT_EQ(PoolProbe(agent.backend()).idle_connections(), 1u);
+  // Reused, and the peer now stalls.
+  const absl::Time start = absl::Now();
+  auto second = agent.backend().Submit({agent.MakeOp(kRead, context, 64)},
+                                       start + absl::Milliseconds(300));
+  EXPECT_EQ(second[0].code(), StatusCode::kDeadlineExceeded) << second[0];
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10))
+      << "waited on the pooled connection's old one-minute timeout";
+  EXPECT_EQ(peer.accepted(), 1) << "the pooled connection was not reused";
+}
+
 // 2048 ops of 64 GiB each over a sparse 64 GiB buffer: chunks are cut as they
 // are sent, so memory does not follow the bytes (the old client built 32 M
 // chunks up front, gigabytes).
