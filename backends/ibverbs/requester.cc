@@ -386,7 +386,9 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
                                LaneUse& use,
                                const std::shared_ptr<Batch>& batch,
                                const StopToken& stop) {
-  if (stop.cancelled()) {
+  // Nothing is posted once the deadline has passed (say, after a handshake
+  // that answered just then): it could not end in time.
+  if (stop.stopped()) {
     batch->Settle(range, stop.StopStatus("before posting"));
     return;
   }
