@@ -98,10 +98,10 @@ class MultiRailTest : public ::testing::Test {
     ASSERT_TRUE(results[0].ok()) << results[0];
     const TestBuffer& dst = type == kRead ? near : far;
     const TestBuffer& src = type == kRead ? far : near;
-    EXPECT_EQ(FirstWrongByte(dst, src.seed,
-                             type == kRead ? far_offset : near_offset,
-                             type == kRead ? near_offset : far_offset, length),
-              std::nullopt);
+    EXPECT_EQ(
+        FirstWrongByte(dst, src.seed, type == kRead ? far_offset : near_offset,
+                       type == kRead ? near_offset : far_offset, length),
+        std::nullopt);
     EXPECT_EQ(FirstChangedByte(src), std::nullopt);
   }
 
@@ -346,7 +346,8 @@ TEST_F(MultiRailTest, APeerWithFewerRailsSharesThem) {
 }
 
 TEST_F(MultiRailTest, OddOffsetsAndSizesAcrossRailsAndMessageSizes) {
-  const std::vector<std::string> a_devices = AddDevices("a", 3, {k4x, k2x, k4x});
+  const std::vector<std::string> a_devices =
+      AddDevices("a", 3, {k4x, k2x, k4x});
   const std::vector<std::string> b_devices = AddDevices("b", 2, {k2x, k4x});
   IbverbsOptions a_options = Fast();
   a_options.qp.max_message_bytes = 3 * 4096;
@@ -363,10 +364,14 @@ TEST_F(MultiRailTest, OddOffsetsAndSizesAcrossRailsAndMessageSizes) {
     uint64_t local_offset, length, remote_offset;
   };
   const std::vector<Case> cases = {
-      {kWrite, 1, 1, 3},          {kRead, 3, 8191, 17},
-      {kWrite, 7, 8192, 11},      {kRead, 99, 8193, 4099},
-      {kWrite, 333, 65537, 77777}, {kRead, 12347, 300007, 131071},
-      {kWrite, 0, kSize, 0},      {kRead, 0, kSize, 0},
+      {kWrite, 1, 1, 3},
+      {kRead, 3, 8191, 17},
+      {kWrite, 7, 8192, 11},
+      {kRead, 99, 8193, 4099},
+      {kWrite, 333, 65537, 77777},
+      {kRead, 12347, 300007, 131071},
+      {kWrite, 0, kSize, 0},
+      {kRead, 0, kSize, 0},
       {kWrite, kSize - 1, 1, kSize - 1},
   };
   for (const Case& c : cases) {
@@ -415,7 +420,8 @@ class FailoverTest : public MultiRailTest {
     absl::Status result = absl::UnknownError("not run");
     absl::Notification done;
     std::thread submit([&] {
-      result = a.backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(60)))[0];
+      result =
+          a.backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(60)))[0];
       done.Notify();
     });
     while (moved() < (512u << 10) && !done.HasBeenNotified()) {
@@ -465,8 +471,7 @@ TEST_F(FailoverTest, RequesterRailUnpluggedMidTransferFailsOverToTheOthers) {
   EXPECT_GT(Counter(backend, "rail.a2:1.reposted_bytes"), 0u);
   EXPECT_EQ(Counter(backend, "rail.a0:1.errors"), 0u);
   // Its port is DOWN: the rail itself is left out.
-  EXPECT_EQ(Attribute(backend, "rail.a2:1.health").rfind("cooling down", 0),
-            0u)
+  EXPECT_EQ(Attribute(backend, "rail.a2:1.health").rfind("cooling down", 0), 0u)
       << Attribute(backend, "rail.a2:1.health");
   EXPECT_EQ(backend.transport_info().devices(2).state(), "DOWN");
   // The next op goes over the three others without trying a2 again.
@@ -573,8 +578,8 @@ TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
   // Striped ops until `back()` says the rail carried bytes again.
   const auto until_used = [&](const std::function<bool()>& back) {
     for (int round = 0; round < 2000; ++round) {
-      MoveAndCheck(*a, round % 2 ? kRead : kWrite, near, round % 7,
-                   kSize - 8, far, round % 5);
+      MoveAndCheck(*a, round % 2 ? kRead : kWrite, near, round % 7, kSize - 8,
+                   far, round % 5);
       if (back()) return true;
       absl::SleepFor(absl::Milliseconds(5));
     }
@@ -588,16 +593,18 @@ TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
   MoveAndCheck(*a, kWrite, near, 1, kSize - 1, far, 0);
   EXPECT_EQ(backend.rail_bytes("a1:1"), a1_before) << "left out while down";
   ASSERT_TRUE(fabric_.Replug("a1").ok());
-  EXPECT_TRUE(until_used([&] { return backend.rail_bytes("a1:1") > a1_before; }))
-      << "a1 never carried bytes again";
+  EXPECT_TRUE(until_used([&] {
+    return backend.rail_bytes("a1:1") > a1_before;
+  })) << "a1 never carried bytes again";
 
   // The peer's b1.
   ASSERT_TRUE(fabric_.Unplug("b1").ok());
   MoveAndCheck(*a, kRead, near, 0, kSize, far, 0);  // fails over
   const uint64_t b1_before = fabric_.bytes_served("b1");
   ASSERT_TRUE(fabric_.Replug("b1").ok());
-  EXPECT_TRUE(until_used([&] { return fabric_.bytes_served("b1") > b1_before; }))
-      << "b1 never carried bytes again";
+  EXPECT_TRUE(until_used([&] {
+    return fabric_.bytes_served("b1") > b1_before;
+  })) << "b1 never carried bytes again";
 }
 
 }  // namespace

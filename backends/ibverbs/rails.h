@@ -65,9 +65,9 @@ struct RailDevice {
 // What a rail has carried, for GetInfo. Atomics: completions are counted on
 // the pollers' threads.
 struct RailCounters {
-  std::atomic<uint64_t> bytes{0};          // moved by successful WRs
-  std::atomic<uint64_t> work_requests{0};  // WRs completed successfully
-  std::atomic<uint64_t> errors{0};         // WRs completed with an error
+  std::atomic<uint64_t> bytes{0};           // moved by successful WRs
+  std::atomic<uint64_t> work_requests{0};   // WRs completed successfully
+  std::atomic<uint64_t> errors{0};          // WRs completed with an error
   std::atomic<uint64_t> reposted_bytes{0};  // moved to other rails after one
 };
 
@@ -98,7 +98,7 @@ struct RemoteRail {
   std::string device;
   uint32_t port = 1;
   uint32_t lid = 0;
-  std::string gid;  // 16 bytes
+  std::string gid;                 // 16 bytes
   uint64_t max_message_bytes = 0;  // 0 = not said
   double speed_gbps = 0;           // 0 = not said
   // "nic_b:1".
