@@ -607,5 +607,84 @@ TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
   })) << "b1 never carried bytes again";
 }
 
+// Cut short while one rail's WRs wait for a peer that never answers
+// (transport timeout 0: until ERR) and the other's wait for a slow link: at
+// the deadline, or at a cancellation, every lane's queue pair is moved to
+// ERR and drained, so that once Submit has returned no rail touches the
+// ops' memory.
+TEST_F(MultiRailTest, CutShortWithARailDownTouchesNothingAfterwards) {
+  for (const bool cancel : {false, true}) {
+    SCOPED_TRACE(cancel ? "cancelled" : "deadline");
+    const std::string round = cancel ? "c" : "d";
+    std::vector<std::string> a_devices;
+    std::vector<std::string> b_devices;
+    for (int i = 0; i < 2; ++i) {
+      for (auto* devices : {&a_devices, &b_devices}) {
+        SoftDeviceConfig config =
+            Device(absl::StrCat(devices == &a_devices ? "a" : "b", round, i));
+        config.bytes_per_second = 1 << 20;  // 1 MiB/s: the op needs seconds
+        Add(config);
+        devices->push_back(config.name);
+      }
+    }
+    IbverbsOptions options = Fast();
+    options.qp.timeout = 0;  // unanswered WRs wait until ERR
+    options.qp.max_message_bytes = 64 << 10;
+    auto a = Agent("agent-a" + round, a_devices, options);
+    auto b = Agent("agent-b" + round, b_devices, options);
+    const uint64_t kLength = (4u << 20) + 11;
+    TestBuffer near = a->Register(2 * kLength + 64, v1::ACCESS_READ_WRITE, 101);
+    TestBuffer far = b->Register(2 * kLength + 64, v1::ACCESS_READ_WRITE, 102);
+    const std::vector<Op> ops = {
+        MakeOp(0, kRead, near, 1, kLength, far, 3),
+        MakeOp(1, kWrite, near, kLength + 5, kLength, far, kLength + 7)};
+    // Connected first, so that the cut finds WRs on both lanes.
+    ASSERT_TRUE(a->backend<IbverbsBackend>()
+                    .Submit({MakeOp(0, kWrite, near, 0, 1 << 17, far, 0)},
+                            In(absl::Seconds(30)))[0]
+                    .ok());
+    Refill(near);
+    Refill(far);
+    const std::vector<uint8_t> near_before = Snapshot(near);
+    const std::vector<uint8_t> far_before = Snapshot(far);
+    fabric_.SetReachable(b_devices[1], false);
+    Cancellation cancellation;
+    std::thread canceller;
+    if (cancel) {
+      canceller = std::thread([&] {
+        absl::SleepFor(absl::Milliseconds(300));
+        cancellation.Cancel(absl::CancelledError("the client went away"));
+      });
+    }
+    const auto results = a->backend<IbverbsBackend>().Submit(
+        ops, StopToken(In(cancel ? absl::Seconds(60) : absl::Milliseconds(300)),
+                       &cancellation));
+    std::memset(near.bytes(), 0x7e, near.size());
+    const std::vector<uint8_t> sentinel = Snapshot(near);
+    if (canceller.joinable()) canceller.join();
+    for (const absl::Status& status : results) {
+      EXPECT_EQ(status.code(), cancel ? absl::StatusCode::kCancelled
+                                      : absl::StatusCode::kDeadlineExceeded)
+          << status;
+    }
+    // Whatever the links still held would have landed by now.
+    fabric_.SetReachable(b_devices[1], true);
+    absl::SleepFor(absl::Milliseconds(300));
+    EXPECT_EQ(FirstDifference(near, sentinel), std::nullopt)
+        << "local memory written after Submit returned";
+    // Remote bytes: their own, or what the WRITE read before the return;
+    // nothing of the READ's range changed.
+    for (uint64_t i = 0; i < kLength; ++i) {
+      const uint64_t at = kLength + 7 + i;
+      const uint8_t got = far.bytes()[at];
+      ASSERT_TRUE(got == far_before[at] || got == near_before[kLength + 5 + i])
+          << "remote byte " << at << " came from local memory after return";
+    }
+    EXPECT_EQ(0, std::memcmp(far.bytes(), far_before.data(), kLength + 7));
+    // The backend carries on.
+    MoveAndCheck(*a, kWrite, near, 9, 1 << 16, far, 13);
+  }
+}
+
 }  // namespace
 }  // namespace rdma_agent::ibverbs

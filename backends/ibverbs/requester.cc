@@ -93,6 +93,9 @@ struct IbverbsBackend::LaneUse {
   bool cooled = false;
   // A WR went out on it.
   bool posted = false;
+  // Its handshake failed: the peer's Peer service did not answer, which
+  // other lanes would find too (their handshakes go to the same address).
+  bool connect_failed = false;
 };
 
 // The ops of one Submit to one peer (agent and epoch) and the lanes they go
@@ -353,6 +356,7 @@ void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
     if (connection.status().code() == absl::StatusCode::kUnavailable &&
         !stop.stopped()) {
       use.failed = connection.status();
+      use.connect_failed = true;
       for (const Batch::Range& range : use.work) {
         batch->Requeue(range, use.lane.get(), use.failed);
       }
@@ -502,11 +506,18 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
                                                   PeerPlan& plan,
                                                   const StopToken& stop) {
   while (!stop.stopped()) {
+    // Once a handshake with the peer failed, only lanes already connected
+    // are worth it: the others' handshakes would fail alike, each costing up
+    // to --ibverbs_connect_timeout.
+    const bool handshakes_fail =
+        std::any_of(plan.lanes.begin(), plan.lanes.end(),
+                    [](const LaneUse& use) { return use.connect_failed; });
     // The least loaded of the lanes still standing.
     LaneUse* best = nullptr;
     double best_cost = std::numeric_limits<double>::infinity();
     for (LaneUse& use : plan.lanes) {
       if (!use.failed.ok()) continue;
+      if (handshakes_fail && use.connection == nullptr) continue;
       const double cost = static_cast<double>(use.lane->load->bytes.load()) /
                           std::max(use.weight, 1e-9);
       if (best == nullptr || cost < best_cost) {
@@ -514,7 +525,7 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
         best_cost = cost;
       }
     }
-    if (best == nullptr) best = AddLane(plan);
+    if (best == nullptr && !handshakes_fail) best = AddLane(plan);
     if (best == nullptr) return nullptr;
     if (best->connection != nullptr) return best;
     auto connection = ConnectLane(*best->lane, ops, plan.ops, stop);
@@ -523,6 +534,7 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
       return best;
     }
     best->failed = connection.status();
+    best->connect_failed = true;
   }
   return nullptr;
 }
