@@ -607,6 +607,30 @@ TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
   })) << "b1 never carried bytes again";
 }
 
+// A cable pulled between batches is seen at planning (the port is looked
+// at every 100 ms): the next batch goes over the other rails without a WR
+// failing first.
+TEST_F(MultiRailTest, ARailWhosePortIsDownIsLeftOutBeforeAnyWrFails) {
+  const std::vector<std::string> a_devices = AddDevices("a", 2);
+  const std::vector<std::string> b_devices = AddDevices("b", 2);
+  auto a = Agent("agent-a", a_devices);
+  auto b = Agent("agent-b", b_devices);
+  TestBuffer near = a->Register(1 << 20, v1::ACCESS_READ_WRITE, 111);
+  TestBuffer far = b->Register(1 << 20, v1::ACCESS_READ_WRITE, 112);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  MoveAndCheck(*a, kWrite, near, 1, (1 << 20) - 1, far, 0);
+  ASSERT_GT(backend.rail_bytes("a1:1"), 0u);
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  absl::SleepFor(absl::Milliseconds(150));  // past the port's next look
+  const uint64_t a1_bytes = backend.rail_bytes("a1:1");
+  MoveAndCheck(*a, kRead, near, 0, (1 << 20) - 3, far, 2);
+  EXPECT_EQ(backend.rail_bytes("a1:1"), a1_bytes);
+  const auto info = backend.transport_info();
+  EXPECT_EQ(info.attributes().at("rail.a1:1.errors"), "0");
+  EXPECT_EQ(info.attributes().at("rail.a1:1.health").rfind("cooling down", 0),
+            0u);
+}
+
 // Cut short while one rail's WRs wait for a peer that never answers
 // (transport timeout 0: until ERR) and the other's wait for a slow link: at
 // the deadline, or at a cancellation, every lane's queue pair is moved to

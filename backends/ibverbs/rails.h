@@ -89,8 +89,11 @@ struct Rail {
 
   mutable absl::Mutex mu;
   // Cooling down while its port is not ACTIVE (found when its completions
-  // failed); checked again with ibv_query_port when the cooldown runs out.
+  // failed, or by a periodic look); checked again with ibv_query_port when
+  // the cooldown runs out.
   Cooldown health ABSL_GUARDED_BY(mu);
+  // When a healthy rail's port was last looked at.
+  absl::Time port_checked ABSL_GUARDED_BY(mu) = absl::InfinitePast();
 };
 
 // A rail of a peer agent, as its remote context advertises it.

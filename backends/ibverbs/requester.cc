@@ -32,6 +32,11 @@ namespace {
 // starts aligned when the op's does.
 constexpr uint64_t kStripeAlign = 4096;
 
+// How often the port of a healthy rail is looked at (ibv_query_port, a
+// system call on hardware) when planning: a cable pulled between batches is
+// then left out at once rather than found by a WR's transport timeout.
+constexpr absl::Duration kPortCheckInterval = absl::Milliseconds(100);
+
 // Takes a lane's probe completion: the lane is used again once one
 // succeeds, and cools down for longer when it fails.
 class ProbeSink : public CompletionSink {
@@ -202,19 +207,30 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   std::vector<Rail*> usable;
   for (const auto& rail : rails_) {
     absl::MutexLock lock(&rail->mu);
-    if (rail->health.failed()) {
-      if (rail->health.cooling(now)) continue;
-      // Its cooldown ran out: back once its port is ACTIVE again.
+    const bool failed = rail->health.failed();
+    if (failed && rail->health.cooling(now)) continue;
+    // A failed rail whose cooldown ran out is back once its port is ACTIVE
+    // again; a healthy one is out as soon as its port is not.
+    if (failed || now - rail->port_checked >= kPortCheckInterval) {
+      rail->port_checked = now;
       auto port = rail->device->device->QueryPort(rail->local.port);
       if (!port.ok() || port->state != IBV_PORT_ACTIVE) {
-        rail->health.Fail(
-            now, options_.rail_cooldown, options_.rail_max_cooldown,
+        const std::string why =
             port.ok() ? absl::StrCat("port ", verbs::PortStateName(port->state))
-                      : std::string(port.status().message()));
+                      : std::string(port.status().message());
+        rail->health.Fail(now, options_.rail_cooldown,
+                          options_.rail_max_cooldown, why);
+        if (!failed) {
+          spdlog::warn("ibverbs: rail {} is out ({}): left out for {}",
+                       rail->name, why,
+                       absl::FormatDuration(rail->health.until() - now));
+        }
         continue;
       }
-      rail->health.Recover();
-      spdlog::info("ibverbs: rail {} is ACTIVE again: in use", rail->name);
+      if (failed) {
+        rail->health.Recover();
+        spdlog::info("ibverbs: rail {} is ACTIVE again: in use", rail->name);
+      }
     }
     usable.push_back(rail.get());
   }
