@@ -45,8 +45,8 @@ void Batch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
   }
   ++counters.errors;
   // Which rail pair failed is part of what went wrong.
-  absl::Status status = Prefixed(CompletionStatus(wc),
-                                 absl::StrCat("on rail ", wr.lane_name));
+  absl::Status status =
+      Prefixed(CompletionStatus(wc), absl::StrCat("on rail ", wr.lane_name));
   if (status.code() == absl::StatusCode::kUnavailable &&
       ops_[wr.range.op].status.ok()) {
     const bool path = wc.status == IBV_WC_RETRY_EXC_ERR ||
@@ -109,9 +109,8 @@ void Batch::Interrupt() {
 
 bool Batch::AwaitNoWrs(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  const auto none = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return wrs_.empty();
-  };
+  const auto none = [this]()
+                        ABSL_NO_THREAD_SAFETY_ANALYSIS { return wrs_.empty(); };
   mu_.AwaitWithDeadline(absl::Condition(&none), deadline);
   return wrs_.empty();
 }

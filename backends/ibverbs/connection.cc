@@ -421,7 +421,8 @@ absl::Status QueuePairConnection::Post(ibv_send_wr& wr,
   if (err == 0) return absl::OkStatus();
   in_flight_.erase(id);
   ++credits_;
-  return absl::InternalError(absl::StrCat("ibv_post_send: ", std::strerror(err)));
+  return absl::InternalError(
+      absl::StrCat("ibv_post_send: ", std::strerror(err)));
 }
 
 absl::Status QueuePairConnection::Post(

@@ -118,8 +118,8 @@ class CompletionPoller {
   void Detach(uint32_t qp_num);
 
  private:
-  CompletionPoller(std::unique_ptr<verbs::CompletionQueue> cq,
-                   uint32_t entries, absl::Duration busy_poll);
+  CompletionPoller(std::unique_ptr<verbs::CompletionQueue> cq, uint32_t entries,
+                   absl::Duration busy_poll);
   void Run();
   void Dispatch(absl::Span<const ibv_wc> wcs);
 

@@ -44,13 +44,13 @@ class ConnectionTest : public ::testing::Test {
     for (size_t i = 0; i < side.memory.size(); ++i) {
       side.memory[i] = static_cast<uint8_t>(i * 31 + name.back());
     }
-    side.mr = *side.pd->RegisterMemory(
-        side.memory.data(), side.memory.size(),
-        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
-            IBV_ACCESS_REMOTE_WRITE);
+    side.mr = *side.pd->RegisterMemory(side.memory.data(), side.memory.size(),
+                                       IBV_ACCESS_LOCAL_WRITE |
+                                           IBV_ACCESS_REMOTE_READ |
+                                           IBV_ACCESS_REMOTE_WRITE);
     // Room for two send queues of 8 per CQ.
-    side.pollers = std::make_unique<CompletionPollers>(
-        side.device.get(), 16, absl::Microseconds(50));
+    side.pollers = std::make_unique<CompletionPollers>(side.device.get(), 16,
+                                                       absl::Microseconds(50));
     side.local.device = side.device.get();
     side.local.pd = side.pd.get();
     side.local.lid = side.device->QueryPort(1)->lid;
@@ -99,7 +99,8 @@ class ConnectionTest : public ::testing::Test {
     for (uint64_t done = 0; done < length && posted.ok(); done += 1000) {
       ibv_sge sge = {};
       sge.addr = reinterpret_cast<uint64_t>(a_.memory.data() + offset + done);
-      sge.length = static_cast<uint32_t>(std::min<uint64_t>(1000, length - done));
+      sge.length =
+          static_cast<uint32_t>(std::min<uint64_t>(1000, length - done));
       sge.lkey = a_.mr->lkey();
       ibv_send_wr wr = {};
       wr.sg_list = &sge;
@@ -153,8 +154,8 @@ TEST_F(ConnectionTest, AFailedQueuePairBreaksOnlyItself) {
   EXPECT_TRUE(bad.requester->broken());
   EXPECT_FALSE(good.requester->broken());
   EXPECT_TRUE(Write(*good.requester, 4000, 3000).ok());
-  EXPECT_EQ(0, std::memcmp(a_.memory.data() + 4000, b_.memory.data() + 4000,
-                           3000));
+  EXPECT_EQ(
+      0, std::memcmp(a_.memory.data() + 4000, b_.memory.data() + 4000, 3000));
 }
 
 }  // namespace

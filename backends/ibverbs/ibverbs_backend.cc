@@ -28,8 +28,7 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
   explicit PeerService(IbverbsBackend* backend) : backend_(backend) {}
 
   grpc::Status ConnectQueuePair(
-      grpc::ServerContext* context,
-      const v1::ConnectQueuePairRequest* request,
+      grpc::ServerContext* context, const v1::ConnectQueuePairRequest* request,
       v1::ConnectQueuePairResponse* response) override {
     auto answer = backend_->AcceptQueuePair(*request, context->peer());
     if (!answer.ok()) {
@@ -332,9 +331,10 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
     rail->name = absl::StrCat(name, ":", port);
     rail->device = holder.get();
     rail->profile = profile;
-    rail->params = ResolveParams(profile.defaults, options_.qp, *attr, *port_attr);
-    auto gid = device->QueryGid(static_cast<uint8_t>(port),
-                                rail->params.gid_index);
+    rail->params =
+        ResolveParams(profile.defaults, options_.qp, *attr, *port_attr);
+    auto gid =
+        device->QueryGid(static_cast<uint8_t>(port), rail->params.gid_index);
     if (!gid.ok()) {
       why.push_back(absl::StrCat(name, " port ", port, ": no GID at index ",
                                  rail->params.gid_index, ": ",
@@ -378,8 +378,7 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
   return absl::OkStatus();
 }
 
-Rail* IbverbsBackend::FindRail(const std::string& device,
-                               uint32_t port) const {
+Rail* IbverbsBackend::FindRail(const std::string& device, uint32_t port) const {
   for (const auto& rail : rails_) {
     if (rail->device->device->name() == device &&
         (port == 0 || rail->local.port == port)) {
@@ -472,11 +471,11 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
       absl::MutexLock lock(&rail->mu);
       attributes[prefix + "health"] =
           rail->health.cooling(now)
-              ? absl::StrCat("cooling down for ",
-                             absl::FormatDuration(absl::Ceil(
-                                 rail->health.until() - now,
-                                 absl::Milliseconds(1))),
-                             ": ", rail->health.why())
+              ? absl::StrCat(
+                    "cooling down for ",
+                    absl::FormatDuration(absl::Ceil(rail->health.until() - now,
+                                                    absl::Milliseconds(1))),
+                    ": ", rail->health.why())
               : "ok";
     }
     attributes[prefix + "lanes_cooling_down"] =
@@ -615,17 +614,16 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
   proof.token = request.token();
   proof.proof_only = true;
   proof.requester = absl::StrCat("agent ", LogSafe(request.agent_id()),
-                                 peer.empty() ? "" : " at ",
-                                 LogSafe(peer));
+                                 peer.empty() ? "" : " at ", LogSafe(peer));
   auto registration = env_.directory->ResolveForPeer(proof);
   // Refusals are logged by the directory's observer, with `peer`.
   if (!registration.ok()) return registration.status();
   Rail* rail = FindRail(request.remote_device(), request.remote_port());
   if (rail == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "agent ", env_.identity.agent_id, " has no RDMA rail ",
-        request.remote_device(), ":", request.remote_port(), " (it uses ",
-        absl::StrJoin(rail_names(), ", "), ")"));
+    return absl::NotFoundError(
+        absl::StrCat("agent ", env_.identity.agent_id, " has no RDMA rail ",
+                     request.remote_device(), ":", request.remote_port(),
+                     " (it uses ", absl::StrJoin(rail_names(), ", "), ")"));
   }
   const auto* state = dynamic_cast<const IbverbsRegistration*>(
       (*registration)->backend_state(name_));
@@ -775,10 +773,9 @@ absl::Status IbverbsBackend::Notify(const v1::RemoteBuffer& remote,
                             : FromGrpcStatus(status);
   return Prefixed(
       failed,
-      absl::StrCat("notification to agent ", remote.agent_id(), " at ",
-                   address,
-                   maybe_delivered ? " (it may have arrived all the same)"
-                                   : ""));
+      absl::StrCat(
+          "notification to agent ", remote.agent_id(), " at ", address,
+          maybe_delivered ? " (it may have arrived all the same)" : ""));
 }
 
 absl::Status IbverbsBackend::AcceptNotification(
@@ -791,8 +788,8 @@ absl::Status IbverbsBackend::AcceptNotification(
   target.buffer_id = request.buffer_id();
   target.token = request.token();
   target.proof_only = true;
-  target.requester = absl::StrCat("agent ", LogSafe(request.agent_id()),
-                                  " at ", LogSafe(peer));
+  target.requester = absl::StrCat("agent ", LogSafe(request.agent_id()), " at ",
+                                  LogSafe(peer));
   return env_.notifications->Deliver(target, request.agent_id(),
                                      request.data());
 }
@@ -805,7 +802,8 @@ uint64_t IbverbsBackend::connections_established() const {
 size_t IbverbsBackend::requester_count() const {
   absl::MutexLock lock(&mu_);
   size_t connected = 0;
-  for (const auto& [key, lane] : lanes_) connected += lane->connection != nullptr;
+  for (const auto& [key, lane] : lanes_)
+    connected += lane->connection != nullptr;
   return connected;
 }
 

@@ -203,6 +203,15 @@ class IbverbsBackend : public Backend {
   // each lane carries; the ops fail at once when no rail can be used.
   PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
                     Batch& batch);
+  // Which of `rails` x `plan`'s remote rails failed and were not shown to
+  // work since; `expired` gets those whose cooldown ran out (worth a
+  // probe).
+  std::vector<std::vector<bool>> FailedPairs(
+      const PeerPlan& plan, const std::vector<Rail*>& rails,
+      std::vector<std::pair<size_t, size_t>>& expired);
+  // Cuts `plan`'s ops over its lanes: large ones in proportion to the
+  // lanes' shares, small ones whole to the least loaded lane.
+  void AssignWork(absl::Span<const Op> ops, PeerPlan& plan);
   // Rails usable now (their port's failure cooled down, or they never
   // failed); when none is, the rails whose ports are ACTIVE now.
   std::vector<Rail*> UsableRails();

@@ -98,10 +98,10 @@ class MultiRailTest : public ::testing::Test {
     ASSERT_TRUE(results[0].ok()) << results[0];
     const TestBuffer& dst = type == kRead ? near : far;
     const TestBuffer& src = type == kRead ? far : near;
-    EXPECT_EQ(FirstWrongByte(dst, src.seed,
-                             type == kRead ? far_offset : near_offset,
-                             type == kRead ? near_offset : far_offset, length),
-              std::nullopt);
+    EXPECT_EQ(
+        FirstWrongByte(dst, src.seed, type == kRead ? far_offset : near_offset,
+                       type == kRead ? near_offset : far_offset, length),
+        std::nullopt);
     EXPECT_EQ(FirstChangedByte(src), std::nullopt);
   }
 
@@ -346,7 +346,8 @@ TEST_F(MultiRailTest, APeerWithFewerRailsSharesThem) {
 }
 
 TEST_F(MultiRailTest, OddOffsetsAndSizesAcrossRailsAndMessageSizes) {
-  const std::vector<std::string> a_devices = AddDevices("a", 3, {k4x, k2x, k4x});
+  const std::vector<std::string> a_devices =
+      AddDevices("a", 3, {k4x, k2x, k4x});
   const std::vector<std::string> b_devices = AddDevices("b", 2, {k2x, k4x});
   IbverbsOptions a_options = Fast();
   a_options.qp.max_message_bytes = 3 * 4096;
@@ -363,10 +364,14 @@ TEST_F(MultiRailTest, OddOffsetsAndSizesAcrossRailsAndMessageSizes) {
     uint64_t local_offset, length, remote_offset;
   };
   const std::vector<Case> cases = {
-      {kWrite, 1, 1, 3},          {kRead, 3, 8191, 17},
-      {kWrite, 7, 8192, 11},      {kRead, 99, 8193, 4099},
-      {kWrite, 333, 65537, 77777}, {kRead, 12347, 300007, 131071},
-      {kWrite, 0, kSize, 0},      {kRead, 0, kSize, 0},
+      {kWrite, 1, 1, 3},
+      {kRead, 3, 8191, 17},
+      {kWrite, 7, 8192, 11},
+      {kRead, 99, 8193, 4099},
+      {kWrite, 333, 65537, 77777},
+      {kRead, 12347, 300007, 131071},
+      {kWrite, 0, kSize, 0},
+      {kRead, 0, kSize, 0},
       {kWrite, kSize - 1, 1, kSize - 1},
   };
   for (const Case& c : cases) {
@@ -415,7 +420,8 @@ class FailoverTest : public MultiRailTest {
     absl::Status result = absl::UnknownError("not run");
     absl::Notification done;
     std::thread submit([&] {
-      result = a.backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(60)))[0];
+      result =
+          a.backend<IbverbsBackend>().Submit({op}, In(absl::Seconds(60)))[0];
       done.Notify();
     });
     while (moved() < (512u << 10) && !done.HasBeenNotified()) {
@@ -465,8 +471,7 @@ TEST_F(FailoverTest, RequesterRailUnpluggedMidTransferFailsOverToTheOthers) {
   EXPECT_GT(Counter(backend, "rail.a2:1.reposted_bytes"), 0u);
   EXPECT_EQ(Counter(backend, "rail.a0:1.errors"), 0u);
   // Its port is DOWN: the rail itself is left out.
-  EXPECT_EQ(Attribute(backend, "rail.a2:1.health").rfind("cooling down", 0),
-            0u)
+  EXPECT_EQ(Attribute(backend, "rail.a2:1.health").rfind("cooling down", 0), 0u)
       << Attribute(backend, "rail.a2:1.health");
   EXPECT_EQ(backend.transport_info().devices(2).state(), "DOWN");
   // The next op goes over the three others without trying a2 again.
@@ -573,8 +578,8 @@ TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
   // Striped ops until `back()` says the rail carried bytes again.
   const auto until_used = [&](const std::function<bool()>& back) {
     for (int round = 0; round < 2000; ++round) {
-      MoveAndCheck(*a, round % 2 ? kRead : kWrite, near, round % 7,
-                   kSize - 8, far, round % 5);
+      MoveAndCheck(*a, round % 2 ? kRead : kWrite, near, round % 7, kSize - 8,
+                   far, round % 5);
       if (back()) return true;
       absl::SleepFor(absl::Milliseconds(5));
     }
@@ -588,16 +593,121 @@ TEST_F(MultiRailTest, ReplugBringsRailsBackOnEitherSide) {
   MoveAndCheck(*a, kWrite, near, 1, kSize - 1, far, 0);
   EXPECT_EQ(backend.rail_bytes("a1:1"), a1_before) << "left out while down";
   ASSERT_TRUE(fabric_.Replug("a1").ok());
-  EXPECT_TRUE(until_used([&] { return backend.rail_bytes("a1:1") > a1_before; }))
-      << "a1 never carried bytes again";
+  EXPECT_TRUE(until_used([&] {
+    return backend.rail_bytes("a1:1") > a1_before;
+  })) << "a1 never carried bytes again";
 
   // The peer's b1.
   ASSERT_TRUE(fabric_.Unplug("b1").ok());
   MoveAndCheck(*a, kRead, near, 0, kSize, far, 0);  // fails over
   const uint64_t b1_before = fabric_.bytes_served("b1");
   ASSERT_TRUE(fabric_.Replug("b1").ok());
-  EXPECT_TRUE(until_used([&] { return fabric_.bytes_served("b1") > b1_before; }))
-      << "b1 never carried bytes again";
+  EXPECT_TRUE(until_used([&] {
+    return fabric_.bytes_served("b1") > b1_before;
+  })) << "b1 never carried bytes again";
+}
+
+// A cable pulled between batches is seen at planning (the port is looked
+// at every 100 ms): the next batch goes over the other rails without a WR
+// failing first.
+TEST_F(MultiRailTest, ARailWhosePortIsDownIsLeftOutBeforeAnyWrFails) {
+  const std::vector<std::string> a_devices = AddDevices("a", 2);
+  const std::vector<std::string> b_devices = AddDevices("b", 2);
+  auto a = Agent("agent-a", a_devices);
+  auto b = Agent("agent-b", b_devices);
+  TestBuffer near = a->Register(1 << 20, v1::ACCESS_READ_WRITE, 111);
+  TestBuffer far = b->Register(1 << 20, v1::ACCESS_READ_WRITE, 112);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  MoveAndCheck(*a, kWrite, near, 1, (1 << 20) - 1, far, 0);
+  ASSERT_GT(backend.rail_bytes("a1:1"), 0u);
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  absl::SleepFor(absl::Milliseconds(150));  // past the port's next look
+  const uint64_t a1_bytes = backend.rail_bytes("a1:1");
+  MoveAndCheck(*a, kRead, near, 0, (1 << 20) - 3, far, 2);
+  EXPECT_EQ(backend.rail_bytes("a1:1"), a1_bytes);
+  const auto info = backend.transport_info();
+  EXPECT_EQ(info.attributes().at("rail.a1:1.errors"), "0");
+  EXPECT_EQ(info.attributes().at("rail.a1:1.health").rfind("cooling down", 0),
+            0u);
+}
+
+// Cut short while one rail's WRs wait for a peer that never answers
+// (transport timeout 0: until ERR) and the other's wait for a slow link: at
+// the deadline, or at a cancellation, every lane's queue pair is moved to
+// ERR and drained, so that once Submit has returned no rail touches the
+// ops' memory.
+TEST_F(MultiRailTest, CutShortWithARailDownTouchesNothingAfterwards) {
+  for (const bool cancel : {false, true}) {
+    SCOPED_TRACE(cancel ? "cancelled" : "deadline");
+    const std::string round = cancel ? "c" : "d";
+    std::vector<std::string> a_devices;
+    std::vector<std::string> b_devices;
+    for (int i = 0; i < 2; ++i) {
+      for (auto* devices : {&a_devices, &b_devices}) {
+        SoftDeviceConfig config =
+            Device(absl::StrCat(devices == &a_devices ? "a" : "b", round, i));
+        config.bytes_per_second = 1 << 20;  // 1 MiB/s: the op needs seconds
+        Add(config);
+        devices->push_back(config.name);
+      }
+    }
+    IbverbsOptions options = Fast();
+    options.qp.timeout = 0;  // unanswered WRs wait until ERR
+    options.qp.max_message_bytes = 64 << 10;
+    auto a = Agent("agent-a" + round, a_devices, options);
+    auto b = Agent("agent-b" + round, b_devices, options);
+    const uint64_t kLength = (4u << 20) + 11;
+    TestBuffer near = a->Register(2 * kLength + 64, v1::ACCESS_READ_WRITE, 101);
+    TestBuffer far = b->Register(2 * kLength + 64, v1::ACCESS_READ_WRITE, 102);
+    const std::vector<Op> ops = {
+        MakeOp(0, kRead, near, 1, kLength, far, 3),
+        MakeOp(1, kWrite, near, kLength + 5, kLength, far, kLength + 7)};
+    // Connected first, so that the cut finds WRs on both lanes.
+    ASSERT_TRUE(a->backend<IbverbsBackend>()
+                    .Submit({MakeOp(0, kWrite, near, 0, 1 << 17, far, 0)},
+                            In(absl::Seconds(30)))[0]
+                    .ok());
+    Refill(near);
+    Refill(far);
+    const std::vector<uint8_t> near_before = Snapshot(near);
+    const std::vector<uint8_t> far_before = Snapshot(far);
+    fabric_.SetReachable(b_devices[1], false);
+    Cancellation cancellation;
+    std::thread canceller;
+    if (cancel) {
+      canceller = std::thread([&] {
+        absl::SleepFor(absl::Milliseconds(300));
+        cancellation.Cancel(absl::CancelledError("the client went away"));
+      });
+    }
+    const auto results = a->backend<IbverbsBackend>().Submit(
+        ops, StopToken(In(cancel ? absl::Seconds(60) : absl::Milliseconds(300)),
+                       &cancellation));
+    std::memset(near.bytes(), 0x7e, near.size());
+    const std::vector<uint8_t> sentinel = Snapshot(near);
+    if (canceller.joinable()) canceller.join();
+    for (const absl::Status& status : results) {
+      EXPECT_EQ(status.code(), cancel ? absl::StatusCode::kCancelled
+                                      : absl::StatusCode::kDeadlineExceeded)
+          << status;
+    }
+    // Whatever the links still held would have landed by now.
+    fabric_.SetReachable(b_devices[1], true);
+    absl::SleepFor(absl::Milliseconds(300));
+    EXPECT_EQ(FirstDifference(near, sentinel), std::nullopt)
+        << "local memory written after Submit returned";
+    // Remote bytes: their own, or what the WRITE read before the return;
+    // nothing of the READ's range changed.
+    for (uint64_t i = 0; i < kLength; ++i) {
+      const uint64_t at = kLength + 7 + i;
+      const uint8_t got = far.bytes()[at];
+      ASSERT_TRUE(got == far_before[at] || got == near_before[kLength + 5 + i])
+          << "remote byte " << at << " came from local memory after return";
+    }
+    EXPECT_EQ(0, std::memcmp(far.bytes(), far_before.data(), kLength + 7));
+    // The backend carries on.
+    MoveAndCheck(*a, kWrite, near, 9, 1 << 16, far, 13);
+  }
 }
 
 }  // namespace

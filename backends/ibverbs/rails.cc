@@ -7,8 +7,8 @@
 
 namespace rdma_agent::ibverbs {
 
-void Cooldown::Fail(absl::Time now, absl::Duration initial,
-                    absl::Duration max, std::string why) {
+void Cooldown::Fail(absl::Time now, absl::Duration initial, absl::Duration max,
+                    std::string why) {
   backoff_ = failures_ == 0 ? initial : std::min(backoff_ * 2, max);
   until_ = now + backoff_;
   why_ = std::move(why);

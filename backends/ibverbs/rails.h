@@ -65,9 +65,9 @@ struct RailDevice {
 // What a rail has carried, for GetInfo. Atomics: completions are counted on
 // the pollers' threads.
 struct RailCounters {
-  std::atomic<uint64_t> bytes{0};          // moved by successful WRs
-  std::atomic<uint64_t> work_requests{0};  // WRs completed successfully
-  std::atomic<uint64_t> errors{0};         // WRs completed with an error
+  std::atomic<uint64_t> bytes{0};           // moved by successful WRs
+  std::atomic<uint64_t> work_requests{0};   // WRs completed successfully
+  std::atomic<uint64_t> errors{0};          // WRs completed with an error
   std::atomic<uint64_t> reposted_bytes{0};  // moved to other rails after one
 };
 
@@ -89,8 +89,11 @@ struct Rail {
 
   mutable absl::Mutex mu;
   // Cooling down while its port is not ACTIVE (found when its completions
-  // failed); checked again with ibv_query_port when the cooldown runs out.
+  // failed, or by a periodic look); checked again with ibv_query_port when
+  // the cooldown runs out.
   Cooldown health ABSL_GUARDED_BY(mu);
+  // When a healthy rail's port was last looked at.
+  absl::Time port_checked ABSL_GUARDED_BY(mu) = absl::InfinitePast();
 };
 
 // A rail of a peer agent, as its remote context advertises it.
@@ -98,7 +101,7 @@ struct RemoteRail {
   std::string device;
   uint32_t port = 1;
   uint32_t lid = 0;
-  std::string gid;  // 16 bytes
+  std::string gid;                 // 16 bytes
   uint64_t max_message_bytes = 0;  // 0 = not said
   double speed_gbps = 0;           // 0 = not said
   // "nic_b:1".

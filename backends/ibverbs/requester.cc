@@ -32,6 +32,11 @@ namespace {
 // starts aligned when the op's does.
 constexpr uint64_t kStripeAlign = 4096;
 
+// How often the port of a healthy rail is looked at (ibv_query_port, a
+// system call on hardware) when planning: a cable pulled between batches is
+// then left out at once rather than found by a WR's transport timeout.
+constexpr absl::Duration kPortCheckInterval = absl::Milliseconds(100);
+
 // Takes a lane's probe completion: the lane is used again once one
 // succeeds, and cools down for longer when it fails.
 class ProbeSink : public CompletionSink {
@@ -93,6 +98,9 @@ struct IbverbsBackend::LaneUse {
   bool cooled = false;
   // A WR went out on it.
   bool posted = false;
+  // Its handshake failed: the peer's Peer service did not answer, which
+  // other lanes would find too (their handshakes go to the same address).
+  bool connect_failed = false;
 };
 
 // The ops of one Submit to one peer (agent and epoch) and the lanes they go
@@ -199,20 +207,30 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   std::vector<Rail*> usable;
   for (const auto& rail : rails_) {
     absl::MutexLock lock(&rail->mu);
-    if (rail->health.failed()) {
-      if (rail->health.cooling(now)) continue;
-      // Its cooldown ran out: back once its port is ACTIVE again.
+    const bool failed = rail->health.failed();
+    if (failed && rail->health.cooling(now)) continue;
+    // A failed rail whose cooldown ran out is back once its port is ACTIVE
+    // again; a healthy one is out as soon as its port is not.
+    if (failed || now - rail->port_checked >= kPortCheckInterval) {
+      rail->port_checked = now;
       auto port = rail->device->device->QueryPort(rail->local.port);
       if (!port.ok() || port->state != IBV_PORT_ACTIVE) {
-        rail->health.Fail(
-            now, options_.rail_cooldown, options_.rail_max_cooldown,
-            port.ok() ? absl::StrCat("port ",
-                                     verbs::PortStateName(port->state))
-                      : std::string(port.status().message()));
+        const std::string why =
+            port.ok() ? absl::StrCat("port ", verbs::PortStateName(port->state))
+                      : std::string(port.status().message());
+        rail->health.Fail(now, options_.rail_cooldown,
+                          options_.rail_max_cooldown, why);
+        if (!failed) {
+          spdlog::warn("ibverbs: rail {} is out ({}): left out for {}",
+                       rail->name, why,
+                       absl::FormatDuration(rail->health.until() - now));
+        }
         continue;
       }
-      rail->health.Recover();
-      spdlog::info("ibverbs: rail {} is ACTIVE again: in use", rail->name);
+      if (failed) {
+        rail->health.Recover();
+        spdlog::info("ibverbs: rail {} is ACTIVE again: in use", rail->name);
+      }
     }
     usable.push_back(rail.get());
   }
@@ -250,91 +268,80 @@ IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
   if (rails.empty()) {
     std::vector<std::string> names;
     for (const auto& rail : rails_) names.push_back(rail->name);
-    const absl::Status none = absl::UnavailableError(absl::StrCat(
-        "no RDMA rail of this agent has an ACTIVE port (",
-        absl::StrJoin(names, ", "), ")"));
+    const absl::Status none = absl::UnavailableError(
+        absl::StrCat("no RDMA rail of this agent has an ACTIVE port (",
+                     absl::StrJoin(names, ", "), ")"));
     for (size_t i : plan.ops) batch.Settle({i, 0, ops[i].length}, none);
     plan.ops.clear();
     return plan;
   }
 
-  // Which pairs failed (and are not shown to work again yet), and which of
-  // those are worth a probe, by lane key.
-  const absl::Time now = absl::Now();
-  const size_t locals = rails.size();
-  const size_t remotes = plan.remote_rails.size();
-  const auto key_of = [&](size_t l, size_t r) {
-    return absl::StrCat(plan.peer, "/", rails[l]->name, ">",
-                        plan.remote_rails[r].name());
-  };
-  std::vector<std::vector<bool>> failed(locals,
-                                        std::vector<bool>(remotes, false));
   std::vector<std::pair<size_t, size_t>> expired;
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t l = 0; l < locals; ++l) {
-      for (size_t r = 0; r < remotes; ++r) {
-        auto it = lanes_.find(key_of(l, r));
-        if (it == lanes_.end()) continue;  // never used: healthy
-        LaneHealth& health = *it->second->health;
-        absl::MutexLock health_lock(&health.mu);
-        if (!health.cooldown.failed()) continue;
-        failed[l][r] = true;
-        if (!health.cooldown.cooling(now) && !health.probing) {
-          expired.emplace_back(l, r);
-        }
-      }
-    }
-  }
-  // Whose fault a failed pair was is a guess: this agent's port was
-  // ACTIVE (else the rail itself cooled down). A rail of ours whose pairs
-  // to two or more of the peer's rails failed is suspect itself (a path cut
-  // beyond its port); otherwise the peer's rail is, and no other rail of
-  // ours is paired with it either until a probe shows it works, rather
-  // than each finding out with a transport timeout of its own.
-  std::vector<bool> local_suspect(locals, false);
-  std::vector<bool> remote_suspect(remotes, false);
-  for (size_t l = 0; l < locals; ++l) {
-    local_suspect[l] =
-        remotes > 1 && std::count(failed[l].begin(), failed[l].end(), true) > 1;
-  }
-  for (size_t l = 0; l < locals; ++l) {
-    for (size_t r = 0; r < remotes; ++r) {
-      if (failed[l][r] && !local_suspect[l]) remote_suspect[r] = true;
-    }
-  }
-  const auto healthy = [&](size_t l, size_t r) {
-    return !failed[l][r] && !local_suspect[l] && !remote_suspect[r];
-  };
+  const std::vector<std::vector<bool>> failed =
+      FailedPairs(plan, rails, expired);
+  const std::vector<std::vector<bool>> healthy = HealthyPairs(failed);
   std::vector<double> local_gbps;
   for (Rail* rail : rails) local_gbps.push_back(rail->speed_gbps);
   std::vector<double> remote_gbps;
   for (const RemoteRail& rail : plan.remote_rails) {
     remote_gbps.push_back(rail.speed_gbps);
   }
-  std::vector<RailPair> pairs = PairRails(local_gbps, remote_gbps, healthy);
+  std::vector<RailPair> pairs =
+      PairRails(local_gbps, remote_gbps,
+                [&](size_t l, size_t r) { return healthy[l][r]; });
   if (pairs.empty()) {
     // Nothing healthy: try them all rather than fail outright (a failure
     // costs a transport timeout, and then the registry's retry on tcp).
-    pairs = PairRails(local_gbps, remote_gbps,
-                      [](size_t, size_t) { return true; });
+    pairs =
+        PairRails(local_gbps, remote_gbps, [](size_t, size_t) { return true; });
   } else {
     for (const auto& [l, r] : expired) {
-      plan.probes.push_back(LaneFor(plan.peer, *rails[l], plan.remote_rails[r]));
+      plan.probes.push_back(
+          LaneFor(plan.peer, *rails[l], plan.remote_rails[r]));
     }
   }
-  std::vector<double> weights;
-  std::vector<double> loads;
   for (const RailPair& pair : pairs) {
     LaneUse use;
-    use.lane = LaneFor(plan.peer, *rails[pair.local],
-                       plan.remote_rails[pair.remote]);
+    use.lane =
+        LaneFor(plan.peer, *rails[pair.local], plan.remote_rails[pair.remote]);
     use.weight = pair.weight;
-    weights.push_back(pair.weight);
-    loads.push_back(static_cast<double>(use.lane->load->bytes.load()));
     plan.lanes.push_back(std::move(use));
   }
+  AssignWork(ops, plan);
+  return plan;
+}
 
+std::vector<std::vector<bool>> IbverbsBackend::FailedPairs(
+    const PeerPlan& plan, const std::vector<Rail*>& rails,
+    std::vector<std::pair<size_t, size_t>>& expired) {
+  const absl::Time now = absl::Now();
+  std::vector<std::vector<bool>> failed(
+      rails.size(), std::vector<bool>(plan.remote_rails.size(), false));
+  absl::MutexLock lock(&mu_);
+  for (size_t l = 0; l < rails.size(); ++l) {
+    for (size_t r = 0; r < plan.remote_rails.size(); ++r) {
+      auto it = lanes_.find(absl::StrCat(plan.peer, "/", rails[l]->name, ">",
+                                         plan.remote_rails[r].name()));
+      if (it == lanes_.end()) continue;  // never used: healthy
+      LaneHealth& health = *it->second->health;
+      absl::MutexLock health_lock(&health.mu);
+      if (!health.cooldown.failed()) continue;
+      failed[l][r] = true;
+      if (!health.cooldown.cooling(now) && !health.probing) {
+        expired.emplace_back(l, r);
+      }
+    }
+  }
+  return failed;
+}
+
+void IbverbsBackend::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
+  std::vector<double> weights;
+  std::vector<double> loads;  // bytes in flight, then planned too
+  for (const LaneUse& use : plan.lanes) {
+    weights.push_back(use.weight);
+    loads.push_back(static_cast<double>(use.lane->load->bytes.load()));
+  }
   size_t round_robin;
   {
     absl::MutexLock lock(&mu_);
@@ -353,7 +360,6 @@ IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
     plan.lanes[k].work.push_back({i, 0, length});
     loads[k] += static_cast<double>(length);
   }
-  return plan;
 }
 
 void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
@@ -366,6 +372,7 @@ void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
     if (connection.status().code() == absl::StatusCode::kUnavailable &&
         !stop.stopped()) {
       use.failed = connection.status();
+      use.connect_failed = true;
       for (const Batch::Range& range : use.work) {
         batch->Requeue(range, use.lane.get(), use.failed);
       }
@@ -386,7 +393,9 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
                                LaneUse& use,
                                const std::shared_ptr<Batch>& batch,
                                const StopToken& stop) {
-  if (stop.cancelled()) {
+  // Nothing is posted once the deadline has passed (say, after a handshake
+  // that answered just then): it could not end in time.
+  if (stop.stopped()) {
     batch->Settle(range, stop.StopStatus("before posting"));
     return;
   }
@@ -500,9 +509,9 @@ void IbverbsBackend::Repost(absl::Span<const Op> ops,
           absl::UnavailableError(absl::StrCat(
               retry.why.message(), "; no other RDMA rail to agent ",
               AgentOf(plan.peer), " is left",
-              others.empty() ? ""
-                             : absl::StrCat(" (", absl::StrJoin(others, "; "),
-                                            ")"))));
+              others.empty()
+                  ? ""
+                  : absl::StrCat(" (", absl::StrJoin(others, "; "), ")"))));
       continue;
     }
     PostRange(ops[retry.range.op], retry.range, *target, batch, stop);
@@ -513,11 +522,18 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
                                                   PeerPlan& plan,
                                                   const StopToken& stop) {
   while (!stop.stopped()) {
+    // Once a handshake with the peer failed, only lanes already connected
+    // are worth it: the others' handshakes would fail alike, each costing up
+    // to --ibverbs_connect_timeout.
+    const bool handshakes_fail =
+        std::any_of(plan.lanes.begin(), plan.lanes.end(),
+                    [](const LaneUse& use) { return use.connect_failed; });
     // The least loaded of the lanes still standing.
     LaneUse* best = nullptr;
     double best_cost = std::numeric_limits<double>::infinity();
     for (LaneUse& use : plan.lanes) {
       if (!use.failed.ok()) continue;
+      if (handshakes_fail && use.connection == nullptr) continue;
       const double cost = static_cast<double>(use.lane->load->bytes.load()) /
                           std::max(use.weight, 1e-9);
       if (best == nullptr || cost < best_cost) {
@@ -525,7 +541,7 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
         best_cost = cost;
       }
     }
-    if (best == nullptr) best = AddLane(plan);
+    if (best == nullptr && !handshakes_fail) best = AddLane(plan);
     if (best == nullptr) return nullptr;
     if (best->connection != nullptr) return best;
     auto connection = ConnectLane(*best->lane, ops, plan.ops, stop);
@@ -534,6 +550,7 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
       return best;
     }
     best->failed = connection.status();
+    best->connect_failed = true;
   }
   return nullptr;
 }
@@ -555,9 +572,9 @@ IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan) {
       }
       LaneUse use;
       use.lane = lane;
-      use.weight = std::min(rail->speed_gbps > 0 ? rail->speed_gbps : 1.0,
-                            remote.speed_gbps > 0 ? remote.speed_gbps
-                                                  : rail->speed_gbps);
+      use.weight = std::min(
+          rail->speed_gbps > 0 ? rail->speed_gbps : 1.0,
+          remote.speed_gbps > 0 ? remote.speed_gbps : rail->speed_gbps);
       plan.lanes.push_back(std::move(use));
       return &plan.lanes.back();
     }
@@ -580,8 +597,7 @@ void IbverbsBackend::CoolDown(Lane& lane, const absl::Status& why) {
     spdlog::warn(
         "ibverbs: rail {} failed ({}): left out for {}, its bytes go over "
         "the other rails",
-        rail.name, state,
-        absl::FormatDuration(rail.health.until() - now));
+        rail.name, state, absl::FormatDuration(rail.health.until() - now));
     return;
   }
   absl::MutexLock lock(&lane.health->mu);
@@ -838,10 +854,10 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
   }
   if (response.session().empty() ||
       response.grant().buffer_id() != remote.buffer_id()) {
-    return absl::UnavailableError(absl::StrCat(
-        "queue-pair handshake with agent ", remote.agent_id(), " at ",
-        endpoint.peer_address(), " for rail ", lane.name(),
-        ": the answer has no session or grant"));
+    return absl::UnavailableError(
+        absl::StrCat("queue-pair handshake with agent ", remote.agent_id(),
+                     " at ", endpoint.peer_address(), " for rail ", lane.name(),
+                     ": the answer has no session or grant"));
   }
   absl::Status connected = result.connection->ConnectTo(response.responder());
   if (!connected.ok()) {
@@ -866,9 +882,9 @@ absl::StatusOr<RemoteGrant> IbverbsBackend::GrantFor(
   {
     absl::MutexLock lock(&mu_);
     if (lane.connection.get() != &connection) {
-      return absl::UnavailableError(absl::StrCat(
-          "the queue pair of rail ", lane.name(),
-          " was replaced while the op was being posted"));
+      return absl::UnavailableError(
+          absl::StrCat("the queue pair of rail ", lane.name(),
+                       " was replaced while the op was being posted"));
     }
     auto grant = lane.grants.find(remote.buffer_id());
     // The token too: another local user's forged context naming the same
@@ -898,10 +914,10 @@ absl::StatusOr<RemoteGrant> IbverbsBackend::GrantFor(
     return stop.StopStatus("while asking the peer for buffer access");
   }
   if (!status.ok()) {
-    return Prefixed(FromGrpcStatus(status),
-                    absl::StrCat("access to a buffer of agent ",
-                                 remote.agent_id(), " at ", address,
-                                 " over rail ", lane.name()));
+    return Prefixed(
+        FromGrpcStatus(status),
+        absl::StrCat("access to a buffer of agent ", remote.agent_id(), " at ",
+                     address, " over rail ", lane.name()));
   }
   RemoteGrant grant;
   grant.token = remote.token();

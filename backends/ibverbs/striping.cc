@@ -57,9 +57,34 @@ std::vector<RailPair> PairRails(
     if (local <= 0) local = remote;
     if (remote <= 0) remote = local;
     if (local <= 0) local = remote = 1;  // neither known: equal shares
-    p.weight = std::min(local / on_local[p.local], remote / on_remote[p.remote]);
+    p.weight =
+        std::min(local / on_local[p.local], remote / on_remote[p.remote]);
   }
   return pairs;
+}
+
+std::vector<std::vector<bool>> HealthyPairs(
+    const std::vector<std::vector<bool>>& failed) {
+  const size_t locals = failed.size();
+  const size_t remotes = locals == 0 ? 0 : failed.front().size();
+  std::vector<bool> local_suspect(locals, false);
+  std::vector<bool> remote_suspect(remotes, false);
+  for (size_t l = 0; l < locals; ++l) {
+    local_suspect[l] = std::count(failed[l].begin(), failed[l].end(), true) > 1;
+  }
+  for (size_t l = 0; l < locals; ++l) {
+    for (size_t r = 0; r < remotes; ++r) {
+      if (failed[l][r] && !local_suspect[l]) remote_suspect[r] = true;
+    }
+  }
+  std::vector<std::vector<bool>> healthy(locals,
+                                         std::vector<bool>(remotes, false));
+  for (size_t l = 0; l < locals; ++l) {
+    for (size_t r = 0; r < remotes; ++r) {
+      healthy[l][r] = !failed[l][r] && !local_suspect[l] && !remote_suspect[r];
+    }
+  }
+  return healthy;
 }
 
 std::vector<Piece> SplitByWeight(uint64_t length,
@@ -98,8 +123,8 @@ size_t LeastLoaded(absl::Span<const double> load_bytes,
                    absl::Span<const double> weights, size_t start) {
   const size_t n = weights.size();
   if (n == 0) return 0;
-  const bool any_weight =
-      std::any_of(weights.begin(), weights.end(), [](double w) { return w > 0; });
+  const bool any_weight = std::any_of(weights.begin(), weights.end(),
+                                      [](double w) { return w > 0; });
   size_t best = n;
   double best_cost = std::numeric_limits<double>::infinity();
   for (size_t t = 0; t < n; ++t) {

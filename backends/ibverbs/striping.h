@@ -39,6 +39,17 @@ std::vector<RailPair> PairRails(
     absl::Span<const double> local_gbps, absl::Span<const double> remote_gbps,
     const std::function<bool(size_t local, size_t remote)>& allowed);
 
+// Which rail pairs may carry ops to a peer, given which pairs failed (and
+// were not shown to work since); failed[l][r] for local rail l, remote
+// rail r. Whose fault a failure was is a guess (the local port was ACTIVE,
+// or the local rail itself would be out): a local rail whose pairs to two
+// or more remote rails failed is suspect itself (a path cut beyond its
+// port), otherwise the remote rail of a failed pair is, and no pair with a
+// suspect rail may carry ops, so that other rails do not each find out with
+// a transport timeout of their own.
+std::vector<std::vector<bool>> HealthyPairs(
+    const std::vector<std::vector<bool>>& failed);
+
 // A byte range of an op given to one of several lanes.
 struct Piece {
   size_t lane = 0;

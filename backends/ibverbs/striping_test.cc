@@ -21,15 +21,16 @@ std::set<std::pair<size_t, size_t>> PairsOf(const std::vector<RailPair>& p) {
 TEST(PairRailsTest, EqualRailCountsPairOneToOne) {
   const std::vector<RailPair> pairs =
       PairRails({100, 100, 100, 100}, {100, 100, 100, 100}, Any);
-  EXPECT_EQ(PairsOf(pairs),
-            (std::set<std::pair<size_t, size_t>>{{0, 0}, {1, 1}, {2, 2}, {3, 3}}));
+  EXPECT_EQ(PairsOf(pairs), (std::set<std::pair<size_t, size_t>>{
+                                {0, 0}, {1, 1}, {2, 2}, {3, 3}}));
   for (const RailPair& pair : pairs) EXPECT_DOUBLE_EQ(pair.weight, 100);
 }
 
 TEST(PairRailsTest, APeerWithFewerRailsSharesItsRails) {
-  const std::vector<RailPair> pairs = PairRails({100, 100, 100, 100}, {100, 100}, Any);
-  EXPECT_EQ(PairsOf(pairs),
-            (std::set<std::pair<size_t, size_t>>{{0, 0}, {1, 1}, {2, 0}, {3, 1}}));
+  const std::vector<RailPair> pairs =
+      PairRails({100, 100, 100, 100}, {100, 100}, Any);
+  EXPECT_EQ(PairsOf(pairs), (std::set<std::pair<size_t, size_t>>{
+                                {0, 0}, {1, 1}, {2, 0}, {3, 1}}));
   // Each remote rail carries two pairs: half of it each.
   for (const RailPair& pair : pairs) EXPECT_DOUBLE_EQ(pair.weight, 50);
   // And the other way round.
@@ -53,7 +54,8 @@ TEST(PairRailsTest, WeightIsTheSlowerEnd) {
 TEST(PairRailsTest, RefusedPairsAreReplacedSoEveryRailStaysInUse) {
   // (1, 1) cools down: local 1 and remote 1 find other partners.
   const auto allowed = [](size_t l, size_t r) { return !(l == 1 && r == 1); };
-  const std::vector<RailPair> pairs = PairRails({100, 100}, {100, 100}, allowed);
+  const std::vector<RailPair> pairs =
+      PairRails({100, 100}, {100, 100}, allowed);
   const auto chosen = PairsOf(pairs);
   EXPECT_EQ(chosen.count({1, 1}), 0u);
   EXPECT_EQ(chosen.count({0, 0}), 1u);
@@ -64,14 +66,45 @@ TEST(PairRailsTest, RefusedPairsAreReplacedSoEveryRailStaysInUse) {
       {100, 100}, {100, 100}, [](size_t, size_t r) { return r != 1; });
   EXPECT_EQ(PairsOf(dead_remote),
             (std::set<std::pair<size_t, size_t>>{{0, 0}, {1, 0}}));
-  EXPECT_TRUE(PairRails({100}, {100}, [](size_t, size_t) { return false; })
-                  .empty());
+  EXPECT_TRUE(
+      PairRails({100}, {100}, [](size_t, size_t) { return false; }).empty());
   EXPECT_TRUE(PairRails({}, {100}, Any).empty());
+}
+
+using Matrix = std::vector<std::vector<bool>>;
+
+TEST(HealthyPairsTest, APeerRailWhosePairFailedIsLeftOutByEveryRail) {
+  // (2, 2) failed: remote rail 2 is suspect, local rail 2 is not.
+  Matrix failed(4, std::vector<bool>(4, false));
+  failed[2][2] = true;
+  const Matrix healthy = HealthyPairs(failed);
+  for (size_t l = 0; l < 4; ++l) {
+    for (size_t r = 0; r < 4; ++r) {
+      EXPECT_EQ(healthy[l][r], r != 2) << l << "," << r;
+    }
+  }
+}
+
+TEST(HealthyPairsTest, ALocalRailFailingToTwoPeerRailsIsItselfSuspect) {
+  // Local rail 1's pairs to remote 0 and 3 failed: its path, not theirs.
+  Matrix failed(3, std::vector<bool>(4, false));
+  failed[1][0] = failed[1][3] = true;
+  const Matrix healthy = HealthyPairs(failed);
+  for (size_t l = 0; l < 3; ++l) {
+    for (size_t r = 0; r < 4; ++r) {
+      EXPECT_EQ(healthy[l][r], l != 1) << l << "," << r;
+    }
+  }
+  // Nothing failed: everything healthy; no rails: nothing.
+  const Matrix fine = HealthyPairs(Matrix(2, std::vector<bool>(2, false)));
+  EXPECT_EQ(fine, Matrix(2, std::vector<bool>(2, true)));
+  EXPECT_TRUE(HealthyPairs({}).empty());
 }
 
 TEST(SplitByWeightTest, PiecesCoverTheOpInProportionOnPageBoundaries) {
   const uint64_t length = (10u << 20) + 12345;  // odd on purpose
-  const std::vector<Piece> pieces = SplitByWeight(length, {100, 100, 50, 50}, 4096);
+  const std::vector<Piece> pieces =
+      SplitByWeight(length, {100, 100, 50, 50}, 4096);
   ASSERT_EQ(pieces.size(), 4u);
   uint64_t next = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {

@@ -74,8 +74,8 @@ class SoftRailsWorld : public TargetWorld {
     options.qp.timeout = 8;  // ~1 ms per try: a lost peer shows quickly
     options.qp.retry_cnt = 2;
     const std::vector<std::string> devices = devices_[agent];
-    return IbverbsFactory([this, devices] { return fabric_.MakeVerbs(devices); },
-                          options);
+    return IbverbsFactory(
+        [this, devices] { return fabric_.MakeVerbs(devices); }, options);
   }
 
  private:

@@ -92,17 +92,23 @@ class RoguePeer {
         connection;  // connected when status is OK
   };
 
-  // ConnectQueuePair with `target`, proving (buffer_id, token).
+  // ConnectQueuePair with `target`, proving (buffer_id, token), on its
+  // rail `remote_device` (empty: its first).
   Attempt Connect(TestAgent& target, uint64_t epoch, uint64_t buffer_id,
-                  const std::string& token) {
+                  const std::string& token,
+                  const std::string& remote_device = "") {
     Attempt attempt;
     attempt.connection = NewQueuePair(QueuePairConnection::Inbound::kRefuse);
     v1::ConnectQueuePairRequest request;
     request.set_agent_id(agent_id_);
     request.set_agent_epoch(1);
     request.set_expected_epoch(epoch);
-    request.set_remote_device(
-        target.backend<IbverbsBackend>().transport_info().devices(0).name());
+    request.set_remote_device(!remote_device.empty()
+                                  ? remote_device
+                                  : target.backend<IbverbsBackend>()
+                                        .transport_info()
+                                        .devices(0)
+                                        .name());
     *request.mutable_requester() = attempt.connection->local_endpoint();
     request.set_buffer_id(buffer_id);
     request.set_token(token);
@@ -436,6 +442,55 @@ TEST_F(PeerIsolationTest, GrantsAndSessionsAreBounded) {
       buffers[2].context->token());
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(c->backend<IbverbsBackend>().responder_count(), 1u);
+}
+
+// With several rails, each (peer rail, rail) pair is a session of its own:
+// a PD on that rail's device. What one session was granted is no key on
+// another rail's session, even for the same peer and buffer.
+TEST_F(PeerIsolationTest, ASessionOnOneRailGrantsNothingOnAnother) {
+  for (const char* name : {"nic_b2", "nic_b3"}) {
+    SoftDeviceConfig config;
+    config.name = name;
+    ASSERT_TRUE(fabric_.AddDevice(config).ok());
+  }
+  auto c = SoftIbverbsAgent(fabric_, "agent-c",
+                            std::vector<std::string>({"nic_b2", "nic_b3"}),
+                            FastOptions());
+  ASSERT_NE(c, nullptr);
+  TestBuffer buffer = c->Register(4096, v1::ACCESS_READ_WRITE, 11);
+  const std::vector<uint8_t> before = Snapshot(buffer);
+  RoguePeer rogue(fabric_, "nic_r", "agent-r");
+  const auto connect = [&](const std::string& device) {
+    return rogue.Connect(*c, buffer.context->agent_epoch(),
+                         buffer.context->buffer_id(), buffer.context->token(),
+                         device);
+  };
+  RoguePeer::Attempt first = connect("nic_b2");
+  RoguePeer::Attempt second = connect("nic_b3");
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(first.response.responder().device(), "nic_b2");
+  EXPECT_EQ(second.response.responder().device(), "nic_b3");
+  EXPECT_EQ(c->backend<IbverbsBackend>().responder_count(), 2u);
+  EXPECT_EQ(c->backend<IbverbsBackend>().grant_count(), 2u);
+  // Each rkey works on its own session's QP...
+  ASSERT_TRUE(rogue
+                  .Rdma(*second.connection, IBV_WR_RDMA_READ, AddressOf(buffer),
+                        second.response.grant().rkey(), 64)
+                  .ok());
+  // ...and not on the other's.
+  std::fill(rogue.memory().begin(), rogue.memory().end(), 0xee);
+  const absl::Status refused =
+      rogue.Rdma(*second.connection, IBV_WR_RDMA_WRITE, AddressOf(buffer),
+                 first.response.grant().rkey(), 64);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
+  EXPECT_EQ(Snapshot(buffer), before);
+  // A rail the agent does not have is refused like an unknown device.
+  RoguePeer::Attempt none = connect("nic_b");
+  EXPECT_EQ(none.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(none.status.error_message().find("nic_b2:1, nic_b3:1"),
+            std::string::npos)
+      << none.status.error_message();
 }
 
 // A stranger's forged context naming a buffer id this agent already holds a

@@ -58,8 +58,8 @@ class RoutingTest : public ::testing::Test {
     });
     std::shared_ptr<verbs::SoftFabric> fabric = fabric_;
     const bool enabled = !devices.empty() && !devices.front().empty();
-    options.backends.push_back([fabric, devices, enabled, rail_cooldown](
-                                   const BackendEnvironment& env)
+    options.backends.push_back([fabric, devices, enabled,
+                                rail_cooldown](const BackendEnvironment& env)
                                    -> absl::StatusOr<std::unique_ptr<Backend>> {
       IbverbsOptions ib;
       ib.enabled = enabled;
@@ -276,8 +276,8 @@ TEST_F(RoutingTest, EveryRailDownFallsBackToTcpAndAReplugBringsIbverbsBack) {
   // None left: UNAVAILABLE from ibverbs, and the registry's retry on tcp.
   remote_before = Contents(*b, remote.buffer_id());
   fabric_->SetReachable("nic_b", false);
-  response = Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
-                                local.buffer_id(), 1001, 300007, remote, 77)});
+  response = Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(),
+                                1001, 300007, remote, 77)});
   ASSERT_EQ(response.results_size(), 1);
   EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
   EXPECT_EQ(response.results(0).backend(), "tcp");
@@ -291,9 +291,9 @@ TEST_F(RoutingTest, EveryRailDownFallsBackToTcpAndAReplugBringsIbverbsBack) {
   for (int round = 0; round < 500 && backend != "ibverbs"; ++round) {
     absl::SleepFor(absl::Milliseconds(10));
     remote_before = Contents(*b, remote.buffer_id());
-    response = Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
-                                  local.buffer_id(), round, 200003, remote,
-                                  round + 3)});
+    response =
+        Submit(*a, {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(),
+                           round, 200003, remote, round + 3)});
     ASSERT_EQ(response.results_size(), 1);
     ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
     backend = response.results(0).backend();

@@ -85,8 +85,8 @@ int PostingPath() {
                          remote, i * 64));
   }
   start = absl::Now();
-  auto results = a->backend<IbverbsBackend>().Submit(
-      ops, absl::Now() + absl::Seconds(60));
+  auto results =
+      a->backend<IbverbsBackend>().Submit(ops, absl::Now() + absl::Seconds(60));
   const double small_s = absl::ToDoubleSeconds(absl::Now() - start);
   for (const auto& status : results) {
     if (!status.ok()) return 1;
@@ -126,7 +126,8 @@ bool BytesAreRight(const TestBuffer& near, const TestBuffer& far) {
   const auto wrong = FirstWrongByte(far, near.seed, 1, 3, kOpBytes);
   const auto changed = FirstChangedByte(near);
   if (wrong.has_value() || changed.has_value()) {
-    std::fprintf(stderr, "byte check failed: destination at %lld, source %lld\n",
+    std::fprintf(stderr,
+                 "byte check failed: destination at %lld, source %lld\n",
                  wrong.has_value() ? static_cast<long long>(*wrong) : -1LL,
                  changed.has_value() ? static_cast<long long>(*changed) : -1LL);
     return false;
@@ -160,8 +161,8 @@ int Rails() {
   TestBuffer far = b->Register(kSize, v1::ACCESS_READ_WRITE, 2);
   TestBuffer one_near = one_a->Register(kSize, v1::ACCESS_READ_WRITE, 1);
   TestBuffer one_far = one_b->Register(kSize, v1::ACCESS_READ_WRITE, 2);
-  const Op striped = MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, near, 1,
-                            kOpBytes, far, 3);
+  const Op striped =
+      MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, near, 1, kOpBytes, far, 3);
   const Op single = MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, one_near, 1,
                            kOpBytes, one_far, 3);
   // Warm-up: handshakes and grants, untimed (small ops, one per lane).
@@ -246,7 +247,8 @@ int Rails() {
 int main(int argc, char** argv) {
   const std::string only = argc > 1 ? argv[1] : "";
   if (only.empty() || only == "posting") {
-    if (const int failed = rdma_agent::PostingPath(); failed != 0) return failed;
+    if (const int failed = rdma_agent::PostingPath(); failed != 0)
+      return failed;
   }
   if (only.empty() || only == "rails") return rdma_agent::Rails();
   return 0;

@@ -534,7 +534,8 @@ class SoftQueuePair : public QueuePair {
   static LinkWait AwaitLinks(QpState& qp, DeviceState& far, uint64_t bytes) {
     absl::Time ready = qp.device->link.Reserve(bytes);
     // A loopback WR crosses its device's link once.
-    if (&far != qp.device.get()) ready = std::max(ready, far.link.Reserve(bytes));
+    if (&far != qp.device.get())
+      ready = std::max(ready, far.link.Reserve(bytes));
     while (absl::Now() < ready) {
       const uint64_t generation = qp.fabric->link_generation;
       struct Wake {
