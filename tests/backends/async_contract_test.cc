@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,12 @@
 namespace rdma_agent {
 namespace testing {
 namespace {
+
+// `message` with the rail it names ("over rail A:1->B:1") left out.
+std::string WithoutRail(const std::string& message) {
+  static const std::regex kRail(" over rail [^ :]+:[0-9]+->[^ :]+:[0-9]+");
+  return std::regex_replace(message, kRail, "");
+}
 
 constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
 constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
@@ -286,7 +293,10 @@ TEST_P(AsyncContractTest, OneResultPerOpInOrderAsSubmitGivesThem) {
     const v1::OpResult& async = end->results(static_cast<int>(i));
     EXPECT_EQ((*sync)[i].code(), async.code()) << "op " << i;
     EXPECT_EQ((*sync)[i].backend(), async.backend()) << "op " << i;
-    EXPECT_EQ((*sync)[i].message(), async.message()) << "op " << i;
+    // Word for word, except which rail carried it: a multi-rail backend
+    // balances small ops over its rails, so two runs may pick two.
+    EXPECT_EQ(WithoutRail((*sync)[i].message()), WithoutRail(async.message()))
+        << "op " << i;
   }
   EXPECT_EQ(FirstWrong(near.bytes(), kNearSeed, near_moved), std::nullopt);
   EXPECT_EQ(FirstWrong(far.bytes(), kFarSeed, far_moved), std::nullopt);
@@ -372,7 +382,8 @@ TEST_P(AsyncContractTest, DeadlineEndsTheBatchAndNothingIsTouchedAfter) {
 
 INSTANTIATE_TEST_SUITE_P(
     Backends, AsyncContractTest,
-    ::testing::Values(MemoryTarget(), TcpTarget(), SoftIbverbsTarget()),
+    ::testing::Values(MemoryTarget(), TcpTarget(), SoftIbverbsTarget(),
+                      SoftIbverbsRailsTarget()),
     [](const ::testing::TestParamInfo<BackendTarget>& info) {
       return info.param.name;
     });
