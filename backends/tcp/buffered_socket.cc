@@ -25,6 +25,16 @@ void BufferedSocket::ReleaseIfEmpty() {
   begin_ = end_ = 0;
 }
 
+void BufferedSocket::LendBuffer(std::unique_ptr<std::byte[]> buffer) {
+  in_ = std::move(buffer);
+  begin_ = end_ = 0;
+}
+
+std::unique_ptr<std::byte[]> BufferedSocket::TakeBuffer() {
+  begin_ = end_ = 0;
+  return std::move(in_);
+}
+
 size_t BufferedSocket::Take(void* out, size_t size) {
   const size_t n = std::min(size, buffered());
   if (n == 0) return 0;
@@ -127,7 +137,10 @@ void SendQueue::Append(const void* data, size_t size) {
   // one iovec; a new one otherwise (never moving bytes already queued).
   if (segments_.empty() || segments_.back().data != nullptr ||
       segments_.back().copy.size() >= BufferedSocket::kBufferBytes) {
-    segments_.emplace_back();
+    // Into the memory of a copy buffer already sent, if there is one.
+    segments_.emplace_back().copy = std::move(spare_);
+    segments_.back().copy.clear();
+    spare_.clear();
   }
   segments_.back().copy.append(static_cast<const char*>(data), size);
   copied_bytes_ += size;
@@ -153,6 +166,7 @@ void SendQueue::ReleaseIfEmpty() {
   // A deque keeps a block of its own; an idle connection keeps nothing.
   std::deque<Segment>().swap(segments_);
   std::deque<uint64_t>().swap(message_ends_);
+  std::string().swap(spare_);
 }
 
 void SendQueue::PopFront() {
@@ -162,6 +176,10 @@ void SendQueue::PopFront() {
     referenced_bytes_ -= front.size;
   } else {
     copied_bytes_ -= front.copy.size();
+    // Kept for the next copies: answers then cost no allocation.
+    if (front.copy.capacity() > spare_.capacity()) {
+      spare_ = std::move(front.copy);
+    }
   }
   segments_.pop_front();
 }

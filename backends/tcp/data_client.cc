@@ -244,6 +244,13 @@ class Pipeline {
         next_request_id_(next_request_id),
         peer_(peer) {}
 
+  // The receive buffer: lent by the client for the lane's life, taken back
+  // at its end.
+  void LendBuffer(std::unique_ptr<std::byte[]> buffer) {
+    io_.LendBuffer(std::move(buffer));
+  }
+  std::unique_ptr<std::byte[]> TakeBuffer() { return io_.TakeBuffer(); }
+
   // Starts over on connection `fd`: requests in the window not answered are
   // sent again.
   // Sets fd_'s blocking send or receive timeout so that a call starting
@@ -880,6 +887,13 @@ void DataClient::RunLane(const LaneJob& job) {
   Pipeline<PeerRun> pipeline(peer, options_.max_in_flight,
                              options_.in_flight_bytes, next_request_id_,
                              peer.name(), options_.zero_copy_send);
+  pipeline.LendBuffer(TakeSpareBuffer());
+  // Whichever way the lane ends, its buffer goes back for the next one.
+  struct GiveBack {
+    DataClient* client;
+    Pipeline<PeerRun>* pipeline;
+    ~GiveBack() { client->ReturnSpareBuffer(pipeline->TakeBuffer()); }
+  } give_back{this, &pipeline};
   // A reused connection that breaks before answering anything was most
   // likely stale (peer restarted): one retry on a freshly dialled one.
   // Re-sending is safe: nothing reached local memory, and writing the same
@@ -920,6 +934,22 @@ void DataClient::RunLane(const LaneJob& job) {
     pipeline.FailWindow(status);
     peer.LaneGaveUp(status, /*unreachable=*/false);
     return;
+  }
+}
+
+std::unique_ptr<std::byte[]> DataClient::TakeSpareBuffer() {
+  absl::MutexLock lock(&mu_);
+  if (spare_buffers_.empty()) return nullptr;  // the lane allocates one
+  std::unique_ptr<std::byte[]> buffer = std::move(spare_buffers_.back());
+  spare_buffers_.pop_back();
+  return buffer;
+}
+
+void DataClient::ReturnSpareBuffer(std::unique_ptr<std::byte[]> buffer) {
+  if (buffer == nullptr) return;
+  absl::MutexLock lock(&mu_);
+  if (spare_buffers_.size() < kMaxSpareBuffers) {
+    spare_buffers_.push_back(std::move(buffer));
   }
 }
 

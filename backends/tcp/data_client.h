@@ -188,6 +188,13 @@ class DataClient {
   void Release(SubmitRun& submit, const PeerRun& peer, Connection connection,
                bool reusable);
 
+  // A receive buffer for a lane (BufferedSocket::kBufferBytes), or null
+  // when none is spare; lanes give theirs back when they end, so that a
+  // Submit allocates none (at most kMaxSpareBuffers are kept).
+  std::unique_ptr<std::byte[]> TakeSpareBuffer();
+  void ReturnSpareBuffer(std::unique_ptr<std::byte[]> buffer);
+  static constexpr size_t kMaxSpareBuffers = 16;
+
   // Idle pooled connections to `peer`, and in all.
   size_t idle_connections(const HostPort& peer);
   size_t idle_connections();
@@ -228,6 +235,9 @@ class DataClient {
   size_t open_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, size_t> open_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::Time next_expiry_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Receive buffers of lanes that ended, for the next lanes.
+  std::vector<std::unique_ptr<std::byte[]>> spare_buffers_
+      ABSL_GUARDED_BY(mu_);
 
   std::vector<std::thread> workers_;
 };
