@@ -78,7 +78,9 @@ int DefaultMaxConnections();
 // (EPOLLONESHOT) for a bounded turn: it takes in what has arrived, serves
 // every whole request, queues the answers and sends what the socket takes,
 // then waits again; so no connection can stall another, and two busy
-// connections are served on two cores, whichever they are. A connection
+// connections are served on two cores, whichever they are. Payloads of
+// 1 MiB and more go to a free bulk thread (blocking calls bounded by 20 ms,
+// faster for bulk), or stay with the loops when none is free. A connection
 // whose answers are not drained (more than a buffer of them, or a large
 // READ payload still going out) is not read until they are: its memory
 // stays bounded whatever the peer sends. One loop at a time also runs the
