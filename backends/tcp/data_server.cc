@@ -52,8 +52,10 @@ constexpr uint64_t kBulkBytes = 1 << 20;
 // Longest a bulk thread's blocking call waits for a slow peer before the
 // connection goes back to the event loops (SO_RCVTIMEO / SO_SNDTIMEO).
 constexpr absl::Duration kBulkSlice = absl::Milliseconds(20);
-// Largest SO_RCVLOWAT while a WRITE payload arrives (DataServer::SetLowWater).
-constexpr uint64_t kPayloadLowWaterBytes = 128 << 10;
+// Answers wait to go out together until the turn runs dry, or until the
+// requests they answer carry this many bytes: a client keeps about 1 MiB
+// per connection in flight, which then reopens several times per window.
+constexpr uint64_t kAnswerFlushBytes = 256 << 10;
 // READ payloads shorter than this are copied behind their header (many
 // answers then leave in one iovec); longer ones are sent from the mapping.
 constexpr uint64_t kCopyPayloadBytes = BufferedSocket::kDirectBytes;
@@ -121,8 +123,8 @@ struct DataServer::Connection {
   absl::Status verdict;
   std::shared_ptr<Registration> pinned;
   uint64_t payload_done = 0;
-  // The socket's SO_RCVLOWAT (SetLowWater).
-  int low_water = 1;
+  // Bytes of the requests answered since answers were last sent.
+  uint64_t answered_unsent = 0;
   // What to wait for when Turn said kBulk and no bulk thread was free.
   Next bulk_fallback = Next::kRead;
   // The blocking calls' timeouts (kBulkSlice) are set on the socket.
@@ -528,6 +530,7 @@ DataServer::Next DataServer::Turn(Connection& c) {
   // reading (it waits, or the answers back up): one send then carries the
   // answers to everything that arrived meanwhile, not one per request.
   auto send = [&c]() -> bool {
+    c.answered_unsent = 0;
     if (c.out.empty()) return true;
     if (!c.pages_failed && !c.pages.has_value() && c.out.holds_reference()) {
       // First payload to splice: the pipe is made now.
@@ -545,10 +548,8 @@ DataServer::Next DataServer::Turn(Connection& c) {
         c.header.length - c.payload_done >= kBulkBytes &&
         options_.bulk_threads > 0) {
       c.bulk_fallback = next;
-      SetLowWater(c);  // in case it stays with the loops
       return Next::kBulk;
     }
-    SetLowWater(c);
     return next;
   };
   while (true) {
@@ -573,6 +574,12 @@ DataServer::Next DataServer::Turn(Connection& c) {
         return Next::kWrite;
       }
       continue;  // drained enough: serve the requests waiting in the buffer
+    }
+    // A peer streaming requests may never let the turn run dry: answers go
+    // out once they cover kAnswerFlushBytes, so that its window reopens
+    // while it is still sending (rather than after it has stopped).
+    if (c.answered_unsent >= kAnswerFlushBytes && !send()) {
+      return Next::kClose;
     }
     // Out of budget, or the last recv found the socket empty: wait for the
     // next readiness rather than ask again (re-arming reports at once what
@@ -599,27 +606,6 @@ DataServer::Next DataServer::Turn(Connection& c) {
     if (into_mapping) c.payload_done += *received;
     budget -= std::min(budget, *received);
     received_any = true;
-  }
-}
-
-void DataServer::SetLowWater(Connection& c) {
-  // While a large WRITE payload is coming, the connection is woken once a
-  // good part of it has arrived rather than for every segment: fewer, larger
-  // reads (and window updates), as a thread blocked in recv would make. At
-  // most a quarter of the receive buffer, so the sender can always fill it.
-  int low_water = 1;
-  if (c.part == Connection::Part::kPayload && c.pinned != nullptr) {
-    const uint64_t rest = c.header.length - c.payload_done;
-    uint64_t cap = kPayloadLowWaterBytes;
-    if (options_.socket_buffer_bytes > 0) {
-      cap = std::min<uint64_t>(cap, options_.socket_buffer_bytes / 2);
-    }
-    low_water = static_cast<int>(std::max<uint64_t>(1, std::min(rest, cap)));
-  }
-  if (low_water == c.low_water) return;
-  if (setsockopt(c.fd.get(), SOL_SOCKET, SO_RCVLOWAT, &low_water,
-                 sizeof(low_water)) == 0) {
-    c.low_water = low_water;
   }
 }
 
@@ -769,6 +755,7 @@ void DataServer::FinishRequest(Connection& c) {
     c.pinned->CountServed(c.header.length);
   }
   c.out.EndMessage();
+  c.answered_unsent += c.header.length;
   c.pinned.reset();
   c.verdict = absl::OkStatus();
   c.part = Connection::Part::kHeader;

@@ -179,9 +179,6 @@ class DataServer {
   // Queues the answer to the request in progress and readies the
   // connection for the next one.
   void FinishRequest(Connection& connection);
-  // Sets the socket's receive low-water mark for what the connection waits
-  // for next.
-  void SetLowWater(Connection& connection);
   // Re-arms `connection` in the epoll set for `next`, or closes it.
   void Rearm(Connection& connection, Next next);
   void Close(Connection& connection);
