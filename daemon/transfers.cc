@@ -113,19 +113,35 @@ bool TransferTable::Poll::settled() const {
   return state_->pending == 0;
 }
 
-std::vector<v1::Transfer> TransferTable::Poll::Report() {
+std::vector<v1::Transfer> TransferTable::Poll::Report(size_t max_bytes) {
   absl::MutexLock lock(&owner_->mu_);
   std::vector<v1::Transfer> transfers;
+  // Which transfers go out whole (the others' ends stay kept).
+  std::vector<bool> whole;
+  size_t bytes = 0;
+  bool full = false;
   for (const RecordPtr& record : state_->records) {
-    transfers.push_back(owner_->Describe(*record));
+    v1::Transfer transfer = owner_->Describe(*record);
+    // A repeated field's tag and length prefix: 1 + up to 10 bytes.
+    const size_t size = transfer.ByteSizeLong() + 11;
+    full = full || (!transfers.empty() && bytes + size > max_bytes);
+    if (full && record->phase == Record::Phase::kEnded) {
+      transfer.clear_results();
+      transfer.clear_notifications();
+      transfer.set_results_left_out(true);
+    }
+    bytes += full ? transfer.ByteSizeLong() + 11 : size;
+    whole.push_back(!transfer.results_left_out());
+    transfers.push_back(std::move(transfer));
   }
   if (state_->reported) return transfers;
   state_->reported = true;
-  for (const RecordPtr& record : state_->records) {
+  for (size_t i = 0; i < state_->records.size(); ++i) {
+    const RecordPtr& record = state_->records[i];
     // Still kept, and by this very record (not dropped meanwhile by another
     // reader, expiry or room-making: it is described all the same).
     auto kept = owner_->records_.find(record->id);
-    if (record->phase == Record::Phase::kEnded &&
+    if (whole[i] && record->phase == Record::Phase::kEnded &&
         kept != owner_->records_.end() && kept->second == record) {
       owner_->Drop(*record);
       owner_->ForgetIfIdle(record->uid);

@@ -8,6 +8,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -116,7 +117,14 @@ class TransferTable {
     // ended are reported: dropped from the table (their ids answer NOT_FOUND
     // from then on). Report only what is answered to the client: a poll
     // given up (its client went away) is destroyed without it.
-    std::vector<v1::Transfer> Report();
+    //
+    // The transfers' serialized size stays within `max_bytes` (a reply must
+    // fit in a gRPC message; one batch may carry 65536 results): once the
+    // next ended transfer would pass it, that one and every later ended one
+    // come without results and notifications, with `results_left_out` set,
+    // and stay kept, to be named again. The first transfer is always whole.
+    std::vector<v1::Transfer> Report(
+        size_t max_bytes = std::numeric_limits<size_t>::max());
 
    private:
     friend class TransferTable;
