@@ -43,7 +43,7 @@ v1::TransferState FinalState(
 
 struct TransferTable::Record {
   enum class Phase {
-    kQueued,   // in queue_
+    kQueued,   // in its user's queue
     kRunning,  // taken off the queue by a worker, Cancel or Shutdown
     kEnded,
   };
@@ -255,8 +255,10 @@ absl::StatusOr<uint64_t> TransferTable::Submit(
   }
   const uint64_t id = next_id_++;
   auto record = std::make_shared<Record>(id, uid, std::move(work), deadline);
-  queue_.push_back(record);
-  record->queue_position = std::prev(queue_.end());
+  if (user.queued.empty()) user.turn = turns_.insert(turns_.end(), uid);
+  user.queued.push_back(record);
+  record->queue_position = std::prev(user.queued.end());
+  ++queued_;
   records_.emplace(id, std::move(record));
   ++user.in_flight;
   ++in_flight_;
@@ -270,12 +272,17 @@ void TransferTable::WorkLoop() {
 TransferTable::RecordPtr TransferTable::NextQueued() {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return !queue_.empty() || stopping_;
+    return queued_ > 0 || stopping_;
   };
   mu_.Await(absl::Condition(&ready));
-  if (queue_.empty()) return nullptr;
-  RecordPtr record = std::move(queue_.front());
-  queue_.pop_front();
+  if (queued_ == 0) return nullptr;
+  const uid_t uid = turns_.front();
+  User& user = users_.at(uid);
+  RecordPtr record = std::move(user.queued.front());
+  user.queued.pop_front();
+  --queued_;
+  turns_.pop_front();
+  if (!user.queued.empty()) user.turn = turns_.insert(turns_.end(), uid);
   record->phase = Record::Phase::kRunning;
   running_.emplace(record->id, record);
   return record;
@@ -450,7 +457,10 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
     if (record->phase == Record::Phase::kEnded) return Describe(*record);
     record->cancel_asked = true;
     if (record->phase == Record::Phase::kQueued) {
-      queue_.erase(record->queue_position);
+      User& user = users_.at(record->uid);
+      user.queued.erase(record->queue_position);
+      --queued_;
+      if (user.queued.empty()) turns_.erase(user.turn);
       record->phase = Record::Phase::kRunning;
       take_off_queue = true;
     } else {
@@ -503,11 +513,15 @@ void TransferTable::Shutdown(const absl::Status& reason) {
       closed_reason_ = reason;
     }
     why = closed_reason_;
-    for (RecordPtr& record : queue_) {
-      record->phase = Record::Phase::kRunning;
-      queued.push_back(std::move(record));
+    for (uid_t uid : turns_) {
+      for (RecordPtr& record : users_.at(uid).queued) {
+        record->phase = Record::Phase::kRunning;
+        queued.push_back(std::move(record));
+      }
+      users_.at(uid).queued.clear();
     }
-    queue_.clear();
+    turns_.clear();
+    queued_ = 0;
     for (auto& [id, record] : running_) record->cancellation.Cancel(why);
     for (auto& [uid, user] : users_) {
       for (const auto& stream : user.streams) {

@@ -289,6 +289,36 @@ TEST_F(TransfersTest, AReportOverItsBudgetLeavesLaterResultsKept) {
       << "the whole one was read";
 }
 
+// Users take turns for the workers: a user's long queue does not make
+// another user's transfer wait behind all of it.
+TEST_F(TransfersTest, QueuedTransfersTakeTurnsAcrossUsers) {
+  TransferTable table(Limits(/*workers=*/1));
+  std::vector<std::shared_ptr<Probe>> mine;
+  for (int i = 0; i < 4; ++i) {
+    mine.push_back(std::make_shared<Probe>());
+    ASSERT_NE(Submit(table, mine.back()), 0u) << last_status_;
+    if (i == 0) {
+      ASSERT_TRUE(Eventually([&] { return mine[0]->started.load(); }));
+    }
+  }
+  auto theirs = std::make_shared<Probe>();
+  ASSERT_NE(Submit(table, theirs, {absl::StatusCode::kOk}, kOtherUser), 0u)
+      << last_status_;
+  mine[0]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return mine[1]->started.load(); }));
+  EXPECT_FALSE(theirs->started);
+  mine[1]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return theirs->started.load(); }))
+      << "the other user's transfer waited behind the first user's queue";
+  EXPECT_FALSE(mine[2]->started) << "the other user's turn came first";
+  theirs->release.Notify();
+  mine[2]->release.Notify();
+  mine[3]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  for (const auto& probe : mine) EXPECT_TRUE(probe->run_returned);
+  EXPECT_TRUE(theirs->run_returned);
+}
+
 TEST_F(TransfersTest, APollGivenUpReportsNothingAndIsNeverCalledAgain) {
   TransferTable table(Limits());
   auto probe = std::make_shared<Probe>();
