@@ -81,6 +81,21 @@ void KeepGrpcAlive() {
   (void)initialized;
 }
 
+// Writes `affinity` into a context: the near rails only when they are not
+// all of them (a context without affinity is what it was before), the node
+// when it is known.
+void AdvertiseAffinity(const RailAffinity& affinity, v1::IbverbsEndpoint& ib) {
+  if (affinity.numa_node >= 0) ib.set_numa_node(affinity.numa_node);
+  const auto& near = affinity.near_rails;
+  if (ib.rails_size() < 2 ||
+      std::all_of(near.begin(), near.end(), [](bool n) { return n; })) {
+    return;
+  }
+  for (size_t i = 0; i < near.size(); ++i) {
+    if (near[i]) ib.add_near_rails(static_cast<uint32_t>(i));
+  }
+}
+
 std::string GidBytes(const ibv_gid& gid) {
   return std::string(reinterpret_cast<const char*>(gid.raw), sizeof(gid.raw));
 }
@@ -239,6 +254,10 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
     : env_(std::move(env)),
       options_(std::move(options)),
       verbs_(std::move(verbs)),
+      topology_(NumaTopology::Load(options_.sysfs_root)),
+      memory_locator_(options_.memory_locator != nullptr
+                          ? options_.memory_locator
+                          : MakeKernelMemoryNodeLocator()),
       service_(std::make_unique<PeerService>(this)),
       posting_pool_(std::make_unique<TaskPool>(kPostingThreads)) {
   KeepGrpcAlive();
@@ -343,7 +362,9 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
     }
     rail->port_attr = *port_attr;
     rail->speed_gbps = verbs::PortSpeedGbps(*port_attr);
-    rail->numa_node = device->NumaNode();
+    // The sysfs root's word (a test's tree, or /sys), else the device's.
+    rail->numa_node = topology_.RdmaDeviceNode(name);
+    if (rail->numa_node < 0) rail->numa_node = device->NumaNode();
     rail->local.port = static_cast<uint8_t>(port);
     rail->local.lid = port_attr->lid;
     rail->local.gid = *gid;
@@ -488,6 +509,19 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
   attributes["completion_threads"] = absl::StrCat(completion_threads());
   attributes["stripe_threshold_bytes"] =
       absl::StrCat(options_.stripe_threshold_bytes);
+  attributes["numa_policy"] =
+      options_.numa_policy == IbverbsOptions::NumaPolicy::kAll ? "all"
+                                                               : "nearest";
+  attributes["numa_near_share"] = absl::StrCat(options_.numa_near_share);
+  // "10 21; 21 10": row i is node nodes[i]'s distance to each node.
+  std::vector<std::string> rows;
+  for (int from : topology_.nodes()) {
+    std::vector<int> row;
+    for (int to : topology_.nodes()) row.push_back(topology_.Distance(from, to));
+    rows.push_back(absl::StrJoin(row, " "));
+  }
+  attributes["numa_nodes"] = absl::StrJoin(topology_.nodes(), ",");
+  attributes["numa_distances"] = absl::StrJoin(rows, "; ");
   attributes["profile"] = first.profile.name;
   attributes["gid_index"] = absl::StrCat(first.params.gid_index);
   attributes["path_mtu_bytes"] = absl::StrCat(first.params.mtu_bytes);
@@ -560,8 +594,25 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
       entry->set_speed_gbps(rail->speed_gbps);
     }
   }
-  return std::unique_ptr<BackendRegistration>(
-      new IbverbsRegistration(std::move(mrs)));
+  auto state = std::make_unique<IbverbsRegistration>(std::move(mrs));
+  state->set_affinity(AffinityOf(registration));
+  AdvertiseAffinity(state->affinity(), *ib);
+  return std::unique_ptr<BackendRegistration>(std::move(state));
+}
+
+RailAffinity IbverbsBackend::AffinityOf(
+    const Registration& registration) const {
+  RailAffinity affinity;
+  affinity.near_rails.assign(rails_.size(), true);
+  if (options_.numa_policy == IbverbsOptions::NumaPolicy::kAll) {
+    return affinity;
+  }
+  affinity.numa_node =
+      memory_locator_->NodeOf(registration.data(), registration.size());
+  std::vector<int> nodes;
+  for (const auto& rail : rails_) nodes.push_back(rail->numa_node);
+  affinity.near_rails = NearestRails(topology_, affinity.numa_node, nodes);
+  return affinity;
 }
 
 bool IbverbsBackend::CanReach(const v1::RemoteBuffer& remote) const {

@@ -96,6 +96,14 @@ struct Rail {
   absl::Time port_checked ABSL_GUARDED_BY(mu) = absl::InfinitePast();
 };
 
+// Where a registration's memory is (NUMA node), and the rails of this
+// agent nearest to it.
+struct RailAffinity {
+  int numa_node = -1;  // -1: unknown
+  // By Rail::index; every rail when the policy or the nodes say nothing.
+  std::vector<bool> near_rails;
+};
+
 // A rail of a peer agent, as its remote context advertises it.
 struct RemoteRail {
   std::string device;
@@ -117,6 +125,11 @@ inline constexpr size_t kMaxRemoteRails = 32;
 // or its single-rail fields when it has none (a context from an agent with
 // one rail).
 std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint);
+
+// Which of the RemoteRailsOf(`endpoint`) are near the buffer, by index:
+// those its `near_rails` name; every rail when it names none that exists
+// (a context without affinity: old agents, one rail, nodes unknown).
+std::vector<bool> RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint);
 
 // What a peer granted this agent for one of its buffers over one session.
 struct RemoteGrant {
