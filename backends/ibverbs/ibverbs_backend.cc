@@ -81,19 +81,24 @@ void KeepGrpcAlive() {
   (void)initialized;
 }
 
-// Writes `affinity` into a context: the near rails only when they are not
-// all of them (a context without affinity is what it was before), the node
-// when it is known.
-void AdvertiseAffinity(const RailAffinity& affinity, v1::IbverbsEndpoint& ib) {
+// Writes `affinity` into a context listing `advertised` rails: which of
+// them are near (indices into the context's rails) only when some are not
+// (a context without affinity is what it was before), the node when it is
+// known. When no advertised rail is near (the near ones are down), none is
+// named: the peer uses them all.
+void AdvertiseAffinity(const RailAffinity& affinity,
+                       const std::vector<const Rail*>& advertised,
+                       v1::IbverbsEndpoint& ib) {
   if (affinity.numa_node >= 0) ib.set_numa_node(affinity.numa_node);
-  const auto& near = affinity.near_rails;
-  if (ib.rails_size() < 2 ||
-      std::all_of(near.begin(), near.end(), [](bool n) { return n; })) {
-    return;
+  if (ib.rails_size() < 2) return;
+  std::vector<uint32_t> near;
+  for (size_t i = 0; i < advertised.size(); ++i) {
+    if (affinity.near_rails[advertised[i]->index]) {
+      near.push_back(static_cast<uint32_t>(i));
+    }
   }
-  for (size_t i = 0; i < near.size(); ++i) {
-    if (near[i]) ib.add_near_rails(static_cast<uint32_t>(i));
-  }
+  if (near.size() == advertised.size()) return;
+  for (uint32_t index : near) ib.add_near_rails(index);
 }
 
 std::string GidBytes(const ibv_gid& gid) {
@@ -245,6 +250,8 @@ absl::StatusOr<std::unique_ptr<IbverbsBackend>> IbverbsBackend::Create(
     backend->unavailable_reason_ = std::string(status.message());
     backend->rails_.clear();
     backend->devices_.clear();
+  } else {
+    backend->WatchPorts();
   }
   return backend;
 }
@@ -264,6 +271,8 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
+  // Port events update rails: their threads go before the rails do.
+  for (const auto& device : devices_) device->port_watcher.reset();
   // Lanes' connections drain and stop their pollers, and sessions drop their
   // grants, before the PDs and devices go.
   std::map<std::string, std::shared_ptr<Lane>> lanes;
@@ -309,11 +318,56 @@ absl::Status IbverbsBackend::Discover() {
     absl::Status added = AddRails(std::move(*device), why);
     if (!added.ok()) return added;
   }
-  if (rails_.empty()) {
+  // Available when a port is ACTIVE now: contexts need a rail peers can
+  // reach. The others join when they come up.
+  const bool any_active =
+      std::any_of(rails_.begin(), rails_.end(), [](const auto& rail) {
+        absl::MutexLock lock(&rail->mu);
+        return rail->port_active;
+      });
+  if (!any_active) {
     return absl::NotFoundError(
         absl::StrCat("no usable RDMA port: ", absl::StrJoin(why, "; ")));
   }
   return absl::OkStatus();
+}
+
+void IbverbsBackend::WatchPorts() {
+  for (const auto& device : devices_) {
+    RailDevice* holder = device.get();
+    holder->port_watcher = std::make_unique<PortWatcher>(
+        holder->device.get(), [this, holder](uint8_t port, bool active) {
+          OnPortEvent(*holder, port, active);
+        });
+  }
+}
+
+void IbverbsBackend::OnPortEvent(const RailDevice& device, uint8_t port,
+                                 bool active) {
+  const absl::Time now = absl::Now();
+  for (const auto& rail : rails_) {
+    if (rail->device != &device || rail->local.port != port) continue;
+    absl::MutexLock lock(&rail->mu);
+    rail->port_checked = now;
+    if (active) {
+      // In use again at once when it never failed (a port that came up
+      // after the start); after a failure, once its cooldown ran out, so a
+      // flapping link keeps backing off.
+      rail->port_active = true;
+      spdlog::info("ibverbs: rail {} port is ACTIVE (port event): {}",
+                   rail->name,
+                   rail->health.cooling(now) ? "in use once its cooldown ends"
+                                             : "in use");
+      continue;
+    }
+    rail->port_active = false;
+    if (!rail->health.cooling(now)) {
+      rail->health.Fail(now, options_.rail_cooldown, options_.rail_max_cooldown,
+                        "port went down (IBV_EVENT_PORT_ERR)");
+    }
+    spdlog::warn("ibverbs: rail {} port went down (port event): left out",
+                 rail->name);
+  }
 }
 
 absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
@@ -341,10 +395,12 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
       why.push_back(std::string(port_attr.status().message()));
       continue;
     }
-    if (port_attr->state != IBV_PORT_ACTIVE) {
+    // A port that is not ACTIVE is a rail all the same: it carries bytes
+    // once its port comes up (a port event, or a look at planning).
+    const bool active = port_attr->state == IBV_PORT_ACTIVE;
+    if (!active) {
       why.push_back(absl::StrCat(name, " port ", port, " is ",
                                  verbs::PortStateName(port_attr->state)));
-      continue;
     }
     auto rail = std::make_unique<Rail>();
     rail->name = absl::StrCat(name, ":", port);
@@ -370,6 +426,10 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
     rail->local.gid = *gid;
     rail->local.global_routing =
         port_attr->link_layer != IBV_LINK_LAYER_INFINIBAND;
+    {
+      absl::MutexLock lock(&rail->mu);
+      rail->port_active = active;
+    }
     rails.push_back(std::move(rail));
   }
   if (rails.empty()) return absl::OkStatus();
@@ -569,9 +629,19 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
     }
     mrs.push_back(std::move(*mr));
   }
+  // Rails whose port is ACTIVE now (peers would only find the others
+  // failing); every rail when none is, rather than no context at all.
+  std::vector<const Rail*> advertised;
+  for (const auto& rail : rails_) {
+    absl::MutexLock lock(&rail->mu);
+    if (rail->port_active) advertised.push_back(rail.get());
+  }
+  if (advertised.empty()) {
+    for (const auto& rail : rails_) advertised.push_back(rail.get());
+  }
   // The first rail in the single-rail fields, so that agents knowing of
   // one port per agent reach this one through it.
-  const Rail& first = *rails_.front();
+  const Rail& first = *advertised.front();
   v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
   ib->set_device(first.device->device->name());
   ib->set_port(first.local.port);
@@ -583,8 +653,8 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   ib->set_max_message_bytes(first.params.max_message_bytes);
   // Listed only when there is more than one: a single-rail context stays
   // what it always was.
-  if (rails_.size() > 1) {
-    for (const auto& rail : rails_) {
+  if (advertised.size() > 1) {
+    for (const Rail* rail : advertised) {
       v1::IbverbsRail* entry = ib->add_rails();
       entry->set_device(rail->device->device->name());
       entry->set_port(rail->local.port);
@@ -596,7 +666,7 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   }
   auto state = std::make_unique<IbverbsRegistration>(std::move(mrs));
   state->set_affinity(AffinityOf(registration));
-  AdvertiseAffinity(state->affinity(), *ib);
+  AdvertiseAffinity(state->affinity(), advertised, *ib);
   return std::unique_ptr<BackendRegistration>(std::move(state));
 }
 

@@ -208,6 +208,11 @@ class IbverbsBackend : public Backend {
   // port; `why` says why).
   absl::Status AddRails(std::unique_ptr<verbs::Device> device,
                         std::vector<std::string>& why);
+  // Starts a PortWatcher per device (after Discover succeeded).
+  void WatchPorts();
+  // A port event of `device`: its rail is in use again (ACTIVE) or left
+  // out (down) at once.
+  void OnPortEvent(const RailDevice& device, uint8_t port, bool active);
   // The rail `device`:`port` of this agent (port 0: its first rail on
   // `device`), or nullptr.
   Rail* FindRail(const std::string& device, uint32_t port) const;

@@ -226,6 +226,17 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   std::vector<Rail*> usable;
   for (const auto& rail : rails_) {
     absl::MutexLock lock(&rail->mu);
+    if (!rail->port_active) {
+      // Down since start or since a port event or look said so: back when
+      // a port event says ACTIVE, or (a device without events) when this
+      // look does.
+      if (now - rail->port_checked < kPortCheckInterval) continue;
+      rail->port_checked = now;
+      auto port = rail->device->device->QueryPort(rail->local.port);
+      if (!port.ok() || port->state != IBV_PORT_ACTIVE) continue;
+      rail->port_active = true;
+      // On to its health: a rail that failed waits out its cooldown.
+    }
     const bool failed = rail->health.failed();
     if (failed && rail->health.cooling(now)) continue;
     // A failed rail whose cooldown ran out is back once its port is ACTIVE
@@ -239,6 +250,7 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
                       : std::string(port.status().message());
         rail->health.Fail(now, options_.rail_cooldown,
                           options_.rail_max_cooldown, why);
+        rail->port_active = false;
         if (!failed) {
           spdlog::warn("ibverbs: rail {} is out ({}): left out for {}",
                        rail->name, why,
@@ -258,6 +270,8 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   for (const auto& rail : rails_) {
     auto port = rail->device->device->QueryPort(rail->local.port);
     if (port.ok() && port->state == IBV_PORT_ACTIVE) {
+      absl::MutexLock lock(&rail->mu);
+      rail->port_active = true;
       usable.push_back(rail.get());
     }
   }
@@ -806,6 +820,8 @@ void IbverbsBackend::CoolDown(Lane& lane, const absl::Status& why) {
     absl::MutexLock lock(&rail.mu);
     rail.health.Fail(now, options_.rail_cooldown, options_.rail_max_cooldown,
                      state);
+    rail.port_active = false;
+    rail.port_checked = now;
     spdlog::warn(
         "ibverbs: rail {} failed ({}): left out for {}, its bytes go over "
         "the other rails",
