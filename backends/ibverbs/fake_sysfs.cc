@@ -23,9 +23,9 @@ std::string WriteFakeSysfs(const std::string& name, const FakeHost& host) {
       std::filesystem::path(tmp != nullptr ? tmp : "/tmp") / name / "sys";
   std::filesystem::remove_all(root);
   for (size_t i = 0; i < host.distances.size(); ++i) {
-    WriteFile(root / "devices/system/node" / absl::StrCat("node", i) /
-                  "distance",
-              absl::StrJoin(host.distances[i], " "));
+    WriteFile(
+        root / "devices/system/node" / absl::StrCat("node", i) / "distance",
+        absl::StrJoin(host.distances[i], " "));
   }
   for (const auto& [device, node] : host.rdma_devices) {
     WriteFile(root / "class/infiniband" / device / "device/numa_node",

@@ -577,7 +577,8 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
   std::vector<std::string> rows;
   for (int from : topology_.nodes()) {
     std::vector<int> row;
-    for (int to : topology_.nodes()) row.push_back(topology_.Distance(from, to));
+    for (int to : topology_.nodes())
+      row.push_back(topology_.Distance(from, to));
     rows.push_back(absl::StrJoin(row, " "));
   }
   attributes["numa_nodes"] = absl::StrJoin(topology_.nodes(), ",");

@@ -204,7 +204,8 @@ TEST_F(MultiRailTest, DevicesAndPortOptionsChooseTheRails) {
   auto all = Agent("agent-all", {"a0", "a1", "a2"});
   EXPECT_EQ(all->backend<IbverbsBackend>().rail_names(),
             std::vector<std::string>({"a0:1", "a1:1", "a2:1"}));
-  const v1::TransportInfo info = all->backend<IbverbsBackend>().transport_info();
+  const v1::TransportInfo info =
+      all->backend<IbverbsBackend>().transport_info();
   ASSERT_EQ(info.devices_size(), 3);
   EXPECT_EQ(info.devices(2).state(), "DOWN");
   const TestBuffer buffer = all->Register(4096, v1::ACCESS_READ_WRITE, 1);
@@ -673,9 +674,9 @@ TEST_F(MultiRailTest, APortThatComesUpLaterIsUsed) {
         << "one ACTIVE rail: the single-rail context";
     MoveAndCheck(*a, kWrite, near, 1, kSize - 1, far, 0);
     EXPECT_EQ(backend.rail_bytes(late), 0u);
-    EXPECT_EQ(backend.transport_info().attributes().at("rail." + late +
-                                                       ".errors"),
-              "0");
+    EXPECT_EQ(
+        backend.transport_info().attributes().at("rail." + late + ".errors"),
+        "0");
 
     ASSERT_TRUE(fabric_.SetPortState(a_devices[1], IBV_PORT_ACTIVE).ok());
     // In use after the event, or after the next look (100 ms).
@@ -687,9 +688,9 @@ TEST_F(MultiRailTest, APortThatComesUpLaterIsUsed) {
       if (!used) absl::SleepFor(absl::Milliseconds(10));
     }
     EXPECT_TRUE(used) << late << " never carried bytes";
-    EXPECT_EQ(backend.transport_info().attributes().at("rail." + late +
-                                                       ".errors"),
-              "0");
+    EXPECT_EQ(
+        backend.transport_info().attributes().at("rail." + late + ".errors"),
+        "0");
     // Registered now, a context lists both rails.
     const TestBuffer later = a->Register(4096, v1::ACCESS_READ_WRITE, 133);
     EXPECT_EQ(later.context->endpoints(0).ibverbs().rails_size(), 2);
@@ -722,8 +723,7 @@ TEST_F(MultiRailTest, APortEventLeavesTheRailOutBeforeAnyWrFails) {
   while (health() == "ok" && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(1));
   }
-  EXPECT_NE(health().find("IBV_EVENT_PORT_ERR"), std::string::npos)
-      << health();
+  EXPECT_NE(health().find("IBV_EVENT_PORT_ERR"), std::string::npos) << health();
   const uint64_t a1_bytes = backend.rail_bytes("a1:1");
   MoveAndCheck(*a, kRead, near, 0, (1 << 20) - 3, far, 2);
   EXPECT_EQ(backend.rail_bytes("a1:1"), a1_bytes);

@@ -106,8 +106,8 @@ class NumaAffinityTest : public ::testing::Test {
       Refill(*buffer);
       images.push_back(Snapshot(*buffer));
     }
-    const auto image_of = [&](const Registration* registration)
-        -> std::vector<uint8_t>& {
+    const auto image_of =
+        [&](const Registration* registration) -> std::vector<uint8_t>& {
       for (size_t i = 0; i < buffers.size(); ++i) {
         if (buffers[i]->registration.get() == registration) return images[i];
       }
@@ -184,18 +184,17 @@ class NumaAffinityTest : public ::testing::Test {
 // x4-x7 on node 1, on both hosts.
 class TwoSocketTest : public NumaAffinityTest {
  protected:
-  static constexpr std::initializer_list<int> kNodes = {0, 0, 0, 0,
-                                                        1, 1, 1, 1};
+  static constexpr std::initializer_list<int> kNodes = {0, 0, 0, 0, 1, 1, 1, 1};
   void SetUp() override {
     a_devices_ = AddHost("a", 8, kNodes, Rate());
     b_devices_ = AddHost("b", 8, kNodes, Rate());
   }
   virtual uint64_t Rate() const { return 256 << 20; }
 
-  const std::vector<bool> kNode0 = {true, true, true, true,
+  const std::vector<bool> kNode0 = {true,  true,  true,  true,
                                     false, false, false, false};
   const std::vector<bool> kNode1 = {false, false, false, false,
-                                    true, true, true, true};
+                                    true,  true,  true,  true};
   const std::vector<bool> kEvery = std::vector<bool>(8, true);
   std::vector<std::string> a_devices_;
   std::vector<std::string> b_devices_;
@@ -210,15 +209,15 @@ TEST_F(TwoSocketTest, ContextsAndGetInfoSayWhichRailsAreNear) {
   const TestBuffer on_0 = a->Register(1 << 16, v1::ACCESS_READ_WRITE, 2);
   const v1::IbverbsEndpoint& ib1 = on_1.context->endpoints(0).ibverbs();
   ASSERT_EQ(ib1.rails_size(), 8);
-  EXPECT_EQ(std::vector<uint32_t>(ib1.near_rails().begin(),
-                                  ib1.near_rails().end()),
-            std::vector<uint32_t>({4, 5, 6, 7}));
+  EXPECT_EQ(
+      std::vector<uint32_t>(ib1.near_rails().begin(), ib1.near_rails().end()),
+      std::vector<uint32_t>({4, 5, 6, 7}));
   ASSERT_TRUE(ib1.has_numa_node());
   EXPECT_EQ(ib1.numa_node(), 1);
   const v1::IbverbsEndpoint& ib0 = on_0.context->endpoints(0).ibverbs();
-  EXPECT_EQ(std::vector<uint32_t>(ib0.near_rails().begin(),
-                                  ib0.near_rails().end()),
-            std::vector<uint32_t>({0, 1, 2, 3}));
+  EXPECT_EQ(
+      std::vector<uint32_t>(ib0.near_rails().begin(), ib0.near_rails().end()),
+      std::vector<uint32_t>({0, 1, 2, 3}));
   EXPECT_EQ(ib0.numa_node(), 0);
   const auto info = a->backend<IbverbsBackend>().transport_info();
   const auto& attributes = info.attributes();
@@ -243,8 +242,8 @@ TEST_F(TwoSocketTest, OnlyRailsNearBothBuffersCarryTheirBytes) {
               {&near, &far});
   std::vector<Op> small;
   for (uint64_t i = 0; i < 40; ++i) {
-    small.push_back(MakeOp(i, i % 2 ? kRead : kWrite, near, i * 4096 + 1,
-                           3001, far, (39 - i) * 4096 + 5));
+    small.push_back(MakeOp(i, i % 2 ? kRead : kWrite, near, i * 4096 + 1, 3001,
+                           far, (39 - i) * 4096 + 5));
   }
   RunAndCheck(*a, small, {&near, &far});
   const std::vector<uint64_t> bytes = RailBytes(backend);
@@ -265,11 +264,11 @@ TEST_F(TwoSocketTest, EachSideUsesTheRailsNearItsOwnBuffer) {
   const TestBuffer local = a->Register(kSize, v1::ACCESS_READ_WRITE, 21);
   const TestBuffer remote = b->Register(kSize, v1::ACCESS_READ_WRITE, 22);
   // A's buffer on node 1, B's on node 0: A's x4-x7 pair with B's x0-x3.
-  RunAndCheck(*a,
-              {MakeOp(0, kWrite, local, 0, kSize / 2, remote, 0),
-               MakeOp(1, kRead, local, kSize / 2 + 9, 1000, remote,
-                      kSize / 2 + 77)},
-              {&local, &remote});
+  RunAndCheck(
+      *a,
+      {MakeOp(0, kWrite, local, 0, kSize / 2, remote, 0),
+       MakeOp(1, kRead, local, kSize / 2 + 9, 1000, remote, kSize / 2 + 77)},
+      {&local, &remote});
   EXPECT_EQ(Carried(RailBytes(a->backend<IbverbsBackend>())), kNode1);
   EXPECT_EQ(Carried(Served(b_devices_)), kNode0);
 }
@@ -392,8 +391,8 @@ TEST_F(NumaAffinityTest, AnAsymmetricHostAddsFarRailsToLargeOpsOnly) {
   IbverbsBackend& backend = a->backend<IbverbsBackend>();
   std::vector<Op> small;
   for (uint64_t i = 0; i < 24; ++i) {
-    small.push_back(MakeOp(i, i % 3 ? kWrite : kRead, near, i * 8192 + 3,
-                           5000, far, i * 8192 + 1));
+    small.push_back(MakeOp(i, i % 3 ? kWrite : kRead, near, i * 8192 + 3, 5000,
+                           far, i * 8192 + 1));
   }
   RunAndCheck(*a, small, {&near, &far});
   EXPECT_EQ(RailBytes(backend), std::vector<uint64_t>({24 * 5000, 0, 0, 0}));

@@ -96,9 +96,9 @@ TEST(NumaTopologyTest, UniformDistancesDescribeATwoSocketHost) {
       NumaTopology::Load(WriteFakeSysfs("two_sockets", host));
   EXPECT_EQ(topology.Distance(1, 0), 21);
   EXPECT_EQ(topology.Distance(1, 1), 10);
-  EXPECT_EQ(NearestRails(topology, 1,
-                         {topology.RdmaDeviceNode("n0"),
-                          topology.RdmaDeviceNode("n1")}),
+  EXPECT_EQ(NearestRails(
+                topology, 1,
+                {topology.RdmaDeviceNode("n0"), topology.RdmaDeviceNode("n1")}),
             std::vector<bool>({false, true}));
 }
 

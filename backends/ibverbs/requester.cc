@@ -334,7 +334,8 @@ namespace {
 
 // Sum of the link speeds of the rails `chosen` picks (unknown speeds count
 // as 1 Gbit/s, so that rails of unknown speed still count).
-double TotalGbps(absl::Span<const double> gbps, const std::vector<bool>& chosen) {
+double TotalGbps(absl::Span<const double> gbps,
+                 const std::vector<bool>& chosen) {
   double total = 0;
   for (size_t i = 0; i < gbps.size(); ++i) {
     if (chosen[i]) total += gbps[i] > 0 ? gbps[i] : 1.0;
@@ -367,10 +368,9 @@ std::vector<RailPair> PairAmong(
     r_gbps.push_back(remote_gbps[i]);
   }
   if (l_index.empty() || r_index.empty()) return {};
-  std::vector<RailPair> pairs =
-      PairRails(l_gbps, r_gbps, [&](size_t l, size_t r) {
-        return allowed(l_index[l], r_index[r]);
-      });
+  std::vector<RailPair> pairs = PairRails(
+      l_gbps, r_gbps,
+      [&](size_t l, size_t r) { return allowed(l_index[l], r_index[r]); });
   for (RailPair& pair : pairs) {
     pair.local = l_index[pair.local];
     pair.remote = r_index[pair.remote];
@@ -384,11 +384,10 @@ std::vector<RailPair> PairAmong(
 // any pair at all (nothing is healthy: try them rather than fail outright,
 // a failure costs a transport timeout and then the registry's retry on
 // tcp).
-std::vector<RailPair> PairsOrWider(absl::Span<const double> local_gbps,
-                                   absl::Span<const double> remote_gbps,
-                                   const std::vector<bool>& local,
-                                   const std::vector<bool>& remote,
-                                   const std::vector<std::vector<bool>>& healthy) {
+std::vector<RailPair> PairsOrWider(
+    absl::Span<const double> local_gbps, absl::Span<const double> remote_gbps,
+    const std::vector<bool>& local, const std::vector<bool>& remote,
+    const std::vector<std::vector<bool>>& healthy) {
   const std::vector<bool> every_local(local.size(), true);
   const std::vector<bool> every_remote(remote.size(), true);
   const auto is_healthy = [&](size_t l, size_t r) { return healthy[l][r]; };
@@ -485,8 +484,8 @@ void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
       affinity.large_lanes = affinity.small_lanes;
       affinity.large_weights = affinity.small_weights;
     } else {
-      add_lanes(PairsOrWider(local_gbps, remote_gbps, large_local,
-                             large_remote, healthy),
+      add_lanes(PairsOrWider(local_gbps, remote_gbps, large_local, large_remote,
+                             healthy),
                 affinity.large_lanes, affinity.large_weights);
     }
     affinity.local_near.assign(rails_.size(), false);
@@ -781,9 +780,9 @@ IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan, size_t op,
   for (int far_ends = 0; far_ends <= max_far_ends; ++far_ends) {
     for (Rail* rail : rails) {
       for (size_t r = 0; r < plan.remote_rails.size(); ++r) {
-        const int ends = !affinity.local_near[rail->index] +
-                         !(r < affinity.remote_near.size() &&
-                           affinity.remote_near[r]);
+        const int ends =
+            !affinity.local_near[rail->index] +
+            !(r < affinity.remote_near.size() && affinity.remote_near[r]);
         if (ends != far_ends) continue;
         const RemoteRail& remote = plan.remote_rails[r];
         const std::shared_ptr<Lane> lane = LaneFor(plan.peer, *rail, remote);

@@ -633,7 +633,8 @@ TEST(SoftAsyncEventTest, PortChangesAreToldToEveryOpenedContext) {
   ASSERT_TRUE(fabric.Replug("ev0").ok());
   for (auto* device : {&*first, &*second}) {
     std::vector<std::pair<ibv_event_type, int>> got;
-    while (auto event = next(**device)) got.push_back({event->type, event->port});
+    while (auto event = next(**device))
+      got.push_back({event->type, event->port});
     EXPECT_EQ(got, (std::vector<std::pair<ibv_event_type, int>>{
                        {IBV_EVENT_PORT_ACTIVE, 1},
                        {IBV_EVENT_PORT_ERR, 1},
