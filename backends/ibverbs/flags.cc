@@ -13,13 +13,13 @@ ABSL_FLAG(bool, ibverbs_enable, true,
           "backend reports itself unavailable.");
 ABSL_FLAG(std::vector<std::string>, ibverbs_devices, {},
           "RDMA devices to use, comma separated, e.g. mlx5_0,mlx5_1: every "
-          "ACTIVE port of each is a rail, and ops are striped over the rails. "
-          "Empty: every device.");
+          "port of each is a rail (used while ACTIVE), and ops are striped "
+          "over the rails. Empty: every device.");
 ABSL_FLAG(std::string, ibverbs_device, "",
           "One RDMA device to use, e.g. mlx5_0: the same as "
           "--ibverbs_devices=mlx5_0 (kept for existing configurations).");
 ABSL_FLAG(int32_t, ibverbs_port, 0,
-          "1-based port used on each device. 0: every ACTIVE port.");
+          "1-based port used on each device. 0: every port.");
 ABSL_FLAG(uint64_t, ibverbs_stripe_threshold_bytes, 64 << 10,
           "Ops of at least this many bytes are split over every rail pair to "
           "their peer, in proportion to link speed; smaller ones go whole to "

@@ -33,10 +33,10 @@ namespace rdma_agent::ibverbs {
 struct IbverbsOptions {
   // False: the backend reports itself unavailable.
   bool enabled = true;
-  // Devices to use, each ACTIVE port of each one a rail; empty = every
+  // Devices to use, each port of each one a rail; empty = every
   // device.
   std::vector<std::string> devices;
-  // 1-based port used on each device; 0 = every ACTIVE port.
+  // 1-based port used on each device; 0 = every port.
   uint8_t port = 0;
   // "auto" (from each device's vendor and name), "generic", "mlx5", "efa".
   std::string profile = "auto";
@@ -83,7 +83,8 @@ struct IbverbsOptions {
 
 // One-sided RDMA READ/WRITE through the host's NICs ("ibverbs", level NIC).
 //
-// Every ACTIVE port of every device used is a rail (README.md, "Rails").
+// Every port of every device used is a rail (README.md, "Rails"), carrying
+// bytes while its port is ACTIVE (port events and looks say when).
 // Register() registers the whole mapping as an MR in the agent's main PD of
 // each device, with local access only (the lkeys of this agent's own WRs),
 // and advertises every rail (device, port, LID, GID, max message size,
@@ -201,8 +202,8 @@ class IbverbsBackend : public Backend {
 
   IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
                  std::unique_ptr<verbs::Verbs> verbs);
-  // Opens the devices and sets up a rail per ACTIVE port; on failure the
-  // backend is unavailable for the reason returned.
+  // Opens the devices and sets up a rail per port; on failure (no port is
+  // ACTIVE) the backend is unavailable for the reason returned.
   absl::Status Discover();
   // Sets up the rails of one opened device (none when it has no usable
   // port; `why` says why).
