@@ -271,7 +271,11 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
-  // Port events update rails: their threads go before the rails do.
+  // Port events update rails: their threads go before the rails do (all
+  // asked first, so that they stop together).
+  for (const auto& device : devices_) {
+    if (device->port_watcher != nullptr) device->port_watcher->RequestStop();
+  }
   for (const auto& device : devices_) device->port_watcher.reset();
   // Lanes' connections drain and stop their pollers, and sessions drop their
   // grants, before the PDs and devices go.

@@ -26,6 +26,9 @@ class PortWatcher {
   // long stopping takes (each wait for an event is at most that long).
   PortWatcher(verbs::Device* device, OnPort on_port,
               absl::Duration wait = absl::Milliseconds(100));
+  // Asks the thread to stop without waiting for it, so that an owner of
+  // several stops them all in one wait.
+  void RequestStop() { stop_ = true; }
   // Stops and joins the thread: `on_port` is not called afterwards.
   ~PortWatcher();
   PortWatcher(const PortWatcher&) = delete;
