@@ -274,9 +274,11 @@ class IbverbsBackend : public Backend {
                     const StopToken& stop);
   // Adds to `plan` a lane between usable rails that it does not have yet
   // and that is not cooling down, rails near op `op`'s buffers first, with
-  // at most `max_far_ends` (0-2) of its two rails far from them; nullptr
-  // when there is none.
-  LaneUse* AddLane(PeerPlan& plan, size_t op, int max_far_ends);
+  // at most `max_far_ends` (0-2) of its two rails far from them and, with
+  // `fresh_rails`, neither rail used by a lane of the plan still standing;
+  // nullptr when there is none.
+  LaneUse* AddLane(PeerPlan& plan, size_t op, int max_far_ends,
+                   bool fresh_rails = false);
   // Leaves out `lane` (or its rail, when its port is not ACTIVE) for a
   // while after its path failed with `why`.
   void CoolDown(Lane& lane, const absl::Status& why);

@@ -714,16 +714,19 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
                                                   PeerPlan& plan, size_t op,
                                                   const StopToken& stop) {
   const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
-  const auto near = [&](const LaneUse& use) {
+  // How many of the lane's two rails are far from the op's buffers.
+  const auto far_ends = [&](const LaneUse& use) {
     const size_t remote = static_cast<size_t>(
         std::find_if(plan.remote_rails.begin(), plan.remote_rails.end(),
                      [&](const RemoteRail& rail) {
                        return rail.name() == use.lane->remote.name();
                      }) -
         plan.remote_rails.begin());
-    return affinity.local_near[use.lane->rail->index] &&
-           remote < affinity.remote_near.size() && affinity.remote_near[remote];
+    return int{!affinity.local_near[use.lane->rail->index]} +
+           int{!(remote < affinity.remote_near.size() &&
+                 affinity.remote_near[remote])};
   };
+  const auto near = [&](const LaneUse& use) { return far_ends(use) == 0; };
   while (!stop.stopped()) {
     // Once a handshake with the peer failed, only lanes already connected
     // are worth it: the others' handshakes would fail alike, each costing up
@@ -750,11 +753,20 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
       }
     }
     if (!best_near && !handshakes_fail) {
-      // A pair near the op the plan left out beats a far lane of the plan;
-      // with no lane standing, any pair the plan left out will do.
-      if (LaneUse* added = AddLane(plan, op, best == nullptr ? 2 : 0)) {
-        best = added;
+      // A pair near the op the plan left out beats a far lane of the plan,
+      // and so does a pair as near whose rails carry nothing of the plan
+      // yet: when the near rails went, their bytes spread over as many far
+      // links as they had. With no lane standing, any pair will do.
+      LaneUse* added = nullptr;
+      if (best == nullptr) {
+        added = AddLane(plan, op, 2);
+      } else {
+        added = AddLane(plan, op, 0);
+        if (added == nullptr) {
+          added = AddLane(plan, op, far_ends(*best), /*fresh_rails=*/true);
+        }
       }
+      if (added != nullptr) best = added;
     }
     if (best == nullptr) return nullptr;
     if (best->connection != nullptr) return best;
@@ -770,13 +782,28 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
 }
 
 IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan, size_t op,
-                                                 int max_far_ends) {
+                                                 int max_far_ends,
+                                                 bool fresh_rails) {
   // E.g. this agent's rail whose partner failed, with the partner of a rail
   // of this agent whose port went down. Pairs near the op's buffers on both
   // sides first, then near on one side, then far.
   const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
   const absl::Time now = absl::Now();
   const std::vector<Rail*> rails = UsableRails();
+  // Rails of both sides the plan's standing lanes use.
+  std::vector<const Rail*> busy_local;
+  std::vector<std::string> busy_remote;
+  for (const LaneUse& use : plan.lanes) {
+    if (!use.failed.ok()) continue;
+    busy_local.push_back(use.lane->rail);
+    busy_remote.push_back(use.lane->remote.name());
+  }
+  const auto busy = [&](const Rail* rail, const RemoteRail& remote) {
+    return std::find(busy_local.begin(), busy_local.end(), rail) !=
+               busy_local.end() ||
+           std::find(busy_remote.begin(), busy_remote.end(), remote.name()) !=
+               busy_remote.end();
+  };
   for (int far_ends = 0; far_ends <= max_far_ends; ++far_ends) {
     for (Rail* rail : rails) {
       for (size_t r = 0; r < plan.remote_rails.size(); ++r) {
@@ -785,6 +812,7 @@ IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan, size_t op,
             !(r < affinity.remote_near.size() && affinity.remote_near[r]);
         if (ends != far_ends) continue;
         const RemoteRail& remote = plan.remote_rails[r];
+        if (fresh_rails && busy(rail, remote)) continue;
         const std::shared_ptr<Lane> lane = LaneFor(plan.peer, *rail, remote);
         const bool planned =
             std::any_of(plan.lanes.begin(), plan.lanes.end(),
