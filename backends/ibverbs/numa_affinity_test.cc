@@ -228,6 +228,32 @@ TEST_F(TwoSocketTest, ContextsAndGetInfoSayWhichRailsAreNear) {
   EXPECT_EQ(attributes.at("rail.a5:1.numa_node"), "1");
 }
 
+TEST_F(TwoSocketTest, ContextsNameNearRailsAmongThoseActiveAtRegister) {
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  ASSERT_TRUE(fabric_.Unplug("a5").ok());
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  // Until a port event or a look has told the backend, wait for it.
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (
+      absl::Now() < until &&
+      (backend.transport_info().attributes().at("rail.a5:1.health") == "ok" ||
+       backend.transport_info().attributes().at("rail.a1:1.health") == "ok")) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  const TestBuffer buffer = a->Register(1 << 16, v1::ACCESS_READ_WRITE, 3);
+  const v1::IbverbsEndpoint& ib = buffer.context->endpoints(0).ibverbs();
+  std::vector<std::string> listed;
+  for (const v1::IbverbsRail& rail : ib.rails())
+    listed.push_back(rail.device());
+  EXPECT_EQ(listed,
+            std::vector<std::string>({"a0", "a2", "a3", "a4", "a6", "a7"}));
+  // a4, a6 and a7, as indices into the rails listed.
+  EXPECT_EQ(
+      std::vector<uint32_t>(ib.near_rails().begin(), ib.near_rails().end()),
+      std::vector<uint32_t>({3, 4, 5}));
+}
+
 TEST_F(TwoSocketTest, OnlyRailsNearBothBuffersCarryTheirBytes) {
   auto a = Agent("agent-a", a_devices_, a_memory_);
   auto b = Agent("agent-b", b_devices_, b_memory_);
