@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
   bazel-bootstrap bazel-rules-java
   g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libibverbs-dev rdma-core ibverbs-utils
+  libibverbs-dev rdma-core ibverbs-utils libnuma-dev
   libspdlog-dev libabsl-dev libgtest-dev libgmock-dev libcli11-dev libsystemd-dev prometheus-cpp-dev libcivetweb-dev
   iproute2 procps python3 python3-grpcio python3-protobuf python3-yaml systemd
   iperf3 ucx-utils

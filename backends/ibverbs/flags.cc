@@ -13,17 +13,30 @@ ABSL_FLAG(bool, ibverbs_enable, true,
           "backend reports itself unavailable.");
 ABSL_FLAG(std::vector<std::string>, ibverbs_devices, {},
           "RDMA devices to use, comma separated, e.g. mlx5_0,mlx5_1: every "
-          "ACTIVE port of each is a rail, and ops are striped over the rails. "
-          "Empty: every device.");
+          "port of each is a rail (used while ACTIVE), and ops are striped "
+          "over the rails. Empty: every device.");
 ABSL_FLAG(std::string, ibverbs_device, "",
           "One RDMA device to use, e.g. mlx5_0: the same as "
           "--ibverbs_devices=mlx5_0 (kept for existing configurations).");
 ABSL_FLAG(int32_t, ibverbs_port, 0,
-          "1-based port used on each device. 0: every ACTIVE port.");
+          "1-based port used on each device. 0: every port.");
 ABSL_FLAG(uint64_t, ibverbs_stripe_threshold_bytes, 64 << 10,
           "Ops of at least this many bytes are split over every rail pair to "
           "their peer, in proportion to link speed; smaller ones go whole to "
           "the least loaded pair.");
+ABSL_FLAG(std::string, ibverbs_numa_policy, "nearest",
+          "How rails are paired with memory by NUMA node: nearest (an op "
+          "goes over the rails nearest to its buffers on both hosts; the "
+          "others only when none of those works, or for striped ops when the "
+          "near rails' link speed is below --ibverbs_numa_near_share of all) "
+          "or all (every rail for every op).");
+ABSL_FLAG(double, ibverbs_numa_near_share, 0.5,
+          "With --ibverbs_numa_policy=nearest: far rails join striped ops "
+          "when the near rails' total link speed is below this share (0-1) "
+          "of all rails'. 0: never.");
+ABSL_FLAG(std::string, ibverbs_sysfs_root, "/sys",
+          "Where the NUMA nodes, their distances and the RDMA devices' nodes "
+          "are read (sysfs).");
 ABSL_FLAG(absl::Duration, ibverbs_rail_cooldown, absl::Seconds(1),
           "How long a rail pair whose completions failed (or a rail whose "
           "port went down) is left out before it is probed again; doubles "
@@ -171,6 +184,22 @@ absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
         "--ibverbs_rail_cooldown must be positive and at most "
         "--ibverbs_rail_max_cooldown");
   }
+  const std::string policy = absl::GetFlag(FLAGS_ibverbs_numa_policy);
+  if (policy == "nearest") {
+    options.numa_policy = IbverbsOptions::NumaPolicy::kNearest;
+  } else if (policy == "all") {
+    options.numa_policy = IbverbsOptions::NumaPolicy::kAll;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ibverbs_numa_policy=", policy, " is neither nearest nor all"));
+  }
+  options.numa_near_share = absl::GetFlag(FLAGS_ibverbs_numa_near_share);
+  if (!(options.numa_near_share >= 0 && options.numa_near_share <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ibverbs_numa_near_share=", options.numa_near_share,
+                     " is outside [0, 1]"));
+  }
+  options.sysfs_root = absl::GetFlag(FLAGS_ibverbs_sysfs_root);
   return options;
 }
 

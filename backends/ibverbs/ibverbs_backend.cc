@@ -81,6 +81,26 @@ void KeepGrpcAlive() {
   (void)initialized;
 }
 
+// Writes `affinity` into a context listing `advertised` rails: which of
+// them are near (indices into the context's rails) only when some are not
+// (a context without affinity is what it was before), the node when it is
+// known. When no advertised rail is near (the near ones are down), none is
+// named: the peer uses them all.
+void AdvertiseAffinity(const RailAffinity& affinity,
+                       const std::vector<const Rail*>& advertised,
+                       v1::IbverbsEndpoint& ib) {
+  if (affinity.numa_node >= 0) ib.set_numa_node(affinity.numa_node);
+  if (ib.rails_size() < 2) return;
+  std::vector<uint32_t> near;
+  for (size_t i = 0; i < advertised.size(); ++i) {
+    if (affinity.near_rails[advertised[i]->index]) {
+      near.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  if (near.size() == advertised.size()) return;
+  for (uint32_t index : near) ib.add_near_rails(index);
+}
+
 std::string GidBytes(const ibv_gid& gid) {
   return std::string(reinterpret_cast<const char*>(gid.raw), sizeof(gid.raw));
 }
@@ -230,6 +250,8 @@ absl::StatusOr<std::unique_ptr<IbverbsBackend>> IbverbsBackend::Create(
     backend->unavailable_reason_ = std::string(status.message());
     backend->rails_.clear();
     backend->devices_.clear();
+  } else {
+    backend->WatchPorts();
   }
   return backend;
 }
@@ -239,12 +261,22 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
     : env_(std::move(env)),
       options_(std::move(options)),
       verbs_(std::move(verbs)),
+      topology_(NumaTopology::Load(options_.sysfs_root)),
+      memory_locator_(options_.memory_locator != nullptr
+                          ? options_.memory_locator
+                          : MakeKernelMemoryNodeLocator()),
       service_(std::make_unique<PeerService>(this)),
       posting_pool_(std::make_unique<TaskPool>(kPostingThreads)) {
   KeepGrpcAlive();
 }
 
 IbverbsBackend::~IbverbsBackend() {
+  // Port events update rails: their threads go before the rails do (all
+  // asked first, so that they stop together).
+  for (const auto& device : devices_) {
+    if (device->port_watcher != nullptr) device->port_watcher->RequestStop();
+  }
+  for (const auto& device : devices_) device->port_watcher.reset();
   // Lanes' connections drain and stop their pollers, and sessions drop their
   // grants, before the PDs and devices go.
   std::map<std::string, std::shared_ptr<Lane>> lanes;
@@ -290,11 +322,56 @@ absl::Status IbverbsBackend::Discover() {
     absl::Status added = AddRails(std::move(*device), why);
     if (!added.ok()) return added;
   }
-  if (rails_.empty()) {
+  // Available when a port is ACTIVE now: contexts need a rail peers can
+  // reach. The others join when they come up.
+  const bool any_active =
+      std::any_of(rails_.begin(), rails_.end(), [](const auto& rail) {
+        absl::MutexLock lock(&rail->mu);
+        return rail->port_active;
+      });
+  if (!any_active) {
     return absl::NotFoundError(
         absl::StrCat("no usable RDMA port: ", absl::StrJoin(why, "; ")));
   }
   return absl::OkStatus();
+}
+
+void IbverbsBackend::WatchPorts() {
+  for (const auto& device : devices_) {
+    RailDevice* holder = device.get();
+    holder->port_watcher = std::make_unique<PortWatcher>(
+        holder->device.get(), [this, holder](uint8_t port, bool active) {
+          OnPortEvent(*holder, port, active);
+        });
+  }
+}
+
+void IbverbsBackend::OnPortEvent(const RailDevice& device, uint8_t port,
+                                 bool active) {
+  const absl::Time now = absl::Now();
+  for (const auto& rail : rails_) {
+    if (rail->device != &device || rail->local.port != port) continue;
+    absl::MutexLock lock(&rail->mu);
+    rail->port_checked = now;
+    if (active) {
+      // In use again at once when it never failed (a port that came up
+      // after the start); after a failure, once its cooldown ran out, so a
+      // flapping link keeps backing off.
+      rail->port_active = true;
+      spdlog::info("ibverbs: rail {} port is ACTIVE (port event): {}",
+                   rail->name,
+                   rail->health.cooling(now) ? "in use once its cooldown ends"
+                                             : "in use");
+      continue;
+    }
+    rail->port_active = false;
+    if (!rail->health.cooling(now)) {
+      rail->health.Fail(now, options_.rail_cooldown, options_.rail_max_cooldown,
+                        "port went down (IBV_EVENT_PORT_ERR)");
+    }
+    spdlog::warn("ibverbs: rail {} port went down (port event): left out",
+                 rail->name);
+  }
 }
 
 absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
@@ -322,10 +399,12 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
       why.push_back(std::string(port_attr.status().message()));
       continue;
     }
-    if (port_attr->state != IBV_PORT_ACTIVE) {
+    // A port that is not ACTIVE is a rail all the same: it carries bytes
+    // once its port comes up (a port event, or a look at planning).
+    const bool active = port_attr->state == IBV_PORT_ACTIVE;
+    if (!active) {
       why.push_back(absl::StrCat(name, " port ", port, " is ",
                                  verbs::PortStateName(port_attr->state)));
-      continue;
     }
     auto rail = std::make_unique<Rail>();
     rail->name = absl::StrCat(name, ":", port);
@@ -343,12 +422,18 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
     }
     rail->port_attr = *port_attr;
     rail->speed_gbps = verbs::PortSpeedGbps(*port_attr);
-    rail->numa_node = device->NumaNode();
+    // The sysfs root's word (a test's tree, or /sys), else the device's.
+    rail->numa_node = topology_.RdmaDeviceNode(name);
+    if (rail->numa_node < 0) rail->numa_node = device->NumaNode();
     rail->local.port = static_cast<uint8_t>(port);
     rail->local.lid = port_attr->lid;
     rail->local.gid = *gid;
     rail->local.global_routing =
         port_attr->link_layer != IBV_LINK_LAYER_INFINIBAND;
+    {
+      absl::MutexLock lock(&rail->mu);
+      rail->port_active = active;
+    }
     rails.push_back(std::move(rail));
   }
   if (rails.empty()) return absl::OkStatus();
@@ -488,6 +573,20 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
   attributes["completion_threads"] = absl::StrCat(completion_threads());
   attributes["stripe_threshold_bytes"] =
       absl::StrCat(options_.stripe_threshold_bytes);
+  attributes["numa_policy"] =
+      options_.numa_policy == IbverbsOptions::NumaPolicy::kAll ? "all"
+                                                               : "nearest";
+  attributes["numa_near_share"] = absl::StrCat(options_.numa_near_share);
+  // "10 21; 21 10": row i is node nodes[i]'s distance to each node.
+  std::vector<std::string> rows;
+  for (int from : topology_.nodes()) {
+    std::vector<int> row;
+    for (int to : topology_.nodes())
+      row.push_back(topology_.Distance(from, to));
+    rows.push_back(absl::StrJoin(row, " "));
+  }
+  attributes["numa_nodes"] = absl::StrJoin(topology_.nodes(), ",");
+  attributes["numa_distances"] = absl::StrJoin(rows, "; ");
   attributes["profile"] = first.profile.name;
   attributes["gid_index"] = absl::StrCat(first.params.gid_index);
   attributes["path_mtu_bytes"] = absl::StrCat(first.params.mtu_bytes);
@@ -535,9 +634,19 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
     }
     mrs.push_back(std::move(*mr));
   }
+  // Rails whose port is ACTIVE now (peers would only find the others
+  // failing); every rail when none is, rather than no context at all.
+  std::vector<const Rail*> advertised;
+  for (const auto& rail : rails_) {
+    absl::MutexLock lock(&rail->mu);
+    if (rail->port_active) advertised.push_back(rail.get());
+  }
+  if (advertised.empty()) {
+    for (const auto& rail : rails_) advertised.push_back(rail.get());
+  }
   // The first rail in the single-rail fields, so that agents knowing of
   // one port per agent reach this one through it.
-  const Rail& first = *rails_.front();
+  const Rail& first = *advertised.front();
   v1::IbverbsEndpoint* ib = endpoint->mutable_ibverbs();
   ib->set_device(first.device->device->name());
   ib->set_port(first.local.port);
@@ -549,8 +658,8 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   ib->set_max_message_bytes(first.params.max_message_bytes);
   // Listed only when there is more than one: a single-rail context stays
   // what it always was.
-  if (rails_.size() > 1) {
-    for (const auto& rail : rails_) {
+  if (advertised.size() > 1) {
+    for (const Rail* rail : advertised) {
       v1::IbverbsRail* entry = ib->add_rails();
       entry->set_device(rail->device->device->name());
       entry->set_port(rail->local.port);
@@ -560,8 +669,25 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
       entry->set_speed_gbps(rail->speed_gbps);
     }
   }
-  return std::unique_ptr<BackendRegistration>(
-      new IbverbsRegistration(std::move(mrs)));
+  auto state = std::make_unique<IbverbsRegistration>(std::move(mrs));
+  state->set_affinity(AffinityOf(registration));
+  AdvertiseAffinity(state->affinity(), advertised, *ib);
+  return std::unique_ptr<BackendRegistration>(std::move(state));
+}
+
+RailAffinity IbverbsBackend::AffinityOf(
+    const Registration& registration) const {
+  RailAffinity affinity;
+  affinity.near_rails.assign(rails_.size(), true);
+  if (options_.numa_policy == IbverbsOptions::NumaPolicy::kAll) {
+    return affinity;
+  }
+  affinity.numa_node =
+      memory_locator_->NodeOf(registration.data(), registration.size());
+  std::vector<int> nodes;
+  for (const auto& rail : rails_) nodes.push_back(rail->numa_node);
+  affinity.near_rails = NearestRails(topology_, affinity.numa_node, nodes);
+  return affinity;
 }
 
 bool IbverbsBackend::CanReach(const v1::RemoteBuffer& remote) const {

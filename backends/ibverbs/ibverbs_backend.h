@@ -12,6 +12,8 @@
 #include "backends/backend.h"
 #include "backends/ibverbs/batch.h"
 #include "backends/ibverbs/connection.h"
+#include "backends/ibverbs/memory_node.h"
+#include "backends/ibverbs/numa_topology.h"
 #include "backends/ibverbs/profiles.h"
 #include "backends/ibverbs/rails.h"
 #include "backends/ibverbs/verbs.h"
@@ -31,10 +33,10 @@ namespace rdma_agent::ibverbs {
 struct IbverbsOptions {
   // False: the backend reports itself unavailable.
   bool enabled = true;
-  // Devices to use, each ACTIVE port of each one a rail; empty = every
+  // Devices to use, each port of each one a rail; empty = every
   // device.
   std::vector<std::string> devices;
-  // 1-based port used on each device; 0 = every ACTIVE port.
+  // 1-based port used on each device; 0 = every port.
   uint8_t port = 0;
   // "auto" (from each device's vendor and name), "generic", "mlx5", "efa".
   std::string profile = "auto";
@@ -63,11 +65,26 @@ struct IbverbsOptions {
   // probe completes.
   absl::Duration rail_cooldown = absl::Seconds(1);
   absl::Duration rail_max_cooldown = absl::Seconds(30);
+  // NUMA affinity (README.md, "Affinity"). kNearest: an op goes over the
+  // rails nearest to its buffers on both sides, and over the others only
+  // when no near one works or, for striped ops, when the near rails' link
+  // speed is below numa_near_share of all rails'. kAll: every rail, as if
+  // the host had one node.
+  enum class NumaPolicy { kNearest, kAll };
+  NumaPolicy numa_policy = NumaPolicy::kNearest;
+  double numa_near_share = 0.5;
+  // Where the NUMA nodes, their distances and the devices' nodes are read
+  // ("/sys" on a host; a test's tree otherwise).
+  std::string sysfs_root = "/sys";
+  // Where registrations' memory is; nullptr: the kernel's answer
+  // (MakeKernelMemoryNodeLocator).
+  std::shared_ptr<const MemoryNodeLocator> memory_locator;
 };
 
 // One-sided RDMA READ/WRITE through the host's NICs ("ibverbs", level NIC).
 //
-// Every ACTIVE port of every device used is a rail (README.md, "Rails").
+// Every port of every device used is a rail (README.md, "Rails"), carrying
+// bytes while its port is ACTIVE (port events and looks say when).
 // Register() registers the whole mapping as an MR in the agent's main PD of
 // each device, with local access only (the lkeys of this agent's own WRs),
 // and advertises every rail (device, port, LID, GID, max message size,
@@ -181,16 +198,22 @@ class IbverbsBackend : public Backend {
   struct Handshaken;
   struct LaneUse;
   struct PeerPlan;
+  struct AffinityClass;
 
   IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
                  std::unique_ptr<verbs::Verbs> verbs);
-  // Opens the devices and sets up a rail per ACTIVE port; on failure the
-  // backend is unavailable for the reason returned.
+  // Opens the devices and sets up a rail per port; on failure (no port is
+  // ACTIVE) the backend is unavailable for the reason returned.
   absl::Status Discover();
   // Sets up the rails of one opened device (none when it has no usable
   // port; `why` says why).
   absl::Status AddRails(std::unique_ptr<verbs::Device> device,
                         std::vector<std::string>& why);
+  // Starts a PortWatcher per device (after Discover succeeded).
+  void WatchPorts();
+  // A port event of `device`: its rail is in use again (ACTIVE) or left
+  // out (down) at once.
+  void OnPortEvent(const RailDevice& device, uint8_t port, bool active);
   // The rail `device`:`port` of this agent (port 0: its first rail on
   // `device`), or nullptr.
   Rail* FindRail(const std::string& device, uint32_t port) const;
@@ -198,6 +221,9 @@ class IbverbsBackend : public Backend {
   static std::string PeerKey(const v1::RemoteBuffer& remote);
   // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
+  // Where `registration`'s memory is and which rails are nearest to it
+  // (every rail under NumaPolicy::kAll or when nodes are unknown).
+  RailAffinity AffinityOf(const Registration& registration) const;
 
   // Submit's steps. The rail pairs ops to one peer go over, and which bytes
   // each lane carries; the ops fail at once when no rail can be used.
@@ -209,8 +235,17 @@ class IbverbsBackend : public Backend {
   std::vector<std::vector<bool>> FailedPairs(
       const PeerPlan& plan, const std::vector<Rail*>& rails,
       std::vector<std::pair<size_t, size_t>>& expired);
-  // Cuts `plan`'s ops over its lanes: large ones in proportion to the
-  // lanes' shares, small ones whole to the least loaded lane.
+  // Groups `plan`'s ops by the rails near their buffers (both sides) and
+  // pairs rails for each group: near ones for small ops, far ones joining
+  // for large ops when the near ones' speed is a small share, any usable
+  // ones when no near pair is healthy. `rails` are the usable rails,
+  // `healthy` their pairs with the peer's rails.
+  void PlanAffinity(absl::Span<const Op> ops, const std::vector<Rail*>& rails,
+                    const std::vector<std::vector<bool>>& healthy,
+                    PeerPlan& plan);
+  // Cuts `plan`'s ops over the lanes of their affinity class: large ones
+  // in proportion to the lanes' shares, small ones whole to the least
+  // loaded lane.
   void AssignWork(absl::Span<const Op> ops, PeerPlan& plan);
   // Rails usable now (their port's failure cooled down, or they never
   // failed); when none is, the rails whose ports are ACTIVE now.
@@ -230,15 +265,20 @@ class IbverbsBackend : public Backend {
               const std::vector<size_t>& plan_of_op,
               std::vector<Batch::Retry> retries,
               const std::shared_ptr<Batch>& batch, const StopToken& stop);
-  // The least loaded lane of `plan` still standing in this Submit,
-  // connected (a lane that fails to connect is left out and the next one
-  // tried); when none is left, a pair the plan left out (AddLane). nullptr
-  // when there is none either.
-  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan,
+  // The least loaded lane of `plan` still standing in this Submit for op
+  // `op`, connected (a lane that fails to connect is left out and the next
+  // one tried): one near the op's buffers first, then any of the plan;
+  // when none is left, a pair the plan left out (AddLane). nullptr when
+  // there is none either.
+  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan, size_t op,
                     const StopToken& stop);
   // Adds to `plan` a lane between usable rails that it does not have yet
-  // and that is not cooling down; nullptr when there is none.
-  LaneUse* AddLane(PeerPlan& plan);
+  // and that is not cooling down, rails near op `op`'s buffers first, with
+  // at most `max_far_ends` (0-2) of its two rails far from them and, with
+  // `fresh_rails`, neither rail used by a lane of the plan still standing;
+  // nullptr when there is none.
+  LaneUse* AddLane(PeerPlan& plan, size_t op, int max_far_ends,
+                   bool fresh_rails = false);
   // Leaves out `lane` (or its rail, when its port is not ACTIVE) for a
   // while after its path failed with `why`.
   void CoolDown(Lane& lane, const absl::Status& why);
@@ -288,6 +328,9 @@ class IbverbsBackend : public Backend {
   // before the lanes and sessions: their queue pairs go first.
   std::vector<std::unique_ptr<RailDevice>> devices_;
   std::vector<std::unique_ptr<Rail>> rails_;
+  // The host's NUMA layout (options_.sysfs_root) and where memory is.
+  const NumaTopology topology_;
+  const std::shared_ptr<const MemoryNodeLocator> memory_locator_;
   std::unique_ptr<PeerService> service_;
   // A batch for several lanes connects and posts to them at once: the
   // caller and these threads (more lanes than threads: the caller runs the

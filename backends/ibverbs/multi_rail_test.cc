@@ -199,15 +199,30 @@ TEST_F(MultiRailTest, DevicesAndPortOptionsChooseTheRails) {
   SoftDeviceConfig down = Device("a2");
   down.port_state = IBV_PORT_DOWN;
   Add(down);
-  // Every device the Verbs sees, but a port DOWN at start is no rail.
+  // Every port of every device the Verbs sees is a rail, a port DOWN at
+  // start too (GetInfo says so); contexts list only the ACTIVE ones.
   auto all = Agent("agent-all", {"a0", "a1", "a2"});
   EXPECT_EQ(all->backend<IbverbsBackend>().rail_names(),
-            std::vector<std::string>({"a0:1", "a1:1"}));
+            std::vector<std::string>({"a0:1", "a1:1", "a2:1"}));
+  const v1::TransportInfo info =
+      all->backend<IbverbsBackend>().transport_info();
+  ASSERT_EQ(info.devices_size(), 3);
+  EXPECT_EQ(info.devices(2).state(), "DOWN");
+  const TestBuffer buffer = all->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  const v1::IbverbsEndpoint& ib = buffer.context->endpoints(0).ibverbs();
+  ASSERT_EQ(ib.rails_size(), 2);
+  EXPECT_EQ(ib.rails(0).device(), "a0");
+  EXPECT_EQ(ib.rails(1).device(), "a1");
   IbverbsOptions chosen = Fast();
   chosen.devices = {"a1", "a2"};
   auto some = Agent("agent-some", {"a0", "a1", "a2"}, chosen);
   EXPECT_EQ(some->backend<IbverbsBackend>().rail_names(),
-            std::vector<std::string>({"a1:1"}));
+            std::vector<std::string>({"a1:1", "a2:1"}));
+  // Only the DOWN one: nothing a context could offer peers.
+  IbverbsOptions down_only = Fast();
+  down_only.devices = {"a2"};
+  auto none_up = Agent("agent-down", {"a2"}, down_only);
+  EXPECT_FALSE(none_up->backend<IbverbsBackend>().available());
   IbverbsOptions no_port = Fast();
   no_port.port = 2;
   auto none = Agent("agent-none", {"a0", "a1"}, no_port);
@@ -629,6 +644,90 @@ TEST_F(MultiRailTest, ARailWhosePortIsDownIsLeftOutBeforeAnyWrFails) {
   EXPECT_EQ(info.attributes().at("rail.a1:1.errors"), "0");
   EXPECT_EQ(info.attributes().at("rail.a1:1.health").rfind("cooling down", 0),
             0u);
+}
+
+// A port DOWN when the agent starts is a rail that carries nothing; once it
+// comes up (a port event) its rail carries bytes, and contexts registered
+// afterwards list it.
+TEST_F(MultiRailTest, APortThatComesUpLaterIsUsed) {
+  for (const bool events : {true, false}) {
+    SCOPED_TRACE(events ? "port events" : "no port events: the look");
+    const std::string round = events ? "e" : "n";
+    std::vector<std::string> a_devices;
+    for (int i = 0; i < 2; ++i) {
+      SoftDeviceConfig config = Device(absl::StrCat("a", round, i));
+      config.async_events = events;
+      if (i == 1) config.port_state = IBV_PORT_DOWN;
+      Add(config);
+      a_devices.push_back(config.name);
+    }
+    const std::vector<std::string> b_devices = AddDevices("b" + round, 2);
+    auto a = Agent("agent-a" + round, a_devices);
+    auto b = Agent("agent-b" + round, b_devices);
+    IbverbsBackend& backend = a->backend<IbverbsBackend>();
+    ASSERT_TRUE(backend.available()) << backend.unavailable_reason();
+    const std::string late = a_devices[1] + ":1";
+    const uint64_t kSize = 2 << 20;
+    TestBuffer near = a->Register(kSize, v1::ACCESS_READ_WRITE, 131);
+    TestBuffer far = b->Register(kSize, v1::ACCESS_READ_WRITE, 132);
+    EXPECT_EQ(near.context->endpoints(0).ibverbs().rails_size(), 0)
+        << "one ACTIVE rail: the single-rail context";
+    MoveAndCheck(*a, kWrite, near, 1, kSize - 1, far, 0);
+    EXPECT_EQ(backend.rail_bytes(late), 0u);
+    EXPECT_EQ(
+        backend.transport_info().attributes().at("rail." + late + ".errors"),
+        "0");
+
+    ASSERT_TRUE(fabric_.SetPortState(a_devices[1], IBV_PORT_ACTIVE).ok());
+    // In use after the event, or after the next look (100 ms).
+    bool used = false;
+    for (int attempt = 0; attempt < 200 && !used; ++attempt) {
+      MoveAndCheck(*a, attempt % 2 ? kRead : kWrite, near, attempt % 5,
+                   kSize - 8, far, attempt % 3);
+      used = backend.rail_bytes(late) > 0;
+      if (!used) absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_TRUE(used) << late << " never carried bytes";
+    EXPECT_EQ(
+        backend.transport_info().attributes().at("rail." + late + ".errors"),
+        "0");
+    // Registered now, a context lists both rails.
+    const TestBuffer later = a->Register(4096, v1::ACCESS_READ_WRITE, 133);
+    EXPECT_EQ(later.context->endpoints(0).ibverbs().rails_size(), 2);
+  }
+}
+
+// A pulled cable's port event leaves the rail out at once: GetInfo says it
+// is cooling down before any op ran, and the next op's WRs all go over the
+// other rail, none failing.
+TEST_F(MultiRailTest, APortEventLeavesTheRailOutBeforeAnyWrFails) {
+  const std::vector<std::string> a_devices = AddDevices("a", 2);
+  const std::vector<std::string> b_devices = AddDevices("b", 2);
+  IbverbsOptions options = Fast();
+  options.rail_cooldown = absl::Minutes(10);
+  options.rail_max_cooldown = absl::Minutes(10);
+  auto a = Agent("agent-a", a_devices, options);
+  auto b = Agent("agent-b", b_devices, options);
+  TestBuffer near = a->Register(1 << 20, v1::ACCESS_READ_WRITE, 141);
+  TestBuffer far = b->Register(1 << 20, v1::ACCESS_READ_WRITE, 142);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  MoveAndCheck(*a, kWrite, near, 1, (1 << 20) - 1, far, 0);
+  ASSERT_GT(backend.rail_bytes("a1:1"), 0u);
+  const auto health = [&] {
+    return backend.transport_info().attributes().at("rail.a1:1.health");
+  };
+  ASSERT_EQ(health(), "ok");
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  // No op runs meanwhile: only the event can have told the backend.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (health() == "ok" && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_NE(health().find("IBV_EVENT_PORT_ERR"), std::string::npos) << health();
+  const uint64_t a1_bytes = backend.rail_bytes("a1:1");
+  MoveAndCheck(*a, kRead, near, 0, (1 << 20) - 3, far, 2);
+  EXPECT_EQ(backend.rail_bytes("a1:1"), a1_bytes);
+  EXPECT_EQ(backend.transport_info().attributes().at("rail.a1:1.errors"), "0");
 }
 
 // Cut short while one rail's WRs wait for a peer that never answers

@@ -48,6 +48,20 @@ std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint) {
   return rails;
 }
 
+std::vector<bool> RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint) {
+  const size_t count =
+      std::clamp<size_t>(endpoint.rails_size(), 1, kMaxRemoteRails);
+  std::vector<bool> near(count, false);
+  bool any = false;
+  for (uint32_t index : endpoint.near_rails()) {
+    if (index >= count) continue;  // past the rails used, or forged
+    near[index] = true;
+    any = true;
+  }
+  if (!any) near.assign(count, true);
+  return near;
+}
+
 std::string Lane::name() const {
   return absl::StrCat(rail->name, "->", remote.name());
 }

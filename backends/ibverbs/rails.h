@@ -1,7 +1,7 @@
 #ifndef RDMA_AGENTD_BACKENDS_IBVERBS_RAILS_H_
 #define RDMA_AGENTD_BACKENDS_IBVERBS_RAILS_H_
 
-// The ibverbs backend's rails (every ACTIVE port of every device it uses)
+// The ibverbs backend's rails (every port of every device it uses)
 // and lanes (a local rail paired with a remote one, toward one life of one
 // peer agent), with what they count and how healthy they are.
 
@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "backends/ibverbs/connection.h"
+#include "backends/ibverbs/port_watcher.h"
 #include "backends/ibverbs/profiles.h"
 #include "backends/ibverbs/verbs.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
@@ -60,6 +61,9 @@ struct RailDevice {
   // The CQs and polling threads every QP of the device (requester or
   // responder, on any of its ports) shares.
   std::unique_ptr<CompletionPollers> pollers;
+  // Marks the device's rails up and down from its port events. Declared
+  // last: stopped first. The backend stops it before its rails go.
+  std::unique_ptr<PortWatcher> port_watcher;
 };
 
 // What a rail has carried, for GetInfo. Atomics: completions are counted on
@@ -71,9 +75,10 @@ struct RailCounters {
   std::atomic<uint64_t> reposted_bytes{0};  // moved to other rails after one
 };
 
-// A port that was ACTIVE when the backend started: one rail, with its own
-// queue-pair attributes (devices may differ), counters and health. Lives as
-// long as the backend.
+// A port of a device the backend uses: one rail, with its own queue-pair
+// attributes (devices may differ), counters and health. A port that is not
+// ACTIVE (at start, or since) is a rail that carries nothing until it is.
+// Lives as long as the backend.
 struct Rail {
   size_t index = 0;
   std::string name;  // "mlx5_0:1"
@@ -88,12 +93,23 @@ struct Rail {
   RailCounters counters;
 
   mutable absl::Mutex mu;
+  // Its port is ACTIVE, as last told by a port event or a look
+  // (ibv_query_port); a rail whose port is not is left out until it is.
+  bool port_active ABSL_GUARDED_BY(mu) = false;
   // Cooling down while its port is not ACTIVE (found when its completions
   // failed, or by a periodic look); checked again with ibv_query_port when
   // the cooldown runs out.
   Cooldown health ABSL_GUARDED_BY(mu);
   // When a healthy rail's port was last looked at.
   absl::Time port_checked ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+};
+
+// Where a registration's memory is (NUMA node), and the rails of this
+// agent nearest to it.
+struct RailAffinity {
+  int numa_node = -1;  // -1: unknown
+  // By Rail::index; every rail when the policy or the nodes say nothing.
+  std::vector<bool> near_rails;
 };
 
 // A rail of a peer agent, as its remote context advertises it.
@@ -117,6 +133,11 @@ inline constexpr size_t kMaxRemoteRails = 32;
 // or its single-rail fields when it has none (a context from an agent with
 // one rail).
 std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint);
+
+// Which of the RemoteRailsOf(`endpoint`) are near the buffer, by index:
+// those its `near_rails` name; every rail when it names none that exists
+// (a context without affinity: old agents, one rail, nodes unknown).
+std::vector<bool> RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint);
 
 // What a peer granted this agent for one of its buffers over one session.
 struct RemoteGrant {

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -196,6 +197,40 @@ class RealDevice : public Device {
       return ErrnoStatus("ibv_query_gid", errno);
     }
     return gid;
+  }
+
+  absl::StatusOr<std::optional<AsyncEvent>> GetAsyncEvent(
+      absl::Duration timeout) override {
+    pollfd ready = {};
+    ready.fd = context_->async_fd;
+    ready.events = POLLIN;
+    const int n = poll(&ready, 1,
+                       static_cast<int>(std::clamp<int64_t>(
+                           absl::ToInt64Milliseconds(timeout), 0, 1 << 30)));
+    if (n < 0 && errno != EINTR) return ErrnoStatus("poll(async_fd)", errno);
+    if (n <= 0) return std::nullopt;
+    ibv_async_event event = {};
+    if (ibv_get_async_event(context_.get(), &event) != 0) {
+      return ErrnoStatus("ibv_get_async_event", errno);
+    }
+    AsyncEvent out;
+    out.type = event.event_type;
+    switch (event.event_type) {
+      case IBV_EVENT_PORT_ACTIVE:
+      case IBV_EVENT_PORT_ERR:
+      case IBV_EVENT_LID_CHANGE:
+      case IBV_EVENT_PKEY_CHANGE:
+      case IBV_EVENT_SM_CHANGE:
+      case IBV_EVENT_CLIENT_REREGISTER:
+      case IBV_EVENT_GID_CHANGE:
+        out.port = static_cast<uint8_t>(event.element.port_num);
+        break;
+      default:
+        break;
+    }
+    // Every event got must be acked, or closing the device waits forever.
+    ibv_ack_async_event(&event);
+    return out;
   }
 
   absl::StatusOr<std::unique_ptr<ProtectionDomain>> AllocateProtectionDomain()

@@ -20,6 +20,9 @@ ABSL_DECLARE_FLAG(int32_t, ibverbs_sq_depth);
 ABSL_DECLARE_FLAG(std::vector<std::string>, ibverbs_devices);
 ABSL_DECLARE_FLAG(std::string, ibverbs_device);
 ABSL_DECLARE_FLAG(absl::Duration, ibverbs_rail_cooldown);
+ABSL_DECLARE_FLAG(std::string, ibverbs_numa_policy);
+ABSL_DECLARE_FLAG(double, ibverbs_numa_near_share);
+ABSL_DECLARE_FLAG(std::string, ibverbs_sysfs_root);
 
 namespace rdma_agent::ibverbs {
 namespace {
@@ -112,6 +115,31 @@ TEST(FlagsTest, DevicesListAndTheSingleDeviceFlag) {
             absl::StatusCode::kInvalidArgument)
       << "cooldown above its maximum";
   absl::SetFlag(&FLAGS_ibverbs_rail_cooldown, absl::Seconds(1));
+}
+
+TEST(FlagsTest, NumaAffinityFlags) {
+  auto options = IbverbsOptionsFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->numa_policy, IbverbsOptions::NumaPolicy::kNearest);
+  EXPECT_DOUBLE_EQ(options->numa_near_share, 0.5);
+  EXPECT_EQ(options->sysfs_root, "/sys");
+  absl::SetFlag(&FLAGS_ibverbs_numa_policy, "all");
+  absl::SetFlag(&FLAGS_ibverbs_numa_near_share, 0.25);
+  absl::SetFlag(&FLAGS_ibverbs_sysfs_root, "/tmp/host/sys");
+  options = IbverbsOptionsFromFlags();
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->numa_policy, IbverbsOptions::NumaPolicy::kAll);
+  EXPECT_DOUBLE_EQ(options->numa_near_share, 0.25);
+  EXPECT_EQ(options->sysfs_root, "/tmp/host/sys");
+  absl::SetFlag(&FLAGS_ibverbs_numa_policy, "closest");
+  EXPECT_EQ(IbverbsOptionsFromFlags().status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::SetFlag(&FLAGS_ibverbs_numa_policy, "nearest");
+  absl::SetFlag(&FLAGS_ibverbs_numa_near_share, 1.5);
+  EXPECT_EQ(IbverbsOptionsFromFlags().status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::SetFlag(&FLAGS_ibverbs_numa_near_share, 0.5);
+  absl::SetFlag(&FLAGS_ibverbs_sysfs_root, "/sys");
 }
 
 }  // namespace

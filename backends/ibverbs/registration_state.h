@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "backends/ibverbs/rails.h"
 #include "backends/ibverbs/verbs.h"
 #include "backends/registration.h"
 
@@ -50,8 +51,11 @@ class IbverbsRegistration : public BackendRegistration {
   // The MR on device `device` (a RailDevice::index).
   const verbs::MemoryRegion& mr(size_t device) const { return *mrs_[device]; }
   const std::shared_ptr<GrantTable>& grants() const { return grants_; }
+  const RailAffinity& affinity() const { return affinity_; }
+  void set_affinity(RailAffinity affinity) { affinity_ = std::move(affinity); }
 
  private:
+  RailAffinity affinity_;
   std::vector<std::unique_ptr<verbs::MemoryRegion>> mrs_;
   std::shared_ptr<GrantTable> grants_;
 };

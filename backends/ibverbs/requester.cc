@@ -103,6 +103,22 @@ struct IbverbsBackend::LaneUse {
   bool connect_failed = false;
 };
 
+// Ops of one peer plan whose buffers are near the same rails on both sides,
+// and the lanes (indices into the plan's) they go over, with each lane's
+// share.
+struct IbverbsBackend::AffinityClass {
+  // Near the ops' buffers: this agent's rails by Rail::index, the peer's by
+  // index into the plan's remote rails.
+  std::vector<bool> local_near;
+  std::vector<bool> remote_near;
+  // Small ops: the near rails' pairs.
+  std::vector<size_t> small_lanes;
+  std::vector<double> small_weights;
+  // Striped ops: the same, or with far rails joining (PlanAffinity).
+  std::vector<size_t> large_lanes;
+  std::vector<double> large_weights;
+};
+
 // The ops of one Submit to one peer (agent and epoch) and the lanes they go
 // over. `lanes` is a deque: RunLane holds references to its elements while
 // Repost may add lanes.
@@ -113,6 +129,9 @@ struct IbverbsBackend::PeerPlan {
   std::deque<LaneUse> lanes;
   // Lanes whose cooldown ran out while others are healthy: probed aside.
   std::vector<std::shared_ptr<Lane>> probes;
+  std::vector<AffinityClass> classes;
+  // Each op's class, by op index.
+  std::map<size_t, size_t> class_of_op;
 };
 
 std::string IbverbsBackend::PeerKey(const v1::RemoteBuffer& remote) {
@@ -207,6 +226,17 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   std::vector<Rail*> usable;
   for (const auto& rail : rails_) {
     absl::MutexLock lock(&rail->mu);
+    if (!rail->port_active) {
+      // Down since start or since a port event or look said so: back when
+      // a port event says ACTIVE, or (a device without events) when this
+      // look does.
+      if (now - rail->port_checked < kPortCheckInterval) continue;
+      rail->port_checked = now;
+      auto port = rail->device->device->QueryPort(rail->local.port);
+      if (!port.ok() || port->state != IBV_PORT_ACTIVE) continue;
+      rail->port_active = true;
+      // On to its health: a rail that failed waits out its cooldown.
+    }
     const bool failed = rail->health.failed();
     if (failed && rail->health.cooling(now)) continue;
     // A failed rail whose cooldown ran out is back once its port is ACTIVE
@@ -220,6 +250,7 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
                       : std::string(port.status().message());
         rail->health.Fail(now, options_.rail_cooldown,
                           options_.rail_max_cooldown, why);
+        rail->port_active = false;
         if (!failed) {
           spdlog::warn("ibverbs: rail {} is out ({}): left out for {}",
                        rail->name, why,
@@ -239,6 +270,8 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   for (const auto& rail : rails_) {
     auto port = rail->device->device->QueryPort(rail->local.port);
     if (port.ok() && port->state == IBV_PORT_ACTIVE) {
+      absl::MutexLock lock(&rail->mu);
+      rail->port_active = true;
       usable.push_back(rail.get());
     }
   }
@@ -280,35 +313,188 @@ IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
   const std::vector<std::vector<bool>> failed =
       FailedPairs(plan, rails, expired);
   const std::vector<std::vector<bool>> healthy = HealthyPairs(failed);
+  const bool any_healthy =
+      std::any_of(healthy.begin(), healthy.end(), [](const auto& row) {
+        return std::find(row.begin(), row.end(), true) != row.end();
+      });
+  // Pairs whose cooldown ran out are probed while healthy ones carry the
+  // ops; when nothing is healthy they are tried with the ops themselves.
+  if (any_healthy) {
+    for (const auto& [l, r] : expired) {
+      plan.probes.push_back(
+          LaneFor(plan.peer, *rails[l], plan.remote_rails[r]));
+    }
+  }
+  PlanAffinity(ops, rails, healthy, plan);
+  AssignWork(ops, plan);
+  return plan;
+}
+
+namespace {
+
+// Sum of the link speeds of the rails `chosen` picks (unknown speeds count
+// as 1 Gbit/s, so that rails of unknown speed still count).
+double TotalGbps(absl::Span<const double> gbps,
+                 const std::vector<bool>& chosen) {
+  double total = 0;
+  for (size_t i = 0; i < gbps.size(); ++i) {
+    if (chosen[i]) total += gbps[i] > 0 ? gbps[i] : 1.0;
+  }
+  return total;
+}
+
+bool Any(const std::vector<bool>& chosen) {
+  return std::find(chosen.begin(), chosen.end(), true) != chosen.end();
+}
+
+// Pairs of the rails `local` x `remote` pick (PairRails over them), with
+// indices into the full lists; empty when no allowed pair is among them.
+std::vector<RailPair> PairAmong(
+    absl::Span<const double> local_gbps, absl::Span<const double> remote_gbps,
+    const std::vector<bool>& local, const std::vector<bool>& remote,
+    const std::function<bool(size_t, size_t)>& allowed) {
+  std::vector<size_t> l_index;
+  std::vector<size_t> r_index;
+  std::vector<double> l_gbps;
+  std::vector<double> r_gbps;
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (!local[i]) continue;
+    l_index.push_back(i);
+    l_gbps.push_back(local_gbps[i]);
+  }
+  for (size_t i = 0; i < remote.size(); ++i) {
+    if (!remote[i]) continue;
+    r_index.push_back(i);
+    r_gbps.push_back(remote_gbps[i]);
+  }
+  if (l_index.empty() || r_index.empty()) return {};
+  std::vector<RailPair> pairs = PairRails(
+      l_gbps, r_gbps,
+      [&](size_t l, size_t r) { return allowed(l_index[l], r_index[r]); });
+  for (RailPair& pair : pairs) {
+    pair.local = l_index[pair.local];
+    pair.remote = r_index[pair.remote];
+  }
+  return pairs;
+}
+
+// The pairs for rails `local` x `remote`, widened when none of them is
+// healthy: near rails of one side with any rail of the other, then any
+// healthy pair (far rails take over before the op gives up on RDMA), then
+// any pair at all (nothing is healthy: try them rather than fail outright,
+// a failure costs a transport timeout and then the registry's retry on
+// tcp).
+std::vector<RailPair> PairsOrWider(
+    absl::Span<const double> local_gbps, absl::Span<const double> remote_gbps,
+    const std::vector<bool>& local, const std::vector<bool>& remote,
+    const std::vector<std::vector<bool>>& healthy) {
+  const std::vector<bool> every_local(local.size(), true);
+  const std::vector<bool> every_remote(remote.size(), true);
+  const auto is_healthy = [&](size_t l, size_t r) { return healthy[l][r]; };
+  for (const auto& [l, r] :
+       {std::pair{&local, &remote}, std::pair{&local, &every_remote},
+        std::pair{&every_local, &remote},
+        std::pair{&every_local, &every_remote}}) {
+    std::vector<RailPair> pairs =
+        PairAmong(local_gbps, remote_gbps, *l, *r, is_healthy);
+    if (!pairs.empty()) return pairs;
+  }
+  return PairAmong(local_gbps, remote_gbps, every_local, every_remote,
+                   [](size_t, size_t) { return true; });
+}
+
+}  // namespace
+
+void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
+                                  const std::vector<Rail*>& rails,
+                                  const std::vector<std::vector<bool>>& healthy,
+                                  PeerPlan& plan) {
   std::vector<double> local_gbps;
   for (Rail* rail : rails) local_gbps.push_back(rail->speed_gbps);
   std::vector<double> remote_gbps;
   for (const RemoteRail& rail : plan.remote_rails) {
     remote_gbps.push_back(rail.speed_gbps);
   }
-  std::vector<RailPair> pairs =
-      PairRails(local_gbps, remote_gbps,
-                [&](size_t l, size_t r) { return healthy[l][r]; });
-  if (pairs.empty()) {
-    // Nothing healthy: try them all rather than fail outright (a failure
-    // costs a transport timeout, and then the registry's retry on tcp).
-    pairs =
-        PairRails(local_gbps, remote_gbps, [](size_t, size_t) { return true; });
-  } else {
-    for (const auto& [l, r] : expired) {
-      plan.probes.push_back(
-          LaneFor(plan.peer, *rails[l], plan.remote_rails[r]));
+  const bool nearest =
+      options_.numa_policy == IbverbsOptions::NumaPolicy::kNearest;
+  const std::vector<bool> every_local(rails.size(), true);
+  const std::vector<bool> every_remote(plan.remote_rails.size(), true);
+  // Far rails join striped ops when the near ones' speed is a small share
+  // of all (a host with one NIC near the buffer and three far).
+  const auto widened = [&](const std::vector<bool>& near,
+                           absl::Span<const double> gbps,
+                           const std::vector<bool>& every) {
+    return TotalGbps(gbps, near) <
+                   options_.numa_near_share * TotalGbps(gbps, every)
+               ? every
+               : near;
+  };
+  std::map<std::shared_ptr<Lane>, size_t> lane_index;
+  const auto add_lanes = [&](const std::vector<RailPair>& pairs,
+                             std::vector<size_t>& lanes,
+                             std::vector<double>& weights) {
+    for (const RailPair& pair : pairs) {
+      const std::shared_ptr<Lane> lane = LaneFor(
+          plan.peer, *rails[pair.local], plan.remote_rails[pair.remote]);
+      auto [it, added] = lane_index.emplace(lane, plan.lanes.size());
+      if (added) {
+        LaneUse use;
+        use.lane = lane;
+        plan.lanes.push_back(std::move(use));
+      }
+      LaneUse& use = plan.lanes[it->second];
+      use.weight = std::max(use.weight, pair.weight);
+      lanes.push_back(it->second);
+      weights.push_back(pair.weight);
     }
+  };
+  // Classes by which rails are near the ops' buffers: as many as distinct
+  // (local node, remote node) pairs among the ops, each paired once.
+  std::map<std::pair<std::vector<bool>, std::vector<bool>>, size_t> classes;
+  for (size_t i : plan.ops) {
+    // Near rails of ours that are usable now; all usable ones when none of
+    // them is (far rails take over).
+    std::vector<bool> local = every_local;
+    std::vector<bool> remote = every_remote;
+    if (nearest) {
+      const auto& near = dynamic_cast<const IbverbsRegistration&>(
+                             *ops[i].local->backend_state(name_))
+                             .affinity()
+                             .near_rails;
+      for (size_t l = 0; l < rails.size(); ++l) {
+        local[l] = rails[l]->index < near.size() && near[rails[l]->index];
+      }
+      if (!Any(local)) local = every_local;
+      remote = RemoteNearRailsOf(ops[i].endpoint->ibverbs());
+      remote.resize(plan.remote_rails.size(), false);
+      if (!Any(remote)) remote = every_remote;
+    }
+    auto [it, added] =
+        classes.emplace(std::pair{local, remote}, plan.classes.size());
+    plan.class_of_op[i] = it->second;
+    if (!added) continue;
+    AffinityClass affinity;
+    add_lanes(PairsOrWider(local_gbps, remote_gbps, local, remote, healthy),
+              affinity.small_lanes, affinity.small_weights);
+    const std::vector<bool> large_local =
+        widened(local, local_gbps, every_local);
+    const std::vector<bool> large_remote =
+        widened(remote, remote_gbps, every_remote);
+    if (large_local == local && large_remote == remote) {
+      affinity.large_lanes = affinity.small_lanes;
+      affinity.large_weights = affinity.small_weights;
+    } else {
+      add_lanes(PairsOrWider(local_gbps, remote_gbps, large_local, large_remote,
+                             healthy),
+                affinity.large_lanes, affinity.large_weights);
+    }
+    affinity.local_near.assign(rails_.size(), false);
+    for (size_t l = 0; l < rails.size(); ++l) {
+      affinity.local_near[rails[l]->index] = local[l];
+    }
+    affinity.remote_near = std::move(remote);
+    plan.classes.push_back(std::move(affinity));
   }
-  for (const RailPair& pair : pairs) {
-    LaneUse use;
-    use.lane =
-        LaneFor(plan.peer, *rails[pair.local], plan.remote_rails[pair.remote]);
-    use.weight = pair.weight;
-    plan.lanes.push_back(std::move(use));
-  }
-  AssignWork(ops, plan);
-  return plan;
 }
 
 std::vector<std::vector<bool>> IbverbsBackend::FailedPairs(
@@ -336,10 +522,8 @@ std::vector<std::vector<bool>> IbverbsBackend::FailedPairs(
 }
 
 void IbverbsBackend::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
-  std::vector<double> weights;
   std::vector<double> loads;  // bytes in flight, then planned too
   for (const LaneUse& use : plan.lanes) {
-    weights.push_back(use.weight);
     loads.push_back(static_cast<double>(use.lane->load->bytes.load()));
   }
   size_t round_robin;
@@ -347,18 +531,26 @@ void IbverbsBackend::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
     absl::MutexLock lock(&mu_);
     round_robin = round_robin_[plan.peer]++;
   }
+  std::vector<double> class_loads;
   for (size_t i : plan.ops) {
+    const AffinityClass& affinity = plan.classes[plan.class_of_op[i]];
     const uint64_t length = ops[i].length;
-    if (length >= options_.stripe_threshold_bytes && plan.lanes.size() > 1) {
-      for (const Piece& piece : SplitByWeight(length, weights, kStripeAlign)) {
-        plan.lanes[piece.lane].work.push_back({i, piece.offset, piece.length});
-        loads[piece.lane] += static_cast<double>(piece.length);
+    if (length >= options_.stripe_threshold_bytes &&
+        affinity.large_lanes.size() > 1) {
+      for (const Piece& piece :
+           SplitByWeight(length, affinity.large_weights, kStripeAlign)) {
+        const size_t lane = affinity.large_lanes[piece.lane];
+        plan.lanes[lane].work.push_back({i, piece.offset, piece.length});
+        loads[lane] += static_cast<double>(piece.length);
       }
       continue;
     }
-    const size_t k = LeastLoaded(loads, weights, round_robin++);
-    plan.lanes[k].work.push_back({i, 0, length});
-    loads[k] += static_cast<double>(length);
+    class_loads.clear();
+    for (size_t lane : affinity.small_lanes) class_loads.push_back(loads[lane]);
+    const size_t lane = affinity.small_lanes[LeastLoaded(
+        class_loads, affinity.small_weights, round_robin++)];
+    plan.lanes[lane].work.push_back({i, 0, length});
+    loads[lane] += static_cast<double>(length);
   }
 }
 
@@ -496,7 +688,7 @@ void IbverbsBackend::Repost(absl::Span<const Op> ops,
       batch->Settle(retry.range, absl::OkStatus());
       continue;
     }
-    LaneUse* target = PickLane(ops, plan, stop);
+    LaneUse* target = PickLane(ops, plan, retry.range.op, stop);
     if (target == nullptr) {
       std::vector<std::string> others;
       for (const LaneUse& use : plan.lanes) {
@@ -519,8 +711,22 @@ void IbverbsBackend::Repost(absl::Span<const Op> ops,
 }
 
 IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
-                                                  PeerPlan& plan,
+                                                  PeerPlan& plan, size_t op,
                                                   const StopToken& stop) {
+  const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
+  // How many of the lane's two rails are far from the op's buffers.
+  const auto far_ends = [&](const LaneUse& use) {
+    const size_t remote = static_cast<size_t>(
+        std::find_if(plan.remote_rails.begin(), plan.remote_rails.end(),
+                     [&](const RemoteRail& rail) {
+                       return rail.name() == use.lane->remote.name();
+                     }) -
+        plan.remote_rails.begin());
+    return int{!affinity.local_near[use.lane->rail->index]} +
+           int{!(remote < affinity.remote_near.size() &&
+                 affinity.remote_near[remote])};
+  };
+  const auto near = [&](const LaneUse& use) { return far_ends(use) == 0; };
   while (!stop.stopped()) {
     // Once a handshake with the peer failed, only lanes already connected
     // are worth it: the others' handshakes would fail alike, each costing up
@@ -528,20 +734,40 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
     const bool handshakes_fail =
         std::any_of(plan.lanes.begin(), plan.lanes.end(),
                     [](const LaneUse& use) { return use.connect_failed; });
-    // The least loaded of the lanes still standing.
+    // The least loaded of the lanes still standing, near the op's buffers
+    // when one of those is.
     LaneUse* best = nullptr;
     double best_cost = std::numeric_limits<double>::infinity();
+    bool best_near = false;
     for (LaneUse& use : plan.lanes) {
       if (!use.failed.ok()) continue;
       if (handshakes_fail && use.connection == nullptr) continue;
+      const bool is_near = near(use);
       const double cost = static_cast<double>(use.lane->load->bytes.load()) /
                           std::max(use.weight, 1e-9);
-      if (best == nullptr || cost < best_cost) {
+      if (best == nullptr || (is_near && !best_near) ||
+          (is_near == best_near && cost < best_cost)) {
         best = &use;
         best_cost = cost;
+        best_near = is_near;
       }
     }
-    if (best == nullptr && !handshakes_fail) best = AddLane(plan);
+    if (!best_near && !handshakes_fail) {
+      // A pair near the op the plan left out beats a far lane of the plan,
+      // and so does a pair as near whose rails carry nothing of the plan
+      // yet: when the near rails went, their bytes spread over as many far
+      // links as they had. With no lane standing, any pair will do.
+      LaneUse* added = nullptr;
+      if (best == nullptr) {
+        added = AddLane(plan, op, 2);
+      } else {
+        added = AddLane(plan, op, 0);
+        if (added == nullptr) {
+          added = AddLane(plan, op, far_ends(*best), /*fresh_rails=*/true);
+        }
+      }
+      if (added != nullptr) best = added;
+    }
     if (best == nullptr) return nullptr;
     if (best->connection != nullptr) return best;
     auto connection = ConnectLane(*best->lane, ops, plan.ops, stop);
@@ -555,28 +781,55 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
   return nullptr;
 }
 
-IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan) {
+IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan, size_t op,
+                                                 int max_far_ends,
+                                                 bool fresh_rails) {
   // E.g. this agent's rail whose partner failed, with the partner of a rail
-  // of this agent whose port went down.
+  // of this agent whose port went down. Pairs near the op's buffers on both
+  // sides first, then near on one side, then far.
+  const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
   const absl::Time now = absl::Now();
-  for (Rail* rail : UsableRails()) {
-    for (const RemoteRail& remote : plan.remote_rails) {
-      const std::shared_ptr<Lane> lane = LaneFor(plan.peer, *rail, remote);
-      const bool planned =
-          std::any_of(plan.lanes.begin(), plan.lanes.end(),
-                      [&](const LaneUse& use) { return use.lane == lane; });
-      if (planned) continue;
-      {
-        absl::MutexLock lock(&lane->health->mu);
-        if (lane->health->cooldown.cooling(now)) continue;
+  const std::vector<Rail*> rails = UsableRails();
+  // Rails of both sides the plan's standing lanes use.
+  std::vector<const Rail*> busy_local;
+  std::vector<std::string> busy_remote;
+  for (const LaneUse& use : plan.lanes) {
+    if (!use.failed.ok()) continue;
+    busy_local.push_back(use.lane->rail);
+    busy_remote.push_back(use.lane->remote.name());
+  }
+  const auto busy = [&](const Rail* rail, const RemoteRail& remote) {
+    return std::find(busy_local.begin(), busy_local.end(), rail) !=
+               busy_local.end() ||
+           std::find(busy_remote.begin(), busy_remote.end(), remote.name()) !=
+               busy_remote.end();
+  };
+  for (int far_ends = 0; far_ends <= max_far_ends; ++far_ends) {
+    for (Rail* rail : rails) {
+      for (size_t r = 0; r < plan.remote_rails.size(); ++r) {
+        const int ends =
+            !affinity.local_near[rail->index] +
+            !(r < affinity.remote_near.size() && affinity.remote_near[r]);
+        if (ends != far_ends) continue;
+        const RemoteRail& remote = plan.remote_rails[r];
+        if (fresh_rails && busy(rail, remote)) continue;
+        const std::shared_ptr<Lane> lane = LaneFor(plan.peer, *rail, remote);
+        const bool planned =
+            std::any_of(plan.lanes.begin(), plan.lanes.end(),
+                        [&](const LaneUse& use) { return use.lane == lane; });
+        if (planned) continue;
+        {
+          absl::MutexLock lock(&lane->health->mu);
+          if (lane->health->cooldown.cooling(now)) continue;
+        }
+        LaneUse use;
+        use.lane = lane;
+        use.weight = std::min(
+            rail->speed_gbps > 0 ? rail->speed_gbps : 1.0,
+            remote.speed_gbps > 0 ? remote.speed_gbps : rail->speed_gbps);
+        plan.lanes.push_back(std::move(use));
+        return &plan.lanes.back();
       }
-      LaneUse use;
-      use.lane = lane;
-      use.weight = std::min(
-          rail->speed_gbps > 0 ? rail->speed_gbps : 1.0,
-          remote.speed_gbps > 0 ? remote.speed_gbps : rail->speed_gbps);
-      plan.lanes.push_back(std::move(use));
-      return &plan.lanes.back();
     }
   }
   return nullptr;
@@ -594,6 +847,8 @@ void IbverbsBackend::CoolDown(Lane& lane, const absl::Status& why) {
     absl::MutexLock lock(&rail.mu);
     rail.health.Fail(now, options_.rail_cooldown, options_.rail_max_cooldown,
                      state);
+    rail.port_active = false;
+    rail.port_checked = now;
     spdlog::warn(
         "ibverbs: rail {} failed ({}): left out for {}, its bytes go over "
         "the other rails",

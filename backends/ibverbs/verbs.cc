@@ -78,6 +78,10 @@ std::string PortStateName(ibv_port_state state) {
   }
 }
 
+std::string AsyncEventName(ibv_event_type type) {
+  return absl::StrCat("IBV_EVENT_", ibv_event_type_str(type));
+}
+
 uint32_t MtuBytes(ibv_mtu mtu) {
   switch (mtu) {
     case IBV_MTU_256:

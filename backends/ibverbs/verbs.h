@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,14 @@ class ProtectionDomain {
       const QueuePairInit& init) = 0;
 };
 
+// An asynchronous event of a device (ibv_get_async_event): its type and,
+// for port events (IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR, ...), the
+// port it is about.
+struct AsyncEvent {
+  ibv_event_type type = IBV_EVENT_DEVICE_FATAL;
+  uint8_t port = 0;  // 0 for events that are not about a port
+};
+
 // ibv_open_device: an opened device context.
 class Device {
  public:
@@ -103,6 +112,12 @@ class Device {
   // (/sys/class/infiniband/<name>/device/numa_node); -1 when unknown (no
   // NUMA, or a virtual device).
   virtual int NumaNode() const = 0;
+  // ibv_get_async_event + ibv_ack_async_event: the device's next
+  // asynchronous event, waiting at most `timeout` for it (poll(2) on the
+  // context's async_fd); nullopt when none came. Events of this context
+  // only, each reported once, in order; one caller at a time.
+  virtual absl::StatusOr<std::optional<AsyncEvent>> GetAsyncEvent(
+      absl::Duration timeout) = 0;
   virtual absl::StatusOr<std::unique_ptr<ProtectionDomain>>
   AllocateProtectionDomain() = 0;
   // ibv_create_cq with at least `cqe` entries and a completion channel.
@@ -127,6 +142,8 @@ std::string WcStatusName(ibv_wc_status status);
 std::string QpStateName(ibv_qp_state state);
 // "ACTIVE", "DOWN"...
 std::string PortStateName(ibv_port_state state);
+// "IBV_EVENT_PORT_ACTIVE"-style names for logs.
+std::string AsyncEventName(ibv_event_type type);
 // IBV_MTU_1024 -> 1024; 0 for an unknown value.
 uint32_t MtuBytes(ibv_mtu mtu);
 // 1024 -> IBV_MTU_1024; INVALID_ARGUMENT unless one of 256..4096.

@@ -57,6 +57,12 @@ class TokenBucket {
   absl::Time zero_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
+// One opened context's asynchronous events, in order.
+struct AsyncEventQueue {
+  absl::Mutex mu;
+  std::deque<AsyncEvent> events ABSL_GUARDED_BY(mu);
+};
+
 struct DeviceState {
   SoftDeviceConfig config;
   uint16_t lid = 0;
@@ -71,6 +77,29 @@ struct DeviceState {
 
   // Whether WRs get through this device's port.
   bool Up() const { return reachable && port_state == IBV_PORT_ACTIVE; }
+
+  // The event queues of the contexts opened on it (as each ibv_context has
+  // its own async_fd).
+  absl::Mutex events_mu;
+  std::vector<std::weak_ptr<AsyncEventQueue>> listeners
+      ABSL_GUARDED_BY(events_mu);
+  // Sets the port's state; when it becomes ACTIVE or stops being ACTIVE,
+  // tells every opened context (IBV_EVENT_PORT_ACTIVE / IBV_EVENT_PORT_ERR),
+  // unless the device is configured to send no events.
+  void SetPortState(ibv_port_state state) {
+    const bool was_active = port_state.exchange(state) == IBV_PORT_ACTIVE;
+    const bool active = state == IBV_PORT_ACTIVE;
+    if (was_active == active || !config.async_events) return;
+    const AsyncEvent event = {
+        active ? IBV_EVENT_PORT_ACTIVE : IBV_EVENT_PORT_ERR, 1};
+    absl::MutexLock lock(&events_mu);
+    for (const auto& weak : listeners) {
+      if (auto queue = weak.lock()) {
+        absl::MutexLock queue_lock(&queue->mu);
+        queue->events.push_back(event);
+      }
+    }
+  }
   // Copies hold it shared; MR (de)registration exclusive, so that a
   // deregistered MR is never touched again.
   absl::Mutex mr_mu;
@@ -163,6 +192,7 @@ struct FabricState {
 
 namespace {
 
+using soft_internal::AsyncEventQueue;
 using soft_internal::CqState;
 using soft_internal::DeviceState;
 using soft_internal::FabricState;
@@ -762,7 +792,31 @@ class SoftDevice : public Device {
  public:
   SoftDevice(std::shared_ptr<FabricState> fabric,
              std::shared_ptr<DeviceState> device)
-      : fabric_(std::move(fabric)), device_(std::move(device)) {}
+      : fabric_(std::move(fabric)), device_(std::move(device)) {
+    absl::MutexLock lock(&device_->events_mu);
+    auto& listeners = device_->listeners;
+    listeners.erase(std::remove_if(listeners.begin(), listeners.end(),
+                                   [](const std::weak_ptr<AsyncEventQueue>& q) {
+                                     return q.expired();
+                                   }),
+                    listeners.end());
+    listeners.push_back(events_);
+  }
+
+  absl::StatusOr<std::optional<AsyncEvent>> GetAsyncEvent(
+      absl::Duration timeout) override {
+    AsyncEventQueue& queue = *events_;
+    absl::MutexLock lock(&queue.mu);
+    const auto any = [&queue]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue.mu) {
+      return !queue.events.empty();
+    };
+    if (!queue.mu.AwaitWithTimeout(absl::Condition(&any), timeout)) {
+      return std::nullopt;
+    }
+    const AsyncEvent event = queue.events.front();
+    queue.events.pop_front();
+    return event;
+  }
 
   const std::string& name() const override { return device_->config.name; }
   int NumaNode() const override { return device_->config.numa_node; }
@@ -835,6 +889,8 @@ class SoftDevice : public Device {
  private:
   std::shared_ptr<FabricState> fabric_;
   std::shared_ptr<DeviceState> device_;
+  const std::shared_ptr<AsyncEventQueue> events_ =
+      std::make_shared<AsyncEventQueue>();
 };
 
 class SoftVerbs : public Verbs {
@@ -937,13 +993,17 @@ void SoftFabric::SetReachable(const std::string& device, bool reachable) {
 }
 
 absl::Status SoftFabric::Unplug(const std::string& device) {
-  return ChangeLink(*state_, device,
-                    [](DeviceState& d) { d.port_state = IBV_PORT_DOWN; });
+  return SetPortState(device, IBV_PORT_DOWN);
 }
 
 absl::Status SoftFabric::Replug(const std::string& device) {
+  return SetPortState(device, IBV_PORT_ACTIVE);
+}
+
+absl::Status SoftFabric::SetPortState(const std::string& device,
+                                      ibv_port_state state) {
   return ChangeLink(*state_, device,
-                    [](DeviceState& d) { d.port_state = IBV_PORT_ACTIVE; });
+                    [state](DeviceState& d) { d.SetPortState(state); });
 }
 
 void SoftFabric::InjectFault(const SoftFault& fault) {

@@ -37,8 +37,9 @@
 // bytes over its rails shows in time and in per-device counters), unplugged
 // and replugged (the port goes DOWN: WRs in flight on its QPs and WRs posted
 // afterwards retry-exceed after the transport timeout, later ones flush, as
-// on hardware; replugged, it is ACTIVE again and new QPs work), and placed on
-// a NUMA node (Device::NumaNode(), where real devices read sysfs).
+// on hardware; replugged, it is ACTIVE again and new QPs work; port changes
+// are told as asynchronous events, IBV_EVENT_PORT_ERR / _ACTIVE), and placed
+// on a NUMA node (Device::NumaNode(), where real devices read sysfs).
 
 #include <cstdint>
 #include <memory>
@@ -81,6 +82,10 @@ struct SoftDeviceConfig {
   // What Device::NumaNode() answers (-1: unknown, like a device without a
   // sysfs numa_node).
   int numa_node = -1;
+  // Whether port changes are told to opened contexts as asynchronous events
+  // (IBV_EVENT_PORT_ACTIVE / IBV_EVENT_PORT_ERR); false: a device whose
+  // changes only ibv_query_port shows.
+  bool async_events = true;
 };
 
 // A fault applied to WRs as they are posted.
@@ -137,6 +142,14 @@ class SoftFabric {
   // there (as on hardware: their owner reconnects); new QPs, and QPs that
   // carried nothing meanwhile, work. NOT_FOUND for an unknown device.
   absl::Status Replug(const std::string& device);
+  // Sets the port's state as the link or the subnet manager would: a port
+  // that started DOWN or INIT comes up with IBV_PORT_ACTIVE (what Replug
+  // does), and one that stops being ACTIVE is as unplugged for WRs. Every
+  // context opened on the device gets IBV_EVENT_PORT_ACTIVE when the port
+  // becomes ACTIVE and IBV_EVENT_PORT_ERR when it stops being ACTIVE
+  // (Unplug and Replug too), unless its config says no async_events.
+  // NOT_FOUND for an unknown device.
+  absl::Status SetPortState(const std::string& device, ibv_port_state state);
 
   void InjectFault(const SoftFault& fault);
   void ClearFaults();

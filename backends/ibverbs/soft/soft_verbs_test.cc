@@ -607,6 +607,66 @@ TEST_F(SoftLinkTest, UnpluggingFailsTheWrOnTheLinkThenFlushesTheRest) {
   EXPECT_EQ(fabric_.bytes_moved("slow_a"), 0u);
 }
 
+TEST(SoftAsyncEventTest, PortChangesAreToldToEveryOpenedContext) {
+  SoftFabric fabric;
+  SoftDeviceConfig config;
+  config.name = "ev0";
+  config.port_state = IBV_PORT_DOWN;
+  ASSERT_TRUE(fabric.AddDevice(config).ok());
+  auto verbs = fabric.MakeVerbs();
+  auto first = verbs->OpenDevice("ev0");
+  auto second = verbs->OpenDevice("ev0");
+  ASSERT_TRUE(first.ok() && second.ok());
+  const auto next = [](verbs::Device& device) {
+    auto event = device.GetAsyncEvent(absl::Milliseconds(200));
+    EXPECT_TRUE(event.ok()) << event.status();
+    return event.ok() ? *event : std::nullopt;
+  };
+  // Nothing happened yet: the wait times out.
+  EXPECT_EQ(next(**first), std::nullopt);
+  // The port comes up (link trained), goes down (unplugged), comes back.
+  ASSERT_TRUE(fabric.SetPortState("ev0", IBV_PORT_INIT).ok());  // no event
+  ASSERT_TRUE(fabric.SetPortState("ev0", IBV_PORT_ACTIVE).ok());
+  EXPECT_EQ((*first)->QueryPort(1)->state, IBV_PORT_ACTIVE);
+  ASSERT_TRUE(fabric.Unplug("ev0").ok());
+  ASSERT_TRUE(fabric.Unplug("ev0").ok());  // no change, no event
+  ASSERT_TRUE(fabric.Replug("ev0").ok());
+  for (auto* device : {&*first, &*second}) {
+    std::vector<std::pair<ibv_event_type, int>> got;
+    while (auto event = next(**device))
+      got.push_back({event->type, event->port});
+    EXPECT_EQ(got, (std::vector<std::pair<ibv_event_type, int>>{
+                       {IBV_EVENT_PORT_ACTIVE, 1},
+                       {IBV_EVENT_PORT_ERR, 1},
+                       {IBV_EVENT_PORT_ACTIVE, 1}}));
+  }
+  // A context opened afterwards gets only what happens afterwards.
+  auto third = verbs->OpenDevice("ev0");
+  ASSERT_TRUE(third.ok());
+  ASSERT_TRUE(fabric.SetPortState("ev0", IBV_PORT_ARMED).ok());
+  auto event = next(**third);
+  ASSERT_TRUE(event.has_value());
+  EXPECT_EQ(event->type, IBV_EVENT_PORT_ERR);
+  EXPECT_EQ(next(**third), std::nullopt);
+  EXPECT_EQ(fabric.SetPortState("nope", IBV_PORT_ACTIVE).code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(SoftAsyncEventTest, ADeviceWithoutEventsOnlyShowsChangesInQueryPort) {
+  SoftFabric fabric;
+  SoftDeviceConfig config;
+  config.name = "quiet0";
+  config.async_events = false;
+  ASSERT_TRUE(fabric.AddDevice(config).ok());
+  auto device = fabric.MakeVerbs()->OpenDevice("quiet0");
+  ASSERT_TRUE(device.ok());
+  ASSERT_TRUE(fabric.Unplug("quiet0").ok());
+  EXPECT_EQ((*device)->QueryPort(1)->state, IBV_PORT_DOWN);
+  auto event = (*device)->GetAsyncEvent(absl::Milliseconds(50));
+  ASSERT_TRUE(event.ok());
+  EXPECT_EQ(*event, std::nullopt);
+}
+
 TEST_F(SoftLinkTest, WrsPostedWhileUnpluggedRetryOutAndReplugBringsItBack) {
   SoftDeviceConfig a;
   a.name = "plug_a";

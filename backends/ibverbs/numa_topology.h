@@ -1,0 +1,62 @@
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_NUMA_TOPOLOGY_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_NUMA_TOPOLOGY_H_
+
+// Where things sit on a NUMA host, as sysfs tells: the nodes and the
+// distances between them (the firmware's SLIT: 10 local, larger is
+// farther), the node of each RDMA device and of any PCI device. The ibverbs
+// backend pairs rails with memory by it (README.md, "Affinity").
+//
+// Nothing here fails: a file that is missing or unreadable (no NUMA, a
+// container without /sys, a virtual device) makes the answer unknown (-1),
+// and the caller then treats every choice as equally near. The root is
+// injectable ("/sys" on a host) so that a test can describe any host with a
+// tree of plain files.
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+
+namespace rdma_agent::ibverbs {
+
+class NumaTopology {
+ public:
+  // Reads <sysfs_root>/devices/system/node/node*/distance. Devices' nodes
+  // are read when asked for.
+  static NumaTopology Load(std::string sysfs_root = "/sys");
+
+  // The sysfs root it reads.
+  const std::string& sysfs_root() const { return root_; }
+  // NUMA nodes found, ascending; empty when sysfs says nothing.
+  const std::vector<int>& nodes() const { return nodes_; }
+  // Distance from node `from` to node `to` (10 for a node to itself on
+  // ordinary firmware); -1 when either node or the distance is unknown.
+  int Distance(int from, int to) const;
+
+  // Node of RDMA device `device` (<root>/class/infiniband/<device>/device/
+  // numa_node); -1 when unknown.
+  int RdmaDeviceNode(const std::string& device) const;
+  // Node of PCI device `bdf`, e.g. "0000:3b:00.0" (<root>/bus/pci/devices/
+  // <bdf>/numa_node), such as a GPU whose memory is registered; -1 when
+  // unknown.
+  int PciDeviceNode(const std::string& bdf) const;
+
+ private:
+  std::string root_;
+  std::vector<int> nodes_;
+  // distance_[from][to], for the nodes whose distance file was read.
+  std::map<int, std::map<int, int>> distance_;
+};
+
+// Which rails are nearest to memory on `memory_node`, given each rail's node
+// (`rail_nodes`, -1 unknown): those at the smallest distance, plus every
+// rail whose distance cannot be told (it is never left out on a guess).
+// Every rail when `memory_node` is unknown, or when no rail's distance is
+// known.
+std::vector<bool> NearestRails(const NumaTopology& topology, int memory_node,
+                               absl::Span<const int> rail_nodes);
+
+}  // namespace rdma_agent::ibverbs
+
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_NUMA_TOPOLOGY_H_
