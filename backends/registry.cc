@@ -162,6 +162,28 @@ absl::Status NoRouteError(const Op& op) {
       "buffer (", advertised, ")"));
 }
 
+// `status` (UNAVAILABLE on the only backend of `op`'s route) saying, when
+// either side is device memory, why no other backend was tried: the op is
+// never moved to tcp, which cannot reach it.
+absl::Status NoFallbackForDeviceMemory(const Op& op,
+                                       const absl::Status& status) {
+  std::string memory;
+  if (op.local != nullptr && op.local->device_memory() != nullptr) {
+    memory = absl::StrCat("the local buffer is ",
+                          DescribeMemory(op.local->memory_kind(),
+                                         op.local->device_index()));
+  } else if (op.remote->memory_kind() != v1::MEMORY_KIND_HOST) {
+    memory = absl::StrCat("the remote buffer is ",
+                          DescribeMemory(op.remote->memory_kind(),
+                                         op.remote->device_index()));
+  } else {
+    return status;
+  }
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), " (", memory,
+                                   ", which no other backend reaches)"));
+}
+
 // Each op's local buffer counts as used when the op starts and when it ends,
 // so that a long transfer shows in last use while it runs. Once per run of
 // ops on the same buffer: the stamp is a clock read.
@@ -238,10 +260,13 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
 
     std::vector<size_t> retry;
     for (size_t i : pending) {
-      if (absl::IsUnavailable(outcomes[i].status) && attempt[i] == 0 &&
-          routes[route[i]].size() > 1 && !stop.stopped()) {
+      if (!absl::IsUnavailable(outcomes[i].status)) continue;
+      if (attempt[i] == 0 && routes[route[i]].size() > 1 && !stop.stopped()) {
         attempt[i] = 1;
         retry.push_back(i);
+      } else if (routes[route[i]].size() == 1) {
+        outcomes[i].status = NoFallbackForDeviceMemory(ops[i],
+                                                       outcomes[i].status);
       }
     }
     pending = std::move(retry);
