@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -106,8 +107,12 @@ class DeviceMemoryTest : public ::testing::Test {
 
   // memory + tcp + ibverbs on `device`; empty: ibverbs disabled (a host
   // without a NIC).
-  std::unique_ptr<InProcessAgent> StartAgent(const std::string& device) {
+  // `tweak` adjusts the options (limits) before the agent starts.
+  std::unique_ptr<InProcessAgent> StartAgent(
+      const std::string& device,
+      const std::function<void(AgentOptions&)>& tweak = nullptr) {
     AgentOptions options;
+    if (tweak) tweak(options);
     options.backends.push_back([](const BackendEnvironment& env)
                                    -> absl::StatusOr<std::unique_ptr<Backend>> {
       return std::make_unique<MemoryBackend>(env);
@@ -125,6 +130,8 @@ class DeviceMemoryTest : public ::testing::Test {
                                    -> absl::StatusOr<std::unique_ptr<Backend>> {
       IbverbsOptions ib;
       ib.enabled = !device.empty();
+      ib.qp.timeout = 8;  // ~1 ms per try: a cut path fails fast
+      ib.qp.retry_cnt = 2;
       auto backend = IbverbsBackend::Create(
           env, ib, fabric->MakeVerbs({device.empty() ? "-" : device}));
       if (!backend.ok()) return backend.status();
@@ -401,6 +408,55 @@ TEST_F(DeviceMemoryTest, TheAttachSocketChecksDeviceMemoryBeforeParkingIt) {
   auto listed = client->ListBuffers();
   ASSERT_TRUE(listed.ok());
   EXPECT_TRUE(listed->empty());
+}
+
+TEST_F(DeviceMemoryTest, DeviceMemoryCountsAgainstTheLimitsLikeHostMemory) {
+  auto agent = StartAgent("nic_a", [](AgentOptions& options) {
+    options.max_buffer_bytes = kSize;
+    options.max_registered_bytes_per_user = kSize + kSize / 2;
+  });
+  ASSERT_NE(agent, nullptr);
+  auto client = Connect(*agent);
+  FakeDeviceAllocation gpu(9);
+  DeviceMemorySpec too_big = gpu.Spec();
+  too_big.length = kSize + 1;
+  auto refused = client->RegisterDeviceMemory(too_big, v1::ACCESS_READ);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("--max_buffer_bytes"));
+
+  auto first = client->RegisterDeviceMemory(gpu.Spec(), v1::ACCESS_READ);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto over_quota = client->RegisterDeviceMemory(gpu.Spec(), v1::ACCESS_READ);
+  EXPECT_EQ(over_quota.status().code(), absl::StatusCode::kResourceExhausted);
+  // Released, its bytes are given back.
+  ASSERT_TRUE(client->Release(first->id).ok());
+  auto again = client->RegisterDeviceMemory(gpu.Spec(), v1::ACCESS_READ);
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
+TEST_F(DeviceMemoryTest, ANicFailureOnDeviceMemoryIsNotRetriedOverTcp) {
+  auto a = StartAgent("nic_a");
+  auto b = StartAgent("nic_b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto client_a = Connect(*a);
+  auto client_b = Connect(*b);
+  FakeDeviceAllocation gpu(10);
+  auto device = client_a->RegisterDeviceMemory(gpu.Spec(4),
+                                               v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(device.ok()) << device.status();
+  // B's host memory is reachable over tcp too; only the NIC path is cut.
+  client::Buffer host_b = HostBuffer(*client_b, 11);
+  fabric_->SetReachable("nic_b", false);
+  const std::string before = gpu.All();
+  OpResult op = RunOne(*client_a, {v1::OP_TYPE_READ_INTO_LOCAL, device->id, 0,
+                                   4096, host_b.remote_context(), 0});
+  EXPECT_EQ(op.status.code(), absl::StatusCode::kUnavailable) << op.status;
+  EXPECT_EQ(op.backend, "ibverbs");
+  EXPECT_THAT(op.status.message(),
+              HasSubstr("the local buffer is CUDA device memory (device 4), "
+                        "which no other backend reaches"));
+  EXPECT_TRUE(gpu.All() == before);
 }
 
 }  // namespace
