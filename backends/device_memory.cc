@@ -33,8 +33,11 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Adopt(
                      " bytes at offset ", description.offset, " overflows"));
   }
   // A dma-buf answers its size to SEEK_END (and nothing else): the range is
-  // checked here rather than at the first ibv_reg_dmabuf_mr.
+  // checked here rather than at the first ibv_reg_dmabuf_mr. The file
+  // position is the owner's too (one open file): it is put back.
+  const off_t position = ::lseek(fd.get(), 0, SEEK_CUR);
   const off_t end = ::lseek(fd.get(), 0, SEEK_END);
+  if (position >= 0) (void)::lseek(fd.get(), position, SEEK_SET);
   if (end < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("the file descriptor is not a dma-buf (lseek: ",
