@@ -519,7 +519,9 @@ absl::Status Agent::StartMetricsServer() {
 
 void Agent::AddGauges() {
   metrics_->AddGauge(
-      "rdma_agentd_rpcs_in_flight", "API RPCs running now",
+      "rdma_agentd_rpcs_in_flight",
+      "API RPCs running now, waiting ones included (rdma_agentd_waiting_rpcs "
+      "counts those apart)",
       [calls = calls_.get()] {
         return std::vector<GaugeSample>{
             {{}, static_cast<double>(calls->calls())}};

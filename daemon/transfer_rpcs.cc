@@ -10,9 +10,12 @@
 namespace rdma_agent {
 namespace {
 
-// Transfers one GetTransfers may name: bounds the reply (each carries one
-// result per op).
+// Transfers one GetTransfers may name.
 constexpr size_t kMaxTransfersPerGet = 1024;
+// What the transfers of one reply may take, under the agent's 64 MiB
+// message bound with room to spare: past it, ended transfers come without
+// their results (TransferTable::Poll::Report) and stay kept.
+constexpr size_t kMaxReplyBytes = 48 << 20;
 
 // A GetTransfers long poll's view of the table.
 class TransferPoll final : public PollSource<v1::GetTransfersResponse> {
@@ -23,7 +26,7 @@ class TransferPoll final : public PollSource<v1::GetTransfersResponse> {
   bool settled() const override { return poll_->settled(); }
 
   absl::Status Answer(v1::GetTransfersResponse* response) override {
-    for (v1::Transfer& transfer : poll_->Report()) {
+    for (v1::Transfer& transfer : poll_->Report(kMaxReplyBytes)) {
       *response->add_transfers() = std::move(transfer);
     }
     return absl::OkStatus();

@@ -43,7 +43,7 @@ v1::TransferState FinalState(
 
 struct TransferTable::Record {
   enum class Phase {
-    kQueued,   // in queue_
+    kQueued,   // in its user's queue
     kRunning,  // taken off the queue by a worker, Cancel or Shutdown
     kEnded,
   };
@@ -113,19 +113,35 @@ bool TransferTable::Poll::settled() const {
   return state_->pending == 0;
 }
 
-std::vector<v1::Transfer> TransferTable::Poll::Report() {
+std::vector<v1::Transfer> TransferTable::Poll::Report(size_t max_bytes) {
   absl::MutexLock lock(&owner_->mu_);
   std::vector<v1::Transfer> transfers;
+  // Which transfers go out whole (the others' ends stay kept).
+  std::vector<bool> whole;
+  size_t bytes = 0;
+  bool full = false;
   for (const RecordPtr& record : state_->records) {
-    transfers.push_back(owner_->Describe(*record));
+    v1::Transfer transfer = owner_->Describe(*record);
+    // A repeated field's tag and length prefix: 1 + up to 10 bytes.
+    const size_t size = transfer.ByteSizeLong() + 11;
+    full = full || (!transfers.empty() && bytes + size > max_bytes);
+    if (full && record->phase == Record::Phase::kEnded) {
+      transfer.clear_results();
+      transfer.clear_notifications();
+      transfer.set_results_left_out(true);
+    }
+    bytes += full ? transfer.ByteSizeLong() + 11 : size;
+    whole.push_back(!transfer.results_left_out());
+    transfers.push_back(std::move(transfer));
   }
   if (state_->reported) return transfers;
   state_->reported = true;
-  for (const RecordPtr& record : state_->records) {
+  for (size_t i = 0; i < state_->records.size(); ++i) {
+    const RecordPtr& record = state_->records[i];
     // Still kept, and by this very record (not dropped meanwhile by another
     // reader, expiry or room-making: it is described all the same).
     auto kept = owner_->records_.find(record->id);
-    if (record->phase == Record::Phase::kEnded &&
+    if (whole[i] && record->phase == Record::Phase::kEnded &&
         kept != owner_->records_.end() && kept->second == record) {
       owner_->Drop(*record);
       owner_->ForgetIfIdle(record->uid);
@@ -239,8 +255,10 @@ absl::StatusOr<uint64_t> TransferTable::Submit(
   }
   const uint64_t id = next_id_++;
   auto record = std::make_shared<Record>(id, uid, std::move(work), deadline);
-  queue_.push_back(record);
-  record->queue_position = std::prev(queue_.end());
+  if (user.queued.empty()) user.turn = turns_.insert(turns_.end(), uid);
+  user.queued.push_back(record);
+  record->queue_position = std::prev(user.queued.end());
+  ++queued_;
   records_.emplace(id, std::move(record));
   ++user.in_flight;
   ++in_flight_;
@@ -254,12 +272,17 @@ void TransferTable::WorkLoop() {
 TransferTable::RecordPtr TransferTable::NextQueued() {
   absl::MutexLock lock(&mu_);
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return !queue_.empty() || stopping_;
+    return queued_ > 0 || stopping_;
   };
   mu_.Await(absl::Condition(&ready));
-  if (queue_.empty()) return nullptr;
-  RecordPtr record = std::move(queue_.front());
-  queue_.pop_front();
+  if (queued_ == 0) return nullptr;
+  const uid_t uid = turns_.front();
+  User& user = users_.at(uid);
+  RecordPtr record = std::move(user.queued.front());
+  user.queued.pop_front();
+  --queued_;
+  turns_.pop_front();
+  if (!user.queued.empty()) user.turn = turns_.insert(turns_.end(), uid);
   record->phase = Record::Phase::kRunning;
   running_.emplace(record->id, record);
   return record;
@@ -434,7 +457,10 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
     if (record->phase == Record::Phase::kEnded) return Describe(*record);
     record->cancel_asked = true;
     if (record->phase == Record::Phase::kQueued) {
-      queue_.erase(record->queue_position);
+      User& user = users_.at(record->uid);
+      user.queued.erase(record->queue_position);
+      --queued_;
+      if (user.queued.empty()) turns_.erase(user.turn);
       record->phase = Record::Phase::kRunning;
       take_off_queue = true;
     } else {
@@ -487,11 +513,15 @@ void TransferTable::Shutdown(const absl::Status& reason) {
       closed_reason_ = reason;
     }
     why = closed_reason_;
-    for (RecordPtr& record : queue_) {
-      record->phase = Record::Phase::kRunning;
-      queued.push_back(std::move(record));
+    for (uid_t uid : turns_) {
+      for (RecordPtr& record : users_.at(uid).queued) {
+        record->phase = Record::Phase::kRunning;
+        queued.push_back(std::move(record));
+      }
+      users_.at(uid).queued.clear();
     }
-    queue_.clear();
+    turns_.clear();
+    queued_ = 0;
     for (auto& [id, record] : running_) record->cancellation.Cancel(why);
     for (auto& [uid, user] : users_) {
       for (const auto& stream : user.streams) {

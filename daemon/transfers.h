@@ -8,6 +8,7 @@
 #include <functional>
 #include <list>
 #include <map>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -116,7 +117,14 @@ class TransferTable {
     // ended are reported: dropped from the table (their ids answer NOT_FOUND
     // from then on). Report only what is answered to the client: a poll
     // given up (its client went away) is destroyed without it.
-    std::vector<v1::Transfer> Report();
+    //
+    // The transfers' serialized size stays within `max_bytes` (a reply must
+    // fit in a gRPC message; one batch may carry 65536 results): once the
+    // next ended transfer would pass it, that one and every later ended one
+    // come without results and notifications, with `results_left_out` set,
+    // and stay kept, to be named again. The first transfer is always whole.
+    std::vector<v1::Transfer> Report(
+        size_t max_bytes = std::numeric_limits<size_t>::max());
 
    private:
     friend class TransferTable;
@@ -221,6 +229,10 @@ class TransferTable {
   // What the table keeps for one user.
   struct User {
     size_t in_flight = 0;
+    // Queued transfers of the user, first submitted first.
+    std::list<RecordPtr> queued;
+    // Its place in turns_ while `queued` is not empty.
+    std::list<uid_t>::iterator turn;
     // Ended and kept, by end sequence number (a new Stream's backlog).
     std::map<uint64_t, RecordPtr> ended;
     // End sequence numbers of those in `ended` a Stream has delivered: what
@@ -277,8 +289,12 @@ class TransferTable {
   uint64_t next_end_ ABSL_GUARDED_BY(mu_) = 1;  // end sequence numbers
   absl::flat_hash_map<uint64_t, RecordPtr> records_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uid_t, User> users_ ABSL_GUARDED_BY(mu_);
-  // Queued transfers, first submitted first.
-  std::list<RecordPtr> queue_ ABSL_GUARDED_BY(mu_);
+  // Users with queued transfers, in turn: a free worker takes the first
+  // queued transfer of the first user, who then goes to the back. One
+  // user's long queue thus delays another's next transfer by at most one
+  // transfer per user ahead, not by the whole queue.
+  std::list<uid_t> turns_ ABSL_GUARDED_BY(mu_);
+  size_t queued_ ABSL_GUARDED_BY(mu_) = 0;
   // Transfers running on a worker (cancelled at Shutdown).
   absl::flat_hash_map<uint64_t, RecordPtr> running_ ABSL_GUARDED_BY(mu_);
   size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;

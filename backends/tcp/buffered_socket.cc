@@ -219,7 +219,7 @@ absl::StatusOr<bool> SendQueue::SendSpliced(int fd, PageSender& pages) {
   return true;
 }
 
-absl::Status SendQueue::Send(int fd, PageSender* pages) {
+absl::Status SendQueue::Send(int fd, PageSender* pages, bool wait) {
   while (!segments_.empty()) {
     if (segments_.front().splice && pages != nullptr) {
       absl::StatusOr<bool> done = SendSpliced(fd, *pages);
@@ -229,23 +229,29 @@ absl::Status SendQueue::Send(int fd, PageSender* pages) {
     }
     iovec iov[kMaxIov];
     int count = 0;
+    size_t offered = 0;
     for (auto it = segments_.begin();
          it != segments_.end() && count < kMaxIov &&
          !(it->splice && pages != nullptr);
          ++it) {
       iov[count++] = {const_cast<std::byte*>(it->bytes()) + it->sent,
                       it->length() - it->sent};
+      offered += it->length() - it->sent;
     }
     msghdr message{};
     message.msg_iov = iov;
     message.msg_iovlen = static_cast<size_t>(count);
-    const ssize_t n = sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n =
+        sendmsg(fd, &message, MSG_NOSIGNAL | (wait ? 0 : MSG_DONTWAIT));
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
       return ErrnoStatus(absl::StatusCode::kUnavailable, "send", errno);
     }
     Advance(static_cast<size_t>(n));
+    // Took less than offered: the socket is full now. Asking again would
+    // only find that out (EAGAIN); the owner waits for writability instead.
+    if (static_cast<size_t>(n) < offered) return absl::OkStatus();
   }
   return absl::OkStatus();
 }

@@ -146,10 +146,11 @@ class SendQueue {
   void AppendReference(const std::byte* data, size_t size,
                        std::shared_ptr<const void> keep_alive, bool splice);
 
-  // Sends as much as non-blocking `fd` takes now; `pages` (may be null)
-  // carries the references queued with `splice`. OK with whatever is left
-  // still queued; UNAVAILABLE when the connection failed.
-  absl::Status Send(int fd, PageSender* pages);
+  // Sends as much as `fd` takes now; `pages` (may be null) carries the
+  // references queued with `splice`. With `wait` (a blocking socket), each
+  // sendmsg waits for room up to the socket's SO_SNDTIMEO. OK with whatever
+  // is left still queued; UNAVAILABLE when the connection failed.
+  absl::Status Send(int fd, PageSender* pages, bool wait = false);
 
   bool empty() const { return segments_.empty(); }
   // Copied bytes queued (what the queue costs in memory).

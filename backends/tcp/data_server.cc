@@ -46,6 +46,16 @@ constexpr size_t kMaxQueuedAnswerBytes = BufferedSocket::kBufferBytes;
 // about when its predecessor's payload has gone. (They cost no memory: the
 // queue pins the mapping.)
 constexpr size_t kMaxQueuedPayloadBytes = 256 << 10;
+// Payloads at least this large (a WRITE's rest still to receive, or READ
+// answers still to send) go to a bulk thread when one is free.
+constexpr uint64_t kBulkBytes = 1 << 20;
+// Longest a bulk thread's blocking call waits for a slow peer before the
+// connection goes back to the event loops (SO_RCVTIMEO / SO_SNDTIMEO).
+constexpr absl::Duration kBulkSlice = absl::Milliseconds(20);
+// Answers wait to go out together until the turn runs dry, or until the
+// requests they answer carry this many bytes: a client keeps about 1 MiB
+// per connection in flight, which then reopens several times per window.
+constexpr uint64_t kAnswerFlushBytes = 256 << 10;
 // READ payloads shorter than this are copied behind their header (many
 // answers then leave in one iovec); longer ones are sent from the mapping.
 constexpr uint64_t kCopyPayloadBytes = BufferedSocket::kDirectBytes;
@@ -116,6 +126,12 @@ struct DataServer::Connection {
   // A kNotify request's payload, gathered before it is delivered (bounded
   // by kMaxNotificationPayloadBytes).
   std::string notification;
+  // Bytes of the requests answered since answers were last sent.
+  uint64_t answered_unsent = 0;
+  // What to wait for when Turn said kBulk and no bulk thread was free.
+  Next bulk_fallback = Next::kRead;
+  // The blocking calls' timeouts (kBulkSlice) are set on the socket.
+  bool bulk_timeouts_set = false;
 
   void Enter(Phase next, absl::Duration timeout) {
     phase.store(next);
@@ -155,11 +171,11 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
       options.idle_timeout <= absl::ZeroDuration() ||
       options.request_timeout <= absl::ZeroDuration() ||
       options.max_connections_per_source < 1 || options.max_connections < 0 ||
-      options.threads < 1) {
+      options.threads < 1 || options.bulk_threads < 0) {
     return absl::InvalidArgumentError(
         "tcp server limits out of range: timeouts must be positive, "
-        "connections per source and threads >= 1, max connections >= 0 (0: "
-        "derived from RLIMIT_NOFILE)");
+        "connections per source and threads >= 1, bulk threads and max "
+        "connections >= 0 (0: derived from RLIMIT_NOFILE)");
   }
   DataServerOptions resolved = options;
   if (resolved.max_connections == 0) {
@@ -238,6 +254,15 @@ absl::Status DataServer::StartLoops() {
                        " of ", options_.threads, ": ", e.what()));
     }
   }
+  for (int i = 0; i < options_.bulk_threads; ++i) {
+    try {
+      bulk_threads_.emplace_back([this] { BulkLoop(); });
+    } catch (const std::system_error& e) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tcp data plane: cannot start bulk thread ", i + 1,
+                       " of ", options_.bulk_threads, ": ", e.what()));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -251,7 +276,20 @@ DataServer::~DataServer() {
   const uint64_t one = 1;
   (void)!write(wake_.get(), &one, sizeof(one));
   for (std::thread& loop : loops_) loop.join();
-  // No loop serves anything now: closing the connections lets go of every
+  // A bulk thread may wait in a blocking call: shutting every connection
+  // down ends it at once.
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& connection : connections_) {
+      shutdown(connection->fd.get(), SHUT_RDWR);
+    }
+  }
+  {
+    absl::MutexLock lock(&bulk_mu_);
+    bulk_stopping_ = true;
+  }
+  for (std::thread& thread : bulk_threads_) thread.join();
+  // Nothing serves anything now: closing the connections lets go of every
   // registration they pinned.
   std::list<std::unique_ptr<Connection>> remaining;
   {
@@ -394,19 +432,108 @@ void DataServer::Loop() {
       continue;
     }
     auto& connection = *static_cast<Connection*>(event.data.ptr);
-    Rearm(connection, Turn(connection));
+    Next next = Turn(connection);
+    if (next == Next::kBulk) {
+      if (HandToBulkThread(connection)) continue;
+      next = connection.bulk_fallback;
+    }
+    Rearm(connection, next);
   }
+}
+
+bool DataServer::HandToBulkThread(Connection& c) {
+  absl::MutexLock lock(&bulk_mu_);
+  // Only to a free thread: a payload never waits behind another, so a slow
+  // peer holding a bulk thread slows no one else down.
+  if (bulk_free_ == 0 || bulk_stopping_) return false;
+  --bulk_free_;
+  bulk_queue_.push_back(&c);
+  return true;
+}
+
+void DataServer::BulkLoop() {
+  while (true) {
+    Connection* c = nullptr;
+    {
+      absl::MutexLock lock(&bulk_mu_);
+      ++bulk_free_;
+      bulk_mu_.Await(absl::Condition(
+          +[](DataServer* server) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+               server->bulk_mu_) {
+            return server->bulk_stopping_ || !server->bulk_queue_.empty();
+          },
+          this));
+      if (bulk_queue_.empty()) return;  // stopping
+      c = bulk_queue_.back();
+      bulk_queue_.pop_back();
+    }
+    // A connection that streams large payloads stays here, one payload
+    // after the other, as it would with a thread of its own: handing it
+    // back and forth between threads for every payload left its socket idle
+    // at each hand-off.
+    Next next = Next::kBulk;
+    while (next == Next::kBulk) {
+      if (!MoveBulk(*c)) {
+        // The peer is slow (or gone): the loops carry on without blocking
+        // (and find out if the connection failed).
+        next = c->bulk_fallback;
+        break;
+      }
+      next = Turn(*c);
+    }
+    Rearm(*c, next);
+  }
+}
+
+bool DataServer::MoveBulk(Connection& c) {
+  const int fd = c.fd.get();
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) return false;
+  bool done = false;
+  if (!c.bulk_timeouts_set) {
+    // Only blocking calls see them; the loops' calls do not block.
+    SetIoTimeout(fd, /*receive=*/true, kBulkSlice);
+    SetIoTimeout(fd, /*receive=*/false, kBulkSlice);
+    c.bulk_timeouts_set = true;
+  }
+  if (c.part == Connection::Part::kPayload && c.pinned != nullptr) {
+    // The rest of a granted WRITE's payload, straight into the mapping.
+    while (c.payload_done < c.header.length) {
+      const ssize_t n =
+          recv(fd, c.pinned->data() + c.header.offset + c.payload_done,
+               c.header.length - c.payload_done, MSG_WAITALL);
+      if (n <= 0) break;  // slow peer (timeout), EOF or error: the loops see
+      c.payload_done += static_cast<size_t>(n);
+    }
+    done = c.payload_done == c.header.length;
+  } else {
+    // Queued READ answers, sent from the mapping.
+    while (!c.out.empty()) {
+      const size_t before = c.out.referenced_bytes() + c.out.copied_bytes();
+      const bool ok =
+          c.out.Send(fd, c.pages.has_value() ? &*c.pages : nullptr,
+                     /*wait=*/true)
+              .ok();
+      if (!ok || c.out.referenced_bytes() + c.out.copied_bytes() == before) {
+        break;
+      }
+    }
+    done = c.out.empty();
+  }
+  // The loops' (and Turn's) calls must never block.
+  fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  return done;
 }
 
 DataServer::Next DataServer::Turn(Connection& c) {
   size_t budget = kTurnBytes;
-  // The last recv went through the buffer (requests, small payloads).
-  bool buffered_short = false;
+  bool received_any = false;
   // Sends what is queued as far as the socket takes it; false when the
   // connection failed. Called only when the turn would otherwise stop
   // reading (it waits, or the answers back up): one send then carries the
   // answers to everything that arrived meanwhile, not one per request.
   auto send = [&c]() -> bool {
+    c.answered_unsent = 0;
     if (c.out.empty()) return true;
     if (!c.pages_failed && !c.pages.has_value() && c.out.holds_reference()) {
       // First payload to splice: the pipe is made now.
@@ -419,7 +546,14 @@ DataServer::Next DataServer::Turn(Connection& c) {
   };
   auto wait = [&]() -> Next {
     if (!send()) return Next::kClose;
-    return c.out.empty() ? Next::kRead : Next::kReadWrite;
+    const Next next = c.out.empty() ? Next::kRead : Next::kReadWrite;
+    if (c.part == Connection::Part::kPayload && c.pinned != nullptr &&
+        c.header.length - c.payload_done >= kBulkBytes &&
+        options_.bulk_threads > 0) {
+      c.bulk_fallback = next;
+      return Next::kBulk;
+    }
+    return next;
   };
   while (true) {
     const Served served =
@@ -434,15 +568,26 @@ DataServer::Next DataServer::Turn(Connection& c) {
       if (!send()) return Next::kClose;
       // The socket took what it could: wait until it takes more before
       // reading another request.
-      if (c.Backlogged()) return Next::kWrite;
+      if (c.Backlogged()) {
+        if (c.out.referenced_bytes() >= kBulkBytes &&
+            options_.bulk_threads > 0) {
+          c.bulk_fallback = Next::kWrite;
+          return Next::kBulk;
+        }
+        return Next::kWrite;
+      }
       continue;  // drained enough: serve the requests waiting in the buffer
     }
-    // Out of budget, or the last recv of requests found the socket empty:
-    // wait for the next readiness rather than ask again (re-arming reports
-    // at once what arrived meanwhile), which saves a recv that would find
-    // nothing. Not after a payload read: a sender streaming a large WRITE
-    // has usually sent more by now.
-    if (budget == 0 || (buffered_short && c.in.drained())) return wait();
+    // A peer streaming requests may never let the turn run dry: answers go
+    // out once they cover kAnswerFlushBytes, so that its window reopens
+    // while it is still sending (rather than after it has stopped).
+    if (c.answered_unsent >= kAnswerFlushBytes && !send()) {
+      return Next::kClose;
+    }
+    // Out of budget, or the last recv found the socket empty: wait for the
+    // next readiness rather than ask again (re-arming reports at once what
+    // arrived meanwhile), which saves a recv that would find nothing.
+    if (budget == 0 || (received_any && c.in.drained())) return wait();
     // Take in more: a granted WRITE's payload straight into the mapping
     // when it is large, everything else through the buffer.
     const bool into_mapping = c.part == Connection::Part::kPayload &&
@@ -463,7 +608,7 @@ DataServer::Next DataServer::Turn(Connection& c) {
     if (*received == 0) return wait();
     if (into_mapping) c.payload_done += *received;
     budget -= std::min(budget, *received);
-    buffered_short = !into_mapping;
+    received_any = true;
   }
 }
 
@@ -668,6 +813,7 @@ void DataServer::FinishRequest(Connection& c) {
     c.pinned->CountServed(c.header.length);
   }
   c.out.EndMessage();
+  c.answered_unsent += c.header.length;
   c.pinned.reset();
   c.verdict = absl::OkStatus();
   c.part = Connection::Part::kHeader;

@@ -68,6 +68,12 @@ ABSL_FLAG(int32_t, tcp_server_threads,
           "Event-loop threads serving every incoming data connection "
           "(non-blocking; no thread per connection).");
 
+ABSL_FLAG(int32_t, tcp_server_bulk_threads,
+          rdma_agent::tcp::DataServerOptions().bulk_threads,
+          "Threads that move large incoming-transfer payloads (1 MiB and "
+          "more) with blocking calls when one is free; the event loops move "
+          "them otherwise. 0: the event loops move everything.");
+
 // The requesting side: threads, connection bounds, dialling.
 ABSL_FLAG(int32_t, tcp_client_threads,
           rdma_agent::tcp::DataClientOptions().threads,
@@ -121,6 +127,8 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
         absl::GetFlag(FLAGS_tcp_max_connections_per_source);
     options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
     options.server.threads = absl::GetFlag(FLAGS_tcp_server_threads);
+    options.server.bulk_threads =
+        absl::GetFlag(FLAGS_tcp_server_bulk_threads);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);

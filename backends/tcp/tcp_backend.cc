@@ -92,6 +92,8 @@ v1::TransportInfo TcpBackend::transport_info() const {
   attributes["max_in_flight"] = absl::StrCat(options_.client.max_in_flight);
   attributes["in_flight_bytes"] = absl::StrCat(options_.client.in_flight_bytes);
   attributes["server_threads"] = absl::StrCat(options_.server.threads);
+  attributes["server_bulk_threads"] =
+      absl::StrCat(options_.server.bulk_threads);
   attributes["zero_copy_send"] =
       options_.client.zero_copy_send ? "true" : "false";
   return info;

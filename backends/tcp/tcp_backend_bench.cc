@@ -33,6 +33,7 @@
 #include "absl/time/clock.h"
 #include "backends/tcp/tcp_backend.h"
 #include "backends/testing/harness.h"
+#include "bench/socket_peer.h"
 
 namespace rdma_agent {
 namespace {
@@ -87,39 +88,22 @@ std::pair<double, double> Latency(int iterations,
   return {Percentile(us, 0.5), Percentile(us, 0.99)};
 }
 
-// A 8-byte request/response over one loopback TCP connection.
+[[noreturn]] void Die(const absl::Status& status) {
+  std::fprintf(stderr, "ping-pong: %s\n", status.ToString().c_str());
+  std::exit(1);
+}
+
+// 8-byte round trips over one loopback TCP connection (the bench's own
+// ping-pong peer, as compare.sh measures the floor): p50 and p99 in us.
 std::pair<double, double> PingPong(int iterations) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  ::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  ::listen(listener, 1);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
-  std::thread server([listener] {
-    const int fd = ::accept(listener, nullptr, nullptr);
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    char byte[8];
-    while (::recv(fd, byte, sizeof(byte), MSG_WAITALL) == sizeof(byte)) {
-      ::send(fd, byte, sizeof(byte), MSG_NOSIGNAL);
-    }
-    ::close(fd);
+  auto peer = bench::StartLoopbackSocketPeer();
+  if (!peer.ok()) Die(peer.status());
+  auto connection = bench::PingPong::Connect(*peer);
+  if (!connection.ok()) Die(connection.status());
+  return Latency(iterations, [&] {
+    absl::Status trip = (*connection)->RoundTrip().status();
+    if (!trip.ok()) Die(trip);
   });
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  char byte[8] = {};
-  auto result = Latency(iterations, [&] {
-    ::send(fd, byte, sizeof(byte), MSG_NOSIGNAL);
-    (void)::recv(fd, byte, sizeof(byte), MSG_WAITALL);
-  });
-  ::close(fd);
-  server.join();
-  ::close(listener);
-  return result;
 }
 
 int Main(double seconds, const std::string& rows) {

@@ -240,6 +240,85 @@ TEST_F(TransfersTest, APollIsToldWhenTheLastOfItsTransfersEnds) {
   EXPECT_EQ(calls, 1);
 }
 
+// A reply over its byte budget carries whole transfers up to it; the ended
+// transfers after that come without results, flagged, and stay kept, so
+// that naming them again gets them whole: no result is ever lost to a reply
+// too large to send.
+TEST_F(TransfersTest, AReportOverItsBudgetLeavesLaterResultsKept) {
+  TransferTable table(Limits());
+  const std::vector<absl::StatusCode> codes(1000, absl::StatusCode::kAborted);
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto probe = std::make_shared<Probe>();
+    probe->release.Notify();
+    ids.push_back(Submit(table, probe, codes));
+    ASSERT_NE(ids.back(), 0u) << last_status_;
+  }
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  // Room for one transfer of 1000 results, not two (measured on a fourth
+  // one like them).
+  auto measured = std::make_shared<Probe>();
+  measured->release.Notify();
+  const uint64_t measured_id = Submit(table, measured, codes);
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  const size_t one =
+      table.Get(kUser, {measured_id}).value().at(0).ByteSizeLong();
+  auto poll = table.StartPoll(kUser, ids, nullptr);
+  ASSERT_TRUE(poll.ok()) << poll.status();
+  auto transfers = (*poll)->Report(one + one / 2);
+  ASSERT_EQ(transfers.size(), 3u);
+  EXPECT_FALSE(transfers[0].results_left_out());
+  EXPECT_EQ(transfers[0].results_size(), 1000);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_TRUE(transfers[i].results_left_out()) << i;
+    EXPECT_EQ(transfers[i].results_size(), 0) << i;
+    EXPECT_EQ(transfers[i].state(), v1::TRANSFER_STATE_FAILED) << i;
+  }
+  EXPECT_EQ(table.kept(), 2u) << "the transfers left out stay kept";
+  auto again = table.Get(kUser, {ids[1], ids[2]});
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (const v1::Transfer& transfer : *again) {
+    EXPECT_FALSE(transfer.results_left_out());
+    ASSERT_EQ(transfer.results_size(), 1000);
+    EXPECT_EQ(transfer.results(999).code(),
+              static_cast<int>(absl::StatusCode::kAborted));
+  }
+  EXPECT_EQ(table.kept(), 0u);
+  EXPECT_EQ(table.Get(kUser, {ids[0]}).status().code(),
+            absl::StatusCode::kNotFound)
+      << "the whole one was read";
+}
+
+// Users take turns for the workers: a user's long queue does not make
+// another user's transfer wait behind all of it.
+TEST_F(TransfersTest, QueuedTransfersTakeTurnsAcrossUsers) {
+  TransferTable table(Limits(/*workers=*/1));
+  std::vector<std::shared_ptr<Probe>> mine;
+  for (int i = 0; i < 4; ++i) {
+    mine.push_back(std::make_shared<Probe>());
+    ASSERT_NE(Submit(table, mine.back()), 0u) << last_status_;
+    if (i == 0) {
+      ASSERT_TRUE(Eventually([&] { return mine[0]->started.load(); }));
+    }
+  }
+  auto theirs = std::make_shared<Probe>();
+  ASSERT_NE(Submit(table, theirs, {absl::StatusCode::kOk}, kOtherUser), 0u)
+      << last_status_;
+  mine[0]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return mine[1]->started.load(); }));
+  EXPECT_FALSE(theirs->started);
+  mine[1]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return theirs->started.load(); }))
+      << "the other user's transfer waited behind the first user's queue";
+  EXPECT_FALSE(mine[2]->started) << "the other user's turn came first";
+  theirs->release.Notify();
+  mine[2]->release.Notify();
+  mine[3]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  for (const auto& probe : mine) EXPECT_TRUE(probe->run_returned);
+  EXPECT_TRUE(theirs->run_returned);
+}
+
 TEST_F(TransfersTest, APollGivenUpReportsNothingAndIsNeverCalledAgain) {
   TransferTable table(Limits());
   auto probe = std::make_shared<Probe>();

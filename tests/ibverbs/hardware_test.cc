@@ -1,8 +1,15 @@
-// The backend's transfers on a real RDMA device (a NIC, or soft-RoCE:
+// The backend's transfers on real RDMA devices (NICs, or soft-RoCE:
 // `rdma link add rxe0 type rxe netdev eth0`). Two agents in this process
-// share the first device with an ACTIVE port and move bytes NIC to NIC
-// (loopback through the device). Skips where there is no device; see
-// backends/ibverbs/README.md.
+// share the host's devices and move bytes NIC to NIC (loopback through the
+// devices). Skips where there is no device, and the multi-rail cases where
+// fewer than two ports are ACTIVE; see backends/ibverbs/README.md.
+//
+// RDMA_AGENT_TEST_DEVICES=mlx5_0,mlx5_1 picks the devices (default: all;
+// RDMA_AGENT_TEST_DEVICE, one device, is still understood);
+// RDMA_AGENT_TEST_GID_INDEX the GID index (RoCE).
+//
+// Every case also runs on a three-device software NIC, so that what the
+// cases check is itself checked where there is no hardware.
 #include <fcntl.h>
 #include <linux/udmabuf.h>
 #include <sys/ioctl.h>
@@ -10,8 +17,12 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
+
+#include "absl/strings/str_split.h"
 
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/real_verbs.h"
@@ -29,9 +40,24 @@ using ::rdma_agent::testing::SoftIbverbsAgent;
 using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
 
-class HardwareTest : public ::testing::Test {
+enum class Nic { kHardware, kSoft };
+
+class HardwareTest : public ::testing::TestWithParam<Nic> {
  protected:
   void SetUp() override {
+    if (GetParam() == Nic::kSoft) {
+      const std::vector<std::string> devices = {"soft_0", "soft_1", "soft_2"};
+      for (const std::string& device : devices) {
+        verbs::SoftDeviceConfig config;
+        config.name = device;
+        ASSERT_TRUE(fabric_.AddDevice(config).ok());
+      }
+      a_ = SoftIbverbsAgent(fabric_, "hw-a", devices);
+      b_ = SoftIbverbsAgent(fabric_, "hw-b", devices);
+      ASSERT_NE(a_, nullptr);
+      ASSERT_NE(b_, nullptr);
+      return;
+    }
     auto names = verbs::MakeRealVerbs()->ListDevices();
     if (!names.ok() || names->empty()) {
       GTEST_SKIP() << "no RDMA device on this host (ibv_get_device_list "
@@ -40,7 +66,9 @@ class HardwareTest : public ::testing::Test {
                       "eth0); see backends/ibverbs/README.md";
     }
     IbverbsOptions options;
-    if (const char* device = std::getenv("RDMA_AGENT_TEST_DEVICE")) {
+    if (const char* devices = std::getenv("RDMA_AGENT_TEST_DEVICES")) {
+      options.devices = absl::StrSplit(devices, ',', absl::SkipEmpty());
+    } else if (const char* device = std::getenv("RDMA_AGENT_TEST_DEVICE")) {
       options.devices = {device};
     }
     if (const char* gid = std::getenv("RDMA_AGENT_TEST_GID_INDEX")) {
@@ -56,11 +84,19 @@ class HardwareTest : public ::testing::Test {
     }
   }
 
+  verbs::SoftFabric fabric_;  // kSoft only; outlives the agents
   std::unique_ptr<TestAgent> a_;
   std::unique_ptr<TestAgent> b_;
 };
 
-TEST_F(HardwareTest, MovesExactBytesAtOddOffsets) {
+INSTANTIATE_TEST_SUITE_P(Nics, HardwareTest,
+                         ::testing::Values(Nic::kHardware, Nic::kSoft),
+                         [](const ::testing::TestParamInfo<Nic>& info) {
+                           return info.param == Nic::kSoft ? "SoftNic"
+                                                           : "Hardware";
+                         });
+
+TEST_P(HardwareTest, MovesExactBytesAtOddOffsets) {
   const uint64_t kSize = 8 << 20;
   TestBuffer local = a_->Register(kSize, v1::ACCESS_READ_WRITE, 3);
   TestBuffer remote = b_->Register(kSize, v1::ACCESS_READ_WRITE, 101);
@@ -102,7 +138,7 @@ TEST_F(HardwareTest, MovesExactBytesAtOddOffsets) {
   }
 }
 
-TEST_F(HardwareTest, ManyOpsAndAccessErrors) {
+TEST_P(HardwareTest, ManyOpsAndAccessErrors) {
   TestBuffer local = a_->Register(1 << 20, v1::ACCESS_READ_WRITE, 1);
   TestBuffer read_only = b_->Register(1 << 20, v1::ACCESS_READ, 2);
   std::vector<Op> ops;
@@ -121,32 +157,89 @@ TEST_F(HardwareTest, ManyOpsAndAccessErrors) {
   EXPECT_EQ(refused[0].code(), absl::StatusCode::kPermissionDenied);
 }
 
-// A real dma-buf made from a memfd by the kernel's udmabuf driver, as the
-// stand-in for GPU memory on a host with a NIC: registered with
-// ibv_reg_dmabuf_mr, it must move exactly the bytes asked, in both
-// directions and as either side of an op. Skips without /dev/udmabuf (or
-// when the NIC's driver does not take dma-bufs).
-TEST_F(HardwareTest, MovesBytesThroughADmaBufMr) {
+// Every rail of the host carries a share of a large op, and the bytes land
+// exactly; small ops spread over the rails too.
+TEST_P(HardwareTest, StripesOverEveryRail) {
+  IbverbsBackend& backend = a_->backend<IbverbsBackend>();
+  const std::vector<std::string> rails = backend.rail_names();
+  if (rails.size() < 2) {
+    GTEST_SKIP() << "one ACTIVE port (" << rails[0]
+                 << "): striping needs two rails or more (a second NIC, or "
+                    "a second soft-RoCE device on another netdev)";
+  }
+  const uint64_t kSize = 64 << 20;
+  TestBuffer local = a_->Register(kSize, v1::ACCESS_READ_WRITE, 5);
+  TestBuffer remote = b_->Register(kSize, v1::ACCESS_READ_WRITE, 77);
+  std::map<std::string, uint64_t> before;
+  for (const std::string& rail : rails) before[rail] = backend.rail_bytes(rail);
+
+  // One op large enough to be striped, at odd offsets.
+  const uint64_t length = kSize - 4099;
+  std::vector<uint8_t> remote_before(remote.bytes(), remote.bytes() + kSize);
+  auto results = backend.Submit(
+      {MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 3, length, remote, 7)},
+      absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  for (uint64_t i = 0; i < kSize; ++i) {
+    const bool inside = i >= 7 && i < 7 + length;
+    ASSERT_EQ(remote.bytes()[i],
+              inside ? local.bytes()[i - 7 + 3] : remote_before[i])
+        << "byte " << i;
+  }
+  for (const std::string& rail : rails) {
+    EXPECT_GT(backend.rail_bytes(rail), before[rail])
+        << rail << " carried nothing of a " << length << "-byte op";
+    before[rail] = backend.rail_bytes(rail);
+  }
+
+  // Many small ops in one batch: no rail is left idle.
+  std::vector<Op> ops;
+  for (uint64_t i = 0; i < 1024; ++i) {
+    ops.push_back(MakeOp(i, v1::OP_TYPE_READ_INTO_LOCAL, local, i * 4096, 4096,
+                         remote, i * 4096 + 1));
+  }
+  for (const absl::Status& status :
+       backend.Submit(ops, absl::Now() + absl::Seconds(60))) {
+    ASSERT_TRUE(status.ok()) << status;
+  }
+  EXPECT_EQ(0, std::memcmp(local.bytes(), remote.bytes() + 1, 1024 * 4096));
+  for (const std::string& rail : rails) {
+    EXPECT_GT(backend.rail_bytes(rail), before[rail])
+        << rail << " carried none of 1024 small ops";
+  }
+}
+
+// Device memory through ibv_reg_dmabuf_mr must move exactly the bytes
+// asked, as either side of an op. On hardware the dma-buf is a real one,
+// made from a memfd by the kernel's udmabuf driver (the stand-in for GPU
+// memory); skips without /dev/udmabuf or when the NIC's driver does not
+// take dma-bufs. On the soft NIC the memfd itself stands in for it.
+TEST_P(HardwareTest, MovesBytesThroughADmaBufMr) {
   constexpr uint64_t kBytes = 4 << 20;
   constexpr uint64_t kOffset = 64 << 10;  // the registered range's start
   constexpr uint64_t kLength = 2 << 20;
-  UniqueFd udmabuf(::open("/dev/udmabuf", O_RDWR | O_CLOEXEC));
-  if (!udmabuf) {
-    GTEST_SKIP() << "no /dev/udmabuf (modprobe udmabuf) to make a dma-buf "
-                    "from host memory: "
-                 << std::strerror(errno);
-  }
   UniqueFd memfd(::memfd_create("hardware-dmabuf", MFD_ALLOW_SEALING));
   ASSERT_TRUE(memfd.valid());
   ASSERT_EQ(::ftruncate(memfd.get(), kBytes), 0);
   // udmabuf wants the memfd sealed against shrinking.
   ASSERT_EQ(::fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
-  udmabuf_create create = {};
-  create.memfd = static_cast<__u32>(memfd.get());
-  create.offset = 0;
-  create.size = kBytes;
-  UniqueFd dmabuf(::ioctl(udmabuf.get(), UDMABUF_CREATE, &create));
-  ASSERT_TRUE(dmabuf.valid()) << "UDMABUF_CREATE: " << std::strerror(errno);
+  UniqueFd dmabuf;
+  if (GetParam() == Nic::kSoft) {
+    dmabuf.reset(::dup(memfd.get()));
+  } else {
+    UniqueFd udmabuf(::open("/dev/udmabuf", O_RDWR | O_CLOEXEC));
+    if (!udmabuf) {
+      GTEST_SKIP() << "no /dev/udmabuf (modprobe udmabuf) to make a dma-buf "
+                      "from host memory: "
+                   << std::strerror(errno);
+    }
+    udmabuf_create create = {};
+    create.memfd = static_cast<__u32>(memfd.get());
+    create.offset = 0;
+    create.size = kBytes;
+    dmabuf.reset(::ioctl(udmabuf.get(), UDMABUF_CREATE, &create));
+  }
+  ASSERT_TRUE(dmabuf.valid()) << "dma-buf: " << std::strerror(errno);
   auto* view = static_cast<uint8_t*>(::mmap(
       nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0));
   ASSERT_NE(view, MAP_FAILED);
