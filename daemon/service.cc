@@ -257,8 +257,11 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   // Published first: a client gone meanwhile releases it like any other.
   if (watch->has_value()) client_watcher_->Bind(std::move(**watch), id);
   spdlog::info(
-      "uid {} pid {} registered buffer {} ({} bytes, {}, {}, label \"{}\")",
+      "uid {} pid {} registered buffer {} ({} bytes of {}, {}, {}, label "
+      "\"{}\")",
       caller, peer.pid, id, registration->size(),
+      DescribeMemory(registration->memory_kind(),
+                     registration->device_index()),
       v1::Access_Name(registration->access()), v1::Lifetime_Name(lifetime),
       LogSafe(registration->label()));
   return response;
