@@ -39,15 +39,15 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Adopt(
   const off_t end = ::lseek(fd.get(), 0, SEEK_END);
   if (position >= 0) (void)::lseek(fd.get(), position, SEEK_SET);
   if (end < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the file descriptor is not a dma-buf (lseek: ",
-                     std::strerror(errno), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the file descriptor is not a dma-buf (lseek: ", std::strerror(errno),
+        ")"));
   }
   if (description.offset + description.length > static_cast<uint64_t>(end)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "device memory range [", description.offset, ", ",
-        description.offset + description.length, ") ends past the dma-buf's ",
-        end, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device memory range [", description.offset, ", ",
+                     description.offset + description.length,
+                     ") ends past the dma-buf's ", end, " bytes"));
   }
   auto charge = admit(description.length);
   if (!charge.ok()) return charge.status();

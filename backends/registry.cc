@@ -157,9 +157,11 @@ absl::Status NoRouteError(const Op& op) {
         "] only, and none of them reaches the remote buffer (", advertised,
         ")"));
   }
-  return absl::UnavailableError(absl::StrCat(
-      "op ", op.index, ": no backend of this agent can reach the remote "
-      "buffer (", advertised, ")"));
+  return absl::UnavailableError(
+      absl::StrCat("op ", op.index,
+                   ": no backend of this agent can reach the remote "
+                   "buffer (",
+                   advertised, ")"));
 }
 
 // `status` (UNAVAILABLE on the only backend of `op`'s route) saying, when
@@ -169,13 +171,13 @@ absl::Status NoFallbackForDeviceMemory(const Op& op,
                                        const absl::Status& status) {
   std::string memory;
   if (op.local != nullptr && op.local->device_memory() != nullptr) {
-    memory = absl::StrCat("the local buffer is ",
-                          DescribeMemory(op.local->memory_kind(),
-                                         op.local->device_index()));
+    memory = absl::StrCat(
+        "the local buffer is ",
+        DescribeMemory(op.local->memory_kind(), op.local->device_index()));
   } else if (op.remote->memory_kind() != v1::MEMORY_KIND_HOST) {
-    memory = absl::StrCat("the remote buffer is ",
-                          DescribeMemory(op.remote->memory_kind(),
-                                         op.remote->device_index()));
+    memory = absl::StrCat(
+        "the remote buffer is ",
+        DescribeMemory(op.remote->memory_kind(), op.remote->device_index()));
   } else {
     return status;
   }
@@ -265,8 +267,8 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
         attempt[i] = 1;
         retry.push_back(i);
       } else if (routes[route[i]].size() == 1) {
-        outcomes[i].status = NoFallbackForDeviceMemory(ops[i],
-                                                       outcomes[i].status);
+        outcomes[i].status =
+            NoFallbackForDeviceMemory(ops[i], outcomes[i].status);
       }
     }
     pending = std::move(retry);

@@ -60,8 +60,8 @@ class BackendRegistry {
   // the op's local buffer when that is device memory); an op that fails
   // with UNAVAILABLE before `stop` fires is retried once on the next common
   // backend. An op no backend carries fails UNAVAILABLE, naming device
-  // memory on either side. Each op reaches its backend with Op::endpoint set to that
-  // backend's entry in the op's context (the caller leaves it unset).
+  // memory on either side. Each op reaches its backend with Op::endpoint set to
+  // that backend's entry in the op's context (the caller leaves it unset).
   // Backends run their share of the batch concurrently. Returns one outcome
   // per op, in order, with Backend::Submit's guarantee: nothing touches
   // local memory after it has returned.

@@ -276,8 +276,7 @@ absl::StatusOr<Registration> AgentClient::RegisterDeviceMemory(
   device->set_kind(memory.kind);
   device->set_device_index(memory.device_index);
   absl::StatusOr<internal::AttachReply> reply =
-      internal::ExchangeOnAttachSocket(*attach_socket, attach,
-                                       memory.dmabuf_fd,
+      internal::ExchangeOnAttachSocket(*attach_socket, attach, memory.dmabuf_fd,
                                        state_->options().rpc_timeout);
   if (!reply.ok()) return reply.status();
   if (absl::Status status = internal::ResponseStatus(reply->response);

@@ -445,8 +445,8 @@ class ListCommand : public Command {
     std::printf(
         "%-20s %14s %-18s %-9s %-9s %-20s %14s %14s %10s %10s %-10s %-20s "
         "%-20s %s\n",
-        "ID", "SIZE", "ACCESS", "ALLOCATED", "MEMORY", "BACKENDS", "MOVED", "SERVED",
-        "UID", "PID", "LIFETIME", "CREATED", "LAST_USE", "LABEL");
+        "ID", "SIZE", "ACCESS", "ALLOCATED", "MEMORY", "BACKENDS", "MOVED",
+        "SERVED", "UID", "PID", "LIFETIME", "CREATED", "LAST_USE", "LABEL");
     for (const v1::BufferInfo& buffer : *buffers) {
       std::printf(
           "%-20llu %14llu %-18s %-9s %-9s %-20s %14llu %14llu %10u %10u "

@@ -153,8 +153,8 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
       Reply reply;
       reply.response.set_attach_token(*token);
       reply.response.set_size_bytes(device.length());
-      spdlog::debug("pid {} uid {} attached {} bytes of {}", peer.pid,
-                    peer.uid, device.length(),
+      spdlog::debug("pid {} uid {} attached {} bytes of {}", peer.pid, peer.uid,
+                    device.length(),
                     DescribeMemory(device.kind(), device.device_index()));
       return reply;
     }
@@ -164,11 +164,11 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
         return ErrorReply(Prefixed(registration.status(), "open"));
       }
       if ((*registration)->host_memory() == nullptr) {
-        return ErrorReply(absl::FailedPreconditionError(absl::StrCat(
-            "open: buffer ", (*registration)->id(), " is ",
-            DescribeMemory((*registration)->memory_kind(),
-                           (*registration)->device_index()),
-            "; the agent has no mapping of it to hand out")));
+        return ErrorReply(absl::FailedPreconditionError(
+            absl::StrCat("open: buffer ", (*registration)->id(), " is ",
+                         DescribeMemory((*registration)->memory_kind(),
+                                        (*registration)->device_index()),
+                         "; the agent has no mapping of it to hand out")));
       }
       Reply reply;
       reply.response.set_size_bytes((*registration)->size());
@@ -188,9 +188,8 @@ absl::StatusOr<std::string> AttachServer::Attach(UniqueFd fd,
   // tiny memfds before any is mapped.
   auto parked = options_.quotas.pending_attach->Reserve(peer.uid, 1);
   if (!parked.ok()) return parked.status();
-  auto memory = SharedMemory::Adopt(std::move(fd), [&](uint64_t bytes) {
-    return AdmitBytes(bytes, peer);
-  });
+  auto memory = SharedMemory::Adopt(
+      std::move(fd), [&](uint64_t bytes) { return AdmitBytes(bytes, peer); });
   if (!memory.ok()) return memory.status();
   *size = memory->size();
   return tokens_->Park(std::move(*memory), peer.uid, std::move(*parked));

@@ -19,11 +19,11 @@ namespace rdma_agent {
 
 // Serves the attach socket (proto/rdma/agent/v1/attach.proto): clients hand
 // memfds or device memory dma-bufs over (answered with an attach token) and
-// ask for the fd of their own host-memory registrations to map them. Each connection is served on its own
-// thread, within the attach-connection quota of its user and of everybody.
-// Attached memory is admitted before it is mapped: its size against the
-// largest registration and the bytes quota, the fd against the
-// parked-attachment quota. Whatever is refused is closed at once.
+// ask for the fd of their own host-memory registrations to map them. Each
+// connection is served on its own thread, within the attach-connection quota of
+// its user and of everybody. Attached memory is admitted before it is mapped:
+// its size against the largest registration and the bytes quota, the fd against
+// the parked-attachment quota. Whatever is refused is closed at once.
 class AttachServer {
  public:
   struct Options {

@@ -260,8 +260,7 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
       "uid {} pid {} registered buffer {} ({} bytes of {}, {}, {}, label "
       "\"{}\")",
       caller, peer.pid, id, registration->size(),
-      DescribeMemory(registration->memory_kind(),
-                     registration->device_index()),
+      DescribeMemory(registration->memory_kind(), registration->device_index()),
       v1::Access_Name(registration->access()), v1::Lifetime_Name(lifetime),
       LogSafe(registration->label()));
   return response;

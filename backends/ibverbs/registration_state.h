@@ -35,8 +35,7 @@ inline uint64_t MrAddress(const Registration& registration) {
 // An MR of the whole of `registration` in `pd`: ibv_reg_mr of host memory,
 // ibv_reg_dmabuf_mr of device memory (addressed from MrAddress()).
 inline absl::StatusOr<std::unique_ptr<verbs::MemoryRegion>> RegisterIn(
-    verbs::ProtectionDomain& pd, const Registration& registration,
-    int access) {
+    verbs::ProtectionDomain& pd, const Registration& registration, int access) {
   if (const DeviceMemory* device = registration.device_memory()) {
     return pd.RegisterDmaBuf(device->offset(), device->size(),
                              kDeviceMemoryIova, device->fd(), access);

@@ -98,7 +98,8 @@ absl::Status RunOp(const Op& op, BatchResolver& remotes, PacedStop& stop) {
   if (absl::Status host = RequireHostMemory(
           *op.local, "the memory backend cannot reach device memory");
       !host.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("local ", host.message()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("local ", host.message()));
   }
   if (absl::Status host = RequireHostMemory(
           **remote, "the memory backend cannot reach device memory");

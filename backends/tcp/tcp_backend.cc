@@ -162,8 +162,8 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
     if (absl::Status host = RequireHostMemory(
             *ops[i].local, "the tcp backend cannot reach device memory");
         !host.ok()) {
-      results[i] = absl::FailedPreconditionError(
-          absl::StrCat("local ", host.message()));
+      results[i] =
+          absl::FailedPreconditionError(absl::StrCat("local ", host.message()));
       continue;
     }
     if (ops[i].endpoint != nullptr && ops[i].endpoint == last_endpoint) {

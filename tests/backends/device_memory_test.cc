@@ -165,12 +165,12 @@ TEST(DeviceMemoryRegistrationTest, HasNoMappingAndSaysWhatItIs) {
 }
 
 std::unique_ptr<TestAgent> MemoryAgent() {
-  auto agent = TestAgent::Create(
-      "agent-m",
-      [](const BackendEnvironment& env)
-          -> absl::StatusOr<std::unique_ptr<Backend>> {
-        return std::make_unique<MemoryBackend>(env);
-      });
+  auto agent =
+      TestAgent::Create("agent-m",
+                        [](const BackendEnvironment& env)
+                            -> absl::StatusOr<std::unique_ptr<Backend>> {
+                          return std::make_unique<MemoryBackend>(env);
+                        });
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
 }
@@ -200,10 +200,10 @@ TEST(MemoryBackendDeviceMemoryTest, NeitherRegistersNorTouchesDeviceMemory) {
       backend.Submit(ops, StopToken(In(absl::Seconds(10))));
   ASSERT_EQ(results.size(), 2u);
   EXPECT_EQ(results[0].code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(results[0].message(),
-              HasSubstr("remote buffer " +
-                        std::to_string(device.registration->id()) +
-                        " is CUDA device memory (device 3)"));
+  EXPECT_THAT(
+      results[0].message(),
+      HasSubstr("remote buffer " + std::to_string(device.registration->id()) +
+                " is CUDA device memory (device 3)"));
   EXPECT_EQ(results[1].code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(results[1].message(), HasSubstr("local buffer"));
   EXPECT_EQ(Snapshot(host), before);
@@ -212,13 +212,14 @@ TEST(MemoryBackendDeviceMemoryTest, NeitherRegistersNorTouchesDeviceMemory) {
 std::unique_ptr<TestAgent> TcpAgent(const std::string& id) {
   TcpOptions options;
   options.listen = "127.0.0.1:0";
-  auto agent = TestAgent::Create(
-      id, [options](const BackendEnvironment& env)
-              -> absl::StatusOr<std::unique_ptr<Backend>> {
-        auto backend = TcpBackend::Create(options, env);
-        if (!backend.ok()) return backend.status();
-        return std::unique_ptr<Backend>(std::move(*backend));
-      });
+  auto agent =
+      TestAgent::Create(id,
+                        [options](const BackendEnvironment& env)
+                            -> absl::StatusOr<std::unique_ptr<Backend>> {
+                          auto backend = TcpBackend::Create(options, env);
+                          if (!backend.ok()) return backend.status();
+                          return std::unique_ptr<Backend>(std::move(*backend));
+                        });
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
 }

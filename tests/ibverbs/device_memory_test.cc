@@ -213,8 +213,8 @@ TEST_F(DeviceMemoryTest, OpsBetweenAgentsMoveExactlyTheirBytesOverTheNic) {
   auto client_a = Connect(*a);
   auto client_b = Connect(*b);
   FakeDeviceAllocation gpu(1);
-  auto device = client_a->RegisterDeviceMemory(gpu.Spec(),
-                                               v1::ACCESS_READ_WRITE, "gpu");
+  auto device =
+      client_a->RegisterDeviceMemory(gpu.Spec(), v1::ACCESS_READ_WRITE, "gpu");
   ASSERT_TRUE(device.ok()) << device.status();
   client::Buffer host_b = HostBuffer(*client_b, 2);
 
@@ -222,9 +222,9 @@ TEST_F(DeviceMemoryTest, OpsBetweenAgentsMoveExactlyTheirBytesOverTheNic) {
   std::string expected_gpu = gpu.All();
   std::memcpy(expected_gpu.data() + kOffset + 1000,
               Pattern(2, kSize).data() + 3000, 70000);
-  OpResult read = RunOne(*client_a, {v1::OP_TYPE_READ_INTO_LOCAL, device->id,
-                                     1000, 70000, host_b.remote_context(),
-                                     3000});
+  OpResult read =
+      RunOne(*client_a, {v1::OP_TYPE_READ_INTO_LOCAL, device->id, 1000, 70000,
+                         host_b.remote_context(), 3000});
   EXPECT_TRUE(read.status.ok()) << read.status;
   EXPECT_EQ(read.backend, "ibverbs");
   EXPECT_TRUE(gpu.All() == expected_gpu) << "device memory bytes differ";
@@ -233,9 +233,9 @@ TEST_F(DeviceMemoryTest, OpsBetweenAgentsMoveExactlyTheirBytesOverTheNic) {
   std::string expected_b = Bytes(host_b);
   std::memcpy(expected_b.data() + 128, gpu.Registered(50000, 9000).data(),
               9000);
-  OpResult write = RunOne(*client_a, {v1::OP_TYPE_WRITE_FROM_LOCAL, device->id,
-                                      50000, 9000, host_b.remote_context(),
-                                      128});
+  OpResult write =
+      RunOne(*client_a, {v1::OP_TYPE_WRITE_FROM_LOCAL, device->id, 50000, 9000,
+                         host_b.remote_context(), 128});
   EXPECT_TRUE(write.status.ok()) << write.status;
   EXPECT_EQ(write.backend, "ibverbs");
   EXPECT_TRUE(Bytes(host_b) == expected_b) << "host memory bytes differ";
@@ -245,26 +245,26 @@ TEST_F(DeviceMemoryTest, OpsBetweenAgentsMoveExactlyTheirBytesOverTheNic) {
   expected_b = b_before;
   std::memcpy(expected_b.data(), gpu.Registered(kSize - 4096, 4096).data(),
               4096);
-  OpResult remote_read = RunOne(
-      *client_b, {v1::OP_TYPE_READ_INTO_LOCAL, host_b.id(), 0, 4096,
-                  device->remote_context, kSize - 4096});
+  OpResult remote_read =
+      RunOne(*client_b, {v1::OP_TYPE_READ_INTO_LOCAL, host_b.id(), 0, 4096,
+                         device->remote_context, kSize - 4096});
   EXPECT_TRUE(remote_read.status.ok()) << remote_read.status;
   EXPECT_EQ(remote_read.backend, "ibverbs");
   EXPECT_TRUE(Bytes(host_b) == expected_b);
 
   expected_gpu = gpu.All();
   std::memcpy(expected_gpu.data() + kOffset, Bytes(host_b).data() + 200, 5000);
-  OpResult remote_write = RunOne(
-      *client_b, {v1::OP_TYPE_WRITE_FROM_LOCAL, host_b.id(), 200, 5000,
-                  device->remote_context, 0});
+  OpResult remote_write =
+      RunOne(*client_b, {v1::OP_TYPE_WRITE_FROM_LOCAL, host_b.id(), 200, 5000,
+                         device->remote_context, 0});
   EXPECT_TRUE(remote_write.status.ok()) << remote_write.status;
   EXPECT_TRUE(gpu.All() == expected_gpu) << "device memory bytes differ";
 
   // Out of range on the device memory: refused, nothing moved.
   expected_gpu = gpu.All();
-  OpResult outside = RunOne(
-      *client_b, {v1::OP_TYPE_WRITE_FROM_LOCAL, host_b.id(), 0, 4096,
-                  device->remote_context, kSize - 100});
+  OpResult outside =
+      RunOne(*client_b, {v1::OP_TYPE_WRITE_FROM_LOCAL, host_b.id(), 0, 4096,
+                         device->remote_context, kSize - 100});
   EXPECT_EQ(outside.status.code(), absl::StatusCode::kOutOfRange)
       << outside.status;
   EXPECT_TRUE(gpu.All() == expected_gpu);
@@ -275,8 +275,8 @@ TEST_F(DeviceMemoryTest, SameHostOpsOnDeviceMemoryGoThroughTheNic) {
   ASSERT_NE(agent, nullptr);
   auto client = Connect(*agent);
   FakeDeviceAllocation gpu(3);
-  auto device = client->RegisterDeviceMemory(gpu.Spec(0),
-                                             v1::ACCESS_READ_WRITE, "gpu");
+  auto device =
+      client->RegisterDeviceMemory(gpu.Spec(0), v1::ACCESS_READ_WRITE, "gpu");
   ASSERT_TRUE(device.ok()) << device.status();
   client::Buffer host = HostBuffer(*client, 4);
 
@@ -294,9 +294,9 @@ TEST_F(DeviceMemoryTest, SameHostOpsOnDeviceMemoryGoThroughTheNic) {
   // advertises memory and tcp: only the NIC registered the local side.
   std::string expected_gpu = gpu.All();
   std::memcpy(expected_gpu.data() + kOffset + 100, Bytes(host).data(), 8192);
-  OpResult local_device = RunOne(
-      *client, {v1::OP_TYPE_READ_INTO_LOCAL, device->id, 100, 8192,
-                host.remote_context(), 0});
+  OpResult local_device =
+      RunOne(*client, {v1::OP_TYPE_READ_INTO_LOCAL, device->id, 100, 8192,
+                       host.remote_context(), 0});
   EXPECT_TRUE(local_device.status.ok()) << local_device.status;
   EXPECT_EQ(local_device.backend, "ibverbs");
   EXPECT_TRUE(gpu.All() == expected_gpu);
@@ -307,8 +307,8 @@ TEST_F(DeviceMemoryTest, TheAgentNeverCopiesDeviceMemoryItself) {
   ASSERT_NE(agent, nullptr);
   auto client = Connect(*agent);
   FakeDeviceAllocation gpu(5);
-  auto device = client->RegisterDeviceMemory(gpu.Spec(2),
-                                             v1::ACCESS_READ_WRITE, "gpu");
+  auto device =
+      client->RegisterDeviceMemory(gpu.Spec(2), v1::ACCESS_READ_WRITE, "gpu");
   ASSERT_TRUE(device.ok()) << device.status();
   const std::string before = gpu.All();
 
@@ -343,8 +343,8 @@ TEST_F(DeviceMemoryTest, AnAgentWithoutANicRefusesAndCannotReachDeviceMemory) {
   auto client_tcp = Connect(*without);
   FakeDeviceAllocation gpu(6);
 
-  auto refused = client_tcp->RegisterDeviceMemory(gpu.Spec(1),
-                                                  v1::ACCESS_READ_WRITE);
+  auto refused =
+      client_tcp->RegisterDeviceMemory(gpu.Spec(1), v1::ACCESS_READ_WRITE);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.status().message(),
               HasSubstr("is CUDA device memory (device 1), which only NIC "
@@ -354,8 +354,8 @@ TEST_F(DeviceMemoryTest, AnAgentWithoutANicRefusesAndCannotReachDeviceMemory) {
   EXPECT_TRUE(listed->empty());
 
   // The NIC agent's device memory is out of the tcp-only agent's reach.
-  auto device = client_nic->RegisterDeviceMemory(gpu.Spec(1),
-                                                 v1::ACCESS_READ_WRITE);
+  auto device =
+      client_nic->RegisterDeviceMemory(gpu.Spec(1), v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(device.ok()) << device.status();
   client::Buffer host = HostBuffer(*client_tcp, 7);
   const std::string before = Bytes(host);
@@ -375,8 +375,7 @@ TEST_F(DeviceMemoryTest, TheAttachSocketChecksDeviceMemoryBeforeParkingIt) {
   auto client = Connect(*agent);
   FakeDeviceAllocation gpu(8);
   auto refuse = [&](DeviceMemorySpec spec, absl::string_view why) {
-    auto registered =
-        client->RegisterDeviceMemory(spec, v1::ACCESS_READ_WRITE);
+    auto registered = client->RegisterDeviceMemory(spec, v1::ACCESS_READ_WRITE);
     EXPECT_EQ(registered.status().code(), absl::StatusCode::kInvalidArgument)
         << why << ": " << registered.status();
     EXPECT_THAT(registered.status().message(), HasSubstr(why));
@@ -442,8 +441,8 @@ TEST_F(DeviceMemoryTest, ANicFailureOnDeviceMemoryIsNotRetriedOverTcp) {
   auto client_a = Connect(*a);
   auto client_b = Connect(*b);
   FakeDeviceAllocation gpu(10);
-  auto device = client_a->RegisterDeviceMemory(gpu.Spec(4),
-                                               v1::ACCESS_READ_WRITE);
+  auto device =
+      client_a->RegisterDeviceMemory(gpu.Spec(4), v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(device.ok()) << device.status();
   // B's host memory is reachable over tcp too; only the NIC path is cut.
   client::Buffer host_b = HostBuffer(*client_b, 11);
