@@ -119,6 +119,14 @@ class Backend {
     return absl::OkStatus();
   }
 
+  // Whether this backend can register `registration` at all. The registry
+  // skips a backend that cannot (the registration goes without it) rather
+  // than failing the registration. Backends that copy bytes themselves reach
+  // host memory only; NIC backends also reach device memory (a dma-buf).
+  virtual bool CanRegister(const Registration& registration) const {
+    return registration.host_memory() != nullptr;
+  }
+
   // Makes `registration` reachable through this backend. Fills `endpoint`
   // (its entry in the remote context) and returns what must live as long as
   // the registration (dropping it undoes the registration).

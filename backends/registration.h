@@ -10,8 +10,13 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "backends/device_memory.h"
 #include "common/shared_memory.h"
 #include "rdma/agent/v1/types.pb.h"
 
@@ -59,12 +64,16 @@ struct RegistrationOrigin {
   v1::Lifetime lifetime = v1::LIFETIME_AGENT;
 };
 
+// A registration's bytes: host memory the agent maps, or device memory it
+// only hands to NICs.
+using BufferMemory = std::variant<SharedMemory, DeviceMemory>;
+
 class Registration {
  public:
   using Origin = RegistrationOrigin;
 
   Registration(uint64_t id, uid_t owner, v1::Access access, std::string label,
-               std::string token, SharedMemory memory, bool agent_allocated,
+               std::string token, BufferMemory memory, bool agent_allocated,
                Origin origin = Origin())
       : id_(id),
         owner_(owner),
@@ -89,10 +98,41 @@ class Registration {
   const std::string& token() const { return token_; }
   bool agent_allocated() const { return agent_allocated_; }
 
-  std::byte* data() const { return memory_.data(); }
-  uint64_t size() const { return memory_.size(); }
-  // The memfd behind the mapping (to hand it back to its owner).
-  int fd() const { return memory_.fd(); }
+  // The host memory, or nullptr for device memory: whatever copies bytes
+  // itself (the memory backend, tcp, ReadBuffer) asks this first.
+  const SharedMemory* host_memory() const {
+    return std::get_if<SharedMemory>(&memory_);
+  }
+  // The device memory, or nullptr for host memory: NIC backends register
+  // its dma-buf.
+  const DeviceMemory* device_memory() const {
+    return std::get_if<DeviceMemory>(&memory_);
+  }
+  v1::MemoryKind memory_kind() const {
+    const DeviceMemory* device = device_memory();
+    return device == nullptr ? v1::MEMORY_KIND_HOST : device->kind();
+  }
+  uint32_t device_index() const {
+    const DeviceMemory* device = device_memory();
+    return device == nullptr ? 0 : device->device_index();
+  }
+
+  // The agent's mapping of host memory; nullptr for device memory, which
+  // the agent cannot touch (see host_memory()).
+  std::byte* data() const {
+    const SharedMemory* host = host_memory();
+    return host == nullptr ? nullptr : host->data();
+  }
+  uint64_t size() const {
+    return std::visit([](const auto& memory) { return memory.size(); },
+                      memory_);
+  }
+  // The memfd behind the host mapping (to hand it back to its owner); -1
+  // for device memory, whose dma-buf the agent never hands out.
+  int fd() const {
+    const SharedMemory* host = host_memory();
+    return host == nullptr ? -1 : host->fd();
+  }
 
   bool readable() const { return AllowsRead(access_); }
   bool writable() const { return AllowsWrite(access_); }
@@ -162,11 +202,23 @@ class Registration {
   std::atomic<int64_t> last_use_nanos_;
   std::atomic<bool> released_{false};
   // Declared before backends_ so that backend state (MRs) is dropped before
-  // the memory it covers is unmapped.
-  SharedMemory memory_;
+  // the memory it covers is unmapped (or its dma-buf closed).
+  BufferMemory memory_;
   std::vector<std::pair<std::string, std::unique_ptr<BackendRegistration>>>
       backends_;
 };
+
+// OK for host memory. For device memory FAILED_PRECONDITION: "buffer 7 is
+// CUDA device memory (device 0); <consequence>" -- what everything that
+// copies bytes itself answers (ReadBuffer, the memory and tcp backends).
+inline absl::Status RequireHostMemory(const Registration& registration,
+                                      absl::string_view consequence) {
+  if (registration.host_memory() != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "buffer ", registration.id(), " is ",
+      DescribeMemory(registration.memory_kind(), registration.device_index()),
+      "; ", consequence));
+}
 
 }  // namespace rdma_agent
 

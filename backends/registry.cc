@@ -38,7 +38,7 @@ absl::Status BackendRegistry::RegisterWithAll(Registration& registration,
       done;
   std::vector<v1::BackendEndpoint> endpoints;
   for (const auto& backend : backends_) {
-    if (!backend->available()) continue;
+    if (!backend->available() || !backend->CanRegister(registration)) continue;
     v1::BackendEndpoint endpoint;
     auto state = backend->Register(registration, &endpoint);
     if (!state.ok()) {
@@ -50,6 +50,14 @@ absl::Status BackendRegistry::RegisterWithAll(Registration& registration,
     done.emplace_back(backend->name(), std::move(*state));
   }
   if (done.empty()) {
+    if (registration.device_memory() != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "buffer ", registration.id(), " is ",
+          DescribeMemory(registration.memory_kind(),
+                         registration.device_index()),
+          ", which only NIC backends (ibverbs) can register, and this agent "
+          "has none available"));
+    }
     return absl::FailedPreconditionError("no backend is available");
   }
   for (auto& [name, state] : done) {
@@ -63,9 +71,17 @@ absl::Status BackendRegistry::RegisterWithAll(Registration& registration,
 
 std::vector<Backend*> BackendRegistry::Route(
     const v1::RemoteBuffer& remote) const {
+  return Route(remote, nullptr);
+}
+
+std::vector<Backend*> BackendRegistry::Route(const v1::RemoteBuffer& remote,
+                                             const Registration* local) const {
+  // Device memory is reached only by the backends that registered it.
+  const bool device_local = local != nullptr && local->device_memory();
   std::vector<Backend*> route;
   for (const auto& backend : backends_) {
-    if (backend->available() && backend->CanReach(remote)) {
+    if (backend->available() && backend->CanReach(remote) &&
+        (!device_local || local->backend_state(backend->name()) != nullptr)) {
       route.push_back(backend.get());
     }
   }
@@ -117,6 +133,59 @@ void BackendRegistry::RunOn(Backend* backend, absl::Span<Op> ops,
 
 namespace {
 
+// Why no backend of this agent carries `op` (UNAVAILABLE), naming device
+// memory on either side: only NIC backends reach it.
+absl::Status NoRouteError(const Op& op) {
+  std::vector<std::string> names;
+  for (const auto& endpoint : op.remote->endpoints()) {
+    names.push_back(endpoint.backend());
+  }
+  const std::string advertised =
+      absl::StrCat("it advertises [", absl::StrJoin(names, ", "), "]");
+  if (op.remote->memory_kind() != v1::MEMORY_KIND_HOST) {
+    return absl::UnavailableError(absl::StrCat(
+        "op ", op.index, ": the remote buffer is ",
+        DescribeMemory(op.remote->memory_kind(), op.remote->device_index()),
+        ", which only NIC backends reach (", advertised,
+        "), and no NIC backend of this agent reaches it"));
+  }
+  if (op.local != nullptr && op.local->device_memory() != nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "op ", op.index, ": the local buffer ", op.local->id(), " is ",
+        DescribeMemory(op.local->memory_kind(), op.local->device_index()),
+        ", registered with [", absl::StrJoin(op.local->backend_names(), ", "),
+        "] only, and none of them reaches the remote buffer (", advertised,
+        ")"));
+  }
+  return absl::UnavailableError(
+      absl::StrCat("op ", op.index,
+                   ": no backend of this agent can reach the remote "
+                   "buffer (",
+                   advertised, ")"));
+}
+
+// `status` (UNAVAILABLE on the only backend of `op`'s route) saying, when
+// either side is device memory, why no other backend was tried: the op is
+// never moved to tcp, which cannot reach it.
+absl::Status NoFallbackForDeviceMemory(const Op& op,
+                                       const absl::Status& status) {
+  std::string memory;
+  if (op.local != nullptr && op.local->device_memory() != nullptr) {
+    memory = absl::StrCat(
+        "the local buffer is ",
+        DescribeMemory(op.local->memory_kind(), op.local->device_index()));
+  } else if (op.remote->memory_kind() != v1::MEMORY_KIND_HOST) {
+    memory = absl::StrCat(
+        "the remote buffer is ",
+        DescribeMemory(op.remote->memory_kind(), op.remote->device_index()));
+  } else {
+    return status;
+  }
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), " (", memory,
+                                   ", which no other backend reaches)"));
+}
+
 // Each op's local buffer counts as used when the op starts and when it ends,
 // so that a long transfer shows in last use while it runs. Once per run of
 // ops on the same buffer: the stamp is a clock read.
@@ -143,31 +212,35 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
   // Each op's backends, best first, as an index into `routes`: ops sharing
   // a context (one parsed object) share its route, computed once per batch.
   std::vector<std::vector<Backend*>> routes;
-  absl::flat_hash_map<const v1::RemoteBuffer*, size_t> route_of_context;
+  // By context and, for device memory, local buffer (host memory is
+  // reached by every backend, so host-memory ops share their context's).
+  absl::flat_hash_map<std::pair<const v1::RemoteBuffer*, const Registration*>,
+                      size_t>
+      route_of_context;
   std::vector<size_t> route(ops.size());
   // Attempt number per op: 0 = best backend, 1 = the retry.
   std::vector<size_t> attempt(ops.size(), 0);
   std::vector<size_t> pending;
   pending.reserve(ops.size());
+  const Registration* previous_device_local = nullptr;
   for (size_t i = 0; i < ops.size(); ++i) {
     const v1::RemoteBuffer* remote = ops[i].remote.get();
-    if (i > 0 && remote == ops[i - 1].remote.get()) {
+    const Registration* device_local =
+        ops[i].local != nullptr && ops[i].local->device_memory() != nullptr
+            ? ops[i].local.get()
+            : nullptr;
+    if (i > 0 && remote == ops[i - 1].remote.get() &&
+        device_local == previous_device_local) {
       route[i] = route[i - 1];
     } else {
-      auto [it, added] = route_of_context.try_emplace(remote, routes.size());
-      if (added) routes.push_back(Route(*remote));
+      auto [it, added] = route_of_context.try_emplace(
+          std::make_pair(remote, device_local), routes.size());
+      if (added) routes.push_back(Route(*remote, device_local));
       route[i] = it->second;
     }
+    previous_device_local = device_local;
     if (routes[route[i]].empty()) {
-      std::vector<std::string> names;
-      for (const auto& endpoint : remote->endpoints()) {
-        names.push_back(endpoint.backend());
-      }
-      outcomes[i].status = absl::UnavailableError(absl::StrCat(
-          "op ", ops[i].index,
-          ": no backend of this agent can reach the remote buffer (it "
-          "advertises [",
-          absl::StrJoin(names, ", "), "])"));
+      outcomes[i].status = NoRouteError(ops[i]);
       continue;
     }
     pending.push_back(i);
@@ -189,10 +262,13 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
 
     std::vector<size_t> retry;
     for (size_t i : pending) {
-      if (absl::IsUnavailable(outcomes[i].status) && attempt[i] == 0 &&
-          routes[route[i]].size() > 1 && !stop.stopped()) {
+      if (!absl::IsUnavailable(outcomes[i].status)) continue;
+      if (attempt[i] == 0 && routes[route[i]].size() > 1 && !stop.stopped()) {
         attempt[i] = 1;
         retry.push_back(i);
+      } else if (routes[route[i]].size() == 1) {
+        outcomes[i].status =
+            NoFallbackForDeviceMemory(ops[i], outcomes[i].status);
       }
     }
     pending = std::move(retry);

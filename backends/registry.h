@@ -39,19 +39,29 @@ class BackendRegistry {
   // The backend called `name`, or nullptr.
   Backend* Find(absl::string_view name) const;
 
-  // Registers `registration` with every available backend, in order, adding
-  // each one's state to it and its endpoint to `context`. If one fails, the
-  // ones that succeeded are rolled back and its error is returned.
+  // Registers `registration` with every available backend that can register
+  // it (Backend::CanRegister: device memory goes to NIC backends only), in
+  // order, adding each one's state to it and its endpoint to `context`. If
+  // one fails, the ones that succeeded are rolled back and its error is
+  // returned; if none can, FAILED_PRECONDITION (naming the memory kind for
+  // device memory).
   absl::Status RegisterWithAll(Registration& registration,
                                v1::RemoteBuffer* context) const;
 
   // Available backends that can reach `remote`, best first.
   std::vector<Backend*> Route(const v1::RemoteBuffer& remote) const;
+  // The same for an op whose local side is `local` (nullptr: any host
+  // memory): device memory narrows the route to the backends that
+  // registered it.
+  std::vector<Backend*> Route(const v1::RemoteBuffer& remote,
+                              const Registration* local) const;
 
-  // Runs `ops`, each on the best common backend; an op that fails with
-  // UNAVAILABLE before `stop` fires is retried once on the next common
-  // backend. Each op reaches its backend with Op::endpoint set to that
-  // backend's entry in the op's context (the caller leaves it unset).
+  // Runs `ops`, each on the best common backend (one that also registered
+  // the op's local buffer when that is device memory); an op that fails
+  // with UNAVAILABLE before `stop` fires is retried once on the next common
+  // backend. An op no backend carries fails UNAVAILABLE, naming device
+  // memory on either side. Each op reaches its backend with Op::endpoint set to
+  // that backend's entry in the op's context (the caller leaves it unset).
   // Backends run their share of the batch concurrently. Returns one outcome
   // per op, in order, with Backend::Submit's guarantee: nothing touches
   // local memory after it has returned.

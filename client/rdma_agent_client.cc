@@ -259,6 +259,46 @@ absl::StatusOr<Registration> AgentClient::AllocateUnmapped(
   return registration;
 }
 
+absl::StatusOr<Registration> AgentClient::RegisterDeviceMemory(
+    const DeviceMemorySpec& memory, v1::Access access, const std::string& label,
+    v1::Lifetime lifetime) {
+  absl::StatusOr<std::string> attach_socket =
+      AttachSocketFor(state_->attach_socket());
+  if (!attach_socket.ok()) return attach_socket.status();
+  if (memory.dmabuf_fd < 0) {
+    return absl::InvalidArgumentError(
+        "RegisterDeviceMemory: dmabuf_fd is not a file descriptor");
+  }
+  v1::AttachRequest attach;
+  v1::AttachDeviceMemory* device = attach.mutable_attach_device_memory();
+  device->set_offset(memory.offset);
+  device->set_length(memory.length);
+  device->set_kind(memory.kind);
+  device->set_device_index(memory.device_index);
+  absl::StatusOr<internal::AttachReply> reply =
+      internal::ExchangeOnAttachSocket(*attach_socket, attach, memory.dmabuf_fd,
+                                       state_->options().rpc_timeout);
+  if (!reply.ok()) return reply.status();
+  if (absl::Status status = internal::ResponseStatus(reply->response);
+      !status.ok()) {
+    return status;
+  }
+  v1::RegisterRequest request;
+  request.set_attach_token(reply->response.attach_token());
+  request.set_access(access);
+  request.set_label(label);
+  request.set_lifetime(lifetime);
+  absl::StatusOr<v1::RegisterResponse> response = Register(request);
+  if (!response.ok()) return response.status();
+  Registration registration;
+  registration.id = response->buffer_id();
+  registration.size = response->size_bytes();
+  registration.remote_context = response->remote_context();
+  registration.backends = BackendsOf(*response);
+  registration.lifetime = response->lifetime();
+  return registration;
+}
+
 absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
                                              const std::string& label,
                                              v1::Lifetime lifetime) {

@@ -150,6 +150,26 @@ struct Registration {
   v1::Lifetime lifetime = v1::LIFETIME_AGENT;  // as the agent keeps it
 };
 
+// Device memory (a GPU's) that the application exported as a dma-buf, for
+// AgentClient::RegisterDeviceMemory. The client links no GPU runtime: the
+// application gets the fd itself, e.g. with cuMemGetHandleForAddressRange(
+// ..., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0) (the CUDA driver API wants a
+// page-aligned range; `offset` then picks the bytes out of it).
+struct DeviceMemorySpec {
+  // The dma-buf. Stays the caller's: the agent receives its own copy and
+  // keeps it while the registration lives, so the caller may close this one
+  // once RegisterDeviceMemory has returned.
+  int dmabuf_fd = -1;
+  // The registered bytes: [offset, offset + length) of the dma-buf.
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  // Which device memory; never MEMORY_KIND_HOST (use Attach for host memory).
+  v1::MemoryKind kind = v1::MEMORY_KIND_CUDA;
+  // The device's index (e.g. the CUDA device ordinal), shown in ListBuffers
+  // and in errors.
+  uint32_t device_index = 0;
+};
+
 // Where an asynchronous transfer is (the agent's TransferState). kPending is
 // the only state that changes.
 enum class TransferState {
@@ -425,6 +445,17 @@ class AgentClient {
   // as for Allocate.
   absl::StatusOr<Buffer> Attach(
       uint64_t size, v1::Access access, const std::string& label = "",
+      v1::Lifetime lifetime = v1::LIFETIME_CLIENT_PROCESS);
+
+  // Hands device memory to the agent (the dma-buf on the attach socket,
+  // then Register{attach_token}). Only NIC backends register it: the result
+  // lists them, and the agent answers FAILED_PRECONDITION when it has none.
+  // Nothing is mapped here (device memory is the application's to reach);
+  // Release(id) ends the registration, and by default so does the end of
+  // this process (`lifetime` as for Allocate).
+  absl::StatusOr<Registration> RegisterDeviceMemory(
+      const DeviceMemorySpec& memory, v1::Access access,
+      const std::string& label = "",
       v1::Lifetime lifetime = v1::LIFETIME_CLIENT_PROCESS);
 
   // Agent allocates; nothing is mapped here and nothing is released

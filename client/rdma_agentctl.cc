@@ -398,6 +398,21 @@ const char* LifetimeText(v1::Lifetime lifetime) {
   }
 }
 
+// Where a buffer's bytes live, as the list shows it: "host", or the device
+// memory's kind and device ("cuda:0").
+std::string MemoryText(const v1::BufferInfo& buffer) {
+  switch (buffer.memory_kind()) {
+    case v1::MEMORY_KIND_HOST:
+      return "host";
+    case v1::MEMORY_KIND_CUDA:
+      return absl::StrCat("cuda:", buffer.device_index());
+    case v1::MEMORY_KIND_ROCM:
+      return absl::StrCat("rocm:", buffer.device_index());
+    default:
+      return absl::StrCat("device:", buffer.device_index());
+  }
+}
+
 // A timestamp as the list shows it: UTC, to the second.
 std::string TimeText(const google::protobuf::Timestamp& time) {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
@@ -428,18 +443,19 @@ class ListCommand : public Command {
       return Ok();
     }
     std::printf(
-        "%-20s %14s %-18s %-9s %-20s %14s %14s %10s %10s %-10s %-20s %-20s "
-        "%s\n",
-        "ID", "SIZE", "ACCESS", "ALLOCATED", "BACKENDS", "MOVED", "SERVED",
-        "UID", "PID", "LIFETIME", "CREATED", "LAST_USE", "LABEL");
+        "%-20s %14s %-18s %-9s %-9s %-20s %14s %14s %10s %10s %-10s %-20s "
+        "%-20s %s\n",
+        "ID", "SIZE", "ACCESS", "ALLOCATED", "MEMORY", "BACKENDS", "MOVED",
+        "SERVED", "UID", "PID", "LIFETIME", "CREATED", "LAST_USE", "LABEL");
     for (const v1::BufferInfo& buffer : *buffers) {
       std::printf(
-          "%-20llu %14llu %-18s %-9s %-20s %14llu %14llu %10u %10u %-10s "
-          "%-20s %-20s %s\n",
+          "%-20llu %14llu %-18s %-9s %-9s %-20s %14llu %14llu %10u %10u "
+          "%-10s %-20s %-20s %s\n",
           static_cast<unsigned long long>(buffer.buffer_id()),
           static_cast<unsigned long long>(buffer.size_bytes()),
           v1::Access_Name(buffer.access()).c_str(),
           buffer.agent_allocated() ? "agent" : "client",
+          MemoryText(buffer).c_str(),
           absl::StrJoin(buffer.backends(), ",").c_str(),
           static_cast<unsigned long long>(buffer.bytes_moved()),
           static_cast<unsigned long long>(buffer.bytes_served()),

@@ -144,10 +144,31 @@ AttachServer::Reply AttachServer::Handle(const v1::AttachRequest& request,
                     size);
       return reply;
     }
+    case v1::AttachRequest::kAttachDeviceMemory: {
+      const v1::AttachDeviceMemory& device = request.attach_device_memory();
+      auto token = AttachDevice(std::move(fd), device, peer);
+      if (!token.ok()) {
+        return ErrorReply(Prefixed(token.status(), "attach device memory"));
+      }
+      Reply reply;
+      reply.response.set_attach_token(*token);
+      reply.response.set_size_bytes(device.length());
+      spdlog::debug("pid {} uid {} attached {} bytes of {}", peer.pid, peer.uid,
+                    device.length(),
+                    DescribeMemory(device.kind(), device.device_index()));
+      return reply;
+    }
     case v1::AttachRequest::kOpen: {
       auto registration = buffers_->Find(request.open().buffer_id(), peer.uid);
       if (!registration.ok()) {
         return ErrorReply(Prefixed(registration.status(), "open"));
+      }
+      if ((*registration)->host_memory() == nullptr) {
+        return ErrorReply(absl::FailedPreconditionError(
+            absl::StrCat("open: buffer ", (*registration)->id(), " is ",
+                         DescribeMemory((*registration)->memory_kind(),
+                                        (*registration)->device_index()),
+                         "; the agent has no mapping of it to hand out")));
       }
       Reply reply;
       reply.response.set_size_bytes((*registration)->size());
@@ -168,21 +189,40 @@ absl::StatusOr<std::string> AttachServer::Attach(UniqueFd fd,
   auto parked = options_.quotas.pending_attach->Reserve(peer.uid, 1);
   if (!parked.ok()) return parked.status();
   auto memory = SharedMemory::Adopt(
-      std::move(fd),
-      [&](uint64_t bytes) -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
-        if (bytes > options_.max_buffer_bytes) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "attached memory of ", bytes,
-              " bytes exceeds the agent's limit of ", options_.max_buffer_bytes,
-              " bytes (--max_buffer_bytes)"));
-        }
-        auto charge = options_.quotas.bytes->Reserve(peer.uid, bytes);
-        if (!charge.ok()) return charge.status();
-        return MemoryCharge::Of(std::move(*charge));
-      });
+      std::move(fd), [&](uint64_t bytes) { return AdmitBytes(bytes, peer); });
   if (!memory.ok()) return memory.status();
   *size = memory->size();
   return tokens_->Park(std::move(*memory), peer.uid, std::move(*parked));
+}
+
+absl::StatusOr<std::string> AttachServer::AttachDevice(
+    UniqueFd fd, const v1::AttachDeviceMemory& request,
+    const PeerCredentials& peer) {
+  auto parked = options_.quotas.pending_attach->Reserve(peer.uid, 1);
+  if (!parked.ok()) return parked.status();
+  DeviceMemory::Description description;
+  description.offset = request.offset();
+  description.length = request.length();
+  description.kind = request.kind();
+  description.device_index = request.device_index();
+  // Counted like host memory: the NIC pins device memory as it pins pages.
+  auto memory = DeviceMemory::Adopt(
+      std::move(fd), description,
+      [&](uint64_t bytes) { return AdmitBytes(bytes, peer); });
+  if (!memory.ok()) return memory.status();
+  return tokens_->Park(std::move(*memory), peer.uid, std::move(*parked));
+}
+
+absl::StatusOr<std::unique_ptr<MappingCharge>> AttachServer::AdmitBytes(
+    uint64_t bytes, const PeerCredentials& peer) const {
+  if (bytes > options_.max_buffer_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attached memory of ", bytes, " bytes exceeds the agent's limit of ",
+        options_.max_buffer_bytes, " bytes (--max_buffer_bytes)"));
+  }
+  auto charge = options_.quotas.bytes->Reserve(peer.uid, bytes);
+  if (!charge.ok()) return charge.status();
+  return MemoryCharge::Of(std::move(*charge));
 }
 
 }  // namespace rdma_agent

@@ -18,12 +18,12 @@
 namespace rdma_agent {
 
 // Serves the attach socket (proto/rdma/agent/v1/attach.proto): clients hand
-// memfds over (answered with an attach token) and ask for the fd of their
-// own registrations to map them. Each connection is served on its own
-// thread, within the attach-connection quota of its user and of everybody.
-// Attached memory is admitted before it is mapped: its size against the
-// largest registration and the bytes quota, the fd against the
-// parked-attachment quota. Whatever is refused is closed at once.
+// memfds or device memory dma-bufs over (answered with an attach token) and
+// ask for the fd of their own host-memory registrations to map them. Each
+// connection is served on its own thread, within the attach-connection quota of
+// its user and of everybody. Attached memory is admitted before it is mapped:
+// its size against the largest registration and the bytes quota, the fd against
+// the parked-attachment quota. Whatever is refused is closed at once.
 class AttachServer {
  public:
   struct Options {
@@ -68,6 +68,14 @@ class AttachServer {
   // Admits, maps and parks a memfd: the attach token, or why not.
   absl::StatusOr<std::string> Attach(UniqueFd fd, const PeerCredentials& peer,
                                      uint64_t* size);
+  // Checks, admits and parks a device memory dma-buf (never mapped).
+  absl::StatusOr<std::string> AttachDevice(
+      UniqueFd fd, const v1::AttachDeviceMemory& request,
+      const PeerCredentials& peer);
+  // Admits `bytes` more of `peer`'s memory (attached host or device memory):
+  // the largest registration, then the bytes quota.
+  absl::StatusOr<std::unique_ptr<MappingCharge>> AdmitBytes(
+      uint64_t bytes, const PeerCredentials& peer) const;
   void ReapDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;

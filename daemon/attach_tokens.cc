@@ -64,7 +64,7 @@ void AttachTokens::ExpireLoop() {
   }
 }
 
-std::string AttachTokens::Park(SharedMemory memory, uid_t owner,
+std::string AttachTokens::Park(BufferMemory memory, uid_t owner,
                                QuotaCharge charge) {
   std::string token = absl::BytesToHexString(RandomBytes(16));
   absl::MutexLock lock(&mu_);
@@ -74,7 +74,7 @@ std::string AttachTokens::Park(SharedMemory memory, uid_t owner,
   return token;
 }
 
-absl::StatusOr<SharedMemory> AttachTokens::Take(const std::string& token,
+absl::StatusOr<BufferMemory> AttachTokens::Take(const std::string& token,
                                                 uid_t caller) {
   PendingMap::node_type taken;
   {

@@ -11,12 +11,14 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "backends/registration.h"
 #include "common/shared_memory.h"
 #include "daemon/quota.h"
 
 namespace rdma_agent {
 
-// Memory a client handed over on the attach socket, waiting for the Register
+// Memory a client handed over on the attach socket (a memfd, or device
+// memory as a dma-buf), waiting for the Register
 // that names its token. Tokens are random, single-use, bound to the user
 // that attached, and expire after `ttl`: a thread of this class unmaps and
 // closes expired memory on time, whether or not anyone else attaches.
@@ -30,12 +32,12 @@ class AttachTokens {
 
   // Parks `memory` for `owner` with `charge` (its parked-attachment quota,
   // given back when the memory is taken or expires); returns its token.
-  std::string Park(SharedMemory memory, uid_t owner, QuotaCharge charge);
+  std::string Park(BufferMemory memory, uid_t owner, QuotaCharge charge);
 
   // Takes the memory parked under `token` by `caller`. NOT_FOUND when the
   // token is unknown, used, expired or another user's (which leaves it
   // parked for its owner).
-  absl::StatusOr<SharedMemory> Take(const std::string& token, uid_t caller);
+  absl::StatusOr<BufferMemory> Take(const std::string& token, uid_t caller);
 
   // How many memories are parked now.
   size_t pending() const;
@@ -44,7 +46,7 @@ class AttachTokens {
   struct Pending {
     // Declared first, destroyed last: the charge goes after the memory.
     QuotaCharge charge;
-    SharedMemory memory;
+    BufferMemory memory;
     uid_t owner;
     absl::Time expires;
   };

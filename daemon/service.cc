@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -49,6 +50,8 @@ void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
   info->set_bytes_moved(registration.bytes_moved());
   info->set_bytes_served(registration.bytes_served());
   info->set_agent_allocated(registration.agent_allocated());
+  info->set_memory_kind(registration.memory_kind());
+  info->set_device_index(registration.device_index());
   info->set_owner_uid(registration.owner());
   info->set_owner_pid(static_cast<uint32_t>(registration.owner_pid()));
   info->set_lifetime(registration.lifetime());
@@ -190,7 +193,7 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   const v1::Lifetime lifetime =
       watch->has_value() ? (*watch)->lifetime() : v1::LIFETIME_AGENT;
   const uint64_t id = buffers_->NextId();
-  absl::StatusOr<SharedMemory> memory;
+  absl::StatusOr<BufferMemory> memory;
   bool agent_allocated = false;
   switch (request.memory_case()) {
     case v1::RegisterRequest::kAllocateBytes:
@@ -222,7 +225,9 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
           "set allocate_bytes or attach_token to say where the memory is");
   }
   if (!memory.ok()) return memory.status();
-  memory->HoldCharge(MemoryCharge::Of(std::move(*slot)));
+  std::visit(
+      [&](auto& held) { held.HoldCharge(MemoryCharge::Of(std::move(*slot))); },
+      *memory);
 
   auto registration = std::make_shared<Registration>(
       id, caller, request.access(), request.label(), RandomBytes(16),
@@ -235,6 +240,8 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   remote.set_size_bytes(registration->size());
   remote.set_access(registration->access());
   remote.set_token(registration->token());
+  remote.set_memory_kind(registration->memory_kind());
+  remote.set_device_index(registration->device_index());
   absl::Status status = backends_->RegisterWithAll(*registration, &remote);
   if (!status.ok()) return status;
 
@@ -250,8 +257,10 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   // Published first: a client gone meanwhile releases it like any other.
   if (watch->has_value()) client_watcher_->Bind(std::move(**watch), id);
   spdlog::info(
-      "uid {} pid {} registered buffer {} ({} bytes, {}, {}, label \"{}\")",
+      "uid {} pid {} registered buffer {} ({} bytes of {}, {}, {}, label "
+      "\"{}\")",
       caller, peer.pid, id, registration->size(),
+      DescribeMemory(registration->memory_kind(), registration->device_index()),
       v1::Access_Name(registration->access()), v1::Lifetime_Name(lifetime),
       LogSafe(registration->label()));
   return response;
@@ -729,8 +738,13 @@ grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
   if (!registration.ok()) {
     return ToGrpcStatus(Prefixed(registration.status(), "ReadBuffer"));
   }
-  absl::Status status = CheckRange(request->offset(), request->length(),
-                                   (*registration)->size(), "buffer");
+  absl::Status status = RequireHostMemory(
+      **registration,
+      "the agent cannot read it; move it with Submit over a NIC backend");
+  if (status.ok()) {
+    status = CheckRange(request->offset(), request->length(),
+                        (*registration)->size(), "buffer");
+  }
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "ReadBuffer"));
   (*registration)->MarkUsed();
   response->set_data(reinterpret_cast<const char*>((*registration)->data() +
@@ -749,8 +763,13 @@ grpc::Status RdmaAgentService::WriteBuffer(
   if (!registration.ok()) {
     return ToGrpcStatus(Prefixed(registration.status(), "WriteBuffer"));
   }
-  absl::Status status = CheckRange(request->offset(), request->data().size(),
-                                   (*registration)->size(), "buffer");
+  absl::Status status = RequireHostMemory(
+      **registration,
+      "the agent cannot write it; move it with Submit over a NIC backend");
+  if (status.ok()) {
+    status = CheckRange(request->offset(), request->data().size(),
+                        (*registration)->size(), "buffer");
+  }
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "WriteBuffer"));
   (*registration)->MarkUsed();
   std::memcpy((*registration)->data() + request->offset(),

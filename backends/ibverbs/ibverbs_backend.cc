@@ -109,7 +109,7 @@ v1::BufferGrant MakeGrant(const Registration& registration, uint32_t rkey) {
   v1::BufferGrant grant;
   grant.set_buffer_id(registration.id());
   grant.set_rkey(rkey);
-  grant.set_address(reinterpret_cast<uint64_t>(registration.data()));
+  grant.set_address(MrAddress(registration));
   grant.set_size_bytes(registration.size());
   return grant;
 }
@@ -175,8 +175,7 @@ class IbverbsBackend::PeerSession {
     if (registration.writable()) {
       access |= IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
     }
-    auto mr =
-        pd_->RegisterMemory(registration.data(), registration.size(), access);
+    auto mr = RegisterIn(*pd_, registration, access);
     if (!mr.ok()) return mr.status();
     const uint32_t rkey = (*mr)->rkey();
     {
@@ -625,8 +624,7 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   // is good on every port of its device.
   std::vector<std::unique_ptr<verbs::MemoryRegion>> mrs;
   for (const auto& device : devices_) {
-    auto mr = device->pd->RegisterMemory(
-        registration.data(), registration.size(), IBV_ACCESS_LOCAL_WRITE);
+    auto mr = RegisterIn(*device->pd, registration, IBV_ACCESS_LOCAL_WRITE);
     if (!mr.ok()) {
       return Prefixed(mr.status(),
                       absl::StrCat("registering buffer ", registration.id(),
@@ -653,7 +651,7 @@ absl::StatusOr<std::unique_ptr<BackendRegistration>> IbverbsBackend::Register(
   ib->set_lid(first.local.lid);
   ib->set_gid(GidBytes(first.local.gid));
   // No rkey: a peer gets one for its own PD in return for the token.
-  ib->set_address(reinterpret_cast<uint64_t>(registration.data()));
+  ib->set_address(MrAddress(registration));
   ib->set_peer_address(peer_address_);
   ib->set_max_message_bytes(first.params.max_message_bytes);
   // Listed only when there is more than one: a single-rail context stays

@@ -90,7 +90,11 @@ struct IbverbsOptions {
 // and advertises every rail (device, port, LID, GID, max message size,
 // speed), the address and the agent's Peer address; no rkey. The MRs live
 // in the BackendRegistration, so they are deregistered only once the
-// registration and every op pinning it are gone.
+// registration and every op pinning it are gone. Device memory (a dma-buf,
+// Registration::device_memory()) is registered the same way with
+// ibv_reg_dmabuf_mr, addressed from kDeviceMemoryIova (registration_state.h)
+// rather than a virtual address; ops on it run like any other, and this is
+// the only backend that carries them (README.md, "Device memory").
 //
 // Peers reach a registration only through a session: ConnectQueuePair
 // (proof of one registration: epoch, buffer id, token) gives the requesting
@@ -142,6 +146,8 @@ class IbverbsBackend : public Backend {
   absl::Status Start(const std::string& peer_address) override;
   // "host:port" peers dial for the queue-pair handshake.
   const std::string& peer_address() const { return peer_address_; }
+  // Host and device memory alike: the NIC reaches both.
+  bool CanRegister(const Registration&) const override { return true; }
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
       const Registration& registration, v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;

@@ -145,6 +145,14 @@ class RealProtectionDomain : public ProtectionDomain {
     return std::unique_ptr<MemoryRegion>(new RealMemoryRegion(pd_, mr));
   }
 
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterDmaBuf(
+      uint64_t offset, size_t length, uint64_t iova, int fd,
+      int access) override {
+    ibv_mr* mr = ibv_reg_dmabuf_mr(pd_.get(), offset, length, iova, fd, access);
+    if (mr == nullptr) return ErrnoStatus("ibv_reg_dmabuf_mr", errno);
+    return std::unique_ptr<MemoryRegion>(new RealMemoryRegion(pd_, mr));
+  }
+
   absl::StatusOr<std::unique_ptr<QueuePair>> CreateQueuePair(
       const QueuePairInit& init) override {
     auto* send_cq = dynamic_cast<RealCompletionQueue*>(init.send_cq);

@@ -11,12 +11,38 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "backends/ibverbs/rails.h"
 #include "backends/ibverbs/verbs.h"
 #include "backends/registration.h"
 
 namespace rdma_agent::ibverbs {
+
+// The I/O virtual address the MRs of device memory give its first byte. A
+// dma-buf has no address in this process, so WRs on it (local SGEs, and
+// peers' remote addresses through the context) count from here; any value
+// works as long as the registration's every MR and its context agree.
+inline constexpr uint64_t kDeviceMemoryIova = 0;
+
+// What WRs call the first byte of `registration` in its MRs: its virtual
+// address for host memory, kDeviceMemoryIova for device memory.
+inline uint64_t MrAddress(const Registration& registration) {
+  return registration.device_memory() != nullptr
+             ? kDeviceMemoryIova
+             : reinterpret_cast<uint64_t>(registration.data());
+}
+
+// An MR of the whole of `registration` in `pd`: ibv_reg_mr of host memory,
+// ibv_reg_dmabuf_mr of device memory (addressed from MrAddress()).
+inline absl::StatusOr<std::unique_ptr<verbs::MemoryRegion>> RegisterIn(
+    verbs::ProtectionDomain& pd, const Registration& registration, int access) {
+  if (const DeviceMemory* device = registration.device_memory()) {
+    return pd.RegisterDmaBuf(device->offset(), device->size(),
+                             kDeviceMemoryIova, device->fd(), access);
+  }
+  return pd.RegisterMemory(registration.data(), registration.size(), access);
+}
 
 // One registration's MR in one peer session's PD.
 struct Grant {

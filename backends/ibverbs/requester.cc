@@ -632,8 +632,7 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
     const Batch::Range piece = {range.op, range.offset + done,
                                 std::min(wr_bytes, range.length - done)};
     ibv_sge sge = {};
-    sge.addr = reinterpret_cast<uint64_t>(op.local->data() + op.local_offset +
-                                          piece.offset);
+    sge.addr = MrAddress(*op.local) + op.local_offset + piece.offset;
     sge.length = static_cast<uint32_t>(piece.length);
     sge.lkey = lkey;
     ibv_send_wr wr = {};

@@ -84,6 +84,14 @@ class ProtectionDomain {
   // ibv_reg_mr with IBV_ACCESS_* flags.
   virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(
       void* addr, size_t length, int access) = 0;
+  // ibv_reg_dmabuf_mr: registers [offset, offset + length) of the dma-buf
+  // `fd` (device memory; never mapped by the caller), which WRs then
+  // address as [iova, iova + length): local SGEs and remote addresses alike.
+  // The MR keeps the dma-buf itself; `fd` stays the caller's. Fails
+  // (INVALID_ARGUMENT with the errno) for an fd that is no dma-buf or a
+  // range outside it, like the real call.
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterDmaBuf(
+      uint64_t offset, size_t length, uint64_t iova, int fd, int access) = 0;
   // ibv_create_qp.
   virtual absl::StatusOr<std::unique_ptr<QueuePair>> CreateQueuePair(
       const QueuePairInit& init) = 0;

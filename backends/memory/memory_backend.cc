@@ -18,7 +18,12 @@ v1::TransportInfo MemoryBackend::transport_info() const {
 }
 
 absl::StatusOr<std::unique_ptr<BackendRegistration>> MemoryBackend::Register(
-    const Registration& /*registration*/, v1::BackendEndpoint* endpoint) {
+    const Registration& registration, v1::BackendEndpoint* endpoint) {
+  // memcpy needs a mapping: device memory has none in the agent (the
+  // registry does not offer it, see CanRegister).
+  absl::Status host = RequireHostMemory(
+      registration, "the memory backend cannot reach device memory");
+  if (!host.ok()) return host;
   endpoint->mutable_memory();
   // Nothing to hold: the agent's buffer directory already finds it.
   return std::make_unique<BackendRegistration>();
@@ -87,6 +92,21 @@ absl::Status RunOp(const Op& op, BatchResolver& remotes, PacedStop& stop) {
     }
   }
 
+  // Neither side is ever device memory when routed here (it is registered
+  // with NIC backends only); a forged context naming such a buffer is
+  // refused before its (absent) mapping is touched.
+  if (absl::Status host = RequireHostMemory(
+          *op.local, "the memory backend cannot reach device memory");
+      !host.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("local ", host.message()));
+  }
+  if (absl::Status host = RequireHostMemory(
+          **remote, "the memory backend cannot reach device memory");
+      !host.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("remote ", host.message()));
+  }
   std::byte* local = op.local->data() + op.local_offset;
   std::byte* other = (*remote)->data() + op.remote_offset;
   std::byte* dst = op.reads_into_local() ? local : other;

@@ -740,6 +740,15 @@ void DataServer::StartRequest(Connection& c) {
   // cut mid-request (request timeout, shutdown) lets it go when it closes.
   auto registration = directory_->ResolveForPeer(request);
   c.token = std::move(request.token);  // its buffer, for the next request
+  // Device memory is never advertised over tcp; a forged request naming it
+  // is refused before anything would touch its (absent) mapping.
+  if (registration.ok()) {
+    if (absl::Status host = RequireHostMemory(
+            **registration, "the tcp data plane cannot reach device memory");
+        !host.ok()) {
+      registration = host;
+    }
+  }
   c.verdict = registration.status();
   c.pinned = registration.ok() ? std::move(*registration) : nullptr;
   c.trusted = c.trusted || c.pinned != nullptr;

@@ -100,7 +100,12 @@ v1::TransportInfo TcpBackend::transport_info() const {
 }
 
 absl::StatusOr<std::unique_ptr<BackendRegistration>> TcpBackend::Register(
-    const Registration& /*registration*/, v1::BackendEndpoint* endpoint) {
+    const Registration& registration, v1::BackendEndpoint* endpoint) {
+  // The data plane copies bytes through the agent's mapping: device memory
+  // has none (the registry does not offer it, see CanRegister).
+  absl::Status host = RequireHostMemory(
+      registration, "the tcp backend cannot reach device memory");
+  if (!host.ok()) return host;
   v1::TcpEndpoint* tcp = endpoint->mutable_tcp();
   tcp->set_host(advertise_host_);
   tcp->set_port(port());
@@ -152,6 +157,15 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
   const v1::BackendEndpoint* last_endpoint = nullptr;
   size_t last_batch = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
+    // Never routed here (the registry routes device memory to the backends
+    // that registered it), and refused should it be.
+    if (absl::Status host = RequireHostMemory(
+            *ops[i].local, "the tcp backend cannot reach device memory");
+        !host.ok()) {
+      results[i] =
+          absl::FailedPreconditionError(absl::StrCat("local ", host.message()));
+      continue;
+    }
     if (ops[i].endpoint != nullptr && ops[i].endpoint == last_endpoint) {
       batches[last_batch].ops.push_back(i);
       continue;

@@ -66,6 +66,12 @@ OP_TYPE = {
 # How long a registration lives if nobody releases it (types.proto Lifetime):
 # until Release ("agent"), or until this process exits ("process") or its
 # connection closes ("connection"), whichever comes first.
+# Device memory kinds for register_dmabuf (types.proto MemoryKind).
+MEMORY_KIND = {
+    "cuda": types_pb2.MEMORY_KIND_CUDA,
+    "rocm": types_pb2.MEMORY_KIND_ROCM,
+    "other": types_pb2.MEMORY_KIND_OTHER,
+}
 LIFETIME = {
     "agent": types_pb2.LIFETIME_AGENT,
     "process": types_pb2.LIFETIME_CLIENT_PROCESS,
@@ -292,6 +298,10 @@ def _access(access):
 
 def _lifetime(lifetime):
     return LIFETIME[lifetime] if isinstance(lifetime, str) else lifetime
+
+
+def _memory_kind(kind):
+    return MEMORY_KIND[kind] if isinstance(kind, str) else kind
 
 
 def _rpc(call, request, timeout):
@@ -595,6 +605,31 @@ class AgentClient:
             raise
         return Buffer(self, response.buffer_id, memory, response.remote_context,
                       response.backends, response.lifetime)
+
+    def register_dmabuf(self, fd, offset, length, kind="cuda", device=0,
+                        access="read_write", label="", lifetime="process"):
+        """Registers device memory (a GPU's) that this process exported as a
+        dma-buf `fd` (e.g. cuda-python's cuMemGetHandleForAddressRange with
+        CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD): the bytes [offset, offset +
+        length) of it. `kind` is "cuda", "rocm" or "other", `device` the
+        device's index. Only NIC backends register device memory; the agent
+        answers FAILED_PRECONDITION when it has none. Nothing is mapped
+        here and `fd` stays this process's (the agent keeps its own copy):
+        returns the RegisterResponse (buffer_id, remote_context, backends);
+        release it with release(buffer_id) or, by default, by exiting."""
+        request = attach_pb2.AttachRequest(
+            attach_device_memory=attach_pb2.AttachDeviceMemory(
+                offset=offset, length=length, kind=_memory_kind(kind),
+                device_index=device))
+        reply, extra = _attach_exchange(self.attach_socket, request, fd, self.timeout)
+        if extra is not None:
+            os.close(extra)
+        _raise_for(reply)
+        return _rpc(self.stub.Register,
+                    agent_pb2.RegisterRequest(attach_token=reply.attach_token,
+                                              access=_access(access), label=label,
+                                              lifetime=_lifetime(lifetime)),
+                    self.timeout)
 
     @staticmethod
     def _submit_request(ops, timeout, notification=None):

@@ -190,12 +190,13 @@ TEST_F(AgentctlTest, RegisterWriteReadDecodeSubmitRelease) {
   r = Ctl({"list"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("UID        PID LIFETIME   CREATED"));
+  EXPECT_THAT(r.out, HasSubstr("ALLOCATED MEMORY    BACKENDS"));
   const std::string time =
       "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z";
   EXPECT_THAT(
       r.out, MatchesRegex(absl::StrCat("(.|\n)*\n", src,
                                        " +4099 +ACCESS_READ_WRITE +agent "
-                                       "+memory +[0-9]+ +[0-9]+ +",
+                                       "+host +memory +[0-9]+ +[0-9]+ +",
                                        ::geteuid(), " +[1-9][0-9]* +agent +",
                                        time, " +", time, " +source\n(.|\n)*")));
   EXPECT_THAT(r.out,

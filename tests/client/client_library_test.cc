@@ -154,6 +154,32 @@ TEST_F(ClientLibraryTest, AttachedBufferIsMappedAndShared) {
   EXPECT_FALSE((*listed)[0].agent_allocated());
 }
 
+// This agent runs the memory backend only: device memory has nowhere to go.
+// (Device memory over a NIC: tests/ibverbs/device_memory_test.cc.)
+TEST_F(ClientLibraryTest, DeviceMemoryNeedsANicBackend) {
+  client::DeviceMemorySpec spec;
+  spec.dmabuf_fd = -1;
+  spec.length = 4096;
+  auto no_fd = client_->RegisterDeviceMemory(spec, v1::ACCESS_READ_WRITE);
+  EXPECT_EQ(no_fd.status().code(), absl::StatusCode::kInvalidArgument);
+
+  UniqueFd memfd(::memfd_create("client-dmabuf", MFD_CLOEXEC));
+  ASSERT_TRUE(memfd.valid());
+  ASSERT_EQ(::ftruncate(memfd.get(), 8192), 0);
+  spec.dmabuf_fd = memfd.get();
+  spec.offset = 4096;
+  spec.kind = v1::MEMORY_KIND_ROCM;
+  spec.device_index = 1;
+  auto refused = client_->RegisterDeviceMemory(spec, v1::ACCESS_READ_WRITE);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("ROCm device memory (device 1), which only NIC "
+                        "backends (ibverbs) can register"));
+  auto listed = client_->ListBuffers();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_THAT(*listed, IsEmpty());
+}
+
 TEST_F(ClientLibraryTest, MappedBuffersLiveWithTheProcessUnlessAskedOtherwise) {
   // Buffer releases itself; the agent does it if this process dies first.
   auto allocated = client_->Allocate(100, v1::ACCESS_READ_WRITE);

@@ -148,6 +148,28 @@ class PythonClientTest(unittest.TestCase):
                              (buffer.id, "py-attached", False))
         self.assertEqual(self.client.list_buffers(), [])
 
+    def test_register_dmabuf_needs_a_nic_and_says_which_memory(self):
+        # A memfd stands in for a GPU's dma-buf; this agent has no NIC
+        # backend (ibverbs) to register device memory with.
+        fd = os.memfd_create("py-dmabuf", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, 8192)
+            with self.assertRaises(AgentError) as raised:
+                self.client.register_dmabuf(fd, 4096, 4096, kind="cuda", device=2)
+            self.assertEqual(raised.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("CUDA device memory (device 2)", str(raised.exception))
+            # Checked on the attach socket before any backend is asked.
+            with self.assertRaises(AgentError) as raised:
+                self.client.register_dmabuf(fd, 4096, 8192, kind="rocm")
+            self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("ends past the dma-buf", str(raised.exception))
+            self.assertCode(grpc.StatusCode.INVALID_ARGUMENT,
+                            self.client.register_dmabuf, fd, 0, 4096,
+                            types_pb2.MEMORY_KIND_HOST)
+        finally:
+            os.close(fd)
+        self.assertEqual(self.client.list_buffers(), [])
+
     def test_submit_moves_every_byte_both_ways(self):
         size_a, size_b = 3 * MIB + 13, 3 * MIB + 7
         with self.client.attach(size_a) as a, self.client.allocate(size_b) as b:

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <variant>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -78,13 +79,14 @@ TEST_F(AttachTokensTest, TokensAreSingleUse) {
   const std::string token = Park(tokens, kOwner);
   auto taken = tokens.Take(token, kOwner);
   ASSERT_TRUE(taken.ok()) << taken.status();
-  EXPECT_EQ(taken->size(), 4096u);
+  ASSERT_TRUE(std::holds_alternative<SharedMemory>(*taken));
+  EXPECT_EQ(std::get<SharedMemory>(*taken).size(), 4096u);
   // Taken: no longer parked, but its bytes stay charged with the memory.
   EXPECT_EQ(pending_quota_->used(kOwner), 0u);
   EXPECT_EQ(bytes_quota_->used(kOwner), 4096u);
   EXPECT_EQ(tokens.Take(token, kOwner).status().code(),
             absl::StatusCode::kNotFound);
-  { SharedMemory dropped = std::move(*taken); }
+  { BufferMemory dropped = std::move(*taken); }
   EXPECT_EQ(bytes_quota_->used(kOwner), 0u);
 }
 

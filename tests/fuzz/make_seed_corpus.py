@@ -121,10 +121,14 @@ def frame(body):
 
 ATTACH = encode("AttachRequest", "attach.proto", "attach {}")
 OPEN = encode("AttachRequest", "attach.proto", "open { buffer_id: 3 }")
+DEVICE = encode("AttachRequest", "attach.proto",
+                "attach_device_memory { offset: 512 length: 4096 "
+                "kind: MEMORY_KIND_CUDA device_index: 1 }")
 A = "attach_frame_fuzzer"
 write(A, "attach_with_fd", bytes([1, 0]) + frame(ATTACH))
 write(A, "attach_without_fd", bytes([0, 0]) + frame(ATTACH))
 write(A, "open_buffer", bytes([0, 0]) + frame(OPEN))
+write(A, "attach_device_memory_with_fd", bytes([1, 0]) + frame(DEVICE))
 write(A, "two_messages_fds_split", bytes([1 | (2 << 3), 3]) +
       frame(ATTACH) + frame(OPEN))
 write(A, "many_fds", bytes([7 | (7 << 3), 1]) + frame(ATTACH))

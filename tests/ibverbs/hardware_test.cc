@@ -10,6 +10,12 @@
 //
 // Every case also runs on a three-device software NIC, so that what the
 // cases check is itself checked where there is no hardware.
+#include <fcntl.h>
+#include <linux/udmabuf.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <map>
 #include <memory>
@@ -22,6 +28,7 @@
 #include "backends/ibverbs/real_verbs.h"
 #include "backends/testing/harness.h"
 #include "backends/testing/ibverbs_agent.h"
+#include "common/unique_fd.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent::ibverbs {
@@ -200,6 +207,95 @@ TEST_P(HardwareTest, StripesOverEveryRail) {
     EXPECT_GT(backend.rail_bytes(rail), before[rail])
         << rail << " carried none of 1024 small ops";
   }
+}
+
+// Device memory through ibv_reg_dmabuf_mr must move exactly the bytes
+// asked, as either side of an op. On hardware the dma-buf is a real one,
+// made from a memfd by the kernel's udmabuf driver (the stand-in for GPU
+// memory); skips without /dev/udmabuf or when the NIC's driver does not
+// take dma-bufs. On the soft NIC the memfd itself stands in for it.
+TEST_P(HardwareTest, MovesBytesThroughADmaBufMr) {
+  constexpr uint64_t kBytes = 4 << 20;
+  constexpr uint64_t kOffset = 64 << 10;  // the registered range's start
+  constexpr uint64_t kLength = 2 << 20;
+  UniqueFd memfd(::memfd_create("hardware-dmabuf", MFD_ALLOW_SEALING));
+  ASSERT_TRUE(memfd.valid());
+  ASSERT_EQ(::ftruncate(memfd.get(), kBytes), 0);
+  // udmabuf wants the memfd sealed against shrinking.
+  ASSERT_EQ(::fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  UniqueFd dmabuf;
+  if (GetParam() == Nic::kSoft) {
+    dmabuf.reset(::dup(memfd.get()));
+  } else {
+    UniqueFd udmabuf(::open("/dev/udmabuf", O_RDWR | O_CLOEXEC));
+    if (!udmabuf) {
+      GTEST_SKIP() << "no /dev/udmabuf (modprobe udmabuf) to make a dma-buf "
+                      "from host memory: "
+                   << std::strerror(errno);
+    }
+    udmabuf_create create = {};
+    create.memfd = static_cast<__u32>(memfd.get());
+    create.offset = 0;
+    create.size = kBytes;
+    dmabuf.reset(::ioctl(udmabuf.get(), UDMABUF_CREATE, &create));
+  }
+  ASSERT_TRUE(dmabuf.valid()) << "dma-buf: " << std::strerror(errno);
+  auto* view = static_cast<uint8_t*>(::mmap(
+      nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0));
+  ASSERT_NE(view, MAP_FAILED);
+  for (uint64_t i = 0; i < kBytes; ++i) view[i] = static_cast<uint8_t>(i * 5);
+
+  DeviceMemory::Description description;
+  description.offset = kOffset;
+  description.length = kLength;
+  description.kind = v1::MEMORY_KIND_OTHER;
+  auto memory = DeviceMemory::Adopt(
+      std::move(dmabuf), description,
+      [](uint64_t) -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+        return nullptr;
+      });
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  const uint64_t id = a_->table().NextId();
+  auto registration = std::make_shared<Registration>(
+      id, /*owner=*/0, v1::ACCESS_READ_WRITE, "dmabuf", "dmabuf-token",
+      std::move(*memory), /*agent_allocated=*/false);
+  auto context = std::make_shared<v1::RemoteBuffer>();
+  context->set_agent_id(a_->identity().agent_id);
+  context->set_agent_epoch(a_->identity().epoch);
+  context->set_buffer_id(id);
+  context->set_size_bytes(kLength);
+  context->set_access(v1::ACCESS_READ_WRITE);
+  context->set_token("dmabuf-token");
+  context->set_memory_kind(v1::MEMORY_KIND_OTHER);
+  v1::BackendEndpoint* endpoint = context->add_endpoints();
+  auto state = a_->backend<IbverbsBackend>().Register(*registration, endpoint);
+  if (!state.ok() && absl::IsInvalidArgument(state.status())) {
+    ::munmap(view, kBytes);
+    GTEST_SKIP() << "the device does not register dma-bufs: "
+                 << state.status();
+  }
+  ASSERT_TRUE(state.ok()) << state.status();
+  endpoint->set_backend("ibverbs");
+  registration->AddBackend("ibverbs", std::move(*state));
+  a_->table().Add(registration);
+  TestBuffer device{registration, context, 0};
+  TestBuffer host = b_->Register(kLength, v1::ACCESS_READ_WRITE, 9);
+
+  // Device memory as the local side, then as the remote side.
+  auto results = a_->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, device, 100, 300000, host, 7)},
+      absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(0, std::memcmp(view + kOffset + 100, host.bytes() + 7, 300000));
+  EXPECT_EQ(view[kOffset + 99], static_cast<uint8_t>((kOffset + 99) * 5));
+  EXPECT_EQ(view[kOffset + 100 + 300000],
+            static_cast<uint8_t>((kOffset + 100 + 300000) * 5));
+  results = b_->backend<IbverbsBackend>().Submit(
+      {MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, host, 0, kLength, device, 0)},
+      absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(0, std::memcmp(host.bytes(), view + kOffset, kLength));
+  ::munmap(view, kBytes);
 }
 
 }  // namespace

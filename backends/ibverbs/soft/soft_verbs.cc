@@ -1,5 +1,8 @@
 #include "backends/ibverbs/soft/soft_verbs.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -7,10 +10,12 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 
 namespace rdma_agent {
@@ -18,8 +23,13 @@ namespace verbs {
 namespace soft_internal {
 
 struct MrEntry {
+  // What WRs address: [addr, addr + length). The virtual address for
+  // ibv_reg_mr; the iova for ibv_reg_dmabuf_mr.
   uintptr_t addr = 0;
   size_t length = 0;
+  // Where the bytes are in this process: addr itself for ibv_reg_mr, the
+  // soft NIC's own mapping of the dma-buf range for ibv_reg_dmabuf_mr.
+  uintptr_t host = 0;
   int access = 0;
   uint64_t pd_id = 0;
 };
@@ -274,13 +284,57 @@ void PushCompletion(CqState& cq, const ibv_wc& wc, std::weak_ptr<QpState> qp) {
 
 // --- Memory region --------------------------------------------------------
 
+// The soft NIC's mapping of a dma-buf range (what a real NIC reaches by
+// DMA): MAP_SHARED, so bytes moved land in the memory the fd names.
+class DmaBufMapping {
+ public:
+  // Maps [offset, offset + length) of `fd`; mmap needs a page-aligned file
+  // offset, so the mapping starts at the page holding `offset`.
+  static absl::StatusOr<DmaBufMapping> Map(int fd, uint64_t offset,
+                                           size_t length) {
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t skip = offset % page;
+    const size_t span = length + skip;
+    void* base = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                        static_cast<off_t>(offset - skip));
+    if (base == MAP_FAILED) {
+      const int err = errno;
+      return Errno("ibv_reg_dmabuf_mr", err, "the fd cannot be mapped");
+    }
+    return DmaBufMapping(base, span, skip);
+  }
+  DmaBufMapping(DmaBufMapping&& other) noexcept
+      : base_(std::exchange(other.base_, nullptr)),
+        span_(other.span_),
+        skip_(other.skip_) {}
+  DmaBufMapping& operator=(DmaBufMapping&&) = delete;
+  ~DmaBufMapping() {
+    if (base_ != nullptr) ::munmap(base_, span_);
+  }
+  // The first byte of the registered range.
+  uintptr_t start() const { return reinterpret_cast<uintptr_t>(base_) + skip_; }
+
+ private:
+  DmaBufMapping(void* base, size_t span, uint64_t skip)
+      : base_(base), span_(span), skip_(skip) {}
+  void* base_;
+  size_t span_;
+  uint64_t skip_;
+};
+
 class SoftMemoryRegion : public MemoryRegion {
  public:
   SoftMemoryRegion(std::shared_ptr<DeviceState> device, uint32_t key,
-                   void* addr, size_t length)
-      : device_(std::move(device)), key_(key), addr_(addr), length_(length) {}
+                   void* addr, size_t length,
+                   std::optional<DmaBufMapping> mapping = std::nullopt)
+      : device_(std::move(device)),
+        key_(key),
+        addr_(addr),
+        length_(length),
+        mapping_(std::move(mapping)) {}
   ~SoftMemoryRegion() override {
-    // Exclusive: waits for copies in progress, and none starts after.
+    // Exclusive: waits for copies in progress, and none starts after; the
+    // dma-buf mapping (if any) goes after that.
     absl::WriterMutexLock lock(&device_->mr_mu);
     device_->mrs.erase(key_);
   }
@@ -294,6 +348,7 @@ class SoftMemoryRegion : public MemoryRegion {
   const uint32_t key_;
   void* const addr_;
   const size_t length_;
+  const std::optional<DmaBufMapping> mapping_;
 };
 
 // --- Queue pair -----------------------------------------------------------
@@ -649,6 +704,8 @@ class SoftQueuePair : public QueuePair {
     if (b != a) lock_b = std::make_unique<absl::ReaderMutexLock>(&b->mr_mu);
 
     const auto& local_mrs = qp.device->mrs;
+    // Where each SGE's bytes are (its MR's translation of sge.addr).
+    absl::InlinedVector<uintptr_t, 4> local_bytes;
     for (const ibv_sge& sge : wr.sges) {
       auto it = local_mrs.find(sge.lkey);
       if (it == local_mrs.end()) return IBV_WC_LOC_PROT_ERR;
@@ -661,6 +718,7 @@ class SoftQueuePair : public QueuePair {
       if (read && !(mr.access & IBV_ACCESS_LOCAL_WRITE)) {
         return IBV_WC_LOC_PROT_ERR;
       }
+      local_bytes.push_back(mr.host + (sge.addr - mr.addr));
     }
     // A zero-length RDMA op names no remote memory: as on hardware, its
     // rkey and address are not checked (a liveness probe uses one).
@@ -675,9 +733,10 @@ class SoftQueuePair : public QueuePair {
           (read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE))) {
       return IBV_WC_REM_ACCESS_ERR;
     }
-    uint64_t remote = wr.remote_addr;
-    for (const ibv_sge& sge : wr.sges) {
-      void* local = reinterpret_cast<void*>(sge.addr);
+    uintptr_t remote = rmr.host + (wr.remote_addr - rmr.addr);
+    for (size_t i = 0; i < wr.sges.size(); ++i) {
+      const ibv_sge& sge = wr.sges[i];
+      void* local = reinterpret_cast<void*>(local_bytes[i]);
       void* far = reinterpret_cast<void*>(remote);
       if (read) {
         std::memmove(local, far, sge.length);
@@ -742,11 +801,49 @@ class SoftProtectionDomain : public ProtectionDomain {
     }
     {
       absl::WriterMutexLock lock(&device_->mr_mu);
-      device_->mrs[key] = {reinterpret_cast<uintptr_t>(addr), length, access,
-                           id_};
+      device_->mrs[key] = {reinterpret_cast<uintptr_t>(addr), length,
+                           reinterpret_cast<uintptr_t>(addr), access, id_};
     }
     return std::unique_ptr<MemoryRegion>(
         new SoftMemoryRegion(device_, key, addr, length));
+  }
+
+  // Any fd mmap accepts stands in for a dma-buf (tests hand it a memfd):
+  // the soft NIC maps the range itself, as a real NIC reaches device
+  // memory by DMA, and WRs address it by iova.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterDmaBuf(
+      uint64_t offset, size_t length, uint64_t iova, int fd,
+      int access) override {
+    if (length == 0 || offset > UINT64_MAX - length ||
+        iova > UINTPTR_MAX - length) {
+      return Errno("ibv_reg_dmabuf_mr", EINVAL, "empty or overflowing range");
+    }
+    if (fd < 0) return Errno("ibv_reg_dmabuf_mr", EBADF, "no fd");
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+      return Errno("ibv_reg_dmabuf_mr", EINVAL,
+                   "REMOTE_WRITE requires LOCAL_WRITE");
+    }
+    // A range past the end of the fd would map, then fault on first touch.
+    const off_t end = ::lseek(fd, 0, SEEK_END);
+    if (end < 0 || offset + length > static_cast<uint64_t>(end)) {
+      return Errno("ibv_reg_dmabuf_mr", EINVAL, "range outside the dma-buf");
+    }
+    auto mapping = DmaBufMapping::Map(fd, offset, length);
+    if (!mapping.ok()) return mapping.status();
+    uint32_t key;
+    {
+      absl::MutexLock lock(&fabric_->mu);
+      key = fabric_->next_key++;
+    }
+    {
+      absl::WriterMutexLock lock(&device_->mr_mu);
+      device_->mrs[key] = {static_cast<uintptr_t>(iova), length,
+                           mapping->start(), access, id_};
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new SoftMemoryRegion(device_, key, reinterpret_cast<void*>(iova),
+                             length, std::move(*mapping)));
   }
 
   absl::StatusOr<std::unique_ptr<QueuePair>> CreateQueuePair(

@@ -7,7 +7,12 @@
 // Devices live on a SoftFabric; every device of a fabric reaches every other
 // one (also across backends and agents in one process). It behaves like an RC
 // NIC as far as a verbs consumer can tell:
-//  - PDs; MRs with lkey/rkey and IBV_ACCESS_* flags, checked on both sides
+//  - PDs; MRs (ibv_reg_mr, and ibv_reg_dmabuf_mr with any mmap-able fd --
+//    a memfd in tests -- standing in for a dma-buf: the soft NIC maps the
+//    range itself, MAP_SHARED, as a real NIC reaches device memory by DMA,
+//    and WRs address it by its iova; an fd mmap refuses fails with EINVAL
+//    or EBADF as the real call does) with lkey/rkey and IBV_ACCESS_* flags,
+//    checked on both sides
 //    (local key/PD/bounds/LOCAL_WRITE -> IBV_WC_LOC_PROT_ERR, remote key/
 //    PD/bounds/REMOTE_READ|WRITE -> IBV_WC_REM_ACCESS_ERR, and the target
 //    QP's qp_access_flags -> IBV_WC_REM_ACCESS_ERR, message longer than

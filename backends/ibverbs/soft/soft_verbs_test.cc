@@ -4,6 +4,10 @@
 // link speeds and NUMA nodes.
 #include "backends/ibverbs/soft/soft_verbs.h"
 
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -755,5 +759,118 @@ TEST_F(SoftLinkTest, DevicesReportTheirSpeedAndNumaNode) {
 }
 
 }  // namespace
+// What ibv_reg_dmabuf_mr on the soft NIC takes for a dma-buf: a memfd here.
+class SoftDmaBufTest : public SoftVerbsTest {
+ protected:
+  static constexpr uint64_t kDmaBufBytes = 3 * 4096;
+  static constexpr uint64_t kOffset = 4096 + 100;  // not page-aligned
+  static constexpr size_t kLength = 4096;
+  static constexpr uint64_t kIova = 0x10000;
+
+  void SetUp() override {
+    SoftVerbsTest::SetUp();
+    fd_ = ::memfd_create("soft-dmabuf", MFD_CLOEXEC);
+    ASSERT_GE(fd_, 0);
+    ASSERT_EQ(::ftruncate(fd_, kDmaBufBytes), 0);
+    void* view = ::mmap(nullptr, kDmaBufBytes, PROT_READ | PROT_WRITE,
+                        MAP_SHARED, fd_, 0);
+    ASSERT_NE(view, MAP_FAILED);
+    view_ = static_cast<uint8_t*>(view);
+  }
+  void TearDown() override {
+    if (view_ != nullptr) ::munmap(view_, kDmaBufBytes);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // One RDMA op from a_'s buffer to `remote_addr` under `rkey`.
+  ibv_wc_status RunOne(ibv_wr_opcode opcode, uint64_t local_offset,
+                       uint32_t length, uint64_t remote_addr, uint32_t rkey) {
+    ibv_sge sge = {};
+    sge.addr = reinterpret_cast<uint64_t>(a_.buffer.data() + local_offset);
+    sge.length = length;
+    sge.lkey = a_.mr->lkey();
+    ibv_send_wr wr = {};
+    wr.wr_id = 7;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = opcode;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = remote_addr;
+    wr.wr.rdma.rkey = rkey;
+    ibv_send_wr* bad = nullptr;
+    EXPECT_EQ(a_.qp->PostSend(&wr, &bad), 0);
+    return NextCompletion().status;
+  }
+
+  int fd_ = -1;
+  uint8_t* view_ = nullptr;
+};
+
+TEST_F(SoftDmaBufTest, IsAddressedByIovaAndLandsInTheFdsBytes) {
+  auto mr = b_.pd->RegisterDmaBuf(kOffset, kLength, kIova, fd_, kAllAccess);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  EXPECT_EQ(reinterpret_cast<uint64_t>((*mr)->addr()), kIova);
+  EXPECT_EQ((*mr)->length(), kLength);
+  Connect();
+
+  std::vector<uint8_t> expected(view_, view_ + kDmaBufBytes);
+  std::memcpy(expected.data() + kOffset + 10, a_.buffer.data() + 5, 200);
+  EXPECT_EQ(RunOne(IBV_WR_RDMA_WRITE, 5, 200, kIova + 10, (*mr)->rkey()),
+            IBV_WC_SUCCESS);
+  EXPECT_EQ(std::memcmp(view_, expected.data(), kDmaBufBytes), 0);
+
+  view_[kOffset + kLength - 1] = 0xab;
+  EXPECT_EQ(RunOne(IBV_WR_RDMA_READ, 0, 1, kIova + kLength - 1, (*mr)->rkey()),
+            IBV_WC_SUCCESS);
+  EXPECT_EQ(a_.buffer[0], 0xab);
+}
+
+TEST_F(SoftDmaBufTest, ChecksAccessLikeOtherMrs) {
+  auto read_only =
+      b_.pd->RegisterDmaBuf(kOffset, kLength, kIova, fd_,
+                            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+  ASSERT_TRUE(read_only.ok()) << read_only.status();
+  Connect();
+  const std::vector<uint8_t> before(view_, view_ + kDmaBufBytes);
+  EXPECT_EQ(RunOne(IBV_WR_RDMA_WRITE, 0, 64, kIova, (*read_only)->rkey()),
+            IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(std::memcmp(view_, before.data(), kDmaBufBytes), 0);
+}
+
+TEST_F(SoftDmaBufTest, ChecksBoundsLikeOtherMrs) {
+  auto mr = b_.pd->RegisterDmaBuf(kOffset, kLength, kIova, fd_, kAllAccess);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  Connect();
+  const std::vector<uint8_t> before(view_, view_ + kDmaBufBytes);
+  // The fd goes on past the MR's end; the MR does not.
+  EXPECT_EQ(
+      RunOne(IBV_WR_RDMA_WRITE, 0, 64, kIova + kLength - 32, (*mr)->rkey()),
+      IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(std::memcmp(view_, before.data(), kDmaBufBytes), 0);
+}
+
+TEST_F(SoftDmaBufTest, RefusesWhatIsNoMappableRange) {
+  const int access = kAllAccess;
+  EXPECT_EQ(b_.pd->RegisterDmaBuf(0, 0, kIova, fd_, access).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b_.pd->RegisterDmaBuf(kDmaBufBytes - 10, 100, kIova, fd_, access)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b_.pd->RegisterDmaBuf(0, 100, kIova, -1, access).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  EXPECT_EQ(
+      b_.pd->RegisterDmaBuf(0, 100, kIova, pair[0], access).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  ::close(pair[0]);
+  ::close(pair[1]);
+  EXPECT_EQ(b_.pd->RegisterDmaBuf(0, 100, kIova, fd_, IBV_ACCESS_REMOTE_WRITE)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace verbs
 }  // namespace rdma_agent
