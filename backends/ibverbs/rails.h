@@ -90,6 +90,9 @@ struct Rail {
   ibv_port_attr port_attr = {};  // as found at start
   double speed_gbps = 0;
   int numa_node = -1;
+  // Its NIC's place in the PCI tree (NumaTopology::RdmaDevicePciPath);
+  // empty when unknown.
+  std::vector<std::string> pci_path;
   RailCounters counters;
 
   mutable absl::Mutex mu;
