@@ -99,6 +99,7 @@ void AdvertiseAffinity(const RailAffinity& affinity,
   }
   if (near.size() == advertised.size()) return;
   for (uint32_t index : near) ib.add_near_rails(index);
+  if (affinity.near_rails_only) ib.set_near_rails_only(true);
 }
 
 std::string GidBytes(const ibv_gid& gid) {
@@ -700,7 +701,8 @@ RailAffinity IbverbsBackend::AffinityOf(
   for (const auto& rail : rails_) paths.push_back(rail->pci_path);
   affinity.near_rails =
       NearestInPciTree(topology_.PciDevicePciPath(device->pci_bus_id()), paths,
-                       NearestRails(topology_, affinity.numa_node, nodes));
+                       NearestRails(topology_, affinity.numa_node, nodes),
+                       &affinity.near_rails_only);
   return affinity;
 }
 

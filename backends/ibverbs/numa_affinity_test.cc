@@ -194,7 +194,11 @@ class NumaAffinityTest : public ::testing::Test {
   }
 
   SoftFabric fabric_;
-  FakeHost host_{UniformDistances(2, 21)};
+  FakeHost host_ = [] {
+    FakeHost host;
+    host.distances = UniformDistances(2, 21);
+    return host;
+  }();
 };
 
 // Two sockets (distances 10/21), four NICs on each: x0-x3 on node 0,
@@ -542,10 +546,11 @@ class TwoSocketGpuTest : public TwoSocketTest {
         {"0000:c1:00.0", "pci0000:ac/0000:ac:02.0/0000:c1:00.0"},
         {"0000:d9:00.0", "pci0000:d7/0000:d7:00.0/0000:d8:00.0/0000:d9:00.0"},
     };
-    host_.rdma_pci = {{"a4", "0000:b1:00.0"},
-                      {"a5", "0000:b2:00.0"},
-                      {"a6", "0000:c1:00.0"},
-                      {"a7", "0000:d9:00.0"}};
+    // b's host is built the same way.
+    host_.rdma_pci = {{"a4", "0000:b1:00.0"}, {"a5", "0000:b2:00.0"},
+                      {"a6", "0000:c1:00.0"}, {"a7", "0000:d9:00.0"},
+                      {"b4", "0000:b1:00.0"}, {"b5", "0000:b2:00.0"},
+                      {"b6", "0000:c1:00.0"}, {"b7", "0000:d9:00.0"}};
   }
   static std::string Gpu() { return kGpu; }
 
@@ -642,11 +647,11 @@ TEST_F(TwoSocketGpuTest, DeviceMemoryWithoutAKnownGpuUsesEveryRail) {
 
 TEST_F(TwoSocketGpuTest, NicsOnTheGpusPcieSwitchAreNearest) {
   AddPciTree();
-  // Large ops too stay on the switch: the far share is another test's.
-  IbverbsOptions options = Fast();
-  options.numa_near_share = 0;
-  auto a = Agent("agent-a", a_devices_, a_memory_, options);
-  auto b = Agent("agent-b", b_devices_, b_memory_, options);
+  // Default options: two NICs of eight are below --ibverbs_numa_near_share
+  // of the link speed, yet large ops stay on the switch too (the others
+  // would reach the GPU's memory through the CPU).
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  auto b = Agent("agent-b", b_devices_, b_memory_);
   FakeGpuMemory gpu(kSize, 9);
   const TestBuffer local =
       a->RegisterDevice(gpu.Adopt(kGpu), v1::ACCESS_READ_WRITE);
@@ -656,9 +661,11 @@ TEST_F(TwoSocketGpuTest, NicsOnTheGpusPcieSwitchAreNearest) {
       std::vector<uint32_t>(ib.near_rails().begin(), ib.near_rails().end()),
       std::vector<uint32_t>({4, 5}));
   EXPECT_EQ(ib.numa_node(), 1);
+  EXPECT_TRUE(ib.near_rails_only());
+  const std::vector<bool> kSwitch = {false, false, false, false,
+                                     true,  true,  false, false};
   const std::vector<uint64_t> bytes = Run(*a, gpu, local, remote);
-  EXPECT_EQ(Carried(bytes), std::vector<bool>({false, false, false, false, true,
-                                               true, false, false}));
+  EXPECT_EQ(Carried(bytes), kSwitch);
   EXPECT_EQ(Sum(bytes), kBatchBytes);
   // The peer's host buffer still on its own node's rails.
   EXPECT_EQ(Carried(Served(b_devices_)), kNode1);
@@ -668,6 +675,39 @@ TEST_F(TwoSocketGpuTest, NicsOnTheGpusPcieSwitchAreNearest) {
   EXPECT_EQ(std::vector<uint32_t>(host_ib.near_rails().begin(),
                                   host_ib.near_rails().end()),
             std::vector<uint32_t>({4, 5, 6, 7}));
+  EXPECT_FALSE(host_ib.near_rails_only());
+}
+
+TEST_F(TwoSocketGpuTest, PeersServeAGpuBufferFromTheNicsOnItsSwitch) {
+  AddPciTree();
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  auto b = Agent("agent-b", b_devices_, b_memory_);
+  FakeGpuMemory gpu(kSize, 12);
+  const TestBuffer on_gpu =
+      b->RegisterDevice(gpu.Adopt(kGpu), v1::ACCESS_READ_WRITE);
+  const TestBuffer host = a->Register(kSize, v1::ACCESS_READ_WRITE, 13);
+  // A large write into the GPU's memory and a large read out of it.
+  std::vector<uint8_t> gpu_image = gpu.Image();
+  Refill(host);
+  std::vector<uint8_t> host_image = Snapshot(host);
+  const std::vector<Op> ops = {MakeOp(0, kWrite, host, 7, kSize / 2, on_gpu, 1),
+                               MakeOp(1, kRead, host, kSize / 2 + 7,
+                                      kSize / 2 - 11, on_gpu, kSize / 2 + 5)};
+  for (const Op& op : ops) Apply(op, host_image, gpu_image);
+  const auto results =
+      a->backend<IbverbsBackend>().Submit(ops, In(absl::Seconds(60)));
+  for (size_t i = 0; i < results.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << "op " << i << ": " << results[i];
+  }
+  EXPECT_EQ(gpu.FirstDifference(gpu_image), std::nullopt);
+  EXPECT_EQ(FirstDifference(host, host_image), std::nullopt);
+  // b's NICs on the GPU's switch served every byte (large ops too); a's
+  // host buffer is on node 1, its four rails carried them.
+  EXPECT_EQ(Sum(Served(b_devices_)), kSize - 11);
+  EXPECT_EQ(Carried(Served(b_devices_)),
+            std::vector<bool>(
+                {false, false, false, false, true, true, false, false}));
+  EXPECT_EQ(Carried(RailBytes(a->backend<IbverbsBackend>())), kNode1);
 }
 
 // Links of 8 MiB/s, so that a 32 MiB op takes a second over four rails:

@@ -131,7 +131,8 @@ NumaTopology::PciPath NumaTopology::PciDevicePciPath(
 std::vector<bool> NearestInPciTree(
     const NumaTopology::PciPath& device,
     absl::Span<const NumaTopology::PciPath> rail_paths,
-    std::vector<bool> candidates) {
+    std::vector<bool> candidates, bool* on_switch) {
+  if (on_switch != nullptr) *on_switch = false;
   if (device.empty()) return candidates;
   // Components in common with `device`'s path, from the root complex down.
   const auto shared = [&](const NumaTopology::PciPath& path) {
@@ -147,6 +148,7 @@ std::vector<bool> NearestInPciTree(
   // The root complex alone is no switch: the CPU carries the traffic then,
   // as it does for every NIC of the node.
   if (best < 2) return candidates;
+  if (on_switch != nullptr) *on_switch = true;
   for (size_t i = 0; i < candidates.size() && i < rail_paths.size(); ++i) {
     if (candidates[i] && !rail_paths[i].empty()) {
       candidates[i] = shared(rail_paths[i]) == best;

@@ -76,11 +76,12 @@ std::vector<bool> NearestRails(const NumaTopology& topology, int memory_node,
 // peer traffic then stays off the CPU's host bridge). Rails whose path is
 // unknown stay in (never left out on a guess). `candidates` as they are
 // when `device`'s path is unknown or no candidate shares more than the root
-// complex with it.
+// complex with it. `*on_switch` (when given) says whether the rails kept
+// share a switch with `device`.
 std::vector<bool> NearestInPciTree(
     const NumaTopology::PciPath& device,
     absl::Span<const NumaTopology::PciPath> rail_paths,
-    std::vector<bool> candidates);
+    std::vector<bool> candidates, bool* on_switch = nullptr);
 
 }  // namespace rdma_agent::ibverbs
 

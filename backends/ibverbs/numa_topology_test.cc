@@ -150,14 +150,18 @@ TEST(NumaTopologyTest, NearestInPciTreeKeepsTheNicsUnderTheDevicesSwitch) {
     rails.push_back(topology.RdmaDevicePciPath(nic));
   }
   const std::vector<bool> all(4, true);
-  EXPECT_EQ(NearestInPciTree(gpu, rails, all),
+  bool on_switch = false;
+  EXPECT_EQ(NearestInPciTree(gpu, rails, all, &on_switch),
             std::vector<bool>({true, true, false, false}));
+  EXPECT_TRUE(on_switch);
   // Only among the candidates (NUMA's choice).
   EXPECT_EQ(NearestInPciTree(gpu, rails, {false, true, true, true}),
             std::vector<bool>({false, true, false, false}));
   // Sharing the root complex only is no switch: candidates as they were.
-  EXPECT_EQ(NearestInPciTree(gpu, rails, {false, false, true, true}),
-            std::vector<bool>({false, false, true, true}));
+  EXPECT_EQ(
+      NearestInPciTree(gpu, rails, {false, false, true, true}, &on_switch),
+      std::vector<bool>({false, false, true, true}));
+  EXPECT_FALSE(on_switch);
   // A rail whose place is unknown is never left out on a guess.
   rails[3].clear();
   EXPECT_EQ(NearestInPciTree(gpu, rails, all),

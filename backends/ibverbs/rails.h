@@ -113,6 +113,10 @@ struct RailAffinity {
   int numa_node = -1;  // -1: unknown
   // By Rail::index; every rail when the policy or the nodes say nothing.
   std::vector<bool> near_rails;
+  // The near rails share a PCIe switch with the memory's device: the others
+  // reach it only through the CPU, so they do not join large ops (they still
+  // take over when no near rail works).
+  bool near_rails_only = false;
 };
 
 // A rail of a peer agent, as its remote context advertises it.
