@@ -116,6 +116,13 @@ class Registration {
     const DeviceMemory* device = device_memory();
     return device == nullptr ? 0 : device->device_index();
   }
+  // The device's PCI address ("0000:3b:00.0"); empty for host memory and
+  // for device memory attached without one.
+  const std::string& pci_bus_id() const {
+    static const std::string* const kNone = new std::string();
+    const DeviceMemory* device = device_memory();
+    return device == nullptr ? *kNone : device->pci_bus_id();
+  }
 
   // The agent's mapping of host memory; nullptr for device memory, which
   // the agent cannot touch (see host_memory()).

@@ -275,6 +275,7 @@ absl::StatusOr<Registration> AgentClient::RegisterDeviceMemory(
   device->set_length(memory.length);
   device->set_kind(memory.kind);
   device->set_device_index(memory.device_index);
+  device->set_pci_bus_id(memory.pci_bus_id);
   absl::StatusOr<internal::AttachReply> reply =
       internal::ExchangeOnAttachSocket(*attach_socket, attach, memory.dmabuf_fd,
                                        state_->options().rpc_timeout);
@@ -394,8 +395,8 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
   return std::move(submitted->results);
 }
 
-absl::StatusOr<SubmitResult> AgentClient::Submit(
-    const std::vector<OpSpec>& ops, const SubmitOptions& options) {
+absl::StatusOr<SubmitResult> AgentClient::Submit(const std::vector<OpSpec>& ops,
+                                                 const SubmitOptions& options) {
   const absl::Duration timeout = options.timeout;
   v1::SubmitRequest request = internal::SubmitRequestFor(ops, timeout);
   request.set_notification(options.notification);

@@ -86,7 +86,7 @@ struct OpResult {
 // What became of a batch's notification to one remote buffer (see
 // SubmitOptions::notification).
 struct NotificationResult {
-  std::string agent_id;  // the target agent
+  std::string agent_id;    // the target agent
   uint64_t buffer_id = 0;  // the target buffer there
   // OK: the target queued it for the buffer's owner. ABORTED: not sent,
   // because an op of the batch on that agent did not succeed. Otherwise
@@ -136,9 +136,8 @@ struct NotificationBatch {
 
 // Called for each event of a NotificationWatch: a notification, or only a
 // count of dropped ones (then `notification` is nullptr).
-using NotificationCallback =
-    absl::AnyInvocable<void(const Notification* notification,
-                            uint64_t dropped)>;
+using NotificationCallback = absl::AnyInvocable<void(
+    const Notification* notification, uint64_t dropped)>;
 
 // A registration as the agent reported it, without a mapping in this process
 // and without ownership: it stays registered until someone calls Release.
@@ -168,6 +167,11 @@ struct DeviceMemorySpec {
   // The device's index (e.g. the CUDA device ordinal), shown in ListBuffers
   // and in errors.
   uint32_t device_index = 0;
+  // Optional: the device's PCI address as cuDeviceGetPCIBusId or nvidia-smi
+  // print it ("0000:3b:00.0", "00000000:3B:00.0", or "3b:00.0"). With it,
+  // NIC backends use the NICs nearest the device (its NUMA node, its PCIe
+  // switch); without it, every NIC. A malformed one: INVALID_ARGUMENT.
+  std::string pci_bus_id;
 };
 
 // Where an asynchronous transfer is (the agent's TransferState). kPending is

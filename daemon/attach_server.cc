@@ -205,6 +205,8 @@ absl::StatusOr<std::string> AttachServer::AttachDevice(
   description.length = request.length();
   description.kind = request.kind();
   description.device_index = request.device_index();
+  // Checked and put in sysfs's form by Adopt: never a path as given.
+  description.pci_bus_id = request.pci_bus_id();
   // Counted like host memory: the NIC pins device memory as it pins pages.
   auto memory = DeviceMemory::Adopt(
       std::move(fd), description,

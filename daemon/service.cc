@@ -52,6 +52,7 @@ void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
   info->set_agent_allocated(registration.agent_allocated());
   info->set_memory_kind(registration.memory_kind());
   info->set_device_index(registration.device_index());
+  info->set_pci_bus_id(registration.pci_bus_id());
   info->set_owner_uid(registration.owner());
   info->set_owner_pid(static_cast<uint32_t>(registration.owner_pid()));
   info->set_lifetime(registration.lifetime());
@@ -370,8 +371,8 @@ class RdmaAgentService::Batch final : public TransferWork {
     for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
     v1::SubmitResponse response;
     if (!request_->notification().empty()) {
-      const absl::Status not_sent(
-          reason.code(), absl::StrCat("not sent: ", reason.message()));
+      const absl::Status not_sent(reason.code(),
+                                  absl::StrCat("not sent: ", reason.message()));
       for (PlannedNotification planned :
            PlanNotifications(ready_, outcomes_of_ready(), first_refused_)) {
         if (planned.status.ok()) planned.status = not_sent;
@@ -442,8 +443,8 @@ class RdmaAgentService::Batch final : public TransferWork {
             "not sent: no ", planned.backend, " endpoint to carry it"));
       } else {
         result->set_backend(planned.backend);
-        status = backend->Notify(remote, *endpoint, request_->notification(),
-                                 stop);
+        status =
+            backend->Notify(remote, *endpoint, request_->notification(), stop);
       }
     }
     result->set_code(static_cast<int>(status.code()));
@@ -665,11 +666,11 @@ void RdmaAgentService::LogFailedNotification(const PeerCredentials& caller,
                                              const absl::Status& status) {
   const auto suppressed = failed_op_log_.Allow();
   if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
-  const std::string line = absl::StrCat(
-      rpc, " from uid ", caller.uid, " pid ", caller.pid,
-      ": notification to buffer ", remote.buffer_id(), " of agent ",
-      LogSafe(remote.agent_id()), " not delivered: ",
-      LogSafe(status.ToString()));
+  const std::string line =
+      absl::StrCat(rpc, " from uid ", caller.uid, " pid ", caller.pid,
+                   ": notification to buffer ", remote.buffer_id(),
+                   " of agent ", LogSafe(remote.agent_id()),
+                   " not delivered: ", LogSafe(status.ToString()));
   if (suppressed) {
     spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
   } else {
@@ -710,9 +711,9 @@ grpc::Status RdmaAgentService::ListBuffers(
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   const PeerCredentials* caller = &admitted->caller;
   if (request->all_users() && caller->uid != 0) {
-    return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
-        "ListBuffers: all_users is for root; uid ", caller->uid,
-        " may list only its own registrations")));
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        absl::StrCat("ListBuffers: all_users is for root; uid ", caller->uid,
+                     " may list only its own registrations")));
   }
   const auto registrations = request->all_users()
                                  ? buffers_->ListAll()

@@ -27,6 +27,24 @@ std::string WriteFakeSysfs(const std::string& name, const FakeHost& host) {
         root / "devices/system/node" / absl::StrCat("node", i) / "distance",
         absl::StrJoin(host.distances[i], " "));
   }
+  // Devices in the PCI tree: real directories, linked to as sysfs does
+  // (relative links, so that the tree can be resolved wherever it is).
+  for (const auto& [bdf, path] : host.pci_paths) {
+    const std::filesystem::path directory = root / "devices" / path;
+    std::filesystem::create_directories(directory);
+    const std::filesystem::path link = root / "bus/pci/devices" / bdf;
+    std::filesystem::create_directories(link.parent_path());
+    std::filesystem::create_directory_symlink(
+        std::filesystem::relative(directory, link.parent_path()), link);
+  }
+  for (const auto& [device, bdf] : host.rdma_pci) {
+    const std::filesystem::path link = root / "class/infiniband" / device;
+    std::filesystem::create_directories(link);
+    std::filesystem::create_directory_symlink(
+        std::filesystem::relative(root / "bus/pci/devices" / bdf, link),
+        link / "device");
+  }
+  // numa_node files, through the links where there are links.
   for (const auto& [device, node] : host.rdma_devices) {
     WriteFile(root / "class/infiniband" / device / "device/numa_node",
               absl::StrCat(node));

@@ -17,6 +17,15 @@ struct FakeHost {
   std::map<std::string, int> rdma_devices;
   // PCI address -> its node.
   std::map<std::string, int> pci_devices;
+  // Where PCI devices sit in the PCI tree, as on a host: PCI address -> its
+  // directory below devices/, from the root complex down, e.g.
+  // "pci0000:3a/0000:3a:00.0/0000:3b:00.0/0000:3c:08.0/0000:3d:00.0". The
+  // directory is made (with the device's numa_node, from pci_devices or the
+  // RDMA device naming it) and bus/pci/devices/<address> links to it.
+  std::map<std::string, std::string> pci_paths;
+  // RDMA device name -> the PCI address of its function, one of pci_paths:
+  // class/infiniband/<name>/device then links to that directory.
+  std::map<std::string, std::string> rdma_pci;
 };
 
 // Writes `host` under a fresh directory of $TEST_TMPDIR (named after

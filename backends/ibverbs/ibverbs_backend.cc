@@ -99,6 +99,7 @@ void AdvertiseAffinity(const RailAffinity& affinity,
   }
   if (near.size() == advertised.size()) return;
   for (uint32_t index : near) ib.add_near_rails(index);
+  if (affinity.near_rails_only) ib.set_near_rails_only(true);
 }
 
 std::string GidBytes(const ibv_gid& gid) {
@@ -424,6 +425,7 @@ absl::Status IbverbsBackend::AddRails(std::unique_ptr<verbs::Device> device,
     // The sysfs root's word (a test's tree, or /sys), else the device's.
     rail->numa_node = topology_.RdmaDeviceNode(name);
     if (rail->numa_node < 0) rail->numa_node = device->NumaNode();
+    rail->pci_path = topology_.RdmaDevicePciPath(name);
     rail->local.port = static_cast<uint8_t>(port);
     rail->local.lid = port_attr->lid;
     rail->local.gid = *gid;
@@ -680,11 +682,27 @@ RailAffinity IbverbsBackend::AffinityOf(
   if (options_.numa_policy == IbverbsOptions::NumaPolicy::kAll) {
     return affinity;
   }
-  affinity.numa_node =
-      memory_locator_->NodeOf(registration.data(), registration.size());
   std::vector<int> nodes;
   for (const auto& rail : rails_) nodes.push_back(rail->numa_node);
-  affinity.near_rails = NearestRails(topology_, affinity.numa_node, nodes);
+  const DeviceMemory* device = registration.device_memory();
+  if (device == nullptr) {
+    affinity.numa_node =
+        memory_locator_->NodeOf(registration.data(), registration.size());
+    affinity.near_rails = NearestRails(topology_, affinity.numa_node, nodes);
+    return affinity;
+  }
+  // Device memory: the agent has no mapping of it, and host NUMA placement
+  // says nothing of where a GPU's memory is. Its device's PCI address does:
+  // the device's node, then the NICs sharing its PCIe switch (peer-to-peer
+  // traffic that never crosses the CPU). Without one, every rail is near.
+  if (device->pci_bus_id().empty()) return affinity;
+  affinity.numa_node = topology_.PciDeviceNode(device->pci_bus_id());
+  std::vector<NumaTopology::PciPath> paths;
+  for (const auto& rail : rails_) paths.push_back(rail->pci_path);
+  affinity.near_rails =
+      NearestInPciTree(topology_.PciDevicePciPath(device->pci_bus_id()), paths,
+                       NearestRails(topology_, affinity.numa_node, nodes),
+                       &affinity.near_rails_only);
   return affinity;
 }
 

@@ -228,7 +228,9 @@ class IbverbsBackend : public Backend {
   // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
   // Where `registration`'s memory is and which rails are nearest to it
-  // (every rail under NumaPolicy::kAll or when nodes are unknown).
+  // (every rail under NumaPolicy::kAll or when nodes are unknown). Host
+  // memory: the node the locator finds. Device memory: its device's node
+  // and PCIe switch, by its PCI address (none given: every rail).
   RailAffinity AffinityOf(const Registration& registration) const;
 
   // Submit's steps. The rail pairs ops to one peer go over, and which bytes

@@ -3,9 +3,15 @@
 // counters on the requester, per-device served bytes on the responder)
 // given where both buffers are, when far rails join (large ops on an
 // asymmetric host, failover when the near ones go), and the cases where
-// every rail is used (policy `all`, old contexts, unknown nodes). Every
-// byte is checked, inside and outside each op's range.
+// every rail is used (policy `all`, old contexts, unknown nodes); and device
+// memory, placed by its device's PCI address (node, then PCIe switch) and
+// never by the host locator. Every byte is checked, inside and outside each
+// op's range.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -14,12 +20,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "backends/device_memory.h"
 #include "backends/ibverbs/fake_sysfs.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/memory_node.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
 #include "backends/testing/harness.h"
 #include "backends/testing/ibverbs_agent.h"
+#include "common/unique_fd.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent::ibverbs {
@@ -51,10 +59,19 @@ class PlacedMemory : public MemoryNodeLocator {
  public:
   explicit PlacedMemory(int node) : node_(node) {}
   void Place(int node) { node_ = node; }
-  int NodeOf(const void*, size_t) const override { return node_; }
+  int NodeOf(const void* data, size_t) const override {
+    ++queries_;
+    if (data == nullptr) ++null_queries_;
+    return node_;
+  }
+  int queries() const { return queries_; }
+  // Asked about no memory at all (what device memory's data() is).
+  int null_queries() const { return null_queries_; }
 
  private:
   std::atomic<int> node_;
+  mutable std::atomic<int> queries_{0};
+  mutable std::atomic<int> null_queries_{0};
 };
 
 class NumaAffinityTest : public ::testing::Test {
@@ -177,7 +194,11 @@ class NumaAffinityTest : public ::testing::Test {
   }
 
   SoftFabric fabric_;
-  FakeHost host_{UniformDistances(2, 21), {}, {}};
+  FakeHost host_ = [] {
+    FakeHost host;
+    host.distances = UniformDistances(2, 21);
+    return host;
+  }();
 };
 
 // Two sockets (distances 10/21), four NICs on each: x0-x3 on node 0,
@@ -447,6 +468,246 @@ TEST_F(NumaAffinityTest, NearShareZeroKeepsLargeOpsNearToo) {
   EXPECT_EQ(RailBytes(a->backend<IbverbsBackend>()),
             std::vector<uint64_t>({kSize, 0, 0, 0}));
   EXPECT_EQ(Served(b_devices), std::vector<uint64_t>({kSize, 0, 0, 0}));
+}
+
+// A GPU allocation as the NIC sees it: a memfd stands in for the dma-buf
+// (the soft NIC maps it, as a real one reaches GPU memory), mapped here too
+// so that the test sees every byte the NIC moved.
+class FakeGpuMemory {
+ public:
+  FakeGpuMemory(uint64_t size, uint8_t seed)
+      : fd_(::memfd_create("fake-gpu-memory", MFD_CLOEXEC)), size_(size) {
+    EXPECT_TRUE(fd_.valid());
+    EXPECT_EQ(::ftruncate(fd_.get(), static_cast<off_t>(size_)), 0);
+    void* map = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED,
+                       fd_.get(), 0);
+    EXPECT_NE(map, MAP_FAILED);
+    bytes_ = static_cast<uint8_t*>(map);
+    for (uint64_t i = 0; i < size_; ++i) {
+      bytes_[i] = static_cast<uint8_t>(seed + i * 13 + (i >> 12));
+    }
+  }
+  ~FakeGpuMemory() { ::munmap(bytes_, size_); }
+  FakeGpuMemory(const FakeGpuMemory&) = delete;
+  FakeGpuMemory& operator=(const FakeGpuMemory&) = delete;
+
+  // All of it as CUDA device memory of the device at `pci_bus_id` (empty:
+  // none given), on an fd of its own as the attach socket gives the agent.
+  DeviceMemory Adopt(const std::string& pci_bus_id) const {
+    DeviceMemory::Description description;
+    description.length = size_;
+    description.kind = v1::MEMORY_KIND_CUDA;
+    description.pci_bus_id = pci_bus_id;
+    auto memory = DeviceMemory::Adopt(
+        UniqueFd(::dup(fd_.get())), description,
+        [](uint64_t) -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+          return nullptr;
+        });
+    EXPECT_TRUE(memory.ok()) << memory.status();
+    return *std::move(memory);
+  }
+  std::vector<uint8_t> Image() const {
+    return std::vector<uint8_t>(bytes_, bytes_ + size_);
+  }
+  std::optional<uint64_t> FirstDifference(
+      const std::vector<uint8_t>& image) const {
+    for (uint64_t i = 0; i < size_; ++i) {
+      if (i >= image.size() || bytes_[i] != image[i]) return i;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  UniqueFd fd_;
+  uint64_t size_;
+  uint8_t* bytes_ = nullptr;
+};
+
+// The two-socket host with a GPU on node 1. Its PCIe switch has two NICs
+// besides it (a4, a5); a6 sits under another root port of the same root
+// complex, a7 under another root complex: all four on node 1.
+class TwoSocketGpuTest : public TwoSocketTest {
+ protected:
+  static constexpr char kGpu[] = "0000:af:00.0";
+  static constexpr uint64_t kSize = 4 << 20;
+
+  void SetUp() override {
+    TwoSocketTest::SetUp();
+    host_.pci_devices[kGpu] = 1;
+  }
+  // Describes the PCI tree of a's node-1 NICs and the GPU.
+  void AddPciTree() {
+    host_.pci_paths = {
+        {kGpu, "pci0000:ac/0000:ac:00.0/0000:ad:00.0/0000:ae:00.0/" + Gpu()},
+        {"0000:b1:00.0",
+         "pci0000:ac/0000:ac:00.0/0000:ad:00.0/0000:ae:04.0/0000:b1:00.0"},
+        {"0000:b2:00.0",
+         "pci0000:ac/0000:ac:00.0/0000:ad:00.0/0000:ae:08.0/0000:b2:00.0"},
+        {"0000:c1:00.0", "pci0000:ac/0000:ac:02.0/0000:c1:00.0"},
+        {"0000:d9:00.0", "pci0000:d7/0000:d7:00.0/0000:d8:00.0/0000:d9:00.0"},
+    };
+    // b's host is built the same way.
+    host_.rdma_pci = {{"a4", "0000:b1:00.0"}, {"a5", "0000:b2:00.0"},
+                      {"a6", "0000:c1:00.0"}, {"a7", "0000:d9:00.0"},
+                      {"b4", "0000:b1:00.0"}, {"b5", "0000:b2:00.0"},
+                      {"b6", "0000:c1:00.0"}, {"b7", "0000:d9:00.0"}};
+  }
+  static std::string Gpu() { return kGpu; }
+
+  // Runs `ops` from `a` (their local buffer `gpu`'s registration, their
+  // remote `remote`) and checks every byte of both.
+  static void RunAndCheckDevice(TestAgent& a, const std::vector<Op>& ops,
+                                const FakeGpuMemory& gpu,
+                                const TestBuffer& remote) {
+    Refill(remote);
+    std::vector<uint8_t> gpu_image = gpu.Image();
+    std::vector<uint8_t> remote_image = Snapshot(remote);
+    for (const Op& op : ops) Apply(op, gpu_image, remote_image);
+    const auto results =
+        a.backend<IbverbsBackend>().Submit(ops, In(absl::Seconds(60)));
+    for (size_t i = 0; i < results.size(); ++i) {
+      ASSERT_TRUE(results[i].ok()) << "op " << i << ": " << results[i];
+    }
+    EXPECT_EQ(gpu.FirstDifference(gpu_image), std::nullopt);
+    EXPECT_EQ(FirstDifference(remote, remote_image), std::nullopt);
+  }
+
+  // A large write from the GPU and a large read into it, then small ones:
+  // what each affinity test moves.
+  static std::vector<std::vector<Op>> Batches(const TestBuffer& local,
+                                              const TestBuffer& remote) {
+    std::vector<Op> small;
+    for (uint64_t i = 0; i < 16; ++i) {
+      small.push_back(MakeOp(i, i % 2 ? kRead : kWrite, local, i * 8192 + 3,
+                             3001, remote, (15 - i) * 8192 + 1));
+    }
+    return {{MakeOp(0, kWrite, local, 5, kSize - 9, remote, 2)},
+            {MakeOp(0, kRead, local, 1, kSize - 3, remote, 3)},
+            small};
+  }
+  static constexpr uint64_t kBatchBytes = (kSize - 9) + (kSize - 3) + 16 * 3001;
+
+  std::vector<uint64_t> Run(TestAgent& a, const FakeGpuMemory& gpu,
+                            const TestBuffer& local, const TestBuffer& remote) {
+    const std::vector<uint64_t> before = RailBytes(a.backend<IbverbsBackend>());
+    for (const std::vector<Op>& ops : Batches(local, remote)) {
+      RunAndCheckDevice(a, ops, gpu, remote);
+    }
+    return Since(RailBytes(a.backend<IbverbsBackend>()), before);
+  }
+};
+
+TEST_F(TwoSocketGpuTest, DeviceMemoryGoesOverTheRailsNearItsGpu) {
+  // The host locator would say node 0: device memory never asks it.
+  a_memory_->Place(0);
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  auto b = Agent("agent-b", b_devices_, b_memory_);
+  FakeGpuMemory gpu(kSize, 5);
+  // As nvidia-smi prints it.
+  const TestBuffer local =
+      a->RegisterDevice(gpu.Adopt("00000000:AF:00.0"), v1::ACCESS_READ_WRITE);
+  const TestBuffer remote = b->Register(kSize, v1::ACCESS_READ_WRITE, 6);
+  EXPECT_EQ(local.registration->pci_bus_id(), kGpu);
+  const v1::IbverbsEndpoint& ib = local.context->endpoints(0).ibverbs();
+  EXPECT_EQ(
+      std::vector<uint32_t>(ib.near_rails().begin(), ib.near_rails().end()),
+      std::vector<uint32_t>({4, 5, 6, 7}));
+  ASSERT_TRUE(ib.has_numa_node());
+  EXPECT_EQ(ib.numa_node(), 1);
+  EXPECT_EQ(a_memory_->null_queries(), 0);
+  EXPECT_EQ(a_memory_->queries(), 0);
+
+  const std::vector<uint64_t> bytes = Run(*a, gpu, local, remote);
+  EXPECT_EQ(Carried(bytes), kNode1);
+  EXPECT_EQ(Sum(bytes), kBatchBytes);
+  EXPECT_EQ(Carried(Served(b_devices_)), kNode1);
+}
+
+TEST_F(TwoSocketGpuTest, DeviceMemoryWithoutAKnownGpuUsesEveryRail) {
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  auto b = Agent("agent-b", b_devices_, b_memory_);
+  const TestBuffer remote = b->Register(kSize, v1::ACCESS_READ_WRITE, 7);
+  // No PCI address given, and one this host's sysfs does not know (a
+  // malformed one never gets here: tests/ibverbs/device_memory_test.cc).
+  for (const std::string& pci_bus_id :
+       {std::string(), std::string("0000:3b:00.0")}) {
+    SCOPED_TRACE(pci_bus_id.empty() ? "no PCI address" : pci_bus_id);
+    FakeGpuMemory gpu(kSize, 8);
+    const TestBuffer local =
+        a->RegisterDevice(gpu.Adopt(pci_bus_id), v1::ACCESS_READ_WRITE);
+    const v1::IbverbsEndpoint& ib = local.context->endpoints(0).ibverbs();
+    EXPECT_EQ(ib.near_rails_size(), 0);
+    EXPECT_FALSE(ib.has_numa_node());
+    const std::vector<uint64_t> bytes = Run(*a, gpu, local, remote);
+    EXPECT_EQ(Carried(bytes), kEvery);
+    EXPECT_EQ(Sum(bytes), kBatchBytes);
+  }
+  EXPECT_EQ(a_memory_->queries(), 0);
+}
+
+TEST_F(TwoSocketGpuTest, NicsOnTheGpusPcieSwitchAreNearest) {
+  AddPciTree();
+  // Default options: two NICs of eight are below --ibverbs_numa_near_share
+  // of the link speed, yet large ops stay on the switch too (the others
+  // would reach the GPU's memory through the CPU).
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  auto b = Agent("agent-b", b_devices_, b_memory_);
+  FakeGpuMemory gpu(kSize, 9);
+  const TestBuffer local =
+      a->RegisterDevice(gpu.Adopt(kGpu), v1::ACCESS_READ_WRITE);
+  const TestBuffer remote = b->Register(kSize, v1::ACCESS_READ_WRITE, 10);
+  const v1::IbverbsEndpoint& ib = local.context->endpoints(0).ibverbs();
+  EXPECT_EQ(
+      std::vector<uint32_t>(ib.near_rails().begin(), ib.near_rails().end()),
+      std::vector<uint32_t>({4, 5}));
+  EXPECT_EQ(ib.numa_node(), 1);
+  EXPECT_TRUE(ib.near_rails_only());
+  const std::vector<bool> kSwitch = {false, false, false, false,
+                                     true,  true,  false, false};
+  const std::vector<uint64_t> bytes = Run(*a, gpu, local, remote);
+  EXPECT_EQ(Carried(bytes), kSwitch);
+  EXPECT_EQ(Sum(bytes), kBatchBytes);
+  // The peer's host buffer still on its own node's rails.
+  EXPECT_EQ(Carried(Served(b_devices_)), kNode1);
+  // Host memory on the same agent is placed as before: all of node 1.
+  const TestBuffer host = a->Register(1 << 16, v1::ACCESS_READ_WRITE, 11);
+  const v1::IbverbsEndpoint& host_ib = host.context->endpoints(0).ibverbs();
+  EXPECT_EQ(std::vector<uint32_t>(host_ib.near_rails().begin(),
+                                  host_ib.near_rails().end()),
+            std::vector<uint32_t>({4, 5, 6, 7}));
+  EXPECT_FALSE(host_ib.near_rails_only());
+}
+
+TEST_F(TwoSocketGpuTest, PeersServeAGpuBufferFromTheNicsOnItsSwitch) {
+  AddPciTree();
+  auto a = Agent("agent-a", a_devices_, a_memory_);
+  auto b = Agent("agent-b", b_devices_, b_memory_);
+  FakeGpuMemory gpu(kSize, 12);
+  const TestBuffer on_gpu =
+      b->RegisterDevice(gpu.Adopt(kGpu), v1::ACCESS_READ_WRITE);
+  const TestBuffer host = a->Register(kSize, v1::ACCESS_READ_WRITE, 13);
+  // A large write into the GPU's memory and a large read out of it.
+  std::vector<uint8_t> gpu_image = gpu.Image();
+  Refill(host);
+  std::vector<uint8_t> host_image = Snapshot(host);
+  const std::vector<Op> ops = {MakeOp(0, kWrite, host, 7, kSize / 2, on_gpu, 1),
+                               MakeOp(1, kRead, host, kSize / 2 + 7,
+                                      kSize / 2 - 11, on_gpu, kSize / 2 + 5)};
+  for (const Op& op : ops) Apply(op, host_image, gpu_image);
+  const auto results =
+      a->backend<IbverbsBackend>().Submit(ops, In(absl::Seconds(60)));
+  for (size_t i = 0; i < results.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << "op " << i << ": " << results[i];
+  }
+  EXPECT_EQ(gpu.FirstDifference(gpu_image), std::nullopt);
+  EXPECT_EQ(FirstDifference(host, host_image), std::nullopt);
+  // b's NICs on the GPU's switch served every byte (large ops too); a's
+  // host buffer is on node 1, its four rails carried them.
+  EXPECT_EQ(Sum(Served(b_devices_)), kSize - 11);
+  EXPECT_EQ(Carried(Served(b_devices_)),
+            std::vector<bool>(
+                {false, false, false, false, true, true, false, false}));
+  EXPECT_EQ(Carried(RailBytes(a->backend<IbverbsBackend>())), kNode1);
 }
 
 // Links of 8 MiB/s, so that a 32 MiB op takes a second over four rails:

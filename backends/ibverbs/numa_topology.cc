@@ -1,6 +1,7 @@
 #include "backends/ibverbs/numa_topology.h"
 
 #include <dirent.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace rdma_agent::ibverbs {
 namespace {
@@ -55,6 +57,24 @@ std::vector<int> ListNodes(const std::string& dir) {
   return nodes;
 }
 
+// The PCI path of the device whose sysfs entry (a symlink on a host) is
+// `entry`: its resolved path's components from the root complex's
+// ("pci<domain>:<bus>") down; empty when it does not resolve or is under no
+// root complex.
+NumaTopology::PciPath ResolvePciPath(const std::string& entry) {
+  std::unique_ptr<char, void (*)(void*)> resolved(
+      ::realpath(entry.c_str(), nullptr), ::free);
+  if (resolved == nullptr) return {};
+  std::vector<std::string> components =
+      absl::StrSplit(resolved.get(), '/', absl::SkipEmpty());
+  auto root = std::find_if(
+      components.begin(), components.end(), [](const std::string& name) {
+        return absl::StartsWith(name, "pci") && name.find(':') != name.npos;
+      });
+  if (root == components.end()) return {};
+  return NumaTopology::PciPath(root, components.end());
+}
+
 }  // namespace
 
 NumaTopology NumaTopology::Load(std::string sysfs_root) {
@@ -93,6 +113,48 @@ int NumaTopology::RdmaDeviceNode(const std::string& device) const {
 int NumaTopology::PciDeviceNode(const std::string& bdf) const {
   if (!IsPlainName(bdf)) return -1;
   return ReadNode(absl::StrCat(root_, "/bus/pci/devices/", bdf, "/numa_node"));
+}
+
+NumaTopology::PciPath NumaTopology::RdmaDevicePciPath(
+    const std::string& device) const {
+  if (!IsPlainName(device)) return {};
+  return ResolvePciPath(
+      absl::StrCat(root_, "/class/infiniband/", device, "/device"));
+}
+
+NumaTopology::PciPath NumaTopology::PciDevicePciPath(
+    const std::string& bdf) const {
+  if (!IsPlainName(bdf)) return {};
+  return ResolvePciPath(absl::StrCat(root_, "/bus/pci/devices/", bdf));
+}
+
+std::vector<bool> NearestInPciTree(
+    const NumaTopology::PciPath& device,
+    absl::Span<const NumaTopology::PciPath> rail_paths,
+    std::vector<bool> candidates, bool* on_switch) {
+  if (on_switch != nullptr) *on_switch = false;
+  if (device.empty()) return candidates;
+  // Components in common with `device`'s path, from the root complex down.
+  const auto shared = [&](const NumaTopology::PciPath& path) {
+    const size_t n = std::min(path.size(), device.size());
+    size_t common = 0;
+    while (common < n && path[common] == device[common]) ++common;
+    return common;
+  };
+  size_t best = 0;
+  for (size_t i = 0; i < candidates.size() && i < rail_paths.size(); ++i) {
+    if (candidates[i]) best = std::max(best, shared(rail_paths[i]));
+  }
+  // The root complex alone is no switch: the CPU carries the traffic then,
+  // as it does for every NIC of the node.
+  if (best < 2) return candidates;
+  if (on_switch != nullptr) *on_switch = true;
+  for (size_t i = 0; i < candidates.size() && i < rail_paths.size(); ++i) {
+    if (candidates[i] && !rail_paths[i].empty()) {
+      candidates[i] = shared(rail_paths[i]) == best;
+    }
+  }
+  return candidates;
 }
 
 std::vector<bool> NearestRails(const NumaTopology& topology, int memory_node,

@@ -3,8 +3,9 @@
 
 // Where things sit on a NUMA host, as sysfs tells: the nodes and the
 // distances between them (the firmware's SLIT: 10 local, larger is
-// farther), the node of each RDMA device and of any PCI device. The ibverbs
-// backend pairs rails with memory by it (README.md, "Affinity").
+// farther), the node of each RDMA device and of any PCI device, and where
+// devices sit in the PCI tree (which NICs share a GPU's PCIe switch). The
+// ibverbs backend pairs rails with memory by it (README.md, "Affinity").
 //
 // Nothing here fails: a file that is missing or unreadable (no NUMA, a
 // container without /sys, a virtual device) makes the answer unknown (-1),
@@ -42,6 +43,17 @@ class NumaTopology {
   // unknown.
   int PciDeviceNode(const std::string& bdf) const;
 
+  // Where a device sits in the PCI tree: the components of its sysfs
+  // directory's resolved path from its root complex down, e.g. {"pci0000:3a",
+  // "0000:3a:00.0" (root port), "0000:3b:00.0" (switch upstream port),
+  // "0000:3c:08.0" (downstream port), "0000:3d:00.0" (the device)}. Empty
+  // when unknown (no such entry, or a device on no PCI bus).
+  using PciPath = std::vector<std::string>;
+  // Of RDMA device `device` (<root>/class/infiniband/<device>/device).
+  PciPath RdmaDevicePciPath(const std::string& device) const;
+  // Of PCI device `bdf` (<root>/bus/pci/devices/<bdf>).
+  PciPath PciDevicePciPath(const std::string& bdf) const;
+
  private:
   std::string root_;
   std::vector<int> nodes_;
@@ -56,6 +68,20 @@ class NumaTopology {
 // known.
 std::vector<bool> NearestRails(const NumaTopology& topology, int memory_node,
                                absl::Span<const int> rail_nodes);
+
+// Of `candidates` (by rail; what NearestRails chose), those whose NICs are
+// nearest `device` in the PCI tree: the rails whose path (`rail_paths`)
+// shares the longest prefix with `device`'s, when that prefix goes below
+// the root complex (a root port, hence a PCIe switch, in common: peer-to-
+// peer traffic then stays off the CPU's host bridge). Rails whose path is
+// unknown stay in (never left out on a guess). `candidates` as they are
+// when `device`'s path is unknown or no candidate shares more than the root
+// complex with it. `*on_switch` (when given) says whether the rails kept
+// share a switch with `device`.
+std::vector<bool> NearestInPciTree(
+    const NumaTopology::PciPath& device,
+    absl::Span<const NumaTopology::PciPath> rail_paths,
+    std::vector<bool> candidates, bool* on_switch = nullptr);
 
 }  // namespace rdma_agent::ibverbs
 

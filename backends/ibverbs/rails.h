@@ -90,6 +90,9 @@ struct Rail {
   ibv_port_attr port_attr = {};  // as found at start
   double speed_gbps = 0;
   int numa_node = -1;
+  // Its NIC's place in the PCI tree (NumaTopology::RdmaDevicePciPath);
+  // empty when unknown.
+  std::vector<std::string> pci_path;
   RailCounters counters;
 
   mutable absl::Mutex mu;
@@ -110,6 +113,10 @@ struct RailAffinity {
   int numa_node = -1;  // -1: unknown
   // By Rail::index; every rail when the policy or the nodes say nothing.
   std::vector<bool> near_rails;
+  // The near rails share a PCIe switch with the memory's device: the others
+  // reach it only through the CPU, so they do not join large ops (they still
+  // take over when no near rail works).
+  bool near_rails_only = false;
 };
 
 // A rail of a peer agent, as its remote context advertises it.

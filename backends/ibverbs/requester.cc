@@ -10,6 +10,8 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -420,12 +422,14 @@ void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
   const std::vector<bool> every_local(rails.size(), true);
   const std::vector<bool> every_remote(plan.remote_rails.size(), true);
   // Far rails join striped ops when the near ones' speed is a small share
-  // of all (a host with one NIC near the buffer and three far).
+  // of all (a host with one NIC near the buffer and three far), unless the
+  // near ones are those on a device's PCIe switch (`only`): the far ones
+  // would reach its memory through the CPU.
   const auto widened = [&](const std::vector<bool>& near,
                            absl::Span<const double> gbps,
-                           const std::vector<bool>& every) {
-    return TotalGbps(gbps, near) <
-                   options_.numa_near_share * TotalGbps(gbps, every)
+                           const std::vector<bool>& every, bool only) {
+    return !only && TotalGbps(gbps, near) <
+                        options_.numa_near_share * TotalGbps(gbps, every)
                ? every
                : near;
   };
@@ -449,37 +453,44 @@ void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
     }
   };
   // Classes by which rails are near the ops' buffers: as many as distinct
-  // (local node, remote node) pairs among the ops, each paired once.
-  std::map<std::pair<std::vector<bool>, std::vector<bool>>, size_t> classes;
+  // (local node, remote node) pairs among the ops, each paired once (and by
+  // whether large ops keep to the near rails on either side).
+  std::map<std::tuple<std::vector<bool>, std::vector<bool>, bool, bool>, size_t>
+      classes;
   for (size_t i : plan.ops) {
     // Near rails of ours that are usable now; all usable ones when none of
     // them is (far rails take over).
     std::vector<bool> local = every_local;
     std::vector<bool> remote = every_remote;
+    bool local_only = false;
+    bool remote_only = false;
     if (nearest) {
-      const auto& near = dynamic_cast<const IbverbsRegistration&>(
-                             *ops[i].local->backend_state(name_))
-                             .affinity()
-                             .near_rails;
+      const RailAffinity& near = dynamic_cast<const IbverbsRegistration&>(
+                                     *ops[i].local->backend_state(name_))
+                                     .affinity();
       for (size_t l = 0; l < rails.size(); ++l) {
-        local[l] = rails[l]->index < near.size() && near[rails[l]->index];
+        local[l] = rails[l]->index < near.near_rails.size() &&
+                   near.near_rails[rails[l]->index];
       }
+      local_only = near.near_rails_only;
       if (!Any(local)) local = every_local;
       remote = RemoteNearRailsOf(ops[i].endpoint->ibverbs());
       remote.resize(plan.remote_rails.size(), false);
+      remote_only = ops[i].endpoint->ibverbs().near_rails_only();
       if (!Any(remote)) remote = every_remote;
     }
     auto [it, added] =
-        classes.emplace(std::pair{local, remote}, plan.classes.size());
+        classes.emplace(std::tuple{local, remote, local_only, remote_only},
+                        plan.classes.size());
     plan.class_of_op[i] = it->second;
     if (!added) continue;
     AffinityClass affinity;
     add_lanes(PairsOrWider(local_gbps, remote_gbps, local, remote, healthy),
               affinity.small_lanes, affinity.small_weights);
     const std::vector<bool> large_local =
-        widened(local, local_gbps, every_local);
+        widened(local, local_gbps, every_local, local_only);
     const std::vector<bool> large_remote =
-        widened(remote, remote_gbps, every_remote);
+        widened(remote, remote_gbps, every_remote, remote_only);
     if (large_local == local && large_remote == remote) {
       affinity.large_lanes = affinity.small_lanes;
       affinity.large_weights = affinity.small_weights;

@@ -96,24 +96,38 @@ std::string TestAgent::peer_address() const {
 
 TestBuffer TestAgent::Register(uint64_t size, v1::Access access,
                                uint64_t seed) {
-  TestBuffer buffer;
-  buffer.seed = seed;
   auto memory = SharedMemory::Allocate(size, "backend-test");
   EXPECT_TRUE(memory.ok()) << memory.status();
-  if (!memory.ok()) return buffer;
+  if (!memory.ok()) return TestBuffer{nullptr, nullptr, seed};
   const uint64_t id = table_.NextId();
-  const std::string token = absl::StrCat("token-", identity_.agent_id, "-", id);
   auto registration = std::make_shared<Registration>(
-      id, /*owner=*/0, access, "test", token, std::move(*memory),
+      id, /*owner=*/0, access, "test",
+      absl::StrCat("token-", identity_.agent_id, "-", id), std::move(*memory),
       /*agent_allocated=*/true);
   FillPattern(absl::MakeSpan(registration->data(), size), seed);
+  TestBuffer buffer = Publish(std::move(registration));
+  buffer.seed = seed;
+  return buffer;
+}
+
+TestBuffer TestAgent::RegisterDevice(DeviceMemory memory, v1::Access access) {
+  const uint64_t id = table_.NextId();
+  return Publish(std::make_shared<Registration>(
+      id, /*owner=*/0, access, "test-device",
+      absl::StrCat("token-", identity_.agent_id, "-", id), std::move(memory),
+      /*agent_allocated=*/false));
+}
+
+TestBuffer TestAgent::Publish(std::shared_ptr<Registration> registration) {
   auto context = std::make_shared<v1::RemoteBuffer>();
   context->set_agent_id(identity_.agent_id);
   context->set_agent_epoch(identity_.epoch);
-  context->set_buffer_id(id);
-  context->set_size_bytes(size);
-  context->set_access(access);
-  context->set_token(token);
+  context->set_buffer_id(registration->id());
+  context->set_size_bytes(registration->size());
+  context->set_access(registration->access());
+  context->set_token(registration->token());
+  context->set_memory_kind(registration->memory_kind());
+  context->set_device_index(registration->device_index());
   v1::BackendEndpoint* endpoint = context->add_endpoints();
   auto state = backend_->Register(*registration, endpoint);
   EXPECT_TRUE(state.ok()) << state.status();
@@ -122,6 +136,7 @@ TestBuffer TestAgent::Register(uint64_t size, v1::Access access,
     registration->AddBackend(backend_->name(), std::move(*state));
   }
   table_.Add(registration);
+  TestBuffer buffer;
   buffer.registration = std::move(registration);
   buffer.context = std::move(context);
   return buffer;

@@ -102,6 +102,10 @@ class TestAgent {
   // Registers `size` bytes with `access`, filled with pattern `seed`, with
   // the backend and in the table (which holds it until Release()).
   TestBuffer Register(uint64_t size, v1::Access access, uint64_t seed);
+  // Registers device memory as Register does host memory (its context says
+  // what memory it is). Not filled: the test that made `memory` sees its
+  // bytes; bytes() is null.
+  TestBuffer RegisterDevice(DeviceMemory memory, v1::Access access);
   // Unpublishes `buffer` as the agent's Release does; ops still pin it.
   void Release(const TestBuffer& buffer);
 
@@ -126,6 +130,9 @@ class TestAgent {
   };
 
   TestAgent(const std::string& agent_id, uint64_t epoch);
+
+  // Registers `registration` with the backend and adds it to the table.
+  TestBuffer Publish(std::shared_ptr<Registration> registration);
 
   AgentIdentity identity_;
   // Before backend_: the backend's environment points at them.

@@ -607,12 +607,16 @@ class AgentClient:
                       response.backends, response.lifetime)
 
     def register_dmabuf(self, fd, offset, length, kind="cuda", device=0,
-                        access="read_write", label="", lifetime="process"):
+                        access="read_write", label="", lifetime="process",
+                        pci_bus_id=None):
         """Registers device memory (a GPU's) that this process exported as a
         dma-buf `fd` (e.g. cuda-python's cuMemGetHandleForAddressRange with
         CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD): the bytes [offset, offset +
         length) of it. `kind` is "cuda", "rocm" or "other", `device` the
-        device's index. Only NIC backends register device memory; the agent
+        device's index. `pci_bus_id` (optional) is the device's PCI address
+        as nvidia-smi or cuDeviceGetPCIBusId print it ("0000:3b:00.0"): NIC
+        backends then use the NICs nearest the device; a malformed one raises
+        INVALID_ARGUMENT. Only NIC backends register device memory; the agent
         answers FAILED_PRECONDITION when it has none. Nothing is mapped
         here and `fd` stays this process's (the agent keeps its own copy):
         returns the RegisterResponse (buffer_id, remote_context, backends);
@@ -620,7 +624,7 @@ class AgentClient:
         request = attach_pb2.AttachRequest(
             attach_device_memory=attach_pb2.AttachDeviceMemory(
                 offset=offset, length=length, kind=_memory_kind(kind),
-                device_index=device))
+                device_index=device, pci_bus_id=pci_bus_id or ""))
         reply, extra = _attach_exchange(self.attach_socket, request, fd, self.timeout)
         if extra is not None:
             os.close(extra)

@@ -110,6 +110,64 @@ TEST(DeviceMemoryTest, AdmissionSeesTheLengthAndItsRefusalStands) {
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
 }
 
+TEST(DeviceMemoryTest, KeepsThePciAddressInSysfsForm) {
+  DeviceMemory::Description description = Cuda(0, kSize);
+  description.pci_bus_id = "00000000:3B:00.0";
+  auto memory = DeviceMemory::Adopt(Memfd(kSize), description, AdmitAll);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  EXPECT_EQ(memory->pci_bus_id(), "0000:3b:00.0");
+  auto without = DeviceMemory::Adopt(Memfd(kSize), Cuda(0, kSize), AdmitAll);
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_EQ(without->pci_bus_id(), "");
+}
+
+TEST(DeviceMemoryTest, RefusesAMalformedPciAddressBeforeCharging) {
+  DeviceMemory::Description description = Cuda(0, kSize);
+  description.pci_bus_id = "../../../etc";
+  bool charged = false;
+  auto memory = DeviceMemory::Adopt(
+      Memfd(kSize), description,
+      [&](uint64_t) -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+        charged = true;
+        return nullptr;
+      });
+  EXPECT_EQ(memory.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(memory.status().message(), HasSubstr("../../../etc"));
+  EXPECT_THAT(memory.status().message(), HasSubstr("0000:3b:00.0"));
+  EXPECT_FALSE(charged);
+}
+
+TEST(NormalizePciBusIdTest, TakesTheFormsToolsPrint) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"0000:3b:00.0", "0000:3b:00.0"},      // sysfs
+      {"0000:3B:00.0", "0000:3b:00.0"},      // cuDeviceGetPCIBusId
+      {"00000000:3B:00.0", "0000:3b:00.0"},  // nvidia-smi, NVML
+      {"3b:00.0", "0000:3b:00.0"},           // lspci
+      {" 0000:AF:1f.7\n", "0000:af:1f.7"},   // read from a command's output
+      {"10000:01:00.0", "10000:01:00.0"},    // a VMD domain
+      {"", ""},                              // none given
+  };
+  for (const auto& [text, sysfs] : cases) {
+    auto normal = NormalizePciBusId(text);
+    ASSERT_TRUE(normal.ok()) << text << ": " << normal.status();
+    EXPECT_EQ(*normal, sysfs) << text;
+  }
+}
+
+TEST(NormalizePciBusIdTest, RefusesAnythingElse) {
+  for (const char* text :
+       {"..", "../0000:3b:00.0", "0000:3b:00.0/..", "0000:3b:00", "3b",
+        "0000:3b:20.0",  // device past 1f
+        "0000:3b:00.8",  // function past 7
+        "0000:3b:0.0", "0000:3bb:00.0", "000000000:3b:00.0", "0000:3b:00.0.1",
+        "0:0:3b:00.0", "0x00:3b:00.0", "0000:3b:00.-", "gpu0",
+        "0000:3b :00.0"}) {
+    auto normal = NormalizePciBusId(text);
+    EXPECT_EQ(normal.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(normal.status().message(), HasSubstr("PCI bus id")) << text;
+  }
+}
+
 TEST(DeviceMemoryTest, MessagesNameTheMemory) {
   EXPECT_EQ(DescribeMemory(v1::MEMORY_KIND_HOST, 0), "host memory");
   EXPECT_EQ(DescribeMemory(v1::MEMORY_KIND_CUDA, 1),

@@ -163,6 +163,14 @@ class PythonClientTest(unittest.TestCase):
                 self.client.register_dmabuf(fd, 4096, 8192, kind="rocm")
             self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
             self.assertIn("ends past the dma-buf", str(raised.exception))
+            # The PCI address goes with it, and is checked there too.
+            with self.assertRaises(AgentError) as raised:
+                self.client.register_dmabuf(fd, 4096, 4096, pci_bus_id="../../etc")
+            self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("is not a PCI address", str(raised.exception))
+            with self.assertRaises(AgentError) as raised:
+                self.client.register_dmabuf(fd, 4096, 4096, pci_bus_id="00000000:3B:00.0")
+            self.assertEqual(raised.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
             self.assertCode(grpc.StatusCode.INVALID_ARGUMENT,
                             self.client.register_dmabuf, fd, 0, 4096,
                             types_pb2.MEMORY_KIND_HOST)

@@ -201,8 +201,24 @@ TEST_F(DeviceMemoryTest, RegistersWithTheNicOnlyAndTheContextSaysSo) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].memory_kind(), v1::MEMORY_KIND_CUDA);
   EXPECT_EQ((*listed)[0].device_index(), 1u);
+  EXPECT_EQ((*listed)[0].pci_bus_id(), "");
   EXPECT_FALSE((*listed)[0].agent_allocated());
   EXPECT_TRUE(client->Release(registered->id).ok());
+}
+
+TEST_F(DeviceMemoryTest, ThePciAddressReachesTheAgentInSysfsForm) {
+  auto agent = StartAgent("nic_a");
+  ASSERT_NE(agent, nullptr);
+  auto client = Connect(*agent);
+  FakeDeviceAllocation gpu(2);
+  DeviceMemorySpec spec = gpu.Spec();
+  spec.pci_bus_id = "00000000:3B:00.0";  // as nvidia-smi prints it
+  auto registered = client->RegisterDeviceMemory(spec, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  auto listed = client->ListBuffers();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].pci_bus_id(), "0000:3b:00.0");
 }
 
 TEST_F(DeviceMemoryTest, OpsBetweenAgentsMoveExactlyTheirBytesOverTheNic) {
@@ -392,6 +408,13 @@ TEST_F(DeviceMemoryTest, TheAttachSocketChecksDeviceMemoryBeforeParkingIt) {
   DeviceMemorySpec past_end = gpu.Spec();
   past_end.length = kSize + kTail + 1;
   refuse(past_end, "ends past the dma-buf");
+  // The PCI address names a sysfs entry: nothing but an address passes.
+  for (const char* malformed :
+       {"../../../../etc", "0000:3b:00.0/../..", "0000:3b:00", "GPU-1234"}) {
+    DeviceMemorySpec bad_address = gpu.Spec();
+    bad_address.pci_bus_id = malformed;
+    refuse(bad_address, "is not a PCI address");
+  }
 
   // No fd at all (the client library would not send that).
   v1::AttachRequest bare;
