@@ -135,8 +135,9 @@ class BufferedSocket {
 // Not thread-safe; the fd stays owned by the caller.
 class SendQueue {
  public:
-  // Most iovecs one sendmsg gets.
-  static constexpr int kMaxIov = 64;
+  // Most iovecs one sendmsg gets: room for 128 answers with a payload sent
+  // from the mapping each (IOV_MAX is 1024).
+  static constexpr int kMaxIov = 256;
 
   // Queues a copy of `size` bytes.
   void Append(const void* data, size_t size);
