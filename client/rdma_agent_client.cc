@@ -46,6 +46,17 @@ std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
                                   response.backends().end());
 }
 
+// What a Register answered, for a registration the client does not map.
+Registration RegistrationOf(const v1::RegisterResponse& response) {
+  Registration registration;
+  registration.id = response.buffer_id();
+  registration.size = response.size_bytes();
+  registration.remote_context = response.remote_context();
+  registration.backends = BackendsOf(response);
+  registration.lifetime = response.lifetime();
+  return registration;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Buffer
@@ -250,13 +261,26 @@ absl::StatusOr<Registration> AgentClient::AllocateUnmapped(
   request.set_lifetime(v1::LIFETIME_AGENT);
   absl::StatusOr<v1::RegisterResponse> response = Register(request);
   if (!response.ok()) return response.status();
-  Registration registration;
-  registration.id = response->buffer_id();
-  registration.size = response->size_bytes();
-  registration.remote_context = response->remote_context();
-  registration.backends = BackendsOf(*response);
-  registration.lifetime = response->lifetime();
-  return registration;
+  return RegistrationOf(*response);
+}
+
+absl::StatusOr<v1::RegisterResponse> AgentClient::RegisterAttached(
+    const std::string& attach_socket, const v1::AttachRequest& attach, int fd,
+    v1::Access access, const std::string& label, v1::Lifetime lifetime) {
+  absl::StatusOr<internal::AttachReply> reply =
+      internal::ExchangeOnAttachSocket(attach_socket, attach, fd,
+                                       state_->options().rpc_timeout);
+  if (!reply.ok()) return reply.status();
+  if (absl::Status status = internal::ResponseStatus(reply->response);
+      !status.ok()) {
+    return status;
+  }
+  v1::RegisterRequest request;
+  request.set_attach_token(reply->response.attach_token());
+  request.set_access(access);
+  request.set_label(label);
+  request.set_lifetime(lifetime);
+  return Register(request);
 }
 
 absl::StatusOr<Registration> AgentClient::RegisterDeviceMemory(
@@ -276,28 +300,10 @@ absl::StatusOr<Registration> AgentClient::RegisterDeviceMemory(
   device->set_kind(memory.kind);
   device->set_device_index(memory.device_index);
   device->set_pci_bus_id(memory.pci_bus_id);
-  absl::StatusOr<internal::AttachReply> reply =
-      internal::ExchangeOnAttachSocket(*attach_socket, attach, memory.dmabuf_fd,
-                                       state_->options().rpc_timeout);
-  if (!reply.ok()) return reply.status();
-  if (absl::Status status = internal::ResponseStatus(reply->response);
-      !status.ok()) {
-    return status;
-  }
-  v1::RegisterRequest request;
-  request.set_attach_token(reply->response.attach_token());
-  request.set_access(access);
-  request.set_label(label);
-  request.set_lifetime(lifetime);
-  absl::StatusOr<v1::RegisterResponse> response = Register(request);
+  absl::StatusOr<v1::RegisterResponse> response = RegisterAttached(
+      *attach_socket, attach, memory.dmabuf_fd, access, label, lifetime);
   if (!response.ok()) return response.status();
-  Registration registration;
-  registration.id = response->buffer_id();
-  registration.size = response->size_bytes();
-  registration.remote_context = response->remote_context();
-  registration.backends = BackendsOf(*response);
-  registration.lifetime = response->lifetime();
-  return registration;
+  return RegistrationOf(*response);
 }
 
 absl::StatusOr<Buffer> AgentClient::Allocate(uint64_t size, v1::Access access,
@@ -363,21 +369,8 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
 
   v1::AttachRequest attach;
   attach.mutable_attach();
-  absl::StatusOr<internal::AttachReply> reply =
-      internal::ExchangeOnAttachSocket(*attach_socket, attach, memory->fd(),
-                                       state_->options().rpc_timeout);
-  if (!reply.ok()) return reply.status();
-  if (absl::Status status = internal::ResponseStatus(reply->response);
-      !status.ok()) {
-    return status;
-  }
-
-  v1::RegisterRequest request;
-  request.set_attach_token(reply->response.attach_token());
-  request.set_access(access);
-  request.set_label(label);
-  request.set_lifetime(lifetime);
-  absl::StatusOr<v1::RegisterResponse> response = Register(request);
+  absl::StatusOr<v1::RegisterResponse> response = RegisterAttached(
+      *attach_socket, attach, memory->fd(), access, label, lifetime);
   if (!response.ok()) return response.status();
   const uint64_t attached = memory->size();
   return Buffer(state_, response->buffer_id(),

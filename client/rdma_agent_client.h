@@ -29,6 +29,10 @@ namespace rdma_agent {
 class SharedMemory;
 }  // namespace rdma_agent
 
+namespace rdma::agent::v1 {
+class AttachRequest;  // attach.proto: only the library's own code speaks it
+}  // namespace rdma::agent::v1
+
 namespace rdma_agent::client {
 
 namespace v1 = ::rdma::agent::v1;
@@ -564,6 +568,11 @@ class AgentClient {
   explicit AgentClient(std::shared_ptr<internal::ClientState> state);
   absl::StatusOr<v1::RegisterResponse> Register(
       const v1::RegisterRequest& request);
+  // Hands `fd` over on `attach_socket` with `attach` (memfd or dma-buf),
+  // then registers the attach token it is answered.
+  absl::StatusOr<v1::RegisterResponse> RegisterAttached(
+      const std::string& attach_socket, const v1::AttachRequest& attach, int fd,
+      v1::Access access, const std::string& label, v1::Lifetime lifetime);
 
   std::shared_ptr<internal::ClientState> state_;
 };
