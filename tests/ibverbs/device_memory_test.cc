@@ -13,8 +13,7 @@
 
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/memory/memory_backend.h"
-#include "backends/tcp/tcp_backend.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
 #include "common/unique_fd.h"
@@ -23,6 +22,7 @@
 #include "rdma/agent/v1/attach.pb.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/backend_factories.h"
 
 namespace rdma_agent {
 namespace {
@@ -31,7 +31,6 @@ using client::AgentClient;
 using client::DeviceMemorySpec;
 using client::OpResult;
 using client::OpSpec;
-using ibverbs::IbverbsBackend;
 using ibverbs::IbverbsOptions;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -113,30 +112,18 @@ class DeviceMemoryTest : public ::testing::Test {
       const std::function<void(AgentOptions&)>& tweak = nullptr) {
     AgentOptions options;
     if (tweak) tweak(options);
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      return std::make_unique<MemoryBackend>(env);
-    });
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      TcpOptions tcp;
-      tcp.listen = "127.0.0.1:0";
-      auto backend = TcpBackend::Create(tcp, env);
-      if (!backend.ok()) return backend.status();
-      return std::unique_ptr<Backend>(std::move(*backend));
-    });
+    options.backends.push_back(testing::MemoryFactory());
+    options.backends.push_back(testing::LoopbackTcpFactory());
     std::shared_ptr<verbs::SoftFabric> fabric = fabric_;
-    options.backends.push_back([fabric, device](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      IbverbsOptions ib;
-      ib.enabled = !device.empty();
-      ib.qp.timeout = 8;  // ~1 ms per try: a cut path fails fast
-      ib.qp.retry_cnt = 2;
-      auto backend = IbverbsBackend::Create(
-          env, ib, fabric->MakeVerbs({device.empty() ? "-" : device}));
-      if (!backend.ok()) return backend.status();
-      return std::unique_ptr<Backend>(std::move(*backend));
-    });
+    IbverbsOptions ib;
+    ib.enabled = !device.empty();
+    ib.qp.timeout = 8;  // ~1 ms per try: a cut path fails fast
+    ib.qp.retry_cnt = 2;
+    options.backends.push_back(testing::IbverbsFactory(
+        [fabric, device] {
+          return fabric->MakeVerbs({device.empty() ? "-" : device});
+        },
+        ib));
     auto agent = InProcessAgent::Start(std::move(options));
     EXPECT_TRUE(agent.ok()) << agent.status();
     return agent.ok() ? std::move(*agent) : nullptr;

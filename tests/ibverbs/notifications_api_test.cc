@@ -13,15 +13,14 @@
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/memory/memory_backend.h"
-#include "backends/tcp/tcp_backend.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/backend_factories.h"
 
 namespace rdma_agent {
 namespace {
 
-using ibverbs::IbverbsBackend;
 using ibverbs::IbverbsOptions;
 using testing::FromGrpc;
 using testing::InProcessAgent;
@@ -51,28 +50,12 @@ class NotificationsApiTest : public ::testing::TestWithParam<std::string> {
   // memory + tcp (+ ibverbs on `device` when the parameter is "ibverbs").
   std::unique_ptr<InProcessAgent> StartAgent(const std::string& device,
                                              AgentOptions options = {}) {
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      return std::make_unique<MemoryBackend>(env);
-    });
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      TcpOptions tcp;
-      tcp.listen = "127.0.0.1:0";
-      auto backend = TcpBackend::Create(tcp, env);
-      if (!backend.ok()) return backend.status();
-      return std::unique_ptr<Backend>(std::move(*backend));
-    });
+    options.backends.push_back(testing::MemoryFactory());
+    options.backends.push_back(testing::LoopbackTcpFactory());
     if (GetParam() == "ibverbs") {
       std::shared_ptr<verbs::SoftFabric> fabric = fabric_;
-      options.backends.push_back(
-          [fabric, device](const BackendEnvironment& env)
-              -> absl::StatusOr<std::unique_ptr<Backend>> {
-            auto backend =
-                IbverbsBackend::Create(env, {}, fabric->MakeVerbs({device}));
-            if (!backend.ok()) return backend.status();
-            return std::unique_ptr<Backend>(std::move(*backend));
-          });
+      options.backends.push_back(testing::IbverbsFactory(
+          [fabric, device] { return fabric->MakeVerbs({device}); }));
     }
     auto agent = InProcessAgent::Start(std::move(options));
     EXPECT_TRUE(agent.ok()) << agent.status();

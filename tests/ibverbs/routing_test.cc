@@ -8,15 +8,14 @@
 
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/memory/memory_backend.h"
-#include "backends/tcp/tcp_backend.h"
+#include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/backend_factories.h"
 
 namespace rdma_agent {
 namespace {
 
-using ibverbs::IbverbsBackend;
 using ibverbs::IbverbsOptions;
 using testing::FromGrpc;
 using testing::InProcessAgent;
@@ -44,35 +43,22 @@ class RoutingTest : public ::testing::Test {
       const std::vector<std::string>& devices,
       absl::Duration rail_cooldown = absl::Seconds(1)) {
     AgentOptions options;
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      return std::make_unique<MemoryBackend>(env);
-    });
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      TcpOptions tcp;
-      tcp.listen = "127.0.0.1:0";
-      auto backend = TcpBackend::Create(tcp, env);
-      if (!backend.ok()) return backend.status();
-      return std::unique_ptr<Backend>(std::move(*backend));
-    });
+    options.backends.push_back(testing::MemoryFactory());
+    options.backends.push_back(testing::LoopbackTcpFactory());
     std::shared_ptr<verbs::SoftFabric> fabric = fabric_;
     const bool enabled = !devices.empty() && !devices.front().empty();
-    options.backends.push_back([fabric, devices, enabled,
-                                rail_cooldown](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      IbverbsOptions ib;
-      ib.enabled = enabled;
-      ib.qp.timeout = 8;  // ~1 ms per try: a dead path fails fast
-      ib.qp.retry_cnt = 2;
-      ib.rail_cooldown = rail_cooldown;
-      ib.rail_max_cooldown = rail_cooldown;
-      auto backend = IbverbsBackend::Create(
-          env, ib,
-          fabric->MakeVerbs(enabled ? devices : std::vector<std::string>{"-"}));
-      if (!backend.ok()) return backend.status();
-      return std::unique_ptr<Backend>(std::move(*backend));
-    });
+    IbverbsOptions ib;
+    ib.enabled = enabled;
+    ib.qp.timeout = 8;  // ~1 ms per try: a dead path fails fast
+    ib.qp.retry_cnt = 2;
+    ib.rail_cooldown = rail_cooldown;
+    ib.rail_max_cooldown = rail_cooldown;
+    options.backends.push_back(testing::IbverbsFactory(
+        [fabric, devices, enabled] {
+          return fabric->MakeVerbs(enabled ? devices
+                                           : std::vector<std::string>{"-"});
+        },
+        ib));
     auto agent = InProcessAgent::Start(std::move(options));
     EXPECT_TRUE(agent.ok()) << agent.status();
     return agent.ok() ? std::move(*agent) : nullptr;

@@ -8,10 +8,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "backends/memory/memory_backend.h"
-#include "backends/tcp/tcp_backend.h"
 #include "gtest/gtest.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/backend_factories.h"
 
 namespace rdma_agent {
 namespace {
@@ -24,19 +23,9 @@ constexpr uint64_t kSize = 4096;
 std::unique_ptr<InProcessAgent> StartAgent(bool with_memory) {
   AgentOptions options;
   if (with_memory) {
-    options.backends.push_back([](const BackendEnvironment& env)
-                                   -> absl::StatusOr<std::unique_ptr<Backend>> {
-      return std::make_unique<MemoryBackend>(env);
-    });
+    options.backends.push_back(testing::MemoryFactory());
   }
-  options.backends.push_back([](const BackendEnvironment& env)
-                                 -> absl::StatusOr<std::unique_ptr<Backend>> {
-    TcpOptions tcp;
-    tcp.listen = "127.0.0.1:0";
-    auto backend = TcpBackend::Create(tcp, env);
-    if (!backend.ok()) return backend.status();
-    return std::unique_ptr<Backend>(std::move(*backend));
-  });
+  options.backends.push_back(testing::LoopbackTcpFactory());
   auto agent = InProcessAgent::Start(std::move(options));
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
