@@ -7,7 +7,7 @@
 
 #include "absl/time/time.h"
 #include "backends/backend.h"
-#include "daemon/client_watcher.h"
+#include "daemon/local/client_watcher.h"
 
 namespace rdma_agent {
 

@@ -1,4 +1,4 @@
-#include "daemon/active_calls.h"
+#include "daemon/limits/active_calls.h"
 
 #include <thread>
 

@@ -2,7 +2,7 @@
 // its own timer (not by the next attach), giving back the parked memory's
 // quota when it expires.
 
-#include "daemon/attach_tokens.h"
+#include "daemon/local/attach_tokens.h"
 
 #include <fcntl.h>
 #include <unistd.h>

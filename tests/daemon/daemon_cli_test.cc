@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-#include "daemon/version.h"
+#include "daemon/api/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process.h"

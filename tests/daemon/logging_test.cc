@@ -1,4 +1,4 @@
-#include "daemon/logging.h"
+#include "daemon/exe/logging.h"
 
 #include <stdlib.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "daemon/metrics.h"
+#include "daemon/metrics/metrics.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -3,7 +3,7 @@
 // queue, or every open stream of that owner), what a full queue drops and
 // how the drop is shown, and that waiting readers wake.
 
-#include "daemon/notifications.h"
+#include "daemon/ops/notifications.h"
 
 #include <memory>
 #include <string>

@@ -1,4 +1,4 @@
-#include "daemon/systemd_notifier.h"
+#include "daemon/exe/systemd_notifier.h"
 
 #include <stdlib.h>
 #include <unistd.h>

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/internal/http_get.h"
-#include "daemon/transfers.h"
+#include "daemon/ops/transfers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/agent_fixture.h"

@@ -2,7 +2,7 @@
 // states and their transitions, cancellation before, during and after a
 // run, deadlines, per-user ids, bounds, watchers, retention and shutdown.
 
-#include "daemon/transfers.h"
+#include "daemon/ops/transfers.h"
 
 #include <algorithm>
 #include <atomic>

@@ -13,7 +13,7 @@
 
 #include "backends/backend.h"
 #include "common/net_address.h"
-#include "daemon/remote_context.h"
+#include "daemon/ops/remote_context.h"
 #include "google/protobuf/stubs/logging.h"
 #include "tests/fuzz/fuzz_check.h"
 

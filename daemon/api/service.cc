@@ -1,0 +1,781 @@
+#include "daemon/api/service.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/log_text.h"
+#include "common/random.h"
+#include "common/status_util.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/ops/notification_plan.h"
+#include "daemon/api/notification_rpcs.h"
+#include "daemon/ops/op_preparer.h"
+#include "daemon/api/transfer_rpcs.h"
+#include "daemon/api/version.h"
+#include "daemon/api/waiting_rpcs.h"
+#include "google/protobuf/util/time_util.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent {
+namespace {
+
+bool ValidAccess(v1::Access access) {
+  return AllowsRead(access) || AllowsWrite(access);
+}
+
+std::string HostName() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "";
+  return name;
+}
+
+// What ListBuffers says of one registration.
+void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
+  using google::protobuf::util::TimeUtil;
+  info->set_buffer_id(registration.id());
+  info->set_size_bytes(registration.size());
+  info->set_access(registration.access());
+  info->set_label(registration.label());
+  for (const auto& name : registration.backend_names()) {
+    info->add_backends(name);
+  }
+  info->set_bytes_moved(registration.bytes_moved());
+  info->set_bytes_served(registration.bytes_served());
+  info->set_agent_allocated(registration.agent_allocated());
+  info->set_memory_kind(registration.memory_kind());
+  info->set_device_index(registration.device_index());
+  info->set_pci_bus_id(registration.pci_bus_id());
+  info->set_owner_uid(registration.owner());
+  info->set_owner_pid(static_cast<uint32_t>(registration.owner_pid()));
+  info->set_lifetime(registration.lifetime());
+  *info->mutable_create_time() =
+      TimeUtil::NanosecondsToTimestamp(registration.create_time_nanos());
+  *info->mutable_last_use_time() =
+      TimeUtil::NanosecondsToTimestamp(registration.last_use_nanos());
+}
+
+}  // namespace
+
+RdmaAgentService::RdmaAgentService(
+    const AgentOptions& options, const AgentIdentity& identity,
+    const BackendRegistry* backends, BufferTable* buffers,
+    AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
+    AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
+    NotificationInbox* notifications, AgentMetrics* metrics,
+    std::string metrics_address)
+    : options_(options),
+      identity_(identity),
+      backends_(backends),
+      buffers_(buffers),
+      attach_tokens_(attach_tokens),
+      callers_(callers),
+      calls_(calls),
+      quotas_(std::move(quotas)),
+      client_watcher_(client_watcher),
+      transfers_(transfers),
+      notifications_(notifications),
+      metrics_(metrics),
+      metrics_address_(std::move(metrics_address)) {}
+
+absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
+    const grpc::ServerContext& context, absl::string_view rpc,
+    size_t ops) const {
+  auto caller = callers_->Lookup(context);
+  if (!caller.ok()) return Prefixed(caller.status(), rpc);
+  auto call = calls_->Start(&context, caller->uid, ops);
+  if (!call.ok()) return Prefixed(call.status(), rpc);
+  return Admitted{*caller, std::move(*call)};
+}
+
+absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::AdmitCallback(
+    const grpc::CallbackServerContext& context, absl::string_view rpc,
+    bool may_wait) const {
+  auto caller = callers_->Lookup(context);
+  if (!caller.ok()) return Prefixed(caller.status(), rpc);
+  // A call that answers at once is not watched for abandonment: it is over
+  // before the watcher would look.
+  auto call = may_wait ? calls_->StartWaiting(caller->uid)
+                       : calls_->Start(nullptr, caller->uid, 0);
+  if (!call.ok()) return Prefixed(call.status(), rpc);
+  return Admitted{*caller, std::move(*call)};
+}
+
+grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
+                                       const v1::GetInfoRequest*,
+                                       v1::AgentInfo* response) {
+  auto admitted = Admit(*context, "GetInfo");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  response->set_agent_id(identity_.agent_id);
+  response->set_epoch(identity_.epoch);
+  response->set_version(kAgentVersion);
+  response->set_hostname(HostName());
+  response->set_metrics_address(metrics_address_);
+  for (const auto& backend : backends_->backends()) {
+    v1::BackendInfo* info = response->add_backends();
+    info->set_name(backend->name());
+    info->set_transport_level(backend->transport_level());
+    info->set_available(backend->available());
+    info->set_unavailable_reason(backend->unavailable_reason());
+    *info->mutable_transport_info() = backend->transport_info();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::Register(grpc::ServerContext* context,
+                                        const v1::RegisterRequest* request,
+                                        v1::RegisterResponse* response) {
+  auto admitted = Admit(*context, "Register");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
+  auto result = DoRegister(*request, *context, *caller);
+  if (!result.ok()) return ToGrpcStatus(Prefixed(result.status(), "Register"));
+  *response = std::move(*result);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::optional<ClientWatcher::Ticket>>
+RdmaAgentService::WatchCaller(const grpc::ServerContext& context,
+                              v1::Lifetime lifetime) {
+  if (lifetime == v1::LIFETIME_AGENT) {
+    return std::optional<ClientWatcher::Ticket>();
+  }
+  auto connection = callers_->Connection(context);
+  if (!connection.ok()) return connection.status();
+  auto ticket = client_watcher_->Reserve(*connection, lifetime);
+  if (!ticket.ok()) return ticket.status();
+  return std::optional<ClientWatcher::Ticket>(std::move(*ticket));
+}
+
+absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
+    const v1::RegisterRequest& request, const grpc::ServerContext& context,
+    const PeerCredentials& peer) {
+  const uid_t caller = peer.uid;
+  if (!ValidAccess(request.access())) {
+    return absl::InvalidArgumentError(
+        "access must be ACCESS_READ, ACCESS_WRITE or ACCESS_READ_WRITE");
+  }
+  if (request.label().size() > options_.max_label_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "label is longer than ", options_.max_label_bytes, " bytes"));
+  }
+  if (!v1::Lifetime_IsValid(request.lifetime())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lifetime ", request.lifetime(),
+                     " is not LIFETIME_AGENT, LIFETIME_CLIENT_PROCESS or "
+                     "LIFETIME_CLIENT_CONNECTION"));
+  }
+  const v1::Lifetime asked = request.lifetime() == v1::LIFETIME_UNSPECIFIED
+                                 ? v1::LIFETIME_AGENT
+                                 : request.lifetime();
+  // Refused, an attachment is not kept parked for a retry: its fd, mapping
+  // and bytes go now.
+  auto refuse = [&](absl::Status status) {
+    if (request.memory_case() == v1::RegisterRequest::kAttachToken) {
+      (void)attach_tokens_->Take(request.attach_token(), caller);
+    }
+    return status;
+  };
+  // Admission before allocation: the registration (an fd and a mapping
+  // until unmapped) is charged first, then the client watch its lifetime
+  // needs, then the bytes, before any memfd is created; whatever is refused
+  // leaves nothing behind.
+  auto slot = quotas_.registrations->Reserve(caller, 1);
+  if (!slot.ok()) return refuse(slot.status());
+  auto watch = WatchCaller(context, asked);
+  if (!watch.ok()) return refuse(watch.status());
+  const v1::Lifetime lifetime =
+      watch->has_value() ? (*watch)->lifetime() : v1::LIFETIME_AGENT;
+  const uint64_t id = buffers_->NextId();
+  absl::StatusOr<BufferMemory> memory;
+  bool agent_allocated = false;
+  switch (request.memory_case()) {
+    case v1::RegisterRequest::kAllocateBytes:
+      if (request.allocate_bytes() == 0) {
+        return absl::InvalidArgumentError("allocate_bytes must be positive");
+      }
+      if (request.allocate_bytes() > options_.max_buffer_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "allocate_bytes ", request.allocate_bytes(),
+            " exceeds the agent's limit of ", options_.max_buffer_bytes,
+            " bytes (--max_buffer_bytes)"));
+      }
+      memory = SharedMemory::Allocate(
+          request.allocate_bytes(), absl::StrCat("rdma-agentd-buffer-", id),
+          [&](uint64_t bytes)
+              -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+            auto charge = quotas_.bytes->Reserve(caller, bytes);
+            if (!charge.ok()) return charge.status();
+            return MemoryCharge::Of(std::move(*charge));
+          });
+      agent_allocated = true;
+      break;
+    case v1::RegisterRequest::kAttachToken:
+      // Its bytes were charged when it was attached, and stay charged.
+      memory = attach_tokens_->Take(request.attach_token(), caller);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          "set allocate_bytes or attach_token to say where the memory is");
+  }
+  if (!memory.ok()) return memory.status();
+  std::visit(
+      [&](auto& held) { held.HoldCharge(MemoryCharge::Of(std::move(*slot))); },
+      *memory);
+
+  auto registration = std::make_shared<Registration>(
+      id, caller, request.access(), request.label(), RandomBytes(16),
+      std::move(*memory), agent_allocated,
+      Registration::Origin{peer.pid, lifetime});
+  v1::RemoteBuffer remote;
+  remote.set_agent_id(identity_.agent_id);
+  remote.set_agent_epoch(identity_.epoch);
+  remote.set_buffer_id(id);
+  remote.set_size_bytes(registration->size());
+  remote.set_access(registration->access());
+  remote.set_token(registration->token());
+  remote.set_memory_kind(registration->memory_kind());
+  remote.set_device_index(registration->device_index());
+  absl::Status status = backends_->RegisterWithAll(*registration, &remote);
+  if (!status.ok()) return status;
+
+  v1::RegisterResponse response;
+  response.set_buffer_id(id);
+  response.set_size_bytes(registration->size());
+  for (const auto& name : registration->backend_names()) {
+    response.add_backends(name);
+  }
+  response.set_lifetime(lifetime);
+  remote.SerializeToString(response.mutable_remote_context());
+  buffers_->Add(registration);
+  // Published first: a client gone meanwhile releases it like any other.
+  if (watch->has_value()) client_watcher_->Bind(std::move(**watch), id);
+  spdlog::info(
+      "uid {} pid {} registered buffer {} ({} bytes of {}, {}, {}, label "
+      "\"{}\")",
+      caller, peer.pid, id, registration->size(),
+      DescribeMemory(registration->memory_kind(), registration->device_index()),
+      v1::Access_Name(registration->access()), v1::Lifetime_Name(lifetime),
+      LogSafe(registration->label()));
+  return response;
+}
+
+grpc::Status RdmaAgentService::Release(grpc::ServerContext* context,
+                                       const v1::ReleaseRequest* request,
+                                       v1::ReleaseResponse*) {
+  auto admitted = Admit(*context, "Release");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
+  absl::Status status = buffers_->Remove(request->buffer_id(), caller->uid);
+  if (status.ok()) {
+    spdlog::info("uid {} released buffer {}", caller->uid,
+                 request->buffer_id());
+  }
+  return ToGrpcStatus(Prefixed(status, "Release"));
+}
+
+absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
+                                              absl::string_view rpc) const {
+  if (request.ops().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": the op batch is empty"));
+  }
+  if (static_cast<size_t>(request.ops_size()) > options_.max_ops_per_submit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": ", request.ops_size(), " ops exceed the limit of ",
+                     options_.max_ops_per_submit, " per Submit"));
+  }
+  const size_t most = notifications_->limits().max_bytes;
+  if (request.notification().size() > most) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        rpc, ": the notification is ", request.notification().size(),
+        " bytes; at most ", most, " (--max_notification_bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
+    const v1::SubmitRequest& request) const {
+  absl::Duration timeout = options_.default_submit_timeout;
+  if (request.has_timeout()) {
+    const auto& t = request.timeout();
+    if (t.seconds() < 0 || t.nanos() < 0 || t.nanos() > 999999999 ||
+        (t.seconds() == 0 && t.nanos() == 0)) {
+      return absl::InvalidArgumentError(
+          "timeout must be a positive, well-formed Duration");
+    }
+    timeout = absl::Seconds(t.seconds()) + absl::Nanoseconds(t.nanos());
+    if (timeout > options_.max_submit_timeout) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("timeout ", absl::FormatDuration(timeout),
+                       " exceeds the agent's limit of ",
+                       absl::FormatDuration(options_.max_submit_timeout)));
+    }
+  }
+  return timeout;
+}
+
+class RdmaAgentService::Batch final : public TransferWork {
+ public:
+  // Validates every op of `request` (which must outlive the batch) for
+  // `caller`, pinning the registrations of the valid ones.
+  static std::unique_ptr<Batch> Prepare(RdmaAgentService* service,
+                                        const PeerCredentials& caller,
+                                        const v1::SubmitRequest* request,
+                                        absl::string_view rpc) {
+    std::unique_ptr<Batch> batch(new Batch(service, caller, request, rpc));
+    batch->PrepareOps();
+    return batch;
+  }
+  // The same for a transfer: the batch keeps its own copy of the request
+  // and the admission of its ops until it is destroyed.
+  static std::unique_ptr<Batch> Prepare(
+      RdmaAgentService* service, const PeerCredentials& caller,
+      std::unique_ptr<v1::SubmitRequest> request,
+      std::unique_ptr<ActiveCalls::OpsCharge> charge) {
+    auto batch = Prepare(service, caller, request.get(), "SubmitAsync");
+    batch->owned_request_ = std::move(request);
+    batch->charge_ = std::move(charge);
+    return batch;
+  }
+
+  v1::SubmitResponse Run(const StopToken& stop) override {
+    std::vector<OpOutcome> ran;
+    if (!ready_.empty()) {
+      ran = service_->backends_->SubmitInPlace(absl::MakeSpan(ready_), stop);
+      // Kept whole only when notifications are planned from them.
+      const bool keep = !request_->notification().empty();
+      for (size_t k = 0; k < ready_.size(); ++k) {
+        outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
+      }
+    }
+    v1::SubmitResponse response;
+    if (!request_->notification().empty()) {
+      for (const PlannedNotification& planned :
+           PlanNotifications(ready_, ran, first_refused_)) {
+        Notify(planned, stop, response.add_notifications());
+      }
+    }
+    Finish(response);
+    return response;
+  }
+
+  v1::SubmitResponse Skip(const absl::Status& reason) override {
+    for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
+    v1::SubmitResponse response;
+    if (!request_->notification().empty()) {
+      const absl::Status not_sent(reason.code(),
+                                  absl::StrCat("not sent: ", reason.message()));
+      for (PlannedNotification planned :
+           PlanNotifications(ready_, outcomes_of_ready(), first_refused_)) {
+        if (planned.status.ok()) planned.status = not_sent;
+        Notify(planned, StopToken(absl::InfinitePast()),
+               response.add_notifications());
+      }
+    }
+    Finish(response);
+    return response;
+  }
+
+ private:
+  Batch(RdmaAgentService* service, const PeerCredentials& caller,
+        const v1::SubmitRequest* request, absl::string_view rpc)
+      : service_(service),
+        caller_(caller),
+        request_(request),
+        rpc_(rpc),
+        outcomes_(request->ops_size()) {}
+
+  void PrepareOps() {
+    // What the ops share (their contexts, their local buffers) is resolved
+    // once for the whole batch; each op is still checked on its own.
+    OpPreparer preparer(service_->buffers_, caller_.uid);
+    ready_.reserve(outcomes_.size());
+    ready_index_.reserve(outcomes_.size());
+    for (size_t i = 0; i < outcomes_.size(); ++i) {
+      auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
+      if (!op.ok()) {
+        outcomes_[i].status = AnnotateOp(op.status(), i);
+        if (!first_refused_.has_value()) first_refused_ = i;
+        continue;
+      }
+      ready_.push_back(std::move(*op));
+      ready_index_.push_back(i);
+    }
+  }
+
+  // The outcomes of the ops that passed validation, in their order.
+  std::vector<OpOutcome> outcomes_of_ready() const {
+    std::vector<OpOutcome> outcomes;
+    outcomes.reserve(ready_index_.size());
+    for (size_t i : ready_index_) outcomes.push_back(outcomes_[i]);
+    return outcomes;
+  }
+
+  // Sends one planned notification (unless it is blocked) and records what
+  // became of it in `result`.
+  void Notify(const PlannedNotification& planned, const StopToken& stop,
+              v1::NotificationResult* result) const {
+    const v1::RemoteBuffer& remote = *planned.remote;
+    result->set_agent_id(remote.agent_id());
+    result->set_buffer_id(remote.buffer_id());
+    absl::Status status = planned.status;
+    if (status.ok()) {
+      status = stop.Check("before the notification was sent");
+      if (!status.ok()) {
+        status = absl::Status(status.code(),
+                              absl::StrCat("not sent: ", status.message()));
+      }
+    }
+    if (status.ok()) {
+      Backend* backend = service_->backends_->Find(planned.backend);
+      const v1::BackendEndpoint* endpoint =
+          FindEndpoint(remote, planned.backend);
+      if (backend == nullptr || endpoint == nullptr) {
+        status = absl::InternalError(absl::StrCat(
+            "not sent: no ", planned.backend, " endpoint to carry it"));
+      } else {
+        result->set_backend(planned.backend);
+        status =
+            backend->Notify(remote, *endpoint, request_->notification(), stop);
+      }
+    }
+    result->set_code(static_cast<int>(status.code()));
+    result->set_message(std::string(status.message()));
+    if (service_->metrics_ != nullptr) {
+      service_->metrics_->RecordNotificationSent(result->backend(),
+                                                 status.code());
+    }
+    if (!status.ok()) {
+      service_->LogFailedNotification(caller_, rpc_, remote, status);
+    }
+  }
+
+  // Records every op's end into `response`; the ops' registrations are
+  // unpinned.
+  void Finish(v1::SubmitResponse& response) {
+    ready_.clear();
+    google::protobuf::RepeatedPtrField<v1::OpResult>& results =
+        *response.mutable_results();
+    results.Reserve(static_cast<int>(outcomes_.size()));
+    for (size_t i = 0; i < outcomes_.size(); ++i) results.Add();
+    // Ops that ended alike are counted together: a few label lookups per
+    // batch, not one per op.
+    struct Alike {
+      uint64_t count = 0;
+      uint64_t bytes = 0;
+    };
+    using Key = std::tuple<std::string, int, int, int64_t>;
+    std::map<Key, Alike> alike;
+    // Consecutive ops mostly ended alike: their group is found without a
+    // map lookup.
+    const Key* last_key = nullptr;
+    Alike* last = nullptr;
+    for (size_t i = 0; i < outcomes_.size(); ++i) {
+      const v1::Op& wire = request_->ops(static_cast<int>(i));
+      const OpOutcome& outcome = outcomes_[i];
+      if (service_->metrics_ != nullptr) {
+        const int type = wire.type();
+        const int code = static_cast<int>(outcome.status.code());
+        const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
+        if (last == nullptr || std::get<3>(*last_key) != nanos ||
+            std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
+            std::get<0>(*last_key) != outcome.backend) {
+          auto it =
+              alike.try_emplace(Key{outcome.backend, type, code, nanos}).first;
+          last_key = &it->first;
+          last = &it->second;
+        }
+        ++last->count;
+        last->bytes += wire.length();
+        if (!outcome.retried_from.empty()) {
+          service_->metrics_->RecordRetry(outcome.retried_from,
+                                          outcome.backend);
+        }
+      }
+      if (!outcome.status.ok()) {
+        service_->LogFailedOp(caller_, rpc_, wire, outcome.backend,
+                              outcome.status);
+      }
+      v1::OpResult& result = results[static_cast<int>(i)];
+      result.set_code(static_cast<int>(outcome.status.code()));
+      // An OK op has no message: setting an empty one would still allocate.
+      if (!outcome.status.message().empty()) {
+        result.set_message(std::string(outcome.status.message()));
+      }
+      result.set_backend(outcome.backend);
+    }
+    for (const auto& [key, group] : alike) {
+      const auto& [backend, type, code, nanos] = key;
+      service_->metrics_->RecordOps(backend, static_cast<v1::OpType>(type),
+                                    static_cast<absl::StatusCode>(code),
+                                    group.count, group.bytes,
+                                    absl::Nanoseconds(nanos));
+    }
+  }
+
+  RdmaAgentService* const service_;
+  const PeerCredentials caller_;
+  const v1::SubmitRequest* const request_;
+  const std::string rpc_;
+  std::unique_ptr<v1::SubmitRequest> owned_request_;  // *request_, if owned
+  std::unique_ptr<ActiveCalls::OpsCharge> charge_;
+  // Per op of the request: what ended it (validation or its backend).
+  std::vector<OpOutcome> outcomes_;
+  // The ops that passed validation, and their positions in the request.
+  std::vector<Op> ready_;
+  std::vector<size_t> ready_index_;
+  // The first op refused before it ran, if any: it blocks notifications.
+  std::optional<size_t> first_refused_;
+};
+
+grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
+                                      const v1::SubmitRequest* request,
+                                      v1::SubmitResponse* response) {
+  absl::Status size = CheckBatchSize(*request, "Submit");
+  if (!size.ok()) return ToGrpcStatus(size);
+  const size_t count = static_cast<size_t>(request->ops_size());
+  // Admitted before anything is built for it; stopped when its client goes
+  // away or the agent shuts down.
+  auto admitted = Admit(*context, "Submit", count);
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  auto timeout = SubmitTimeout(*request);
+  if (!timeout.ok()) return ToGrpcStatus(Prefixed(timeout.status(), "Submit"));
+  const absl::Time deadline =
+      std::min(absl::Now() + *timeout, absl::FromChrono(context->deadline()));
+  // On this thread, not a transfer worker's: a Submit waits behind no
+  // transfer, and its client's going away stops it (ActiveCalls).
+  auto batch = Batch::Prepare(this, admitted->caller, request, "Submit");
+  *response = batch->Run(admitted->call->stop_token(deadline));
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
+                                           const v1::SubmitRequest* request,
+                                           v1::SubmitAsyncResponse* response) {
+  // Checked as Submit checks them, in the same order, with the same
+  // messages.
+  absl::Status size = CheckBatchSize(*request, "SubmitAsync");
+  if (!size.ok()) return ToGrpcStatus(size);
+  const size_t count = static_cast<size_t>(request->ops_size());
+  auto admitted = Admit(*context, "SubmitAsync");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  // The ops count toward the same bounds as a Submit's until the transfer
+  // ends; the transfer holds no call slot (no gRPC thread).
+  auto charge = calls_->ChargeOps(admitted->caller.uid, count);
+  if (!charge.ok()) {
+    return ToGrpcStatus(Prefixed(charge.status(), "SubmitAsync"));
+  }
+  auto timeout = SubmitTimeout(*request);
+  if (!timeout.ok()) {
+    return ToGrpcStatus(Prefixed(timeout.status(), "SubmitAsync"));
+  }
+  // From now, queueing included; this call's own deadline does not bound
+  // the transfer, which outlives it.
+  const absl::Time deadline = absl::Now() + *timeout;
+  auto batch = Batch::Prepare(this, admitted->caller,
+                              std::make_unique<v1::SubmitRequest>(*request),
+                              std::move(*charge));
+  auto id =
+      transfers_->Submit(admitted->caller.uid, std::move(batch), deadline);
+  if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "SubmitAsync"));
+  response->set_transfer_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* RdmaAgentService::GetTransfers(
+    grpc::CallbackServerContext* context,
+    const v1::GetTransfersRequest* request,
+    v1::GetTransfersResponse* response) {
+  // A long poll takes a waiting slot (it holds no thread, and must not eat
+  // into the user's call slots); a plain read is an ordinary call, so that
+  // a user whose watches fill its waiting slots can still poll.
+  const bool may_wait = request->has_wait() && (request->wait().seconds() > 0 ||
+                                                request->wait().nanos() > 0);
+  auto admitted = AdmitCallback(*context, "GetTransfers", may_wait);
+  if (!admitted.ok()) return RefuseUnary(context, admitted.status());
+  return ServeGetTransfers(context, std::move(admitted->call),
+                           admitted->caller.uid, *request, response, transfers_,
+                           options_.max_transfer_wait);
+}
+
+grpc::ServerWriteReactor<v1::TransferEvent>* RdmaAgentService::WatchTransfers(
+    grpc::CallbackServerContext* context, const v1::WatchTransfersRequest*) {
+  // A waiting slot for as long as the stream is open; its reactor hears of
+  // the client's going from gRPC.
+  auto admitted = AdmitCallback(*context, "WatchTransfers", /*may_wait=*/true);
+  if (!admitted.ok()) {
+    return RefuseStream<v1::TransferEvent>(admitted.status());
+  }
+  return ServeWatchTransfers(std::move(admitted->call), admitted->caller.uid,
+                             transfers_);
+}
+
+grpc::Status RdmaAgentService::CancelTransfer(
+    grpc::ServerContext* context, const v1::CancelTransferRequest* request,
+    v1::CancelTransferResponse* response) {
+  auto admitted = Admit(*context, "CancelTransfer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  // Returns once the transfer's run has ended: nothing of it touches local
+  // memory any more.
+  auto transfer =
+      transfers_->Cancel(admitted->caller.uid, request->transfer_id());
+  if (!transfer.ok()) {
+    return ToGrpcStatus(Prefixed(transfer.status(), "CancelTransfer"));
+  }
+  *response->mutable_transfer() = std::move(*transfer);
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* RdmaAgentService::GetNotifications(
+    grpc::CallbackServerContext* context,
+    const v1::GetNotificationsRequest* request,
+    v1::GetNotificationsResponse* response) {
+  // As GetTransfers: a waiting slot only when it may wait.
+  const bool may_wait = request->has_wait() && (request->wait().seconds() > 0 ||
+                                                request->wait().nanos() > 0);
+  auto admitted = AdmitCallback(*context, "GetNotifications", may_wait);
+  if (!admitted.ok()) return RefuseUnary(context, admitted.status());
+  return ServeGetNotifications(context, std::move(admitted->call),
+                               admitted->caller.uid, *request, response,
+                               notifications_, options_.max_transfer_wait);
+}
+
+grpc::ServerWriteReactor<v1::NotificationEvent>*
+RdmaAgentService::WatchNotifications(grpc::CallbackServerContext* context,
+                                     const v1::WatchNotificationsRequest*) {
+  auto admitted =
+      AdmitCallback(*context, "WatchNotifications", /*may_wait=*/true);
+  if (!admitted.ok()) {
+    return RefuseStream<v1::NotificationEvent>(admitted.status());
+  }
+  return ServeWatchNotifications(std::move(admitted->call),
+                                 admitted->caller.uid, notifications_);
+}
+
+void RdmaAgentService::LogFailedNotification(const PeerCredentials& caller,
+                                             absl::string_view rpc,
+                                             const v1::RemoteBuffer& remote,
+                                             const absl::Status& status) {
+  const auto suppressed = failed_op_log_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  const std::string line =
+      absl::StrCat(rpc, " from uid ", caller.uid, " pid ", caller.pid,
+                   ": notification to buffer ", remote.buffer_id(),
+                   " of agent ", LogSafe(remote.agent_id()),
+                   " not delivered: ", LogSafe(status.ToString()));
+  if (suppressed) {
+    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
+  } else {
+    spdlog::debug("{}", line);
+  }
+}
+
+void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
+                                   absl::string_view rpc, const v1::Op& op,
+                                   const std::string& backend,
+                                   const absl::Status& status) {
+  const auto suppressed = failed_op_log_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  // Where the op went, as far as its context says (it may not parse).
+  std::string remote = "an unreadable remote context";
+  v1::RemoteBuffer context;
+  if (context.ParseFromString(op.remote_context())) {
+    remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
+                          LogSafe(context.agent_id()));
+  }
+  const std::string line = absl::StrCat(
+      rpc, " from uid ", caller.uid, " pid ", caller.pid, ": ",
+      op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
+      op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
+      backend.empty() ? "" : absl::StrCat(" over ", backend),
+      " failed: ", LogSafe(status.ToString()));
+  if (suppressed) {
+    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
+  } else {
+    spdlog::debug("{}", line);
+  }
+}
+
+grpc::Status RdmaAgentService::ListBuffers(
+    grpc::ServerContext* context, const v1::ListBuffersRequest* request,
+    v1::ListBuffersResponse* response) {
+  auto admitted = Admit(*context, "ListBuffers");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
+  if (request->all_users() && caller->uid != 0) {
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        absl::StrCat("ListBuffers: all_users is for root; uid ", caller->uid,
+                     " may list only its own registrations")));
+  }
+  const auto registrations = request->all_users()
+                                 ? buffers_->ListAll()
+                                 : buffers_->ListOwnedBy(caller->uid);
+  for (const auto& registration : registrations) {
+    DescribeBuffer(*registration, response->add_buffers());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
+                                          const v1::ReadBufferRequest* request,
+                                          v1::ReadBufferResponse* response) {
+  auto admitted = Admit(*context, "ReadBuffer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
+  if (request->length() > options_.max_transfer_bytes_per_rpc) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "ReadBuffer: length ", request->length(), " exceeds the limit of ",
+        options_.max_transfer_bytes_per_rpc, " bytes per call")));
+  }
+  auto registration = buffers_->Find(request->buffer_id(), caller->uid);
+  if (!registration.ok()) {
+    return ToGrpcStatus(Prefixed(registration.status(), "ReadBuffer"));
+  }
+  absl::Status status = RequireHostMemory(
+      **registration,
+      "the agent cannot read it; move it with Submit over a NIC backend");
+  if (status.ok()) {
+    status = CheckRange(request->offset(), request->length(),
+                        (*registration)->size(), "buffer");
+  }
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "ReadBuffer"));
+  (*registration)->MarkUsed();
+  response->set_data(reinterpret_cast<const char*>((*registration)->data() +
+                                                   request->offset()),
+                     request->length());
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::WriteBuffer(
+    grpc::ServerContext* context, const v1::WriteBufferRequest* request,
+    v1::WriteBufferResponse*) {
+  auto admitted = Admit(*context, "WriteBuffer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const PeerCredentials* caller = &admitted->caller;
+  auto registration = buffers_->Find(request->buffer_id(), caller->uid);
+  if (!registration.ok()) {
+    return ToGrpcStatus(Prefixed(registration.status(), "WriteBuffer"));
+  }
+  absl::Status status = RequireHostMemory(
+      **registration,
+      "the agent cannot write it; move it with Submit over a NIC backend");
+  if (status.ok()) {
+    status = CheckRange(request->offset(), request->data().size(),
+                        (*registration)->size(), "buffer");
+  }
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "WriteBuffer"));
+  (*registration)->MarkUsed();
+  std::memcpy((*registration)->data() + request->offset(),
+              request->data().data(), request->data().size());
+  return grpc::Status::OK;
+}
+
+}  // namespace rdma_agent

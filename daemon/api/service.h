@@ -1,0 +1,159 @@
+#ifndef RDMA_AGENTD_DAEMON_API_SERVICE_H_
+#define RDMA_AGENTD_DAEMON_API_SERVICE_H_
+
+#include <sys/types.h>
+
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/buffer_table.h"
+#include "backends/registry.h"
+#include "common/grpc_status.h"
+#include "common/rate_limited_log.h"
+#include "daemon/limits/active_calls.h"
+#include "daemon/agent_options.h"
+#include "daemon/local/attach_tokens.h"
+#include "daemon/local/caller_identity.h"
+#include "daemon/local/client_watcher.h"
+#include "daemon/ops/notifications.h"
+#include "daemon/limits/quota.h"
+#include "daemon/ops/transfers.h"
+#include "daemon/local/unix_socket.h"
+#include "rdma/agent/v1/agent.grpc.pb.h"
+
+namespace rdma_agent {
+
+class AgentMetrics;
+
+// The RPCs that may wait for something to happen are served with gRPC's
+// callback API (daemon/waiting_rpcs.h): they hold no thread while they
+// wait. Every other RPC is synchronous (a gRPC server thread each).
+using RdmaAgentServiceBase = v1::RdmaAgent::WithCallbackMethod_GetTransfers<
+    v1::RdmaAgent::WithCallbackMethod_WatchTransfers<
+        v1::RdmaAgent::WithCallbackMethod_GetNotifications<
+            v1::RdmaAgent::WithCallbackMethod_WatchNotifications<
+                v1::RdmaAgent::Service>>>>;
+
+// The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
+// whose credentials the caller table holds for its connection.
+class RdmaAgentService final : public RdmaAgentServiceBase {
+ public:
+  RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
+                   const BackendRegistry* backends, BufferTable* buffers,
+                   AttachTokens* attach_tokens, const CallerTable* callers,
+                   ActiveCalls* calls, AgentQuotas quotas,
+                   ClientWatcher* client_watcher, TransferTable* transfers,
+                   NotificationInbox* notifications, AgentMetrics* metrics,
+                   std::string metrics_address);
+
+  grpc::Status GetInfo(grpc::ServerContext* context,
+                       const v1::GetInfoRequest* request,
+                       v1::AgentInfo* response) override;
+  grpc::Status Register(grpc::ServerContext* context,
+                        const v1::RegisterRequest* request,
+                        v1::RegisterResponse* response) override;
+  grpc::Status Release(grpc::ServerContext* context,
+                       const v1::ReleaseRequest* request,
+                       v1::ReleaseResponse* response) override;
+  grpc::Status Submit(grpc::ServerContext* context,
+                      const v1::SubmitRequest* request,
+                      v1::SubmitResponse* response) override;
+  grpc::Status ListBuffers(grpc::ServerContext* context,
+                           const v1::ListBuffersRequest* request,
+                           v1::ListBuffersResponse* response) override;
+  grpc::Status ReadBuffer(grpc::ServerContext* context,
+                          const v1::ReadBufferRequest* request,
+                          v1::ReadBufferResponse* response) override;
+  grpc::Status WriteBuffer(grpc::ServerContext* context,
+                           const v1::WriteBufferRequest* request,
+                           v1::WriteBufferResponse* response) override;
+  grpc::Status SubmitAsync(grpc::ServerContext* context,
+                           const v1::SubmitRequest* request,
+                           v1::SubmitAsyncResponse* response) override;
+  grpc::ServerUnaryReactor* GetTransfers(
+      grpc::CallbackServerContext* context,
+      const v1::GetTransfersRequest* request,
+      v1::GetTransfersResponse* response) override;
+  grpc::ServerWriteReactor<v1::TransferEvent>* WatchTransfers(
+      grpc::CallbackServerContext* context,
+      const v1::WatchTransfersRequest* request) override;
+  grpc::Status CancelTransfer(grpc::ServerContext* context,
+                              const v1::CancelTransferRequest* request,
+                              v1::CancelTransferResponse* response) override;
+  grpc::ServerUnaryReactor* GetNotifications(
+      grpc::CallbackServerContext* context,
+      const v1::GetNotificationsRequest* request,
+      v1::GetNotificationsResponse* response) override;
+  grpc::ServerWriteReactor<v1::NotificationEvent>* WatchNotifications(
+      grpc::CallbackServerContext* context,
+      const v1::WatchNotificationsRequest* request) override;
+
+ private:
+  // The validated ops of one SubmitRequest, run once: on the Submit's own
+  // thread, or by a transfer worker (SubmitAsync). Records each op's end
+  // (metrics, failed-op warnings) the same way for both.
+  class Batch;
+  // What every handler starts with: who is calling, and a call slot for it
+  // (`ops` ops of a Submit). Errors are prefixed with `rpc`.
+  struct Admitted {
+    PeerCredentials caller;
+    std::unique_ptr<ActiveCalls::Call> call;
+  };
+  absl::StatusOr<Admitted> Admit(const grpc::ServerContext& context,
+                                 absl::string_view rpc, size_t ops = 0) const;
+  // The same for an RPC served with the callback API: a waiting slot
+  // (ActiveCalls::StartWaiting) when it `may_wait`, otherwise a call slot
+  // (it answers at once).
+  absl::StatusOr<Admitted> AdmitCallback(
+      const grpc::CallbackServerContext& context, absl::string_view rpc,
+      bool may_wait) const;
+
+  absl::StatusOr<v1::RegisterResponse> DoRegister(
+      const v1::RegisterRequest& request, const grpc::ServerContext& context,
+      const PeerCredentials& caller);
+  // A reserved watch of the caller for `lifetime`; none for LIFETIME_AGENT.
+  absl::StatusOr<std::optional<ClientWatcher::Ticket>> WatchCaller(
+      const grpc::ServerContext& context, v1::Lifetime lifetime);
+  // The checks that fail a whole Submit (or SubmitAsync, named `rpc`): the
+  // batch is empty or too large, or its notification too long.
+  absl::Status CheckBatchSize(const v1::SubmitRequest& request,
+                              absl::string_view rpc) const;
+  // The request's timeout, or the default; INVALID_ARGUMENT when malformed
+  // or past the limit.
+  absl::StatusOr<absl::Duration> SubmitTimeout(
+      const v1::SubmitRequest& request) const;
+  // One warning per failed op (rate limited; debug beyond the limit): who
+  // asked, what, where and why.
+  void LogFailedOp(const PeerCredentials& caller, absl::string_view rpc,
+                   const v1::Op& op, const std::string& backend,
+                   const absl::Status& status);
+  // The same for a notification that was not delivered.
+  void LogFailedNotification(const PeerCredentials& caller,
+                             absl::string_view rpc,
+                             const v1::RemoteBuffer& remote,
+                             const absl::Status& status);
+
+  const AgentOptions& options_;
+  const AgentIdentity identity_;
+  const BackendRegistry* const backends_;
+  BufferTable* const buffers_;
+  AttachTokens* const attach_tokens_;
+  const CallerTable* const callers_;
+  ActiveCalls* const calls_;
+  const AgentQuotas quotas_;
+  ClientWatcher* const client_watcher_;
+  TransferTable* const transfers_;
+  NotificationInbox* const notifications_;
+  AgentMetrics* const metrics_;  // ops by backend, type and code
+  const std::string metrics_address_;  // for GetInfo
+  // Failed ops, one warning each: 20 at once, then one a second.
+  LogRateLimiter failed_op_log_{absl::Seconds(1), 20};
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_API_SERVICE_H_

@@ -1,0 +1,284 @@
+#include "daemon/metrics/metrics.h"
+
+#include <CivetServer.h>
+#include <civetweb.h>
+
+#include <algorithm>
+#include <sstream>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/net_address.h"
+#include "common/status_util.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace rdma_agent {
+namespace {
+
+namespace v1 = ::rdma::agent::v1;
+
+// 10 us .. 10 s, about three buckets a decade: RDMA ops to stalled peers.
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const auto* const kBuckets =
+      new prometheus::Histogram::BucketBoundaries{
+          1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10};
+  return *kBuckets;
+}
+
+std::string OpName(v1::OpType type) {
+  switch (type) {
+    case v1::OP_TYPE_READ_INTO_LOCAL:
+      return "read";
+    case v1::OP_TYPE_WRITE_FROM_LOCAL:
+      return "write";
+    default:
+      return "invalid";
+  }
+}
+
+}  // namespace
+
+// Gauge families read through callbacks when scraped.
+class AgentMetrics::Gauges : public prometheus::Collectable {
+ public:
+  void Add(std::string name, std::string help,
+           std::function<std::vector<GaugeSample>()> read) {
+    absl::MutexLock lock(&mu_);
+    families_.push_back({std::move(name), std::move(help), std::move(read)});
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    absl::MutexLock lock(&mu_);
+    std::vector<prometheus::MetricFamily> out;
+    for (const Family& family : families_) {
+      prometheus::MetricFamily collected;
+      collected.name = family.name;
+      collected.help = family.help;
+      collected.type = prometheus::MetricType::Gauge;
+      for (const GaugeSample& sample : family.read()) {
+        prometheus::ClientMetric metric;
+        for (const auto& [name, value] : sample.labels) {
+          metric.label.push_back({name, value});
+        }
+        metric.gauge.value = sample.value;
+        collected.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(collected));
+    }
+    return out;
+  }
+
+ private:
+  struct Family {
+    std::string name;
+    std::string help;
+    std::function<std::vector<GaugeSample>()> read;
+  };
+  mutable absl::Mutex mu_;
+  std::vector<Family> families_ ABSL_GUARDED_BY(mu_);
+};
+
+AgentMetrics::AgentMetrics(absl::string_view version)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      gauges_(std::make_shared<Gauges>()),
+      rpcs_(prometheus::BuildCounter()
+                .Name("rdma_agentd_rpcs_total")
+                .Help("RPCs answered (API and Peer), by method and gRPC status code")
+                .Register(*registry_)),
+      ops_(prometheus::BuildCounter()
+               .Name("rdma_agentd_ops_total")
+               .Help("Ops ended, by backend, op type and gRPC status code")
+               .Register(*registry_)),
+      bytes_(prometheus::BuildCounter()
+                 .Name("rdma_agentd_op_bytes_total")
+                 .Help("Bytes moved by successful ops, by backend and op type")
+                 .Register(*registry_)),
+      op_seconds_(prometheus::BuildHistogram()
+                      .Name("rdma_agentd_op_duration_seconds")
+                      .Help("Time the backend took for the batch an op ran "
+                            "in, by backend")
+                      .Register(*registry_)),
+      submit_seconds_(prometheus::BuildHistogram()
+                          .Name("rdma_agentd_submit_duration_seconds")
+                          .Help("Time from a Submit's arrival to its results")
+                          .Register(*registry_)
+                          .Add({}, LatencyBuckets())),
+      retries_(prometheus::BuildCounter()
+                   .Name("rdma_agentd_op_retries_total")
+                   .Help("Ops that failed UNAVAILABLE on one backend and were "
+                         "retried on the next")
+                   .Register(*registry_)),
+      refusals_(prometheus::BuildCounter()
+                    .Name("rdma_agentd_refusals_total")
+                    .Help("Requests refused to protect the agent, by reason")
+                    .Register(*registry_)),
+      notifications_sent_(
+          prometheus::BuildCounter()
+              .Name("rdma_agentd_notifications_sent_total")
+              .Help("Notifications of this agent's batches to remote buffers, "
+                    "by the backend that carried them and the outcome")
+              .Register(*registry_)) {
+  prometheus::BuildGauge()
+      .Name("rdma_agentd_build_info")
+      .Help("The running agent's version")
+      .Register(*registry_)
+      .Add({{"version", std::string(version)}})
+      .Set(1);
+}
+
+void AgentMetrics::RecordOps(absl::string_view backend, v1::OpType type,
+                             absl::StatusCode code, uint64_t count,
+                             uint64_t bytes, absl::Duration latency) {
+  if (count == 0) return;
+  const std::string op = OpName(type);
+  const std::string backend_name(backend.empty() ? "none" : backend);
+  ops_.Add({{"backend", backend_name},
+            {"op", op},
+            {"code", absl::StatusCodeToString(code)}})
+      .Increment(static_cast<double>(count));
+  if (code == absl::StatusCode::kOk) {
+    bytes_.Add({{"backend", backend_name}, {"op", op}})
+        .Increment(static_cast<double>(bytes));
+  }
+  // `count` observations of the same latency: one bucket update.
+  const auto& buckets = LatencyBuckets();
+  const double seconds = absl::ToDoubleSeconds(latency);
+  std::vector<double> increments(buckets.size() + 1, 0);
+  increments[static_cast<size_t>(
+      std::lower_bound(buckets.begin(), buckets.end(), seconds) -
+      buckets.begin())] = static_cast<double>(count);
+  op_seconds_.Add({{"backend", backend_name}}, buckets)
+      .ObserveMultiple(increments, seconds * static_cast<double>(count));
+}
+
+void AgentMetrics::RecordRpc(absl::string_view method, absl::StatusCode code,
+                             absl::Duration latency) {
+  rpcs_.Add({{"method", std::string(method)},
+             {"code", absl::StatusCodeToString(code)}})
+      .Increment();
+  if (absl::EndsWith(method, "RdmaAgent/Submit")) RecordSubmit(latency);
+}
+
+void AgentMetrics::RecordSubmit(absl::Duration latency) {
+  submit_seconds_.Observe(absl::ToDoubleSeconds(latency));
+}
+
+void AgentMetrics::RecordRetry(absl::string_view from, absl::string_view to) {
+  retries_.Add({{"from", std::string(from)}, {"to", std::string(to)}})
+      .Increment();
+}
+
+void AgentMetrics::RecordNotificationSent(absl::string_view backend,
+                                          absl::StatusCode code) {
+  notifications_sent_
+      .Add({{"backend", std::string(backend)},
+            {"code", absl::StatusCodeToString(code)}})
+      .Increment();
+}
+
+void AgentMetrics::RecordRefusal(absl::string_view reason) {
+  refusals_.Add({{"reason", std::string(reason)}}).Increment();
+}
+
+void AgentMetrics::AddGauge(const std::string& name, const std::string& help,
+                            std::function<std::vector<GaugeSample>()> read) {
+  gauges_->Add(name, help, std::move(read));
+}
+
+std::string AgentMetrics::Scrape() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> gauges = gauges_->Collect();
+  families.insert(families.end(), gauges.begin(), gauges.end());
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
+}
+
+class MetricsServer::Handlers {
+ public:
+  Handlers(const AgentMetrics* metrics, std::function<bool()> serving)
+      : metrics_handler_(metrics), health_handler_(std::move(serving)) {}
+
+  CivetHandler* metrics() { return &metrics_handler_; }
+  CivetHandler* health() { return &health_handler_; }
+
+ private:
+  static bool Reply(mg_connection* connection, int code,
+                    absl::string_view content_type, absl::string_view body) {
+    mg_printf(connection,
+              "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+              "Connection: close\r\n\r\n",
+              code, code == 200 ? "OK" : "Service Unavailable",
+              std::string(content_type).c_str(), body.size());
+    mg_write(connection, body.data(), body.size());
+    return true;
+  }
+
+  class Metrics : public CivetHandler {
+   public:
+    explicit Metrics(const AgentMetrics* metrics) : metrics_(metrics) {}
+    bool handleGet(CivetServer*, mg_connection* connection) override {
+      return Reply(connection, 200, "text/plain; version=0.0.4",
+                   metrics_->Scrape());
+    }
+
+   private:
+    const AgentMetrics* const metrics_;
+  };
+
+  class Health : public CivetHandler {
+   public:
+    explicit Health(std::function<bool()> serving)
+        : serving_(std::move(serving)) {}
+    bool handleGet(CivetServer*, mg_connection* connection) override {
+      return serving_()
+                 ? Reply(connection, 200, "text/plain", "ok\n")
+                 : Reply(connection, 503, "text/plain", "shutting down\n");
+    }
+
+   private:
+    const std::function<bool()> serving_;
+  };
+
+  Metrics metrics_handler_;
+  Health health_handler_;
+};
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& listen, const AgentMetrics* metrics,
+    std::function<bool()> serving) {
+  auto address = ParseHostPort(listen);
+  if (!address.ok()) {
+    return Prefixed(absl::StatusCode::kInvalidArgument, address.status(),
+                    "--metrics_listen");
+  }
+  std::unique_ptr<MetricsServer> server(new MetricsServer());
+  server->handlers_ = std::make_unique<Handlers>(metrics, std::move(serving));
+  // civetweb takes "host:port" for IPv4 and "[host]:port" for IPv6, as
+  // JoinHostPort writes them.
+  const std::vector<std::string> options = {
+      "listening_ports", JoinHostPort(address->host, address->port),
+      "num_threads", "2"};
+  try {
+    server->server_ = std::make_unique<CivetServer>(options);
+  } catch (const CivetException& error) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", listen, ": ", error.what()));
+  }
+  server->server_->addHandler("/metrics", server->handlers_->metrics());
+  server->server_->addHandler("/healthz", server->handlers_->health());
+  const std::vector<int> ports = server->server_->getListeningPorts();
+  server->port_ = ports.empty() ? 0 : static_cast<uint16_t>(ports.front());
+  return server;
+}
+
+MetricsServer::~MetricsServer() {
+  if (server_ != nullptr) server_->close();
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,117 @@
+#ifndef RDMA_AGENTD_DAEMON_METRICS_METRICS_H_
+#define RDMA_AGENTD_DAEMON_METRICS_METRICS_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "rdma/agent/v1/types.pb.h"
+
+class CivetServer;
+
+namespace rdma_agent {
+
+// A labelled value read at scrape time (registrations per user, connections
+// per peer...), for state the agent already keeps: nothing is counted twice.
+struct GaugeSample {
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+// The agent's Prometheus metrics (names prefixed rdma_agentd_). Counters and
+// histograms are updated on the data path; gauges of state the agent keeps
+// anyway are read through callbacks at scrape time.
+//
+// Thread-safe.
+class AgentMetrics {
+ public:
+  explicit AgentMetrics(absl::string_view version);
+  AgentMetrics(const AgentMetrics&) = delete;
+  AgentMetrics& operator=(const AgentMetrics&) = delete;
+
+  // `count` ops ended alike: by backend ("" when no backend could carry
+  // them), op type and status code; `bytes` (their total) count when they
+  // succeeded. `latency` is the time their backend took for the batch they
+  // ran in. Callers group a Submit's ops so that a batch of thousands costs
+  // a few label lookups, not one each.
+  void RecordOps(absl::string_view backend, ::rdma::agent::v1::OpType type,
+                 absl::StatusCode code, uint64_t count, uint64_t bytes,
+                 absl::Duration latency);
+  void RecordOp(absl::string_view backend, ::rdma::agent::v1::OpType type,
+                absl::StatusCode code, uint64_t bytes, absl::Duration latency) {
+    RecordOps(backend, type, code, 1, bytes, latency);
+  }
+  // One RPC of the API ended with `code` after `latency`; `method` is
+  // "package.Service/Method". Submit's latency also goes to its histogram.
+  void RecordRpc(absl::string_view method, absl::StatusCode code,
+                 absl::Duration latency);
+  // One Submit ended after `latency`.
+  void RecordSubmit(absl::Duration latency);
+  // An op failed UNAVAILABLE on `from` and was retried on `to`.
+  void RecordRetry(absl::string_view from, absl::string_view to);
+  // Something was refused to protect the agent (a limit, a stranger).
+  void RecordRefusal(absl::string_view reason);
+  // A batch's notification to one remote buffer ended with `code` (sent by
+  // `backend`; empty when it was not sent).
+  void RecordNotificationSent(absl::string_view backend, absl::StatusCode code);
+
+  // Adds a gauge family whose samples `read` returns at every scrape.
+  void AddGauge(const std::string& name, const std::string& help,
+                std::function<std::vector<GaugeSample>()> read);
+
+  // Everything, in the Prometheus text exposition format.
+  std::string Scrape() const;
+
+ private:
+  class Gauges;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<Gauges> gauges_;
+  prometheus::Family<prometheus::Counter>& rpcs_;
+  prometheus::Family<prometheus::Counter>& ops_;
+  prometheus::Family<prometheus::Counter>& bytes_;
+  prometheus::Family<prometheus::Histogram>& op_seconds_;
+  prometheus::Histogram& submit_seconds_;
+  prometheus::Family<prometheus::Counter>& retries_;
+  prometheus::Family<prometheus::Counter>& refusals_;
+  prometheus::Family<prometheus::Counter>& notifications_sent_;
+};
+
+// Serves /metrics (the text format) and /healthz (200 "ok" while the agent
+// serves, 503 once it shuts down) over HTTP with Debian's civetweb, the
+// server prometheus-cpp's pull exporter is built on.
+class MetricsServer {
+ public:
+  // Listens on `listen` ("host:port"; port 0 picks one). `serving` is asked
+  // at each /healthz. `metrics` must outlive the server.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      const std::string& listen, const AgentMetrics* metrics,
+      std::function<bool()> serving);
+  ~MetricsServer();
+
+  uint16_t port() const { return port_; }
+
+ private:
+  class Handlers;
+  MetricsServer() = default;
+
+  std::unique_ptr<Handlers> handlers_;
+  std::unique_ptr<CivetServer> server_;
+  uint16_t port_ = 0;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_METRICS_METRICS_H_

@@ -1,0 +1,189 @@
+#ifndef RDMA_AGENTD_DAEMON_OPS_NOTIFICATIONS_H_
+#define RDMA_AGENTD_DAEMON_OPS_NOTIFICATIONS_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "backends/buffer_directory.h"
+#include "backends/notification_sink.h"
+#include "common/revocable_callback.h"
+#include "rdma/agent/v1/agent.pb.h"
+
+namespace rdma_agent {
+
+namespace v1 = ::rdma::agent::v1;
+
+// Bounds of the inbox (flags --max_notification_bytes,
+// --max_notifications_per_user).
+struct NotificationLimits {
+  // Longest notification accepted, from a peer or in a SubmitRequest.
+  size_t max_bytes = 4096;
+  // Notifications kept for one user (and for one of its watch streams);
+  // beyond, the oldest is dropped and counted.
+  size_t max_queued_per_user = 1024;
+};
+
+// The notifications peers sent to the owners of this agent's registrations,
+// kept per owning user until that user reads them (GetNotifications: Take,
+// or a Poll that waits) or streams them (WatchNotifications: a Stream).
+// Readers never block here: a Poll or a Stream is told by its `wake`
+// callback when there is something for it, so the RPCs that wait hold no
+// thread (daemon/waiting_rpcs.h).
+//
+// - Each notification gets the next sequence number of its user (from 1),
+//   so a reader sees where drops were.
+// - While streams of a user are open, each arriving notification goes to
+//   every one of them (each its own bounded queue); otherwise to the user's
+//   queue, which the next Take or the first stream opened takes over. A
+//   stream closed with notifications it never handed out gives them back to
+//   the user's queue when it was the user's last.
+// - A full queue drops its oldest notification and counts the drop; the
+//   count is reported once, with the reader's next answer.
+// - Close() wakes every reader and refuses further deliveries.
+//
+// Memory: at most max_queued_per_user × max_bytes per user and per open
+// stream (streams are bounded by the waiting-RPC limits), and a few words
+// per local user ever notified (kept so that sequence numbers never
+// restart).
+//
+// Thread-safe. `wake` callbacks run on the delivering thread (or Close's),
+// without the inbox's lock held.
+class NotificationInbox : public NotificationSink {
+ public:
+  // What one read returns.
+  struct Batch {
+    std::vector<v1::Notification> notifications;
+    uint64_t dropped = 0;  // since the previous read that reported drops
+  };
+
+  // A WatchNotifications stream's view of its user's notifications.
+  class Stream {
+   public:
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    // Revokes `wake` (waiting for a run in progress), then gives back what
+    // it never handed out (see above).
+    ~Stream();
+
+    // The next event: a notification with the drops before it, or only a
+    // count of drops; nullopt when there is none now.
+    std::optional<v1::NotificationEvent> Next();
+    // OK while open; UNAVAILABLE once the inbox is closed.
+    absl::Status status() const;
+
+   private:
+    friend class NotificationInbox;
+    Stream(NotificationInbox* owner, uid_t uid, std::function<void()> wake)
+        : owner_(owner),
+          uid_(uid),
+          wake_(std::make_shared<RevocableCallback>(std::move(wake))) {}
+
+    NotificationInbox* const owner_;
+    const uid_t uid_;
+    const std::shared_ptr<RevocableCallback> wake_;
+    // Guarded by owner_->mu_.
+    std::deque<v1::Notification> queue_;
+    uint64_t dropped_ = 0;
+  };
+
+  // A GetNotifications long poll: settled once its user has something
+  // queued (or drops to report) or the inbox closes.
+  class Poll {
+   public:
+    Poll(const Poll&) = delete;
+    Poll& operator=(const Poll&) = delete;
+    ~Poll();
+
+    bool settled() const;
+    // Takes up to `max_count` of the user's queued notifications.
+    Batch Take(size_t max_count);
+
+   private:
+    friend class NotificationInbox;
+    Poll(NotificationInbox* owner, uid_t uid, std::function<void()> wake)
+        : owner_(owner),
+          uid_(uid),
+          wake_(std::make_shared<RevocableCallback>(std::move(wake))) {}
+
+    NotificationInbox* const owner_;
+    const uid_t uid_;
+    const std::shared_ptr<RevocableCallback> wake_;
+  };
+
+  // `directory` resolves the buffers notifications name; it outlives the
+  // inbox.
+  NotificationInbox(const BufferDirectory* directory,
+                    NotificationLimits limits);
+  ~NotificationInbox() override;
+
+  const NotificationLimits& limits() const { return limits_; }
+
+  // NotificationSink: token first (as ResolveForPeer), then the length;
+  // UNAVAILABLE once closed.
+  absl::Status Deliver(const ServeRequest& target,
+                       absl::string_view from_agent_id,
+                       absl::string_view data) override;
+
+  // Takes up to `max_count` of uid's queued notifications, oldest first,
+  // at once.
+  Batch Take(uid_t uid, size_t max_count);
+  // Starts a long poll of uid's queue; `wake` runs when it may have
+  // settled. Every Poll must be destroyed before the inbox.
+  std::unique_ptr<Poll> StartPoll(uid_t uid, std::function<void()> wake);
+  // Opens a stream of uid's notifications; it starts with uid's queue.
+  // `wake` runs when it may have a new event or has closed. Every Stream
+  // must be destroyed before the inbox.
+  std::unique_ptr<Stream> OpenStream(uid_t uid, std::function<void()> wake);
+
+  // Notifications queued for uid outside streams (for metrics and tests).
+  size_t queued(uid_t uid) const;
+  // Every notification accepted and every one dropped since start.
+  uint64_t delivered_total() const;
+  uint64_t dropped_total() const;
+
+  // Wakes every reader and refuses deliveries from now on. Idempotent.
+  void Close();
+
+ private:
+  using Wakeups = std::vector<std::shared_ptr<RevocableCallback>>;
+
+  struct User {
+    std::deque<v1::Notification> queue;
+    uint64_t dropped = 0;
+    uint64_t next_sequence = 1;
+    std::set<Stream*> streams;
+    std::set<Poll*> polls;
+  };
+
+  // Appends to a bounded queue, dropping (and counting) its oldest.
+  void Push(std::deque<v1::Notification>& queue, uint64_t& dropped,
+            v1::Notification notification) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Up to `max_count` from the front of `queue`, with `dropped` (reset).
+  static Batch Pop(std::deque<v1::Notification>& queue, uint64_t& dropped,
+                   size_t max_count);
+  static void RunAll(const Wakeups& wakeups);
+
+  const BufferDirectory* const directory_;
+  const NotificationLimits limits_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uid_t, User> users_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t delivered_total_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t dropped_total_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_OPS_NOTIFICATIONS_H_

@@ -1,0 +1,85 @@
+#include "daemon/ops/op_preparer.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/ops/remote_context.h"
+
+namespace rdma_agent {
+
+const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>&
+OpPreparer::Context(const std::string& bytes) {
+  // Consecutive ops mostly carry the same context: comparing the bytes
+  // with the last op's is cheaper than hashing them.
+  if (last_context_ != nullptr && last_context_->first == bytes) {
+    return last_context_->second;
+  }
+  // Looked up by the op's own string: no copy unless it is new.
+  auto it = contexts_.find(bytes);
+  if (it == contexts_.end()) {
+    it = contexts_.emplace(bytes, ParseRemoteContext(bytes)).first;
+  }
+  last_context_ = &*it;
+  return it->second;
+}
+
+const absl::StatusOr<std::shared_ptr<Registration>>& OpPreparer::Local(
+    uint64_t id) {
+  auto it = locals_.find(id);
+  if (it == locals_.end()) {
+    absl::StatusOr<std::shared_ptr<Registration>> found =
+        buffers_->Find(id, caller_);
+    if (!found.ok()) {
+      found = absl::NotFoundError(
+          absl::StrCat("local buffer ", id, " is not registered"));
+    }
+    it = locals_.emplace(id, std::move(found)).first;
+  }
+  return it->second;
+}
+
+absl::StatusOr<Op> OpPreparer::Prepare(const v1::Op& wire, size_t index) {
+  Op op;
+  op.index = index;
+  op.type = wire.type();
+  if (op.type != v1::OP_TYPE_READ_INTO_LOCAL &&
+      op.type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
+    return absl::InvalidArgumentError(
+        "type must be OP_TYPE_READ_INTO_LOCAL or OP_TYPE_WRITE_FROM_LOCAL");
+  }
+  if (wire.length() == 0) {
+    return absl::InvalidArgumentError("length must be positive");
+  }
+  const auto& remote = Context(wire.remote_context());
+  if (!remote.ok()) return remote.status();
+  const auto& local = Local(wire.local_buffer_id());
+  if (!local.ok()) return local.status();
+  absl::Status status =
+      CheckRange(wire.local_offset(), wire.length(), (*local)->size(), "local");
+  if (!status.ok()) return status;
+  status = CheckRange(wire.remote_offset(), wire.length(),
+                      (*remote)->size_bytes(), "remote");
+  if (!status.ok()) return status;
+  const bool reads = op.reads_into_local();
+  if (reads ? !(*local)->writable() : !(*local)->readable()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "local buffer ", wire.local_buffer_id(), " has access ",
+        v1::Access_Name((*local)->access()), "; ",
+        reads ? "reading into it needs WRITE" : "writing from it needs READ"));
+  }
+  if (reads ? !AllowsRead((*remote)->access())
+            : !AllowsWrite((*remote)->access())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "remote buffer ", (*remote)->buffer_id(), " has access ",
+        v1::Access_Name((*remote)->access()), "; ",
+        reads ? "reading it needs READ" : "writing into it needs WRITE"));
+  }
+  op.local = *local;
+  op.local_offset = wire.local_offset();
+  op.length = wire.length();
+  op.remote = *remote;
+  op.remote_offset = wire.remote_offset();
+  return op;
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,75 @@
+#ifndef RDMA_AGENTD_DAEMON_OPS_OP_PREPARER_H_
+#define RDMA_AGENTD_DAEMON_OPS_OP_PREPARER_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
+#include "absl/status/statusor.h"
+#include "backends/backend.h"
+#include "backends/buffer_table.h"
+#include "rdma/agent/v1/agent.pb.h"
+
+namespace rdma_agent {
+
+// Validates the ops of one Submit batch for one caller and resolves their
+// buffers, with the codes and messages of the API contract: type, length,
+// the remote context (ParseRemoteContext), the local buffer (the caller's
+// own, BufferTable::Find), both ranges and both sides' access.
+//
+// What does not change between the ops of one batch is worked out once per
+// batch: each distinct remote_context is parsed once (a batch of 1000 ops
+// usually carries 1000 copies of a few contexts) and each local buffer id is
+// looked up once. Everything that depends on the op itself (type, length,
+// offsets against the sizes, access against the op's direction) is still
+// checked for every op. Ops sharing a context share one parsed
+// `Op::remote`. Token and epoch are not checked here: the serving side
+// checks them for every op (BufferDirectory).
+//
+// One per batch, on one thread; not thread-safe.
+class OpPreparer {
+ public:
+  // `buffers` must outlive the preparer.
+  OpPreparer(const BufferTable* buffers, uid_t caller)
+      : buffers_(buffers), caller_(caller) {}
+  OpPreparer(const OpPreparer&) = delete;
+  OpPreparer& operator=(const OpPreparer&) = delete;
+
+  // Op `index` of the batch, validated and with its buffers resolved (the
+  // local registration pinned), or why it is refused (without the "op N:"
+  // prefix, which the caller adds).
+  absl::StatusOr<Op> Prepare(const v1::Op& wire, size_t index);
+
+ private:
+  // The parsed context for `bytes`, parsed on first sight.
+  const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Context(
+      const std::string& bytes);
+  // The caller's registration `id`, looked up on first sight.
+  const absl::StatusOr<std::shared_ptr<Registration>>& Local(uint64_t id);
+
+  const BufferTable* const buffers_;
+  const uid_t caller_;
+  // By the exact bytes: equal bytes parse to an equal message, and a parse
+  // error is the same for every op that carries them.
+  absl::node_hash_map<std::string,
+                      absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>
+      contexts_;
+  // The entry of the last op's context (node_hash_map: stays valid as
+  // entries are added).
+  const std::pair<const std::string,
+                  absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>*
+      last_context_ = nullptr;
+  // By id, for this caller. A Release during the batch is seen as if it came
+  // after the batch was validated (the ops pin what they found).
+  absl::flat_hash_map<uint64_t, absl::StatusOr<std::shared_ptr<Registration>>>
+      locals_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_OPS_OP_PREPARER_H_

@@ -1,0 +1,310 @@
+#ifndef RDMA_AGENTD_DAEMON_OPS_TRANSFERS_H_
+#define RDMA_AGENTD_DAEMON_OPS_TRANSFERS_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <map>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/revocable_callback.h"
+#include "common/stop_token.h"
+#include "rdma/agent/v1/agent.pb.h"
+
+namespace rdma_agent {
+
+namespace v1 = ::rdma::agent::v1;
+
+// What one transfer runs: a validated batch of ops. The submitter
+// (RdmaAgentService) provides it; the table calls exactly one of Run and
+// Skip, then destroys it before it reports the end, so whatever the work
+// holds (pinned registrations, admitted ops) is given back by then.
+class TransferWork {
+ public:
+  virtual ~TransferWork() = default;
+  // Runs the ops until they end or `stop` fires: one result per op, in
+  // order, and what became of the batch's notifications. Returns only when
+  // nothing of the work touches local memory.
+  virtual v1::SubmitResponse Run(const StopToken& stop) = 0;
+  // The outcome of work that never runs: `reason` for each op that had not
+  // already failed (and no notification sent).
+  virtual v1::SubmitResponse Skip(const absl::Status& reason) = 0;
+};
+
+// Bounds of the transfer table (flags --transfer_workers,
+// --max_transfers_in_flight*, --max_kept_transfers_per_user,
+// --transfer_retention).
+struct TransferLimits {
+  // Worker threads running transfers, started with the table.
+  size_t workers = 4;
+  // Transfers queued or running, for one user and over all users.
+  size_t max_in_flight_per_user = 1024;
+  size_t max_in_flight = 8192;
+  // Transfers one user has in the table at once: in flight, or ended and
+  // kept for Get. Also how far a Stream may fall behind.
+  size_t max_kept_per_user = 4096;
+  // How long an ended transfer nobody has read is kept.
+  absl::Duration retention = absl::Minutes(5);
+};
+
+// The asynchronous transfers of the agent (SubmitAsync and friends): their
+// ids, states and results, the queue, and the fixed set of worker threads
+// that run them. No thread is created per transfer, and nothing here makes
+// a caller wait for an end: Polls and Streams are told by callbacks.
+//
+// - Ids are scoped to the submitting user: another user's id is NOT_FOUND,
+//   with the message an unknown id gets.
+// - A transfer is PENDING while queued or running, then DONE (every op OK),
+//   CANCELLED (Cancel stopped at least one of its ops: that op's code is
+//   CANCELLED) or FAILED. Its end is recorded once, under the table's lock,
+//   so every reader sees the same final state, and the state never
+//   contradicts the results (a transfer its deadline ended before Cancel
+//   reached it is FAILED with DEADLINE_EXCEEDED).
+// - Cancel fires the transfer's Cancellation (or takes it off the queue) and
+//   returns only once its run has ended: TransferWork::Run's guarantee then
+//   means nothing of it touches local memory.
+// - Reading is acknowledging: an ended transfer is kept until a Poll has
+//   reported it (Poll::Report), or for `retention`. Streams do not consume
+//   ends: every open Stream of a user gets every end of that user's
+//   transfers (first those kept when it opened), and what a Stream delivered
+//   stays readable by Get, so a reader that dies with an end in flight loses
+//   nothing.
+// - A user keeps at most `max_kept_per_user` transfers (in flight plus
+//   ended). Submit makes room by dropping the oldest end a Stream has
+//   delivered (its client has it); when none has been delivered, Submit is
+//   refused (RESOURCE_EXHAUSTED): an end nobody has seen is never dropped to
+//   make room, only by its retention.
+// - Expired transfers are dropped by the next call into the table; no thread
+//   sweeps.
+// - Shutdown skips what is queued and cancels what runs with the given
+//   reason, closes every Stream with it, refuses new transfers and joins the
+//   workers.
+//
+// Callbacks given to StartPoll and Watch run on whichever thread records
+// the end (a worker, Cancel's or Shutdown's caller), without the table's
+// lock; they must be short (hand the news to a gRPC reactor) and must not
+// destroy their own Poll or Stream. Thread-safe.
+class TransferTable {
+ public:
+  // A read of some of a user's transfers that may wait for them to end
+  // (GetTransfers with `wait`). The transfers are held from StartPoll on, so
+  // the Poll describes them even if another reader reports them first.
+  class Poll {
+   public:
+    Poll(const Poll&) = delete;
+    Poll& operator=(const Poll&) = delete;
+    // Once it returns, the poll's callback is not running and never runs.
+    ~Poll();
+
+    // True once every named transfer has ended.
+    bool settled() const;
+    // Each named transfer as it is now, one per id, in order. Those that have
+    // ended are reported: dropped from the table (their ids answer NOT_FOUND
+    // from then on). Report only what is answered to the client: a poll
+    // given up (its client went away) is destroyed without it.
+    //
+    // The transfers' serialized size stays within `max_bytes` (a reply must
+    // fit in a gRPC message; one batch may carry 65536 results): once the
+    // next ended transfer would pass it, that one and every later ended one
+    // come without results and notifications, with `results_left_out` set,
+    // and stay kept, to be named again. The first transfer is always whole.
+    std::vector<v1::Transfer> Report(
+        size_t max_bytes = std::numeric_limits<size_t>::max());
+
+   private:
+    friend class TransferTable;
+    struct State;
+    Poll(TransferTable* owner, std::shared_ptr<State> state)
+        : owner_(owner), state_(std::move(state)) {}
+
+    TransferTable* const owner_;
+    const std::shared_ptr<State> state_;
+  };
+
+  // The ends of one user's transfers, for one WatchTransfers stream: those
+  // kept when it opened, then every end as it happens, each once, oldest
+  // first. Independent of every other Stream.
+  class Stream {
+   public:
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    // Once it returns, the stream's callback is not running and never runs.
+    ~Stream();
+
+    // The next end queued for this stream, taken off its queue; nullopt when
+    // none is queued, or once the stream is closed.
+    std::optional<v1::Transfer> Next();
+    // End `id` (returned by Next) has reached the client's stream: from now
+    // on it may be dropped to make room under max_kept_per_user.
+    void Delivered(uint64_t id);
+    // OK while open; why it closed otherwise: RESOURCE_EXHAUSTED when more
+    // than max_kept_per_user ends waited for it (its client does not read),
+    // the shutdown reason after Shutdown().
+    absl::Status status() const;
+
+   private:
+    friend class TransferTable;
+    struct State;
+    Stream(TransferTable* owner, std::shared_ptr<State> state)
+        : owner_(owner), state_(std::move(state)) {}
+
+    TransferTable* const owner_;
+    const std::shared_ptr<State> state_;
+  };
+
+  // Starts `limits.workers` worker threads.
+  explicit TransferTable(TransferLimits limits);
+  TransferTable(const TransferTable&) = delete;
+  TransferTable& operator=(const TransferTable&) = delete;
+  // Shutdown() with UNAVAILABLE, if it has not run. Every Poll and Stream
+  // must be gone first.
+  ~TransferTable();
+
+  // Queues `work` for `uid`, to be stopped at `deadline` (DEADLINE_EXCEEDED
+  // for ops still pending then, queued or not); returns its id.
+  // RESOURCE_EXHAUSTED naming the flag when `uid`, or the agent, already
+  // has its bound of transfers in flight, or `uid` keeps its bound of
+  // transfers and none of its ends has been delivered by a Stream; the
+  // shutdown reason after Shutdown().
+  absl::StatusOr<uint64_t> Submit(uid_t uid, std::unique_ptr<TransferWork> work,
+                                  absl::Time deadline);
+
+  // Starts reading the transfers `ids` of `uid`. NOT_FOUND for the first id
+  // that is not one of uid's kept transfers (nothing is reported then).
+  // Unless the poll is settled when this returns, `on_settled` is called
+  // once, when the last of them ends (also at Shutdown, which ends them
+  // all). A poll that was already settled, or settles as this returns, may
+  // or may not get the call: check settled() after StartPoll.
+  absl::StatusOr<std::unique_ptr<Poll>> StartPoll(
+      uid_t uid, absl::Span<const uint64_t> ids,
+      std::function<void()> on_settled);
+
+  // StartPoll and Report at once: the transfers as they are now.
+  absl::StatusOr<std::vector<v1::Transfer>> Get(uid_t uid,
+                                                absl::Span<const uint64_t> ids);
+
+  // Cancels transfer `id` of `uid` and waits until it has ended; returns its
+  // final state (not reported: Get and streams still see it). A transfer
+  // that had ended is returned as it ended. NOT_FOUND as StartPoll.
+  absl::StatusOr<v1::Transfer> Cancel(uid_t uid, uint64_t id);
+
+  // Opens a Stream of uid's ends. `on_ready` is called each time an end is
+  // queued for it, and when it closes; the shutdown reason after Shutdown().
+  absl::StatusOr<std::unique_ptr<Stream>> Watch(uid_t uid,
+                                                std::function<void()> on_ready);
+
+  // Ends every transfer with `reason` (queued ones never start, running ones
+  // are cancelled), closes every Stream, refuses new transfers and streams,
+  // and joins the workers. Idempotent; the first reason wins.
+  void Shutdown(const absl::Status& reason);
+
+  // For metrics and tests: transfers queued or running (for `uid`), kept
+  // (every state, not yet reported or expired), open streams and polls
+  // waiting for ends.
+  size_t in_flight() const;
+  size_t in_flight(uid_t uid) const;
+  size_t kept() const;
+  size_t watchers() const;
+  size_t waiting_polls() const;
+
+ private:
+  struct Record;
+  using RecordPtr = std::shared_ptr<Record>;
+  using Wakeups = std::vector<std::shared_ptr<RevocableCallback>>;
+  // What the table keeps for one user.
+  struct User {
+    size_t in_flight = 0;
+    // Queued transfers of the user, first submitted first.
+    std::list<RecordPtr> queued;
+    // Its place in turns_ while `queued` is not empty.
+    std::list<uid_t>::iterator turn;
+    // Ended and kept, by end sequence number (a new Stream's backlog).
+    std::map<uint64_t, RecordPtr> ended;
+    // End sequence numbers of those in `ended` a Stream has delivered: what
+    // Submit may drop, oldest first.
+    std::set<uint64_t> delivered;
+    std::vector<std::shared_ptr<Stream::State>> streams;
+  };
+
+  void WorkLoop();
+  // Takes the next queued transfer, marking it running; nullptr once
+  // stopping and the queue is empty.
+  RecordPtr NextQueued();
+  // Runs (or skips, when `skip` is not OK or its deadline has passed) the
+  // work of `record`, which the caller has taken off the queue, then records
+  // its end. Called without the lock.
+  void Finish(const RecordPtr& record, const absl::Status& skip);
+  // Records the end of `record` with `outcome`; returns the callbacks to
+  // run once the lock is released (settled polls, streams it was queued
+  // for).
+  Wakeups End(const RecordPtr& record, v1::SubmitResponse outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues `record` for `stream`, closing the stream instead when that
+  // would pass max_kept_per_user.
+  void Queue(Stream::State& stream, const RecordPtr& record)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // uid's record `id`, or NOT_FOUND.
+  absl::StatusOr<RecordPtr> Find(uid_t uid, uint64_t id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops ended records older than the retention.
+  void DropExpired() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes room for one more transfer of `user` (uid `uid`) under
+  // max_kept_per_user by dropping delivered ends; RESOURCE_EXHAUSTED when
+  // there are none left to drop.
+  absl::Status MakeRoom(uid_t uid, User& user)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops ended `record` from every index (Streams that queued it keep it).
+  void Drop(const Record& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets `uid` when it has nothing left in the table.
+  void ForgetIfIdle(uid_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::Transfer Describe(const Record& record) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Poll and Stream, when their handles go.
+  void ForgetPoll(const std::shared_ptr<Poll::State>& poll)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetStream(const std::shared_ptr<Stream::State>& stream)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  const TransferLimits limits_;
+  mutable absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status closed_reason_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // workers exit
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_end_ ABSL_GUARDED_BY(mu_) = 1;  // end sequence numbers
+  absl::flat_hash_map<uint64_t, RecordPtr> records_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uid_t, User> users_ ABSL_GUARDED_BY(mu_);
+  // Users with queued transfers, in turn: a free worker takes the first
+  // queued transfer of the first user, who then goes to the back. One
+  // user's long queue thus delays another's next transfer by at most one
+  // transfer per user ahead, not by the whole queue.
+  std::list<uid_t> turns_ ABSL_GUARDED_BY(mu_);
+  size_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  // Transfers running on a worker (cancelled at Shutdown).
+  absl::flat_hash_map<uint64_t, RecordPtr> running_ ABSL_GUARDED_BY(mu_);
+  size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Every kept end in order with its time (expiry walks it).
+  std::list<std::pair<absl::Time, uint64_t>> ends_ ABSL_GUARDED_BY(mu_);
+  size_t streams_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t waiting_polls_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_OPS_TRANSFERS_H_
