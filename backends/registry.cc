@@ -30,6 +30,19 @@ Backend* BackendRegistry::Find(absl::string_view name) const {
   return nullptr;
 }
 
+absl::Status BackendRegistry::Notify(absl::string_view backend_name,
+                                     const v1::RemoteBuffer& remote,
+                                     absl::string_view data,
+                                     const StopToken& stop) const {
+  Backend* backend = Find(backend_name);
+  const v1::BackendEndpoint* endpoint = FindEndpoint(remote, backend_name);
+  if (backend == nullptr || endpoint == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("not sent: no ", backend_name, " endpoint to carry it"));
+  }
+  return backend->Notify(remote, *endpoint, data, stop);
+}
+
 absl::Status BackendRegistry::RegisterWithAll(Registration& registration,
                                               v1::RemoteBuffer* context) const {
   // Collected here first so that a failure drops (rolls back) every earlier

@@ -75,6 +75,12 @@ class BackendRegistry {
   std::vector<OpOutcome> SubmitInPlace(absl::Span<Op> ops,
                                        const StopToken& stop) const;
 
+  // Sends `data` to the owner of `remote` over `backend`, the one that ran
+  // the ops it announces (Backend::Notify). INTERNAL, "not sent", when this
+  // agent has no such backend or `remote` no endpoint of it.
+  absl::Status Notify(absl::string_view backend, const v1::RemoteBuffer& remote,
+                      absl::string_view data, const StopToken& stop) const;
+
  private:
   // Runs ops[i] for i in `indices` (ascending) on `backend`, writing into
   // `outcomes`.

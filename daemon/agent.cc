@@ -110,6 +110,8 @@ absl::StatusOr<UniqueFd> LockStateDir(const std::string& state_dir) {
 }
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
+  absl::Status valid = options.Validate();
+  if (!valid.ok()) return valid;
   std::unique_ptr<Agent> agent(new Agent(std::move(options)));
   absl::Status status = agent->Init();
   if (!status.ok()) return status;
@@ -128,8 +130,7 @@ absl::Status Agent::Init() {
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
   notifications_ = std::make_unique<NotificationInbox>(
       buffers_.get(),
-      NotificationLimits{options_.max_notification_bytes,
-                         options_.max_notifications_per_user});
+      options_.notifications);
   ObservePeerRefusals();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;
@@ -333,23 +334,10 @@ absl::Status Agent::StartBackends() {
 
 absl::Status Agent::StartApiServer() {
   callers_ = std::make_unique<CallerTable>();
-  InFlightLimits limits;
-  limits.max_ops = options_.max_ops_in_flight;
-  limits.max_ops_per_user = options_.max_ops_in_flight_per_user;
-  limits.max_calls_per_user = options_.max_rpcs_per_user;
-  limits.max_waiting = options_.max_waiting_rpcs;
-  limits.max_waiting_per_user = options_.max_waiting_rpcs_per_user;
-  calls_ = std::make_unique<ActiveCalls>(limits);
-  TransferLimits transfer_limits;
-  transfer_limits.workers = options_.transfer_workers;
-  transfer_limits.max_in_flight_per_user =
-      options_.max_transfers_in_flight_per_user;
-  transfer_limits.max_in_flight = options_.max_transfers_in_flight;
-  transfer_limits.max_kept_per_user = options_.max_kept_transfers_per_user;
-  transfer_limits.retention = options_.transfer_retention;
-  transfers_ = std::make_unique<TransferTable>(transfer_limits);
+  calls_ = std::make_unique<ActiveCalls>(options_.in_flight);
+  transfers_ = std::make_unique<TransferTable>(options_.transfers);
   service_ = std::make_unique<RdmaAgentService>(
-      options_, identity_, backends_.get(), buffers_.get(),
+      options_.api, identity_, backends_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
       metrics_.get(),
@@ -365,7 +353,7 @@ absl::Status Agent::StartApiServer() {
   // and per user by ActiveCalls well below this bound. The waiting RPCs
   // (callback API) hold none; ActiveCalls bounds them on their own.
   grpc::ResourceQuota quota("rdma-agentd");
-  quota.SetMaxThreads(static_cast<int>(options_.max_rpcs));
+  quota.SetMaxThreads(static_cast<int>(options_.in_flight.max_calls));
   builder.SetResourceQuota(quota);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
@@ -387,8 +375,8 @@ absl::Status Agent::StartApiListener() {
   auto listener = UnixListener::Start(
       options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
         const absl::Status admitted = AdmitApiConnection(
-            fd.get(), peer, callers_.get(), options_.max_connections_per_user,
-            options_.max_connections);
+            fd.get(), peer, callers_.get(), options_.connections.max_per_user,
+            options_.connections.max_total);
         if (!admitted.ok()) {
           // Closing is the answer: the client sees its connection refused.
           // Rate-limited: a flood of refused connections is one line per
@@ -412,7 +400,7 @@ absl::Status Agent::StartApiListener() {
 absl::Status Agent::StartAttachServer() {
   AttachServer::Options attach_options;
   attach_options.path = options_.attach_socket_path;
-  attach_options.max_buffer_bytes = options_.max_buffer_bytes;
+  attach_options.max_buffer_bytes = options_.api.max_buffer_bytes;
   attach_options.quotas = quotas_;
   auto attach =
       AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
@@ -422,29 +410,10 @@ absl::Status Agent::StartAttachServer() {
 }
 
 void Agent::SetUpQuotas() {
-  QuotaLimits limits;
-  limits.bytes = {options_.max_registered_bytes_per_user,
-                  options_.max_registered_bytes_total};
-  limits.registrations = {options_.max_buffers_per_user,
-                          options_.max_buffers_total};
-  limits.pending_attach = {options_.max_pending_attach_per_user,
-                           options_.max_pending_attach_total};
-  limits.attach_connections = {options_.max_attach_connections_per_user,
-                               options_.max_attach_connections_total};
-  limits.watched_clients = {options_.max_watched_clients_per_user,
-                            options_.max_watched_clients_total};
   const HostLimits host = ReadHostLimits();
-  limits = DeriveQuotaLimits(limits, host);
-  options_.max_registered_bytes_per_user = limits.bytes.per_user;
-  options_.max_registered_bytes_total = limits.bytes.total;
-  options_.max_buffers_per_user = limits.registrations.per_user;
-  options_.max_buffers_total = limits.registrations.total;
-  options_.max_pending_attach_per_user = limits.pending_attach.per_user;
-  options_.max_pending_attach_total = limits.pending_attach.total;
-  options_.max_attach_connections_per_user = limits.attach_connections.per_user;
-  options_.max_attach_connections_total = limits.attach_connections.total;
-  options_.max_watched_clients_per_user = limits.watched_clients.per_user;
-  options_.max_watched_clients_total = limits.watched_clients.total;
+  // From here on, options() says the limits in force.
+  options_.quotas = DeriveQuotaLimits(options_.quotas, host);
+  const QuotaLimits& limits = options_.quotas;
   spdlog::info(
       "admission limits (per user / total), from {} open files, "
       "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "

@@ -4,9 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
-#include <map>
 #include <memory>
-#include <tuple>
 #include <variant>
 
 #include "absl/strings/str_cat.h"
@@ -15,9 +13,7 @@
 #include "common/random.h"
 #include "common/status_util.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/ops/notification_plan.h"
 #include "daemon/api/notification_rpcs.h"
-#include "daemon/ops/op_preparer.h"
 #include "daemon/api/transfer_rpcs.h"
 #include "daemon/api/version.h"
 #include "daemon/api/waiting_rpcs.h"
@@ -65,13 +61,13 @@ void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
 }  // namespace
 
 RdmaAgentService::RdmaAgentService(
-    const AgentOptions& options, const AgentIdentity& identity,
+    const ApiLimits& limits, const AgentIdentity& identity,
     const BackendRegistry* backends, BufferTable* buffers,
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
     NotificationInbox* notifications, AgentMetrics* metrics,
     std::string metrics_address)
-    : options_(options),
+    : limits_(limits),
       identity_(identity),
       backends_(backends),
       buffers_(buffers),
@@ -83,7 +79,8 @@ RdmaAgentService::RdmaAgentService(
       transfers_(transfers),
       notifications_(notifications),
       metrics_(metrics),
-      metrics_address_(std::move(metrics_address)) {}
+      metrics_address_(std::move(metrics_address)),
+      batch_env_{backends, buffers, metrics, &failures_} {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -162,9 +159,9 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
     return absl::InvalidArgumentError(
         "access must be ACCESS_READ, ACCESS_WRITE or ACCESS_READ_WRITE");
   }
-  if (request.label().size() > options_.max_label_bytes) {
+  if (request.label().size() > limits_.max_label_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "label is longer than ", options_.max_label_bytes, " bytes"));
+        "label is longer than ", limits_.max_label_bytes, " bytes"));
   }
   if (!v1::Lifetime_IsValid(request.lifetime())) {
     return absl::InvalidArgumentError(
@@ -201,10 +198,10 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
       if (request.allocate_bytes() == 0) {
         return absl::InvalidArgumentError("allocate_bytes must be positive");
       }
-      if (request.allocate_bytes() > options_.max_buffer_bytes) {
+      if (request.allocate_bytes() > limits_.max_buffer_bytes) {
         return absl::InvalidArgumentError(absl::StrCat(
             "allocate_bytes ", request.allocate_bytes(),
-            " exceeds the agent's limit of ", options_.max_buffer_bytes,
+            " exceeds the agent's limit of ", limits_.max_buffer_bytes,
             " bytes (--max_buffer_bytes)"));
       }
       memory = SharedMemory::Allocate(
@@ -287,10 +284,10 @@ absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
     return absl::InvalidArgumentError(
         absl::StrCat(rpc, ": the op batch is empty"));
   }
-  if (static_cast<size_t>(request.ops_size()) > options_.max_ops_per_submit) {
+  if (static_cast<size_t>(request.ops_size()) > limits_.max_ops_per_submit) {
     return absl::InvalidArgumentError(
         absl::StrCat(rpc, ": ", request.ops_size(), " ops exceed the limit of ",
-                     options_.max_ops_per_submit, " per Submit"));
+                     limits_.max_ops_per_submit, " per Submit"));
   }
   const size_t most = notifications_->limits().max_bytes;
   if (request.notification().size() > most) {
@@ -303,7 +300,7 @@ absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
 
 absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
     const v1::SubmitRequest& request) const {
-  absl::Duration timeout = options_.default_submit_timeout;
+  absl::Duration timeout = limits_.default_submit_timeout;
   if (request.has_timeout()) {
     const auto& t = request.timeout();
     if (t.seconds() < 0 || t.nanos() < 0 || t.nanos() > 999999999 ||
@@ -312,229 +309,15 @@ absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
           "timeout must be a positive, well-formed Duration");
     }
     timeout = absl::Seconds(t.seconds()) + absl::Nanoseconds(t.nanos());
-    if (timeout > options_.max_submit_timeout) {
+    if (timeout > limits_.max_submit_timeout) {
       return absl::InvalidArgumentError(
           absl::StrCat("timeout ", absl::FormatDuration(timeout),
                        " exceeds the agent's limit of ",
-                       absl::FormatDuration(options_.max_submit_timeout)));
+                       absl::FormatDuration(limits_.max_submit_timeout)));
     }
   }
   return timeout;
 }
-
-class RdmaAgentService::Batch final : public TransferWork {
- public:
-  // Validates every op of `request` (which must outlive the batch) for
-  // `caller`, pinning the registrations of the valid ones.
-  static std::unique_ptr<Batch> Prepare(RdmaAgentService* service,
-                                        const PeerCredentials& caller,
-                                        const v1::SubmitRequest* request,
-                                        absl::string_view rpc) {
-    std::unique_ptr<Batch> batch(new Batch(service, caller, request, rpc));
-    batch->PrepareOps();
-    return batch;
-  }
-  // The same for a transfer: the batch keeps its own copy of the request
-  // and the admission of its ops until it is destroyed.
-  static std::unique_ptr<Batch> Prepare(
-      RdmaAgentService* service, const PeerCredentials& caller,
-      std::unique_ptr<v1::SubmitRequest> request,
-      std::unique_ptr<ActiveCalls::OpsCharge> charge) {
-    auto batch = Prepare(service, caller, request.get(), "SubmitAsync");
-    batch->owned_request_ = std::move(request);
-    batch->charge_ = std::move(charge);
-    return batch;
-  }
-
-  v1::SubmitResponse Run(const StopToken& stop) override {
-    std::vector<OpOutcome> ran;
-    if (!ready_.empty()) {
-      ran = service_->backends_->SubmitInPlace(absl::MakeSpan(ready_), stop);
-      // Kept whole only when notifications are planned from them.
-      const bool keep = !request_->notification().empty();
-      for (size_t k = 0; k < ready_.size(); ++k) {
-        outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
-      }
-    }
-    v1::SubmitResponse response;
-    if (!request_->notification().empty()) {
-      for (const PlannedNotification& planned :
-           PlanNotifications(ready_, ran, first_refused_)) {
-        Notify(planned, stop, response.add_notifications());
-      }
-    }
-    Finish(response);
-    return response;
-  }
-
-  v1::SubmitResponse Skip(const absl::Status& reason) override {
-    for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
-    v1::SubmitResponse response;
-    if (!request_->notification().empty()) {
-      const absl::Status not_sent(reason.code(),
-                                  absl::StrCat("not sent: ", reason.message()));
-      for (PlannedNotification planned :
-           PlanNotifications(ready_, outcomes_of_ready(), first_refused_)) {
-        if (planned.status.ok()) planned.status = not_sent;
-        Notify(planned, StopToken(absl::InfinitePast()),
-               response.add_notifications());
-      }
-    }
-    Finish(response);
-    return response;
-  }
-
- private:
-  Batch(RdmaAgentService* service, const PeerCredentials& caller,
-        const v1::SubmitRequest* request, absl::string_view rpc)
-      : service_(service),
-        caller_(caller),
-        request_(request),
-        rpc_(rpc),
-        outcomes_(request->ops_size()) {}
-
-  void PrepareOps() {
-    // What the ops share (their contexts, their local buffers) is resolved
-    // once for the whole batch; each op is still checked on its own.
-    OpPreparer preparer(service_->buffers_, caller_.uid);
-    ready_.reserve(outcomes_.size());
-    ready_index_.reserve(outcomes_.size());
-    for (size_t i = 0; i < outcomes_.size(); ++i) {
-      auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
-      if (!op.ok()) {
-        outcomes_[i].status = AnnotateOp(op.status(), i);
-        if (!first_refused_.has_value()) first_refused_ = i;
-        continue;
-      }
-      ready_.push_back(std::move(*op));
-      ready_index_.push_back(i);
-    }
-  }
-
-  // The outcomes of the ops that passed validation, in their order.
-  std::vector<OpOutcome> outcomes_of_ready() const {
-    std::vector<OpOutcome> outcomes;
-    outcomes.reserve(ready_index_.size());
-    for (size_t i : ready_index_) outcomes.push_back(outcomes_[i]);
-    return outcomes;
-  }
-
-  // Sends one planned notification (unless it is blocked) and records what
-  // became of it in `result`.
-  void Notify(const PlannedNotification& planned, const StopToken& stop,
-              v1::NotificationResult* result) const {
-    const v1::RemoteBuffer& remote = *planned.remote;
-    result->set_agent_id(remote.agent_id());
-    result->set_buffer_id(remote.buffer_id());
-    absl::Status status = planned.status;
-    if (status.ok()) {
-      status = stop.Check("before the notification was sent");
-      if (!status.ok()) {
-        status = absl::Status(status.code(),
-                              absl::StrCat("not sent: ", status.message()));
-      }
-    }
-    if (status.ok()) {
-      Backend* backend = service_->backends_->Find(planned.backend);
-      const v1::BackendEndpoint* endpoint =
-          FindEndpoint(remote, planned.backend);
-      if (backend == nullptr || endpoint == nullptr) {
-        status = absl::InternalError(absl::StrCat(
-            "not sent: no ", planned.backend, " endpoint to carry it"));
-      } else {
-        result->set_backend(planned.backend);
-        status =
-            backend->Notify(remote, *endpoint, request_->notification(), stop);
-      }
-    }
-    result->set_code(static_cast<int>(status.code()));
-    result->set_message(std::string(status.message()));
-    if (service_->metrics_ != nullptr) {
-      service_->metrics_->RecordNotificationSent(result->backend(),
-                                                 status.code());
-    }
-    if (!status.ok()) {
-      service_->LogFailedNotification(caller_, rpc_, remote, status);
-    }
-  }
-
-  // Records every op's end into `response`; the ops' registrations are
-  // unpinned.
-  void Finish(v1::SubmitResponse& response) {
-    ready_.clear();
-    google::protobuf::RepeatedPtrField<v1::OpResult>& results =
-        *response.mutable_results();
-    results.Reserve(static_cast<int>(outcomes_.size()));
-    for (size_t i = 0; i < outcomes_.size(); ++i) results.Add();
-    // Ops that ended alike are counted together: a few label lookups per
-    // batch, not one per op.
-    struct Alike {
-      uint64_t count = 0;
-      uint64_t bytes = 0;
-    };
-    using Key = std::tuple<std::string, int, int, int64_t>;
-    std::map<Key, Alike> alike;
-    // Consecutive ops mostly ended alike: their group is found without a
-    // map lookup.
-    const Key* last_key = nullptr;
-    Alike* last = nullptr;
-    for (size_t i = 0; i < outcomes_.size(); ++i) {
-      const v1::Op& wire = request_->ops(static_cast<int>(i));
-      const OpOutcome& outcome = outcomes_[i];
-      if (service_->metrics_ != nullptr) {
-        const int type = wire.type();
-        const int code = static_cast<int>(outcome.status.code());
-        const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
-        if (last == nullptr || std::get<3>(*last_key) != nanos ||
-            std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
-            std::get<0>(*last_key) != outcome.backend) {
-          auto it =
-              alike.try_emplace(Key{outcome.backend, type, code, nanos}).first;
-          last_key = &it->first;
-          last = &it->second;
-        }
-        ++last->count;
-        last->bytes += wire.length();
-        if (!outcome.retried_from.empty()) {
-          service_->metrics_->RecordRetry(outcome.retried_from,
-                                          outcome.backend);
-        }
-      }
-      if (!outcome.status.ok()) {
-        service_->LogFailedOp(caller_, rpc_, wire, outcome.backend,
-                              outcome.status);
-      }
-      v1::OpResult& result = results[static_cast<int>(i)];
-      result.set_code(static_cast<int>(outcome.status.code()));
-      // An OK op has no message: setting an empty one would still allocate.
-      if (!outcome.status.message().empty()) {
-        result.set_message(std::string(outcome.status.message()));
-      }
-      result.set_backend(outcome.backend);
-    }
-    for (const auto& [key, group] : alike) {
-      const auto& [backend, type, code, nanos] = key;
-      service_->metrics_->RecordOps(backend, static_cast<v1::OpType>(type),
-                                    static_cast<absl::StatusCode>(code),
-                                    group.count, group.bytes,
-                                    absl::Nanoseconds(nanos));
-    }
-  }
-
-  RdmaAgentService* const service_;
-  const PeerCredentials caller_;
-  const v1::SubmitRequest* const request_;
-  const std::string rpc_;
-  std::unique_ptr<v1::SubmitRequest> owned_request_;  // *request_, if owned
-  std::unique_ptr<ActiveCalls::OpsCharge> charge_;
-  // Per op of the request: what ended it (validation or its backend).
-  std::vector<OpOutcome> outcomes_;
-  // The ops that passed validation, and their positions in the request.
-  std::vector<Op> ready_;
-  std::vector<size_t> ready_index_;
-  // The first op refused before it ran, if any: it blocks notifications.
-  std::optional<size_t> first_refused_;
-};
 
 grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
                                       const v1::SubmitRequest* request,
@@ -552,7 +335,7 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
       std::min(absl::Now() + *timeout, absl::FromChrono(context->deadline()));
   // On this thread, not a transfer worker's: a Submit waits behind no
   // transfer, and its client's going away stops it (ActiveCalls).
-  auto batch = Batch::Prepare(this, admitted->caller, request, "Submit");
+  auto batch = OpBatch::Prepare(batch_env_, admitted->caller, request, "Submit");
   *response = batch->Run(admitted->call->stop_token(deadline));
   return grpc::Status::OK;
 }
@@ -580,7 +363,7 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   // From now, queueing included; this call's own deadline does not bound
   // the transfer, which outlives it.
   const absl::Time deadline = absl::Now() + *timeout;
-  auto batch = Batch::Prepare(this, admitted->caller,
+  auto batch = OpBatch::Prepare(batch_env_, admitted->caller,
                               std::make_unique<v1::SubmitRequest>(*request),
                               std::move(*charge));
   auto id =
@@ -603,7 +386,7 @@ grpc::ServerUnaryReactor* RdmaAgentService::GetTransfers(
   if (!admitted.ok()) return RefuseUnary(context, admitted.status());
   return ServeGetTransfers(context, std::move(admitted->call),
                            admitted->caller.uid, *request, response, transfers_,
-                           options_.max_transfer_wait);
+                           limits_.max_transfer_wait);
 }
 
 grpc::ServerWriteReactor<v1::TransferEvent>* RdmaAgentService::WatchTransfers(
@@ -645,7 +428,7 @@ grpc::ServerUnaryReactor* RdmaAgentService::GetNotifications(
   if (!admitted.ok()) return RefuseUnary(context, admitted.status());
   return ServeGetNotifications(context, std::move(admitted->call),
                                admitted->caller.uid, *request, response,
-                               notifications_, options_.max_transfer_wait);
+                               notifications_, limits_.max_transfer_wait);
 }
 
 grpc::ServerWriteReactor<v1::NotificationEvent>*
@@ -658,50 +441,6 @@ RdmaAgentService::WatchNotifications(grpc::CallbackServerContext* context,
   }
   return ServeWatchNotifications(std::move(admitted->call),
                                  admitted->caller.uid, notifications_);
-}
-
-void RdmaAgentService::LogFailedNotification(const PeerCredentials& caller,
-                                             absl::string_view rpc,
-                                             const v1::RemoteBuffer& remote,
-                                             const absl::Status& status) {
-  const auto suppressed = failed_op_log_.Allow();
-  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
-  const std::string line =
-      absl::StrCat(rpc, " from uid ", caller.uid, " pid ", caller.pid,
-                   ": notification to buffer ", remote.buffer_id(),
-                   " of agent ", LogSafe(remote.agent_id()),
-                   " not delivered: ", LogSafe(status.ToString()));
-  if (suppressed) {
-    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
-  } else {
-    spdlog::debug("{}", line);
-  }
-}
-
-void RdmaAgentService::LogFailedOp(const PeerCredentials& caller,
-                                   absl::string_view rpc, const v1::Op& op,
-                                   const std::string& backend,
-                                   const absl::Status& status) {
-  const auto suppressed = failed_op_log_.Allow();
-  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
-  // Where the op went, as far as its context says (it may not parse).
-  std::string remote = "an unreadable remote context";
-  v1::RemoteBuffer context;
-  if (context.ParseFromString(op.remote_context())) {
-    remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
-                          LogSafe(context.agent_id()));
-  }
-  const std::string line = absl::StrCat(
-      rpc, " from uid ", caller.uid, " pid ", caller.pid, ": ",
-      op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
-      op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
-      backend.empty() ? "" : absl::StrCat(" over ", backend),
-      " failed: ", LogSafe(status.ToString()));
-  if (suppressed) {
-    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
-  } else {
-    spdlog::debug("{}", line);
-  }
 }
 
 grpc::Status RdmaAgentService::ListBuffers(
@@ -730,10 +469,10 @@ grpc::Status RdmaAgentService::ReadBuffer(grpc::ServerContext* context,
   auto admitted = Admit(*context, "ReadBuffer");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   const PeerCredentials* caller = &admitted->caller;
-  if (request->length() > options_.max_transfer_bytes_per_rpc) {
+  if (request->length() > limits_.max_transfer_bytes_per_rpc) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "ReadBuffer: length ", request->length(), " exceeds the limit of ",
-        options_.max_transfer_bytes_per_rpc, " bytes per call")));
+        limits_.max_transfer_bytes_per_rpc, " bytes per call")));
   }
   auto registration = buffers_->Find(request->buffer_id(), caller->uid);
   if (!registration.ok()) {

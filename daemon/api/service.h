@@ -15,11 +15,12 @@
 #include "common/grpc_status.h"
 #include "common/rate_limited_log.h"
 #include "daemon/limits/active_calls.h"
-#include "daemon/agent_options.h"
+#include "daemon/api/api_limits.h"
 #include "daemon/local/attach_tokens.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/local/client_watcher.h"
 #include "daemon/ops/notifications.h"
+#include "daemon/ops/op_batch.h"
 #include "daemon/limits/quota.h"
 #include "daemon/ops/transfers.h"
 #include "daemon/local/unix_socket.h"
@@ -42,7 +43,7 @@ using RdmaAgentServiceBase = v1::RdmaAgent::WithCallbackMethod_GetTransfers<
 // whose credentials the caller table holds for its connection.
 class RdmaAgentService final : public RdmaAgentServiceBase {
  public:
-  RdmaAgentService(const AgentOptions& options, const AgentIdentity& identity,
+  RdmaAgentService(const ApiLimits& limits, const AgentIdentity& identity,
                    const BackendRegistry* backends, BufferTable* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas,
@@ -93,10 +94,6 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
       const v1::WatchNotificationsRequest* request) override;
 
  private:
-  // The validated ops of one SubmitRequest, run once: on the Submit's own
-  // thread, or by a transfer worker (SubmitAsync). Records each op's end
-  // (metrics, failed-op warnings) the same way for both.
-  class Batch;
   // What every handler starts with: who is calling, and a call slot for it
   // (`ops` ops of a Submit). Errors are prefixed with `rpc`.
   struct Admitted {
@@ -126,18 +123,8 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   // or past the limit.
   absl::StatusOr<absl::Duration> SubmitTimeout(
       const v1::SubmitRequest& request) const;
-  // One warning per failed op (rate limited; debug beyond the limit): who
-  // asked, what, where and why.
-  void LogFailedOp(const PeerCredentials& caller, absl::string_view rpc,
-                   const v1::Op& op, const std::string& backend,
-                   const absl::Status& status);
-  // The same for a notification that was not delivered.
-  void LogFailedNotification(const PeerCredentials& caller,
-                             absl::string_view rpc,
-                             const v1::RemoteBuffer& remote,
-                             const absl::Status& status);
 
-  const AgentOptions& options_;
+  const ApiLimits limits_;
   const AgentIdentity identity_;
   const BackendRegistry* const backends_;
   BufferTable* const buffers_;
@@ -150,8 +137,9 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   NotificationInbox* const notifications_;
   AgentMetrics* const metrics_;  // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
-  // Failed ops, one warning each: 20 at once, then one a second.
-  LogRateLimiter failed_op_log_{absl::Seconds(1), 20};
+  FailedOpLog failures_;
+  // What Submit's and SubmitAsync's batches run with.
+  const OpBatchEnvironment batch_env_;
 };
 
 }  // namespace rdma_agent

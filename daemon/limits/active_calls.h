@@ -23,8 +23,11 @@ class ServerContext;
 namespace rdma_agent {
 
 // Bounds on RPCs and data-path work in flight (flags --max_ops_in_flight*,
-// --max_rpcs_per_user, --max_waiting_rpcs*).
+// --max_rpcs*, --max_waiting_rpcs*).
 struct InFlightLimits {
+  // RPCs running at once over all users: the gRPC server's thread bound
+  // (its ResourceQuota enforces it, not ActiveCalls).
+  size_t max_calls = 256;
   // Ops of running Submits, over all users and for one user.
   size_t max_ops = 262144;
   size_t max_ops_per_user = 65536;

@@ -85,6 +85,13 @@ absl::Status AdmitApiConnection(int fd, const PeerCredentials& peer,
                                 CallerTable* callers, size_t max_per_user,
                                 size_t max_total);
 
+// Connections to the RdmaAgent socket (flags --max_connections_per_user,
+// --max_connections): each holds an fd and a gRPC transport.
+struct ConnectionLimits {
+  size_t max_per_user = 128;
+  size_t max_total = 1024;
+};
+
 }  // namespace rdma_agent
 
 #endif  // RDMA_AGENTD_DAEMON_LOCAL_CALLER_IDENTITY_H_

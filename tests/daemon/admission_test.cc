@@ -76,8 +76,8 @@ class AdmissionTest : public ::testing::Test {
 
 TEST_F(AdmissionTest, BytesAreChargedUntilTheMemoryGoes) {
   AgentOptions options;
-  options.max_registered_bytes_per_user = 8192;
-  options.max_registered_bytes_total = 1 << 20;
+  options.quotas.bytes.per_user = 8192;
+  options.quotas.bytes.total = 1 << 20;
   Start(std::move(options));
   auto first = fixture_->Allocate(8192);
   ASSERT_TRUE(first.ok()) << first.status();
@@ -97,8 +97,8 @@ TEST_F(AdmissionTest, BytesAreChargedUntilTheMemoryGoes) {
 
 TEST_F(AdmissionTest, ParkedBytesStayChargedOnceRegistered) {
   AgentOptions options;
-  options.max_registered_bytes_per_user = 8192;
-  options.max_registered_bytes_total = 1 << 20;
+  options.quotas.bytes.per_user = 8192;
+  options.quotas.bytes.total = 1 << 20;
   Start(std::move(options));
   const v1::AttachResponse attached = Attach(8192);
   ASSERT_EQ(attached.code(), 0) << attached.message();
@@ -113,8 +113,8 @@ TEST_F(AdmissionTest, ParkedBytesStayChargedOnceRegistered) {
 
 TEST_F(AdmissionTest, ARefusedRegisterEndsItsAttachment) {
   AgentOptions options;
-  options.max_buffers_per_user = 1;
-  options.max_buffers_total = 4;
+  options.quotas.registrations.per_user = 1;
+  options.quotas.registrations.total = 4;
   Start(std::move(options));
   auto held = fixture_->Allocate(4096);
   ASSERT_TRUE(held.ok()) << held.status();
@@ -133,8 +133,8 @@ TEST_F(AdmissionTest, ARefusedRegisterEndsItsAttachment) {
 
 TEST_F(AdmissionTest, ParkedAttachmentsAreCappedPerUser) {
   AgentOptions options;
-  options.max_pending_attach_per_user = 2;
-  options.max_pending_attach_total = 8;
+  options.quotas.pending_attach.per_user = 2;
+  options.quotas.pending_attach.total = 8;
   Start(std::move(options));
   const v1::AttachResponse first = Attach(4096);
   ASSERT_EQ(first.code(), 0) << first.message();
@@ -151,14 +151,14 @@ TEST_F(AdmissionTest, ParkedAttachmentsAreCappedPerUser) {
 TEST_F(AdmissionTest, DefaultsAreDerivedAndFilledIn) {
   Start(AgentOptions{});
   const AgentOptions& in_force = fixture_->agent().options();
-  EXPECT_GT(in_force.max_buffers_total, 0u);
-  EXPECT_LE(in_force.max_buffers_per_user, in_force.max_buffers_total / 4);
-  EXPECT_LE(in_force.max_pending_attach_per_user,
-            in_force.max_pending_attach_total / 4);
-  EXPECT_LE(in_force.max_registered_bytes_per_user,
-            in_force.max_registered_bytes_total / 4);
-  EXPECT_EQ(in_force.max_attach_connections_total, 256u);
-  EXPECT_EQ(in_force.max_attach_connections_per_user, 64u);
+  EXPECT_GT(in_force.quotas.registrations.total, 0u);
+  EXPECT_LE(in_force.quotas.registrations.per_user, in_force.quotas.registrations.total / 4);
+  EXPECT_LE(in_force.quotas.pending_attach.per_user,
+            in_force.quotas.pending_attach.total / 4);
+  EXPECT_LE(in_force.quotas.bytes.per_user,
+            in_force.quotas.bytes.total / 4);
+  EXPECT_EQ(in_force.quotas.attach_connections.total, 256u);
+  EXPECT_EQ(in_force.quotas.attach_connections.per_user, 64u);
 }
 
 }  // namespace

@@ -296,7 +296,7 @@ TEST_F(AgentApiTest, SubmitRejectsBadBatches) {
             absl::StatusCode::kInvalidArgument);
 
   AgentOptions small;
-  small.max_ops_per_submit = 4;
+  small.api.max_ops_per_submit = 4;
   StartAgent(std::move(small));
   const v1::RegisterResponse b = Allocate(64);
   const v1::Op op = MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, b.buffer_id(), 0, 8,

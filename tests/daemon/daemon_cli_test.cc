@@ -53,7 +53,7 @@ TEST(DaemonCliTest, HelpListsEveryFlagGroupedByFile) {
   const RunResult help = RunAgentd({"--help"});
   EXPECT_EQ(help.exit_code, 0) << help.err;
   for (const char* expected :
-       {"Flags from daemon/main.cc:", "--runtime_dir", "--state_dir",
+       {"Flags from daemon/exe/flags.cc:", "--runtime_dir", "--state_dir",
         "--backends", "--shutdown_grace",
         "Flags from backends/tcp/flags.cc:", "--tcp_listen",
         "Flags from backends/ibverbs/flags.cc:", "--ibverbs_device",

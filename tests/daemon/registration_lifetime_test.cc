@@ -205,7 +205,7 @@ TEST_F(RegistrationLifetimeTest, AProcessWatchEndsWithItsLastRegistration) {
 
 TEST_F(RegistrationLifetimeTest, WatchQuotaCountsClientsNotRegistrations) {
   AgentOptions options;
-  options.max_watched_clients_per_user = 1;
+  options.quotas.watched_clients.per_user = 1;
   StartAgent(std::move(options));
   std::unique_ptr<v1::RdmaAgent::Stub> first = fixture_->NewStub();
   std::unique_ptr<v1::RdmaAgent::Stub> second = fixture_->NewStub();

@@ -67,7 +67,7 @@ class TransfersApiTest : public ::testing::Test {
  protected:
   void SetUp() override {
     AgentOptions options;
-    options.transfer_workers = 1;  // transfers queue behind a blocker
+    options.transfers.workers = 1;  // transfers queue behind a blocker
     StartAgent(std::move(options));
   }
 
@@ -229,8 +229,8 @@ class TransfersApiTest : public ::testing::Test {
 
 TEST_F(TransfersApiTest, SubmitAsyncValidatesTheBatchLikeSubmit) {
   AgentOptions options;
-  options.max_ops_per_submit = 2;
-  options.max_submit_timeout = absl::Seconds(10);
+  options.api.max_ops_per_submit = 2;
+  options.api.max_submit_timeout = absl::Seconds(10);
   StartAgent(std::move(options));
   const Buffer buffer = Allocate(4096);
   const v1::Op op =
@@ -471,9 +471,9 @@ TEST_F(TransfersApiTest, DeadlineRacingCancelEndsInOneConsistentState) {
 
 TEST_F(TransfersApiTest, InFlightBoundIsHitCleanlyAndFreesUp) {
   AgentOptions options;
-  options.transfer_workers = 1;
-  options.max_transfers_in_flight_per_user = 2;
-  options.max_ops_in_flight_per_user = kBlockerOps + 10;
+  options.transfers.workers = 1;
+  options.transfers.max_in_flight_per_user = 2;
+  options.in_flight.max_ops_per_user = kBlockerOps + 10;
   StartAgent(std::move(options));
   Buffer source, destination;
   MakePair(4096, &source, &destination);
@@ -601,7 +601,7 @@ TEST_F(TransfersApiTest, AWatcherKilledMidStreamLosesNothing) {
 
 TEST_F(TransfersApiTest, TheKeptBoundRefusesUnseenEndsAndDropsDeliveredOnes) {
   AgentOptions options;
-  options.max_kept_transfers_per_user = 2;
+  options.transfers.max_kept_per_user = 2;
   StartAgent(std::move(options));
   Buffer source, destination;
   MakePair(4096, &source, &destination);
@@ -636,8 +636,8 @@ TEST_F(TransfersApiTest, TheKeptBoundRefusesUnseenEndsAndDropsDeliveredOnes) {
 
 TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
   AgentOptions options;
-  options.transfer_workers = 1;
-  options.max_rpcs = 4;  // gRPC server threads for the synchronous RPCs
+  options.transfers.workers = 1;
+  options.in_flight.max_calls = 4;  // gRPC server threads for the synchronous RPCs
   StartAgent(std::move(options));
   const uint64_t blocker = StartBlocker();
   constexpr int kEach = 8;
@@ -677,8 +677,8 @@ TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
 
 TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
   AgentOptions options;
-  options.transfer_workers = 1;
-  options.max_waiting_rpcs_per_user = 2;
+  options.transfers.workers = 1;
+  options.in_flight.max_waiting_per_user = 2;
   StartAgent(std::move(options));
   auto first = OpenWatch();
   auto second = OpenWatch();
@@ -783,7 +783,7 @@ TEST_F(TransfersApiTest, AWatchFirstPushesEndsNobodyReadYet) {
 
 TEST_F(TransfersApiTest, UnreadEndsExpireAfterTheRetention) {
   AgentOptions options;
-  options.transfer_retention = absl::Milliseconds(200);
+  options.transfers.retention = absl::Milliseconds(200);
   StartAgent(std::move(options));
   Buffer source, destination;
   MakePair(4096, &source, &destination);
@@ -799,7 +799,7 @@ TEST_F(TransfersApiTest, UnreadEndsExpireAfterTheRetention) {
 
 TEST_F(TransfersApiTest, ShutdownEndsTransfersWatchesAndPollsPromptly) {
   AgentOptions options;
-  options.transfer_workers = 1;
+  options.transfers.workers = 1;
   // Shutdown waits this long for calls that do not end by themselves: if
   // the watch or the poll held on, it would take an hour.
   options.shutdown_grace = absl::Hours(1);

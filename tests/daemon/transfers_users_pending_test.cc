@@ -55,7 +55,7 @@ std::string WithoutId(const std::string& answer, const std::string& id) {
 TEST(TransfersUsersPendingTest, AnotherUsersPendingTransferIsInvisible) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
   AgentOptions options;
-  options.transfer_workers = 1;  // transfers queue behind the blocker
+  options.transfers.workers = 1;  // transfers queue behind the blocker
   auto agent = InProcessAgent::Start(std::move(options));
   ASSERT_TRUE(agent.ok()) << agent.status();
   WorkerProcess owner = StartWorker(**agent, kOwner);

@@ -80,7 +80,7 @@ TEST(TransfersUsersTest, AnotherUsersTransfersAreInvisible) {
 TEST(TransfersUsersTest, WaitingCallsAndStreamsAreEachUsersOwn) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
   AgentOptions options;
-  options.max_waiting_rpcs_per_user = 1;
+  options.in_flight.max_waiting_per_user = 1;
   auto agent = InProcessAgent::Start(std::move(options));
   ASSERT_TRUE(agent.ok()) << agent.status();
   WorkerProcess owner = StartWorker(**agent, kOwner);

@@ -421,8 +421,8 @@ TEST_F(DeviceMemoryTest, TheAttachSocketChecksDeviceMemoryBeforeParkingIt) {
 
 TEST_F(DeviceMemoryTest, DeviceMemoryCountsAgainstTheLimitsLikeHostMemory) {
   auto agent = StartAgent("nic_a", [](AgentOptions& options) {
-    options.max_buffer_bytes = kSize;
-    options.max_registered_bytes_per_user = kSize + kSize / 2;
+    options.api.max_buffer_bytes = kSize;
+    options.quotas.bytes.per_user = kSize + kSize / 2;
   });
   ASSERT_NE(agent, nullptr);
   auto client = Connect(*agent);

@@ -1,0 +1,333 @@
+#include "daemon/exe/flags.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "backends/peer_tls.h"
+#include "daemon/exe/backend_factories.h"
+
+namespace {
+// Flags are signed so that a negative value is refused by name rather than
+// wrapped around.
+constexpr int64_t Int64(size_t value) { return static_cast<int64_t>(value); }
+}  // namespace
+
+// Every default comes from the options structs (daemon/agent_options.h and
+// the component structs it nests), except where the daemon's differs from a
+// library agent's on purpose (--state_dir, --peer_listen, --backends).
+ABSL_FLAG(std::string, runtime_dir, rdma_agent::AgentOptions().runtime_dir,
+          "Directory for the sockets.");
+// Root (tools/run.sh, the systemd unit) keeps the id in /var/lib; anyone else
+// falls back to the runtime dir. The test suite runs as root too, so tests
+// pass a --state_dir of their own: the fallback would not keep them out.
+ABSL_FLAG(std::string, state_dir, "/var/lib/rdma-agentd",
+          "Directory keeping the agent id across restarts and reboots "
+          "(systemd's StateDirectory=). When it cannot be created or written "
+          "(e.g. not root, outside systemd), the runtime dir is used, with a "
+          "warning.");
+ABSL_FLAG(std::string, socket, "",
+          "RdmaAgent Unix socket path (or unix:// URI); default "
+          "<runtime_dir>/agent.sock.");
+ABSL_FLAG(std::string, attach_socket, "",
+          "Attach socket path; default <runtime_dir>/attach.sock.");
+ABSL_FLAG(std::string, agent_id, "",
+          "Stable agent id; default: kept in <state_dir>/agent-id.");
+ABSL_FLAG(std::vector<std::string>, backends,
+          std::vector<std::string>({"memory", "tcp", "ibverbs"}),
+          "Backends to spawn, comma separated (memory, tcp, ibverbs). "
+          "Unavailable ones are reported by GetInfo and skipped.");
+ABSL_FLAG(std::string, peer_listen, "",
+          "host:port of the agent-to-agent Peer gRPC listener; default "
+          "<advertise_host>:7470. 0.0.0.0:7470 serves every interface.");
+ABSL_FLAG(std::string, advertise_host, "",
+          "Host peers dial to reach this agent; default: the address of the "
+          "default-route interface.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port serving Prometheus metrics at /metrics and health at "
+          "/healthz (HTTP, no authentication: keep it on a trusted "
+          "interface). Empty: no endpoint.");
+ABSL_FLAG(std::string, log_level, "info",
+          "trace, debug (every RPC), info, warn (failed ops, refused "
+          "requests, client-visible errors), error, critical or off.");
+ABSL_FLAG(std::string, log_format, "auto",
+          "Logs go to stderr as: journal (<N> syslog priorities, no "
+          "timestamps), terminal (colours), plain (UTC timestamps), or auto: "
+          "journal when journald reads stderr, terminal on a TTY, else "
+          "plain.");
+ABSL_FLAG(absl::Duration, default_submit_timeout,
+          rdma_agent::ApiLimits().default_submit_timeout,
+          "Timeout of a Submit that sets none.");
+ABSL_FLAG(absl::Duration, max_submit_timeout,
+          rdma_agent::ApiLimits().max_submit_timeout,
+          "Largest timeout a Submit may ask for.");
+ABSL_FLAG(int64_t, max_ops_per_submit,
+          Int64(rdma_agent::ApiLimits().max_ops_per_submit), "Largest op batch.");
+ABSL_FLAG(uint64_t, max_buffer_bytes, rdma_agent::ApiLimits().max_buffer_bytes,
+          "Largest registration in bytes.");
+ABSL_FLAG(uint64_t, max_transfer_bytes_per_rpc,
+          rdma_agent::ApiLimits().max_transfer_bytes_per_rpc,
+          "Largest ReadBuffer/WriteBuffer in bytes (1 B to 60 MiB: the reply "
+          "must fit the agent's 64 MiB gRPC message limit).");
+ABSL_FLAG(uint64_t, open_files_limit, 0,
+          "Soft open-file limit (RLIMIT_NOFILE) the agent runs with; 0: raised "
+          "to the hard limit. The admission defaults below are derived from "
+          "it.");
+// Admission limits: 0 derives a default from the host at start (logged).
+ABSL_FLAG(uint64_t, max_registered_bytes_per_user,
+          rdma_agent::QuotaLimits().bytes.per_user,
+          "Bytes one local user may have registered or attached (not yet "
+          "registered) at once; 0: a quarter of the total.");
+ABSL_FLAG(uint64_t, max_registered_bytes_total,
+          rdma_agent::QuotaLimits().bytes.total,
+          "Bytes all users together may have registered or attached; 0: the "
+          "host's physical memory, or 7/8 of the agent's cgroup memory limit "
+          "(MemoryMax=, a container's limit) when lower.");
+ABSL_FLAG(uint64_t, max_buffers_per_user,
+          rdma_agent::QuotaLimits().registrations.per_user,
+          "Registrations one local user may hold; 0: a quarter of the total.");
+ABSL_FLAG(uint64_t, max_buffers_total,
+          rdma_agent::QuotaLimits().registrations.total,
+          "Registrations all users together may hold; 0: 3/4 of what the "
+          "open-file limit and vm.max_map_count leave after a reserve.");
+ABSL_FLAG(uint64_t, max_pending_attach_per_user,
+          rdma_agent::QuotaLimits().pending_attach.per_user,
+          "Attached memfds one local user may have waiting for Register; 0: "
+          "a quarter of the total.");
+ABSL_FLAG(uint64_t, max_pending_attach_total,
+          rdma_agent::QuotaLimits().pending_attach.total,
+          "Attached memfds all users together may have waiting for Register; "
+          "0: 1/4 of what the open-file limit and vm.max_map_count leave "
+          "after a reserve.");
+ABSL_FLAG(uint64_t, max_attach_connections_per_user,
+          rdma_agent::QuotaLimits().attach_connections.per_user,
+          "Attach-socket connections one local user may hold open; 0: a "
+          "quarter of the total.");
+ABSL_FLAG(uint64_t, max_attach_connections_total,
+          rdma_agent::QuotaLimits().attach_connections.total,
+          "Attach-socket connections all users together may hold open; 0: "
+          "256.");
+ABSL_FLAG(uint64_t, max_watched_clients_per_user,
+          rdma_agent::QuotaLimits().watched_clients.per_user,
+          "Client processes (or connections) of one local user the agent "
+          "watches to release their lifetime-bound registrations; 0: a "
+          "quarter of the total.");
+ABSL_FLAG(uint64_t, max_watched_clients_total,
+          rdma_agent::QuotaLimits().watched_clients.total,
+          "Client processes (or connections) of all users the agent watches "
+          "(a pidfd each); 0: a quarter of the open-file reserve, at most "
+          "1024.");
+ABSL_FLAG(absl::Duration, attach_token_ttl,
+          rdma_agent::AgentOptions().attach_token_ttl,
+          "How long an attach token stays valid.");
+ABSL_FLAG(int64_t, max_ops_in_flight,
+          Int64(rdma_agent::InFlightLimits().max_ops),
+          "Most ops of running Submits, over all users; beyond, Submit is "
+          "refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_ops_in_flight_per_user,
+          Int64(rdma_agent::InFlightLimits().max_ops_per_user),
+          "Most ops of running Submits for one local user.");
+ABSL_FLAG(int64_t, max_rpcs, Int64(rdma_agent::InFlightLimits().max_calls),
+          "RdmaAgent RPCs served at once (gRPC server threads).");
+ABSL_FLAG(int64_t, max_rpcs_per_user,
+          Int64(rdma_agent::InFlightLimits().max_calls_per_user),
+          "RdmaAgent RPCs one local user may have running at once (not "
+          "counting waiting ones: --max_waiting_rpcs_per_user).");
+ABSL_FLAG(int64_t, max_waiting_rpcs,
+          Int64(rdma_agent::InFlightLimits().max_waiting),
+          "RPCs that wait without holding a thread (WatchTransfers streams, "
+          "GetTransfers long polls) open at once, over all users.");
+ABSL_FLAG(int64_t, max_waiting_rpcs_per_user,
+          Int64(rdma_agent::InFlightLimits().max_waiting_per_user),
+          "Waiting RPCs one local user may have open; beyond, they are "
+          "refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_connections,
+          Int64(rdma_agent::ConnectionLimits().max_total),
+          "Connections to the RdmaAgent socket, over all users.");
+ABSL_FLAG(int64_t, max_connections_per_user,
+          Int64(rdma_agent::ConnectionLimits().max_per_user),
+          "Connections to the RdmaAgent socket one local user may hold.");
+ABSL_FLAG(int64_t, transfer_workers,
+          Int64(rdma_agent::TransferLimits().workers),
+          "Threads running asynchronous transfers (SubmitAsync), started "
+          "with the agent; transfers beyond them wait in a queue.");
+ABSL_FLAG(int64_t, max_transfers_in_flight_per_user,
+          Int64(rdma_agent::TransferLimits().max_in_flight_per_user),
+          "Asynchronous transfers one local user may have queued or running; "
+          "beyond, SubmitAsync is refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_transfers_in_flight,
+          Int64(rdma_agent::TransferLimits().max_in_flight),
+          "Asynchronous transfers queued or running over all users.");
+ABSL_FLAG(int64_t, max_kept_transfers_per_user,
+          Int64(rdma_agent::TransferLimits().max_kept_per_user),
+          "Asynchronous transfers one local user may have in the agent: in "
+          "flight, or ended and not yet read by GetTransfers. Beyond, "
+          "SubmitAsync drops the oldest end a WatchTransfers stream has "
+          "delivered, or is refused with RESOURCE_EXHAUSTED when there is "
+          "none. Also how far a WatchTransfers stream may fall behind.");
+ABSL_FLAG(absl::Duration, transfer_retention,
+          rdma_agent::TransferLimits().retention,
+          "How long an ended transfer is kept for GetTransfers and new "
+          "WatchTransfers streams when no GetTransfers has read it; then its "
+          "id is NOT_FOUND.");
+ABSL_FLAG(absl::Duration, max_transfer_wait,
+          rdma_agent::ApiLimits().max_transfer_wait,
+          "Longest GetTransfers long poll; longer waits are cut to it.");
+ABSL_FLAG(int64_t, max_notification_bytes,
+          Int64(rdma_agent::NotificationLimits().max_bytes),
+          "Longest notification a Submit may carry and a peer may deliver "
+          "here; longer is INVALID_ARGUMENT.");
+ABSL_FLAG(int64_t, max_notifications_per_user,
+          Int64(rdma_agent::NotificationLimits().max_queued_per_user),
+          "Notifications kept for one local user until read (and for each "
+          "of its WatchNotifications streams); beyond, the oldest is dropped "
+          "and the drop reported to the user.");
+ABSL_FLAG(absl::Duration, shutdown_grace,
+          rdma_agent::AgentOptions().shutdown_grace,
+          "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
+          "agent waits at most this long for RPCs to finish.");
+
+// Mutual TLS for the agent-to-agent Peer gRPC service (listener and stubs).
+ABSL_FLAG(std::string, peer_tls_cert, "",
+          "PEM certificate chain this agent presents to peers; with "
+          "--peer_tls_key and --peer_tls_ca it turns on mutual TLS for the "
+          "Peer service. Default: plaintext.");
+ABSL_FLAG(std::string, peer_tls_key, "", "PEM private key of --peer_tls_cert.");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "PEM CA certificate(s) peers' certificates must chain to (both "
+          "directions).");
+ABSL_FLAG(std::string, peer_tls_server_name, "",
+          "Name expected in peers' certificates instead of the host dialled "
+          "(one name shared by every agent's certificate); default: the "
+          "host dialled.");
+
+namespace rdma_agent {
+namespace {
+
+// A size from a signed flag: INVALID_ARGUMENT naming it when negative.
+absl::StatusOr<size_t> Size(const absl::Flag<int64_t>& flag,
+                            absl::string_view name) {
+  const int64_t value = absl::GetFlag(flag);
+  if (value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must not be negative"));
+  }
+  return static_cast<size_t>(value);
+}
+
+std::string SocketPath(std::string flag) {
+  absl::string_view path = flag;
+  absl::ConsumePrefix(&path, "unix://");
+  return std::string(path);
+}
+
+}  // namespace
+
+LoggingFlags LoggingFromFlags() {
+  return LoggingFlags{absl::GetFlag(FLAGS_log_level),
+                      absl::GetFlag(FLAGS_log_format),
+                      absl::GetFlag(FLAGS_open_files_limit)};
+}
+
+absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
+  AgentOptions options;
+  options.runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.socket_path = SocketPath(absl::GetFlag(FLAGS_socket));
+  options.attach_socket_path = absl::GetFlag(FLAGS_attach_socket);
+  options.agent_id = absl::GetFlag(FLAGS_agent_id);
+  options.peer_listen = absl::GetFlag(FLAGS_peer_listen);
+  options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
+  options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+
+  ApiLimits& api = options.api;
+  api.default_submit_timeout = absl::GetFlag(FLAGS_default_submit_timeout);
+  api.max_submit_timeout = absl::GetFlag(FLAGS_max_submit_timeout);
+  api.max_buffer_bytes = absl::GetFlag(FLAGS_max_buffer_bytes);
+  api.max_transfer_bytes_per_rpc =
+      absl::GetFlag(FLAGS_max_transfer_bytes_per_rpc);
+  api.max_transfer_wait = absl::GetFlag(FLAGS_max_transfer_wait);
+
+  QuotaLimits& quotas = options.quotas;
+  quotas.bytes = {absl::GetFlag(FLAGS_max_registered_bytes_per_user),
+                  absl::GetFlag(FLAGS_max_registered_bytes_total)};
+  quotas.registrations = {absl::GetFlag(FLAGS_max_buffers_per_user),
+                          absl::GetFlag(FLAGS_max_buffers_total)};
+  quotas.pending_attach = {absl::GetFlag(FLAGS_max_pending_attach_per_user),
+                           absl::GetFlag(FLAGS_max_pending_attach_total)};
+  quotas.attach_connections = {
+      absl::GetFlag(FLAGS_max_attach_connections_per_user),
+      absl::GetFlag(FLAGS_max_attach_connections_total)};
+  quotas.watched_clients = {absl::GetFlag(FLAGS_max_watched_clients_per_user),
+                            absl::GetFlag(FLAGS_max_watched_clients_total)};
+
+  // The signed flags, each refused by name when negative.
+  const struct {
+    const absl::Flag<int64_t>& flag;
+    const char* name;
+    size_t* field;
+  } sizes[] = {
+      {FLAGS_max_ops_per_submit, "max_ops_per_submit", &api.max_ops_per_submit},
+      {FLAGS_max_ops_in_flight, "max_ops_in_flight",
+       &options.in_flight.max_ops},
+      {FLAGS_max_ops_in_flight_per_user, "max_ops_in_flight_per_user",
+       &options.in_flight.max_ops_per_user},
+      {FLAGS_max_rpcs, "max_rpcs", &options.in_flight.max_calls},
+      {FLAGS_max_rpcs_per_user, "max_rpcs_per_user",
+       &options.in_flight.max_calls_per_user},
+      {FLAGS_max_waiting_rpcs, "max_waiting_rpcs",
+       &options.in_flight.max_waiting},
+      {FLAGS_max_waiting_rpcs_per_user, "max_waiting_rpcs_per_user",
+       &options.in_flight.max_waiting_per_user},
+      {FLAGS_max_connections, "max_connections",
+       &options.connections.max_total},
+      {FLAGS_max_connections_per_user, "max_connections_per_user",
+       &options.connections.max_per_user},
+      {FLAGS_transfer_workers, "transfer_workers", &options.transfers.workers},
+      {FLAGS_max_transfers_in_flight_per_user,
+       "max_transfers_in_flight_per_user",
+       &options.transfers.max_in_flight_per_user},
+      {FLAGS_max_transfers_in_flight, "max_transfers_in_flight",
+       &options.transfers.max_in_flight},
+      {FLAGS_max_kept_transfers_per_user, "max_kept_transfers_per_user",
+       &options.transfers.max_kept_per_user},
+      {FLAGS_max_notification_bytes, "max_notification_bytes",
+       &options.notifications.max_bytes},
+      {FLAGS_max_notifications_per_user, "max_notifications_per_user",
+       &options.notifications.max_queued_per_user},
+  };
+  for (const auto& size : sizes) {
+    auto value = Size(size.flag, size.name);
+    if (!value.ok()) return value.status();
+    *size.field = *value;
+  }
+  options.transfers.retention = absl::GetFlag(FLAGS_transfer_retention);
+
+  auto peer_tls = LoadPeerTls(absl::GetFlag(FLAGS_peer_tls_cert),
+                              absl::GetFlag(FLAGS_peer_tls_key),
+                              absl::GetFlag(FLAGS_peer_tls_ca),
+                              absl::GetFlag(FLAGS_peer_tls_server_name));
+  if (!peer_tls.ok()) return peer_tls.status();
+  options.peer_tls = std::move(*peer_tls);
+  for (const std::string& name : absl::GetFlag(FLAGS_backends)) {
+    auto factory = BackendFactoryFromFlags(name);
+    if (!factory.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--backends: ", factory.status().ToString()));
+    }
+    options.backends.push_back(std::move(*factory));
+  }
+  // Checked here too, so that the daemon refuses bad flags before it
+  // touches anything; Agent::Start checks again for library users.
+  absl::Status valid = options.Validate();
+  if (!valid.ok()) return valid;
+  return options;
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,235 @@
+#include "daemon/ops/op_batch.h"
+
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/log_text.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/ops/notification_plan.h"
+#include "daemon/ops/op_preparer.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent {
+
+void FailedOpLog::Notification(const PeerCredentials& caller,
+                               absl::string_view rpc,
+                               const v1::RemoteBuffer& remote,
+                               const absl::Status& status) {
+  const auto suppressed = limiter_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  const std::string line =
+      absl::StrCat(rpc, " from uid ", caller.uid, " pid ", caller.pid,
+                   ": notification to buffer ", remote.buffer_id(),
+                   " of agent ", LogSafe(remote.agent_id()),
+                   " not delivered: ", LogSafe(status.ToString()));
+  if (suppressed) {
+    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
+  } else {
+    spdlog::debug("{}", line);
+  }
+}
+
+void FailedOpLog::Op(const PeerCredentials& caller, absl::string_view rpc,
+                     const v1::Op& op, const std::string& backend,
+                     const absl::Status& status) {
+  const auto suppressed = limiter_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  // Where the op went, as far as its context says (it may not parse).
+  std::string remote = "an unreadable remote context";
+  v1::RemoteBuffer context;
+  if (context.ParseFromString(op.remote_context())) {
+    remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
+                          LogSafe(context.agent_id()));
+  }
+  const std::string line = absl::StrCat(
+      rpc, " from uid ", caller.uid, " pid ", caller.pid, ": ",
+      op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
+      op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
+      backend.empty() ? "" : absl::StrCat(" over ", backend),
+      " failed: ", LogSafe(status.ToString()));
+  if (suppressed) {
+    spdlog::warn("{} ({} similar suppressed)", line, *suppressed);
+  } else {
+    spdlog::debug("{}", line);
+  }
+}
+
+std::unique_ptr<OpBatch> OpBatch::Prepare(const OpBatchEnvironment& env,
+                                          const PeerCredentials& caller,
+                                          const v1::SubmitRequest* request,
+                                          absl::string_view rpc) {
+  std::unique_ptr<OpBatch> batch(new OpBatch(env, caller, request, rpc));
+  batch->PrepareOps();
+  return batch;
+}
+
+std::unique_ptr<OpBatch> OpBatch::Prepare(
+    const OpBatchEnvironment& env, const PeerCredentials& caller,
+    std::unique_ptr<v1::SubmitRequest> request,
+    std::unique_ptr<ActiveCalls::OpsCharge> charge) {
+  auto batch = Prepare(env, caller, request.get(), "SubmitAsync");
+  batch->owned_request_ = std::move(request);
+  batch->charge_ = std::move(charge);
+  return batch;
+}
+
+OpBatch::OpBatch(const OpBatchEnvironment& env, const PeerCredentials& caller,
+                 const v1::SubmitRequest* request, absl::string_view rpc)
+    : env_(env),
+      caller_(caller),
+      request_(request),
+      rpc_(rpc),
+      outcomes_(request->ops_size()) {}
+
+v1::SubmitResponse OpBatch::Run(const StopToken& stop) {
+  std::vector<OpOutcome> ran;
+  if (!ready_.empty()) {
+    ran = env_.registry->SubmitInPlace(absl::MakeSpan(ready_), stop);
+    // Kept whole only when notifications are planned from them.
+    const bool keep = !request_->notification().empty();
+    for (size_t k = 0; k < ready_.size(); ++k) {
+      outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
+    }
+  }
+  v1::SubmitResponse response;
+  if (!request_->notification().empty()) {
+    for (const PlannedNotification& planned :
+         PlanNotifications(ready_, ran, first_refused_)) {
+      Notify(planned, stop, response.add_notifications());
+    }
+  }
+  Finish(response);
+  return response;
+}
+
+v1::SubmitResponse OpBatch::Skip(const absl::Status& reason) {
+  for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
+  v1::SubmitResponse response;
+  if (!request_->notification().empty()) {
+    const absl::Status not_sent(reason.code(),
+                                absl::StrCat("not sent: ", reason.message()));
+    for (PlannedNotification planned :
+         PlanNotifications(ready_, OutcomesOfReady(), first_refused_)) {
+      if (planned.status.ok()) planned.status = not_sent;
+      Notify(planned, StopToken(absl::InfinitePast()),
+             response.add_notifications());
+    }
+  }
+  Finish(response);
+  return response;
+}
+
+void OpBatch::PrepareOps() {
+  // What the ops share (their contexts, their local buffers) is resolved
+  // once for the whole batch; each op is still checked on its own.
+  OpPreparer preparer(env_.buffers, caller_.uid);
+  ready_.reserve(outcomes_.size());
+  ready_index_.reserve(outcomes_.size());
+  for (size_t i = 0; i < outcomes_.size(); ++i) {
+    auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
+    if (!op.ok()) {
+      outcomes_[i].status = AnnotateOp(op.status(), i);
+      if (!first_refused_.has_value()) first_refused_ = i;
+      continue;
+    }
+    ready_.push_back(std::move(*op));
+    ready_index_.push_back(i);
+  }
+}
+
+std::vector<OpOutcome> OpBatch::OutcomesOfReady() const {
+  std::vector<OpOutcome> outcomes;
+  outcomes.reserve(ready_index_.size());
+  for (size_t i : ready_index_) outcomes.push_back(outcomes_[i]);
+  return outcomes;
+}
+
+void OpBatch::Notify(const PlannedNotification& planned, const StopToken& stop,
+                     v1::NotificationResult* result) const {
+  const v1::RemoteBuffer& remote = *planned.remote;
+  result->set_agent_id(remote.agent_id());
+  result->set_buffer_id(remote.buffer_id());
+  absl::Status status = planned.status;
+  if (status.ok()) {
+    status = stop.Check("before the notification was sent");
+    if (!status.ok()) {
+      status = absl::Status(status.code(),
+                            absl::StrCat("not sent: ", status.message()));
+    }
+  }
+  if (status.ok()) {
+    result->set_backend(planned.backend);
+    status = env_.registry->Notify(planned.backend, remote,
+                                   request_->notification(), stop);
+  }
+  result->set_code(static_cast<int>(status.code()));
+  result->set_message(std::string(status.message()));
+  if (env_.metrics != nullptr) {
+    env_.metrics->RecordNotificationSent(result->backend(), status.code());
+  }
+  if (!status.ok()) {
+    env_.failures->Notification(caller_, rpc_, remote, status);
+  }
+}
+
+void OpBatch::Finish(v1::SubmitResponse& response) {
+  ready_.clear();
+  google::protobuf::RepeatedPtrField<v1::OpResult>& results =
+      *response.mutable_results();
+  results.Reserve(static_cast<int>(outcomes_.size()));
+  for (size_t i = 0; i < outcomes_.size(); ++i) results.Add();
+  // Ops that ended alike are counted together: a few label lookups per
+  // batch, not one per op.
+  struct Alike {
+    uint64_t count = 0;
+    uint64_t bytes = 0;
+  };
+  using Key = std::tuple<std::string, int, int, int64_t>;
+  std::map<Key, Alike> alike;
+  // Consecutive ops mostly ended alike: their group is found without a
+  // map lookup.
+  const Key* last_key = nullptr;
+  Alike* last = nullptr;
+  for (size_t i = 0; i < outcomes_.size(); ++i) {
+    const v1::Op& wire = request_->ops(static_cast<int>(i));
+    const OpOutcome& outcome = outcomes_[i];
+    if (env_.metrics != nullptr) {
+      const int type = wire.type();
+      const int code = static_cast<int>(outcome.status.code());
+      const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
+      if (last == nullptr || std::get<3>(*last_key) != nanos ||
+          std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
+          std::get<0>(*last_key) != outcome.backend) {
+        auto it =
+            alike.try_emplace(Key{outcome.backend, type, code, nanos}).first;
+        last_key = &it->first;
+        last = &it->second;
+      }
+      ++last->count;
+      last->bytes += wire.length();
+      if (!outcome.retried_from.empty()) {
+        env_.metrics->RecordRetry(outcome.retried_from, outcome.backend);
+      }
+    }
+    if (!outcome.status.ok()) {
+      env_.failures->Op(caller_, rpc_, wire, outcome.backend, outcome.status);
+    }
+    v1::OpResult& result = results[static_cast<int>(i)];
+    result.set_code(static_cast<int>(outcome.status.code()));
+    // An OK op has no message: setting an empty one would still allocate.
+    if (!outcome.status.message().empty()) {
+      result.set_message(std::string(outcome.status.message()));
+    }
+    result.set_backend(outcome.backend);
+  }
+  for (const auto& [key, group] : alike) {
+    const auto& [backend, type, code, nanos] = key;
+    env_.metrics->RecordOps(backend, static_cast<v1::OpType>(type),
+                            static_cast<absl::StatusCode>(code), group.count,
+                            group.bytes, absl::Nanoseconds(nanos));
+  }
+}
+
+}  // namespace rdma_agent

@@ -1,0 +1,116 @@
+#ifndef RDMA_AGENTD_DAEMON_OPS_OP_BATCH_H_
+#define RDMA_AGENTD_DAEMON_OPS_OP_BATCH_H_
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "backends/backend.h"
+#include "backends/buffer_table.h"
+#include "backends/registry.h"
+#include "common/rate_limited_log.h"
+#include "common/stop_token.h"
+#include "daemon/limits/active_calls.h"
+#include "daemon/local/unix_socket.h"
+#include "daemon/ops/notification_plan.h"
+#include "daemon/ops/transfers.h"
+#include "rdma/agent/v1/agent.pb.h"
+
+namespace rdma_agent {
+
+class AgentMetrics;
+
+// One warning per failed op or undelivered notification: who asked, what,
+// where and why. Rate limited (20 at once, then one a second; the rest at
+// debug), shared by every batch of an agent.
+class FailedOpLog {
+ public:
+  void Op(const PeerCredentials& caller, absl::string_view rpc,
+          const v1::Op& op, const std::string& backend,
+          const absl::Status& status);
+  void Notification(const PeerCredentials& caller, absl::string_view rpc,
+                    const v1::RemoteBuffer& remote, const absl::Status& status);
+
+ private:
+  LogRateLimiter limiter_{absl::Seconds(1), 20};
+};
+
+// What every batch of an agent runs with. Everything outlives the batches.
+struct OpBatchEnvironment {
+  const BackendRegistry* registry = nullptr;
+  BufferTable* buffers = nullptr;
+  AgentMetrics* metrics = nullptr;  // nullptr: ops are not counted
+  FailedOpLog* failures = nullptr;
+};
+
+// The data path: the ops of one SubmitRequest, validated once and run once —
+// by Submit on its own RPC thread, or by a transfer worker (SubmitAsync,
+// as TransferWork).
+//
+// - Prepare checks every op on its own (contract codes; messages name the
+//   op) and pins the registrations of the valid ones; what ops share (each
+//   distinct context, each local buffer) is resolved once (OpPreparer).
+// - Run hands the valid ops to the registry (BackendRegistry::SubmitInPlace),
+//   then sends the batch's notifications through the registry
+//   (PlanNotifications: only after every op on that agent succeeded), and
+//   records every op's end the same way for both RPCs: the result, the
+//   metrics (one label lookup per group of alike ops) and a warning per
+//   failure. Run's guarantee is the registry's: once it returns, nothing of
+//   the batch touches local memory.
+// - Skip ends a batch that never runs (a transfer cancelled in the queue or
+//   past its deadline), with the same bookkeeping.
+class OpBatch final : public TransferWork {
+ public:
+  // Validates every op of `request` (which must outlive the batch) for
+  // `caller`; `rpc` names the call in messages and logs.
+  static std::unique_ptr<OpBatch> Prepare(const OpBatchEnvironment& env,
+                                          const PeerCredentials& caller,
+                                          const v1::SubmitRequest* request,
+                                          absl::string_view rpc);
+  // The same for a transfer: the batch keeps its own copy of the request
+  // and the admission of its ops until it is destroyed.
+  static std::unique_ptr<OpBatch> Prepare(
+      const OpBatchEnvironment& env, const PeerCredentials& caller,
+      std::unique_ptr<v1::SubmitRequest> request,
+      std::unique_ptr<ActiveCalls::OpsCharge> charge);
+
+  v1::SubmitResponse Run(const StopToken& stop) override;
+  v1::SubmitResponse Skip(const absl::Status& reason) override;
+
+ private:
+  OpBatch(const OpBatchEnvironment& env, const PeerCredentials& caller,
+          const v1::SubmitRequest* request, absl::string_view rpc);
+
+  void PrepareOps();
+  // The outcomes of the ops that passed validation, in their order.
+  std::vector<OpOutcome> OutcomesOfReady() const;
+  // Sends one planned notification (unless it is blocked) and records what
+  // became of it in `result`.
+  void Notify(const PlannedNotification& planned, const StopToken& stop,
+              v1::NotificationResult* result) const;
+  // Records every op's end into `response`; the ops' registrations are
+  // unpinned.
+  void Finish(v1::SubmitResponse& response);
+
+  const OpBatchEnvironment env_;
+  const PeerCredentials caller_;
+  const v1::SubmitRequest* const request_;
+  const std::string rpc_;
+  std::unique_ptr<v1::SubmitRequest> owned_request_;  // *request_, if owned
+  std::unique_ptr<ActiveCalls::OpsCharge> charge_;
+  // Per op of the request: what ended it (validation or its backend).
+  std::vector<OpOutcome> outcomes_;
+  // The ops that passed validation, and their positions in the request.
+  std::vector<Op> ready_;
+  std::vector<size_t> ready_index_;
+  // The first op refused before it ran, if any: it blocks notifications.
+  std::optional<size_t> first_refused_;
+};
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_OPS_OP_BATCH_H_
