@@ -157,7 +157,7 @@ absl::Status Agent::Init() {
 
 std::string Agent::Describe() const {
   std::vector<std::string> backends;
-  for (const auto& backend : backends_->backends()) {
+  for (const auto& backend : registry_->backends()) {
     if (!backend->available()) {
       backends.push_back(absl::StrCat(backend->name(), " unavailable (",
                                       LogSafe(backend->unavailable_reason()),
@@ -257,14 +257,14 @@ absl::Status Agent::SpawnBackends() {
     }
     backends.push_back(std::move(*backend));
   }
-  backends_ = std::make_unique<BackendRegistry>(std::move(backends));
+  registry_ = std::make_unique<BackendRegistry>(std::move(backends));
   return absl::OkStatus();
 }
 
 absl::Status Agent::StartPeerListener() {
   // Only when some backend serves peers.
   std::vector<grpc::Service*> peer_services;
-  for (const auto& backend : backends_->backends()) {
+  for (const auto& backend : registry_->backends()) {
     if (!backend->available()) continue;
     for (grpc::Service* service : backend->peer_services()) {
       peer_services.push_back(service);
@@ -321,7 +321,7 @@ absl::Status Agent::StartPeerListener() {
 }
 
 absl::Status Agent::StartBackends() {
-  for (const auto& backend : backends_->backends()) {
+  for (const auto& backend : registry_->backends()) {
     if (!backend->available()) continue;
     absl::Status status = backend->Start(peer_address_);
     if (!status.ok()) {
@@ -337,7 +337,7 @@ absl::Status Agent::StartApiServer() {
   calls_ = std::make_unique<ActiveCalls>(options_.in_flight);
   transfers_ = std::make_unique<TransferTable>(options_.transfers);
   service_ = std::make_unique<RdmaAgentService>(
-      options_.api, identity_, backends_.get(), buffers_.get(),
+      options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
       metrics_.get(),
@@ -551,7 +551,7 @@ void Agent::AddGauges() {
       "rdma_agentd_peer_links",
       "Connections (tcp) and queue pairs (ibverbs) held with each peer, by "
       "backend and direction (out: this agent connected)",
-      [backends = backends_.get()] {
+      [backends = registry_.get()] {
         std::vector<GaugeSample> samples;
         for (const auto& backend : backends->backends()) {
           if (!backend->available()) continue;

@@ -60,7 +60,7 @@ class Agent {
   }
   // "host:port" of the Peer listener (empty when no backend serves peers).
   const std::string& peer_address() const { return peer_address_; }
-  const BackendRegistry& registry() const { return *backends_; }
+  const BackendRegistry& registry() const { return *registry_; }
   // "host:port" of the metrics endpoint actually bound; empty without one.
   const std::string& metrics_address() const { return metrics_address_; }
   // The options in force: socket paths and admission limits filled in.
@@ -120,7 +120,7 @@ class Agent {
   std::unique_ptr<NotificationInbox> notifications_;
   std::unique_ptr<ClientWatcher> client_watcher_;
   std::unique_ptr<AttachTokens> attach_tokens_;
-  std::unique_ptr<BackendRegistry> backends_;
+  std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;
   std::unique_ptr<ActiveCalls> calls_;
   std::unique_ptr<RdmaAgentService> service_;

@@ -23,7 +23,7 @@ class NotificationPoll final : public PollSource<v1::GetNotificationsResponse> {
   bool settled() const override { return poll_->settled(); }
 
   absl::Status Answer(v1::GetNotificationsResponse* response) override {
-    NotificationInbox::Batch batch = poll_->Take(max_count_);
+    NotificationInbox::Taken batch = poll_->Take(max_count_);
     for (v1::Notification& notification : batch.notifications) {
       *response->add_notifications() = std::move(notification);
     }

@@ -62,14 +62,14 @@ void DescribeBuffer(const Registration& registration, v1::BufferInfo* info) {
 
 RdmaAgentService::RdmaAgentService(
     const ApiLimits& limits, const AgentIdentity& identity,
-    const BackendRegistry* backends, BufferTable* buffers,
+    const BackendRegistry* registry, BufferTable* buffers,
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
     NotificationInbox* notifications, AgentMetrics* metrics,
     std::string metrics_address)
     : limits_(limits),
       identity_(identity),
-      backends_(backends),
+      registry_(registry),
       buffers_(buffers),
       attach_tokens_(attach_tokens),
       callers_(callers),
@@ -80,7 +80,7 @@ RdmaAgentService::RdmaAgentService(
       notifications_(notifications),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)),
-      batch_env_{backends, buffers, metrics, &failures_} {}
+      batch_env_{registry, buffers, metrics, &failures_} {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -115,7 +115,7 @@ grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
   response->set_version(kAgentVersion);
   response->set_hostname(HostName());
   response->set_metrics_address(metrics_address_);
-  for (const auto& backend : backends_->backends()) {
+  for (const auto& backend : registry_->backends()) {
     v1::BackendInfo* info = response->add_backends();
     info->set_name(backend->name());
     info->set_transport_level(backend->transport_level());
@@ -240,7 +240,7 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   remote.set_token(registration->token());
   remote.set_memory_kind(registration->memory_kind());
   remote.set_device_index(registration->device_index());
-  absl::Status status = backends_->RegisterWithAll(*registration, &remote);
+  absl::Status status = registry_->RegisterWithAll(*registration, &remote);
   if (!status.ok()) return status;
 
   v1::RegisterResponse response;

@@ -44,7 +44,7 @@ using RdmaAgentServiceBase = v1::RdmaAgent::WithCallbackMethod_GetTransfers<
 class RdmaAgentService final : public RdmaAgentServiceBase {
  public:
   RdmaAgentService(const ApiLimits& limits, const AgentIdentity& identity,
-                   const BackendRegistry* backends, BufferTable* buffers,
+                   const BackendRegistry* registry, BufferTable* buffers,
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas,
                    ClientWatcher* client_watcher, TransferTable* transfers,
@@ -126,7 +126,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
 
   const ApiLimits limits_;
   const AgentIdentity identity_;
-  const BackendRegistry* const backends_;
+  const BackendRegistry* const registry_;
   BufferTable* const buffers_;
   AttachTokens* const attach_tokens_;
   const CallerTable* const callers_;

@@ -63,7 +63,7 @@ bool NotificationInbox::Poll::settled() const {
   return owner_->closed_ || !user.queue.empty() || user.dropped > 0;
 }
 
-NotificationInbox::Batch NotificationInbox::Poll::Take(size_t max_count) {
+NotificationInbox::Taken NotificationInbox::Poll::Take(size_t max_count) {
   return owner_->Take(uid_, max_count);
 }
 
@@ -133,10 +133,10 @@ void NotificationInbox::Push(std::deque<v1::Notification>& queue,
   queue.push_back(std::move(notification));
 }
 
-NotificationInbox::Batch NotificationInbox::Pop(
+NotificationInbox::Taken NotificationInbox::Pop(
     std::deque<v1::Notification>& queue, uint64_t& dropped,
     size_t max_count) {
-  Batch batch;
+  Taken batch;
   const size_t count = std::min(max_count, queue.size());
   batch.notifications.reserve(count);
   for (size_t i = 0; i < count; ++i) {
@@ -147,7 +147,7 @@ NotificationInbox::Batch NotificationInbox::Pop(
   return batch;
 }
 
-NotificationInbox::Batch NotificationInbox::Take(uid_t uid, size_t max_count) {
+NotificationInbox::Taken NotificationInbox::Take(uid_t uid, size_t max_count) {
   absl::MutexLock lock(&mu_);
   User& user = users_[uid];
   return Pop(user.queue, user.dropped, max_count);

@@ -63,7 +63,7 @@ struct NotificationLimits {
 class NotificationInbox : public NotificationSink {
  public:
   // What one read returns.
-  struct Batch {
+  struct Taken {
     std::vector<v1::Notification> notifications;
     uint64_t dropped = 0;  // since the previous read that reported drops
   };
@@ -108,7 +108,7 @@ class NotificationInbox : public NotificationSink {
 
     bool settled() const;
     // Takes up to `max_count` of the user's queued notifications.
-    Batch Take(size_t max_count);
+    Taken Take(size_t max_count);
 
    private:
     friend class NotificationInbox;
@@ -138,7 +138,7 @@ class NotificationInbox : public NotificationSink {
 
   // Takes up to `max_count` of uid's queued notifications, oldest first,
   // at once.
-  Batch Take(uid_t uid, size_t max_count);
+  Taken Take(uid_t uid, size_t max_count);
   // Starts a long poll of uid's queue; `wake` runs when it may have
   // settled. Every Poll must be destroyed before the inbox.
   std::unique_ptr<Poll> StartPoll(uid_t uid, std::function<void()> wake);
@@ -171,7 +171,7 @@ class NotificationInbox : public NotificationSink {
   void Push(std::deque<v1::Notification>& queue, uint64_t& dropped,
             v1::Notification notification) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Up to `max_count` from the front of `queue`, with `dropped` (reset).
-  static Batch Pop(std::deque<v1::Notification>& queue, uint64_t& dropped,
+  static Taken Pop(std::deque<v1::Notification>& queue, uint64_t& dropped,
                    size_t max_count);
   static void RunAll(const Wakeups& wakeups);
 

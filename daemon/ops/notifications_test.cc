@@ -44,7 +44,7 @@ class NotificationsTest : public ::testing::Test {
     return target;
   }
 
-  NotificationInbox::Batch TakeNow(NotificationInbox& inbox, uid_t uid,
+  NotificationInbox::Taken TakeNow(NotificationInbox& inbox, uid_t uid,
                                    size_t max_count = 100) {
     return inbox.Take(uid, max_count);
   }
@@ -68,7 +68,7 @@ TEST_F(NotificationsTest, DeliversToTheBufferOwnerInOrder) {
   ASSERT_TRUE(inbox.Deliver(Target(theirs), "agent-b", "other").ok());
   ASSERT_TRUE(inbox.Deliver(Target(mine), "agent-c", "second").ok());
 
-  NotificationInbox::Batch batch = TakeNow(inbox, kOwner);
+  NotificationInbox::Taken batch = TakeNow(inbox, kOwner);
   ASSERT_EQ(batch.notifications.size(), 2u);
   EXPECT_EQ(batch.dropped, 0u);
   EXPECT_EQ(batch.notifications[0].from_agent_id(), "agent-a");
@@ -131,7 +131,7 @@ TEST_F(NotificationsTest, FullQueueDropsTheOldestAndSaysSo) {
     ASSERT_TRUE(inbox.Deliver(Target(id), "a", std::to_string(i)).ok());
   }
   EXPECT_EQ(inbox.queued(kOwner), 3u);
-  NotificationInbox::Batch batch = TakeNow(inbox, kOwner, 2);
+  NotificationInbox::Taken batch = TakeNow(inbox, kOwner, 2);
   EXPECT_EQ(batch.dropped, 2u);
   ASSERT_EQ(batch.notifications.size(), 2u);
   // The newest three were kept; the gap in sequence numbers is the drop.
@@ -152,7 +152,7 @@ TEST_F(NotificationsTest, DropsAloneWakeAPoll) {
   const uint64_t id = AddBuffer(kOwner);
   ASSERT_TRUE(inbox.Deliver(Target(id), "a", "1").ok());
   ASSERT_TRUE(inbox.Deliver(Target(id), "a", "2").ok());
-  NotificationInbox::Batch batch = TakeNow(inbox, kOwner, 1);
+  NotificationInbox::Taken batch = TakeNow(inbox, kOwner, 1);
   EXPECT_EQ(batch.dropped, 1u);
   EXPECT_EQ(batch.notifications.size(), 1u);
 }
@@ -187,7 +187,7 @@ TEST_F(NotificationsTest, LastStreamClosedGivesBackWhatItNeverHandedOut) {
     auto stream = inbox.OpenStream(kOwner, [] {});
     ASSERT_TRUE(inbox.Deliver(Target(id), "a", "unread").ok());
   }
-  NotificationInbox::Batch batch = TakeNow(inbox, kOwner);
+  NotificationInbox::Taken batch = TakeNow(inbox, kOwner);
   ASSERT_EQ(batch.notifications.size(), 1u);
   EXPECT_EQ(batch.notifications[0].data(), "unread");
 }
@@ -222,7 +222,7 @@ TEST_F(NotificationsTest, PollIsWokenAndSettlesOnDelivery) {
   ASSERT_TRUE(inbox.Deliver(Target(id), "a", "wake").ok());
   EXPECT_EQ(woken, 1);
   ASSERT_TRUE(poll->settled());
-  NotificationInbox::Batch batch = poll->Take(10);
+  NotificationInbox::Taken batch = poll->Take(10);
   ASSERT_EQ(batch.notifications.size(), 1u);
   EXPECT_EQ(batch.notifications[0].data(), "wake");
   EXPECT_FALSE(poll->settled());
