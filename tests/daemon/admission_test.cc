@@ -21,7 +21,7 @@
 namespace rdma_agent {
 namespace {
 
-using ::rdma_agent::testing::FromGrpc;
+using ::rdma_agent::FromGrpcStatus;
 using ::rdma_agent::testing::InProcessAgent;
 using ::testing::HasSubstr;
 
@@ -60,7 +60,7 @@ class AdmissionTest : public ::testing::Test {
     request.set_attach_token(token);
     request.set_access(v1::ACCESS_READ_WRITE);
     v1::RegisterResponse response;
-    return FromGrpc(fixture_->stub().Register(&context, request, &response));
+    return FromGrpcStatus(fixture_->stub().Register(&context, request, &response));
   }
 
   absl::Status Release(uint64_t id) {
@@ -68,7 +68,7 @@ class AdmissionTest : public ::testing::Test {
     v1::ReleaseRequest request;
     request.set_buffer_id(id);
     v1::ReleaseResponse response;
-    return FromGrpc(fixture_->stub().Release(&context, request, &response));
+    return FromGrpcStatus(fixture_->stub().Release(&context, request, &response));
   }
 
   std::unique_ptr<InProcessAgent> fixture_;

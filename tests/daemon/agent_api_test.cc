@@ -26,7 +26,7 @@
 namespace rdma_agent {
 namespace {
 
-using ::rdma_agent::testing::FromGrpc;
+using ::rdma_agent::FromGrpcStatus;
 using ::rdma_agent::testing::InProcessAgent;
 using ::testing::HasSubstr;
 
@@ -59,7 +59,7 @@ class AgentApiTest : public ::testing::Test {
     request.set_offset(offset);
     request.set_data(data);
     v1::WriteBufferResponse response;
-    return FromGrpc(stub().WriteBuffer(&context, request, &response));
+    return FromGrpcStatus(stub().WriteBuffer(&context, request, &response));
   }
 
   absl::StatusOr<std::string> Read(uint64_t id, uint64_t offset,
@@ -71,7 +71,7 @@ class AgentApiTest : public ::testing::Test {
     request.set_length(length);
     v1::ReadBufferResponse response;
     absl::Status status =
-        FromGrpc(stub().ReadBuffer(&context, request, &response));
+        FromGrpcStatus(stub().ReadBuffer(&context, request, &response));
     if (!status.ok()) return status;
     return response.data();
   }
@@ -81,13 +81,13 @@ class AgentApiTest : public ::testing::Test {
     v1::ReleaseRequest request;
     request.set_buffer_id(id);
     v1::ReleaseResponse response;
-    return FromGrpc(stub().Release(&context, request, &response));
+    return FromGrpcStatus(stub().Release(&context, request, &response));
   }
 
   absl::Status RegisterStatus(const v1::RegisterRequest& request) {
     grpc::ClientContext context;
     v1::RegisterResponse response;
-    return FromGrpc(stub().Register(&context, request, &response));
+    return FromGrpcStatus(stub().Register(&context, request, &response));
   }
 
   static v1::Op MakeOp(v1::OpType type, uint64_t local_id,
@@ -123,7 +123,7 @@ class AgentApiTest : public ::testing::Test {
     request.mutable_timeout()->set_nanos(static_cast<int32_t>(
         absl::ToInt64Nanoseconds(timeout % absl::Seconds(1))));
     v1::SubmitResponse response;
-    absl::Status status = FromGrpc(stub().Submit(&context, request, &response));
+    absl::Status status = FromGrpcStatus(stub().Submit(&context, request, &response));
     if (!status.ok()) return status;
     return response;
   }
@@ -570,7 +570,7 @@ class AttachSocketTest : public AgentApiTest {
     request.set_access(v1::ACCESS_READ_WRITE);
     v1::RegisterResponse response;
     absl::Status status =
-        FromGrpc(stub().Register(&context, request, &response));
+        FromGrpcStatus(stub().Register(&context, request, &response));
     if (!status.ok()) return status;
     return response;
   }

@@ -27,7 +27,7 @@ namespace rdma_agent {
 namespace {
 
 using ::rdma_agent::testing::Eventually;
-using ::rdma_agent::testing::FromGrpc;
+using ::rdma_agent::FromGrpcStatus;
 using ::rdma_agent::testing::InProcessAgent;
 using ::rdma_agent::testing::PatternString;
 using ::testing::HasSubstr;
@@ -96,7 +96,7 @@ class TransfersApiTest : public ::testing::Test {
     request.set_offset(offset);
     request.set_data(data);
     v1::WriteBufferResponse response;
-    return FromGrpc(stub().WriteBuffer(&context, request, &response));
+    return FromGrpcStatus(stub().WriteBuffer(&context, request, &response));
   }
 
   std::string Read(const Buffer& buffer, uint64_t offset, uint64_t length) {
@@ -107,7 +107,7 @@ class TransfersApiTest : public ::testing::Test {
     request.set_length(length);
     v1::ReadBufferResponse response;
     const absl::Status status =
-        FromGrpc(stub().ReadBuffer(&context, request, &response));
+        FromGrpcStatus(stub().ReadBuffer(&context, request, &response));
     EXPECT_TRUE(status.ok()) << status;
     return response.data();
   }
@@ -116,7 +116,7 @@ class TransfersApiTest : public ::testing::Test {
     grpc::ClientContext context;
     v1::SubmitAsyncResponse response;
     const absl::Status status =
-        FromGrpc(stub().SubmitAsync(&context, request, &response));
+        FromGrpcStatus(stub().SubmitAsync(&context, request, &response));
     if (!status.ok()) return status;
     return response.transfer_id();
   }
@@ -131,7 +131,7 @@ class TransfersApiTest : public ::testing::Test {
         static_cast<int32_t>(absl::ToInt64Nanoseconds(wait) % 1000000000));
     v1::GetTransfersResponse response;
     const absl::Status status =
-        FromGrpc(stub().GetTransfers(&context, request, &response));
+        FromGrpcStatus(stub().GetTransfers(&context, request, &response));
     if (!status.ok()) return status;
     return response.transfers(0);
   }
@@ -142,7 +142,7 @@ class TransfersApiTest : public ::testing::Test {
     request.set_transfer_id(id);
     v1::CancelTransferResponse response;
     const absl::Status status =
-        FromGrpc(stub().CancelTransfer(&context, request, &response));
+        FromGrpcStatus(stub().CancelTransfer(&context, request, &response));
     if (!status.ok()) return status;
     return response.transfer();
   }
@@ -247,7 +247,7 @@ TEST_F(TransfersApiTest, SubmitAsyncValidatesTheBatchLikeSubmit) {
     grpc::ClientContext sync_context;
     v1::SubmitResponse sync_response;
     const absl::Status sync =
-        FromGrpc(stub().Submit(&sync_context, request, &sync_response));
+        FromGrpcStatus(stub().Submit(&sync_context, request, &sync_response));
     const absl::Status async = SubmitAsync(request).status();
     ASSERT_FALSE(sync.ok());
     EXPECT_EQ(async.code(), sync.code()) << async;
@@ -319,7 +319,7 @@ TEST_F(TransfersApiTest, FailedCarriesEachOpsResultAsSubmitWould) {
   EXPECT_EQ(failed->state(), v1::TRANSFER_STATE_FAILED);
   grpc::ClientContext context;
   v1::SubmitResponse sync;
-  ASSERT_TRUE(FromGrpc(stub().Submit(&context, request, &sync)).ok());
+  ASSERT_TRUE(FromGrpcStatus(stub().Submit(&context, request, &sync)).ok());
   ASSERT_EQ(failed->results_size(), 3);
   EXPECT_EQ(failed->results(0).code(), 0);
   EXPECT_EQ(failed->results(1).code(), 5);   // NOT_FOUND
@@ -380,7 +380,7 @@ TEST_F(TransfersApiTest, CancelMidFlightStopsTheOpsAndReturnsWhenTheyHave) {
   grpc::ClientContext context;
   v1::SubmitResponse response;
   EXPECT_TRUE(
-      FromGrpc(stub().Submit(&context, Batch(std::move(ops)), &response)).ok());
+      FromGrpcStatus(stub().Submit(&context, Batch(std::move(ops)), &response)).ok());
 }
 
 TEST_F(TransfersApiTest, CancelAfterTheEndChangesNothing) {
@@ -432,7 +432,7 @@ TEST_F(TransfersApiTest, GetTransfersRefusesBadRequests) {
   v1::GetTransfersRequest request;
   v1::GetTransfersResponse response;
   EXPECT_TRUE(absl::IsInvalidArgument(
-      FromGrpc(stub().GetTransfers(&context, request, &response))));
+      FromGrpcStatus(stub().GetTransfers(&context, request, &response))));
   auto unknown = Get(12345);
   EXPECT_TRUE(absl::IsNotFound(unknown.status())) << unknown.status();
   EXPECT_THAT(std::string(unknown.status().message()),
@@ -493,7 +493,7 @@ TEST_F(TransfersApiTest, InFlightBoundIsHitCleanlyAndFreesUp) {
   grpc::ClientContext context;
   v1::SubmitResponse response;
   const absl::Status over =
-      FromGrpc(stub().Submit(&context, Batch(ops), &response));
+      FromGrpcStatus(stub().Submit(&context, Batch(ops), &response));
   EXPECT_TRUE(absl::IsResourceExhausted(over)) << over;
   EXPECT_THAT(std::string(over.message()),
               HasSubstr("--max_ops_in_flight_per_user"));
@@ -508,7 +508,7 @@ TEST_F(TransfersApiTest, InFlightBoundIsHitCleanlyAndFreesUp) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(Get(*again, absl::Seconds(30))->state(), v1::TRANSFER_STATE_DONE);
   grpc::ClientContext retry;
-  EXPECT_TRUE(FromGrpc(stub().Submit(&retry, Batch(ops), &response)).ok());
+  EXPECT_TRUE(FromGrpcStatus(stub().Submit(&retry, Batch(ops), &response)).ok());
 }
 
 TEST_F(TransfersApiTest, WatchTransfersPushesEndsAndLeavesThemReadable) {
@@ -658,7 +658,7 @@ TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
   grpc::ClientContext context;
   v1::AgentInfo info;
   EXPECT_TRUE(
-      FromGrpc(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
+      FromGrpcStatus(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
   // The polls answer once the blocker ends, with its end.
   ASSERT_TRUE(Cancel(blocker).ok());
   for (auto& poll : polls) {
@@ -702,7 +702,7 @@ TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
   grpc::ClientContext context;
   v1::AgentInfo info;
   EXPECT_TRUE(
-      FromGrpc(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
+      FromGrpcStatus(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
 
   // A watch its client cancels gives its slot back.
   EXPECT_EQ(Close(*first).error_code(), grpc::StatusCode::CANCELLED);

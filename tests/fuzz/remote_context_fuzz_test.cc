@@ -13,7 +13,7 @@
 namespace rdma_agent {
 namespace {
 
-using ::rdma_agent::testing::FromGrpc;
+using ::rdma_agent::FromGrpcStatus;
 using ::rdma_agent::testing::InProcessAgent;
 using ::rdma_agent::testing::Mutator;
 
@@ -89,7 +89,7 @@ TEST(RemoteContextFuzzTest, MutatedContextsGetContractCodes) {
     }
     v1::SubmitResponse response;
     absl::Status status =
-        FromGrpc(agent.stub().Submit(&context, request, &response));
+        FromGrpcStatus(agent.stub().Submit(&context, request, &response));
     ASSERT_TRUE(status.ok()) << status;
     ASSERT_EQ(response.results_size(), kOpsPerSubmit);
     for (int k = 0; k < kOpsPerSubmit; ++k) {

@@ -22,7 +22,6 @@ namespace rdma_agent {
 namespace {
 
 using ibverbs::IbverbsOptions;
-using testing::FromGrpc;
 using testing::InProcessAgent;
 
 constexpr uint64_t kSize = 1 << 20;
@@ -126,7 +125,7 @@ class NotificationsApiTest : public ::testing::TestWithParam<std::string> {
     grpc::ClientContext context;
     v1::SubmitResponse response;
     absl::Status status =
-        FromGrpc(agent.stub().Submit(&context, request, &response));
+        FromGrpcStatus(agent.stub().Submit(&context, request, &response));
     if (!status.ok()) return status;
     return response;
   }
@@ -138,7 +137,7 @@ class NotificationsApiTest : public ::testing::TestWithParam<std::string> {
     request.mutable_wait()->set_nanos(static_cast<int32_t>(wait_ms * 1000000));
     v1::GetNotificationsResponse response;
     const absl::Status status =
-        FromGrpc(agent.stub().GetNotifications(&context, request, &response));
+        FromGrpcStatus(agent.stub().GetNotifications(&context, request, &response));
     EXPECT_TRUE(status.ok()) << status;
     return response;
   }
@@ -342,7 +341,7 @@ TEST_P(NotificationsApiTest, OversizedNotificationIsRefusedWhole) {
   grpc::ClientContext context;
   v1::SubmitAsyncResponse ignored;
   const absl::Status async =
-      FromGrpc(a_->stub().SubmitAsync(&context, request, &ignored));
+      FromGrpcStatus(a_->stub().SubmitAsync(&context, request, &ignored));
   EXPECT_EQ(async.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(async.message().find("SubmitAsync: the notification"),
             std::string::npos)

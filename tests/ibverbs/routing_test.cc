@@ -17,7 +17,6 @@ namespace rdma_agent {
 namespace {
 
 using ibverbs::IbverbsOptions;
-using testing::FromGrpc;
 using testing::InProcessAgent;
 
 constexpr uint64_t kSize = 1 << 20;
@@ -102,7 +101,7 @@ class RoutingTest : public ::testing::Test {
         absl::ToInt64Nanoseconds(timeout % absl::Seconds(1))));
     v1::SubmitResponse response;
     const absl::Status status =
-        FromGrpc(agent.stub().Submit(&context, request, &response));
+        FromGrpcStatus(agent.stub().Submit(&context, request, &response));
     EXPECT_TRUE(status.ok()) << status;
     return response;
   }

@@ -79,16 +79,6 @@ size_t CountOf(absl::string_view text, absl::string_view needle) {
   return count;
 }
 
-bool Eventually(const std::function<bool()>& condition,
-                absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (!condition()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
-}
-
 absl::StatusOr<std::unique_ptr<AgentProcess>> StartSharedAgent(
     std::vector<std::string> extra_flags) {
   AgentProcess::Options options;

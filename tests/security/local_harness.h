@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "tests/testing/agent_process.h"
+#include "tests/testing/eventually.h"
 #include "tests/testing/process.h"
 
 namespace rdma_agent::testing {
@@ -43,8 +44,6 @@ int OpenFdCount(pid_t pid);
 // Occurrences of `needle` in `text`.
 size_t CountOf(absl::string_view text, absl::string_view needle);
 
-// Polls `condition` every 10 ms until it holds (true) or `timeout` passes.
-bool Eventually(const std::function<bool()>& condition, absl::Duration timeout);
 
 // Starts a real agent (memory backend) whose runtime dir other users can
 // reach, with `extra_flags`.

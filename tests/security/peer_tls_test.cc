@@ -25,7 +25,6 @@ namespace {
 
 using ibverbs::IbverbsBackend;
 using ibverbs::IbverbsOptions;
-using testing::FromGrpc;
 using testing::InProcessAgent;
 
 constexpr uint64_t kSize = 64 << 10;
@@ -150,7 +149,7 @@ class PeerTlsTest : public ::testing::Test {
     request.mutable_timeout()->set_seconds(10);
     v1::SubmitResponse response;
     const absl::Status status =
-        FromGrpc(from.stub().Submit(&context, request, &response));
+        FromGrpcStatus(from.stub().Submit(&context, request, &response));
     EXPECT_TRUE(status.ok()) << status;
     return response.results_size() == 1 ? response.results(0)
                                         : v1::OpResult();

@@ -15,7 +15,6 @@
 namespace rdma_agent {
 namespace {
 
-using testing::FromGrpc;
 using testing::InProcessAgent;
 
 constexpr uint64_t kSize = 4096;
@@ -48,7 +47,7 @@ v1::OpResult SubmitOne(InProcessAgent& agent, const v1::Op& op) {
   request.mutable_timeout()->set_seconds(10);
   v1::SubmitResponse response;
   const absl::Status status =
-      FromGrpc(agent.stub().Submit(&context, request, &response));
+      FromGrpcStatus(agent.stub().Submit(&context, request, &response));
   EXPECT_TRUE(status.ok()) << status;
   EXPECT_EQ(response.results_size(), 1);
   return response.results_size() == 1 ? response.results(0) : v1::OpResult();

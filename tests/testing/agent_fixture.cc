@@ -5,10 +5,6 @@
 
 namespace rdma_agent::testing {
 
-absl::Status FromGrpc(const grpc::Status& status) {
-  return FromGrpcStatus(status);
-}
-
 absl::StatusOr<std::unique_ptr<InProcessAgent>> InProcessAgent::Start(
     AgentOptions options) {
   std::unique_ptr<InProcessAgent> fixture(new InProcessAgent());
@@ -56,7 +52,7 @@ absl::StatusOr<v1::RegisterResponse> InProcessAgent::Allocate(
   request.set_allocate_bytes(size);
   request.set_access(access);
   v1::RegisterResponse response;
-  absl::Status status = FromGrpc(stub_->Register(&context, request, &response));
+  absl::Status status = FromGrpcStatus(stub_->Register(&context, request, &response));
   if (!status.ok()) return status;
   return response;
 }

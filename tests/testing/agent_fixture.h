@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/grpc_status.h"  // FromGrpcStatus, for the stub's statuses
 #include "daemon/agent.h"
 #include "grpcpp/grpcpp.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
@@ -43,9 +44,6 @@ class InProcessAgent {
   std::unique_ptr<Agent> agent_;
   std::unique_ptr<v1::RdmaAgent::Stub> stub_;
 };
-
-// grpc::Status -> absl::Status.
-absl::Status FromGrpc(const grpc::Status& status);
 
 }  // namespace rdma_agent::testing
 
