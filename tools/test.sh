@@ -2,7 +2,8 @@
 # Installs what is missing and runs the whole test suite with Bazel, then a
 # short coverage-guided fuzzing run of every decoder of untrusted input
 # (tools/fuzz.sh --ci: clang, libFuzzer, ASan, UBSan; RDMA_AGENTD_FUZZ=0
-# skips it), checks that no testonly target reaches the binaries, and
+# skips it), checks formatting (tools/check_format.sh), checks that no
+# testonly target reaches the binaries, and
 # prints "N passed, N failed" counted from the test cases in
 # Bazel's XML results plus one case per fuzz target. Exits non-zero if any
 # test or fuzz target failed or did not build.
@@ -33,6 +34,13 @@ else
   echo "$testonly_deps"
   structure_failed=1
 fi
+
+# Formatting: clang-format over the C++ sources, sorted BUILD lists. One
+# case per check.
+format_results=$(tools/check_format.sh)
+echo "$format_results"
+format_passed=$(grep -c ': PASS$' <<<"$format_results")
+format_failed=$(grep -c ': FAIL' <<<"$format_results")
 
 # Each fuzz target is one case: PASS, or FAIL on a crash or a failed build.
 fuzz_passed=0
@@ -85,7 +93,7 @@ PY
 if [[ $bazel_status -ne 0 && ${failed:-0} -eq 0 ]]; then
   failed=1
 fi
-passed=$((${passed:-0} + fuzz_passed + structure_passed))
-failed=$((${failed:-0} + fuzz_failed + structure_failed))
+passed=$((${passed:-0} + fuzz_passed + structure_passed + format_passed))
+failed=$((${failed:-0} + fuzz_failed + structure_failed + format_failed))
 echo "${passed} passed, ${failed} failed"
 [[ $bazel_status -eq 0 && $failed -eq 0 ]]
