@@ -91,11 +91,12 @@ absl::StatusOr<NotificationBatch> AgentClient::GetNotifications(
   grpc::ClientContext context;
   wait = std::max(wait, absl::ZeroDuration());
   // The agent answers by `wait` at the latest (cut to its own bound).
-  context.set_deadline(absl::ToChronoTime(
-      absl::Now() + std::min(wait, absl::Hours(1)) +
-      state_->options().rpc_timeout));
+  context.set_deadline(absl::ToChronoTime(absl::Now() +
+                                          std::min(wait, absl::Hours(1)) +
+                                          state_->options().rpc_timeout));
   v1::GetNotificationsRequest request;
-  const int64_t nanos = absl::ToInt64Nanoseconds(std::min(wait, absl::Hours(1)));
+  const int64_t nanos =
+      absl::ToInt64Nanoseconds(std::min(wait, absl::Hours(1)));
   request.mutable_wait()->set_seconds(nanos / 1000000000);
   request.mutable_wait()->set_nanos(static_cast<int32_t>(nanos % 1000000000));
   request.set_max_count(max_count);
@@ -114,8 +115,7 @@ absl::StatusOr<NotificationBatch> AgentClient::GetNotifications(
 absl::StatusOr<NotificationWatch> AgentClient::WatchNotifications(
     NotificationCallback on_notification) {
   if (on_notification == nullptr) {
-    return absl::InvalidArgumentError(
-        "WatchNotifications needs a callback");
+    return absl::InvalidArgumentError("WatchNotifications needs a callback");
   }
   auto stream = std::make_shared<internal::NotificationStream>(
       state_, std::move(on_notification));

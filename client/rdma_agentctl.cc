@@ -680,8 +680,7 @@ class SubmitCommand : public Command {
     options.timeout = global.rpc_timeout();
     options.notification = notify_;
     if (async_) {
-      absl::StatusOr<Transfer> transfer =
-          (*client)->SubmitAsync({op}, options);
+      absl::StatusOr<Transfer> transfer = (*client)->SubmitAsync({op}, options);
       if (!transfer.ok()) return Failed("submit", transfer.status());
       if (global.json()) {
         v1::SubmitAsyncResponse response;
@@ -714,8 +713,9 @@ class SubmitCommand : public Command {
     }
     if (global.json()) Print(global, response);
     if (!all_ok) {
-      return {kExitFailed, "submit: an op failed or the notification was not "
-                           "delivered"};
+      return {kExitFailed,
+              "submit: an op failed or the notification was not "
+              "delivered"};
     }
     return Ok();
   }

@@ -17,14 +17,15 @@ namespace rdma_agent {
 inline constexpr uint32_t kMaxFdMessageBytes = 64 * 1024;
 
 // Sends `message` on the stream socket `sock`, with `fd` attached if >= 0.
-absl::Status SendFdMessage(int sock, const google::protobuf::MessageLite& message,
+absl::Status SendFdMessage(int sock,
+                           const google::protobuf::MessageLite& message,
                            int fd = -1);
 
 // Receives one message into `message`. Returns the attached fd (invalid if
 // none came). UNAVAILABLE when the peer closed the connection;
 // INVALID_ARGUMENT for a malformed frame. Extra fds are closed.
-absl::StatusOr<UniqueFd> ReceiveFdMessage(int sock,
-                                          google::protobuf::MessageLite* message);
+absl::StatusOr<UniqueFd> ReceiveFdMessage(
+    int sock, google::protobuf::MessageLite* message);
 
 }  // namespace rdma_agent
 

@@ -17,7 +17,8 @@ TEST(NetAddressTest, ParsesAndFormatsAddresses) {
   EXPECT_EQ(v6->port, 0);
   EXPECT_EQ(JoinHostPort("::1", 5), "[::1]:5");
   EXPECT_EQ(JoinHostPort("h", 5), "h:5");
-  for (const char* bad : {"nohost", "::1:5", "h:99999", "h:x", "[::1]5", "h:"}) {
+  for (const char* bad :
+       {"nohost", "::1:5", "h:99999", "h:x", "[::1]5", "h:"}) {
     EXPECT_EQ(ParseHostPort(bad).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;

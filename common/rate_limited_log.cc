@@ -15,7 +15,8 @@ std::optional<uint64_t> LogRateLimiter::Allow(absl::Time now) {
         interval_ > absl::ZeroDuration()
             ? absl::IDivDuration(now - refilled_, interval_, &remainder)
             : static_cast<int64_t>(burst_);
-    tokens_ = std::min<uint64_t>(burst_, tokens_ + static_cast<uint64_t>(gained));
+    tokens_ =
+        std::min<uint64_t>(burst_, tokens_ + static_cast<uint64_t>(gained));
     refilled_ = tokens_ == burst_ ? now : refilled_ + interval_ * gained;
   } else if (tokens_ == burst_) {
     refilled_ = now;

@@ -20,18 +20,18 @@
 #include "common/rate_limited_log.h"
 #include "common/status_util.h"
 #include "common/unique_fd.h"
+#include "daemon/api/rpc_observer.h"
+#include "daemon/api/service.h"
+#include "daemon/api/version.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/local/attach_server.h"
 #include "daemon/local/attach_tokens.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/local/client_watcher.h"
-#include "daemon/metrics/metrics.h"
-#include "daemon/api/rpc_observer.h"
-#include "daemon/api/service.h"
-#include "daemon/state_dir.h"
-#include "daemon/ops/transfers.h"
 #include "daemon/local/unix_socket.h"
-#include "daemon/api/version.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/ops/transfers.h"
+#include "daemon/state_dir.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -128,9 +128,8 @@ absl::Status Agent::Init() {
   SetUpQuotas();
   metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
-  notifications_ = std::make_unique<NotificationInbox>(
-      buffers_.get(),
-      options_.notifications);
+  notifications_ = std::make_unique<NotificationInbox>(buffers_.get(),
+                                                       options_.notifications);
   ObservePeerRefusals();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;
@@ -175,14 +174,13 @@ std::string Agent::Describe() const {
                                                     absl::StrJoin(where, " ")));
   }
   // The epoch in decimal, as GetInfo, remote contexts and errors give it.
-  return absl::StrCat("agent ", identity_.agent_id, " epoch ", identity_.epoch,
-                      " serving unix://", options_.socket_path, " (attach ",
-                      options_.attach_socket_path, ")",
-                      peer_address_.empty() ? "" : ", peers at " + peer_address_,
-                      metrics_address_.empty()
-                          ? ""
-                          : ", metrics at http://" + metrics_address_,
-                      "; backends: ", absl::StrJoin(backends, ", "));
+  return absl::StrCat(
+      "agent ", identity_.agent_id, " epoch ", identity_.epoch,
+      " serving unix://", options_.socket_path, " (attach ",
+      options_.attach_socket_path, ")",
+      peer_address_.empty() ? "" : ", peers at " + peer_address_,
+      metrics_address_.empty() ? "" : ", metrics at http://" + metrics_address_,
+      "; backends: ", absl::StrJoin(backends, ", "));
 }
 
 absl::Status Agent::PrepareRuntimeDir() {
@@ -340,8 +338,7 @@ absl::Status Agent::StartApiServer() {
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
-      metrics_.get(),
-      metrics_address_);
+      metrics_.get(), metrics_address_);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -463,7 +460,8 @@ void Agent::Shutdown() {
       server_->Shutdown(absl::ToChronoTime(grace));
     }
   }
-  if (peer_server_ != nullptr) peer_server_->Shutdown(absl::ToChronoTime(grace));
+  if (peer_server_ != nullptr)
+    peer_server_->Shutdown(absl::ToChronoTime(grace));
   // Every registration goes below; none is released for a client first.
   client_watcher_.reset();
   if (buffers_ != nullptr) buffers_->Clear();
@@ -480,9 +478,9 @@ absl::Status Agent::StartMetricsServer() {
   metrics_server_ = std::move(*server);
   // The port bound, on the host asked for (a wildcard is reached locally).
   auto listen = ParseHostPort(options_.metrics_listen);
-  metrics_address_ = JoinHostPort(
-      AdvertisedHost(listen.ok() ? listen->host : "", "", ""),
-      metrics_server_->port());
+  metrics_address_ =
+      JoinHostPort(AdvertisedHost(listen.ok() ? listen->host : "", "", ""),
+                   metrics_server_->port());
   return absl::OkStatus();
 }
 
@@ -503,13 +501,12 @@ void Agent::AddGauges() {
         return std::vector<GaugeSample>{
             {{}, static_cast<double>(calls->waiting())}};
       });
-  metrics_->AddGauge(
-      "rdma_agentd_ops_in_flight",
-      "Ops of Submits and asynchronous transfers in flight now",
-      [calls = calls_.get()] {
-        return std::vector<GaugeSample>{
-            {{}, static_cast<double>(calls->ops_in_flight())}};
-      });
+  metrics_->AddGauge("rdma_agentd_ops_in_flight",
+                     "Ops of Submits and asynchronous transfers in flight now",
+                     [calls = calls_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(calls->ops_in_flight())}};
+                     });
   metrics_->AddGauge("rdma_agentd_transfers_in_flight",
                      "Asynchronous transfers queued or running now",
                      [transfers = transfers_.get()] {
@@ -524,7 +521,8 @@ void Agent::AddGauges() {
         return std::vector<GaugeSample>{
             {{{"kind", "delivered"}},
              static_cast<double>(inbox->delivered_total())},
-            {{{"kind", "dropped"}}, static_cast<double>(inbox->dropped_total())}};
+            {{{"kind", "dropped"}},
+             static_cast<double>(inbox->dropped_total())}};
       });
   const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
     return [quota] {
@@ -569,16 +567,16 @@ void Agent::AddGauges() {
 void Agent::ObservePeerRefusals() {
   buffers_->set_refusal_observer(
       [this](const ServeRequest& request, const absl::Status& status) {
-        std::string reason = absl::AsciiStrToLower(
-            absl::StatusCodeToString(status.code()));
+        std::string reason =
+            absl::AsciiStrToLower(absl::StatusCodeToString(status.code()));
         metrics_->RecordRefusal(absl::StrCat("peer_", reason));
         if (const auto suppressed = refused_peer_log_.Allow()) {
           // The message never says more than the requester was told.
           spdlog::warn(
               "refused a request from {} for buffer {}: {} ({} similar "
               "suppressed)",
-              LogSafe(request.requester), request.buffer_id,
-              status.ToString(), *suppressed);
+              LogSafe(request.requester), request.buffer_id, status.ToString(),
+              *suppressed);
         }
       });
 }

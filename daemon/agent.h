@@ -11,8 +11,8 @@
 #include "common/rate_limited_log.h"
 #include "common/unique_fd.h"
 #include "daemon/agent_options.h"
-#include "daemon/ops/notifications.h"
 #include "daemon/limits/quota.h"
+#include "daemon/ops/notifications.h"
 
 namespace grpc {
 class Server;

@@ -4,8 +4,8 @@
 
 #include <memory>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "common/net_address.h"
 
 namespace rdma_agent::client {

@@ -63,18 +63,18 @@ grpc::ServerUnaryReactor* ServeGetNotifications(
     v1::GetNotificationsResponse* response, NotificationInbox* inbox,
     absl::Duration max_wait) {
   if (request.max_count() > kMaxNotificationsPerGet) {
-    return RefuseUnary(context, absl::InvalidArgumentError(absl::StrCat(
-                                    "GetNotifications: max_count ",
-                                    request.max_count(), " is more than ",
-                                    kMaxNotificationsPerGet)));
+    return RefuseUnary(context,
+                       absl::InvalidArgumentError(absl::StrCat(
+                           "GetNotifications: max_count ", request.max_count(),
+                           " is more than ", kMaxNotificationsPerGet)));
   }
-  auto wait = LongPollWait(request.has_wait() ? &request.wait() : nullptr,
-                           max_wait);
+  auto wait =
+      LongPollWait(request.has_wait() ? &request.wait() : nullptr, max_wait);
   if (!wait.ok()) {
     return RefuseUnary(context, Prefixed(wait.status(), "GetNotifications"));
   }
-  const size_t most = request.max_count() == 0 ? kMaxNotificationsPerGet
-                                               : request.max_count();
+  const size_t most =
+      request.max_count() == 0 ? kMaxNotificationsPerGet : request.max_count();
   const absl::Time deadline =
       std::min(absl::Now() + *wait, absl::FromChrono(context->deadline()));
   return ServeLongPoll<v1::GetNotificationsResponse>(

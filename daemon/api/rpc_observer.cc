@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/log_text.h"
 #include "daemon/local/caller_identity.h"
@@ -36,7 +36,8 @@ class RpcObserver : public grpc::experimental::Interceptor {
         error_log_(error_log),
         start_(absl::Now()) {}
 
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+  void Intercept(
+      grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             InterceptionHookPoints::PRE_SEND_STATUS)) {
       Observe(methods->GetSendStatus());
@@ -60,15 +61,16 @@ class RpcObserver : public grpc::experimental::Interceptor {
       caller = absl::StrCat("peer ", LogSafe(context->peer()));
     } else if (context != nullptr) {
       auto peer = callers_->Lookup(*context);
-      if (peer.ok()) caller = absl::StrCat("uid ", peer->uid, " pid ", peer->pid);
+      if (peer.ok())
+        caller = absl::StrCat("uid ", peer->uid, " pid ", peer->pid);
     }
     if (!failed) {
       spdlog::debug("{} from {}: OK in {}", method, caller,
                     absl::FormatDuration(took));
       return;
     }
-    const std::string error = absl::StrCat(
-        absl::StatusCodeToString(code), ": ", LogSafe(status.error_message()));
+    const std::string error = absl::StrCat(absl::StatusCodeToString(code), ": ",
+                                           LogSafe(status.error_message()));
     if (const auto suppressed =
             callers_ != nullptr ? error_log_->Allow() : std::nullopt) {
       spdlog::warn("{} from {} failed: {} ({} similar suppressed)", method,

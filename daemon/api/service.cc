@@ -12,11 +12,11 @@
 #include "common/log_text.h"
 #include "common/random.h"
 #include "common/status_util.h"
-#include "daemon/metrics/metrics.h"
 #include "daemon/api/notification_rpcs.h"
 #include "daemon/api/transfer_rpcs.h"
 #include "daemon/api/version.h"
 #include "daemon/api/waiting_rpcs.h"
+#include "daemon/metrics/metrics.h"
 #include "google/protobuf/util/time_util.h"
 #include "spdlog/spdlog.h"
 
@@ -335,7 +335,8 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
       std::min(absl::Now() + *timeout, absl::FromChrono(context->deadline()));
   // On this thread, not a transfer worker's: a Submit waits behind no
   // transfer, and its client's going away stops it (ActiveCalls).
-  auto batch = OpBatch::Prepare(batch_env_, admitted->caller, request, "Submit");
+  auto batch =
+      OpBatch::Prepare(batch_env_, admitted->caller, request, "Submit");
   *response = batch->Run(admitted->call->stop_token(deadline));
   return grpc::Status::OK;
 }
@@ -364,8 +365,8 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   // the transfer, which outlives it.
   const absl::Time deadline = absl::Now() + *timeout;
   auto batch = OpBatch::Prepare(batch_env_, admitted->caller,
-                              std::make_unique<v1::SubmitRequest>(*request),
-                              std::move(*charge));
+                                std::make_unique<v1::SubmitRequest>(*request),
+                                std::move(*charge));
   auto id =
       transfers_->Submit(admitted->caller.uid, std::move(batch), deadline);
   if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "SubmitAsync"));

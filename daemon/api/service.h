@@ -14,16 +14,16 @@
 #include "backends/registry.h"
 #include "common/grpc_status.h"
 #include "common/rate_limited_log.h"
-#include "daemon/limits/active_calls.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/limits/active_calls.h"
+#include "daemon/limits/quota.h"
 #include "daemon/local/attach_tokens.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/local/client_watcher.h"
+#include "daemon/local/unix_socket.h"
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/op_batch.h"
-#include "daemon/limits/quota.h"
 #include "daemon/ops/transfers.h"
-#include "daemon/local/unix_socket.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
 namespace rdma_agent {
@@ -135,7 +135,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   ClientWatcher* const client_watcher_;
   TransferTable* const transfers_;
   NotificationInbox* const notifications_;
-  AgentMetrics* const metrics_;  // ops by backend, type and code
+  AgentMetrics* const metrics_;        // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   FailedOpLog failures_;
   // What Submit's and SubmitAsync's batches run with.

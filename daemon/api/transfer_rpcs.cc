@@ -74,8 +74,8 @@ grpc::ServerUnaryReactor* ServeGetTransfers(
                      "GetTransfers: name 1 to ", kMaxTransfersPerGet,
                      " transfers (got ", request.transfer_ids_size(), ")")));
   }
-  auto wait = LongPollWait(request.has_wait() ? &request.wait() : nullptr,
-                           max_wait);
+  auto wait =
+      LongPollWait(request.has_wait() ? &request.wait() : nullptr, max_wait);
   if (!wait.ok()) {
     return RefuseUnary(context, Prefixed(wait.status(), "GetTransfers"));
   }

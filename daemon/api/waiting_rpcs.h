@@ -332,8 +332,8 @@ template <typename Event>
 grpc::ServerWriteReactor<Event>* ServeEventStream(
     std::unique_ptr<ActiveCalls::Call> call, std::string rpc,
     const SourceOpener<EventSource<Event>>& open) {
-  auto* stream = new waiting_rpcs_internal::EventStream<Event>(
-      std::move(call), std::move(rpc));
+  auto* stream = new waiting_rpcs_internal::EventStream<Event>(std::move(call),
+                                                               std::move(rpc));
   stream->Begin(open);
   return stream;
 }

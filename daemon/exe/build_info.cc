@@ -2,8 +2,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "daemon/exe/build_stamp.h"
 #include "daemon/api/version.h"
+#include "daemon/exe/build_stamp.h"
 
 // Bazel's compilation mode, from the BUILD file ($(COMPILATION_MODE)).
 #ifndef RDMA_AGENTD_COMPILATION_MODE

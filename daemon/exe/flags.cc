@@ -66,7 +66,8 @@ ABSL_FLAG(absl::Duration, max_submit_timeout,
           rdma_agent::ApiLimits().max_submit_timeout,
           "Largest timeout a Submit may ask for.");
 ABSL_FLAG(int64_t, max_ops_per_submit,
-          Int64(rdma_agent::ApiLimits().max_ops_per_submit), "Largest op batch.");
+          Int64(rdma_agent::ApiLimits().max_ops_per_submit),
+          "Largest op batch.");
 ABSL_FLAG(uint64_t, max_buffer_bytes, rdma_agent::ApiLimits().max_buffer_bytes,
           "Largest registration in bytes.");
 ABSL_FLAG(uint64_t, max_transfer_bytes_per_rpc,

@@ -41,7 +41,8 @@ class PriorityFlag : public spdlog::custom_flag_formatter {
  public:
   void format(const spdlog::details::log_msg& msg, const std::tm&,
               spdlog::memory_buf_t& dest) override {
-    const std::string prefix = absl::StrCat("<", SyslogPriority(msg.level), ">");
+    const std::string prefix =
+        absl::StrCat("<", SyslogPriority(msg.level), ">");
     dest.append(prefix.data(), prefix.data() + prefix.size());
   }
   std::unique_ptr<custom_flag_formatter> clone() const override {
@@ -51,7 +52,8 @@ class PriorityFlag : public spdlog::custom_flag_formatter {
 
 }  // namespace
 
-absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text) {
+absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(
+    absl::string_view text) {
   const std::string level = absl::AsciiStrToLower(text);
   if (level == "trace") return spdlog::level::trace;
   if (level == "debug") return spdlog::level::debug;
@@ -60,9 +62,9 @@ absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text) 
   if (level == "error") return spdlog::level::err;
   if (level == "critical") return spdlog::level::critical;
   if (level == "off") return spdlog::level::off;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--log_level: unknown level \"", text,
-      "\"; use trace, debug, info, warn, error, critical or off"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--log_level: unknown level \"", text,
+                   "\"; use trace, debug, info, warn, error, critical or off"));
 }
 
 bool IsJournalStream(int fd) {

@@ -73,8 +73,8 @@ TEST(LogFormatTest, AutoPicksJournalOnlyForTheStreamJournaldNamed) {
   EXPECT_TRUE(IsJournalStream(fds[1]));
   EXPECT_EQ(*ParseLogFormat("auto", fds[1]), LogFormat::kJournal);
   // Inherited by a child whose stderr went elsewhere: not the journal.
-  ::setenv("JOURNAL_STREAM", absl::StrCat(st.st_dev, ":", st.st_ino + 1).c_str(),
-           1);
+  ::setenv("JOURNAL_STREAM",
+           absl::StrCat(st.st_dev, ":", st.st_ino + 1).c_str(), 1);
   EXPECT_EQ(*ParseLogFormat("auto", fds[1]), LogFormat::kPlain);
   ::unsetenv("JOURNAL_STREAM");
   EXPECT_EQ(*ParseLogFormat("journal", fds[1]), LogFormat::kJournal);

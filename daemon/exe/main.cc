@@ -6,19 +6,19 @@
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/log_text.h"
 #include "daemon/agent.h"
-#include "daemon/exe/flags.h"
+#include "daemon/api/version.h"
 #include "daemon/exe/command_line.h"
+#include "daemon/exe/flags.h"
 #include "daemon/exe/logging.h"
 #include "daemon/exe/main_loop.h"
-#include "daemon/limits/quota.h"
 #include "daemon/exe/systemd_notifier.h"
-#include "daemon/api/version.h"
+#include "daemon/limits/quota.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -46,9 +46,9 @@ int Run() {
   if (!log_level.ok() || !log_format.ok()) {
     ConfigureLogging(spdlog::level::info,
                      log_format.ok() ? *log_format : LogFormat::kPlain);
-    spdlog::critical("{}", std::string(!log_level.ok()
-                                           ? log_level.status().message()
-                                           : log_format.status().message()));
+    spdlog::critical(
+        "{}", std::string(!log_level.ok() ? log_level.status().message()
+                                          : log_format.status().message()));
     return 2;
   }
   ConfigureLogging(*log_level, *log_format);

@@ -182,11 +182,11 @@ std::optional<uint64_t> CgroupMemoryLimit(absl::string_view proc_cgroup,
     const std::string path(fields[2]);
     if (fields[0] == "0" && fields[1].empty()) {
       v2 = read(absl::StrCat(cgroup_root, path, "/memory.max"));
-    } else if (absl::c_linear_search(
-                   std::vector<absl::string_view>(absl::StrSplit(fields[1], ',')),
-                   "memory")) {
-      v1 = read(absl::StrCat(cgroup_root, "/memory", path,
-                             "/memory.limit_in_bytes"));
+    } else if (absl::c_linear_search(std::vector<absl::string_view>(
+                                         absl::StrSplit(fields[1], ',')),
+                                     "memory")) {
+      v1 = read(
+          absl::StrCat(cgroup_root, "/memory", path, "/memory.limit_in_bytes"));
     }
   }
   return v2.has_value() ? v2 : v1;

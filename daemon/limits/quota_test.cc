@@ -165,13 +165,10 @@ class CgroupMemoryLimitTest : public ::testing::Test {
     ASSERT_NE(::mkdtemp(pattern), nullptr);
     root_ = pattern;
   }
-  void TearDown() override {
-    (void)std::system(("rm -rf " + root_).c_str());
-  }
+  void TearDown() override { (void)std::system(("rm -rf " + root_).c_str()); }
   void Write(const std::string& relative, const std::string& text) {
     const std::string path = root_ + relative;
-    (void)std::system(
-        ("mkdir -p " + path.substr(0, path.rfind('/'))).c_str());
+    (void)std::system(("mkdir -p " + path.substr(0, path.rfind('/'))).c_str());
     std::ofstream(path) << text;
   }
   std::string root_;

@@ -10,8 +10,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "backends/buffer_table.h"
-#include "daemon/local/attach_tokens.h"
 #include "daemon/limits/quota.h"
+#include "daemon/local/attach_tokens.h"
 #include "daemon/local/unix_socket.h"
 #include "rdma/agent/v1/attach.pb.h"
 

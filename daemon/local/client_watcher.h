@@ -18,8 +18,8 @@
 #include "backends/buffer_table.h"
 #include "common/rate_limited_log.h"
 #include "common/unique_fd.h"
-#include "daemon/local/caller_identity.h"
 #include "daemon/limits/quota.h"
+#include "daemon/local/caller_identity.h"
 #include "rdma/agent/v1/types.pb.h"
 
 namespace rdma_agent {

@@ -49,8 +49,9 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
     UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (probe && ::connect(probe.get(), reinterpret_cast<struct sockaddr*>(&addr),
-                           sizeof(addr)) == 0) {
+    if (probe &&
+        ::connect(probe.get(), reinterpret_cast<struct sockaddr*>(&addr),
+                  sizeof(addr)) == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           path, " is in use by a running process; not taking it over"));
     }

@@ -88,7 +88,8 @@ AgentMetrics::AgentMetrics(absl::string_view version)
       gauges_(std::make_shared<Gauges>()),
       rpcs_(prometheus::BuildCounter()
                 .Name("rdma_agentd_rpcs_total")
-                .Help("RPCs answered (API and Peer), by method and gRPC status code")
+                .Help("RPCs answered (API and Peer), by method and gRPC status "
+                      "code")
                 .Register(*registry_)),
       ops_(prometheus::BuildCounter()
                .Name("rdma_agentd_ops_total")
@@ -158,8 +159,9 @@ void AgentMetrics::RecordOps(absl::string_view backend, v1::OpType type,
 
 void AgentMetrics::RecordRpc(absl::string_view method, absl::StatusCode code,
                              absl::Duration latency) {
-  rpcs_.Add({{"method", std::string(method)},
-             {"code", absl::StatusCodeToString(code)}})
+  rpcs_
+      .Add({{"method", std::string(method)},
+            {"code", absl::StatusCodeToString(code)}})
       .Increment();
   if (absl::EndsWith(method, "RdmaAgent/Submit")) RecordSubmit(latency);
 }

@@ -83,9 +83,8 @@ TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
 TEST(AgentMetricsTest, OpsRecordedTogetherCountAsManyObservations) {
   AgentMetrics metrics("x");
   // 1000 ops of one 2 ms batch, as one call: the same as 1000 calls.
-  metrics.RecordOps("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL,
-                    absl::StatusCode::kOk, 1000, 4096000,
-                    absl::Milliseconds(2));
+  metrics.RecordOps("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL, absl::StatusCode::kOk,
+                    1000, 4096000, absl::Milliseconds(2));
   metrics.RecordOp("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL, absl::StatusCode::kOk,
                    4096, absl::Microseconds(20));
   const std::string text = metrics.Scrape();

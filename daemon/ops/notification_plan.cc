@@ -33,8 +33,8 @@ std::vector<PlannedNotification> PlanNotifications(
     const std::string& agent = notification.remote->agent_id();
     absl::Status blocked;
     if (refused_op.has_value()) {
-      blocked = absl::AbortedError(absl::StrCat(
-          "not sent: op ", *refused_op, " of the batch was refused"));
+      blocked = absl::AbortedError(absl::StrCat("not sent: op ", *refused_op,
+                                                " of the batch was refused"));
     } else if (auto failed = failed_on_agent.find(agent);
                failed != failed_on_agent.end()) {
       blocked = absl::AbortedError(

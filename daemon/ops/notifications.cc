@@ -82,10 +82,10 @@ absl::Status NotificationInbox::Deliver(const ServeRequest& target,
   auto registration = directory_->ResolveForPeer(proof);
   if (!registration.ok()) return registration.status();
   if (data.size() > limits_.max_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a notification of ", data.size(),
-        " bytes is longer than this agent takes (", limits_.max_bytes,
-        ", --max_notification_bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a notification of ", data.size(),
+                     " bytes is longer than this agent takes (",
+                     limits_.max_bytes, ", --max_notification_bytes)"));
   }
   v1::Notification notification;
   notification.set_from_agent_id(std::string(from_agent_id));
@@ -123,8 +123,7 @@ void NotificationInbox::RunAll(const Wakeups& wakeups) {
 }
 
 void NotificationInbox::Push(std::deque<v1::Notification>& queue,
-                             uint64_t& dropped,
-                             v1::Notification notification) {
+                             uint64_t& dropped, v1::Notification notification) {
   if (queue.size() >= limits_.max_queued_per_user) {
     queue.pop_front();
     ++dropped;
@@ -134,8 +133,7 @@ void NotificationInbox::Push(std::deque<v1::Notification>& queue,
 }
 
 NotificationInbox::Taken NotificationInbox::Pop(
-    std::deque<v1::Notification>& queue, uint64_t& dropped,
-    size_t max_count) {
+    std::deque<v1::Notification>& queue, uint64_t& dropped, size_t max_count) {
   Taken batch;
   const size_t count = std::min(max_count, queue.size());
   batch.notifications.reserve(count);

@@ -34,7 +34,9 @@ class NotificationsTest : public ::testing::Test {
     return id;
   }
 
-  static std::string Token(uint64_t id) { return "token-" + std::to_string(id); }
+  static std::string Token(uint64_t id) {
+    return "token-" + std::to_string(id);
+  }
 
   static ServeRequest Target(uint64_t id, uint64_t epoch = kEpoch) {
     ServeRequest target;

@@ -35,10 +35,9 @@ TEST(RemoteContextTest, RefusesEmptyAndMalformedBytes) {
   EXPECT_EQ(ParseRemoteContext(std::string("\x0a\x20short", 7)).status().code(),
             absl::StatusCode::kInvalidArgument);
   const std::string whole = Complete().SerializeAsString();
-  EXPECT_EQ(ParseRemoteContext(whole.substr(0, whole.size() - 3))
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ParseRemoteContext(whole.substr(0, whole.size() - 3)).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 TEST(RemoteContextTest, RefusesEachMissingField) {

@@ -6,9 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <list>
 #include <map>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <set>

@@ -719,14 +719,14 @@ TEST_F(AgentctlTest, SubmitNotifiesTheOwnerAndNotificationsPrintsIt) {
   r = Ctl({"submit", "--op=write", "--local=" + src, "--length=100",
            "--context=" + dst_context, "--notify=block 1 ready"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(r.out, absl::StrCat("op 0: OK backend=memory\n",
-                                "notification to buffer ", dst, " of agent ",
-                                agent, ": OK backend=memory\n"));
+  EXPECT_EQ(r.out,
+            absl::StrCat("op 0: OK backend=memory\n", "notification to buffer ",
+                         dst, " of agent ", agent, ": OK backend=memory\n"));
   // The owner (this user) reads it once, after the bytes.
   r = Ctl({"notifications"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(r.out, absl::StrCat("notification #1 from ", agent,
-                                " to buffer ", dst, ": block 1 ready\n"));
+  EXPECT_EQ(r.out, absl::StrCat("notification #1 from ", agent, " to buffer ",
+                                dst, ": block 1 ready\n"));
   r = Ctl({"read", dst, "--length=100"});
   EXPECT_TRUE(r.out == PatternString(3, 0, 100));
   r = Ctl({"notifications"});

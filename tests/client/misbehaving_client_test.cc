@@ -19,9 +19,9 @@
 #include "common/unique_fd.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/attach.pb.h"
+#include "tests/client/worker_process.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/pattern.h"
-#include "tests/client/worker_process.h"
 
 namespace rdma_agent::testing {
 namespace {

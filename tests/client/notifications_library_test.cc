@@ -106,12 +106,10 @@ TEST_F(NotificationsLibraryTest, WatchAndPollReceiveAfterTheBytes) {
   while (absl::Now() < until) {
     absl::MutexLock lock(&mu);
     if (seen.size() >= 3) break;
-    mu.AwaitWithTimeout(absl::Condition(
-                            +[](std::vector<std::string>* s) {
-                              return s->size() >= 3;
-                            },
-                            &seen),
-                        absl::Milliseconds(100));
+    mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](std::vector<std::string>* s) { return s->size() >= 3; }, &seen),
+        absl::Milliseconds(100));
   }
   watch->Stop();
   EXPECT_EQ(watch->status().code(), absl::StatusCode::kCancelled);
@@ -137,8 +135,7 @@ TEST_F(NotificationsLibraryTest, AsyncTransferAndLongPoll) {
   EXPECT_EQ(batch->notifications[0].data, "async");
   EXPECT_EQ(batch->notifications[0].sequence, 1u);
   EXPECT_GT(batch->notifications[0].receive_time, absl::UnixEpoch());
-  EXPECT_EQ(FindMismatch(remote->bytes().subspan(10, 100), 8, 0),
-            std::nullopt);
+  EXPECT_EQ(FindMismatch(remote->bytes().subspan(10, 100), 8, 0), std::nullopt);
   auto end = transfer->Wait(absl::Seconds(20));
   ASSERT_TRUE(end.ok()) << end.status();
   ASSERT_EQ(end->notifications.size(), 1u);

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "tests/testing/agent_process.h"
 #include "tests/client/worker_process.h"
+#include "tests/testing/agent_process.h"
 
 namespace rdma_agent::testing {
 namespace {

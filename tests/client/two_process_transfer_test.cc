@@ -11,8 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/testing/agent_process.h"
 #include "tests/client/worker_process.h"
+#include "tests/testing/agent_process.h"
 
 namespace rdma_agent::testing {
 namespace {

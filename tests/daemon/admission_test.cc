@@ -60,7 +60,8 @@ class AdmissionTest : public ::testing::Test {
     request.set_attach_token(token);
     request.set_access(v1::ACCESS_READ_WRITE);
     v1::RegisterResponse response;
-    return FromGrpcStatus(fixture_->stub().Register(&context, request, &response));
+    return FromGrpcStatus(
+        fixture_->stub().Register(&context, request, &response));
   }
 
   absl::Status Release(uint64_t id) {
@@ -68,7 +69,8 @@ class AdmissionTest : public ::testing::Test {
     v1::ReleaseRequest request;
     request.set_buffer_id(id);
     v1::ReleaseResponse response;
-    return FromGrpcStatus(fixture_->stub().Release(&context, request, &response));
+    return FromGrpcStatus(
+        fixture_->stub().Release(&context, request, &response));
   }
 
   std::unique_ptr<InProcessAgent> fixture_;
@@ -152,11 +154,11 @@ TEST_F(AdmissionTest, DefaultsAreDerivedAndFilledIn) {
   Start(AgentOptions{});
   const AgentOptions& in_force = fixture_->agent().options();
   EXPECT_GT(in_force.quotas.registrations.total, 0u);
-  EXPECT_LE(in_force.quotas.registrations.per_user, in_force.quotas.registrations.total / 4);
+  EXPECT_LE(in_force.quotas.registrations.per_user,
+            in_force.quotas.registrations.total / 4);
   EXPECT_LE(in_force.quotas.pending_attach.per_user,
             in_force.quotas.pending_attach.total / 4);
-  EXPECT_LE(in_force.quotas.bytes.per_user,
-            in_force.quotas.bytes.total / 4);
+  EXPECT_LE(in_force.quotas.bytes.per_user, in_force.quotas.bytes.total / 4);
   EXPECT_EQ(in_force.quotas.attach_connections.total, 256u);
   EXPECT_EQ(in_force.quotas.attach_connections.per_user, 64u);
 }

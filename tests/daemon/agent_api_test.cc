@@ -123,7 +123,8 @@ class AgentApiTest : public ::testing::Test {
     request.mutable_timeout()->set_nanos(static_cast<int32_t>(
         absl::ToInt64Nanoseconds(timeout % absl::Seconds(1))));
     v1::SubmitResponse response;
-    absl::Status status = FromGrpcStatus(stub().Submit(&context, request, &response));
+    absl::Status status =
+        FromGrpcStatus(stub().Submit(&context, request, &response));
     if (!status.ok()) return status;
     return response;
   }
@@ -222,8 +223,7 @@ TEST_F(AgentApiTest, ReadAndWriteBufferCheckBounds) {
   EXPECT_EQ(Write(id, 0, "").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Write(id + 1000, 0, "a").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Read(id, 0, 101).status().code(), absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(Read(id, kMax64, 2).status().code(),
-            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(Read(id, kMax64, 2).status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(Read(id, 2, kMax64).status().code(),
             absl::StatusCode::kInvalidArgument)
       << "longer than one call may carry";
@@ -242,11 +242,10 @@ TEST_F(AgentApiTest, SubmitMovesExactlyTheRangeBothWays) {
 
   // a[13, 13+L) <- b[1001, 1001+L), then a[5, 5+999) -> b[7, 7+999).
   constexpr uint64_t kLength = (2 << 20) + 3;
-  auto results = Submit(
-      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, a.buffer_id(), 13, kLength,
-              b.remote_context(), 1001),
-       MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, a.buffer_id(), kSize - 999, 999,
-              b.remote_context(), 7)});
+  auto results = Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, a.buffer_id(), 13,
+                                kLength, b.remote_context(), 1001),
+                         MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, a.buffer_id(),
+                                kSize - 999, 999, b.remote_context(), 7)});
   ASSERT_EQ(results.size(), 2u);
   for (const auto& result : results) {
     EXPECT_EQ(result.code(), 0) << result.message();
@@ -275,8 +274,8 @@ TEST_F(AgentApiTest, SubmitMovesExactlyTheRangeBothWays) {
 TEST_F(AgentApiTest, SubmitWithinOneBufferHandlesOverlap) {
   const v1::RegisterResponse a = Allocate(1000);
   const std::string data = Fill(a.buffer_id(), 1000, 3);
-  auto results = Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, a.buffer_id(),
-                                10, 500, a.remote_context(), 0)});
+  auto results = Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, a.buffer_id(), 10,
+                                500, a.remote_context(), 0)});
   ASSERT_EQ(results.size(), 1u);
   EXPECT_EQ(results[0].code(), 0) << results[0].message();
   std::string expected = data;
@@ -517,8 +516,7 @@ TEST_F(AgentApiTest, ContextFromBeforeARestartIsFailedPrecondition) {
   auto results = Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local.buffer_id(),
                                 0, 8, old_remote.remote_context(), 0)});
   ASSERT_EQ(results.size(), 1u);
-  ExpectOpFailed(results[0], absl::StatusCode::kFailedPrecondition, 0,
-                 "stale");
+  ExpectOpFailed(results[0], absl::StatusCode::kFailedPrecondition, 0, "stale");
 }
 
 // --- the attach socket ---
@@ -636,25 +634,30 @@ TEST_F(AttachSocketTest, RefusesMemoryThatCouldShrinkOrIsNotAMemfd) {
   UniqueFd unsealed = Memfd(4096, 0);
   v1::AttachResponse response =
       Exchange(sock.get(), AttachMemory(), unsealed.get());
-  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(response.message(), HasSubstr("F_SEAL_SHRINK"));
 
   UniqueFd empty = Memfd(0, F_SEAL_SHRINK);
   response = Exchange(sock.get(), AttachMemory(), empty.get());
-  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
 
   int pipe_fds[2];
   ASSERT_EQ(::pipe(pipe_fds), 0);
   UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
   response = Exchange(sock.get(), AttachMemory(), pipe_read.get());
-  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
 
   response = Exchange(sock.get(), AttachMemory());
-  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(response.message(), HasSubstr("no file descriptor"));
 
   response = Exchange(sock.get(), v1::AttachRequest());
-  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
 }
 
 TEST_F(AttachSocketTest, ClientCannotShrinkAttachedMemory) {
@@ -683,8 +686,8 @@ TEST_F(AttachSocketTest, OpenBufferHandsBackTheSameMemory) {
   ASSERT_EQ(response.code(), 0) << response.message();
   ASSERT_TRUE(fd.valid());
   EXPECT_EQ(response.size_bytes(), 4096u);
-  auto* mapping = static_cast<char*>(::mmap(
-      nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* mapping = static_cast<char*>(
+      ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(mapping, MAP_FAILED);
   EXPECT_EQ(std::string(mapping + 100, 6), "shared");
   std::memcpy(mapping, "client", 6);
@@ -700,14 +703,15 @@ TEST_F(AttachSocketTest, OpenBufferHandsBackTheSameMemory) {
 
 TEST_F(AttachSocketTest, MalformedFramesGetAnErrorAndCloseTheConnection) {
   UniqueFd sock = Connect();
-  const char frame[] = {'\x05', '\0', '\0', '\0', '\xff', '\xff', '\xff',
-                        '\xff', '\xff'};
+  const char frame[] = {'\x05', '\0',   '\0',   '\0',  '\xff',
+                        '\xff', '\xff', '\xff', '\xff'};
   ASSERT_EQ(::send(sock.get(), frame, sizeof(frame), 0),
             static_cast<ssize_t>(sizeof(frame)));
   v1::AttachResponse response;
   auto received = ReceiveFdMessage(sock.get(), &response);
   ASSERT_TRUE(received.ok()) << received.status();
-  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
   // The agent is still fine.
   EXPECT_TRUE(fixture_->Allocate(16).ok());
 }

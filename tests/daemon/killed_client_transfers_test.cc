@@ -299,8 +299,7 @@ TEST_F(KilledClientTransfersTest,
       },
       absl::Seconds(20)))
       << "the watch and the long poll should hold both slots: " << quick;
-  EXPECT_TRUE(
-      absl::StrContains(quick.message(), "--max_waiting_rpcs_per_user"))
+  EXPECT_TRUE(absl::StrContains(quick.message(), "--max_waiting_rpcs_per_user"))
       << quick;
 
   ASSERT_NO_FATAL_FAILURE(KillAndReap(*watcher));

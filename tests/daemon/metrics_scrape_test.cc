@@ -163,30 +163,28 @@ TEST_F(MetricsScrapeTest, ValuesMoveWithRealTransfersAndLogsNameTheCallers) {
             1);
   EXPECT_EQ(moved("rdma_agentd_op_bytes_total", {{"op", "read"}}), 0)
       << "a failed op moves no bytes";
-  EXPECT_EQ(moved("rdma_agentd_op_duration_seconds_count",
-                  {{"backend", "tcp"}}),
-            2);
+  EXPECT_EQ(
+      moved("rdma_agentd_op_duration_seconds_count", {{"backend", "tcp"}}), 2);
   EXPECT_EQ(moved("rdma_agentd_submit_duration_seconds_count", {}), 2);
   EXPECT_GT(moved("rdma_agentd_submit_duration_seconds_sum", {}), 0);
-  EXPECT_EQ(moved("rdma_agentd_rpcs_total",
-                  {{"method", "rdma.agent.v1.RdmaAgent/Submit"},
-                   {"code", "OK"}}),
-            2)
+  EXPECT_EQ(
+      moved("rdma_agentd_rpcs_total",
+            {{"method", "rdma.agent.v1.RdmaAgent/Submit"}, {"code", "OK"}}),
+      2)
       << "per-op failures are no RPC failures";
   // Gauges: what A holds now.
   EXPECT_EQ(Sum(after, "rdma_agentd_registrations", {{"uid", "0"}}), 1);
-  EXPECT_EQ(Sum(after, "rdma_agentd_registered_bytes", {{"uid", "0"}}),
-            kBytes);
+  EXPECT_EQ(Sum(after, "rdma_agentd_registered_bytes", {{"uid", "0"}}), kBytes);
   EXPECT_EQ(Sum(after, "rdma_agentd_ops_in_flight"), 0);
-  const std::string b_tcp =
-      absl::StrCat("127.0.0.1:", b_->tcp_port());
+  const std::string b_tcp = absl::StrCat("127.0.0.1:", b_->tcp_port());
   EXPECT_GE(Sum(after, "rdma_agentd_peer_links",
                 {{"backend", "tcp"}, {"direction", "out"}, {"peer", b_tcp}}),
             1)
       << "the pooled connection to B";
-  EXPECT_GE(Sum(b_after, "rdma_agentd_peer_links",
-                {{"backend", "tcp"}, {"direction", "in"}, {"peer", "127.0.0.1"}}),
-            1);
+  EXPECT_GE(
+      Sum(b_after, "rdma_agentd_peer_links",
+          {{"backend", "tcp"}, {"direction", "in"}, {"peer", "127.0.0.1"}}),
+      1);
   // B refused A's request for the released buffer.
   EXPECT_EQ(Sum(b_after, "rdma_agentd_refusals_total",
                 {{"reason", "peer_not_found"}}) -

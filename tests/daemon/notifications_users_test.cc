@@ -40,8 +40,8 @@ TEST(NotificationsUsersTest, EachOwnerGetsOnlyItsOwn) {
   auto local = (*agent)->Allocate(4096);
   ASSERT_TRUE(local.ok()) << local.status();
 
-  for (auto [worker, text] : {std::pair{&first, "for-first"},
-                              std::pair{&second, "for-second"}}) {
+  for (auto [worker, text] :
+       {std::pair{&first, "for-first"}, std::pair{&second, "for-second"}}) {
     auto words = worker->CallWords(absl::StrCat("allocate 4096 ", kReadWrite));
     ASSERT_TRUE(words.ok()) << words.status();
     auto target = ParseRegistered(*words);
@@ -71,8 +71,7 @@ TEST(NotificationsUsersTest, EachOwnerGetsOnlyItsOwn) {
   EXPECT_EQ(first.Answer("notifications 0"), "notifications 0 - dropped 0");
   grpc::ClientContext call;
   v1::GetNotificationsResponse mine;
-  ASSERT_TRUE(
-      (*agent)->stub().GetNotifications(&call, {}, &mine).ok());
+  ASSERT_TRUE((*agent)->stub().GetNotifications(&call, {}, &mine).ok());
   EXPECT_EQ(mine.notifications_size(), 0);
 }
 

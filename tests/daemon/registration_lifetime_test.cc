@@ -25,8 +25,8 @@
 namespace rdma_agent {
 namespace {
 
-using ::rdma_agent::testing::Eventually;
 using ::rdma_agent::FromGrpcStatus;
+using ::rdma_agent::testing::Eventually;
 using ::rdma_agent::testing::InProcessAgent;
 using ::rdma_agent::testing::WorkerProcess;
 using ::testing::HasSubstr;
@@ -52,7 +52,8 @@ class RegistrationLifetimeTest : public ::testing::Test {
     request.set_access(v1::ACCESS_READ_WRITE);
     request.set_lifetime(lifetime);
     v1::RegisterResponse response;
-    absl::Status status = FromGrpcStatus(stub.Register(&context, request, &response));
+    absl::Status status =
+        FromGrpcStatus(stub.Register(&context, request, &response));
     if (!status.ok()) return status;
     return response;
   }
@@ -62,7 +63,8 @@ class RegistrationLifetimeTest : public ::testing::Test {
     v1::ReleaseRequest request;
     request.set_buffer_id(id);
     v1::ReleaseResponse response;
-    return FromGrpcStatus(fixture_->stub().Release(&context, request, &response));
+    return FromGrpcStatus(
+        fixture_->stub().Release(&context, request, &response));
   }
 
   // The caller's (this process's user's) registrations.

@@ -26,8 +26,8 @@
 namespace rdma_agent {
 namespace {
 
-using ::rdma_agent::testing::Eventually;
 using ::rdma_agent::FromGrpcStatus;
+using ::rdma_agent::testing::Eventually;
 using ::rdma_agent::testing::InProcessAgent;
 using ::rdma_agent::testing::PatternString;
 using ::testing::HasSubstr;
@@ -380,7 +380,8 @@ TEST_F(TransfersApiTest, CancelMidFlightStopsTheOpsAndReturnsWhenTheyHave) {
   grpc::ClientContext context;
   v1::SubmitResponse response;
   EXPECT_TRUE(
-      FromGrpcStatus(stub().Submit(&context, Batch(std::move(ops)), &response)).ok());
+      FromGrpcStatus(stub().Submit(&context, Batch(std::move(ops)), &response))
+          .ok());
 }
 
 TEST_F(TransfersApiTest, CancelAfterTheEndChangesNothing) {
@@ -508,7 +509,8 @@ TEST_F(TransfersApiTest, InFlightBoundIsHitCleanlyAndFreesUp) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(Get(*again, absl::Seconds(30))->state(), v1::TRANSFER_STATE_DONE);
   grpc::ClientContext retry;
-  EXPECT_TRUE(FromGrpcStatus(stub().Submit(&retry, Batch(ops), &response)).ok());
+  EXPECT_TRUE(
+      FromGrpcStatus(stub().Submit(&retry, Batch(ops), &response)).ok());
 }
 
 TEST_F(TransfersApiTest, WatchTransfersPushesEndsAndLeavesThemReadable) {
@@ -637,7 +639,8 @@ TEST_F(TransfersApiTest, TheKeptBoundRefusesUnseenEndsAndDropsDeliveredOnes) {
 TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
   AgentOptions options;
   options.transfers.workers = 1;
-  options.in_flight.max_calls = 4;  // gRPC server threads for the synchronous RPCs
+  options.in_flight.max_calls =
+      4;  // gRPC server threads for the synchronous RPCs
   StartAgent(std::move(options));
   const uint64_t blocker = StartBlocker();
   constexpr int kEach = 8;
@@ -658,7 +661,8 @@ TEST_F(TransfersApiTest, WaitingCallsHoldNoRpcThread) {
   grpc::ClientContext context;
   v1::AgentInfo info;
   EXPECT_TRUE(
-      FromGrpcStatus(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
+      FromGrpcStatus(stub().GetInfo(&context, v1::GetInfoRequest(), &info))
+          .ok());
   // The polls answer once the blocker ends, with its end.
   ASSERT_TRUE(Cancel(blocker).ok());
   for (auto& poll : polls) {
@@ -702,7 +706,8 @@ TEST_F(TransfersApiTest, WaitingCallsAreBoundedPerUserAndFreedWhenCancelled) {
   grpc::ClientContext context;
   v1::AgentInfo info;
   EXPECT_TRUE(
-      FromGrpcStatus(stub().GetInfo(&context, v1::GetInfoRequest(), &info)).ok());
+      FromGrpcStatus(stub().GetInfo(&context, v1::GetInfoRequest(), &info))
+          .ok());
 
   // A watch its client cancels gives its slot back.
   EXPECT_EQ(Close(*first).error_code(), grpc::StatusCode::CANCELLED);

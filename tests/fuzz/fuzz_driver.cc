@@ -10,7 +10,8 @@ std::string Mutator::Mutate(const std::string& input) {
     const size_t at = size == 0 ? 0 : Next() % size;
     switch (Next() % 7) {
       case 0:
-        if (size > 0) out[at] = static_cast<char>(out[at] ^ (1 << (Next() % 8)));
+        if (size > 0)
+          out[at] = static_cast<char>(out[at] ^ (1 << (Next() % 8)));
         break;
       case 1:
         if (size > 0) out[at] = static_cast<char>(Next());
@@ -25,7 +26,8 @@ std::string Mutator::Mutate(const std::string& input) {
         out.resize(size == 0 ? 0 : Next() % size);
         break;
       case 5:
-        if (size > 0) out.insert(at, out.substr(Next() % size, 1 + Next() % 16));
+        if (size > 0)
+          out.insert(at, out.substr(Next() % size, 1 + Next() % 16));
         break;
       default: {
         std::string fresh(Next() % 96, '\0');

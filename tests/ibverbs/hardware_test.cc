@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/real_verbs.h"
 #include "backends/testing/harness.h"
@@ -271,8 +270,7 @@ TEST_P(HardwareTest, MovesBytesThroughADmaBufMr) {
   auto state = a_->backend<IbverbsBackend>().Register(*registration, endpoint);
   if (!state.ok() && absl::IsInvalidArgument(state.status())) {
     ::munmap(view, kBytes);
-    GTEST_SKIP() << "the device does not register dma-bufs: "
-                 << state.status();
+    GTEST_SKIP() << "the device does not register dma-bufs: " << state.status();
   }
   ASSERT_TRUE(state.ok()) << state.status();
   endpoint->set_backend("ibverbs");

@@ -136,8 +136,8 @@ class NotificationsApiTest : public ::testing::TestWithParam<std::string> {
     v1::GetNotificationsRequest request;
     request.mutable_wait()->set_nanos(static_cast<int32_t>(wait_ms * 1000000));
     v1::GetNotificationsResponse response;
-    const absl::Status status =
-        FromGrpcStatus(agent.stub().GetNotifications(&context, request, &response));
+    const absl::Status status = FromGrpcStatus(
+        agent.stub().GetNotifications(&context, request, &response));
     EXPECT_TRUE(status.ok()) << status;
     return response;
   }
@@ -197,14 +197,14 @@ TEST_P(NotificationsApiTest, ReadsNotifyTooAndEachBufferGetsOne) {
   std::string x_bytes;
   const v1::RegisterResponse x = Buffer(*b_, 2, &x_bytes);
   const v1::RegisterResponse y = Buffer(*b_, 3, nullptr);
-  auto response = Submit(
-      *a_, Request({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local.buffer_id(), 0,
-                           4096, x, 0),
-                    MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(),
-                           8192, 100, y, 5),
-                    MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, local.buffer_id(),
-                           4096, 10, x, 4096)},
-                   "done"));
+  auto response =
+      Submit(*a_, Request({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL,
+                                  local.buffer_id(), 0, 4096, x, 0),
+                           MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                  local.buffer_id(), 8192, 100, y, 5),
+                           MakeOp(v1::OP_TYPE_READ_INTO_LOCAL,
+                                  local.buffer_id(), 4096, 10, x, 4096)},
+                          "done"));
   ASSERT_TRUE(response.ok()) << response.status();
   for (const auto& result : response->results()) ASSERT_EQ(result.code(), 0);
   ASSERT_EQ(response->notifications_size(), 2);
@@ -232,12 +232,12 @@ TEST_P(NotificationsApiTest, FailedOpOnTheAgentSendsNothing) {
     v1::ReleaseResponse ignored;
     ASSERT_TRUE(b_->stub().Release(&context, release, &ignored).ok());
   }
-  auto response = Submit(
-      *a_, Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0,
-                           64, kept, 0),
-                    MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0,
-                           64, gone, 0)},
-                   "never"));
+  auto response =
+      Submit(*a_, Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                  local.buffer_id(), 0, 64, kept, 0),
+                           MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                  local.buffer_id(), 0, 64, gone, 0)},
+                          "never"));
   ASSERT_TRUE(response.ok()) << response.status();
   EXPECT_EQ(response->results(0).code(), 0);
   EXPECT_EQ(response->results(1).code(),
@@ -256,10 +256,10 @@ TEST_P(NotificationsApiTest, FailedOpOnTheAgentSendsNothing) {
 TEST_P(NotificationsApiTest, PassedDeadlineSendsNothing) {
   const v1::RegisterResponse local = Buffer(*a_, 1, nullptr);
   const v1::RegisterResponse remote = Buffer(*b_, 2, nullptr);
-  v1::SubmitRequest request = Request(
-      {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0, kSize,
-              remote, 0)},
-      "late");
+  v1::SubmitRequest request =
+      Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0, kSize,
+                      remote, 0)},
+              "late");
   request.mutable_timeout()->set_seconds(0);
   request.mutable_timeout()->set_nanos(1);
   auto response = Submit(*a_, request);
@@ -276,14 +276,14 @@ TEST_P(NotificationsApiTest, AsyncTransferReportsItsNotification) {
   const v1::RegisterResponse remote = Buffer(*b_, 2, nullptr);
   grpc::ClientContext submit_context;
   v1::SubmitAsyncResponse submitted;
-  ASSERT_TRUE(a_->stub()
-                  .SubmitAsync(&submit_context,
-                               Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
-                                               local.buffer_id(), 0, 4096,
-                                               remote, 0)},
-                                       "async"),
-                               &submitted)
-                  .ok());
+  ASSERT_TRUE(
+      a_->stub()
+          .SubmitAsync(&submit_context,
+                       Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                       local.buffer_id(), 0, 4096, remote, 0)},
+                               "async"),
+                       &submitted)
+          .ok());
   // The owner's long poll wakes with it.
   const v1::GetNotificationsResponse got = Notifications(*b_, 900);
   ASSERT_EQ(got.notifications_size(), 1);
@@ -309,10 +309,10 @@ TEST_P(NotificationsApiTest, WatchStreamReceivesIt) {
   // The stream is open once the agent has seen it; a GetInfo on the same
   // channel after it is ordered behind on the agent.
   absl::SleepFor(absl::Milliseconds(100));
-  auto response = Submit(
-      *a_, Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0,
-                           16, remote, 0)},
-                   "streamed"));
+  auto response =
+      Submit(*a_, Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                  local.buffer_id(), 0, 16, remote, 0)},
+                          "streamed"));
   ASSERT_TRUE(response.ok()) << response.status();
   ASSERT_EQ(response->notifications(0).code(), 0);
   v1::NotificationEvent event;
@@ -328,10 +328,10 @@ TEST_P(NotificationsApiTest, WatchStreamReceivesIt) {
 TEST_P(NotificationsApiTest, OversizedNotificationIsRefusedWhole) {
   const v1::RegisterResponse local = Buffer(*a_, 1, nullptr);
   const v1::RegisterResponse remote = Buffer(*b_, 2, nullptr);
-  const v1::SubmitRequest request = Request(
-      {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0, 16, remote,
-              0)},
-      std::string(4097, 'n'));
+  const v1::SubmitRequest request =
+      Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0, 16,
+                      remote, 0)},
+              std::string(4097, 'n'));
   auto response = Submit(*a_, request);
   EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(response.status().message().find("Submit: the notification is "
@@ -354,10 +354,10 @@ TEST_P(NotificationsApiTest, RestartedTargetGetsNothing) {
   const v1::RegisterResponse local = Buffer(*a_, 1, nullptr);
   const v1::RegisterResponse remote = Buffer(*b_, 2, nullptr);
   ASSERT_TRUE(owned_b_->Restart().ok());
-  auto response = Submit(
-      *a_, Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, local.buffer_id(), 0,
-                           16, remote, 0)},
-                   "stale"));
+  auto response =
+      Submit(*a_, Request({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                  local.buffer_id(), 0, 16, remote, 0)},
+                          "stale"));
   ASSERT_TRUE(response.ok()) << response.status();
   // The restarted agent listens elsewhere (UNAVAILABLE) or answers that
   // the context is stale (FAILED_PRECONDITION): either way the op failed.

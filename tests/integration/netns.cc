@@ -44,7 +44,8 @@ absl::Status CheckNetnsPrivileges() {
   if (geteuid() != 0) {
     return absl::FailedPreconditionError(
         "cross-host tcp tests need root (network namespaces and veth pairs); "
-        "run them as root, e.g. in CI: sudo bazel test //tests/integration/...");
+        "run them as root, e.g. in CI: sudo bazel test "
+        "//tests/integration/...");
   }
   auto version = RunCommand({"ip", "-V"});
   if (!version.ok()) {
@@ -67,8 +68,8 @@ absl::StatusOr<std::unique_ptr<NetnsPair>> NetnsPair::Create() {
   for (int side = 0; side < 2; ++side) {
     pair->netns_[side] = absl::StrCat(stem, sides[side]);
     // Interface names are at most 15 characters: keep them short.
-    pair->link_[side] = absl::StrCat("v", getpid() % 1000000, "x",
-                                     n % 100, sides[side]);
+    pair->link_[side] =
+        absl::StrCat("v", getpid() % 1000000, "x", n % 100, sides[side]);
     pair->address_[side] = absl::StrCat("10.77.0.", side + 1);
   }
   for (int side = 0; side < 2; ++side) {
@@ -99,7 +100,8 @@ absl::StatusOr<std::unique_ptr<NetnsPair>> NetnsPair::Create() {
 
 NetnsPair::~NetnsPair() {
   for (int side = 0; side < 2; ++side) {
-    if (created_[side]) (void)RunCommand({"ip", "netns", "delete", netns_[side]});
+    if (created_[side])
+      (void)RunCommand({"ip", "netns", "delete", netns_[side]});
   }
 }
 
@@ -111,8 +113,8 @@ absl::Status NetnsPair::SetLink(int side, bool up) {
 
 absl::Status NetnsPair::PinNeighbour(int side) {
   const int other = 1 - side;
-  auto shown = RunCommand({"ip", "-n", netns_[other], "-o", "link", "show",
-                           link_[other]});
+  auto shown = RunCommand(
+      {"ip", "-n", netns_[other], "-o", "link", "show", link_[other]});
   if (!shown.ok()) return shown.status();
   const size_t at = shown->find("link/ether ");
   if (at == std::string::npos) {

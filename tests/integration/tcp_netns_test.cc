@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
-#include "absl/synchronization/mutex.h"
 #include "tests/integration/netns.h"
 #include "tests/integration/tcp_checks.h"
 #include "tests/testing/agent_process.h"
@@ -78,8 +78,7 @@ TEST_F(TcpNetnsTest, EveryByteOfEverySizeCrossesHosts) {
   auto remote = b().Attach(kMax + 64, v1::ACCESS_READ_WRITE, "sweep-remote");
   ASSERT_TRUE(remote.ok()) << remote.status();
   SweepSizes(a(), *local, *remote,
-             {1, 2, 3, 4095, 65537, (1ull << 20) + 1, (17ull << 20) + 3,
-              kMax});
+             {1, 2, 3, 4095, 65537, (1ull << 20) + 1, (17ull << 20) + 3, kMax});
 }
 
 TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
@@ -112,12 +111,12 @@ TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
         const uint64_t slice = c * kSlice;
         for (int round = 0; round < kRounds && failure.empty(); ++round) {
           FillPattern(local->bytes().subspan(0, kSlice), seed, round);
-          auto results = (*agent)->Submit(
-              {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, kSlice,
-                      *shared[host], slice),
-               MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kSlice, kSlice,
-                      *shared[host], slice)},
-              absl::Seconds(60));
+          auto results =
+              (*agent)->Submit({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0,
+                                       kSlice, *shared[host], slice),
+                                MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local,
+                                       kSlice, kSlice, *shared[host], slice)},
+                               absl::Seconds(60));
           if (!results.ok()) {
             failure = results.status().ToString();
           } else {
@@ -127,10 +126,10 @@ TEST_F(TcpNetnsTest, ManyConcurrentClientsOnBothHosts) {
           }
           // Ops of one Submit may run in any order: check the write landed
           // by reading it back in a second Submit.
-          results = (*agent)->Submit(
-              {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kSlice, kSlice,
-                      *shared[host], slice)},
-              absl::Seconds(60));
+          results =
+              (*agent)->Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local,
+                                       kSlice, kSlice, *shared[host], slice)},
+                               absl::Seconds(60));
           if (!results.ok() || !(*results)[0].status.ok()) {
             failure = "read back failed";
           } else if (FindMismatch(local->bytes().subspan(kSlice, kSlice), seed,
@@ -161,8 +160,8 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
 
   std::vector<client::OpSpec> ops;
   for (int i = 0; i < kOps; ++i) {
-    ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize,
-                         *remote, 0));
+    ops.push_back(
+        MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize, *remote, 0));
   }
   const absl::Duration timeout = absl::Seconds(60);
   absl::StatusOr<std::vector<client::OpResult>> results;
@@ -205,8 +204,8 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
     }
   }
   EXPECT_GT(unavailable, 0);
-  EXPECT_LT(after_kill, absl::Seconds(10)) << "not \"well before\" the "
-                                           << timeout << " deadline";
+  EXPECT_LT(after_kill, absl::Seconds(10))
+      << "not \"well before\" the " << timeout << " deadline";
   // The guards around the ops' range never changed.
   EXPECT_EQ(FindMismatch(local->bytes().subspan(0, kGuard), 1), std::nullopt);
   EXPECT_EQ(FindMismatch(local->bytes().subspan(kGuard + kSize, kGuard), 1,
@@ -216,9 +215,9 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
   // The local agent keeps serving: a same-host (memory) op.
   auto other = a().Attach(4096, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(other.ok()) << other.status();
-  auto local_op = a().Submit({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0,
-                                     100, *other, 0)},
-                             absl::Seconds(10));
+  auto local_op = a().Submit(
+      {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, 100, *other, 0)},
+      absl::Seconds(10));
   ASSERT_TRUE(local_op.ok()) << local_op.status();
   EXPECT_TRUE((*local_op)[0].status.ok()) << (*local_op)[0].status;
   EXPECT_EQ((*local_op)[0].backend, "memory");
@@ -238,9 +237,9 @@ TEST_F(TcpNetnsTest, KilledPeerFailsFastAndItsRestartIsDetected) {
   auto fresh = b().Attach(kSize, v1::ACCESS_READ_WRITE, "fresh");
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   FillPattern(fresh->bytes(), 3);
-  auto ok = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
-                               kSize, *fresh, 0)},
-                       absl::Seconds(30));
+  auto ok = a().Submit(
+      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize, *fresh, 0)},
+      absl::Seconds(30));
   ASSERT_TRUE(ok.ok()) << ok.status();
   ASSERT_TRUE((*ok)[0].status.ok()) << (*ok)[0].status;
   ExpectLayout(*local, 1, kGuard, kSize, 3, 0, "local after the new peer");
@@ -256,8 +255,8 @@ TEST_F(TcpNetnsTest, ReleaseDuringTransferIsSafeOnBothSides) {
   FillPattern(remote->bytes(), 2);
   std::vector<client::OpSpec> ops;
   for (int i = 0; i < 64; ++i) {  // 4 GiB: still running when released
-    ops.push_back(MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize,
-                         *remote, 0));
+    ops.push_back(
+        MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize, *remote, 0));
   }
   absl::StatusOr<std::vector<client::OpResult>> results;
   std::atomic<bool> done{false};
@@ -302,8 +301,8 @@ TEST_F(TcpNetnsTest, ReleaseDuringTransferIsSafeOnBothSides) {
   auto fresh_remote = b().Attach(1 << 20, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(fresh_local.ok() && fresh_remote.ok());
   FillPattern(fresh_remote->bytes(), 5);
-  auto after = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *fresh_local,
-                                  0, 1 << 20, *fresh_remote, 0)},
+  auto after = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *fresh_local, 0,
+                                  1 << 20, *fresh_remote, 0)},
                           absl::Seconds(10));
   ASSERT_TRUE(after.ok() && (*after)[0].status.ok());
   EXPECT_EQ(FindMismatch(fresh_local->bytes().subspan(0, 1 << 20), 5),
@@ -320,9 +319,9 @@ TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
   FillPattern(remote->bytes(), 2);
 
   // Warm the connection pool, then cut the wire on the peer's side.
-  auto warm = a().Submit({MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard,
-                                 1, *remote, 0)},
-                         absl::Seconds(10));
+  auto warm = a().Submit(
+      {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, 1, *remote, 0)},
+      absl::Seconds(10));
   ASSERT_TRUE(warm.ok() && (*warm)[0].status.ok());
   FillPattern(local->bytes().subspan(kGuard, 1), 1, kGuard);
   // The peer goes silent: its link is down and our side still knows its MAC,
@@ -335,8 +334,7 @@ TEST_F(TcpNetnsTest, LinkDownIsDeadlineExceededAndLinkUpRecovers) {
     SCOPED_TRACE(absl::StrCat("attempt ", attempt));
     const absl::Time start = absl::Now();
     auto results = a().Submit(
-        {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize, *remote,
-                0),
+        {MakeOp(v1::OP_TYPE_READ_INTO_LOCAL, *local, kGuard, kSize, *remote, 0),
          MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, kGuard + kSize, kSize,
                 *remote, kSize)},
         timeout);
@@ -397,12 +395,12 @@ TEST_F(TcpNetnsTest, NotificationArrivesAfterTheBytesItAnnounces) {
   client::SubmitOptions options;
   options.timeout = absl::Seconds(60);
   options.notification = "landed";
-  auto submitted = a().Submit(
-      {MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0, kLength, *remote,
-              kGuard)},
-      options);
+  auto submitted = a().Submit({MakeOp(v1::OP_TYPE_WRITE_FROM_LOCAL, *local, 0,
+                                      kLength, *remote, kGuard)},
+                              options);
   ASSERT_TRUE(submitted.ok()) << submitted.status();
-  ASSERT_TRUE(submitted->results[0].status.ok()) << submitted->results[0].status;
+  ASSERT_TRUE(submitted->results[0].status.ok())
+      << submitted->results[0].status;
   ASSERT_EQ(submitted->notifications.size(), 1u);
   EXPECT_TRUE(submitted->notifications[0].status.ok())
       << submitted->notifications[0].status;

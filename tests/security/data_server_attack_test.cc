@@ -219,8 +219,8 @@ class DataServerAttackTest : public ::testing::Test {
     AgentProcess::Options options = TcpAgent();
     options.extra_flags = std::move(victim_flags);
     // The agent raises its soft limit to the hard one unless told not to.
-    options.extra_flags.push_back(absl::StrCat("--open_files_limit=",
-                                               kAgentFdLimit));
+    options.extra_flags.push_back(
+        absl::StrCat("--open_files_limit=", kAgentFdLimit));
     auto victim = AgentProcess::Start(options);
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &current), 0);
     ASSERT_TRUE(victim.ok()) << victim.status();

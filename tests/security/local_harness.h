@@ -44,7 +44,6 @@ int OpenFdCount(pid_t pid);
 // Occurrences of `needle` in `text`.
 size_t CountOf(absl::string_view text, absl::string_view needle);
 
-
 // Starts a real agent (memory backend) whose runtime dir other users can
 // reach, with `extra_flags`.
 absl::StatusOr<std::unique_ptr<AgentProcess>> StartSharedAgent(

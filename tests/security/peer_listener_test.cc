@@ -19,9 +19,9 @@
 #include "common/unique_fd.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "rdma/agent/v1/peer.grpc.pb.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
-#include "rdma/agent/v1/peer.grpc.pb.h"
 #include "tests/testing/agent_fixture.h"
 #include "tests/testing/temp_dir.h"
 
@@ -91,8 +91,9 @@ TEST(PeerListenerTest, ListenerOnOneAddressAdvertisesThatAddressAndItsPort) {
   const std::string address = (*agent)->peer_address();
   ASSERT_TRUE(absl::StartsWith(address, "127.0.0.7:")) << address;
   EXPECT_NE(address, "127.0.0.7:0") << "the port bound, not the one asked";
-  EXPECT_TRUE(Accepts("127.0.0.7", static_cast<uint16_t>(std::stoi(
-                                       address.substr(address.find(':') + 1)))));
+  EXPECT_TRUE(Accepts(
+      "127.0.0.7",
+      static_cast<uint16_t>(std::stoi(address.substr(address.find(':') + 1)))));
 
   // An operator's --advertise_host wins (NAT): it is told, not guessed.
   auto chosen = StartAgent("127.0.0.7:0", "10.20.30.40");

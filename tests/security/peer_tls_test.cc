@@ -3,6 +3,8 @@
 // (soft) ibverbs; callers without a certificate, with one from another CA,
 // or agents without TLS, are refused by the TLS handshake before any Peer
 // method runs.
+#include "backends/peer_tls.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <cstdlib>
@@ -14,7 +16,6 @@
 #include "absl/strings/str_cat.h"
 #include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/soft/soft_verbs.h"
-#include "backends/peer_tls.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 #include "tests/testing/agent_fixture.h"
@@ -68,15 +69,13 @@ class TestPki {
                                   "ec_paramgen_curve:P-256 -nodes -subj '/CN=",
                                   name, "' -keyout ", name, ".key -out ", name,
                                   ".csr")) &&
-           Run(dir_, absl::StrCat("openssl x509 -req -in ", name,
-                                  ".csr -CA ", ca, ".pem -CAkey ", ca,
+           Run(dir_, absl::StrCat("openssl x509 -req -in ", name, ".csr -CA ",
+                                  ca, ".pem -CAkey ", ca,
                                   ".key -CAcreateserial -days 2 -extfile ",
                                   name, ".ext -out ", name, ".pem"));
   }
 
-  std::string Path(const std::string& file) const {
-    return dir_ + "/" + file;
-  }
+  std::string Path(const std::string& file) const { return dir_ + "/" + file; }
 
   // TLS material of certificate `name` trusting `ca`.
   PeerTls Tls(const std::string& name, const std::string& ca,
@@ -151,8 +150,7 @@ class PeerTlsTest : public ::testing::Test {
     const absl::Status status =
         FromGrpcStatus(from.stub().Submit(&context, request, &response));
     EXPECT_TRUE(status.ok()) << status;
-    return response.results_size() == 1 ? response.results(0)
-                                        : v1::OpResult();
+    return response.results_size() == 1 ? response.results(0) : v1::OpResult();
   }
 
   static std::string Contents(InProcessAgent& agent, uint64_t id) {
@@ -190,8 +188,8 @@ class PeerTlsTest : public ::testing::Test {
     EXPECT_TRUE(local.ok() && remote.ok());
     Fill(*a, local->buffer_id(), 3);
     const v1::OpResult result = WriteTo(*a, local->buffer_id(), *remote);
-    *landed = Contents(*b, remote->buffer_id()) ==
-              Contents(*a, local->buffer_id());
+    *landed =
+        Contents(*b, remote->buffer_id()) == Contents(*a, local->buffer_id());
     return result;
   }
 
@@ -210,8 +208,9 @@ class PeerTlsTest : public ::testing::Test {
     return request;
   }
 
-  static grpc::Status CallPeer(const std::string& address,
-                               std::shared_ptr<grpc::ChannelCredentials> creds) {
+  static grpc::Status CallPeer(
+      const std::string& address,
+      std::shared_ptr<grpc::ChannelCredentials> creds) {
     auto stub = v1::Peer::NewStub(grpc::CreateChannel(address, creds));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
@@ -228,8 +227,8 @@ class PeerTlsTest : public ::testing::Test {
 
 TEST_F(PeerTlsTest, TwoAgentsWithCertificatesFromOneCaMoveBytes) {
   bool landed = false;
-  const v1::OpResult result = MoveBytes(pki_->Tls("agent", "ca"),
-                                        pki_->Tls("agent", "ca"), &landed);
+  const v1::OpResult result =
+      MoveBytes(pki_->Tls("agent", "ca"), pki_->Tls("agent", "ca"), &landed);
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_EQ(result.backend(), "ibverbs");
   EXPECT_TRUE(landed);
@@ -245,8 +244,8 @@ TEST_F(PeerTlsTest, ServerNameOverrideAcceptsACertificateForThatName) {
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_TRUE(landed);
   // ...and against the address dialled it does not.
-  result = MoveBytes(pki_->Tls("named", "ca"), pki_->Tls("named", "ca"),
-                     &landed);
+  result =
+      MoveBytes(pki_->Tls("named", "ca"), pki_->Tls("named", "ca"), &landed);
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
   EXPECT_FALSE(landed);
@@ -254,15 +253,14 @@ TEST_F(PeerTlsTest, ServerNameOverrideAcceptsACertificateForThatName) {
 
 TEST_F(PeerTlsTest, AgentWithoutTlsOrFromAnotherCaCannotConnect) {
   bool landed = true;
-  v1::OpResult result =
-      MoveBytes(PeerTls(), pki_->Tls("agent", "ca"), &landed);
+  v1::OpResult result = MoveBytes(PeerTls(), pki_->Tls("agent", "ca"), &landed);
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
   EXPECT_FALSE(landed);
   landed = true;
   // The stranger trusts the right CA but presents another CA's certificate.
-  result = MoveBytes(pki_->Tls("stranger", "ca"), pki_->Tls("agent", "ca"),
-                     &landed);
+  result =
+      MoveBytes(pki_->Tls("stranger", "ca"), pki_->Tls("agent", "ca"), &landed);
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
   EXPECT_FALSE(landed);
@@ -276,8 +274,7 @@ TEST_F(PeerTlsTest, RawClientsWithoutAValidCertificateAreRefused) {
   const std::string ca = ReadFile(pki_->Path("ca.pem"));
 
   // Plaintext.
-  grpc::Status status =
-      CallPeer(address, grpc::InsecureChannelCredentials());
+  grpc::Status status = CallPeer(address, grpc::InsecureChannelCredentials());
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << status.error_message();
   // TLS without a client certificate.
