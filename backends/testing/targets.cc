@@ -89,12 +89,12 @@ BackendTarget MemoryTarget() {
   BackendTarget target;
   target.name = "memory";
   target.agents = 1;
-  target.max_message_bytes = MemoryBackend::kCopySliceBytes;
+  target.max_message_bytes = memory::MemoryBackend::kCopySliceBytes;
   target.make_world = [] {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
             -> absl::StatusOr<std::unique_ptr<Backend>> {
-          return std::make_unique<MemoryBackend>(env);
+          return std::make_unique<memory::MemoryBackend>(env);
         });
   };
   return target;

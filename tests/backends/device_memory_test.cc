@@ -227,7 +227,7 @@ std::unique_ptr<TestAgent> MemoryAgent() {
       TestAgent::Create("agent-m",
                         [](const BackendEnvironment& env)
                             -> absl::StatusOr<std::unique_ptr<Backend>> {
-                          return std::make_unique<MemoryBackend>(env);
+                          return std::make_unique<memory::MemoryBackend>(env);
                         });
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
@@ -328,7 +328,7 @@ TEST(TcpBackendDeviceMemoryTest, NeitherRegistersNorServesDeviceMemory) {
 TEST(RegistryDeviceMemoryTest, WithoutANicBackendRegistrationFailsNamingKind) {
   std::vector<std::unique_ptr<Backend>> backends;
   BackendEnvironment env;
-  backends.push_back(std::make_unique<MemoryBackend>(env));
+  backends.push_back(std::make_unique<memory::MemoryBackend>(env));
   BackendRegistry registry(std::move(backends));
   auto memory = DeviceMemory::Adopt(Memfd(kSize), Cuda(0, kSize, 1), AdmitAll);
   ASSERT_TRUE(memory.ok());

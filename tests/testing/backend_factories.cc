@@ -11,7 +11,7 @@ namespace rdma_agent::testing {
 BackendFactory MemoryFactory() {
   return [](const BackendEnvironment& env)
              -> absl::StatusOr<std::unique_ptr<Backend>> {
-    return std::make_unique<MemoryBackend>(env);
+    return std::make_unique<memory::MemoryBackend>(env);
   };
 }
 
