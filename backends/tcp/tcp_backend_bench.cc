@@ -43,13 +43,13 @@ using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
 
 std::unique_ptr<TestAgent> Agent(uint64_t epoch) {
-  TcpOptions options;
+  tcp::TcpOptions options;
   options.listen = "127.0.0.1:0";
   auto agent = TestAgent::Create(
       absl::StrCat("agent-", epoch),
       [options](const BackendEnvironment& env)
           -> absl::StatusOr<std::unique_ptr<Backend>> {
-        auto backend = TcpBackend::Create(options, env);
+        auto backend = tcp::TcpBackend::Create(options, env);
         if (!backend.ok()) return backend.status();
         return std::unique_ptr<Backend>(std::move(*backend));
       },

@@ -108,10 +108,10 @@ BackendTarget TcpTarget() {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
             -> absl::StatusOr<std::unique_ptr<Backend>> {
-          TcpOptions options;
+          tcp::TcpOptions options;
           options.listen = "127.0.0.1:0";
           options.client.chunk_bytes = kTcpChunkBytes;
-          auto backend = TcpBackend::Create(options, env);
+          auto backend = tcp::TcpBackend::Create(options, env);
           if (!backend.ok()) return backend.status();
           return std::unique_ptr<Backend>(std::move(*backend));
         });

@@ -268,13 +268,13 @@ TEST(MemoryBackendDeviceMemoryTest, NeitherRegistersNorTouchesDeviceMemory) {
 }
 
 std::unique_ptr<TestAgent> TcpAgent(const std::string& id) {
-  TcpOptions options;
+  tcp::TcpOptions options;
   options.listen = "127.0.0.1:0";
   auto agent =
       TestAgent::Create(id,
                         [options](const BackendEnvironment& env)
                             -> absl::StatusOr<std::unique_ptr<Backend>> {
-                          auto backend = TcpBackend::Create(options, env);
+                          auto backend = tcp::TcpBackend::Create(options, env);
                           if (!backend.ok()) return backend.status();
                           return std::unique_ptr<Backend>(std::move(*backend));
                         });
