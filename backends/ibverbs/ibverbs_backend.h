@@ -10,7 +10,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "backends/backend.h"
-#include "backends/ibverbs/batch.h"
+#include "backends/ibverbs/posted_batch.h"
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/memory_node.h"
 #include "backends/ibverbs/numa_topology.h"

@@ -1,5 +1,5 @@
-#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
-#define RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -116,4 +116,4 @@ class Batch : public CompletionSink {
 
 }  // namespace rdma_agent::ibverbs
 
-#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_

@@ -1,4 +1,4 @@
-#include "backends/ibverbs/batch.h"
+#include "backends/ibverbs/posted_batch.h"
 
 #include <utility>
 
