@@ -236,7 +236,7 @@ class IbverbsBackend : public Backend {
   // Submit's steps. The rail pairs ops to one peer go over, and which bytes
   // each lane carries; the ops fail at once when no rail can be used.
   PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
-                    Batch& batch);
+                    PostedBatch& batch);
   // Which of `rails` x `plan`'s remote rails failed and were not shown to
   // work since; `expired` gets those whose cooldown ran out (worth a
   // probe).
@@ -260,19 +260,21 @@ class IbverbsBackend : public Backend {
   std::vector<Rail*> UsableRails();
   // Connects `use`'s lane and posts the bytes planned for it.
   void RunLane(absl::Span<const Op> ops, const PeerPlan& plan, LaneUse& use,
-               const std::shared_ptr<Batch>& batch, const StopToken& stop);
+               const std::shared_ptr<PostedBatch>& batch,
+               const StopToken& stop);
   // Posts `range` of its op over `use`'s connected lane as WRs of at most
   // the smaller max message size of both rails. What cannot be posted
   // because the lane failed is requeued; other failures settle it.
-  void PostRange(const Op& op, const Batch::Range& range, LaneUse& use,
-                 const std::shared_ptr<Batch>& batch, const StopToken& stop);
+  void PostRange(const Op& op, const PostedBatch::Range& range, LaneUse& use,
+                 const std::shared_ptr<PostedBatch>& batch,
+                 const StopToken& stop);
   // Posts the bytes of failed WRs again over the other lanes to their peer
   // (connecting one if needed), or settles them UNAVAILABLE when none is
   // left.
   void Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
               const std::vector<size_t>& plan_of_op,
-              std::vector<Batch::Retry> retries,
-              const std::shared_ptr<Batch>& batch, const StopToken& stop);
+              std::vector<PostedBatch::Retry> retries,
+              const std::shared_ptr<PostedBatch>& batch, const StopToken& stop);
   // The least loaded lane of `plan` still standing in this Submit for op
   // `op`, connected (a lane that fails to connect is left out and the next
   // one tried): one near the op's buffers first, then any of the plan;
@@ -296,7 +298,7 @@ class IbverbsBackend : public Backend {
                  const std::shared_ptr<Lane>& lane, const StopToken& stop);
   // At the deadline or cancellation: moves the QPs holding WRs of the batch
   // to ERR, drains them, and gives the ops not done the stop's status.
-  void CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
+  void CutShort(const std::vector<PeerPlan>& plans, PostedBatch& batch,
                 const StopToken& stop);
 
   // The lane `rail` -> `remote` to `peer`, created on first use.

@@ -26,7 +26,7 @@ namespace rdma_agent::ibverbs {
 // op has no error is not given up on: its bytes wait as a Retry for the
 // Submit to post elsewhere. Thread-safe: completions arrive on pollers'
 // threads.
-class Batch : public CompletionSink {
+class PostedBatch : public CompletionSink {
  public:
   // A byte range of an op.
   struct Range {
@@ -46,7 +46,7 @@ class Batch : public CompletionSink {
     bool path_failed = false;
   };
 
-  explicit Batch(absl::Span<const Op> ops);
+  explicit PostedBatch(absl::Span<const Op> ops);
 
   // Records a WR of `range` about to be posted on `lane` (its load and its
   // rail's counters follow it); returns the WR's cookie.

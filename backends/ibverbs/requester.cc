@@ -91,7 +91,7 @@ struct IbverbsBackend::LaneUse {
   // Its share of striped ops (Gbit/s it can count on).
   double weight = 0;
   // The bytes planned for it, in batch order.
-  std::vector<Batch::Range> work;
+  std::vector<PostedBatch::Range> work;
   // Set once connected.
   std::shared_ptr<QueuePairConnection> connection;
   // Not OK: it failed and is left out for the rest of the Submit.
@@ -157,7 +157,7 @@ absl::Status IbverbsBackend::CheckOp(const Op& op) const {
 
 std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
                                                  const StopToken& stop) {
-  auto batch = std::make_shared<Batch>(ops);
+  auto batch = std::make_shared<PostedBatch>(ops);
   // A cancellation ends the waits below; the QPs are then moved to ERR and
   // drained exactly as at the deadline.
   const auto on_cancel = stop.OnCancel([batch] { batch->Interrupt(); });
@@ -293,7 +293,7 @@ std::shared_ptr<Lane> IbverbsBackend::LaneFor(const std::string& peer,
 
 IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
                                                   std::vector<size_t> indices,
-                                                  Batch& batch) {
+                                                  PostedBatch& batch) {
   PeerPlan plan;
   plan.peer = PeerKey(*ops[indices.front()].remote);
   plan.ops = std::move(indices);
@@ -566,7 +566,8 @@ void IbverbsBackend::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
 }
 
 void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
-                             LaneUse& use, const std::shared_ptr<Batch>& batch,
+                             LaneUse& use,
+                             const std::shared_ptr<PostedBatch>& batch,
                              const StopToken& stop) {
   auto connection = ConnectLane(*use.lane, ops, plan.ops, stop);
   if (!connection.ok()) {
@@ -576,25 +577,25 @@ void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
         !stop.stopped()) {
       use.failed = connection.status();
       use.connect_failed = true;
-      for (const Batch::Range& range : use.work) {
+      for (const PostedBatch::Range& range : use.work) {
         batch->Requeue(range, use.lane.get(), use.failed);
       }
     } else {
-      for (const Batch::Range& range : use.work) {
+      for (const PostedBatch::Range& range : use.work) {
         batch->Settle(range, connection.status());
       }
     }
     return;
   }
   use.connection = *connection;
-  for (const Batch::Range& range : use.work) {
+  for (const PostedBatch::Range& range : use.work) {
     PostRange(ops[range.op], range, use, batch, stop);
   }
 }
 
-void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
+void IbverbsBackend::PostRange(const Op& op, const PostedBatch::Range& range,
                                LaneUse& use,
-                               const std::shared_ptr<Batch>& batch,
+                               const std::shared_ptr<PostedBatch>& batch,
                                const StopToken& stop) {
   // Nothing is posted once the deadline has passed (say, after a handshake
   // that answered just then): it could not end in time.
@@ -640,8 +641,8 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
     wr_bytes = std::min(wr_bytes, lane.remote.max_message_bytes);
   }
   for (uint64_t done = 0; done < range.length;) {
-    const Batch::Range piece = {range.op, range.offset + done,
-                                std::min(wr_bytes, range.length - done)};
+    const PostedBatch::Range piece = {range.op, range.offset + done,
+                                      std::min(wr_bytes, range.length - done)};
     ibv_sge sge = {};
     sge.addr = MrAddress(*op.local) + op.local_offset + piece.offset;
     sge.length = static_cast<uint32_t>(piece.length);
@@ -661,8 +662,8 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
       continue;
     }
     batch->WrNotPosted(cookie);
-    const Batch::Range rest = {range.op, range.offset + done,
-                               range.length - done};
+    const PostedBatch::Range rest = {range.op, range.offset + done,
+                                     range.length - done};
     if (posted.code() == absl::StatusCode::kUnavailable && !stop.stopped()) {
       // The queue pair failed under us: the rest goes elsewhere.
       use.failed = Prefixed(posted, absl::StrCat("on rail ", lane.name()));
@@ -677,10 +678,10 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
 void IbverbsBackend::Repost(absl::Span<const Op> ops,
                             std::vector<PeerPlan>& plans,
                             const std::vector<size_t>& plan_of_op,
-                            std::vector<Batch::Retry> retries,
-                            const std::shared_ptr<Batch>& batch,
+                            std::vector<PostedBatch::Retry> retries,
+                            const std::shared_ptr<PostedBatch>& batch,
                             const StopToken& stop) {
-  for (Batch::Retry& retry : retries) {
+  for (PostedBatch::Retry& retry : retries) {
     PeerPlan& plan = plans[plan_of_op[retry.range.op]];
     // The lane it failed on is out for the rest of this Submit (its QP is
     // in ERR; the next Submit reconnects it), and cools down when its path
@@ -923,8 +924,8 @@ void IbverbsBackend::ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
   if (!posted.ok()) give_up(posted);
 }
 
-void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
-                              const StopToken& stop) {
+void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans,
+                              PostedBatch& batch, const StopToken& stop) {
   // Out of time (or cancelled) with WRs on the wire: the QPs carrying them
   // go to ERR and are drained, so no WR of this batch touches memory after
   // we return.
@@ -956,7 +957,7 @@ void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
                                absl::StrCat(stopped.message(), " ", what))
                 : stopped;
   // Bytes waiting for another rail get none now.
-  for (const Batch::Retry& retry : batch.TakeRetries()) {
+  for (const PostedBatch::Retry& retry : batch.TakeRetries()) {
     batch.Settle(retry.range, cut);
   }
   if (!drained) {
