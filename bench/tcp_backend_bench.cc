@@ -7,7 +7,7 @@
 //   - 64 KiB x 256 per Submit (KV-cache-sized blocks) and one 256 MiB op
 //     per Submit, WRITE and READ: MiB/s.
 //
-//   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds [rows]]
+//   bazel run -c opt //bench:tcp_backend_bench -- [seconds [rows]]
 //
 // `rows` picks what runs (comma-separated; default all but sizes): latency,
 // write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per Submit in ops of 16 KiB to
