@@ -308,8 +308,8 @@ absl::Status Pipeline::Receive(absl::Time deadline, bool* progress,
                                                  received.status().message()));
     }
     if (*received == 0) {
-      // Non-blocking: drained for now. Blocking: the deadline passed;
-      // the caller checks it.
+      // Non-blocking: nothing more has arrived. Blocking: the deadline
+      // passed; the caller checks it.
       *want_read = !block;
       return absl::OkStatus();
     }
