@@ -77,7 +77,7 @@ struct Op {
 };
 
 // A transport that moves bytes between this agent's registrations and
-// remote ones: the seed's RdmaBackend.
+// remote ones.
 //
 // Thread-safe: Register, Submit and destruction of BackendRegistrations may
 // happen concurrently from many RPCs.

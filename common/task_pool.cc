@@ -4,7 +4,7 @@
 
 namespace rdma_agent {
 
-struct TaskPool::Batch {
+struct TaskPool::Round {
   // Tasks not yet returned, the caller's own included.
   size_t unfinished ABSL_GUARDED_BY(TaskPool::mu_) = 0;
 };
@@ -30,36 +30,38 @@ void TaskPool::RunAll(absl::Span<const std::function<void()>> tasks) {
     for (const auto& task : tasks) task();
     return;
   }
-  Batch batch;
+  Round round;
   {
     absl::MutexLock lock(&mu_);
-    batch.unfinished = tasks.size();
+    round.unfinished = tasks.size();
     for (size_t i = 1; i < tasks.size(); ++i) {
-      queue_.push_back(Item{&batch, &tasks[i]});
+      queue_.push_back(Item{&round, &tasks[i]});
     }
   }
   tasks[0]();
   absl::MutexLock lock(&mu_);
-  Finish(batch);
+  Finish(round);
   // Take back what no thread has started, and run it here.
   while (true) {
-    auto mine = std::find_if(queue_.begin(), queue_.end(),
-                             [&](const Item& item) { return item.batch == &batch; });
+    auto mine =
+        std::find_if(queue_.begin(), queue_.end(),
+                     [&](const Item& item) { return item.round == &round; });
     if (mine == queue_.end()) break;
     const std::function<void()>* task = mine->task;
     queue_.erase(mine);
     mu_.Unlock();
     (*task)();
     mu_.Lock();
-    Finish(batch);
+    Finish(round);
   }
   // Only tasks running on pool threads are left.
   mu_.Await(absl::Condition(
-      +[](Batch* b) ABSL_NO_THREAD_SAFETY_ANALYSIS { return b->unfinished == 0; },
-      &batch));
+      +[](Round* r)
+           ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->unfinished == 0; },
+      &round));
 }
 
-void TaskPool::Finish(Batch& batch) { --batch.unfinished; }
+void TaskPool::Finish(Round& round) { --round.unfinished; }
 
 void TaskPool::Loop() {
   absl::MutexLock lock(&mu_);
@@ -75,7 +77,7 @@ void TaskPool::Loop() {
     mu_.Unlock();
     (*item.task)();
     mu_.Lock();
-    Finish(*item.batch);
+    Finish(*item.round);
   }
 }
 

@@ -38,14 +38,15 @@ class TaskPool {
   size_t threads() const { return threads_.size(); }
 
  private:
-  struct Batch;
+  // The tasks of one RunAll call, until every one has returned.
+  struct Round;
   struct Item {
-    Batch* batch;
+    Round* round;
     const std::function<void()>* task;
   };
 
   void Loop();
-  void Finish(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Finish(Round& round) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);

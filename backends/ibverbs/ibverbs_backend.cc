@@ -13,11 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "backends/ibverbs/registration_state.h"
+#include "backends/ibverbs/requester.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/random.h"
 #include "common/status_util.h"
-#include "common/task_pool.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent::ibverbs {
@@ -266,7 +266,7 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
                           ? options_.memory_locator
                           : MakeKernelMemoryNodeLocator()),
       service_(std::make_unique<PeerService>(this)),
-      posting_pool_(std::make_unique<TaskPool>(kPostingThreads)) {
+      requester_(std::make_unique<Requester>(env_, options_, rails_, name_)) {
   KeepGrpcAlive();
 }
 
@@ -279,14 +279,12 @@ IbverbsBackend::~IbverbsBackend() {
   for (const auto& device : devices_) device->port_watcher.reset();
   // Lanes' connections drain and stop their pollers, and sessions drop their
   // grants, before the PDs and devices go.
-  std::map<std::string, std::shared_ptr<Lane>> lanes;
+  requester_.reset();
   std::map<std::string, std::shared_ptr<PeerSession>> responders;
   {
     absl::MutexLock lock(&mu_);
-    lanes.swap(lanes_);
     responders.swap(responders_);
   }
-  lanes.clear();
   responders.clear();
 }
 
@@ -508,14 +506,8 @@ v1::TransportInfo IbverbsBackend::transport_info() const {
   if (!available()) return info;
   auto& attributes = *info.mutable_attributes();
   const absl::Time now = absl::Now();
-  std::map<const Rail*, size_t> lanes_cooling;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [key, lane] : lanes_) {
-      absl::MutexLock health(&lane->health->mu);
-      if (lane->health->cooldown.cooling(now)) ++lanes_cooling[lane->rail];
-    }
-  }
+  std::map<const Rail*, size_t> lanes_cooling =
+      requester_->LanesCoolingDown(now);
   for (const auto& rail : rails_) {
     verbs::Device& dev = *rail->device->device;
     // The port as it is now: a rail whose cable was pulled says DOWN.
@@ -720,20 +712,6 @@ bool IbverbsBackend::CanReach(const v1::RemoteBuffer& remote) const {
   return true;
 }
 
-std::shared_ptr<v1::Peer::Stub> IbverbsBackend::StubFor(
-    const std::string& address) {
-  absl::MutexLock lock(&mu_);
-  auto& stub = stubs_[address];
-  if (stub == nullptr) {
-    grpc::ChannelArguments args;
-    std::shared_ptr<grpc::ChannelCredentials> credentials =
-        PeerChannelCredentials(env_.peer_tls, &args);
-    stub = v1::Peer::NewStub(
-        grpc::CreateCustomChannel(address, credentials, args));
-  }
-  return stub;
-}
-
 absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
     const v1::ConnectQueuePairRequest& request, absl::string_view peer) {
   if (!available()) {
@@ -903,7 +881,7 @@ absl::Status IbverbsBackend::Notify(const v1::RemoteBuffer& remote,
   const auto on_cancel = stop.OnCancel([&context] { context.TryCancel(); });
   const std::string& address = endpoint.ibverbs().peer_address();
   const grpc::Status status =
-      StubFor(address)->Notify(&context, request, &response);
+      requester_->StubFor(address)->Notify(&context, request, &response);
   if (status.ok()) return absl::OkStatus();
   // Sent, maybe received: the answer is what went missing.
   const bool maybe_delivered =
@@ -936,31 +914,26 @@ absl::Status IbverbsBackend::AcceptNotification(
                                      request.data());
 }
 
+std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
+                                                 const StopToken& stop) {
+  return requester_->Submit(ops, stop);
+}
+
 uint64_t IbverbsBackend::connections_established() const {
-  absl::MutexLock lock(&mu_);
-  return connections_established_;
+  return requester_->connections_established();
 }
 
 size_t IbverbsBackend::requester_count() const {
-  absl::MutexLock lock(&mu_);
-  size_t connected = 0;
-  for (const auto& [key, lane] : lanes_)
-    connected += lane->connection != nullptr;
-  return connected;
+  return requester_->connections();
 }
 
 std::vector<Backend::PeerLinks> IbverbsBackend::peer_links() const {
-  absl::MutexLock lock(&mu_);
-  // By peer agent and device; a peer's epoch, or which of our rails, is no
-  // label worth a new time series.
-  std::map<std::string, size_t> out;
-  for (const auto& [key, lane] : lanes_) {
-    if (lane->connection == nullptr) continue;
-    const std::string agent = lane->peer.substr(0, lane->peer.rfind('/'));
-    ++out[absl::StrCat(agent, "/", lane->remote.device)];
-  }
+  const std::map<std::string, size_t> out = requester_->ConnectionsByPeer();
   std::map<std::string, size_t> in;
-  for (const auto& [key, session] : responders_) ++in[session->peer()];
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, session] : responders_) ++in[session->peer()];
+  }
   std::vector<PeerLinks> links;
   for (const auto& [peer, count] : out) links.push_back({peer, "out", count});
   for (const auto& [peer, count] : in) links.push_back({peer, "in", count});

@@ -10,10 +10,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "backends/backend.h"
-#include "backends/ibverbs/batch.h"
 #include "backends/ibverbs/connection.h"
 #include "backends/ibverbs/memory_node.h"
 #include "backends/ibverbs/numa_topology.h"
+#include "backends/ibverbs/options.h"
 #include "backends/ibverbs/profiles.h"
 #include "backends/ibverbs/rails.h"
 #include "backends/ibverbs/verbs.h"
@@ -23,63 +23,9 @@ namespace rdma_agent::testing {
 class IbverbsBackendProbe;
 }  // namespace rdma_agent::testing
 
-namespace rdma_agent {
-class TaskPool;
-}  // namespace rdma_agent
-
 namespace rdma_agent::ibverbs {
 
-// Configuration of the ibverbs backend (flags.cc fills it from --ibverbs_*).
-struct IbverbsOptions {
-  // False: the backend reports itself unavailable.
-  bool enabled = true;
-  // Devices to use, each port of each one a rail; empty = every
-  // device.
-  std::vector<std::string> devices;
-  // 1-based port used on each device; 0 = every port.
-  uint8_t port = 0;
-  // "auto" (from each device's vendor and name), "generic", "mlx5", "efa".
-  std::string profile = "auto";
-  // Overrides of the profile's queue-pair defaults (on every rail).
-  QueuePairOverrides qp;
-  // Bound on one queue-pair handshake (also bounded by the op's deadline).
-  absl::Duration connect_timeout = absl::Seconds(5);
-  // How long the completion poller spins before blocking on the channel.
-  absl::Duration busy_poll = absl::Microseconds(50);
-  // Bound on waiting for a QP in ERR to flush its WRs.
-  absl::Duration drain_timeout = absl::Seconds(10);
-  // Peer sessions kept at most (one per peer agent rail and rail of this
-  // agent it connected to, each with its own protection domain and
-  // responder QP).
-  size_t max_responders = 1024;
-  // Registrations one peer session may be granted (one MR each in its PD).
-  size_t max_grants_per_peer = 4096;
-  // Ops of at least this many bytes are split over every rail pair to
-  // their peer, in proportion to link speed; smaller ones go whole to the
-  // least loaded pair.
-  uint64_t stripe_threshold_bytes = 64 << 10;
-  // How long a rail pair (or a rail whose port went down) is left out after
-  // its completions failed; each further failure in a row doubles it, up to
-  // rail_max_cooldown. When it runs out the pair is probed (a zero-length
-  // RDMA WRITE) while the others carry the ops, and used again once the
-  // probe completes.
-  absl::Duration rail_cooldown = absl::Seconds(1);
-  absl::Duration rail_max_cooldown = absl::Seconds(30);
-  // NUMA affinity (README.md, "Affinity"). kNearest: an op goes over the
-  // rails nearest to its buffers on both sides, and over the others only
-  // when no near one works or, for striped ops, when the near rails' link
-  // speed is below numa_near_share of all rails'. kAll: every rail, as if
-  // the host had one node.
-  enum class NumaPolicy { kNearest, kAll };
-  NumaPolicy numa_policy = NumaPolicy::kNearest;
-  double numa_near_share = 0.5;
-  // Where the NUMA nodes, their distances and the devices' nodes are read
-  // ("/sys" on a host; a test's tree otherwise).
-  std::string sysfs_root = "/sys";
-  // Where registrations' memory is; nullptr: the kernel's answer
-  // (MakeKernelMemoryNodeLocator).
-  std::shared_ptr<const MemoryNodeLocator> memory_locator;
-};
+class Requester;
 
 // One-sided RDMA READ/WRITE through the host's NICs ("ibverbs", level NIC).
 //
@@ -105,21 +51,21 @@ struct IbverbsOptions {
 // it) and off the session (gone when it is replaced). This agent's own
 // requester QPs refuse inbound RDMA.
 //
-// Submit() pairs this agent's rails with the peer's (striping.h), connects
-// an RC QP per pair (lane) on first use through the Peer service, asks for
-// a grant on first use of each remote buffer over it (cached per lane, with
-// the token that earned it), splits ops of at least stripe_threshold_bytes
-// over the lanes in proportion to link speed and puts smaller ones on the
-// least loaded lane, cuts each piece into WRs of at most the smaller max
-// message size of both rails, posts them under send-queue credits, and
-// reports each op when all its bytes moved, with the first error. Bytes
-// whose WRs fail because a rail failed (retry exceeded, flushed) are posted
-// again over the other lanes, and the failed pair (or rail, when its port is
-// down) cools down; only when no lane is left does the op fail UNAVAILABLE
-// (the registry then retries it on tcp). At the deadline, or when
-// cancelled, every QP still holding WRs of the batch is moved to ERR and
-// drained, so no WR touches memory after Submit returns; the next Submit
-// reconnects.
+// Submit() (its Requester, requester.h) pairs this agent's rails with the
+// peer's (striping.h), connects an RC QP per pair (lane) on first use
+// through the Peer service, asks for a grant on first use of each remote
+// buffer over it (cached per lane, with the token that earned it), splits
+// ops of at least stripe_threshold_bytes over the lanes in proportion to
+// link speed and puts smaller ones on the least loaded lane, cuts each
+// piece into WRs of at most the smaller max message size of both rails,
+// posts them under send-queue credits, and reports each op when all its
+// bytes moved, with the first error. Bytes whose WRs fail because a rail
+// failed (retry exceeded, flushed) are posted again over the other lanes,
+// and the failed pair (or rail, when its port is down) cools down; only
+// when no lane is left does the op fail UNAVAILABLE (the registry then
+// retries it on tcp). At the deadline, or when cancelled, every QP still
+// holding WRs of the batch is moved to ERR and drained, so no WR touches
+// memory after Submit returns; the next Submit reconnects.
 class IbverbsBackend : public Backend {
  public:
   // Never fails for a missing device or port: the backend is then
@@ -201,10 +147,6 @@ class IbverbsBackend : public Backend {
   friend class ::rdma_agent::testing::IbverbsBackendProbe;
   class PeerService;
   class PeerSession;
-  struct Handshaken;
-  struct LaneUse;
-  struct PeerPlan;
-  struct AffinityClass;
 
   IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
                  std::unique_ptr<verbs::Verbs> verbs);
@@ -223,104 +165,12 @@ class IbverbsBackend : public Backend {
   // The rail `device`:`port` of this agent (port 0: its first rail on
   // `device`), or nullptr.
   Rail* FindRail(const std::string& device, uint32_t port) const;
-  // "agent_id/epoch": whom an op goes to.
-  static std::string PeerKey(const v1::RemoteBuffer& remote);
-  // What the contract does not cover before posting: the local MR.
-  absl::Status CheckOp(const Op& op) const;
   // Where `registration`'s memory is and which rails are nearest to it
   // (every rail under NumaPolicy::kAll or when nodes are unknown). Host
   // memory: the node the locator finds. Device memory: its device's node
   // and PCIe switch, by its PCI address (none given: every rail).
   RailAffinity AffinityOf(const Registration& registration) const;
 
-  // Submit's steps. The rail pairs ops to one peer go over, and which bytes
-  // each lane carries; the ops fail at once when no rail can be used.
-  PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
-                    Batch& batch);
-  // Which of `rails` x `plan`'s remote rails failed and were not shown to
-  // work since; `expired` gets those whose cooldown ran out (worth a
-  // probe).
-  std::vector<std::vector<bool>> FailedPairs(
-      const PeerPlan& plan, const std::vector<Rail*>& rails,
-      std::vector<std::pair<size_t, size_t>>& expired);
-  // Groups `plan`'s ops by the rails near their buffers (both sides) and
-  // pairs rails for each group: near ones for small ops, far ones joining
-  // for large ops when the near ones' speed is a small share, any usable
-  // ones when no near pair is healthy. `rails` are the usable rails,
-  // `healthy` their pairs with the peer's rails.
-  void PlanAffinity(absl::Span<const Op> ops, const std::vector<Rail*>& rails,
-                    const std::vector<std::vector<bool>>& healthy,
-                    PeerPlan& plan);
-  // Cuts `plan`'s ops over the lanes of their affinity class: large ones
-  // in proportion to the lanes' shares, small ones whole to the least
-  // loaded lane.
-  void AssignWork(absl::Span<const Op> ops, PeerPlan& plan);
-  // Rails usable now (their port's failure cooled down, or they never
-  // failed); when none is, the rails whose ports are ACTIVE now.
-  std::vector<Rail*> UsableRails();
-  // Connects `use`'s lane and posts the bytes planned for it.
-  void RunLane(absl::Span<const Op> ops, const PeerPlan& plan, LaneUse& use,
-               const std::shared_ptr<Batch>& batch, const StopToken& stop);
-  // Posts `range` of its op over `use`'s connected lane as WRs of at most
-  // the smaller max message size of both rails. What cannot be posted
-  // because the lane failed is requeued; other failures settle it.
-  void PostRange(const Op& op, const Batch::Range& range, LaneUse& use,
-                 const std::shared_ptr<Batch>& batch, const StopToken& stop);
-  // Posts the bytes of failed WRs again over the other lanes to their peer
-  // (connecting one if needed), or settles them UNAVAILABLE when none is
-  // left.
-  void Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
-              const std::vector<size_t>& plan_of_op,
-              std::vector<Batch::Retry> retries,
-              const std::shared_ptr<Batch>& batch, const StopToken& stop);
-  // The least loaded lane of `plan` still standing in this Submit for op
-  // `op`, connected (a lane that fails to connect is left out and the next
-  // one tried): one near the op's buffers first, then any of the plan;
-  // when none is left, a pair the plan left out (AddLane). nullptr when
-  // there is none either.
-  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan, size_t op,
-                    const StopToken& stop);
-  // Adds to `plan` a lane between usable rails that it does not have yet
-  // and that is not cooling down, rails near op `op`'s buffers first, with
-  // at most `max_far_ends` (0-2) of its two rails far from them and, with
-  // `fresh_rails`, neither rail used by a lane of the plan still standing;
-  // nullptr when there is none.
-  LaneUse* AddLane(PeerPlan& plan, size_t op, int max_far_ends,
-                   bool fresh_rails = false);
-  // Leaves out `lane` (or its rail, when its port is not ACTIVE) for a
-  // while after its path failed with `why`.
-  void CoolDown(Lane& lane, const absl::Status& why);
-  // Reconnects a lane whose cooldown ran out and sends it a zero-length
-  // RDMA WRITE; the lane is used again once that completes.
-  void ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
-                 const std::shared_ptr<Lane>& lane, const StopToken& stop);
-  // At the deadline or cancellation: moves the QPs holding WRs of the batch
-  // to ERR, drains them, and gives the ops not done the stop's status.
-  void CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
-                const StopToken& stop);
-
-  // The lane `rail` -> `remote` to `peer`, created on first use.
-  std::shared_ptr<Lane> LaneFor(const std::string& peer, Rail& rail,
-                                const RemoteRail& remote);
-  // The lane's connection. The handshake needs the proof of one buffer:
-  // those of the `indices` ops are tried in turn (a few at most), so that
-  // one forged or released context does not fail the others.
-  absl::StatusOr<std::shared_ptr<QueuePairConnection>> ConnectLane(
-      Lane& lane, absl::Span<const Op> ops, const std::vector<size_t>& indices,
-      const StopToken& stop);
-  absl::StatusOr<std::shared_ptr<QueuePairConnection>> GetConnection(
-      Lane& lane, const v1::RemoteBuffer& remote,
-      const v1::IbverbsEndpoint& endpoint, const StopToken& stop);
-  absl::StatusOr<Handshaken> Handshake(const Lane& lane,
-                                       const v1::RemoteBuffer& remote,
-                                       const v1::IbverbsEndpoint& endpoint,
-                                       const StopToken& stop);
-  // The grant for op's remote buffer over `lane`'s `connection`: cached,
-  // or asked for with GrantBuffer (cut short by `stop`).
-  absl::StatusOr<RemoteGrant> GrantFor(const Op& op, Lane& lane,
-                                       const QueuePairConnection& connection,
-                                       const StopToken& stop);
-  std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
   // The session `id` names, or nullptr.
   std::shared_ptr<PeerSession> FindSession(const std::string& id) const;
   // The lkey of `registration`'s MR in the first device's main PD (0 when
@@ -340,33 +190,17 @@ class IbverbsBackend : public Backend {
   const NumaTopology topology_;
   const std::shared_ptr<const MemoryNodeLocator> memory_locator_;
   std::unique_ptr<PeerService> service_;
-  // A batch for several lanes connects and posts to them at once: the
-  // caller and these threads (more lanes than threads: the caller runs the
-  // rest in turn).
-  static constexpr size_t kPostingThreads = 3;
-  std::unique_ptr<TaskPool> posting_pool_;
+  // Submit: lanes to peers over the rails above (reset before them).
+  std::unique_ptr<Requester> requester_;
   // Set by Start(); read-only once registrations exist.
   std::string peer_address_;
 
   mutable absl::Mutex mu_;
-  // One per lane key: serialises handshakes of the same lane, so concurrent
-  // Submits connect it once, while a slow peer does not hold up handshakes
-  // with others.
-  std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
-      ABSL_GUARDED_BY(mu_);
-  // Lanes by "agent_id/epoch/local rail>remote rail"; a lane's connection,
-  // session and grants are guarded by mu_ too.
-  std::map<std::string, std::shared_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
-  // Rotates ties among equally loaded lanes, per peer ("agent/epoch").
-  std::map<std::string, size_t> round_robin_ ABSL_GUARDED_BY(mu_);
   // Peer sessions (PD + responder QP + grants) by "agent_id/requester
   // rail>rail of this agent".
   std::map<std::string, std::shared_ptr<PeerSession>> responders_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_serial_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<std::string, std::shared_ptr<v1::Peer::Stub>> stubs_
-      ABSL_GUARDED_BY(mu_);
-  uint64_t connections_established_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace rdma_agent::ibverbs

@@ -174,7 +174,7 @@ struct LaneHealth {
 // A local rail paired with a remote rail, toward one life (epoch) of one
 // peer agent: its requester queue pair, its session on the peer (a PD there
 // with what the peer granted it), its load and its health. Owned by the
-// backend's lane table and by the Submits using it.
+// Requester's lane table (requester.h) and by the Submits using it.
 struct Lane {
   Lane(std::string key, std::string peer, Rail* rail, RemoteRail remote)
       : key(std::move(key)),
@@ -192,7 +192,7 @@ struct Lane {
   const std::shared_ptr<LaneLoad> load = std::make_shared<LaneLoad>();
   const std::shared_ptr<LaneHealth> health = std::make_shared<LaneHealth>();
 
-  // Guarded by the backend's mutex: the queue pair (when connected), its
+  // Guarded by the Requester's mutex: the queue pair (when connected), its
   // session and what it was granted (by remote buffer id). Replaced
   // together when the lane reconnects.
   std::shared_ptr<QueuePairConnection> connection;

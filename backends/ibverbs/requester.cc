@@ -1,6 +1,4 @@
-// The requesting half of IbverbsBackend: Submit over lanes (a rail of this
-// agent paired with a rail of the peer), their handshakes and grants,
-// striping, and failover to the other lanes when one fails.
+#include "backends/ibverbs/requester.h"
 
 #include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
@@ -17,12 +15,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backends/ibverbs/ibverbs_backend.h"
 #include "backends/ibverbs/registration_state.h"
 #include "backends/ibverbs/striping.h"
+#include "backends/peer_tls.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
-#include "common/random.h"
 #include "common/status_util.h"
 #include "common/task_pool.h"
 #include "spdlog/spdlog.h"
@@ -78,7 +75,7 @@ std::string AgentOf(const std::string& peer) {
 }  // namespace
 
 // A requester QP just connected, with what the handshake granted.
-struct IbverbsBackend::Handshaken {
+struct Requester::Handshaken {
   std::shared_ptr<QueuePairConnection> connection;
   std::string session;
   uint64_t buffer_id = 0;
@@ -86,12 +83,12 @@ struct IbverbsBackend::Handshaken {
 };
 
 // One lane as one Submit uses it.
-struct IbverbsBackend::LaneUse {
+struct Requester::LaneUse {
   std::shared_ptr<Lane> lane;
   // Its share of striped ops (Gbit/s it can count on).
   double weight = 0;
   // The bytes planned for it, in batch order.
-  std::vector<Batch::Range> work;
+  std::vector<PostedBatch::Range> work;
   // Set once connected.
   std::shared_ptr<QueuePairConnection> connection;
   // Not OK: it failed and is left out for the rest of the Submit.
@@ -108,7 +105,7 @@ struct IbverbsBackend::LaneUse {
 // Ops of one peer plan whose buffers are near the same rails on both sides,
 // and the lanes (indices into the plan's) they go over, with each lane's
 // share.
-struct IbverbsBackend::AffinityClass {
+struct Requester::AffinityClass {
   // Near the ops' buffers: this agent's rails by Rail::index, the peer's by
   // index into the plan's remote rails.
   std::vector<bool> local_near;
@@ -124,7 +121,7 @@ struct IbverbsBackend::AffinityClass {
 // The ops of one Submit to one peer (agent and epoch) and the lanes they go
 // over. `lanes` is a deque: RunLane holds references to its elements while
 // Repost may add lanes.
-struct IbverbsBackend::PeerPlan {
+struct Requester::PeerPlan {
   std::string peer;
   std::vector<size_t> ops;
   std::vector<RemoteRail> remote_rails;
@@ -136,18 +133,87 @@ struct IbverbsBackend::PeerPlan {
   std::map<size_t, size_t> class_of_op;
 };
 
-std::string IbverbsBackend::PeerKey(const v1::RemoteBuffer& remote) {
+Requester::Requester(const BackendEnvironment& env,
+                     const IbverbsOptions& options,
+                     const std::vector<std::unique_ptr<Rail>>& rails,
+                     std::string backend)
+    : env_(env),
+      options_(options),
+      rails_(rails),
+      backend_(std::move(backend)),
+      posting_pool_(std::make_unique<TaskPool>(kPostingThreads)) {}
+
+Requester::~Requester() {
+  // Lanes' connections drain and stop their pollers before the rest goes.
+  std::map<std::string, std::shared_ptr<Lane>> lanes;
+  {
+    absl::MutexLock lock(&mu_);
+    lanes.swap(lanes_);
+  }
+  lanes.clear();
+}
+
+std::shared_ptr<v1::Peer::Stub> Requester::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (stub == nullptr) {
+    grpc::ChannelArguments args;
+    std::shared_ptr<grpc::ChannelCredentials> credentials =
+        PeerChannelCredentials(env_.peer_tls, &args);
+    stub = v1::Peer::NewStub(
+        grpc::CreateCustomChannel(address, credentials, args));
+  }
+  return stub;
+}
+
+uint64_t Requester::connections_established() const {
+  absl::MutexLock lock(&mu_);
+  return connections_established_;
+}
+
+size_t Requester::connections() const {
+  absl::MutexLock lock(&mu_);
+  size_t connected = 0;
+  for (const auto& [key, lane] : lanes_)
+    connected += lane->connection != nullptr;
+  return connected;
+}
+
+std::map<std::string, size_t> Requester::ConnectionsByPeer() const {
+  absl::MutexLock lock(&mu_);
+  // By peer agent and device; a peer's epoch, or which of our rails, is no
+  // label worth a new time series.
+  std::map<std::string, size_t> out;
+  for (const auto& [key, lane] : lanes_) {
+    if (lane->connection == nullptr) continue;
+    ++out[absl::StrCat(AgentOf(lane->peer), "/", lane->remote.device)];
+  }
+  return out;
+}
+
+std::map<const Rail*, size_t> Requester::LanesCoolingDown(
+    absl::Time now) const {
+  std::map<const Rail*, size_t> cooling;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, lane] : lanes_) {
+    absl::MutexLock health(&lane->health->mu);
+    if (lane->health->cooldown.cooling(now)) ++cooling[lane->rail];
+  }
+  return cooling;
+}
+
+std::string Requester::PeerKey(const v1::RemoteBuffer& remote) {
   return absl::StrCat(remote.agent_id(), "/", remote.agent_epoch());
 }
 
-absl::Status IbverbsBackend::CheckOp(const Op& op) const {
+absl::Status Requester::CheckOp(const Op& op) const {
   // Routed here by the registry, which checked CanReach, with both ranges
   // validated (backend.h): nothing of the context is checked again.
   assert(op.endpoint != nullptr && op.endpoint->has_ibverbs());
   // What the posting path casts to: one lookup, so that a registration that
   // bypassed BackendRegistry::RegisterWithAll fails instead of crashing.
   if (dynamic_cast<const IbverbsRegistration*>(
-          op.local->backend_state(name_)) == nullptr) {
+          op.local->backend_state(backend_)) == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("local buffer ", op.local->id(),
                      " is not registered with the ibverbs backend"));
@@ -155,9 +221,9 @@ absl::Status IbverbsBackend::CheckOp(const Op& op) const {
   return absl::OkStatus();
 }
 
-std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
-                                                 const StopToken& stop) {
-  auto batch = std::make_shared<Batch>(ops);
+std::vector<absl::Status> Requester::Submit(absl::Span<const Op> ops,
+                                            const StopToken& stop) {
+  auto batch = std::make_shared<PostedBatch>(ops);
   // A cancellation ends the waits below; the QPs are then moved to ERR and
   // drained exactly as at the deadline.
   const auto on_cancel = stop.OnCancel([batch] { batch->Interrupt(); });
@@ -223,7 +289,7 @@ std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
   return results;
 }
 
-std::vector<Rail*> IbverbsBackend::UsableRails() {
+std::vector<Rail*> Requester::UsableRails() {
   const absl::Time now = absl::Now();
   std::vector<Rail*> usable;
   for (const auto& rail : rails_) {
@@ -280,9 +346,8 @@ std::vector<Rail*> IbverbsBackend::UsableRails() {
   return usable;
 }
 
-std::shared_ptr<Lane> IbverbsBackend::LaneFor(const std::string& peer,
-                                              Rail& rail,
-                                              const RemoteRail& remote) {
+std::shared_ptr<Lane> Requester::LaneFor(const std::string& peer, Rail& rail,
+                                         const RemoteRail& remote) {
   const std::string key =
       absl::StrCat(peer, "/", rail.name, ">", remote.name());
   absl::MutexLock lock(&mu_);
@@ -291,9 +356,9 @@ std::shared_ptr<Lane> IbverbsBackend::LaneFor(const std::string& peer,
   return lane;
 }
 
-IbverbsBackend::PeerPlan IbverbsBackend::PlanPeer(absl::Span<const Op> ops,
-                                                  std::vector<size_t> indices,
-                                                  Batch& batch) {
+Requester::PeerPlan Requester::PlanPeer(absl::Span<const Op> ops,
+                                        std::vector<size_t> indices,
+                                        PostedBatch& batch) {
   PeerPlan plan;
   plan.peer = PeerKey(*ops[indices.front()].remote);
   plan.ops = std::move(indices);
@@ -407,10 +472,10 @@ std::vector<RailPair> PairsOrWider(
 
 }  // namespace
 
-void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
-                                  const std::vector<Rail*>& rails,
-                                  const std::vector<std::vector<bool>>& healthy,
-                                  PeerPlan& plan) {
+void Requester::PlanAffinity(absl::Span<const Op> ops,
+                             const std::vector<Rail*>& rails,
+                             const std::vector<std::vector<bool>>& healthy,
+                             PeerPlan& plan) {
   std::vector<double> local_gbps;
   for (Rail* rail : rails) local_gbps.push_back(rail->speed_gbps);
   std::vector<double> remote_gbps;
@@ -466,7 +531,7 @@ void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
     bool remote_only = false;
     if (nearest) {
       const RailAffinity& near = dynamic_cast<const IbverbsRegistration&>(
-                                     *ops[i].local->backend_state(name_))
+                                     *ops[i].local->backend_state(backend_))
                                      .affinity();
       for (size_t l = 0; l < rails.size(); ++l) {
         local[l] = rails[l]->index < near.near_rails.size() &&
@@ -508,7 +573,7 @@ void IbverbsBackend::PlanAffinity(absl::Span<const Op> ops,
   }
 }
 
-std::vector<std::vector<bool>> IbverbsBackend::FailedPairs(
+std::vector<std::vector<bool>> Requester::FailedPairs(
     const PeerPlan& plan, const std::vector<Rail*>& rails,
     std::vector<std::pair<size_t, size_t>>& expired) {
   const absl::Time now = absl::Now();
@@ -532,7 +597,7 @@ std::vector<std::vector<bool>> IbverbsBackend::FailedPairs(
   return failed;
 }
 
-void IbverbsBackend::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
+void Requester::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
   std::vector<double> loads;  // bytes in flight, then planned too
   for (const LaneUse& use : plan.lanes) {
     loads.push_back(static_cast<double>(use.lane->load->bytes.load()));
@@ -565,9 +630,9 @@ void IbverbsBackend::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
   }
 }
 
-void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
-                             LaneUse& use, const std::shared_ptr<Batch>& batch,
-                             const StopToken& stop) {
+void Requester::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
+                        LaneUse& use, const std::shared_ptr<PostedBatch>& batch,
+                        const StopToken& stop) {
   auto connection = ConnectLane(*use.lane, ops, plan.ops, stop);
   if (!connection.ok()) {
     // A lane that cannot connect leaves its bytes to the others; a refused
@@ -576,26 +641,26 @@ void IbverbsBackend::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
         !stop.stopped()) {
       use.failed = connection.status();
       use.connect_failed = true;
-      for (const Batch::Range& range : use.work) {
+      for (const PostedBatch::Range& range : use.work) {
         batch->Requeue(range, use.lane.get(), use.failed);
       }
     } else {
-      for (const Batch::Range& range : use.work) {
+      for (const PostedBatch::Range& range : use.work) {
         batch->Settle(range, connection.status());
       }
     }
     return;
   }
   use.connection = *connection;
-  for (const Batch::Range& range : use.work) {
+  for (const PostedBatch::Range& range : use.work) {
     PostRange(ops[range.op], range, use, batch, stop);
   }
 }
 
-void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
-                               LaneUse& use,
-                               const std::shared_ptr<Batch>& batch,
-                               const StopToken& stop) {
+void Requester::PostRange(const Op& op, const PostedBatch::Range& range,
+                          LaneUse& use,
+                          const std::shared_ptr<PostedBatch>& batch,
+                          const StopToken& stop) {
   // Nothing is posted once the deadline has passed (say, after a handshake
   // that answered just then): it could not end in time.
   if (stop.stopped()) {
@@ -632,16 +697,16 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
     batch->Settle(range, bounds);
     return;
   }
-  const auto& local =
-      dynamic_cast<const IbverbsRegistration&>(*op.local->backend_state(name_));
+  const auto& local = dynamic_cast<const IbverbsRegistration&>(
+      *op.local->backend_state(backend_));
   const uint32_t lkey = local.mr(lane.rail->device->index).lkey();
   uint64_t wr_bytes = lane.rail->params.max_message_bytes;
   if (lane.remote.max_message_bytes > 0) {
     wr_bytes = std::min(wr_bytes, lane.remote.max_message_bytes);
   }
   for (uint64_t done = 0; done < range.length;) {
-    const Batch::Range piece = {range.op, range.offset + done,
-                                std::min(wr_bytes, range.length - done)};
+    const PostedBatch::Range piece = {range.op, range.offset + done,
+                                      std::min(wr_bytes, range.length - done)};
     ibv_sge sge = {};
     sge.addr = MrAddress(*op.local) + op.local_offset + piece.offset;
     sge.length = static_cast<uint32_t>(piece.length);
@@ -661,8 +726,8 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
       continue;
     }
     batch->WrNotPosted(cookie);
-    const Batch::Range rest = {range.op, range.offset + done,
-                               range.length - done};
+    const PostedBatch::Range rest = {range.op, range.offset + done,
+                                     range.length - done};
     if (posted.code() == absl::StatusCode::kUnavailable && !stop.stopped()) {
       // The queue pair failed under us: the rest goes elsewhere.
       use.failed = Prefixed(posted, absl::StrCat("on rail ", lane.name()));
@@ -674,13 +739,12 @@ void IbverbsBackend::PostRange(const Op& op, const Batch::Range& range,
   }
 }
 
-void IbverbsBackend::Repost(absl::Span<const Op> ops,
-                            std::vector<PeerPlan>& plans,
-                            const std::vector<size_t>& plan_of_op,
-                            std::vector<Batch::Retry> retries,
-                            const std::shared_ptr<Batch>& batch,
-                            const StopToken& stop) {
-  for (Batch::Retry& retry : retries) {
+void Requester::Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
+                       const std::vector<size_t>& plan_of_op,
+                       std::vector<PostedBatch::Retry> retries,
+                       const std::shared_ptr<PostedBatch>& batch,
+                       const StopToken& stop) {
+  for (PostedBatch::Retry& retry : retries) {
     PeerPlan& plan = plans[plan_of_op[retry.range.op]];
     // The lane it failed on is out for the rest of this Submit (its QP is
     // in ERR; the next Submit reconnects it), and cools down when its path
@@ -720,9 +784,9 @@ void IbverbsBackend::Repost(absl::Span<const Op> ops,
   }
 }
 
-IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
-                                                  PeerPlan& plan, size_t op,
-                                                  const StopToken& stop) {
+Requester::LaneUse* Requester::PickLane(absl::Span<const Op> ops,
+                                        PeerPlan& plan, size_t op,
+                                        const StopToken& stop) {
   const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
   // How many of the lane's two rails are far from the op's buffers.
   const auto far_ends = [&](const LaneUse& use) {
@@ -791,9 +855,8 @@ IbverbsBackend::LaneUse* IbverbsBackend::PickLane(absl::Span<const Op> ops,
   return nullptr;
 }
 
-IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan, size_t op,
-                                                 int max_far_ends,
-                                                 bool fresh_rails) {
+Requester::LaneUse* Requester::AddLane(PeerPlan& plan, size_t op,
+                                       int max_far_ends, bool fresh_rails) {
   // E.g. this agent's rail whose partner failed, with the partner of a rail
   // of this agent whose port went down. Pairs near the op's buffers on both
   // sides first, then near on one side, then far.
@@ -845,7 +908,7 @@ IbverbsBackend::LaneUse* IbverbsBackend::AddLane(PeerPlan& plan, size_t op,
   return nullptr;
 }
 
-void IbverbsBackend::CoolDown(Lane& lane, const absl::Status& why) {
+void Requester::CoolDown(Lane& lane, const absl::Status& why) {
   Rail& rail = *lane.rail;
   const absl::Time now = absl::Now();
   auto port = rail.device->device->QueryPort(rail.local.port);
@@ -876,9 +939,9 @@ void IbverbsBackend::CoolDown(Lane& lane, const absl::Status& why) {
       absl::FormatDuration(lane.health->cooldown.until() - now));
 }
 
-void IbverbsBackend::ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
-                               const std::shared_ptr<Lane>& lane,
-                               const StopToken& stop) {
+void Requester::ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
+                          const std::shared_ptr<Lane>& lane,
+                          const StopToken& stop) {
   {
     absl::MutexLock lock(&lane->health->mu);
     if (lane->health->probing || !lane->health->cooldown.failed() ||
@@ -923,8 +986,8 @@ void IbverbsBackend::ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
   if (!posted.ok()) give_up(posted);
 }
 
-void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
-                              const StopToken& stop) {
+void Requester::CutShort(const std::vector<PeerPlan>& plans, PostedBatch& batch,
+                         const StopToken& stop) {
   // Out of time (or cancelled) with WRs on the wire: the QPs carrying them
   // go to ERR and are drained, so no WR of this batch touches memory after
   // we return.
@@ -956,7 +1019,7 @@ void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
                                absl::StrCat(stopped.message(), " ", what))
                 : stopped;
   // Bytes waiting for another rail get none now.
-  for (const Batch::Retry& retry : batch.TakeRetries()) {
+  for (const PostedBatch::Retry& retry : batch.TakeRetries()) {
     batch.Settle(retry.range, cut);
   }
   if (!drained) {
@@ -973,10 +1036,9 @@ void IbverbsBackend::CutShort(const std::vector<PeerPlan>& plans, Batch& batch,
   for (size_t i : late) batch.Override(i, cut);
 }
 
-absl::StatusOr<std::shared_ptr<QueuePairConnection>>
-IbverbsBackend::ConnectLane(Lane& lane, absl::Span<const Op> ops,
-                            const std::vector<size_t>& indices,
-                            const StopToken& stop) {
+absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::ConnectLane(
+    Lane& lane, absl::Span<const Op> ops, const std::vector<size_t>& indices,
+    const StopToken& stop) {
   // Bounds the handshakes one batch can cost when its proofs are refused.
   constexpr size_t kMaxProofs = 4;
   std::vector<const Op*> tried;
@@ -1002,10 +1064,9 @@ IbverbsBackend::ConnectLane(Lane& lane, absl::Span<const Op> ops,
   return connection;
 }
 
-absl::StatusOr<std::shared_ptr<QueuePairConnection>>
-IbverbsBackend::GetConnection(Lane& lane, const v1::RemoteBuffer& remote,
-                              const v1::IbverbsEndpoint& endpoint,
-                              const StopToken& stop) {
+absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::GetConnection(
+    Lane& lane, const v1::RemoteBuffer& remote,
+    const v1::IbverbsEndpoint& endpoint, const StopToken& stop) {
   std::shared_ptr<QueuePairConnection> stale;  // drained outside mu_
   std::shared_ptr<absl::Mutex> connect_lock;
   {
@@ -1073,7 +1134,7 @@ IbverbsBackend::GetConnection(Lane& lane, const v1::RemoteBuffer& remote,
   return connection;
 }
 
-absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
+absl::StatusOr<Requester::Handshaken> Requester::Handshake(
     const Lane& lane, const v1::RemoteBuffer& remote,
     const v1::IbverbsEndpoint& endpoint, const StopToken& stop) {
   const Rail& rail = *lane.rail;
@@ -1139,7 +1200,7 @@ absl::StatusOr<IbverbsBackend::Handshaken> IbverbsBackend::Handshake(
   return result;
 }
 
-absl::StatusOr<RemoteGrant> IbverbsBackend::GrantFor(
+absl::StatusOr<RemoteGrant> Requester::GrantFor(
     const Op& op, Lane& lane, const QueuePairConnection& connection,
     const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;

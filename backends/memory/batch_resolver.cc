@@ -2,7 +2,7 @@
 
 #include <utility>
 
-namespace rdma_agent {
+namespace rdma_agent::memory {
 
 BatchResolver::Context& BatchResolver::Find(const v1::RemoteBuffer* remote) {
   if (remote == last_remote_) return *last_;
@@ -40,4 +40,4 @@ absl::StatusOr<Registration*> BatchResolver::Resolve(const Op& op) {
   return context.registration->get();
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::memory

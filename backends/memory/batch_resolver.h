@@ -8,7 +8,7 @@
 #include "backends/backend.h"
 #include "backends/buffer_directory.h"
 
-namespace rdma_agent {
+namespace rdma_agent::memory {
 
 // The remote sides of one batch of memory-backend ops: this agent's own
 // registrations, found in its BufferDirectory as a peer's request would find
@@ -61,6 +61,6 @@ class BatchResolver {
   Context* last_ = nullptr;
 };
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::memory
 
 #endif  // RDMA_AGENTD_BACKENDS_MEMORY_BATCH_RESOLVER_H_

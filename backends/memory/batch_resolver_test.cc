@@ -12,7 +12,7 @@
 #include "common/shared_memory.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::memory {
 namespace {
 
 using ::absl::StatusCode;
@@ -224,4 +224,4 @@ TEST_F(BatchResolverTest, PinsWhatItResolvedUntilDestroyed) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::memory

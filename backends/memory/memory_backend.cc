@@ -7,7 +7,7 @@
 #include "absl/time/clock.h"
 #include "backends/memory/batch_resolver.h"
 
-namespace rdma_agent {
+namespace rdma_agent::memory {
 
 MemoryBackend::MemoryBackend(BackendEnvironment env) : env_(std::move(env)) {}
 
@@ -155,4 +155,4 @@ absl::Status MemoryBackend::Notify(const v1::RemoteBuffer& remote,
                                      env_.identity.agent_id, data);
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::memory

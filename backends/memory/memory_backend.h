@@ -7,7 +7,7 @@
 
 #include "backends/backend.h"
 
-namespace rdma_agent {
+namespace rdma_agent::memory {
 
 // Same-host transport: both buffers are registrations of this agent, so an op
 // is a memcpy inside the agent. Reaches only contexts this agent issued.
@@ -46,6 +46,6 @@ class MemoryBackend : public Backend {
   const BackendEnvironment env_;
 };
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::memory
 
 #endif  // RDMA_AGENTD_BACKENDS_MEMORY_MEMORY_BACKEND_H_

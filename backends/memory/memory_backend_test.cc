@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
 
-namespace rdma_agent {
+namespace rdma_agent::memory {
 namespace {
 
 using ::absl::StatusCode;
@@ -249,4 +249,4 @@ TEST(MemoryBackendTest, StopsBetweenSlicesOfAHugeCopy) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::memory

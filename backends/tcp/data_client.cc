@@ -1,45 +1,20 @@
 #include "backends/tcp/data_client.h"
 
-#include <poll.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 
 #include <algorithm>
-#include <array>
-#include <cerrno>
-#include <cstring>
 #include <optional>
 #include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "backends/tcp/buffered_socket.h"
+#include "backends/tcp/pipeline.h"
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
 #include "common/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent::tcp {
-namespace {
-
-// One request: a contiguous piece of one op.
-struct Chunk {
-  size_t op = 0;  // position in the peer's batch
-  RequestKind kind = RequestKind::kRead;
-  std::byte* local = nullptr;  // first local byte
-  uint64_t remote_offset = 0;
-  uint64_t length = 0;
-  const v1::RemoteBuffer* remote = nullptr;
-};
-
-// How far past the deadline a blocking send or receive may end (see
-// Pipeline::ArmTimeout).
-constexpr absl::Duration kTimeoutSlack = absl::Milliseconds(2);
-
-// Most iovecs handed to one sendmsg.
-constexpr int kMaxIov = 192;
-
-}  // namespace
 
 // One Run: what its jobs share with it and with its cancellation.
 struct DataClient::SubmitRun {
@@ -69,7 +44,7 @@ struct DataClient::Connection {
 
 // The ops of one Run to one peer, cut into chunks as lanes ask for them,
 // and their outcome. Thread-safe: the peer's lanes share it.
-class DataClient::PeerRun {
+class DataClient::PeerRun final : public ChunkSource {
  public:
   PeerRun(const PeerBatch& batch, absl::Span<const Op> ops,
           uint64_t chunk_bytes, const StopToken& stop)
@@ -99,7 +74,7 @@ class DataClient::PeerRun {
 
   // The next chunk to send, or false when every op is handed out (ops that
   // already failed are skipped: their remaining bytes are not sent).
-  bool NextChunk(Chunk* chunk) {
+  bool NextChunk(Chunk* chunk) override {
     absl::MutexLock lock(&mu_);
     while (next_op_ < indices_.size() && !failed_[next_op_].ok()) {
       ++next_op_;
@@ -127,7 +102,7 @@ class DataClient::PeerRun {
     return next_op_ < indices_.size() && unreachable_.ok();
   }
 
-  void ChunkDone(const Chunk& chunk, const absl::Status& status) {
+  void ChunkDone(const Chunk& chunk, const absl::Status& status) override {
     absl::MutexLock lock(&mu_);
     if (status.ok()) {
       answered_[chunk.op] += chunk.length;
@@ -210,496 +185,6 @@ class DataClient::PeerRun {
 };
 
 namespace {
-
-// What happened on one connection.
-struct PipelineOutcome {
-  // Every chunk handed out was answered and the stream is in a known state:
-  // reusable.
-  bool healthy = false;
-  // Responses fully received on this connection.
-  size_t answered = 0;
-  // Why it ended early (when not healthy).
-  absl::Status status;
-};
-
-// Keeps up to `max_in_flight` requests (more while they carry fewer than
-// `in_flight_bytes`) of one lane in flight on a connection: takes chunks from the peer's cursor as the window opens, sends
-// their requests and receives their responses until no chunk is left, the
-// connection fails or the deadline passes. Reports each answered chunk to
-// the PeerRun. Only this thread touches local memory through the
-// connection, and it has stopped when Run returns.
-//
-// The window survives a connection: Restart re-sends what was not answered
-// on a new one.
-template <typename Source>
-class Pipeline {
- public:
-  Pipeline(Source& source, int max_in_flight, uint64_t in_flight_bytes,
-           std::atomic<uint64_t>& next_request_id, absl::string_view peer,
-           bool zero_copy_send)
-      : zero_copy_send_(zero_copy_send),
-        source_(source),
-        max_in_flight_(static_cast<size_t>(std::max(1, max_in_flight))),
-        in_flight_bytes_(in_flight_bytes),
-        next_request_id_(next_request_id),
-        peer_(peer) {}
-
-  // The receive buffer: lent by the client for the lane's life, taken back
-  // at its end.
-  void LendBuffer(std::unique_ptr<std::byte[]> buffer) {
-    io_.LendBuffer(std::move(buffer));
-  }
-  std::unique_ptr<std::byte[]> TakeBuffer() { return io_.TakeBuffer(); }
-
-  // Starts over on connection `fd`: requests in the window not answered are
-  // sent again.
-  // Sets fd_'s blocking send or receive timeout so that a call starting
-  // now ends by the deadline (`left` away), give or take kTimeoutSlack. A
-  // setsockopt per call cost as much as the op for small ones, so the
-  // timeout is set again only when the one in force could overshoot by more.
-  void ArmTimeout(bool receive, absl::Duration left) {
-    absl::Duration& armed = armed_[receive ? 1 : 0];
-    if (armed <= left + kTimeoutSlack) return;
-    SetIoTimeout(fd_, receive, left);
-    armed = left;
-  }
-
-  // `armed` (two entries: send, receive) are the timeouts in force on `fd`;
-  // the pipeline keeps them up to date while it uses the connection.
-  void Restart(int fd, absl::Duration* armed) {
-    fd_ = fd;
-    armed_ = armed;
-    sent_ = 0;
-    send_pos_ = 0;
-    phase_ = Phase::kHeader;
-    got_ = 0;
-    io_.Reset(fd);  // drops what was buffered from the previous connection
-    pages_.reset();  // it may hold bytes of the previous connection
-  }
-
-  PipelineOutcome Run(absl::Time deadline) {
-    PipelineOutcome outcome;
-    while (!window_.empty() || Refill()) {
-      bool progress = false;
-      bool want_write = false;
-      bool want_read = false;
-      absl::Status status = Send(deadline, &progress, &want_write);
-      if (status.ok()) status = Receive(deadline, &progress, &want_read);
-      if (!status.ok()) return Ended(status, outcome);
-      if (window_.empty() && !Refill()) break;
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) {
-        return Ended(absl::DeadlineExceededError(DeadlineMessage()), outcome);
-      }
-      if (progress || (!want_read && !want_write)) continue;
-      pollfd p{fd_, static_cast<short>(POLLIN | (want_write ? POLLOUT : 0)), 0};
-      const timespec timeout = absl::ToTimespec(left);
-      if (ppoll(&p, 1, &timeout, nullptr) < 0 && errno != EINTR) {
-        return Ended(absl::UnavailableError(
-                         absl::StrCat("poll: ", std::strerror(errno))),
-                     outcome);
-      }
-    }
-    if (io_.buffered() > 0) {
-      // Bytes nobody asked for: the stream is in an unknown state.
-      return Ended(ProtocolError("unsolicited bytes after the last response"),
-                   outcome);
-    }
-    outcome.healthy = true;
-    outcome.answered = answered_;
-    return outcome;
-  }
-
-  // Fails every chunk still in the window with `status`.
-  void FailWindow(const absl::Status& status) {
-    for (const InFlight& request : window_)
-      source_.ChunkDone(request.chunk, status);
-    window_.clear();
-    window_bytes_ = 0;
-    sent_ = 0;
-    send_pos_ = 0;
-  }
-
- private:
-  struct InFlight {
-    Chunk chunk;
-    uint64_t id = 0;
-    std::array<std::byte, kRequestHeaderBytes> header;
-  };
-
-  // Takes chunks from the source while the window has room. True when the
-  // window is not empty.
-  bool Refill() {
-    Chunk chunk;
-    while (WindowHasRoom() && source_.NextChunk(&chunk)) {
-      InFlight& request = window_.emplace_back();
-      request.chunk = chunk;
-      window_bytes_ += chunk.length;
-      RequestHeader header;
-      header.kind = chunk.kind;
-      header.request_id = request.id = next_request_id_.fetch_add(1);
-      header.epoch = chunk.remote->agent_epoch();
-      header.buffer_id = chunk.remote->buffer_id();
-      header.offset = chunk.remote_offset;
-      header.length = chunk.length;
-      header.token_bytes = static_cast<uint32_t>(chunk.remote->token().size());
-      EncodeRequestHeader(header, request.header.data());
-    }
-    return !window_.empty();
-  }
-
-  bool WindowHasRoom() const {
-    return window_.size() < max_in_flight_ ||
-           (window_bytes_ < in_flight_bytes_ &&
-            window_.size() < DataClient::kMaxRequestsInFlight);
-  }
-
-  const Chunk& chunk(size_t i) const { return window_[i].chunk; }
-
-  // Bytes of request i on the wire: header, token, payload (WRITE).
-  size_t RequestBytes(size_t i) const {
-    const Chunk& c = chunk(i);
-    return kRequestHeaderBytes + c.remote->token().size() +
-           (c.kind == RequestKind::kWrite ? c.length : 0);
-  }
-
-  // True when another request (or the rest of one) may go out.
-  bool CanSend() {
-    Refill();
-    return sent_ < window_.size();
-  }
-
-  // True when a READ payload may be on its way to us: then a blocking send
-  // could deadlock against a server blocked sending that payload.
-  bool ReadOutstanding() const {
-    const size_t end = std::min(window_.size(), sent_ + 1);
-    for (size_t i = 0; i < end; ++i) {
-      if (chunk(i).kind == RequestKind::kRead && (i < sent_ || send_pos_ > 0)) {
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // Sends as much of the queued requests as the window allows. Blocks (up to
-  // the deadline) only when no READ payload can be coming back meanwhile:
-  // responses to WRITEs are small enough to sit in socket buffers.
-  absl::Status Send(absl::Time deadline, bool* progress, bool* want_write) {
-    while (CanSend()) {
-      const bool block = !ReadOutstanding();
-      if (block && Spliceable(sent_)) {
-        if (absl::Status status = SendSpliced(deadline, progress);
-            !status.ok()) {
-          return status;
-        }
-        continue;
-      }
-      iovec iov[kMaxIov];
-      const int count = GatherRequests(block, iov);
-      msghdr message{};
-      message.msg_iov = iov;
-      message.msg_iovlen = static_cast<size_t>(count);
-      if (block) {
-        const absl::Duration left = deadline - absl::Now();
-        if (left <= absl::ZeroDuration()) return absl::OkStatus();
-        ArmTimeout(/*receive=*/false, left);
-      }
-      ssize_t sent =
-          sendmsg(fd_, &message, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
-      if (sent < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-          // Full socket (or, blocking, the deadline): the caller decides.
-          *want_write = !block;
-          return absl::OkStatus();
-        }
-        return absl::UnavailableError(
-            absl::StrCat("send to ", peer_, ": ", std::strerror(errno)));
-      }
-      *progress = true;
-      AdvanceSent(static_cast<size_t>(sent));
-    }
-    return absl::OkStatus();
-  }
-
-  // Fills `iov` with the unsent bytes of the next requests; returns how many
-  // entries. A blocking batch ends after its first READ: from then on a
-  // payload may be coming back, and only a non-blocking send can interleave
-  // with receiving it.
-  int GatherRequests(bool block, iovec* iov) const {
-    int count = 0;
-    size_t skip = send_pos_;
-    for (size_t i = sent_;
-         i < window_.size() && count + 3 <= kMaxIov &&
-         !(block && i > sent_ &&
-           (Spliceable(i) || chunk(i - 1).kind == RequestKind::kRead));
-         ++i) {
-      const Chunk& c = chunk(i);
-      const std::pair<const void*, size_t> parts[3] = {
-          {window_[i].header.data(), kRequestHeaderBytes},
-          {c.remote->token().data(), c.remote->token().size()},
-          {c.local, c.kind == RequestKind::kWrite ? c.length : 0}};
-      for (const auto& [base, size] : parts) {
-        if (skip >= size) {
-          skip -= size;
-          continue;
-        }
-        iov[count++] = {
-            const_cast<char*>(static_cast<const char*>(base)) + skip,
-            size - skip};
-        skip = 0;
-      }
-    }
-    return count;
-  }
-
-  // Advances over whole requests, then within the current one.
-  void AdvanceSent(size_t bytes) {
-    while (bytes > 0) {
-      const size_t rest = RequestBytes(sent_) - send_pos_;
-      if (bytes >= rest) {
-        bytes -= rest;
-        ++sent_;
-        send_pos_ = 0;
-      } else {
-        send_pos_ += bytes;
-        bytes = 0;
-      }
-    }
-  }
-
-  // True when request i's payload should go out with vmsplice/splice.
-  bool Spliceable(size_t i) const {
-    const Chunk& c = chunk(i);
-    return zero_copy_send_ && c.kind == RequestKind::kWrite &&
-           c.length >= kSpliceMinBytes;
-  }
-
-  // Sends the rest of request sent_ (blocking, up to the deadline): its
-  // header and token with sendmsg, its payload lent page by page.
-  absl::Status SendSpliced(absl::Time deadline, bool* progress) {
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
-      return absl::DeadlineExceededError(DeadlineMessage());
-    }
-    if (!pages_.has_value()) {
-      auto created = PageSender::Create();
-      if (!created.ok()) {
-        zero_copy_send_ = false;  // plain sendmsg from now on
-        return absl::OkStatus();
-      }
-      pages_.emplace(std::move(*created));
-    }
-    ArmTimeout(/*receive=*/false, left);
-    const Chunk& c = chunk(sent_);
-    const size_t prefix = kRequestHeaderBytes + c.remote->token().size();
-    if (send_pos_ < prefix) {
-      iovec iov[2];
-      int count = 0;
-      if (send_pos_ < kRequestHeaderBytes) {
-        iov[count++] = {window_[sent_].header.data() + send_pos_,
-                        kRequestHeaderBytes - send_pos_};
-      }
-      const size_t token_skip =
-          send_pos_ > kRequestHeaderBytes ? send_pos_ - kRequestHeaderBytes : 0;
-      iov[count++] = {const_cast<char*>(c.remote->token().data()) + token_skip,
-                      c.remote->token().size() - token_skip};
-      msghdr message{};
-      message.msg_iov = iov;
-      message.msg_iovlen = static_cast<size_t>(count);
-      const ssize_t sent = sendmsg(fd_, &message, MSG_NOSIGNAL | MSG_MORE);
-      if (sent < 0) {
-        if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) {
-          return absl::OkStatus();  // the caller re-checks the deadline
-        }
-        return absl::UnavailableError(
-            absl::StrCat("send to ", peer_, ": ", std::strerror(errno)));
-      }
-      *progress = true;
-      send_pos_ += static_cast<size_t>(sent);
-      if (send_pos_ < prefix) return absl::OkStatus();
-    }
-    const size_t payload_done = send_pos_ - prefix;
-    size_t sent = 0;
-    const absl::Status status =
-        pages_->Send(fd_, c.local + payload_done, c.length - payload_done,
-                     /*more=*/false, &sent);
-    if (sent > 0) *progress = true;
-    send_pos_ += sent;
-    if (send_pos_ == RequestBytes(sent_)) {
-      ++sent_;
-      send_pos_ = 0;
-    }
-    if (!status.ok()) {
-      // Bytes may be stuck in the pipe: this connection is finished.
-      return Prefixed(status, absl::StrCat("sending to ", peer_));
-    }
-    return absl::OkStatus();
-  }
-
-  // Receives what has arrived: response headers and messages through the
-  // buffer (one recv brings many responses), READ payloads into local memory
-  // (from the buffer, or straight from the socket when large). With nothing
-  // left to send it blocks (up to the deadline) for whole parts, which costs
-  // far fewer system calls than polling for each piece.
-  absl::Status Receive(absl::Time deadline, bool* progress, bool* want_read) {
-    // Always read, even with nothing outstanding: an EOF must be noticed
-    // while blocked on sending, and unsolicited bytes are a protocol error.
-    while (!window_.empty()) {
-      if (absl::Status status = ParseBuffered(progress); !status.ok()) {
-        return status;
-      }
-      if (window_.empty()) break;
-      const bool block = !CanSend() && sent_ > 0;
-      if (block) {
-        const absl::Duration left = deadline - absl::Now();
-        if (left <= absl::ZeroDuration()) return absl::OkStatus();
-        ArmTimeout(/*receive=*/true, left);
-      }
-      absl::StatusOr<size_t> received =
-          phase_ == Phase::kPayload
-              ? io_.ReadSome(chunk(0).local + got_, chunk(0).length - got_,
-                             block)
-              : io_.Receive(block);
-      if (!received.ok()) {
-        return absl::UnavailableError(
-            absl::StrCat("receive from ", peer_, ": ",
-                         received.status().message()));
-      }
-      if (*received == 0) {
-        // Non-blocking: drained for now. Blocking: the deadline passed;
-        // the caller checks it.
-        *want_read = !block;
-        return absl::OkStatus();
-      }
-      *progress = true;
-      // ReadSome counts what it delivered into local memory.
-      if (phase_ == Phase::kPayload) got_ += *received;
-    }
-    return absl::OkStatus();
-  }
-
-  // Consumes the complete parts in the buffer (and the buffered bytes of a
-  // part still arriving).
-  absl::Status ParseBuffered(bool* progress) {
-    while (!window_.empty()) {
-      switch (phase_) {
-        case Phase::kHeader:
-          if (io_.buffered() < kResponseHeaderBytes) return absl::OkStatus();
-          std::memcpy(response_bytes_.data(), io_.data(), kResponseHeaderBytes);
-          io_.Consume(kResponseHeaderBytes);
-          break;
-        case Phase::kMessage:
-          got_ += io_.Take(message_.data() + got_, message_.size() - got_);
-          if (got_ < message_.size()) return absl::OkStatus();
-          break;
-        case Phase::kPayload:
-          got_ += io_.Take(chunk(0).local + got_, chunk(0).length - got_);
-          if (got_ < chunk(0).length) return absl::OkStatus();
-          break;
-      }
-      *progress = true;
-      if (absl::Status status = Advance(); !status.ok()) return status;
-    }
-    return absl::OkStatus();
-  }
-
-  // Moves the receive state machine past a completed part.
-  absl::Status Advance() {
-    got_ = 0;
-    switch (phase_) {
-      case Phase::kHeader: {
-        auto header = DecodeResponseHeader(response_bytes_.data());
-        if (!header.ok()) return ProtocolError(header.status().message());
-        if (sent_ == 0 || header->request_id != window_.front().id) {
-          return ProtocolError("response out of order");
-        }
-        const Chunk& c = chunk(0);
-        const bool ok = header->code == 0;
-        const uint64_t want_payload =
-            ok && c.kind == RequestKind::kRead ? c.length : 0;
-        if (header->payload_bytes != want_payload) {
-          return ProtocolError("response payload has the wrong length");
-        }
-        response_ = *header;
-        message_.assign(header->message_bytes, '\0');
-        phase_ = Phase::kMessage;
-        return absl::OkStatus();
-      }
-      case Phase::kMessage:
-        if (response_.payload_bytes > 0) {
-          phase_ = Phase::kPayload;
-          io_.ExpectPayload(response_.payload_bytes);
-          return absl::OkStatus();
-        }
-        break;
-      case Phase::kPayload:
-        break;
-    }
-    source_.ChunkDone(
-        chunk(0), response_.code == 0
-                      ? absl::OkStatus()
-                      : StatusFromInt(response_.code,
-                                      absl::StrCat(peer_, " refused: ",
-                                                   message_)));
-    window_bytes_ -= chunk(0).length;
-    window_.pop_front();
-    --sent_;
-    ++answered_;
-    phase_ = Phase::kHeader;
-    return absl::OkStatus();
-  }
-
-  absl::Status ProtocolError(absl::string_view what) const {
-    return absl::UnavailableError(
-        absl::StrCat("protocol error from ", peer_, ": ", what));
-  }
-
-  std::string DeadlineMessage() const {
-    uint64_t unanswered = 0;
-    for (const InFlight& request : window_) unanswered += request.chunk.length;
-    return absl::StrCat("deadline passed with ", unanswered,
-                        " bytes of requests in flight not yet answered by ",
-                        peer_);
-  }
-
-  PipelineOutcome& Ended(const absl::Status& status, PipelineOutcome& outcome) {
-    outcome.answered = answered_;
-    outcome.healthy = false;
-    outcome.status = status;
-    return outcome;
-  }
-
-  enum class Phase { kHeader, kMessage, kPayload };
-
-  bool zero_copy_send_;  // cleared if no PageSender can be made
-  std::optional<PageSender> pages_;
-  Source& source_;
-  const size_t max_in_flight_;
-  const uint64_t in_flight_bytes_;
-  std::atomic<uint64_t>& next_request_id_;
-  const std::string peer_;
-  int fd_ = -1;
-  // The send [0] and receive [1] timeouts in force on fd_ (the
-  // connection's own record).
-  absl::Duration* armed_ = nullptr;
-
-  // Requests taken from the source and not answered yet, oldest first; the
-  // first sent_ of them are on the wire, and send_pos_ bytes of the next.
-  std::deque<InFlight> window_;
-  uint64_t window_bytes_ = 0;  // payload bytes of the requests in window_
-  size_t sent_ = 0;
-  size_t send_pos_ = 0;
-  size_t answered_ = 0;  // responses received on the current connection
-  // Responses are read through it; READ payloads of kDirectBytes and more
-  // skip its buffer.
-  BufferedSocket io_;
-  Phase phase_ = Phase::kHeader;
-  size_t got_ = 0;  // bytes of the current part received
-  std::array<std::byte, kResponseHeaderBytes> response_bytes_;
-  ResponseHeader response_;
-  std::string message_;
-};
 
 // The one message for a peer that could not be reached, whatever the
 // reason: refused, timed out, reset, not an agent. Callers must not learn
@@ -884,14 +369,13 @@ void DataClient::RunLane(const LaneJob& job) {
     }
     return;
   }
-  Pipeline<PeerRun> pipeline(peer, options_.max_in_flight,
-                             options_.in_flight_bytes, next_request_id_,
-                             peer.name(), options_.zero_copy_send);
+  Pipeline pipeline(peer, options_.max_in_flight, options_.in_flight_bytes,
+                    next_request_id_, peer.name(), options_.zero_copy_send);
   pipeline.LendBuffer(TakeSpareBuffer());
   // Whichever way the lane ends, its buffer goes back for the next one.
   struct GiveBack {
     DataClient* client;
-    Pipeline<PeerRun>* pipeline;
+    Pipeline* pipeline;
     ~GiveBack() { client->ReturnSpareBuffer(pipeline->TakeBuffer()); }
   } give_back{this, &pipeline};
   // A reused connection that breaks before answering anything was most

@@ -40,11 +40,11 @@ struct DataClientOptions {
   uint64_t chunk_bytes = 4ull << 20;
   // Requests sent on one connection before their responses arrive...
   int max_in_flight = 16;
-  // ...or more (up to kMaxRequestsInFlight) while the requests in flight
-  // carry fewer payload bytes than this: small ops then pipeline deeply
-  // (256 x 4 KiB), so that one sendmsg carries many requests and one recv
-  // many responses, while large ones keep max_in_flight. 0: max_in_flight
-  // alone.
+  // ...or more (up to Pipeline::kMaxRequestsInFlight, pipeline.h) while the
+  // requests in flight carry fewer payload bytes than this: small ops then
+  // pipeline deeply (256 x 4 KiB), so that one sendmsg carries many requests
+  // and one recv many responses, while large ones keep max_in_flight. 0:
+  // max_in_flight alone.
   uint64_t in_flight_bytes = 1 << 20;
   // SO_SNDBUF/SO_RCVBUF of data connections, both ends (0: kernel
   // autotuning). Measured on loopback (bench/README.md): autotuned buffers
@@ -104,9 +104,6 @@ struct DataClientOptions {
 // services. The precise reason is logged at debug level.
 class DataClient {
  public:
-  // Most requests one connection has in flight, whatever their size.
-  static constexpr size_t kMaxRequestsInFlight = 1024;
-
   // INVALID_ARGUMENT for options out of range, RESOURCE_EXHAUSTED when the
   // worker threads cannot be started.
   static absl::StatusOr<std::unique_ptr<DataClient>> Create(

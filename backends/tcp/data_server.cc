@@ -141,7 +141,8 @@ struct DataServer::Connection {
     phase.store(next);
     deadline_ns.store(absl::ToUnixNanos(absl::Now() + timeout));
   }
-  // Its answers are not drained: no more requests are read for now.
+  // Its answers are not drained: its next requests are not read until
+  // they are.
   bool Backlogged() const {
     return out.copied_bytes() >= kMaxQueuedAnswerBytes ||
            out.referenced_bytes() >= kMaxQueuedPayloadBytes;

@@ -108,7 +108,7 @@ namespace rdma_agent {
 BackendFactory MakeTcpBackendFactoryFromFlags() {
   return [](const BackendEnvironment& env)
              -> absl::StatusOr<std::unique_ptr<Backend>> {
-    TcpOptions options;
+    tcp::TcpOptions options;
     options.listen = absl::GetFlag(FLAGS_tcp_listen);
     options.advertise_host = absl::GetFlag(FLAGS_tcp_advertise_host);
     options.client.connections_per_peer =
@@ -140,7 +140,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.client.connect_timeout =
         absl::GetFlag(FLAGS_tcp_client_connect_timeout);
     options.client.allow_host_names = absl::GetFlag(FLAGS_tcp_allow_host_names);
-    auto backend = TcpBackend::Create(std::move(options), env);
+    auto backend = tcp::TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));
   };

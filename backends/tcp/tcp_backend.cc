@@ -10,7 +10,7 @@
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
 
-namespace rdma_agent {
+namespace rdma_agent::tcp {
 
 absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
     TcpOptions options, const BackendEnvironment& env) {
@@ -19,12 +19,12 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
   }
   if (options.client.connections_per_peer < 1 ||
       options.client.max_in_flight < 1 || options.client.chunk_bytes < 1 ||
-      options.client.chunk_bytes > tcp::kMaxPayloadBytes ||
+      options.client.chunk_bytes > kMaxPayloadBytes ||
       options.client.socket_buffer_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tcp options out of range: connections per peer and max in flight "
         "must be >= 1, chunk bytes in [1, ",
-        tcp::kMaxPayloadBytes, "], socket buffer bytes >= 0"));
+        kMaxPayloadBytes, "], socket buffer bytes >= 0"));
   }
   const bool default_listen = options.listen.empty();
   if (default_listen) {
@@ -47,13 +47,13 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
         env.advertise_host);
   }
 
-  auto client = tcp::DataClient::Create(options.client);
+  auto client = DataClient::Create(options.client);
   if (!client.ok()) return client.status();
-  tcp::DataServerOptions server_options = options.server;
+  DataServerOptions server_options = options.server;
   server_options.zero_copy_send = options.client.zero_copy_send;
   server_options.socket_buffer_bytes = options.client.socket_buffer_bytes;
   server_options.notifications = env.notifications;
-  auto server = tcp::DataServer::Start(*listen, env.directory, server_options);
+  auto server = DataServer::Start(*listen, env.directory, server_options);
   if (!server.ok()) {
     // An advertise host that is not this host's (NAT) cannot be bound.
     return absl::Status(
@@ -70,8 +70,8 @@ absl::StatusOr<std::unique_ptr<TcpBackend>> TcpBackend::Create(
 
 TcpBackend::TcpBackend(TcpOptions options, BackendEnvironment env,
                        std::string advertise_host,
-                       std::unique_ptr<tcp::DataClient> client,
-                       std::unique_ptr<tcp::DataServer> server)
+                       std::unique_ptr<DataClient> client,
+                       std::unique_ptr<DataServer> server)
     : options_(std::move(options)),
       env_(std::move(env)),
       advertise_host_(std::move(advertise_host)),
@@ -125,7 +125,7 @@ absl::StatusOr<HostPort> TcpBackend::PeerOf(
   // Routed here by the registry, which checked CanReach (backend.h).
   assert(entry.has_tcp());
   const v1::TcpEndpoint& endpoint = entry.tcp();
-  if (!options_.client.allow_host_names && !tcp::IsIpLiteral(endpoint.host())) {
+  if (!options_.client.allow_host_names && !IsIpLiteral(endpoint.host())) {
     // Resolving caller-supplied names would let a context stall this agent
     // in DNS; contexts this agent family issues carry addresses.
     return absl::InvalidArgumentError(absl::StrCat(
@@ -141,16 +141,16 @@ absl::Status TcpBackend::Notify(const v1::RemoteBuffer& remote,
                                 const StopToken& stop) {
   auto peer = PeerOf(endpoint);
   if (!peer.ok()) return peer.status();
-  return tcp::SendNotification(*peer, NotificationTarget(remote),
-                               env_.identity.agent_id, data, stop,
-                               options_.client.connect_timeout);
+  return SendNotification(*peer, NotificationTarget(remote),
+                          env_.identity.agent_id, data, stop,
+                          options_.client.connect_timeout);
 }
 
 std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
                                              const StopToken& stop) {
   std::vector<absl::Status> results(ops.size());
   // Ops grouped by the data port that serves them.
-  std::vector<tcp::DataClient::PeerBatch> batches;
+  std::vector<DataClient::PeerBatch> batches;
   std::map<std::string, size_t> batch_of;
   // Ops of one remote context share its endpoint (the registry parses each
   // context once per Submit): a run of them needs one lookup, not one each.
@@ -205,4 +205,4 @@ std::vector<Backend::PeerLinks> TcpBackend::peer_links() const {
   return links;
 }
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::tcp

@@ -11,7 +11,7 @@
 #include "backends/tcp/data_client.h"
 #include "backends/tcp/data_server.h"
 
-namespace rdma_agent {
+namespace rdma_agent::tcp {
 
 // Configuration of the TCP backend (flags --tcp_*).
 struct TcpOptions {
@@ -27,10 +27,10 @@ struct TcpOptions {
   std::string advertise_host;
   // Chunking, striping and pipelining of outgoing ops; the client's threads
   // and connection bounds.
-  tcp::DataClientOptions client;
+  DataClientOptions client;
   // Timeouts and connection caps of the serving side. Its zero_copy_send and
   // socket_buffer_bytes are taken from `client` (one setting for both ends).
-  tcp::DataServerOptions server;
+  DataServerOptions server;
 };
 
 // The agent-to-agent TCP transport: serves this agent's registrations on its
@@ -83,12 +83,11 @@ class TcpBackend : public Backend {
 
  private:
   // Tests inspect the connection pool through it (pool_probe.h).
-  friend class tcp::testing::PoolProbe;
+  friend class testing::PoolProbe;
 
   TcpBackend(TcpOptions options, BackendEnvironment env,
-             std::string advertise_host,
-             std::unique_ptr<tcp::DataClient> client,
-             std::unique_ptr<tcp::DataServer> server);
+             std::string advertise_host, std::unique_ptr<DataClient> client,
+             std::unique_ptr<DataServer> server);
   // The data port `endpoint` (this backend's entry of a remote context)
   // names, or why it cannot be used.
   absl::StatusOr<HostPort> PeerOf(const v1::BackendEndpoint& endpoint) const;
@@ -97,11 +96,11 @@ class TcpBackend : public Backend {
   const TcpOptions options_;
   const BackendEnvironment env_;
   const std::string advertise_host_;
-  const std::unique_ptr<tcp::DataClient> client_;
+  const std::unique_ptr<DataClient> client_;
   // Last: destroyed first, so no serving thread outlives the rest.
-  const std::unique_ptr<tcp::DataServer> server_;
+  const std::unique_ptr<DataServer> server_;
 };
 
-}  // namespace rdma_agent
+}  // namespace rdma_agent::tcp
 
 #endif  // RDMA_AGENTD_BACKENDS_TCP_TCP_BACKEND_H_

@@ -23,7 +23,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
 
-namespace rdma_agent {
+namespace rdma_agent::tcp {
 namespace {
 
 using ::absl::StatusCode;
@@ -40,7 +40,7 @@ using ::rdma_agent::testing::TestBuffer;
 
 // Creates an in-process agent whose tcp backend listens on 127.0.0.1:port.
 std::unique_ptr<TestAgent> Agent(uint64_t epoch, uint16_t port = 0,
-                                 tcp::DataClientOptions client = {}) {
+                                 DataClientOptions client = {}) {
   TcpOptions options;
   options.listen = absl::StrCat("127.0.0.1:", port);
   options.client = client;
@@ -66,7 +66,7 @@ void ExpectBytes(const TestBuffer& buffer, const std::vector<uint8_t>& image,
 }
 
 tcp::DataClientOptions ClientOptions(bool zero_copy_send) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.zero_copy_send = zero_copy_send;
   return options;
 }
@@ -147,7 +147,7 @@ TEST(TcpBackendCreateTest, NeverAdvertisesAWildcard) {
   EXPECT_EQ(TcpBackend::Create(options, env).status().code(),
             StatusCode::kInvalidArgument);
   options.listen = "127.0.0.1:0";
-  options.client.chunk_bytes = tcp::kMaxPayloadBytes + 1;
+  options.client.chunk_bytes = kMaxPayloadBytes + 1;
   EXPECT_EQ(TcpBackend::Create(options, env).status().code(),
             StatusCode::kInvalidArgument);
   options.client.chunk_bytes = 1 << 20;
@@ -164,12 +164,12 @@ TEST(TcpSocketTest, SocketBufferSizeIsFixedOnlyWhenAsked) {
     return bytes;
   };
   UniqueFd fixed(socket(AF_INET, SOCK_STREAM, 0));
-  tcp::ConfigureDataSocket(fixed.get(), 96 << 10);
+  ConfigureDataSocket(fixed.get(), 96 << 10);
   EXPECT_EQ(read_sndbuf(fixed.get()), 2 * (96 << 10))
       << "the kernel doubles it";
   UniqueFd autotuned(socket(AF_INET, SOCK_STREAM, 0));
   const int before = read_sndbuf(autotuned.get());
-  tcp::ConfigureDataSocket(autotuned.get(), 0);
+  ConfigureDataSocket(autotuned.get(), 0);
   EXPECT_EQ(read_sndbuf(autotuned.get()), before);
 }
 
@@ -203,7 +203,7 @@ TEST_P(TcpBackendTest, LargeReadsAndWritesShareOneConnection) {
   // One connection, so READ payloads coming back and WRITE payloads going
   // out interleave on it: blocking the wrong way would deadlock until the
   // deadline.
-  tcp::DataClientOptions options = ClientOptions(GetParam());
+  DataClientOptions options = ClientOptions(GetParam());
   options.connections_per_peer = 1;
   options.chunk_bytes = 3 << 20;
   auto a = Agent(31, 0, options);
@@ -236,7 +236,7 @@ TEST_P(TcpBackendTest, LargeReadsAndWritesShareOneConnection) {
 // after large payloads), READ and WRITE interleaved on one connection: the
 // framing holds and every byte lands where it belongs, on both sides.
 TEST_P(TcpBackendTest, MixedSizesKeepTheFramingThroughTheBuffers) {
-  tcp::DataClientOptions options = ClientOptions(GetParam());
+  DataClientOptions options = ClientOptions(GetParam());
   options.connections_per_peer = 1;
   auto a = Agent(41, 0, options);
   auto b = Agent(42, 0, options);
@@ -344,28 +344,27 @@ TEST_P(TcpBackendTest, RefusalsBetweenGoodOpsKeepTheFraming) {
 class FakePeer {
  public:
   FakePeer() {
-    auto listener = tcp::ListenTcp({"127.0.0.1", 0}, &port_);
+    auto listener = ListenTcp({"127.0.0.1", 0}, &port_);
     EXPECT_TRUE(listener.ok()) << listener.status();
     listener_ = std::move(*listener);
   }
   uint16_t port() const { return port_; }
   // Accepts a connection, greets it as an agent would and reads one request
   // header (and token, payload).
-  absl::StatusOr<tcp::RequestHeader> AcceptAndReadRequest() {
+  absl::StatusOr<RequestHeader> AcceptAndReadRequest() {
     conn_.reset(accept(listener_.get(), nullptr, nullptr));
     if (!conn_) return absl::InternalError("accept failed");
-    std::byte hello[tcp::kServerHelloBytes];
-    tcp::EncodeServerHello(hello);  // as a DataServer does at accept
+    std::byte hello[kServerHelloBytes];
+    EncodeServerHello(hello);  // as a DataServer does at accept
     (void)send(conn_.get(), hello, sizeof(hello), MSG_NOSIGNAL);
-    std::byte bytes[tcp::kRequestHeaderBytes];
-    if (auto s = tcp::ReadFull(conn_.get(), bytes, sizeof(bytes)); !s.ok()) {
+    std::byte bytes[kRequestHeaderBytes];
+    if (auto s = ReadFull(conn_.get(), bytes, sizeof(bytes)); !s.ok()) {
       return s;
     }
-    auto header = tcp::DecodeRequestHeader(bytes);
+    auto header = DecodeRequestHeader(bytes);
     if (!header.ok()) return header.status();
     std::string token(header->token_bytes, '\0');
-    if (auto s = tcp::ReadFull(conn_.get(), token.data(), token.size());
-        !s.ok()) {
+    if (auto s = ReadFull(conn_.get(), token.data(), token.size()); !s.ok()) {
       return s;
     }
     return header;
@@ -402,21 +401,21 @@ TEST_P(TcpBackendTest, SilentPeerGivesDeadlineExceededAndLateBytesAreDropped) {
   remote.context = ContextAt(peer.port(), kSize);
   Op read = MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 16, kSize, remote, 0);
 
-  absl::StatusOr<tcp::RequestHeader> request;
+  absl::StatusOr<RequestHeader> request;
   absl::Notification submitted;
   std::thread fake([&] {
     request = peer.AcceptAndReadRequest();
     // Answer only once Submit has returned: a perfectly valid, late response.
     submitted.WaitForNotification();
     if (!request.ok()) return;
-    tcp::ResponseHeader response;
+    ResponseHeader response;
     response.request_id = request->request_id;
     response.payload_bytes = request->length;
-    std::byte bytes[tcp::kResponseHeaderBytes];
-    tcp::EncodeResponseHeader(response, bytes);
+    std::byte bytes[kResponseHeaderBytes];
+    EncodeResponseHeader(response, bytes);
     std::vector<std::byte> payload(request->length, std::byte{0xee});
     iovec iov[2] = {{bytes, sizeof(bytes)}, {payload.data(), payload.size()}};
-    (void)tcp::WriteFull(peer.conn(), iov, 2);
+    (void)WriteFull(peer.conn(), iov, 2);
     // Wait until the client's side is gone for sure: EOF or reset.
     char c;
     (void)recv(peer.conn(), &c, 1, 0);
@@ -450,14 +449,14 @@ TEST_P(TcpBackendTest, PeerClosingMidResponseIsUnavailableAtOnce) {
     auto request = peer.AcceptAndReadRequest();
     if (!request.ok()) return;
     // Half a response, then the peer "dies".
-    tcp::ResponseHeader response;
+    ResponseHeader response;
     response.request_id = request->request_id;
     response.payload_bytes = request->length;
-    std::byte bytes[tcp::kResponseHeaderBytes];
-    tcp::EncodeResponseHeader(response, bytes);
+    std::byte bytes[kResponseHeaderBytes];
+    EncodeResponseHeader(response, bytes);
     std::vector<std::byte> half(request->length / 2, std::byte{0xab});
     iovec iov[2] = {{bytes, sizeof(bytes)}, {half.data(), half.size()}};
-    (void)tcp::WriteFull(peer.conn(), iov, 2);
+    (void)WriteFull(peer.conn(), iov, 2);
     peer.Close();
   });
   const absl::Time start = absl::Now();
@@ -488,7 +487,7 @@ TEST_P(TcpBackendTest, RefusedDialIsUnavailable) {
 }
 
 TEST(TcpBackendShutdownTest, ServerGoingAwayMidTransferIsUnavailableAtOnce) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.chunk_bytes = 1 << 20;  // many requests: the transfer is cut mid-way
   auto a = Agent(41, 0, options);
   auto b = Agent(42, 0, options);
@@ -568,4 +567,4 @@ TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::tcp

@@ -23,7 +23,7 @@
 #include "common/stop_token.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::tcp {
 namespace {
 
 using ::absl::StatusCode;
@@ -38,7 +38,7 @@ using Behavior = ScriptedPeer::Behavior;
 // An in-process agent with only a tcp backend and one local buffer.
 class Agent {
  public:
-  explicit Agent(tcp::DataClientOptions client = {}, uint64_t buffer = 1 << 20)
+  explicit Agent(DataClientOptions client = {}, uint64_t buffer = 1 << 20)
       : directory_(7) {
     BackendEnvironment env;
     env.identity = {"agent-7", 7};
@@ -164,7 +164,7 @@ TEST(TcpClientCancelTest, CancelledBeforeSubmitSendsNothing) {
 
 // Peers that are not agents get nothing, and read exactly like closed ports.
 TEST(TcpClientStrangerTest, NonAgentsGetNoByteAndLookLikeClosedPorts) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.connect_timeout = absl::Milliseconds(300);
   Agent agent(options);
   ScriptedPeer silent(Behavior::kSilent);
@@ -213,7 +213,7 @@ TEST(TcpClientStrangerTest, HostNamesAreRefusedUnlessAllowed) {
       << results[0];
   EXPECT_EQ(peer.accepted(), 0);
 
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.allow_host_names = true;
   Agent resolving(options);
   results = resolving.backend().Submit(
@@ -224,7 +224,7 @@ TEST(TcpClientStrangerTest, HostNamesAreRefusedUnlessAllowed) {
 }
 
 TEST(TcpClientBoundsTest, ManyPeersUseOnlyTheWorkerThreads) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.threads = 3;
   Agent agent(options);
   ScriptedPeer peer(Behavior::kRefuseAll, "0.0.0.0");
@@ -258,7 +258,7 @@ TEST(TcpClientBoundsTest, ManyPeersUseOnlyTheWorkerThreads) {
 }
 
 TEST(TcpClientBoundsTest, SubmitsTakeTurnsOnTheWorkers) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.threads = 2;
   options.connect_timeout = absl::Milliseconds(500);
   Agent agent(options);
@@ -290,7 +290,7 @@ TEST(TcpClientBoundsTest, SubmitsTakeTurnsOnTheWorkers) {
 }
 
 TEST(TcpClientBoundsTest, IdlePoolIsBoundedAndExpires) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.max_idle_connections = 5;
   options.max_idle_per_peer = 1;
   options.idle_timeout = absl::Milliseconds(300);
@@ -317,7 +317,7 @@ TEST(TcpClientBoundsTest, IdlePoolIsBoundedAndExpires) {
 }
 
 TEST(TcpClientBoundsTest, ConnectionLimitQueuesDials) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.threads = 4;
   options.max_connections = 1;
   options.max_idle_per_peer = 2;
@@ -342,7 +342,7 @@ TEST(TcpClientBoundsTest, ConnectionLimitQueuesDials) {
 // flight: a peer that never answers sees exactly that many requests.
 TEST(TcpClientPipelineTest, SmallOpsFillTheWindowByBytes) {
   for (const uint64_t in_flight_bytes : {uint64_t{64} << 10, uint64_t{0}}) {
-    tcp::DataClientOptions options;
+    DataClientOptions options;
     options.connections_per_peer = 1;
     options.max_in_flight = 2;
     options.in_flight_bytes = in_flight_bytes;
@@ -395,7 +395,7 @@ TEST(TcpClientPipelineTest, BytesNobodyAskedForKeepAConnectionOutOfThePool) {
 // Submits with similar deadlines set none); one with a shorter deadline
 // still ends by it.
 TEST(TcpClientPipelineTest, APooledConnectionHonoursAShorterDeadline) {
-  tcp::DataClientOptions options;
+  DataClientOptions options;
   options.connections_per_peer = 1;
   Agent agent(options);
   ScriptedPeer peer(Behavior::kRefuseOnceThenStall);
@@ -469,4 +469,4 @@ TEST(TcpClientCreateTest, BadClientOptionsAreRefused) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::tcp

@@ -17,17 +17,17 @@
 #include "backends/tcp/wire.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent {
+namespace rdma_agent::tcp {
 namespace {
 
 // True when `host:port` accepts a connection and greets it with the hello.
 bool Greets(const std::string& host, uint16_t port) {
-  auto fd = tcp::DialTcp({host, port}, absl::Now() + absl::Seconds(5));
+  auto fd = DialTcp({host, port}, absl::Now() + absl::Seconds(5));
   if (!fd.ok()) return false;
-  tcp::SetIoTimeout(fd->get(), /*receive=*/true, absl::Seconds(5));
-  std::byte hello[tcp::kServerHelloBytes];
-  return tcp::ReadFull(fd->get(), hello, sizeof(hello)).ok() &&
-         tcp::DecodeServerHello(hello).ok();
+  SetIoTimeout(fd->get(), /*receive=*/true, absl::Seconds(5));
+  std::byte hello[kServerHelloBytes];
+  return ReadFull(fd->get(), hello, sizeof(hello)).ok() &&
+         DecodeServerHello(hello).ok();
 }
 
 TEST(TcpServerListenTest, DefaultsToTheAdvertiseHostOnPort7471) {
@@ -75,4 +75,4 @@ TEST(TcpServerListenTest, EveryInterfaceWhenAskedExplicitly) {
 }
 
 }  // namespace
-}  // namespace rdma_agent
+}  // namespace rdma_agent::tcp

@@ -89,12 +89,12 @@ BackendTarget MemoryTarget() {
   BackendTarget target;
   target.name = "memory";
   target.agents = 1;
-  target.max_message_bytes = MemoryBackend::kCopySliceBytes;
+  target.max_message_bytes = memory::MemoryBackend::kCopySliceBytes;
   target.make_world = [] {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
             -> absl::StatusOr<std::unique_ptr<Backend>> {
-          return std::make_unique<MemoryBackend>(env);
+          return std::make_unique<memory::MemoryBackend>(env);
         });
   };
   return target;
@@ -108,10 +108,10 @@ BackendTarget TcpTarget() {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
             -> absl::StatusOr<std::unique_ptr<Backend>> {
-          TcpOptions options;
+          tcp::TcpOptions options;
           options.listen = "127.0.0.1:0";
           options.client.chunk_bytes = kTcpChunkBytes;
-          auto backend = TcpBackend::Create(options, env);
+          auto backend = tcp::TcpBackend::Create(options, env);
           if (!backend.ok()) return backend.status();
           return std::unique_ptr<Backend>(std::move(*backend));
         });

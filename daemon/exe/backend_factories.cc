@@ -13,7 +13,7 @@ absl::StatusOr<BackendFactory> BackendFactoryFromFlags(
     return BackendFactory(
         [](const BackendEnvironment& env)
             -> absl::StatusOr<std::unique_ptr<Backend>> {
-          return std::make_unique<MemoryBackend>(env);
+          return std::make_unique<memory::MemoryBackend>(env);
         });
   }
   if (name == "tcp") return MakeTcpBackendFactoryFromFlags();

@@ -227,7 +227,7 @@ std::unique_ptr<TestAgent> MemoryAgent() {
       TestAgent::Create("agent-m",
                         [](const BackendEnvironment& env)
                             -> absl::StatusOr<std::unique_ptr<Backend>> {
-                          return std::make_unique<MemoryBackend>(env);
+                          return std::make_unique<memory::MemoryBackend>(env);
                         });
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
@@ -268,13 +268,13 @@ TEST(MemoryBackendDeviceMemoryTest, NeitherRegistersNorTouchesDeviceMemory) {
 }
 
 std::unique_ptr<TestAgent> TcpAgent(const std::string& id) {
-  TcpOptions options;
+  tcp::TcpOptions options;
   options.listen = "127.0.0.1:0";
   auto agent =
       TestAgent::Create(id,
                         [options](const BackendEnvironment& env)
                             -> absl::StatusOr<std::unique_ptr<Backend>> {
-                          auto backend = TcpBackend::Create(options, env);
+                          auto backend = tcp::TcpBackend::Create(options, env);
                           if (!backend.ok()) return backend.status();
                           return std::unique_ptr<Backend>(std::move(*backend));
                         });
@@ -328,7 +328,7 @@ TEST(TcpBackendDeviceMemoryTest, NeitherRegistersNorServesDeviceMemory) {
 TEST(RegistryDeviceMemoryTest, WithoutANicBackendRegistrationFailsNamingKind) {
   std::vector<std::unique_ptr<Backend>> backends;
   BackendEnvironment env;
-  backends.push_back(std::make_unique<MemoryBackend>(env));
+  backends.push_back(std::make_unique<memory::MemoryBackend>(env));
   BackendRegistry registry(std::move(backends));
   auto memory = DeviceMemory::Adopt(Memfd(kSize), Cuda(0, kSize, 1), AdmitAll);
   ASSERT_TRUE(memory.ok());

@@ -67,9 +67,9 @@ TEST(DataPlaneFuzzTest, MutatedRequestsAreRefusedOrServedSafely) {
   env.identity = {"agent-fuzz", kEpoch};
   env.directory = &directory;
   env.advertise_host = "127.0.0.1";
-  TcpOptions options;
+  tcp::TcpOptions options;
   options.listen = "127.0.0.1:0";
-  auto backend = TcpBackend::Create(options, env);
+  auto backend = tcp::TcpBackend::Create(options, env);
   ASSERT_TRUE(backend.ok()) << backend.status();
 
   auto memory = SharedMemory::Allocate(kSize, "fuzz");

@@ -17,7 +17,7 @@ absl::StatusOr<std::unique_ptr<InProcessAgent>> InProcessAgent::Start(
   if (options.backends.empty()) {
     options.backends.push_back([](const BackendEnvironment& env)
                                    -> absl::StatusOr<std::unique_ptr<Backend>> {
-      return std::make_unique<MemoryBackend>(env);
+      return std::make_unique<memory::MemoryBackend>(env);
     });
   }
   fixture->options_ = std::move(options);

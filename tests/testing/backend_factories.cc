@@ -11,16 +11,16 @@ namespace rdma_agent::testing {
 BackendFactory MemoryFactory() {
   return [](const BackendEnvironment& env)
              -> absl::StatusOr<std::unique_ptr<Backend>> {
-    return std::make_unique<MemoryBackend>(env);
+    return std::make_unique<memory::MemoryBackend>(env);
   };
 }
 
 BackendFactory LoopbackTcpFactory() {
   return [](const BackendEnvironment& env)
              -> absl::StatusOr<std::unique_ptr<Backend>> {
-    TcpOptions tcp;
-    tcp.listen = "127.0.0.1:0";
-    auto backend = TcpBackend::Create(tcp, env);
+    tcp::TcpOptions options;
+    options.listen = "127.0.0.1:0";
+    auto backend = tcp::TcpBackend::Create(options, env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));
   };

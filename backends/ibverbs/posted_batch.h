@@ -1,5 +1,5 @@
-#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
-#define RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -26,7 +26,7 @@ namespace rdma_agent::ibverbs {
 // op has no error is not given up on: its bytes wait as a Retry for the
 // Submit to post elsewhere. Thread-safe: completions arrive on pollers'
 // threads.
-class Batch : public CompletionSink {
+class PostedBatch : public CompletionSink {
  public:
   // A byte range of an op.
   struct Range {
@@ -46,7 +46,7 @@ class Batch : public CompletionSink {
     bool path_failed = false;
   };
 
-  explicit Batch(absl::Span<const Op> ops);
+  explicit PostedBatch(absl::Span<const Op> ops);
 
   // Records a WR of `range` about to be posted on `lane` (its load and its
   // rail's counters follow it); returns the WR's cookie.
@@ -116,4 +116,4 @@ class Batch : public CompletionSink {
 
 }  // namespace rdma_agent::ibverbs
 
-#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_BATCH_H_
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_

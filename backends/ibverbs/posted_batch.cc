@@ -1,4 +1,4 @@
-#include "backends/ibverbs/batch.h"
+#include "backends/ibverbs/posted_batch.h"
 
 #include <utility>
 
@@ -6,14 +6,14 @@
 
 namespace rdma_agent::ibverbs {
 
-Batch::Batch(absl::Span<const Op> ops) : ops_(ops.size()) {
+PostedBatch::PostedBatch(absl::Span<const Op> ops) : ops_(ops.size()) {
   for (size_t i = 0; i < ops.size(); ++i) {
     ops_[i].unsettled = ops[i].length;
     if (ops[i].length > 0) ++not_done_;
   }
 }
 
-uint64_t Batch::WrPosting(const Range& range, const Lane& lane) {
+uint64_t PostedBatch::WrPosting(const Range& range, const Lane& lane) {
   lane.load->bytes += range.length;
   absl::MutexLock lock(&mu_);
   const uint64_t cookie = next_cookie_++;
@@ -21,7 +21,7 @@ uint64_t Batch::WrPosting(const Range& range, const Lane& lane) {
   return cookie;
 }
 
-void Batch::WrNotPosted(uint64_t cookie) {
+void PostedBatch::WrNotPosted(uint64_t cookie) {
   absl::MutexLock lock(&mu_);
   auto it = wrs_.find(cookie);
   if (it == wrs_.end()) return;
@@ -29,7 +29,7 @@ void Batch::WrNotPosted(uint64_t cookie) {
   wrs_.erase(it);
 }
 
-void Batch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
+void PostedBatch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
   absl::MutexLock lock(&mu_);
   auto it = wrs_.find(cookie);
   if (it == wrs_.end()) return;
@@ -57,12 +57,13 @@ void Batch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
   SettleLocked(wr.range.op, wr.range.length, status);
 }
 
-void Batch::Settle(const Range& range, const absl::Status& status) {
+void PostedBatch::Settle(const Range& range, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   SettleLocked(range.op, range.length, status);
 }
 
-void Batch::Requeue(const Range& range, const Lane* lane, absl::Status why) {
+void PostedBatch::Requeue(const Range& range, const Lane* lane,
+                          absl::Status why) {
   absl::MutexLock lock(&mu_);
   if (!ops_[range.op].status.ok()) {
     SettleLocked(range.op, range.length, why);
@@ -71,20 +72,20 @@ void Batch::Requeue(const Range& range, const Lane* lane, absl::Status why) {
   retries_.push_back(Retry{range, lane, std::move(why), false});
 }
 
-std::vector<Batch::Retry> Batch::TakeRetries() {
+std::vector<PostedBatch::Retry> PostedBatch::TakeRetries() {
   absl::MutexLock lock(&mu_);
   std::vector<Retry> taken;
   taken.swap(retries_);
   return taken;
 }
 
-bool Batch::HasError(size_t op) {
+bool PostedBatch::HasError(size_t op) {
   absl::MutexLock lock(&mu_);
   return !ops_[op].status.ok();
 }
 
-void Batch::SettleLocked(size_t op, uint64_t length,
-                         const absl::Status& status) {
+void PostedBatch::SettleLocked(size_t op, uint64_t length,
+                               const absl::Status& status) {
   OpState& state = ops_[op];
   if (state.status.ok() && !status.ok()) state.status = status;
   if (length == 0 || state.unsettled == 0) return;
@@ -92,22 +93,22 @@ void Batch::SettleLocked(size_t op, uint64_t length,
   if (state.unsettled == 0) --not_done_;
 }
 
-bool Batch::Woken() const {
+bool PostedBatch::Woken() const {
   return not_done_ == 0 || !retries_.empty() || interrupted_;
 }
 
-bool Batch::Wait(absl::Time deadline) {
+bool PostedBatch::Wait(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  mu_.AwaitWithDeadline(absl::Condition(this, &Batch::Woken), deadline);
+  mu_.AwaitWithDeadline(absl::Condition(this, &PostedBatch::Woken), deadline);
   return not_done_ == 0;
 }
 
-void Batch::Interrupt() {
+void PostedBatch::Interrupt() {
   absl::MutexLock lock(&mu_);
   interrupted_ = true;
 }
 
-bool Batch::AwaitNoWrs(absl::Time deadline) {
+bool PostedBatch::AwaitNoWrs(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   const auto none = [this]()
                         ABSL_NO_THREAD_SAFETY_ANALYSIS { return wrs_.empty(); };
@@ -115,7 +116,7 @@ bool Batch::AwaitNoWrs(absl::Time deadline) {
   return wrs_.empty();
 }
 
-std::vector<size_t> Batch::NotDone() {
+std::vector<size_t> PostedBatch::NotDone() {
   absl::MutexLock lock(&mu_);
   std::vector<size_t> ops;
   for (size_t i = 0; i < ops_.size(); ++i) {
@@ -124,12 +125,12 @@ std::vector<size_t> Batch::NotDone() {
   return ops;
 }
 
-uint64_t Batch::OutstandingWrs() {
+uint64_t PostedBatch::OutstandingWrs() {
   absl::MutexLock lock(&mu_);
   return wrs_.size();
 }
 
-std::vector<absl::Status> Batch::Results() {
+std::vector<absl::Status> PostedBatch::Results() {
   absl::MutexLock lock(&mu_);
   std::vector<absl::Status> results;
   results.reserve(ops_.size());
@@ -137,7 +138,7 @@ std::vector<absl::Status> Batch::Results() {
   return results;
 }
 
-void Batch::Override(size_t op, absl::Status status) {
+void PostedBatch::Override(size_t op, absl::Status status) {
   absl::MutexLock lock(&mu_);
   ops_[op].status = std::move(status);
 }

@@ -7,7 +7,7 @@
 //   - 64 KiB x 256 per Submit (KV-cache-sized blocks) and one 256 MiB op
 //     per Submit, WRITE and READ: MiB/s.
 //
-//   bazel run -c opt //backends/tcp:tcp_backend_bench -- [seconds [rows]]
+//   bazel run -c opt //bench:tcp_backend_bench -- [seconds [rows]]
 //
 // `rows` picks what runs (comma-separated; default all but sizes): latency,
 // write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per Submit in ops of 16 KiB to
@@ -43,13 +43,13 @@ using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
 
 std::unique_ptr<TestAgent> Agent(uint64_t epoch) {
-  TcpOptions options;
+  tcp::TcpOptions options;
   options.listen = "127.0.0.1:0";
   auto agent = TestAgent::Create(
       absl::StrCat("agent-", epoch),
       [options](const BackendEnvironment& env)
           -> absl::StatusOr<std::unique_ptr<Backend>> {
-        auto backend = TcpBackend::Create(options, env);
+        auto backend = tcp::TcpBackend::Create(options, env);
         if (!backend.ok()) return backend.status();
         return std::unique_ptr<Backend>(std::move(*backend));
       },

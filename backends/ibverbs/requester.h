@@ -1,0 +1,200 @@
+#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_REQUESTER_H_
+#define RDMA_AGENTD_BACKENDS_IBVERBS_REQUESTER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "backends/backend.h"
+#include "backends/ibverbs/connection.h"
+#include "backends/ibverbs/options.h"
+#include "backends/ibverbs/posted_batch.h"
+#include "backends/ibverbs/rails.h"
+#include "common/stop_token.h"
+#include "rdma/agent/v1/peer.grpc.pb.h"
+
+namespace rdma_agent {
+class TaskPool;
+}  // namespace rdma_agent
+
+namespace rdma_agent::ibverbs {
+
+// The requesting half of the ibverbs backend: Submit over lanes (a rail of
+// this agent paired with a rail of the peer, striping.h), their handshakes
+// and grants through the peers' Peer services, striped posting, failover to
+// the other lanes when one fails, probes of lanes whose cooldown ran out,
+// and the drain at the deadline (IbverbsBackend's comment says how).
+//
+// Owned by IbverbsBackend, whose environment, options and rails it uses:
+// they outlive it, and the rails are set up before the first Submit and
+// never change afterwards. Thread-safe.
+class Requester {
+ public:
+  // `backend` is the backend's name, under which registrations keep its
+  // state (IbverbsRegistration).
+  Requester(const BackendEnvironment& env, const IbverbsOptions& options,
+            const std::vector<std::unique_ptr<Rail>>& rails,
+            std::string backend);
+  // Lanes' connections drain and stop their pollers.
+  ~Requester();
+  Requester(const Requester&) = delete;
+  Requester& operator=(const Requester&) = delete;
+
+  // Backend::Submit: one status per op, and once it returns no WR of the
+  // batch touches memory.
+  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
+                                   const StopToken& stop);
+
+  // The Peer service of the agent at `address` (one channel per address,
+  // with the agent's Peer TLS credentials when configured).
+  std::shared_ptr<v1::Peer::Stub> StubFor(const std::string& address);
+
+  // Queue pairs connected as requester, over its life.
+  uint64_t connections_established() const;
+  // Queue pairs held now (one per lane in use).
+  size_t connections() const;
+  // Queue pairs held now by peer "agent/device".
+  std::map<std::string, size_t> ConnectionsByPeer() const;
+  // Lanes cooling down at `now`, by their rail of this agent.
+  std::map<const Rail*, size_t> LanesCoolingDown(absl::Time now) const;
+
+ private:
+  struct Handshaken;
+  struct LaneUse;
+  struct PeerPlan;
+  struct AffinityClass;
+
+  // "agent_id/epoch": whom an op goes to.
+  static std::string PeerKey(const v1::RemoteBuffer& remote);
+  // What the contract does not cover before posting: the local MR.
+  absl::Status CheckOp(const Op& op) const;
+
+  // Submit's steps. The rail pairs ops to one peer go over, and which bytes
+  // each lane carries; the ops fail at once when no rail can be used.
+  PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
+                    PostedBatch& batch);
+  // Which of `rails` x `plan`'s remote rails failed and were not shown to
+  // work since; `expired` gets those whose cooldown ran out (worth a
+  // probe).
+  std::vector<std::vector<bool>> FailedPairs(
+      const PeerPlan& plan, const std::vector<Rail*>& rails,
+      std::vector<std::pair<size_t, size_t>>& expired);
+  // Groups `plan`'s ops by the rails near their buffers (both sides) and
+  // pairs rails for each group: near ones for small ops, far ones joining
+  // for large ops when the near ones' speed is a small share, any usable
+  // ones when no near pair is healthy. `rails` are the usable rails,
+  // `healthy` their pairs with the peer's rails.
+  void PlanAffinity(absl::Span<const Op> ops, const std::vector<Rail*>& rails,
+                    const std::vector<std::vector<bool>>& healthy,
+                    PeerPlan& plan);
+  // Cuts `plan`'s ops over the lanes of their affinity class: large ones
+  // in proportion to the lanes' shares, small ones whole to the least
+  // loaded lane.
+  void AssignWork(absl::Span<const Op> ops, PeerPlan& plan);
+  // Rails usable now (their port's failure cooled down, or they never
+  // failed); when none is, the rails whose ports are ACTIVE now.
+  std::vector<Rail*> UsableRails();
+  // Connects `use`'s lane and posts the bytes planned for it.
+  void RunLane(absl::Span<const Op> ops, const PeerPlan& plan, LaneUse& use,
+               const std::shared_ptr<PostedBatch>& batch,
+               const StopToken& stop);
+  // Posts `range` of its op over `use`'s connected lane as WRs of at most
+  // the smaller max message size of both rails. What cannot be posted
+  // because the lane failed is requeued; other failures settle it.
+  void PostRange(const Op& op, const PostedBatch::Range& range, LaneUse& use,
+                 const std::shared_ptr<PostedBatch>& batch,
+                 const StopToken& stop);
+  // Posts the bytes of failed WRs again over the other lanes to their peer
+  // (connecting one if needed), or settles them UNAVAILABLE when none is
+  // left.
+  void Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
+              const std::vector<size_t>& plan_of_op,
+              std::vector<PostedBatch::Retry> retries,
+              const std::shared_ptr<PostedBatch>& batch, const StopToken& stop);
+  // The least loaded lane of `plan` still standing in this Submit for op
+  // `op`, connected (a lane that fails to connect is left out and the next
+  // one tried): one near the op's buffers first, then any of the plan;
+  // when none is left, a pair the plan left out (AddLane). nullptr when
+  // there is none either.
+  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan, size_t op,
+                    const StopToken& stop);
+  // Adds to `plan` a lane between usable rails that it does not have yet
+  // and that is not cooling down, rails near op `op`'s buffers first, with
+  // at most `max_far_ends` (0-2) of its two rails far from them and, with
+  // `fresh_rails`, neither rail used by a lane of the plan still standing;
+  // nullptr when there is none.
+  LaneUse* AddLane(PeerPlan& plan, size_t op, int max_far_ends,
+                   bool fresh_rails = false);
+  // Leaves out `lane` (or its rail, when its port is not ACTIVE) for a
+  // while after its path failed with `why`.
+  void CoolDown(Lane& lane, const absl::Status& why);
+  // Reconnects a lane whose cooldown ran out and sends it a zero-length
+  // RDMA WRITE; the lane is used again once that completes.
+  void ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
+                 const std::shared_ptr<Lane>& lane, const StopToken& stop);
+  // At the deadline or cancellation: moves the QPs holding WRs of the batch
+  // to ERR, drains them, and gives the ops not done the stop's status.
+  void CutShort(const std::vector<PeerPlan>& plans, PostedBatch& batch,
+                const StopToken& stop);
+
+  // The lane `rail` -> `remote` to `peer`, created on first use.
+  std::shared_ptr<Lane> LaneFor(const std::string& peer, Rail& rail,
+                                const RemoteRail& remote);
+  // The lane's connection. The handshake needs the proof of one buffer:
+  // those of the `indices` ops are tried in turn (a few at most), so that
+  // one forged or released context does not fail the others.
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> ConnectLane(
+      Lane& lane, absl::Span<const Op> ops, const std::vector<size_t>& indices,
+      const StopToken& stop);
+  absl::StatusOr<std::shared_ptr<QueuePairConnection>> GetConnection(
+      Lane& lane, const v1::RemoteBuffer& remote,
+      const v1::IbverbsEndpoint& endpoint, const StopToken& stop);
+  absl::StatusOr<Handshaken> Handshake(const Lane& lane,
+                                       const v1::RemoteBuffer& remote,
+                                       const v1::IbverbsEndpoint& endpoint,
+                                       const StopToken& stop);
+  // The grant for op's remote buffer over `lane`'s `connection`: cached,
+  // or asked for with GrantBuffer (cut short by `stop`).
+  absl::StatusOr<RemoteGrant> GrantFor(const Op& op, Lane& lane,
+                                       const QueuePairConnection& connection,
+                                       const StopToken& stop);
+
+  const BackendEnvironment& env_;
+  const IbverbsOptions& options_;
+  const std::vector<std::unique_ptr<Rail>>& rails_;
+  const std::string backend_;
+  // A batch for several lanes connects and posts to them at once: the
+  // caller and these threads (more lanes than threads: the caller runs the
+  // rest in turn).
+  static constexpr size_t kPostingThreads = 3;
+  std::unique_ptr<TaskPool> posting_pool_;
+
+  mutable absl::Mutex mu_;
+  // One per lane key: serialises handshakes of the same lane, so concurrent
+  // Submits connect it once, while a slow peer does not hold up handshakes
+  // with others.
+  std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
+      ABSL_GUARDED_BY(mu_);
+  // Lanes by "agent_id/epoch/local rail>remote rail"; a lane's connection,
+  // session and grants are guarded by mu_ too.
+  std::map<std::string, std::shared_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
+  // Rotates ties among equally loaded lanes, per peer ("agent/epoch").
+  std::map<std::string, size_t> round_robin_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<v1::Peer::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t connections_established_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace rdma_agent::ibverbs
+
+#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_REQUESTER_H_
