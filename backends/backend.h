@@ -71,9 +71,7 @@ struct Op {
   // *remote, so it lives as long as the op.
   const v1::BackendEndpoint* endpoint = nullptr;
 
-  bool reads_into_local() const {
-    return type == v1::OP_TYPE_READ_INTO_LOCAL;
-  }
+  bool reads_into_local() const { return type == v1::OP_TYPE_READ_INTO_LOCAL; }
 };
 
 // A transport that moves bytes between this agent's registrations and

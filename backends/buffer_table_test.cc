@@ -177,7 +177,6 @@ TEST(BufferTableTest, RemovedBufferLivesWhilePinned) {
   table.Clear();
 }
 
-
 // Ownership scoping, ids and the lifetime of released registrations: the
 // table as the agent's API uses it.
 namespace scoping {

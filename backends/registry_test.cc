@@ -337,9 +337,9 @@ TEST(BackendRegistryTest, StampsLocalBuffersUsedWhenOpsStartAndEnd) {
   };
   // Failed ops count too: the buffer was the local side of an op.
   fakes.tcp->script = {absl::DataLossError("scripted")};
-  auto outcomes = fakes.registry->Submit(
-      {ReadOp(0, Advertising({"tcp"}), local)},
-      StopToken(absl::Now() + absl::Seconds(5)));
+  auto outcomes =
+      fakes.registry->Submit({ReadOp(0, Advertising({"tcp"}), local)},
+                             StopToken(absl::Now() + absl::Seconds(5)));
   ASSERT_EQ(outcomes[0].status.code(), absl::StatusCode::kDataLoss);
   EXPECT_GT(seen_by_backend, created) << "stamped when the op started";
   EXPECT_GT(local->last_use_nanos(), seen_by_backend)

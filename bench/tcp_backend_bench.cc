@@ -10,9 +10,10 @@
 //   bazel run -c opt //bench:tcp_backend_bench -- [seconds [rows]]
 //
 // `rows` picks what runs (comma-separated; default all but sizes): latency,
-// write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per Submit in ops of 16 KiB to
-// 4 MiB: what a request costs beyond its bytes). One row alone is what to run under `perf stat` /
-// `perf record` to see one kind of op's system calls and profile.
+// write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per Submit in
+// ops of 16 KiB to 4 MiB: what a request costs beyond its bytes). One row alone
+// is what to run under `perf stat` / `perf record` to see one kind of op's
+// system calls and profile.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/resource.h>
@@ -71,7 +72,8 @@ absl::Duration ProcessCpu() {
 
 double Percentile(std::vector<double> values, double p) {
   std::sort(values.begin(), values.end());
-  return values[static_cast<size_t>(p * static_cast<double>(values.size() - 1))];
+  return values[static_cast<size_t>(p *
+                                    static_cast<double>(values.size() - 1))];
 }
 
 // p50 and p99 in microseconds of `iterations` calls of `call`.
@@ -174,14 +176,14 @@ int Main(double seconds, const std::string& rows) {
     return type == v1::OP_TYPE_WRITE_FROM_LOCAL ? "WRITE" : "READ";
   };
   if (wanted("write4k")) {
-    const double ops = rate(v1::OP_TYPE_WRITE_FROM_LOCAL, 4096, 1000, kBytes,
-                            local, remote);
+    const double ops =
+        rate(v1::OP_TYPE_WRITE_FROM_LOCAL, 4096, 1000, kBytes, local, remote);
     std::printf("4 KiB WRITE x1000/Submit: %.0f ops/s, CPU %.2f us/op\n", ops,
                 cpu_us);
   }
   if (wanted("read4k")) {
-    const double ops = rate(v1::OP_TYPE_READ_INTO_LOCAL, 4096, 1000, kBytes,
-                            local, remote);
+    const double ops =
+        rate(v1::OP_TYPE_READ_INTO_LOCAL, 4096, 1000, kBytes, local, remote);
     std::printf("4 KiB READ  x1000/Submit: %.0f ops/s, CPU %.2f us/op\n", ops,
                 cpu_us);
   }
@@ -192,11 +194,10 @@ int Main(double seconds, const std::string& rows) {
   constexpr uint64_t kBulk = 256 << 20;
   TestBuffer bulk_local = a->Register(kBulk, v1::ACCESS_READ_WRITE, 3);
   TestBuffer bulk_remote = b->Register(kBulk, v1::ACCESS_READ_WRITE, 4);
-  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
-                          v1::OP_TYPE_READ_INTO_LOCAL}) {
-    if (!wanted("kv") && !wanted(type == v1::OP_TYPE_WRITE_FROM_LOCAL
-                                     ? "kvwrite"
-                                     : "kvread")) {
+  for (v1::OpType type :
+       {v1::OP_TYPE_WRITE_FROM_LOCAL, v1::OP_TYPE_READ_INTO_LOCAL}) {
+    if (!wanted("kv") &&
+        !wanted(type == v1::OP_TYPE_WRITE_FROM_LOCAL ? "kvwrite" : "kvread")) {
       continue;
     }
     const double ops =
@@ -204,8 +205,8 @@ int Main(double seconds, const std::string& rows) {
     std::printf("64 KiB %-5s x256/Submit: %.0f MiB/s, CPU %.0f us/MiB\n",
                 kind(type), ops / 16.0, cpu_us * 16.0);
   }
-  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
-                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+  for (v1::OpType type :
+       {v1::OP_TYPE_WRITE_FROM_LOCAL, v1::OP_TYPE_READ_INTO_LOCAL}) {
     if (!wanted("sizes")) break;
     for (uint64_t size = 16 << 10; size <= (4 << 20); size *= 4) {
       const size_t count = static_cast<size_t>((16 << 20) / size);
@@ -217,8 +218,8 @@ int Main(double seconds, const std::string& rows) {
                   cpu_us * static_cast<double>(count) / 16.0);
     }
   }
-  for (v1::OpType type : {v1::OP_TYPE_WRITE_FROM_LOCAL,
-                          v1::OP_TYPE_READ_INTO_LOCAL}) {
+  for (v1::OpType type :
+       {v1::OP_TYPE_WRITE_FROM_LOCAL, v1::OP_TYPE_READ_INTO_LOCAL}) {
     if (!wanted("bulk")) break;
     const double ops = rate(type, kBulk, 1, kBulk, bulk_local, bulk_remote);
     std::printf("256 MiB %-5s x1/Submit: %.0f MiB/s, CPU %.0f us/MiB\n",

@@ -31,8 +31,7 @@ class MemoryBackend : public Backend {
   bool available() const override { return true; }
   v1::TransportInfo transport_info() const override;
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
-      const Registration& registration,
-      v1::BackendEndpoint* endpoint) override;
+      const Registration& registration, v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;

@@ -70,12 +70,10 @@ absl::StatusOr<size_t> BufferedSocket::Receive(bool wait) {
   return ReceiveAtMost(wait, kBufferBytes);
 }
 
-absl::StatusOr<size_t> BufferedSocket::ReceiveAtMost(bool wait,
-                                                     size_t limit) {
+absl::StatusOr<size_t> BufferedSocket::ReceiveAtMost(bool wait, size_t limit) {
   MakeRoom();
-  const size_t room = std::min(
-      {limit, kBufferBytes - end_,
-       small_fill_ ? kHeaderFillBytes : kBufferBytes});
+  const size_t room = std::min({limit, kBufferBytes - end_,
+                                small_fill_ ? kHeaderFillBytes : kBufferBytes});
   small_fill_ = false;
   while (true) {
     const ssize_t n =
@@ -97,8 +95,7 @@ absl::StatusOr<size_t> BufferedSocket::ReadSome(void* out, size_t size,
   if (size < kDirectBytes) {
     // The rest of a payload: all of it, and after a large one only a
     // header's worth more (the next payload may go direct).
-    const size_t limit =
-        small_fill_ ? size + kHeaderFillBytes : kBufferBytes;
+    const size_t limit = small_fill_ ? size + kHeaderFillBytes : kBufferBytes;
     small_fill_ = false;
     absl::StatusOr<size_t> received = ReceiveAtMost(wait, limit);
     if (!received.ok() || *received == 0) return received;
@@ -116,8 +113,7 @@ absl::StatusOr<size_t> BufferedSocket::ReadSome(void* out, size_t size,
   message.msg_iov = iov;
   message.msg_iovlen = iov[1].iov_len > 0 ? 2 : 1;
   while (true) {
-    const ssize_t n =
-        recvmsg(fd_, &message, wait ? MSG_WAITALL : MSG_DONTWAIT);
+    const ssize_t n = recvmsg(fd_, &message, wait ? MSG_WAITALL : MSG_DONTWAIT);
     if (n > 0) {
       small_fill_ = true;  // the next message's payload may go direct too
       const size_t got = static_cast<size_t>(n);

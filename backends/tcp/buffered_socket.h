@@ -170,9 +170,9 @@ class SendQueue {
 
  private:
   struct Segment {
-    std::string copy;                   // copied bytes (when `data` is null)
-    const std::byte* data = nullptr;    // referenced bytes
-    size_t size = 0;                    // of `data`
+    std::string copy;                 // copied bytes (when `data` is null)
+    const std::byte* data = nullptr;  // referenced bytes
+    size_t size = 0;                  // of `data`
     std::shared_ptr<const void> keep_alive;
     bool splice = false;
     size_t sent = 0;  // bytes of this segment gone (lent, for splice)

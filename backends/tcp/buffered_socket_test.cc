@@ -34,8 +34,7 @@ Pair TcpPair() {
   uint16_t port = 0;
   auto listener = ListenTcp({"127.0.0.1", 0}, &port);
   EXPECT_TRUE(listener.ok()) << listener.status();
-  auto client =
-      DialTcp({"127.0.0.1", port}, absl::Now() + absl::Seconds(5));
+  auto client = DialTcp({"127.0.0.1", port}, absl::Now() + absl::Seconds(5));
   EXPECT_TRUE(client.ok()) << client.status();
   UniqueFd server(::accept4(listener->get(), nullptr, nullptr, SOCK_CLOEXEC));
   EXPECT_TRUE(server);

@@ -128,9 +128,8 @@ void ScriptedPeer::Serve(UniqueFd fd) {
         const std::string message = accept ? "" : "unknown buffer";
         ResponseHeader response;
         response.request_id = header->request_id;
-        response.code = accept
-                            ? 0
-                            : static_cast<uint32_t>(absl::StatusCode::kNotFound);
+        response.code =
+            accept ? 0 : static_cast<uint32_t>(absl::StatusCode::kNotFound);
         response.message_bytes = static_cast<uint32_t>(message.size());
         std::byte response_bytes[kResponseHeaderBytes];
         EncodeResponseHeader(response, response_bytes);

@@ -233,8 +233,7 @@ class DataClient {
   std::map<std::string, size_t> open_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::Time next_expiry_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Receive buffers of lanes that ended, for the next lanes.
-  std::vector<std::unique_ptr<std::byte[]>> spare_buffers_
-      ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<std::byte[]>> spare_buffers_ ABSL_GUARDED_BY(mu_);
 
   std::vector<std::thread> workers_;
 };

@@ -562,8 +562,8 @@ TEST_F(DataServerTest, StalledPeersDoNotHoldUpTheLoop) {
   ASSERT_TRUE(
       WaitFor([&] { return buffer.use_count() >= 3; }, absl::Seconds(5)));
   for (int i = 0; i < 20; ++i) {
-    SendAll(prompt.get(), Header(RequestKind::kRead, 1, 4096 * i, 100,
-                                 "token-1"));
+    SendAll(prompt.get(),
+            Header(RequestKind::kRead, 1, 4096 * i, 100, "token-1"));
     std::string payload;
     auto response = ReadResponse(prompt.get(), &payload);
     ASSERT_TRUE(response.ok()) << response.status();
@@ -590,11 +590,11 @@ TEST_F(DataServerTest, LargePayloadsRoundTripWithAndWithoutBulkThreads) {
       written[i] = static_cast<char>(i * 31 + bulk_threads);
     }
     std::thread writer([&] {
-      SendAll(fd.get(),
-              Header(RequestKind::kWrite, 10 + bulk_threads, 0, kSize, token) +
-                  written +
-                  Header(RequestKind::kRead, 10 + bulk_threads, 0, kSize,
-                         token));
+      SendAll(
+          fd.get(),
+          Header(RequestKind::kWrite, 10 + bulk_threads, 0, kSize, token) +
+              written +
+              Header(RequestKind::kRead, 10 + bulk_threads, 0, kSize, token));
     });
     std::string payload;
     auto first = ReadResponse(fd.get(), &payload);
@@ -659,12 +659,12 @@ TEST_F(DataServerTest, UndrainedAnswersStopTheReading) {
   constexpr int kRequests = 2000;
   std::string requests;
   for (int i = 0; i < kRequests; ++i) {
-    requests += Header(RequestKind::kRead, 1, (i % 256) * 4096, 4096,
-                       "token-1");
+    requests +=
+        Header(RequestKind::kRead, 1, (i % 256) * 4096, 4096, "token-1");
   }
   std::thread sender([&] { SendAll(fd.get(), requests); });
-  ASSERT_TRUE(WaitFor([&] { return buffer->bytes_served() > 0; },
-                      absl::Seconds(5)));
+  ASSERT_TRUE(
+      WaitFor([&] { return buffer->bytes_served() > 0; }, absl::Seconds(5)));
   absl::SleepFor(absl::Milliseconds(300));
   // What the server answered so far fits the socket buffers of both ends
   // (the kernel doubles them and grants some slack) and its own queue.
@@ -675,9 +675,8 @@ TEST_F(DataServerTest, UndrainedAnswersStopTheReading) {
     auto response = ReadResponse(fd.get(), &payload);
     ASSERT_TRUE(response.ok()) << i << ": " << response.status();
     ASSERT_EQ(response->code, 0u) << i;
-    ASSERT_EQ(std::memcmp(payload.data(), buffer->data() + (i % 256) * 4096,
-                          4096),
-              0)
+    ASSERT_EQ(
+        std::memcmp(payload.data(), buffer->data() + (i % 256) * 4096, 4096), 0)
         << i;
   }
   sender.join();

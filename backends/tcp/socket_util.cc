@@ -498,15 +498,15 @@ absl::Status PageSender::Send(int fd, const std::byte* data, size_t size,
 }
 
 absl::StatusOr<size_t> PageSender::SendSome(int fd, const std::byte* data,
-                                             size_t size, bool more) {
+                                            size_t size, bool more) {
   size_t lent = 0;
   while (true) {
     // What is in the pipe goes first: it precedes `data` in the stream.
     while (in_pipe_ > 0) {
       const bool last = lent == size && !more;
-      const ssize_t n =
-          splice(read_.get(), nullptr, fd, nullptr, in_pipe_,
-                 SPLICE_F_MOVE | SPLICE_F_NONBLOCK | (last ? 0 : SPLICE_F_MORE));
+      const ssize_t n = splice(
+          read_.get(), nullptr, fd, nullptr, in_pipe_,
+          SPLICE_F_MOVE | SPLICE_F_NONBLOCK | (last ? 0 : SPLICE_F_MORE));
       if (n > 0) {
         in_pipe_ -= static_cast<size_t>(n);
         continue;

@@ -21,7 +21,8 @@ namespace rdma_agent::tcp {
 
 // A listening TCP socket on `address` (port 0 picks a free port), with
 // SO_REUSEADDR. The port actually bound goes to `*bound_port`.
-absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address, uint16_t* bound_port);
+absl::StatusOr<UniqueFd> ListenTcp(const HostPort& address,
+                                   uint16_t* bound_port);
 
 // Connects to `address` without blocking past `deadline`, name resolution
 // included: DEADLINE_EXCEEDED when it passes, UNAVAILABLE when the peer
@@ -67,8 +68,8 @@ absl::StatusOr<UniqueFd> OpenDataSocket(const PeerAddress& address,
 
 // Connects non-blocking `fd` to `address` and waits for the TCP handshake.
 // Shutting `fd` down from another thread also ends the wait.
-absl::Status ConnectSocket(int fd, const PeerAddress& address,
-                           absl::Time until, const StopCheck& stopped);
+absl::Status ConnectSocket(int fd, const PeerAddress& address, absl::Time until,
+                           const StopCheck& stopped);
 
 // Reads the kServerHelloBytes bytes a data server sends at accept from
 // non-blocking `fd` and checks them (wire.h DecodeServerHello): UNAVAILABLE

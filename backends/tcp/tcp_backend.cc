@@ -137,8 +137,7 @@ absl::StatusOr<HostPort> TcpBackend::PeerOf(
 
 absl::Status TcpBackend::Notify(const v1::RemoteBuffer& remote,
                                 const v1::BackendEndpoint& endpoint,
-                                absl::string_view data,
-                                const StopToken& stop) {
+                                absl::string_view data, const StopToken& stop) {
   auto peer = PeerOf(endpoint);
   if (!peer.ok()) return peer.status();
   return SendNotification(*peer, NotificationTarget(remote),

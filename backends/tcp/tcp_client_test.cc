@@ -66,8 +66,8 @@ class Agent {
             uint64_t length, size_t index = 0) const {
     return ::rdma_agent::testing::MakeOp(
         index, type, ::rdma_agent::testing::TestBuffer{local_, nullptr}, 0,
-        length,
-        ::rdma_agent::testing::TestBuffer{nullptr, std::move(remote)}, 0);
+        length, ::rdma_agent::testing::TestBuffer{nullptr, std::move(remote)},
+        0);
   }
 
  private:

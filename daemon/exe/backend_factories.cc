@@ -10,11 +10,10 @@ namespace rdma_agent {
 absl::StatusOr<BackendFactory> BackendFactoryFromFlags(
     const std::string& name) {
   if (name == "memory") {
-    return BackendFactory(
-        [](const BackendEnvironment& env)
-            -> absl::StatusOr<std::unique_ptr<Backend>> {
-          return std::make_unique<memory::MemoryBackend>(env);
-        });
+    return BackendFactory([](const BackendEnvironment& env)
+                              -> absl::StatusOr<std::unique_ptr<Backend>> {
+      return std::make_unique<memory::MemoryBackend>(env);
+    });
   }
   if (name == "tcp") return MakeTcpBackendFactoryFromFlags();
   if (name == "ibverbs") return MakeIbverbsBackendFactoryFromFlags();

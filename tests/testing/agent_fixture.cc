@@ -52,7 +52,8 @@ absl::StatusOr<v1::RegisterResponse> InProcessAgent::Allocate(
   request.set_allocate_bytes(size);
   request.set_access(access);
   v1::RegisterResponse response;
-  absl::Status status = FromGrpcStatus(stub_->Register(&context, request, &response));
+  absl::Status status =
+      FromGrpcStatus(stub_->Register(&context, request, &response));
   if (!status.ok()) return status;
   return response;
 }
