@@ -103,7 +103,10 @@ struct NotificationResult {
 // How a Submit or SubmitAsync runs beyond its ops.
 struct SubmitOptions {
   // Bounds the batch on the agent; zero or infinite leaves it to the agent's
-  // --default_submit_timeout.
+  // --default_submit_timeout. A long timeout does not make the agent wait
+  // that long on a stuck peer: over tcp, a connection that moves nothing
+  // for the agent's --tcp_no_progress_timeout (15 s by default) fails its
+  // ops UNAVAILABLE first.
   absl::Duration timeout = absl::ZeroDuration();
   // Bytes for the owner of each remote buffer the batch targets, sent once
   // every op of the batch on its agent has succeeded (at most the agent's

@@ -370,7 +370,8 @@ void DataClient::RunLane(const LaneJob& job) {
     return;
   }
   Pipeline pipeline(peer, options_.max_in_flight, options_.in_flight_bytes,
-                    next_request_id_, peer.name(), options_.zero_copy_send);
+                    next_request_id_, peer.name(), options_.zero_copy_send,
+                    options_.no_progress_timeout);
   pipeline.LendBuffer(TakeSpareBuffer());
   // Whichever way the lane ends, its buffer goes back for the next one.
   struct GiveBack {

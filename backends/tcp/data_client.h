@@ -78,6 +78,11 @@ struct DataClientOptions {
   // A new connection must be established and the peer's hello read within
   // this (and the op's deadline); otherwise the peer is unreachable.
   absl::Duration connect_timeout = absl::Seconds(5);
+  // A connection that moves no byte either way for this long, with
+  // requests unanswered, fails its ops UNAVAILABLE (then retried on the next
+  // backend) instead of holding its thread until the op's deadline, which
+  // may be an hour away. Zero: wait for the deadline.
+  absl::Duration no_progress_timeout = absl::Seconds(15);
   // Remote contexts name peers by IP address. With this, host names are
   // resolved too (bounded by the op's deadline); without it they are
   // refused.

@@ -98,6 +98,12 @@ ABSL_FLAG(absl::Duration, tcp_client_connect_timeout,
           "A new outgoing connection must be established and the peer's "
           "hello read within this (and the op's deadline), or the peer is "
           "unreachable.");
+ABSL_FLAG(absl::Duration, tcp_no_progress_timeout,
+          rdma_agent::tcp::DataClientOptions().no_progress_timeout,
+          "An outgoing connection that sends and receives nothing for this "
+          "long while requests wait for answers fails their ops UNAVAILABLE, "
+          "well before long deadlines (a stuck or hostile peer holds no "
+          "thread for an hour). 0: wait for the op's deadline.");
 ABSL_FLAG(bool, tcp_allow_host_names,
           rdma_agent::tcp::DataClientOptions().allow_host_names,
           "Resolve host names in remote contexts (bounded by each op's "
@@ -139,6 +145,8 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.client.idle_timeout = absl::GetFlag(FLAGS_tcp_client_idle_timeout);
     options.client.connect_timeout =
         absl::GetFlag(FLAGS_tcp_client_connect_timeout);
+    options.client.no_progress_timeout =
+        absl::GetFlag(FLAGS_tcp_no_progress_timeout);
     options.client.allow_host_names = absl::GetFlag(FLAGS_tcp_allow_host_names);
     auto backend = tcp::TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();

@@ -26,8 +26,10 @@ constexpr int kMaxIov = 192;
 Pipeline::Pipeline(ChunkSource& source, int max_in_flight,
                    uint64_t in_flight_bytes,
                    std::atomic<uint64_t>& next_request_id,
-                   absl::string_view peer, bool zero_copy_send)
+                   absl::string_view peer, bool zero_copy_send,
+                   absl::Duration no_progress_timeout)
     : zero_copy_send_(zero_copy_send),
+      no_progress_timeout_(no_progress_timeout),
       source_(source),
       max_in_flight_(static_cast<size_t>(std::max(1, max_in_flight))),
       in_flight_bytes_(in_flight_bytes),
@@ -54,17 +56,38 @@ void Pipeline::Restart(int fd, absl::Duration* armed) {
 
 PipelineOutcome Pipeline::Run(absl::Time deadline) {
   PipelineOutcome outcome;
+  // A peer that takes nothing and sends nothing for no_progress_timeout_
+  // is stuck (or hostile): the lane gives up long before a long deadline,
+  // so the op fails UNAVAILABLE and its thread goes back to other work.
+  absl::Time last_progress = absl::Now();
   while (!window_.empty() || Refill()) {
+    const absl::Time stall = last_progress + no_progress_timeout_;
+    const bool stall_first =
+        no_progress_timeout_ > absl::ZeroDuration() && stall < deadline;
+    const absl::Time step = stall_first ? stall : deadline;
     bool progress = false;
     bool want_write = false;
     bool want_read = false;
-    absl::Status status = Send(deadline, &progress, &want_write);
-    if (status.ok()) status = Receive(deadline, &progress, &want_read);
-    if (!status.ok()) return Ended(status, outcome);
+    absl::Status status = Send(step, &progress, &want_write);
+    if (status.ok()) status = Receive(step, &progress, &want_read);
+    if (progress) last_progress = absl::Now();
+    if (!status.ok()) {
+      if (stall_first && absl::IsDeadlineExceeded(status) && !progress) {
+        status = absl::UnavailableError(NoProgressMessage());
+      }
+      return Ended(status, outcome);
+    }
     if (window_.empty() && !Refill()) break;
-    const absl::Duration left = deadline - absl::Now();
+    const bool stalls_first = no_progress_timeout_ > absl::ZeroDuration() &&
+                              last_progress + no_progress_timeout_ < deadline;
+    const absl::Duration left =
+        (stalls_first ? last_progress + no_progress_timeout_ : deadline) -
+        absl::Now();
     if (left <= absl::ZeroDuration()) {
-      return Ended(absl::DeadlineExceededError(DeadlineMessage()), outcome);
+      return Ended(stalls_first
+                       ? absl::UnavailableError(NoProgressMessage())
+                       : absl::DeadlineExceededError(DeadlineMessage()),
+                   outcome);
     }
     if (progress || (!want_read && !want_write)) continue;
     pollfd p{fd_, static_cast<short>(POLLIN | (want_write ? POLLOUT : 0)), 0};
@@ -391,6 +414,13 @@ absl::Status Pipeline::Advance() {
 absl::Status Pipeline::ProtocolError(absl::string_view what) const {
   return absl::UnavailableError(
       absl::StrCat("protocol error from ", peer_, ": ", what));
+}
+
+std::string Pipeline::NoProgressMessage() const {
+  return absl::StrCat(peer_, " took and sent nothing for ",
+                      absl::FormatDuration(no_progress_timeout_), " with ",
+                      window_.size(),
+                      " requests unanswered (--tcp_no_progress_timeout)");
 }
 
 std::string Pipeline::DeadlineMessage() const {

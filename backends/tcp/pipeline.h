@@ -72,9 +72,11 @@ class Pipeline {
   // Most requests one connection has in flight, whatever their size.
   static constexpr size_t kMaxRequestsInFlight = 1024;
 
+  // `no_progress_timeout`: Run gives up (UNAVAILABLE) when the connection
+  // moves no byte either way for this long; zero waits for the deadline.
   Pipeline(ChunkSource& source, int max_in_flight, uint64_t in_flight_bytes,
            std::atomic<uint64_t>& next_request_id, absl::string_view peer,
-           bool zero_copy_send);
+           bool zero_copy_send, absl::Duration no_progress_timeout);
 
   // The receive buffer: lent by the client for the lane's life, taken back
   // at its end.
@@ -152,9 +154,12 @@ class Pipeline {
 
   absl::Status ProtocolError(absl::string_view what) const;
   std::string DeadlineMessage() const;
+  // Why Run gave up on a peer that moved nothing.
+  std::string NoProgressMessage() const;
   PipelineOutcome& Ended(const absl::Status& status, PipelineOutcome& outcome);
 
   bool zero_copy_send_;  // cleared if no PageSender can be made
+  const absl::Duration no_progress_timeout_;
   std::optional<PageSender> pages_;
   ChunkSource& source_;
   const size_t max_in_flight_;

@@ -264,5 +264,36 @@ TEST(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
   EXPECT_LT(absl::Now() - killed, absl::Seconds(2));
 }
 
+// A peer that answers the hello and then moves nothing holds the op only
+// until --tcp_no_progress_timeout (15 s by default), not until its
+// ten-minute deadline: the op fails UNAVAILABLE and its thread is free.
+TEST(AbandonedTcpWorkTest, AStalledPeerFailsTheOpAfterTheNoProgressTimeout) {
+  StalledPeer peer;
+  AgentProcess::Options options;
+  options.backends = "memory,tcp";
+  auto agent = AgentProcess::Start(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto worker = WorkerProcess::Start(**agent);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto words = worker->CallWords(absl::StrCat("allocate 4096 ", kReadWrite));
+  ASSERT_TRUE(words.ok()) << words.status();
+  auto buffer = ParseRegistered(*words);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  // A READ with a ten-minute timeout: its request reaches the peer, whose
+  // answer never comes.
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(worker->process()
+                  .WriteLine(absl::StrCat("submit_many 1 read ", buffer->id,
+                                          " 0 4096 0 ", ContextFor(peer)))
+                  .ok());
+  auto answer = worker->process().ReadLine(absl::Seconds(60));
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(answer.ok()) << "no answer within a minute: " << answer.status();
+  EXPECT_EQ(*answer, "results 0 UNAVAILABLE");
+  EXPECT_GE(took, absl::Seconds(14)) << "gave up before the timeout";
+  EXPECT_LT(took, absl::Seconds(45));
+  EXPECT_TRUE(peer.received()) << "the request never reached the peer";
+}
+
 }  // namespace
 }  // namespace rdma_agent::testing
