@@ -230,18 +230,38 @@ std::string ContextFor(const StalledPeer& peer) {
   return absl::Base64Escape(remote.SerializeAsString());
 }
 
-TEST(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
-  StalledPeer peer;
-  AgentProcess::Options options;
-  options.backends = "memory,tcp";
-  auto agent = AgentProcess::Start(options);
-  ASSERT_TRUE(agent.ok()) << agent.status();
-  auto worker = WorkerProcess::Start(**agent);
-  ASSERT_TRUE(worker.ok()) << worker.status();
-  auto words = worker->CallWords(absl::StrCat("allocate 1048576 ", kReadWrite));
-  ASSERT_TRUE(words.ok()) << words.status();
-  auto buffer = ParseRegistered(*words);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
+// An agent with the tcp backend, a stalled peer, and a client process that
+// registered a buffer of `size` bytes.
+class AbandonedTcpWorkTest : public ::testing::Test {
+ protected:
+  void StartWithBuffer(uint64_t size) {
+    AgentProcess::Options options;
+    options.backends = "memory,tcp";
+    auto agent = AgentProcess::Start(options);
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    agent_ = std::move(*agent);
+    auto worker = WorkerProcess::Start(*agent_);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    worker_.emplace(std::move(*worker));
+    auto words =
+        worker_->CallWords(absl::StrCat("allocate ", size, " ", kReadWrite));
+    ASSERT_TRUE(words.ok()) << words.status();
+    auto buffer = ParseRegistered(*words);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    buffer_ = *buffer;
+  }
+
+  StalledPeer peer_;
+  std::unique_ptr<AgentProcess> agent_;
+  std::optional<WorkerProcess> worker_;
+  WorkerBuffer buffer_;
+};
+
+TEST_F(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
+  ASSERT_NO_FATAL_FAILURE(StartWithBuffer(1048576));
+  StalledPeer& peer = peer_;
+  WorkerProcess* worker = &*worker_;
+  const WorkerBuffer* buffer = &buffer_;
   // A WRITE with a ten-minute timeout that the peer never answers.
   ASSERT_TRUE(worker->process()
                   .WriteLine(absl::StrCat("submit_many 1 write ", buffer->id,
@@ -267,18 +287,11 @@ TEST(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
 // A peer that answers the hello and then moves nothing holds the op only
 // until --tcp_no_progress_timeout (15 s by default), not until its
 // ten-minute deadline: the op fails UNAVAILABLE and its thread is free.
-TEST(AbandonedTcpWorkTest, AStalledPeerFailsTheOpAfterTheNoProgressTimeout) {
-  StalledPeer peer;
-  AgentProcess::Options options;
-  options.backends = "memory,tcp";
-  auto agent = AgentProcess::Start(options);
-  ASSERT_TRUE(agent.ok()) << agent.status();
-  auto worker = WorkerProcess::Start(**agent);
-  ASSERT_TRUE(worker.ok()) << worker.status();
-  auto words = worker->CallWords(absl::StrCat("allocate 4096 ", kReadWrite));
-  ASSERT_TRUE(words.ok()) << words.status();
-  auto buffer = ParseRegistered(*words);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
+TEST_F(AbandonedTcpWorkTest, AStalledPeerFailsTheOpAfterTheNoProgressTimeout) {
+  ASSERT_NO_FATAL_FAILURE(StartWithBuffer(4096));
+  StalledPeer& peer = peer_;
+  WorkerProcess* worker = &*worker_;
+  const WorkerBuffer* buffer = &buffer_;
   // A READ with a ten-minute timeout: its request reaches the peer, whose
   // answer never comes.
   const absl::Time start = absl::Now();
