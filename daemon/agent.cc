@@ -30,6 +30,7 @@
 #include "daemon/local/client_watcher.h"
 #include "daemon/local/unix_socket.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/metrics/metrics_server.h"
 #include "daemon/ops/transfers.h"
 #include "daemon/state_dir.h"
 #include "grpc/health/v1/health.pb.h"
@@ -472,8 +473,9 @@ void Agent::Shutdown() {
 
 absl::Status Agent::StartMetricsServer() {
   if (options_.metrics_listen.empty()) return absl::OkStatus();
-  auto server = MetricsServer::Start(options_.metrics_listen, metrics_.get(),
-                                     [this] { return serving_.load(); });
+  auto server =
+      MetricsServer::Start(options_.metrics_listen, options_.metrics,
+                           metrics_.get(), [this] { return serving_.load(); });
   if (!server.ok()) return server.status();
   metrics_server_ = std::move(*server);
   // The port bound, on the host asked for (a wildcard is reached locally).
@@ -524,8 +526,15 @@ void Agent::AddGauges() {
             {{{"kind", "dropped"}},
              static_cast<double>(inbox->dropped_total())}};
       });
-  const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
-    return [quota] {
+  // Whoever reaches the endpoint reads these: by uid only when the operator
+  // asked (--metrics_per_user), totals otherwise.
+  const bool per_user = options_.metrics.per_user;
+  const auto usage = [per_user](std::shared_ptr<ResourceQuota> quota) {
+    return [quota, per_user] {
+      if (!per_user) {
+        return std::vector<GaugeSample>{
+            {{}, static_cast<double>(quota->used_total())}};
+      }
       std::vector<GaugeSample> samples;
       for (const auto& [uid, used] : quota->used_by_user()) {
         samples.push_back(
@@ -534,22 +543,25 @@ void Agent::AddGauges() {
       return samples;
     };
   };
+  const std::string by_user = per_user ? ", by local user" : "";
   metrics_->AddGauge("rdma_agentd_registrations",
-                     "Registrations held, by local user",
-                     by_user(quotas_.registrations));
+                     "Registrations held" + by_user,
+                     usage(quotas_.registrations));
   metrics_->AddGauge("rdma_agentd_registered_bytes",
-                     "Bytes registered or attached for registration, by "
-                     "local user",
-                     by_user(quotas_.bytes));
+                     "Bytes registered or attached for registration" + by_user,
+                     usage(quotas_.bytes));
   metrics_->AddGauge("rdma_agentd_watched_clients",
                      "Client processes watched for lifetime-bound "
-                     "registrations, by local user",
-                     by_user(quotas_.watched_clients));
+                     "registrations" +
+                         by_user,
+                     usage(quotas_.watched_clients));
   metrics_->AddGauge(
       "rdma_agentd_peer_links",
       "Connections (tcp) and queue pairs (ibverbs) held with each peer, by "
-      "backend and direction (out: this agent connected)",
-      [backends = registry_.get()] {
+      "backend and direction (out: this agent connected); past "
+      "--metrics_max_peers per backend and direction, the peers with the "
+      "fewest links are summed under peer=\"other\"",
+      [backends = registry_.get(), max_peers = options_.metrics.max_peers] {
         std::vector<GaugeSample> samples;
         for (const auto& backend : backends->backends()) {
           if (!backend->available()) continue;
@@ -560,7 +572,8 @@ void Agent::AddGauges() {
                                static_cast<double>(link.count)});
           }
         }
-        return samples;
+        // Peers are whoever connects, or whatever contexts name: bounded.
+        return CapLabelValues(std::move(samples), "peer", max_peers);
       });
 }
 

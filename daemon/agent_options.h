@@ -13,6 +13,7 @@
 #include "daemon/limits/quota.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/local/client_watcher.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/transfers.h"
 
@@ -47,6 +48,9 @@ struct AgentOptions {
   std::vector<BackendFactory> backends;
   // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.
   std::string metrics_listen;
+  // What the endpoint serves (per-user series or totals) and what it holds
+  // for its clients.
+  MetricsOptions metrics;
 
   // What one RdmaAgent call may ask for.
   ApiLimits api;

@@ -104,8 +104,7 @@ UniqueFd ConnectFrom(const std::string& source, uint16_t port) {
   sockaddr_in from = {};
   from.sin_family = AF_INET;
   ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&from), sizeof(from)) !=
-      0) {
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0) {
     return UniqueFd();
   }
   sockaddr_in to = {};
@@ -127,9 +126,9 @@ absl::StatusOr<std::string> HttpGet(const std::string& address,
   const absl::Time deadline = absl::Now() + timeout;
   UniqueFd fd = ConnectFrom("127.0.0.1", PortOf(address));
   if (!fd) return absl::UnavailableError(absl::StrCat("connect: ", errno));
-  const std::string request = absl::StrCat(
-      "GET ", path, " HTTP/1.1\r\nHost: ", address,
-      "\r\nConnection: close\r\n\r\n");
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: ", address,
+                   "\r\nConnection: close\r\n\r\n");
   if (::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL) !=
       static_cast<ssize_t>(request.size())) {
     return absl::UnavailableError(absl::StrCat("send: ", errno));
@@ -150,8 +149,7 @@ absl::StatusOr<std::string> HttpGet(const std::string& address,
     answer.append(chunk, static_cast<size_t>(got));
   }
   const size_t end = answer.find("\r\n\r\n");
-  if (!absl::StartsWith(answer, "HTTP/1.1 200 ") ||
-      end == std::string::npos) {
+  if (!absl::StartsWith(answer, "HTTP/1.1 200 ") || end == std::string::npos) {
     return absl::UnavailableError(
         absl::StrCat("GET ", path, ": ", answer.substr(0, 100)));
   }
@@ -326,8 +324,8 @@ TEST(MetricsAttackTest, InventedMethodNamesShareOneSeries) {
     if (sample.labels.at("method") == "unknown") unknown += sample.value;
   }
   EXPECT_EQ(unknown, kCalls);
-  EXPECT_LE(methods.size(), 3u) << "one series per invented method: "
-                                << methods.size() << " methods";
+  EXPECT_LE(methods.size(), 3u)
+      << "one series per invented method: " << methods.size() << " methods";
   EXPECT_EQ(methods.count("rdma.agent.v1.RdmaAgent/GetInfo"), 1u);
   EXPECT_LT(text.size(), size_before + 4096)
       << "/metrics grew from " << size_before << " to " << text.size();
@@ -341,9 +339,9 @@ TEST(MetricsAttackTest, PeerLabelsAreCappedWithAnOtherBucket) {
   constexpr int kSources = 100;
   std::vector<UniqueFd> connections;
   for (int i = 0; i < kSources; ++i) {
-    UniqueFd fd = ConnectFrom(absl::StrCat("127.0.", 1 + i / 200, ".",
-                                           10 + i % 200),
-                              agent->tcp_port());
+    UniqueFd fd =
+        ConnectFrom(absl::StrCat("127.0.", 1 + i / 200, ".", 10 + i % 200),
+                    agent->tcp_port());
     ASSERT_TRUE(fd.valid()) << "connection " << i << ": " << errno;
     connections.push_back(std::move(fd));
   }
