@@ -110,9 +110,9 @@ TEST_F(BufferIdsTest, AnotherUsersIdAnswersLikeOneThatNeverExisted) {
     std::vector<std::string> on_never = command;
     on_never.push_back(absl::StrCat(never));
     const std::string refused = CtlAs(kOtherUser, on_theirs);
-    EXPECT_TRUE(absl::StrContains(refused, "NOT_FOUND: ") &&
-                absl::StrContains(refused,
-                                  absl::StrCat("no buffer with id ", theirs)))
+    EXPECT_TRUE(
+        absl::StrContains(refused, "NOT_FOUND: ") &&
+        absl::StrContains(refused, absl::StrCat("no buffer with id ", theirs)))
         << refused;
     // Byte for byte what an unknown id gets, the id aside.
     EXPECT_EQ(absl::StrReplaceAll(refused, {{absl::StrCat(theirs), "ID"}}),
