@@ -193,13 +193,17 @@ absl::Status Agent::PrepareRuntimeDir() {
   if (options_.socket_path.empty()) {
     options_.socket_path = options_.runtime_dir + "/agent.sock";
   }
+  // The attach and probe sockets are next to the API socket, where clients
+  // look for them.
+  const size_t slash = options_.socket_path.rfind('/');
+  const std::string dir = slash == std::string::npos
+                              ? std::string()
+                              : options_.socket_path.substr(0, slash + 1);
   if (options_.attach_socket_path.empty()) {
-    // Next to the API socket, where clients look for it.
-    const size_t slash = options_.socket_path.rfind('/');
-    options_.attach_socket_path =
-        slash == std::string::npos
-            ? std::string("attach.sock")
-            : options_.socket_path.substr(0, slash + 1) + "attach.sock";
+    options_.attach_socket_path = dir + "attach.sock";
+  }
+  if (options_.probe_socket_path.empty()) {
+    options_.probe_socket_path = dir + "probe.sock";
   }
   advertise_host_explicit_ = !options_.advertise_host.empty();
   if (!advertise_host_explicit_) {
@@ -370,28 +374,35 @@ absl::Status Agent::StartApiServer() {
 absl::Status Agent::StartApiListener() {
   // The agent accepts its Unix socket itself to learn each caller's
   // credentials (SO_PEERCRED), then lets gRPC serve the connection.
-  auto listener = UnixListener::Start(
-      options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
-        const absl::Status admitted = AdmitApiConnection(
-            fd.get(), peer, callers_.get(), options_.connections.max_per_user,
-            options_.connections.max_total);
-        if (!admitted.ok()) {
-          // Closing is the answer: the client sees its connection refused.
-          // Rate-limited: a flood of refused connections is one line per
-          // interval, not one per connection.
-          if (auto suppressed = refused_connection_log_.Allow()) {
-            spdlog::warn(
-                "refusing a connection from uid {} pid {}: {} ({} more "
-                "refusals not logged)",
-                peer.uid, peer.pid, std::string(admitted.message()),
-                *suppressed);
-          }
-          return;
-        }
-        grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
-      });
+  const auto serve = [this](UniqueFd fd, const PeerCredentials& peer) {
+    const absl::Status admitted = AdmitApiConnection(
+        fd.get(), peer, callers_.get(), options_.connections.max_per_user,
+        options_.connections.max_total);
+    if (!admitted.ok()) {
+      // Closing is the answer: the client sees its connection refused.
+      // Rate-limited: a flood of refused connections is one line per
+      // interval, not one per connection.
+      if (auto suppressed = refused_connection_log_.Allow()) {
+        spdlog::warn(
+            "refusing a connection from uid {} pid {}: {} ({} more "
+            "refusals not logged)",
+            peer.uid, peer.pid, std::string(admitted.message()), *suppressed);
+      }
+      return;
+    }
+    grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
+  };
+  auto listener = UnixListener::Start(options_.socket_path, serve);
   if (!listener.ok()) return listener.status();
   listener_ = std::move(*listener);
+  // The same server for probes, on a socket no other user can connect to:
+  // a user flooding the API socket fills its accept queue (the kernel then
+  // refuses new connections, and gRPC clients back off for seconds), but
+  // never this one's.
+  auto probe_listener =
+      UnixListener::Start(options_.probe_socket_path, serve, 0600);
+  if (!probe_listener.ok()) return probe_listener.status();
+  probe_listener_ = std::move(*probe_listener);
   return absl::OkStatus();
 }
 
@@ -435,6 +446,7 @@ void Agent::Shutdown() {
     server_->GetHealthCheckService()->SetServingStatus(false);
   attach_server_.reset();
   listener_.reset();
+  probe_listener_.reset();
   // Submits in flight stop now (their ops end UNAVAILABLE), and open
   // WatchTransfers streams and GetTransfers long polls end UNAVAILABLE, so
   // the grace below is spent only on RPCs that are already finishing.

@@ -34,6 +34,11 @@ struct AgentOptions {
   std::string socket_path;
   // Attach socket; empty = <runtime_dir>/attach.sock.
   std::string attach_socket_path;
+  // The RdmaAgent API again, for the agent's own user and root only (mode
+  // 0600): health probes connect here (rdma-agentctl health does when it
+  // may), so that no other user's connections queue ahead of them. Empty =
+  // probe.sock next to the API socket.
+  std::string probe_socket_path;
   // Stable agent id; empty = read <state_dir>/agent-id, or create it.
   std::string agent_id;
   // TCP listener of the Peer gRPC service (backends' peer_services()).

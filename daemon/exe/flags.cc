@@ -35,6 +35,11 @@ ABSL_FLAG(std::string, socket, "",
           "<runtime_dir>/agent.sock.");
 ABSL_FLAG(std::string, attach_socket, "",
           "Attach socket path; default <runtime_dir>/attach.sock.");
+ABSL_FLAG(std::string, probe_socket, "",
+          "RdmaAgent socket for health probes, mode 0600: only the agent's "
+          "own user and root connect, so that no other user's connections "
+          "queue ahead of a probe (rdma-agentctl health uses it when it "
+          "can); default probe.sock next to --socket.");
 ABSL_FLAG(std::string, agent_id, "",
           "Stable agent id; default: kept in <state_dir>/agent-id.");
 ABSL_FLAG(std::vector<std::string>, backends,
@@ -258,6 +263,7 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.socket_path = SocketPath(absl::GetFlag(FLAGS_socket));
   options.attach_socket_path = absl::GetFlag(FLAGS_attach_socket);
+  options.probe_socket_path = absl::GetFlag(FLAGS_probe_socket);
   options.agent_id = absl::GetFlag(FLAGS_agent_id);
   options.peer_listen = absl::GetFlag(FLAGS_peer_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);

@@ -43,6 +43,7 @@ TEST_P(ConnectFloodTest, RootsHealthProbesAnswerWithinFiveSeconds) {
                 absl::StrCat("--uid=", kOtherUser),
                 absl::StrCat("--gid=", kOtherUser),
                 "--socket=" + (*agent)->socket_path(),
+                "--try_socket=" + (*agent)->runtime_dir() + "/probe.sock",
                 absl::StrCat("--threads=", flood.threads),
                 absl::StrCat("--hold=", flood.hold),
                 absl::StrCat("--hello=", flood.hello ? "true" : "false")};
@@ -52,6 +53,9 @@ TEST_P(ConnectFloodTest, RootsHealthProbesAnswerWithinFiveSeconds) {
   auto started = flooder->ReadLine(absl::Seconds(30));
   ASSERT_TRUE(started.ok()) << started.status();
   ASSERT_TRUE(absl::StartsWith(*started, "flooding")) << *started;
+  // The probe socket is the agent's and root's only.
+  EXPECT_TRUE(absl::EndsWith(*started, "tried Permission denied"))
+      << *started;
   // Let the flood build up, then probe as the DaemonSet does.
   constexpr int kProbes = 15;
   absl::SleepFor(absl::Seconds(2));
@@ -60,8 +64,8 @@ TEST_P(ConnectFloodTest, RootsHealthProbesAnswerWithinFiveSeconds) {
   for (int probe = 0; probe < kProbes; ++probe) {
     const absl::Time start = absl::Now();
     auto result = RunToCompletion(
-        {RunfilePath("client/rdma-agentctl"),
-         "--target=" + (*agent)->target(), "--timeout=5s", "health"},
+        {RunfilePath("client/rdma-agentctl"), "--target=" + (*agent)->target(),
+         "--timeout=5s", "health"},
         "", absl::Seconds(30));
     const absl::Duration took = absl::Now() - start;
     slowest = std::max(slowest, took);
@@ -89,14 +93,15 @@ TEST_P(ConnectFloodTest, RootsHealthProbesAnswerWithinFiveSeconds) {
   EXPECT_TRUE((*agent)->client().GetInfo().ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Floods, ConnectFloodTest,
-    ::testing::Values(Flood{16, 0, true}, Flood{16, 128, true}),
-    [](const ::testing::TestParamInfo<Flood>& info) {
-      return absl::StrCat("Threads", info.param.threads, "Hold",
-                          info.param.hold,
-                          info.param.hello ? "Preface" : "Silent");
-    });
+INSTANTIATE_TEST_SUITE_P(Floods, ConnectFloodTest,
+                         ::testing::Values(Flood{16, 0, true},
+                                           Flood{16, 128, true}),
+                         [](const ::testing::TestParamInfo<Flood>& info) {
+                           return absl::StrCat(
+                               "Threads", info.param.threads, "Hold",
+                               info.param.hold,
+                               info.param.hello ? "Preface" : "Silent");
+                         });
 
 }  // namespace
 }  // namespace rdma_agent::testing

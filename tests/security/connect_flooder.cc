@@ -3,7 +3,8 @@
 // bytes (--hello), and close, as fast as they can; --hold connections are
 // kept open besides (up to the per-user cap, so that what follows is
 // refused at accept). Prints "flooding" once the held ones are open and
-// floods until its stdin closes. --uid/--gid: drop to that user first (the
+// floods until its stdin closes; --try_socket: a socket it tries to
+// connect to first, saying what happened. --uid/--gid: drop to that user first (the
 // runfiles are not reachable by other users, so setpriv cannot exec it).
 
 #include <grp.h>
@@ -28,8 +29,9 @@ ABSL_FLAG(int, threads, 4, "threads connecting and closing");
 ABSL_FLAG(int, hold, 0, "connections kept open throughout");
 ABSL_FLAG(int, uid, -1, "drop to this uid before anything else");
 ABSL_FLAG(int, gid, -1, "drop to this gid before anything else");
-ABSL_FLAG(bool, hello, true,
-          "send the HTTP/2 client preface before closing");
+ABSL_FLAG(std::string, try_socket, "",
+          "a socket to try once first (reported: connected, or the errno)");
+ABSL_FLAG(bool, hello, true, "send the HTTP/2 client preface before closing");
 
 namespace {
 
@@ -63,6 +65,11 @@ int main(int argc, char** argv) {
   }
   const std::string path = absl::GetFlag(FLAGS_socket);
   const bool hello = absl::GetFlag(FLAGS_hello);
+  std::string tried = "-";
+  if (const std::string other = absl::GetFlag(FLAGS_try_socket);
+      !other.empty()) {
+    tried = Connect(other) ? "connected" : std::strerror(errno);
+  }
   std::vector<UniqueFd> held;
   for (int i = 0; i < absl::GetFlag(FLAGS_hold); ++i) {
     UniqueFd fd = Connect(path);
@@ -85,7 +92,8 @@ int main(int argc, char** argv) {
       }
     });
   }
-  std::cout << "flooding held " << held.size() << std::endl;
+  std::cout << "flooding held " << held.size() << " tried " << tried
+            << std::endl;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::cout << "connects " << connects.load() << std::endl;
