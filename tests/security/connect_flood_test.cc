@@ -54,8 +54,7 @@ TEST_P(ConnectFloodTest, RootsHealthProbesAnswerWithinFiveSeconds) {
   ASSERT_TRUE(started.ok()) << started.status();
   ASSERT_TRUE(absl::StartsWith(*started, "flooding")) << *started;
   // The probe socket is the agent's and root's only.
-  EXPECT_TRUE(absl::EndsWith(*started, "tried Permission denied"))
-      << *started;
+  EXPECT_TRUE(absl::EndsWith(*started, "tried Permission denied")) << *started;
   // Let the flood build up, then probe as the DaemonSet does.
   constexpr int kProbes = 15;
   absl::SleepFor(absl::Seconds(2));

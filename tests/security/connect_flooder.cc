@@ -4,8 +4,8 @@
 // kept open besides (up to the per-user cap, so that what follows is
 // refused at accept). Prints "flooding" once the held ones are open and
 // floods until its stdin closes; --try_socket: a socket it tries to
-// connect to first, saying what happened. --uid/--gid: drop to that user first (the
-// runfiles are not reachable by other users, so setpriv cannot exec it).
+// connect to first, saying what happened. --uid/--gid: drop to that user first
+// (the runfiles are not reachable by other users, so setpriv cannot exec it).
 
 #include <grp.h>
 #include <sys/socket.h>
