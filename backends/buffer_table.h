@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -16,6 +17,31 @@
 #include "backends/registration.h"
 
 namespace rdma_agent {
+
+// Buffer ids: a counter through Speck64/128 (a 64-bit block cipher) under a
+// random key. Ids appear in remote contexts and answer every local user,
+// so a plain counter would tell one user, from the gap between two of its
+// own ids, how many buffers everyone else registered meanwhile. Through a
+// keyed permutation the ids look random to whoever lacks the key (128 bits
+// from the kernel's CSPRNG, never leaving the agent) and, being a
+// permutation, never repeat in its life; 0 is skipped. Not thread-safe.
+class BufferIdSequence {
+ public:
+  // A fresh random key.
+  BufferIdSequence();
+  // Speck64/128's key words k0, l0, l1, l2 (tests: the known answers).
+  explicit BufferIdSequence(const std::array<uint32_t, 4>& key);
+
+  // The next id: never 0, never one given before.
+  uint64_t Next();
+  // The cipher: high word x, low word y, as the Speck paper writes blocks.
+  uint64_t Encrypt(uint64_t block) const;
+
+ private:
+  static constexpr int kRounds = 27;
+  std::array<uint32_t, kRounds> round_keys_;
+  uint64_t counter_ = 0;
+};
 
 // The one table of an agent's live registrations, by id, and the one place
 // that decides whether a request may touch one:
@@ -34,7 +60,9 @@ class BufferTable : public BufferDirectory {
 
   uint64_t epoch() const { return epoch_; }
 
-  // A fresh, never reused id.
+  // A fresh id: never 0, never given before in this table's life, and
+  // random-looking (BufferIdSequence), so that ids tell nothing of other
+  // users' registrations.
   uint64_t NextId();
 
   // Publishes a fully built registration under its id. How many a user may
@@ -56,10 +84,10 @@ class BufferTable : public BufferDirectory {
   // nullptr unsets it.
   void SetRemovalListener(std::function<void(uint64_t id)> listener);
 
-  // The registrations `owner` made, by ascending id (root's own only: root
-  // lists everyone's with ListAll).
+  // The registrations `owner` made, in the order they were added (root's
+  // own only: root lists everyone's with ListAll).
   std::vector<std::shared_ptr<Registration>> ListOwnedBy(uid_t owner) const;
-  // Every registration, by ascending id.
+  // Every registration, in the order they were added.
   std::vector<std::shared_ptr<Registration>> ListAll() const;
 
   // Drops every registration (shutdown).
@@ -80,7 +108,7 @@ class BufferTable : public BufferDirectory {
  private:
   absl::StatusOr<std::shared_ptr<Registration>> Resolve(
       const ServeRequest& request) const;
-  // The registrations `keep` selects, by ascending id.
+  // The registrations `keep` selects, in the order they were added.
   template <typename Predicate>
   std::vector<std::shared_ptr<Registration>> ListIf(Predicate keep) const;
 
@@ -91,9 +119,15 @@ class BufferTable : public BufferDirectory {
   const uint64_t epoch_;
   RefusalObserver refusal_observer_;
   mutable absl::Mutex mu_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Registration>> buffers_
-      ABSL_GUARDED_BY(mu_);
+  // A registration and when it was added: lists keep that order (ids are
+  // random).
+  struct Entry {
+    std::shared_ptr<Registration> registration;
+    uint64_t added = 0;
+  };
+  BufferIdSequence ids_ ABSL_GUARDED_BY(mu_);
+  uint64_t added_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint64_t, Entry> buffers_ ABSL_GUARDED_BY(mu_);
   std::function<void(uint64_t)> removal_listener_ ABSL_GUARDED_BY(mu_);
 };
 

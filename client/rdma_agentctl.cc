@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/internal/context_text.h"
@@ -249,6 +251,26 @@ class InfoCommand : public Command {
   }
 };
 
+// probe.sock next to the agent's socket `target` ("unix:///run/x/agent.sock"),
+// when it is a socket this process may connect to.
+std::optional<std::string> ProbeSocketNextTo(const std::string& target) {
+  absl::string_view path = target;
+  if (!absl::ConsumePrefix(&path, "unix://") &&
+      !absl::ConsumePrefix(&path, "unix:")) {
+    return std::nullopt;
+  }
+  const size_t slash = path.rfind('/');
+  const std::string probe = absl::StrCat(
+      slash == absl::string_view::npos ? "" : path.substr(0, slash + 1),
+      "probe.sock");
+  struct stat st;
+  if (::stat(probe.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode) ||
+      ::access(probe.c_str(), W_OK) != 0) {
+    return std::nullopt;
+  }
+  return probe;
+}
+
 class HealthCommand : public Command {
  public:
   explicit HealthCommand(CLI::App& app) {
@@ -260,7 +282,15 @@ class HealthCommand : public Command {
                     "service to check; empty: the agent as a whole");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
-    absl::StatusOr<AgentClient*> client = lazy.Get();
+    // The agent's probe socket when this user may connect to it (the
+    // agent's own user, root): no other user's connections queue there.
+    const std::optional<std::string> path =
+        ProbeSocketNextTo(ResolveAgentTarget(global.target));
+    Global probe = global;
+    if (path.has_value()) probe.target = "unix://" + *path;
+    LazyClient probe_client(probe);
+    absl::StatusOr<AgentClient*> client =
+        path.has_value() ? probe_client.Get() : lazy.Get();
     if (!client.ok()) return Failed("health", client.status());
     auto stub = health::Health::NewStub((*client)->channel());
     grpc::ClientContext context;

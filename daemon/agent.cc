@@ -30,6 +30,7 @@
 #include "daemon/local/client_watcher.h"
 #include "daemon/local/unix_socket.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/metrics/metrics_server.h"
 #include "daemon/ops/transfers.h"
 #include "daemon/state_dir.h"
 #include "grpc/health/v1/health.pb.h"
@@ -192,13 +193,17 @@ absl::Status Agent::PrepareRuntimeDir() {
   if (options_.socket_path.empty()) {
     options_.socket_path = options_.runtime_dir + "/agent.sock";
   }
+  // The attach and probe sockets are next to the API socket, where clients
+  // look for them.
+  const size_t slash = options_.socket_path.rfind('/');
+  const std::string dir = slash == std::string::npos
+                              ? std::string()
+                              : options_.socket_path.substr(0, slash + 1);
   if (options_.attach_socket_path.empty()) {
-    // Next to the API socket, where clients look for it.
-    const size_t slash = options_.socket_path.rfind('/');
-    options_.attach_socket_path =
-        slash == std::string::npos
-            ? std::string("attach.sock")
-            : options_.socket_path.substr(0, slash + 1) + "attach.sock";
+    options_.attach_socket_path = dir + "attach.sock";
+  }
+  if (options_.probe_socket_path.empty()) {
+    options_.probe_socket_path = dir + "probe.sock";
   }
   advertise_host_explicit_ = !options_.advertise_host.empty();
   if (!advertise_host_explicit_) {
@@ -369,28 +374,35 @@ absl::Status Agent::StartApiServer() {
 absl::Status Agent::StartApiListener() {
   // The agent accepts its Unix socket itself to learn each caller's
   // credentials (SO_PEERCRED), then lets gRPC serve the connection.
-  auto listener = UnixListener::Start(
-      options_.socket_path, [this](UniqueFd fd, const PeerCredentials& peer) {
-        const absl::Status admitted = AdmitApiConnection(
-            fd.get(), peer, callers_.get(), options_.connections.max_per_user,
-            options_.connections.max_total);
-        if (!admitted.ok()) {
-          // Closing is the answer: the client sees its connection refused.
-          // Rate-limited: a flood of refused connections is one line per
-          // interval, not one per connection.
-          if (auto suppressed = refused_connection_log_.Allow()) {
-            spdlog::warn(
-                "refusing a connection from uid {} pid {}: {} ({} more "
-                "refusals not logged)",
-                peer.uid, peer.pid, std::string(admitted.message()),
-                *suppressed);
-          }
-          return;
-        }
-        grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
-      });
+  const auto serve = [this](UniqueFd fd, const PeerCredentials& peer) {
+    const absl::Status admitted = AdmitApiConnection(
+        fd.get(), peer, callers_.get(), options_.connections.max_per_user,
+        options_.connections.max_total);
+    if (!admitted.ok()) {
+      // Closing is the answer: the client sees its connection refused.
+      // Rate-limited: a flood of refused connections is one line per
+      // interval, not one per connection.
+      if (auto suppressed = refused_connection_log_.Allow()) {
+        spdlog::warn(
+            "refusing a connection from uid {} pid {}: {} ({} more "
+            "refusals not logged)",
+            peer.uid, peer.pid, std::string(admitted.message()), *suppressed);
+      }
+      return;
+    }
+    grpc::AddInsecureChannelFromFd(server_.get(), fd.release());
+  };
+  auto listener = UnixListener::Start(options_.socket_path, serve);
   if (!listener.ok()) return listener.status();
   listener_ = std::move(*listener);
+  // The same server for probes, on a socket no other user can connect to:
+  // a user flooding the API socket fills its accept queue (the kernel then
+  // refuses new connections, and gRPC clients back off for seconds), but
+  // never this one's.
+  auto probe_listener =
+      UnixListener::Start(options_.probe_socket_path, serve, 0600);
+  if (!probe_listener.ok()) return probe_listener.status();
+  probe_listener_ = std::move(*probe_listener);
   return absl::OkStatus();
 }
 
@@ -434,6 +446,7 @@ void Agent::Shutdown() {
     server_->GetHealthCheckService()->SetServingStatus(false);
   attach_server_.reset();
   listener_.reset();
+  probe_listener_.reset();
   // Submits in flight stop now (their ops end UNAVAILABLE), and open
   // WatchTransfers streams and GetTransfers long polls end UNAVAILABLE, so
   // the grace below is spent only on RPCs that are already finishing.
@@ -472,8 +485,9 @@ void Agent::Shutdown() {
 
 absl::Status Agent::StartMetricsServer() {
   if (options_.metrics_listen.empty()) return absl::OkStatus();
-  auto server = MetricsServer::Start(options_.metrics_listen, metrics_.get(),
-                                     [this] { return serving_.load(); });
+  auto server =
+      MetricsServer::Start(options_.metrics_listen, options_.metrics,
+                           metrics_.get(), [this] { return serving_.load(); });
   if (!server.ok()) return server.status();
   metrics_server_ = std::move(*server);
   // The port bound, on the host asked for (a wildcard is reached locally).
@@ -524,8 +538,15 @@ void Agent::AddGauges() {
             {{{"kind", "dropped"}},
              static_cast<double>(inbox->dropped_total())}};
       });
-  const auto by_user = [](std::shared_ptr<ResourceQuota> quota) {
-    return [quota] {
+  // Whoever reaches the endpoint reads these: by uid only when the operator
+  // asked (--metrics_per_user), totals otherwise.
+  const bool per_user = options_.metrics.per_user;
+  const auto usage = [per_user](std::shared_ptr<ResourceQuota> quota) {
+    return [quota, per_user] {
+      if (!per_user) {
+        return std::vector<GaugeSample>{
+            {{}, static_cast<double>(quota->used_total())}};
+      }
       std::vector<GaugeSample> samples;
       for (const auto& [uid, used] : quota->used_by_user()) {
         samples.push_back(
@@ -534,22 +555,25 @@ void Agent::AddGauges() {
       return samples;
     };
   };
+  const std::string by_user = per_user ? ", by local user" : "";
   metrics_->AddGauge("rdma_agentd_registrations",
-                     "Registrations held, by local user",
-                     by_user(quotas_.registrations));
+                     "Registrations held" + by_user,
+                     usage(quotas_.registrations));
   metrics_->AddGauge("rdma_agentd_registered_bytes",
-                     "Bytes registered or attached for registration, by "
-                     "local user",
-                     by_user(quotas_.bytes));
+                     "Bytes registered or attached for registration" + by_user,
+                     usage(quotas_.bytes));
   metrics_->AddGauge("rdma_agentd_watched_clients",
                      "Client processes watched for lifetime-bound "
-                     "registrations, by local user",
-                     by_user(quotas_.watched_clients));
+                     "registrations" +
+                         by_user,
+                     usage(quotas_.watched_clients));
   metrics_->AddGauge(
       "rdma_agentd_peer_links",
       "Connections (tcp) and queue pairs (ibverbs) held with each peer, by "
-      "backend and direction (out: this agent connected)",
-      [backends = registry_.get()] {
+      "backend and direction (out: this agent connected); past "
+      "--metrics_max_peers per backend and direction, the peers with the "
+      "fewest links are summed under peer=\"other\"",
+      [backends = registry_.get(), max_peers = options_.metrics.max_peers] {
         std::vector<GaugeSample> samples;
         for (const auto& backend : backends->backends()) {
           if (!backend->available()) continue;
@@ -560,7 +584,8 @@ void Agent::AddGauges() {
                                static_cast<double>(link.count)});
           }
         }
-        return samples;
+        // Peers are whoever connects, or whatever contexts name: bounded.
+        return CapLabelValues(std::move(samples), "peer", max_peers);
       });
 }
 

@@ -58,6 +58,9 @@ class Agent {
   const std::string& attach_socket_path() const {
     return options_.attach_socket_path;
   }
+  const std::string& probe_socket_path() const {
+    return options_.probe_socket_path;
+  }
   // "host:port" of the Peer listener (empty when no backend serves peers).
   const std::string& peer_address() const { return peer_address_; }
   const BackendRegistry& registry() const { return *registry_; }
@@ -131,6 +134,7 @@ class Agent {
   std::unique_ptr<grpc::Server> peer_server_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<UnixListener> listener_;
+  std::unique_ptr<UnixListener> probe_listener_;  // mode 0600
   std::unique_ptr<AttachServer> attach_server_;
   std::unique_ptr<MetricsServer> metrics_server_;
   bool shut_down_ = false;

@@ -26,6 +26,14 @@ absl::Status AgentOptions::Validate() const {
         "--max_notification_bytes must be 0 to 1048576 and "
         "--max_notifications_per_user at least 1");
   }
+  if (metrics.max_connections < 1 || metrics.max_connections > 4096 ||
+      metrics.request_timeout < absl::Milliseconds(100) ||
+      metrics.request_timeout > absl::Minutes(10) || metrics.max_peers > 4096) {
+    return absl::InvalidArgumentError(
+        "--metrics_max_connections must be 1 to 4096, "
+        "--metrics_request_timeout 100ms to 10m and --metrics_max_peers 0 to "
+        "4096");
+  }
   return absl::OkStatus();
 }
 

@@ -13,6 +13,7 @@
 #include "daemon/limits/quota.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/local/client_watcher.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/transfers.h"
 
@@ -33,6 +34,11 @@ struct AgentOptions {
   std::string socket_path;
   // Attach socket; empty = <runtime_dir>/attach.sock.
   std::string attach_socket_path;
+  // The RdmaAgent API again, for the agent's own user and root only (mode
+  // 0600): health probes connect here (rdma-agentctl health does when it
+  // may), so that no other user's connections queue ahead of them. Empty =
+  // probe.sock next to the API socket.
+  std::string probe_socket_path;
   // Stable agent id; empty = read <state_dir>/agent-id, or create it.
   std::string agent_id;
   // TCP listener of the Peer gRPC service (backends' peer_services()).
@@ -47,6 +53,9 @@ struct AgentOptions {
   std::vector<BackendFactory> backends;
   // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.
   std::string metrics_listen;
+  // What the endpoint serves (per-user series or totals) and what it holds
+  // for its clients.
+  MetricsOptions metrics;
 
   // What one RdmaAgent call may ask for.
   ApiLimits api;

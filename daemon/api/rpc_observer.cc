@@ -11,6 +11,7 @@
 #include "common/log_text.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/metrics/metrics.h"
+#include "google/protobuf/descriptor.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -23,6 +24,26 @@ std::string MethodName(const char* method) {
   absl::string_view name = method == nullptr ? "" : method;
   absl::ConsumePrefix(&name, "/");
   return std::string(name);
+}
+
+// What an RPC is counted under: its name when it names a method the agent
+// knows (one of the services compiled into it), else "unknown". The path is
+// whatever the caller sent, and every label value is a series kept for the
+// agent's life: invented paths must not add series.
+std::string MethodLabel(absl::string_view method) {
+  const size_t slash = method.find('/');
+  if (slash != absl::string_view::npos) {
+    const absl::string_view service = method.substr(0, slash);
+    const absl::string_view name = method.substr(slash + 1);
+    const google::protobuf::MethodDescriptor* known =
+        google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
+            absl::StrCat(service, ".", name));
+    if (known != nullptr && known->name() == name &&
+        known->service()->full_name() == service) {
+      return std::string(method);
+    }
+  }
+  return "unknown";
 }
 
 class RpcObserver : public grpc::experimental::Interceptor {
@@ -48,9 +69,12 @@ class RpcObserver : public grpc::experimental::Interceptor {
  private:
   void Observe(const grpc::Status& status) {
     const absl::Duration took = absl::Now() - start_;
-    const std::string method = MethodName(info_->method());
+    // Logged escaped: the path comes from the caller.
+    const std::string method = LogSafe(MethodName(info_->method()));
     const auto code = static_cast<absl::StatusCode>(status.error_code());
-    if (metrics_ != nullptr) metrics_->RecordRpc(method, code, took);
+    if (metrics_ != nullptr) {
+      metrics_->RecordRpc(MethodLabel(MethodName(info_->method())), code, took);
+    }
     const bool failed = !status.ok();
     if (!failed && !spdlog::should_log(spdlog::level::debug)) return;
     // Who asked: the credentials the agent read when it accepted the

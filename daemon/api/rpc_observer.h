@@ -16,9 +16,11 @@ class CallerTable;
 // each handler: logs each at debug (method, caller, code, time), logs each
 // error the client sees at warning with its caller (rate limited: a client
 // in a loop cannot flood the journal), and counts it in the metrics (RPCs by
-// method and code, Submit latency). gRPC runs server interceptors for the
-// callback-API methods too (GetTransfers, WatchTransfers): they are seen
-// when their status is sent, like the synchronous ones.
+// method and code, Submit latency). A path that names no method compiled
+// into the agent counts as method "unknown": callers choose paths, and each
+// label value would be a series kept for the agent's life. gRPC runs server
+// interceptors for the callback-API methods too (GetTransfers, WatchTransfers):
+// they are seen when their status is sent, like the synchronous ones.
 class RpcObserverFactory
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:

@@ -35,6 +35,11 @@ ABSL_FLAG(std::string, socket, "",
           "<runtime_dir>/agent.sock.");
 ABSL_FLAG(std::string, attach_socket, "",
           "Attach socket path; default <runtime_dir>/attach.sock.");
+ABSL_FLAG(std::string, probe_socket, "",
+          "RdmaAgent socket for health probes, mode 0600: only the agent's "
+          "own user and root connect, so that no other user's connections "
+          "queue ahead of a probe (rdma-agentctl health uses it when it "
+          "can); default probe.sock next to --socket.");
 ABSL_FLAG(std::string, agent_id, "",
           "Stable agent id; default: kept in <state_dir>/agent-id.");
 ABSL_FLAG(std::vector<std::string>, backends,
@@ -51,6 +56,24 @@ ABSL_FLAG(std::string, metrics_listen, "",
           "host:port serving Prometheus metrics at /metrics and health at "
           "/healthz (HTTP, no authentication: keep it on a trusted "
           "interface). Empty: no endpoint.");
+ABSL_FLAG(bool, metrics_per_user, rdma_agent::MetricsOptions().per_user,
+          "Label the per-user gauges (registrations, registered bytes, "
+          "watched clients) with each local user's uid. Whoever reaches "
+          "--metrics_listen then learns which users use the agent and how "
+          "much; off, those gauges are totals.");
+ABSL_FLAG(int64_t, metrics_max_connections,
+          Int64(rdma_agent::MetricsOptions().max_connections),
+          "Connections the metrics endpoint holds at once; a new one past "
+          "this closes the oldest still sending its request (1 to 4096).");
+ABSL_FLAG(absl::Duration, metrics_request_timeout,
+          rdma_agent::MetricsOptions().request_timeout,
+          "How long one metrics connection may take, request in and answer "
+          "out (100ms to 10m).");
+ABSL_FLAG(int64_t, metrics_max_peers,
+          Int64(rdma_agent::MetricsOptions().max_peers),
+          "Peers named in rdma_agentd_peer_links per backend and direction "
+          "(those with the most links); the others are summed under "
+          "peer=\"other\" (0 to 4096).");
 ABSL_FLAG(std::string, log_level, "info",
           "trace, debug (every RPC), info, warn (failed ops, refused "
           "requests, client-visible errors), error, critical or off.");
@@ -240,10 +263,14 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.socket_path = SocketPath(absl::GetFlag(FLAGS_socket));
   options.attach_socket_path = absl::GetFlag(FLAGS_attach_socket);
+  options.probe_socket_path = absl::GetFlag(FLAGS_probe_socket);
   options.agent_id = absl::GetFlag(FLAGS_agent_id);
   options.peer_listen = absl::GetFlag(FLAGS_peer_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.metrics.per_user = absl::GetFlag(FLAGS_metrics_per_user);
+  options.metrics.request_timeout =
+      absl::GetFlag(FLAGS_metrics_request_timeout);
   options.attach_token_ttl = absl::GetFlag(FLAGS_attach_token_ttl);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
 
@@ -302,6 +329,10 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.notifications.max_bytes},
       {FLAGS_max_notifications_per_user, "max_notifications_per_user",
        &options.notifications.max_queued_per_user},
+      {FLAGS_metrics_max_connections, "metrics_max_connections",
+       &options.metrics.max_connections},
+      {FLAGS_metrics_max_peers, "metrics_max_peers",
+       &options.metrics.max_peers},
   };
   for (const auto& size : sizes) {
     auto value = Size(size.flag, size.name);

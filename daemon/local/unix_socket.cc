@@ -31,7 +31,7 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd) {
 }
 
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
-    const std::string& path, ConnectionHandler on_connection) {
+    const std::string& path, ConnectionHandler on_connection, mode_t mode) {
   struct sockaddr_un addr = {};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -61,7 +61,8 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
              sizeof(addr)) != 0) {
     return ErrnoError(absl::StrCat("bind ", path));
   }
-  if (::chmod(path.c_str(), 0666) != 0) {
+  // Before listen(): nobody connects before the mode is in force.
+  if (::chmod(path.c_str(), mode) != 0) {
     const absl::Status status = ErrnoError(absl::StrCat("chmod ", path));
     ::unlink(path.c_str());
     return status;

@@ -28,18 +28,21 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd);
 
 // Accepts connections on a Unix socket at `path` (an AcceptLoop: a thread
 // of its own, back-off and rate-limited logging when out of fds) and hands
-// each one, with its credentials, to `on_connection` on that thread. Any
-// local user may connect (mode 0666): what each caller may do is decided per
-// call from its credentials. The socket file is removed when the listener
-// stops.
+// each one, with its credentials, to `on_connection` on that thread. By
+// default any local user may connect (mode 0666): what each caller may do is
+// decided per call from its credentials; a socket of mode 0600 admits only
+// the agent's own user and root. The socket file is removed when the
+// listener stops.
 class UnixListener {
  public:
   using ConnectionHandler =
       std::function<void(UniqueFd connection, const PeerCredentials& peer)>;
 
-  // Binds (replacing a stale socket file) and starts accepting.
+  // Binds (replacing a stale socket file), gives the socket file `mode` and
+  // starts accepting.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Start(
-      const std::string& path, ConnectionHandler on_connection);
+      const std::string& path, ConnectionHandler on_connection,
+      mode_t mode = 0666);
 
   UnixListener(const UnixListener&) = delete;
   UnixListener& operator=(const UnixListener&) = delete;

@@ -1,9 +1,7 @@
 #include "daemon/metrics/metrics.h"
 
-#include <CivetServer.h>
-#include <civetweb.h>
-
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <utility>
 
@@ -11,8 +9,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/net_address.h"
-#include "common/status_util.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -42,6 +38,42 @@ std::string OpName(v1::OpType type) {
 }
 
 }  // namespace
+
+std::vector<GaugeSample> CapLabelValues(std::vector<GaugeSample> samples,
+                                        const std::string& label,
+                                        size_t max_values) {
+  // Groups: samples alike in every label but `label`.
+  std::map<std::map<std::string, std::string>, std::vector<GaugeSample>> groups;
+  std::vector<GaugeSample> out;
+  for (GaugeSample& sample : samples) {
+    auto others = sample.labels;
+    if (others.erase(label) == 0) {
+      out.push_back(std::move(sample));
+      continue;
+    }
+    groups[std::move(others)].push_back(std::move(sample));
+  }
+  for (auto& [others, group] : groups) {
+    // Largest first; by value of the label among equals, so that which
+    // values keep their series does not change from scrape to scrape.
+    std::sort(group.begin(), group.end(),
+              [&](const GaugeSample& a, const GaugeSample& b) {
+                if (a.value != b.value) return a.value > b.value;
+                return a.labels.at(label) < b.labels.at(label);
+              });
+    GaugeSample rest{others, 0};
+    rest.labels[label] = "other";
+    for (size_t i = 0; i < group.size(); ++i) {
+      if (i < max_values) {
+        out.push_back(std::move(group[i]));
+      } else {
+        rest.value += group[i].value;
+      }
+    }
+    if (group.size() > max_values) out.push_back(std::move(rest));
+  }
+  return out;
+}
 
 // Gauge families read through callbacks when scraped.
 class AgentMetrics::Gauges : public prometheus::Collectable {
@@ -199,88 +231,6 @@ std::string AgentMetrics::Scrape() const {
   std::ostringstream out;
   prometheus::TextSerializer().Serialize(out, families);
   return out.str();
-}
-
-class MetricsServer::Handlers {
- public:
-  Handlers(const AgentMetrics* metrics, std::function<bool()> serving)
-      : metrics_handler_(metrics), health_handler_(std::move(serving)) {}
-
-  CivetHandler* metrics() { return &metrics_handler_; }
-  CivetHandler* health() { return &health_handler_; }
-
- private:
-  static bool Reply(mg_connection* connection, int code,
-                    absl::string_view content_type, absl::string_view body) {
-    mg_printf(connection,
-              "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
-              "Connection: close\r\n\r\n",
-              code, code == 200 ? "OK" : "Service Unavailable",
-              std::string(content_type).c_str(), body.size());
-    mg_write(connection, body.data(), body.size());
-    return true;
-  }
-
-  class Metrics : public CivetHandler {
-   public:
-    explicit Metrics(const AgentMetrics* metrics) : metrics_(metrics) {}
-    bool handleGet(CivetServer*, mg_connection* connection) override {
-      return Reply(connection, 200, "text/plain; version=0.0.4",
-                   metrics_->Scrape());
-    }
-
-   private:
-    const AgentMetrics* const metrics_;
-  };
-
-  class Health : public CivetHandler {
-   public:
-    explicit Health(std::function<bool()> serving)
-        : serving_(std::move(serving)) {}
-    bool handleGet(CivetServer*, mg_connection* connection) override {
-      return serving_()
-                 ? Reply(connection, 200, "text/plain", "ok\n")
-                 : Reply(connection, 503, "text/plain", "shutting down\n");
-    }
-
-   private:
-    const std::function<bool()> serving_;
-  };
-
-  Metrics metrics_handler_;
-  Health health_handler_;
-};
-
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    const std::string& listen, const AgentMetrics* metrics,
-    std::function<bool()> serving) {
-  auto address = ParseHostPort(listen);
-  if (!address.ok()) {
-    return Prefixed(absl::StatusCode::kInvalidArgument, address.status(),
-                    "--metrics_listen");
-  }
-  std::unique_ptr<MetricsServer> server(new MetricsServer());
-  server->handlers_ = std::make_unique<Handlers>(metrics, std::move(serving));
-  // civetweb takes "host:port" for IPv4 and "[host]:port" for IPv6, as
-  // JoinHostPort writes them.
-  const std::vector<std::string> options = {
-      "listening_ports", JoinHostPort(address->host, address->port),
-      "num_threads", "2"};
-  try {
-    server->server_ = std::make_unique<CivetServer>(options);
-  } catch (const CivetException& error) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", listen, ": ", error.what()));
-  }
-  server->server_->addHandler("/metrics", server->handlers_->metrics());
-  server->server_->addHandler("/healthz", server->handlers_->health());
-  const std::vector<int> ports = server->server_->getListeningPorts();
-  server->port_ = ports.empty() ? 0 : static_cast<uint16_t>(ports.front());
-  return server;
-}
-
-MetricsServer::~MetricsServer() {
-  if (server_ != nullptr) server_->close();
 }
 
 }  // namespace rdma_agent

@@ -19,9 +19,28 @@
 #include "prometheus/registry.h"
 #include "rdma/agent/v1/types.pb.h"
 
-class CivetServer;
-
 namespace rdma_agent {
+
+// The metrics endpoint's switches and bounds (AgentOptions::metrics; the
+// flags of the same names in daemon/exe/flags.cc).
+struct MetricsOptions {
+  // Serve the per-user gauges (registrations, registered bytes, watched
+  // clients) with a uid label. Whoever reaches the endpoint then learns
+  // which local users use the agent and how much; off, those gauges are
+  // totals over all users. --metrics_per_user.
+  bool per_user = false;
+  // Connections the endpoint holds at once; past this, a new connection
+  // closes the oldest one still sending its request.
+  // --metrics_max_connections.
+  size_t max_connections = 64;
+  // How long one connection may take, request in and answer out.
+  // --metrics_request_timeout.
+  absl::Duration request_timeout = absl::Seconds(10);
+  // Peers named in rdma_agentd_peer_links, per backend and direction (those
+  // with the most links); the others are summed under peer="other".
+  // --metrics_max_peers.
+  size_t max_peers = 64;
+};
 
 // A labelled value read at scrape time (registrations per user, connections
 // per peer...), for state the agent already keeps: nothing is counted twice.
@@ -29,6 +48,15 @@ struct GaugeSample {
   std::map<std::string, std::string> labels;
   double value = 0;
 };
+
+// `samples` with at most `max_values` distinct values of label `label` in
+// each group of samples alike in every other label: the values with the
+// largest samples keep theirs, the rest are summed into one sample labelled
+// "other". For labels whose values come from outside (peer addresses): the
+// number of series stays bounded whoever connects.
+std::vector<GaugeSample> CapLabelValues(std::vector<GaugeSample> samples,
+                                        const std::string& label,
+                                        size_t max_values);
 
 // The agent's Prometheus metrics (names prefixed rdma_agentd_). Counters and
 // histograms are updated on the data path; gauges of state the agent keeps
@@ -54,7 +82,9 @@ class AgentMetrics {
     RecordOps(backend, type, code, 1, bytes, latency);
   }
   // One RPC of the API ended with `code` after `latency`; `method` is
-  // "package.Service/Method". Submit's latency also goes to its histogram.
+  // "package.Service/Method", or "unknown" (the caller bounds it: every
+  // value is a series for the agent's life). Submit's latency also goes to
+  // its histogram.
   void RecordRpc(absl::string_view method, absl::StatusCode code,
                  absl::Duration latency);
   // One Submit ended after `latency`.
@@ -87,29 +117,6 @@ class AgentMetrics {
   prometheus::Family<prometheus::Counter>& retries_;
   prometheus::Family<prometheus::Counter>& refusals_;
   prometheus::Family<prometheus::Counter>& notifications_sent_;
-};
-
-// Serves /metrics (the text format) and /healthz (200 "ok" while the agent
-// serves, 503 once it shuts down) over HTTP with Debian's civetweb, the
-// server prometheus-cpp's pull exporter is built on.
-class MetricsServer {
- public:
-  // Listens on `listen` ("host:port"; port 0 picks one). `serving` is asked
-  // at each /healthz. `metrics` must outlive the server.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
-      const std::string& listen, const AgentMetrics* metrics,
-      std::function<bool()> serving);
-  ~MetricsServer();
-
-  uint16_t port() const { return port_; }
-
- private:
-  class Handlers;
-  MetricsServer() = default;
-
-  std::unique_ptr<Handlers> handlers_;
-  std::unique_ptr<CivetServer> server_;
-  uint16_t port_ = 0;
 };
 
 }  // namespace rdma_agent

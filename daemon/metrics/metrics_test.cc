@@ -6,11 +6,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/unique_fd.h"
+#include "daemon/metrics/metrics_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -20,8 +23,8 @@ namespace {
 namespace v1 = ::rdma::agent::v1;
 using ::testing::HasSubstr;
 
-// GET `path` from 127.0.0.1:`port`; the whole HTTP response.
-std::string Get(uint16_t port, const std::string& path) {
+// Sends `request` to 127.0.0.1:`port`; the whole HTTP response.
+std::string Exchange(uint16_t port, const std::string& request) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_in address = {};
   address.sin_family = AF_INET;
@@ -31,8 +34,6 @@ std::string Get(uint16_t port, const std::string& path) {
                 sizeof(address)) != 0) {
     return "";
   }
-  const std::string request =
-      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n");
   if (::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL) < 0) {
     return "";
   }
@@ -43,6 +44,12 @@ std::string Get(uint16_t port, const std::string& path) {
     response.append(buffer, static_cast<size_t>(n));
   }
   return response;
+}
+
+// GET `path` from 127.0.0.1:`port`; the whole HTTP response.
+std::string Get(uint16_t port, const std::string& path) {
+  return Exchange(port,
+                  absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n"));
 }
 
 TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
@@ -124,7 +131,7 @@ TEST(MetricsServerTest, ServesMetricsAndHealth) {
   AgentMetrics metrics("x");
   metrics.RecordRefusal("test");
   std::atomic<bool> serving{true};
-  auto server = MetricsServer::Start("127.0.0.1:0", &metrics,
+  auto server = MetricsServer::Start("127.0.0.1:0", MetricsOptions(), &metrics,
                                      [&] { return serving.load(); });
   ASSERT_TRUE(server.ok()) << server.status();
   const uint16_t port = (*server)->port();
@@ -138,16 +145,78 @@ TEST(MetricsServerTest, ServesMetricsAndHealth) {
   EXPECT_TRUE(absl::StartsWith(Get(port, "/healthz"), "HTTP/1.1 503"));
 }
 
+TEST(MetricsServerTest, AnswersWhatItDoesNotServeWithAStatus) {
+  AgentMetrics metrics("x");
+  auto server = MetricsServer::Start("127.0.0.1:0", MetricsOptions(), &metrics,
+                                     [] { return true; });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  EXPECT_TRUE(absl::StartsWith(Get(port, "/nothing"), "HTTP/1.1 404"));
+  EXPECT_TRUE(absl::StartsWith(Get(port, "/metrics?format=x"), "HTTP/1.1 200"));
+  EXPECT_TRUE(absl::StartsWith(Exchange(port, "POST /metrics HTTP/1.1\r\n\r\n"),
+                               "HTTP/1.1 405"));
+  EXPECT_TRUE(absl::StartsWith(Exchange(port, "\x16\x03\x01 hello\r\n"),
+                               "HTTP/1.1 400"));
+  EXPECT_TRUE(absl::StartsWith(
+      Exchange(port, "GET /metrics HTTP/1.1\r\nX: " + std::string(9000, 'a')),
+      "HTTP/1.1 431"));
+  // HEAD: the length of what GET would send, and no body.
+  const std::string head = Exchange(port, "HEAD /healthz HTTP/1.0\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(head, "HTTP/1.1 200")) << head;
+  EXPECT_THAT(head, HasSubstr("Content-Length: 3\r\n"));
+  EXPECT_TRUE(absl::EndsWith(head, "\r\n\r\n")) << head;
+}
+
+TEST(MetricsServerTest, ClosesConnectionsPastTheirTimeout) {
+  AgentMetrics metrics("x");
+  MetricsOptions options;
+  options.request_timeout = absl::Milliseconds(200);
+  auto server = MetricsServer::Start("127.0.0.1:0", options, &metrics,
+                                     [] { return true; });
+  ASSERT_TRUE(server.ok()) << server.status();
+  // Half a request, then nothing: closed without an answer.
+  EXPECT_EQ(Exchange((*server)->port(), "GET /healthz HTTP/1.1\r\n"), "");
+}
+
+TEST(CapLabelValuesTest, KeepsTheLargestAndSumsTheRestPerGroup) {
+  std::vector<GaugeSample> samples;
+  for (int i = 0; i < 5; ++i) {
+    samples.push_back(
+        {{{"peer", absl::StrCat("p", i)}, {"direction", "in"}}, double(i)});
+  }
+  samples.push_back({{{"peer", "q"}, {"direction", "out"}}, 7});
+  samples.push_back({{{"kind", "x"}}, 1});  // no peer label: kept as is
+  const std::vector<GaugeSample> capped =
+      CapLabelValues(samples, "peer", /*max_values=*/2);
+  std::map<std::string, double> by_series;
+  for (const GaugeSample& sample : capped) {
+    std::string series;
+    for (const auto& [name, value] : sample.labels) {
+      absl::StrAppend(&series, name, "=", value, ",");
+    }
+    by_series[series] = sample.value;
+  }
+  EXPECT_EQ(by_series, (std::map<std::string, double>{
+                           {"direction=in,peer=p4,", 4},
+                           {"direction=in,peer=p3,", 3},
+                           {"direction=in,peer=other,", 0 + 1 + 2},
+                           {"direction=out,peer=q,", 7},
+                           {"kind=x,", 1},
+                       }));
+}
+
 TEST(MetricsServerTest, BadOrBusyAddressesAreErrors) {
   AgentMetrics metrics("x");
   EXPECT_TRUE(absl::IsInvalidArgument(
-      MetricsServer::Start("no-port", &metrics, [] { return true; }).status()));
-  auto first =
-      MetricsServer::Start("127.0.0.1:0", &metrics, [] { return true; });
+      MetricsServer::Start("no-port", MetricsOptions(), &metrics, [] {
+        return true;
+      }).status()));
+  auto first = MetricsServer::Start("127.0.0.1:0", MetricsOptions(), &metrics,
+                                    [] { return true; });
   ASSERT_TRUE(first.ok()) << first.status();
   auto second =
       MetricsServer::Start(absl::StrCat("127.0.0.1:", (*first)->port()),
-                           &metrics, [] { return true; });
+                           MetricsOptions(), &metrics, [] { return true; });
   EXPECT_TRUE(absl::IsUnavailable(second.status())) << second.status();
 }
 

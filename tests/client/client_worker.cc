@@ -46,7 +46,8 @@
 //   readbuf ID OFFSET LENGTH    -> status CODE [HEX_DATA]
 //   writebuf ID OFFSET HEX_DATA -> status CODE
 //   open ID                     -> status CODE fd|nofd   (raw OpenBuffer)
-//   list                        -> ids ID,ID,...   (ascending)
+//   list                        -> ids ID,ID,...   (as the agent lists them:
+//                                  in the order they were registered)
 //   list_all                    -> ids ID,ID,... | error CODE MESSAGE
 //        every user's (ListBuffers all_users)
 //   info                        -> status CODE
@@ -365,7 +366,6 @@ class Worker {
       std::vector<uint64_t> ids;
       for (const v1::BufferInfo& info : *buffers)
         ids.push_back(info.buffer_id());
-      std::sort(ids.begin(), ids.end());
       return absl::StrCat("ids ", absl::StrJoin(ids, ","));
     }
     if (command == "info") {

@@ -157,3 +157,18 @@ write(P, "no_proof", bytes([3]) + encode("ConnectQueuePairRequest",
 write(P, "other_agent", bytes([15]) + encode(
     "ConnectQueuePairRequest", "peer.proto",
     PEER.replace('agent_id: "agent-b"', 'agent_id: "agent-c"')))
+
+# --- metrics_http_fuzzer: whole requests as a stranger's connection sends them
+H = "metrics_http_fuzzer"
+write(H, "scrape", b"GET /metrics HTTP/1.1\r\nHost: 10.0.0.5:9464\r\n"
+      b"User-Agent: Prometheus/2.42.0\r\nAccept: text/plain;version=0.0.4\r\n"
+      b"Accept-Encoding: gzip\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n")
+write(H, "probe", b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:9464\r\n"
+      b"User-Agent: kube-probe/1.27\r\nConnection: close\r\n\r\n")
+write(H, "head_http10_lf", b"\r\nHEAD /healthz?x=1 HTTP/1.0\n\n")
+write(H, "post_with_body", b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n"
+      b"\r\nabc")
+write(H, "not_found", b"GET /metrics/../etc HTTP/1.1\r\n\r\n")
+write(H, "half_sent", b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-")
+write(H, "tls_hello", bytes([0x16, 0x03, 0x01, 0x00, 0xa5, 0x01, 0x00]))
+write(H, "too_large", b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 8300 + b"\r\n\r\n")
