@@ -74,6 +74,16 @@ ABSL_FLAG(int32_t, tcp_server_bulk_threads,
           "more) with blocking calls when one is free; the event loops move "
           "them otherwise. 0: the event loops move everything.");
 
+// Notifications to peers: their own pooled connections.
+ABSL_FLAG(int32_t, tcp_notify_connections_per_peer,
+          rdma_agent::tcp::NotifyClientOptions().connections_per_peer,
+          "Connections that carry notifications to one peer's data port, in "
+          "use and idle; its notifications take turns on them.");
+ABSL_FLAG(int32_t, tcp_notify_max_connections,
+          rdma_agent::tcp::NotifyClientOptions().max_connections,
+          "Connections that carry notifications, all peers; a dial past it "
+          "first closes the oldest idle one, else waits.");
+
 // The requesting side: threads, connection bounds, dialling.
 ABSL_FLAG(int32_t, tcp_client_threads,
           rdma_agent::tcp::DataClientOptions().threads,
@@ -127,8 +137,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
         absl::GetFlag(FLAGS_tcp_max_connections_per_source);
     options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
     options.server.threads = absl::GetFlag(FLAGS_tcp_server_threads);
-    options.server.bulk_threads =
-        absl::GetFlag(FLAGS_tcp_server_bulk_threads);
+    options.server.bulk_threads = absl::GetFlag(FLAGS_tcp_server_bulk_threads);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);
@@ -140,6 +149,17 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.client.connect_timeout =
         absl::GetFlag(FLAGS_tcp_client_connect_timeout);
     options.client.allow_host_names = absl::GetFlag(FLAGS_tcp_allow_host_names);
+    options.notify.connections_per_peer =
+        absl::GetFlag(FLAGS_tcp_notify_connections_per_peer);
+    options.notify.max_connections =
+        absl::GetFlag(FLAGS_tcp_notify_max_connections);
+    if (options.notify.connections_per_peer < 1 ||
+        options.notify.max_connections < options.notify.connections_per_peer) {
+      return absl::InvalidArgumentError(
+          "--tcp_notify_connections_per_peer must be at least 1 and "
+          "--tcp_notify_max_connections at least "
+          "--tcp_notify_connections_per_peer");
+    }
     auto backend = TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));
