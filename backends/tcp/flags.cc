@@ -45,8 +45,9 @@ ABSL_FLAG(bool, tcp_zero_copy_send,
 
 ABSL_FLAG(absl::Duration, tcp_handshake_timeout,
           rdma_agent::tcp::DataServerOptions().handshake_timeout,
-          "A new data connection must send a whole request header within this "
-          "or is closed.");
+          "A new data connection must present a valid token (a request "
+          "naming a registration with it) within this of its accept, or is "
+          "closed; refused requests do not extend it.");
 ABSL_FLAG(absl::Duration, tcp_idle_timeout,
           rdma_agent::tcp::DataServerOptions().idle_timeout,
           "A data connection idle this long between requests is closed.");
