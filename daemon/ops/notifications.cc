@@ -65,8 +65,9 @@ bool NotificationInbox::Poll::settled() const {
   return owner_->closed_ || !user.queue.items.empty() || user.queue.dropped > 0;
 }
 
-NotificationInbox::Taken NotificationInbox::Poll::Take(size_t max_count) {
-  return owner_->Take(uid_, max_count);
+NotificationInbox::Taken NotificationInbox::Poll::Take(size_t max_count,
+                                                       size_t max_bytes) {
+  return owner_->Take(uid_, max_count, max_bytes);
 }
 
 NotificationInbox::NotificationInbox(const BufferDirectory* directory,
@@ -194,20 +195,24 @@ void NotificationInbox::Trim(User& user) {
   }
 }
 
-NotificationInbox::Taken NotificationInbox::Pop(User& user, size_t max_count) {
+NotificationInbox::Taken NotificationInbox::Pop(User& user, size_t max_count,
+                                                size_t max_bytes) {
   Taken batch;
-  const size_t count = std::min(max_count, user.queue.items.size());
-  batch.notifications.reserve(count);
-  for (size_t i = 0; i < count; ++i) {
+  uint64_t bytes = 0;
+  while (batch.notifications.size() < max_count && !user.queue.items.empty()) {
+    const uint64_t cost = Cost(user.queue.items.front());
+    if (!batch.notifications.empty() && bytes + cost > max_bytes) break;
+    bytes += cost;
     batch.notifications.push_back(PopFront(user, user.queue, false));
   }
   batch.dropped = std::exchange(user.queue.dropped, 0);
   return batch;
 }
 
-NotificationInbox::Taken NotificationInbox::Take(uid_t uid, size_t max_count) {
+NotificationInbox::Taken NotificationInbox::Take(uid_t uid, size_t max_count,
+                                                 size_t max_bytes) {
   absl::MutexLock lock(&mu_);
-  return Pop(users_[uid], max_count);
+  return Pop(users_[uid], max_count, max_bytes);
 }
 
 std::unique_ptr<NotificationInbox::Poll> NotificationInbox::StartPoll(

@@ -135,8 +135,9 @@ class NotificationInbox : public NotificationSink {
     ~Poll();
 
     bool settled() const;
-    // Takes up to `max_count` of the user's queued notifications.
-    Taken Take(size_t max_count);
+    // Takes up to `max_count` of the user's queued notifications, and no
+    // more than `max_bytes` of them (at least one).
+    Taken Take(size_t max_count, size_t max_bytes = SIZE_MAX);
 
    private:
     friend class NotificationInbox;
@@ -167,7 +168,10 @@ class NotificationInbox : public NotificationSink {
 
   // Takes up to `max_count` of uid's queued notifications, oldest first,
   // at once.
-  Taken Take(uid_t uid, size_t max_count);
+  // Taken notifications are charged as the inbox charges them; more than
+  // `max_bytes` are not taken (one always is), so that one answer stays
+  // within what a client receives.
+  Taken Take(uid_t uid, size_t max_count, size_t max_bytes = SIZE_MAX);
   // Starts a long poll of uid's queue; `wake` runs when it may have
   // settled. Every Poll must be destroyed before the inbox.
   std::unique_ptr<Poll> StartPoll(uid_t uid, std::function<void()> wake);
@@ -212,8 +216,10 @@ class NotificationInbox : public NotificationSink {
   // Drops oldest copies until `user` and the inbox are within their byte
   // and count budgets.
   void Trim(User& user) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Up to `max_count` from the front of uid's queue, with its drops.
-  Taken Pop(User& user, size_t max_count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Up to `max_count` (and `max_bytes`, one at least) from the front of
+  // uid's queue, with its drops.
+  Taken Pop(User& user, size_t max_count, size_t max_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void RunAll(const Wakeups& wakeups);
 
   const BufferDirectory* const directory_;

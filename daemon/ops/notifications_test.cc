@@ -213,6 +213,19 @@ TEST_F(NotificationsTest, FullQueueDropsTheOldestAndSaysSo) {
   EXPECT_EQ(inbox.dropped_total(), 2u);
 }
 
+TEST_F(NotificationsTest, TakeStopsAtItsByteBound) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t id = AddBuffer(kOwner);
+  const std::string data(1000, 'd');
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(inbox.Deliver(Target(id), "a", data).ok());
+  }
+  // Two fit in 2500 bytes (1000 + 1 + overhead each); one always comes.
+  EXPECT_EQ(inbox.Take(kOwner, 100, 2500).notifications.size(), 2u);
+  EXPECT_EQ(inbox.Take(kOwner, 100, 1).notifications.size(), 1u);
+  EXPECT_EQ(inbox.Take(kOwner, 100).notifications.size(), 2u);
+}
+
 TEST_F(NotificationsTest, DropsAloneWakeAPoll) {
   NotificationLimits limits;
   limits.max_queued_per_user = 1;

@@ -9,6 +9,7 @@
 #include <sys/resource.h>
 
 #include <atomic>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -129,6 +130,8 @@ TEST_F(DataServerStrangersTest, TokenlessNotifyIsRefusedBeforeItsPayload) {
   const absl::Time sent = absl::Now();
   absl::SleepFor(absl::Milliseconds(500));
   const int64_t grown = ResidentBytes(pid) - rss_before;
+  std::cout << kConnections << " tokenless kNotify of " << kDeclared
+            << " bytes: agent RSS grew by " << grown / kMiB << " MiB\n";
   EXPECT_LT(grown, 48 * kMiB)
       << "the agent's RSS grew by " << grown / kMiB << " MiB for "
       << kConnections << " tokenless notifications of " << kDeclared

@@ -15,6 +15,7 @@
 #include <sys/resource.h>
 
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <set>
 #include <string>
@@ -309,6 +310,9 @@ TEST_F(NotificationAbuseTest, ManyNotifiedSubmitsShareFewConnections) {
   const int sockets = SocketsToPort(sender_->pid(), port);
   // Data connections (one per concurrent Submit, pooled) and the
   // notification connections (--tcp_notify_connections_per_peer, 2).
+  std::cout << kThreads * kSubmitsPerThread
+            << " notified Submits: " << sockets - before
+            << " sockets to the peer's data port\n";
   EXPECT_LE(sockets - before, 10)
       << kThreads * kSubmitsPerThread << " notified Submits left " << sockets
       << " sockets to the peer's data port";
@@ -389,26 +393,46 @@ TEST_F(NotificationAbuseTest, UnreadNotificationsStayWithinTheByteBudget) {
       << " notifications of " << kNotificationBytes / 1024
       << " KiB grew the agent's RSS by " << grown / kMiB << " MiB";
 
-  // The streams go; what they held comes back to the user's queue, within
-  // the budget, with the drops reported.
+  std::cout << kStreams << " unread streams, " << kNotifications
+            << " notifications of " << kNotificationBytes / 1024
+            << " KiB: agent RSS grew by " << grown / kMiB << " MiB\n";
+
+  // The streams go. With none open, notifications queue for GetNotifications
+  // under the same budget, and what is dropped is reported.
   for (auto& context : contexts) context->TryCancel();
   for (auto& stream : streams) (void)stream->Finish();
   streams.clear();
-  uint64_t dropped = 0;
-  std::vector<client::Notification> kept;
-  Eventually(
+  const auto notify = [&](char fill) {
+    options.notification = std::string(kNotificationBytes, fill);
+    auto submitted =
+        owner_->client().Submit({Op(v1::OP_TYPE_WRITE_FROM_LOCAL, local->id, 0,
+                                    1, target->remote_context)},
+                                options);
+    return submitted.ok() && submitted->notifications.size() == 1 &&
+           submitted->notifications[0].status.ok();
+  };
+  // Once the agent has let go of the streams, a notification reaches the
+  // queue.
+  ASSERT_TRUE(Eventually(
       [&] {
-        for (auto& notification :
-             OwnerNotifications(absl::Milliseconds(200), &dropped)) {
-          kept.push_back(std::move(notification));
-        }
-        return dropped > 0;
+        if (!notify('p')) return false;
+        return !OwnerNotifications(absl::Milliseconds(100), nullptr).empty();
       },
-      absl::Seconds(10));
+      absl::Seconds(10)));
+  (void)OwnerNotifications(absl::Milliseconds(100), nullptr);
+  constexpr int kQueued = 200;  // 12.5 MiB: more than the 8 MiB budget
+  for (int i = 0; i < kQueued; ++i) ASSERT_TRUE(notify('a' + i % 26));
+  uint64_t dropped = 0;
+  const std::vector<client::Notification> kept =
+      OwnerNotifications(absl::Seconds(2), &dropped);
   EXPECT_GT(dropped, 0u) << "the drops were not reported";
+  EXPECT_EQ(kept.size() + dropped, static_cast<size_t>(kQueued));
   EXPECT_LE(static_cast<int64_t>(kept.size()) * kNotificationBytes, 8 * kMiB)
       << kept.size() << " notifications kept";
   EXPECT_GT(kept.size(), 0u);
+  // The newest were kept.
+  ASSERT_FALSE(kept.empty());
+  EXPECT_EQ(kept.back().data[0], 'a' + (kQueued - 1) % 26);
 }
 
 }  // namespace
