@@ -203,7 +203,10 @@ absl::Status NotifyClient::Send(const HostPort& peer,
   bool in_step = false;
   const absl::Status answer =
       Exchange(lease, name, target, from_agent_id, data, stop, &in_step);
-  if (in_step && !stop.cancelled()) {
+  // Only a granted notification's connection is kept: the server holds a
+  // connection that never presented a valid token to its handshake
+  // deadline, and would cut it under a later notification.
+  if (in_step && answer.ok() && !stop.cancelled()) {
     Return(name, std::move(lease));
   } else {
     lease.fd.reset();

@@ -34,8 +34,10 @@ struct NotifyClientOptions {
 // Sends kNotify requests (wire.h) to other agents' data servers over a
 // pooled, bounded set of connections: a notification checks out an idle
 // connection to its peer (or dials one while the bounds allow, else waits
-// for one), sends the request, reads its answer and gives the connection
-// back. So any number of notifications to one peer costs at most
+// for one), sends the request, reads its answer and, when the notification
+// was granted, gives the connection back (otherwise it is closed: a server
+// cuts a connection that never presented a valid token at its handshake
+// deadline). So any number of notifications to one peer costs at most
 // `connections_per_peer` connections (and ephemeral ports), never one each.
 // Notifications are sent once the batch's ops have their answers, so they
 // follow the bytes they announce whichever connection carries them.
