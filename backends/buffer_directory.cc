@@ -57,4 +57,30 @@ absl::Status CheckServeRequest(const Registration& registration,
                     "remote");
 }
 
+absl::Status CheckNotificationTarget(const Registration& registration,
+                                     const ServeRequest& target) {
+  if (!TokensEqual(registration.token(), target.token)) {
+    return NotRegisteredError();
+  }
+  if (!registration.writable()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "buffer ", target.buffer_id,
+        " takes no notifications from this context: a notification needs "
+        "remote write access (access ",
+        v1::Access_Name(registration.access()), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Registration>>
+BufferDirectory::ResolveForNotification(const ServeRequest& target) const {
+  ServeRequest proof = target;
+  proof.proof_only = true;
+  auto registration = ResolveForPeer(proof);
+  if (!registration.ok()) return registration;
+  absl::Status allowed = CheckNotificationTarget(**registration, target);
+  if (!allowed.ok()) return allowed;
+  return registration;
+}
+
 }  // namespace rdma_agent

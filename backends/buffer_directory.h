@@ -48,6 +48,18 @@ class BufferDirectory {
   // The caller keeps the returned pointer until it no longer touches memory.
   virtual absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
       const ServeRequest& request) const = 0;
+
+  // Checks the target of a notification (a tcp kNotify, Peer.Notify, the
+  // memory backend's) and pins the registration it names: epoch, id and
+  // token exactly as ResolveForPeer (same codes, same messages), then, only
+  // for a matching token, WRITE access (PERMISSION_DENIED). A notification
+  // announces bytes written into the buffer, so only a holder allowed to
+  // write them may send one: a READ-only context, handed out so that others
+  // may read, does not let its holder plant notifications. No range is
+  // checked (a notification names none); `target`'s offset, length, write
+  // and proof_only are ignored. This default goes through ResolveForPeer.
+  virtual absl::StatusOr<std::shared_ptr<Registration>> ResolveForNotification(
+      const ServeRequest& target) const;
 };
 
 // The answer to a context from an earlier life of this agent. It says the
@@ -73,6 +85,11 @@ bool TokensEqual(absl::string_view a, absl::string_view b);
 // than writing another.
 absl::Status CheckServeRequest(const Registration& registration,
                                const ServeRequest& request);
+
+// The checks of ResolveForNotification against an already-found
+// registration: token (NotRegisteredError()), then WRITE access.
+absl::Status CheckNotificationTarget(const Registration& registration,
+                                     const ServeRequest& target);
 
 }  // namespace rdma_agent
 

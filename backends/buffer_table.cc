@@ -145,15 +145,27 @@ void BufferTable::Clear() {
 
 absl::StatusOr<std::shared_ptr<Registration>> BufferTable::ResolveForPeer(
     const ServeRequest& request) const {
-  auto resolved = Resolve(request);
-  if (!resolved.ok() && refusal_observer_ && !request.requester.empty()) {
-    refusal_observer_(request, resolved.status());
-  }
+  auto resolved = Resolve(request, &CheckServeRequest);
+  if (!resolved.ok()) Observe(request, resolved.status());
   return resolved;
 }
 
+absl::StatusOr<std::shared_ptr<Registration>>
+BufferTable::ResolveForNotification(const ServeRequest& target) const {
+  auto resolved = Resolve(target, &CheckNotificationTarget);
+  if (!resolved.ok()) Observe(target, resolved.status());
+  return resolved;
+}
+
+void BufferTable::Observe(const ServeRequest& request,
+                          const absl::Status& status) const {
+  if (refusal_observer_ && !request.requester.empty()) {
+    refusal_observer_(request, status);
+  }
+}
+
 absl::StatusOr<std::shared_ptr<Registration>> BufferTable::Resolve(
-    const ServeRequest& request) const {
+    const ServeRequest& request, Check check) const {
   // Token first: nothing a requester without the token is told depends on
   // this agent's epoch or on which ids exist.
   if (request.agent_epoch != epoch_) return StaleContextError();
@@ -164,7 +176,7 @@ absl::StatusOr<std::shared_ptr<Registration>> BufferTable::Resolve(
     if (it == buffers_.end()) return NotRegisteredError();
     registration = it->second.registration;
   }
-  absl::Status status = CheckServeRequest(*registration, request);
+  absl::Status status = check(*registration, request);
   if (!status.ok()) return status;
   registration->MarkUsed();
   return registration;

@@ -96,6 +96,9 @@ class BufferTable : public BufferDirectory {
   // As BufferDirectory says; a registration resolved here counts as used.
   absl::StatusOr<std::shared_ptr<Registration>> ResolveForPeer(
       const ServeRequest& request) const override;
+  // As BufferDirectory says; refusals are observed like ResolveForPeer's.
+  absl::StatusOr<std::shared_ptr<Registration>> ResolveForNotification(
+      const ServeRequest& target) const override;
 
   // Called with every refused peer request that names its requester (the
   // agent logs and counts them). Set before the table serves peers.
@@ -106,8 +109,13 @@ class BufferTable : public BufferDirectory {
   }
 
  private:
+  // What the request is checked for once its registration is found.
+  using Check = absl::Status (*)(const Registration&, const ServeRequest&);
   absl::StatusOr<std::shared_ptr<Registration>> Resolve(
-      const ServeRequest& request) const;
+      const ServeRequest& request, Check check) const;
+  // Reports a refusal to the observer (when the request names its
+  // requester).
+  void Observe(const ServeRequest& request, const absl::Status& status) const;
   // The registrations `keep` selects, in the order they were added.
   template <typename Predicate>
   std::vector<std::shared_ptr<Registration>> ListIf(Predicate keep) const;

@@ -166,6 +166,41 @@ void WaitForCoarseClockPast(int64_t nanos) {
   ASSERT_GT(CoarseNowNanos(), nanos);
 }
 
+TEST(BufferTableTest, NotificationTargetsNeedTheTokenThenWriteAccess) {
+  BufferTable table(kEpoch);
+  table.Add(MakeRegistration(1, v1::ACCESS_READ));
+  table.Add(MakeRegistration(2, v1::ACCESS_WRITE));
+  std::vector<absl::StatusCode> observed;
+  table.set_refusal_observer(
+      [&](const ServeRequest&, const absl::Status& status) {
+        observed.push_back(status.code());
+      });
+  ServeRequest target = Request(1);
+  target.requester = "10.0.0.9";
+  // Offset and length name nothing here.
+  target.length = 0;
+  target.offset = 1 << 30;
+  ServeRequest stale = target;
+  stale.agent_epoch = kEpoch + 1;
+  EXPECT_EQ(table.ResolveForNotification(stale).status(), StaleContextError());
+  ServeRequest forged = target;
+  forged.token = "token-2";
+  EXPECT_EQ(table.ResolveForNotification(forged).status(),
+            NotRegisteredError());
+  EXPECT_EQ(table.ResolveForNotification(target).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  ServeRequest writable = Request(2);
+  writable.length = 0;
+  auto resolved = table.ResolveForNotification(writable);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ((*resolved)->id(), 2u);
+  // Refusals naming a requester are observed, as for ResolveForPeer.
+  EXPECT_EQ(observed, (std::vector<absl::StatusCode>{
+                          absl::StatusCode::kFailedPrecondition,
+                          absl::StatusCode::kNotFound,
+                          absl::StatusCode::kPermissionDenied}));
+}
+
 TEST(BufferTableTest, ServedRequestsStampLastUseRefusedOnesDoNot) {
   BufferTable table(kEpoch);
   auto registration = MakeRegistration(1, v1::ACCESS_READ);

@@ -1,6 +1,8 @@
 #ifndef RDMA_AGENTD_BACKENDS_NOTIFICATION_SINK_H_
 #define RDMA_AGENTD_BACKENDS_NOTIFICATION_SINK_H_
 
+#include <cstddef>
+
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "backends/buffer_directory.h"
@@ -16,14 +18,19 @@ class NotificationSink {
  public:
   virtual ~NotificationSink() = default;
 
-  // `target` names the buffer as a proof_only request (epoch, id, token,
-  // requester) and is checked exactly like one, token first: a sender
-  // without the token learns nothing. `from_agent_id` is the sender's claim
-  // of its own id. OK once queued for the buffer's owner; INVALID_ARGUMENT
-  // when `data` is longer than this agent takes.
+  // `target` names the buffer (epoch, id, token, requester) and is checked
+  // with BufferDirectory::ResolveForNotification, token first: a sender
+  // without the token learns nothing, one whose token does not allow
+  // writing the buffer is refused PERMISSION_DENIED. `from_agent_id` is the
+  // sender's claim of its own id. OK once queued for the buffer's owner;
+  // INVALID_ARGUMENT when `data` is longer than max_bytes().
   virtual absl::Status Deliver(const ServeRequest& target,
                                absl::string_view from_agent_id,
                                absl::string_view data) = 0;
+
+  // The longest `data` Deliver takes (the agent's --max_notification_bytes):
+  // serving sides refuse a longer notification before they read it.
+  virtual size_t max_bytes() const = 0;
 };
 
 }  // namespace rdma_agent

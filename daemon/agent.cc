@@ -530,13 +530,22 @@ void Agent::AddGauges() {
   metrics_->AddGauge(
       "rdma_agentd_notifications_received",
       "Notifications peers delivered here since start, and those dropped "
-      "because their owner's queue was full (kind)",
+      "because their owner's queue or a notification budget was full "
+      "(kind)",
       [inbox = notifications_.get()] {
         return std::vector<GaugeSample>{
             {{{"kind", "delivered"}},
              static_cast<double>(inbox->delivered_total())},
             {{{"kind", "dropped"}},
              static_cast<double>(inbox->dropped_total())}};
+      });
+  metrics_->AddGauge(
+      "rdma_agentd_notifications_held_bytes",
+      "Bytes of notifications kept for local owners until read, copies held "
+      "for WatchNotifications streams included",
+      [inbox = notifications_.get()] {
+        return std::vector<GaugeSample>{
+            {{}, static_cast<double>(inbox->held_bytes())}};
       });
   // Whoever reaches the endpoint reads these: by uid only when the operator
   // asked (--metrics_per_user), totals otherwise.

@@ -21,10 +21,26 @@ absl::Status AgentOptions::Validate() const {
         "least 1");
   }
   if (notifications.max_bytes > (size_t{1} << 20) ||
-      notifications.max_queued_per_user < 1) {
+      notifications.max_queued_per_user < 1 ||
+      notifications.max_queued_total < notifications.max_queued_per_user) {
     return absl::InvalidArgumentError(
-        "--max_notification_bytes must be 0 to 1048576 and "
-        "--max_notifications_per_user at least 1");
+        "--max_notification_bytes must be 0 to 1048576, "
+        "--max_notifications_per_user at least 1 and "
+        "--max_notifications_total at least --max_notifications_per_user");
+  }
+  // Room for one notification of the longest kind (and its sender id) per
+  // user, and for one user's budget in all.
+  const size_t largest =
+      notifications.max_bytes + 256 + NotificationLimits::kOverheadBytes;
+  if (notifications.max_queued_bytes_per_user < largest ||
+      notifications.max_queued_bytes_total <
+          notifications.max_queued_bytes_per_user) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_notification_queue_bytes_per_user must be at least ", largest,
+        " (--max_notification_bytes, a sender id and ",
+        NotificationLimits::kOverheadBytes,
+        " bytes of overhead) and --max_notification_queue_bytes_total at "
+        "least --max_notification_queue_bytes_per_user"));
   }
   if (metrics.max_connections < 1 || metrics.max_connections > 4096 ||
       metrics.request_timeout < absl::Milliseconds(100) ||

@@ -108,11 +108,17 @@ struct DataServer::Connection {
   // Made on first use when zero-copy sending is on.
   std::optional<PageSender> pages;
   bool pages_failed = false;
-  // Set once a request has named a registration with its token.
+  // Set once a request has named a registration with its token. Until
+  // then the connection lives at most the handshake timeout from its accept
+  // (an absolute deadline: refused requests do not extend it).
   bool trusted = false;
   // The peer has closed its end: no request can follow; the answers go out,
   // then the connection closes.
   bool peer_done = false;
+  // A stranger's refused notification declared more payload than any this
+  // agent takes: nothing of it is read, the answer goes out, then the
+  // connection closes.
+  bool closing = false;
 
   // The request being received: its header, then its token, then (WRITE)
   // its payload.
@@ -127,8 +133,8 @@ struct DataServer::Connection {
   absl::Status verdict;
   std::shared_ptr<Registration> pinned;
   uint64_t payload_done = 0;
-  // A kNotify request's payload, gathered before it is delivered (bounded
-  // by kMaxNotificationPayloadBytes).
+  // A granted kNotify request's payload, gathered before it is delivered
+  // (bounded by DataServer::MaxNotificationPayload()).
   std::string notification;
   // Bytes of the requests answered since answers were last sent.
   uint64_t answered_unsent = 0;
@@ -141,6 +147,8 @@ struct DataServer::Connection {
     phase.store(next);
     deadline_ns.store(absl::ToUnixNanos(absl::Now() + timeout));
   }
+  // No request can follow: what is answered goes out, then it closes.
+  bool reading_done() const { return peer_done || closing; }
   // Its answers are not drained: its next requests are not read until
   // they are.
   bool Backlogged() const {
@@ -240,8 +248,8 @@ absl::StatusOr<std::unique_ptr<DataServer>> DataServer::Start(
 }
 
 DataServer::DataServer(uint16_t port, const BufferDirectory* directory,
-                       DataServerOptions options, UniqueFd epoll,
-                       UniqueFd wake, UniqueFd timer)
+                       DataServerOptions options, UniqueFd epoll, UniqueFd wake,
+                       UniqueFd timer)
     : port_(port),
       directory_(directory),
       options_(std::move(options)),
@@ -306,8 +314,8 @@ DataServer::~DataServer() {
 const char* DataServer::PhaseText(Phase phase) {
   switch (phase) {
     case Phase::kHandshake:
-      return "sent no whole request (header and token) within the handshake "
-             "timeout";
+      return "presented no valid token within the handshake timeout of its "
+             "accept";
     case Phase::kIdle:
       return "idled past the idle timeout";
     case Phase::kRequest:
@@ -463,10 +471,10 @@ void DataServer::BulkLoop() {
       absl::MutexLock lock(&bulk_mu_);
       ++bulk_free_;
       bulk_mu_.Await(absl::Condition(
-          +[](DataServer* server) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
-               server->bulk_mu_) {
-            return server->bulk_stopping_ || !server->bulk_queue_.empty();
-          },
+          +[](DataServer* server)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(server->bulk_mu_) {
+                 return server->bulk_stopping_ || !server->bulk_queue_.empty();
+               },
           this));
       if (bulk_queue_.empty()) return;  // stopping
       c = bulk_queue_.back();
@@ -515,10 +523,10 @@ bool DataServer::MoveBulk(Connection& c) {
     // Queued READ answers, sent from the mapping.
     while (!c.out.empty()) {
       const size_t before = c.out.referenced_bytes() + c.out.copied_bytes();
-      const bool ok =
-          c.out.Send(fd, c.pages.has_value() ? &*c.pages : nullptr,
-                     /*wait=*/true)
-              .ok();
+      const bool ok = c.out
+                          .Send(fd, c.pages.has_value() ? &*c.pages : nullptr,
+                                /*wait=*/true)
+                          .ok();
       if (!ok || c.out.referenced_bytes() + c.out.copied_bytes() == before) {
         break;
       }
@@ -562,9 +570,9 @@ DataServer::Next DataServer::Turn(Connection& c) {
   };
   while (true) {
     const Served served =
-        c.peer_done ? Served::kNeedBytes : ServeBuffered(c);
+        c.reading_done() ? Served::kNeedBytes : ServeBuffered(c);
     if (served == Served::kDrop) return Next::kClose;
-    if (c.peer_done) {
+    if (c.reading_done()) {
       // No request can follow: the answers go out, then it closes.
       if (!send()) return Next::kClose;
       return c.out.empty() ? Next::kClose : Next::kWrite;
@@ -595,8 +603,8 @@ DataServer::Next DataServer::Turn(Connection& c) {
     if (budget == 0 || (received_any && c.in.drained())) return wait();
     // Take in more: a granted WRITE's payload straight into the mapping
     // when it is large, everything else through the buffer.
-    const bool into_mapping = c.part == Connection::Part::kPayload &&
-                              c.pinned != nullptr;
+    const bool into_mapping =
+        c.part == Connection::Part::kPayload && c.pinned != nullptr;
     absl::StatusOr<size_t> received =
         into_mapping
             ? c.in.ReadSome(c.pinned->data() + c.header.offset + c.payload_done,
@@ -631,21 +639,20 @@ DataServer::Served DataServer::ServeBuffered(Connection& c) {
           // and token are in.
           if (c.trusted) c.Enter(Phase::kRequest, options_.request_timeout);
         }
-        static const std::array<std::byte, kRequestHeaderBytes> expected =
-            [] {
-              std::array<std::byte, kRequestHeaderBytes> bytes;
-              EncodeRequestHeader(RequestHeader{}, bytes.data());
-              return bytes;
-            }();
+        static const std::array<std::byte, kRequestHeaderBytes> expected = [] {
+          std::array<std::byte, kRequestHeaderBytes> bytes;
+          EncodeRequestHeader(RequestHeader{}, bytes.data());
+          return bytes;
+        }();
         absl::Status decoded_status;
         if (std::memcmp(c.in.data(), expected.data(),
                         std::min(got, kPrefixBytes)) != 0) {
           decoded_status = absl::InvalidArgumentError(absl::StrCat(
               "not a data-plane request: \"",
-              LogSafe(absl::string_view(
-                          reinterpret_cast<const char*>(c.in.data()),
-                          std::min<size_t>(got, kRequestHeaderBytes)),
-                      64),
+              LogSafe(
+                  absl::string_view(reinterpret_cast<const char*>(c.in.data()),
+                                    std::min<size_t>(got, kRequestHeaderBytes)),
+                  64),
               "\""));
         } else if (got < kRequestHeaderBytes) {
           return Served::kNeedBytes;
@@ -675,27 +682,37 @@ DataServer::Served DataServer::ServeBuffered(Connection& c) {
         break;
       }
       case Connection::Part::kToken: {
-        const size_t n = std::min<size_t>(
-            c.header.token_bytes - c.token.size(), c.in.buffered());
+        const size_t n = std::min<size_t>(c.header.token_bytes - c.token.size(),
+                                          c.in.buffered());
         if (n > 0) {
           c.token.append(reinterpret_cast<const char*>(c.in.data()), n);
           c.in.Consume(n);
         }
         if (c.token.size() < c.header.token_bytes) return Served::kNeedBytes;
         StartRequest(c);
+        // Nothing after a refusal that ends the connection is read.
+        if (c.closing) return Served::kNeedBytes;
         break;
       }
       case Connection::Part::kPayload: {
         const uint64_t rest = c.header.length - c.payload_done;
         if (c.header.kind == RequestKind::kNotify) {
-          const size_t n = static_cast<size_t>(
-              std::min<uint64_t>(rest, c.in.buffered()));
-          c.notification.append(reinterpret_cast<const char*>(c.in.data()),
-                                n);
+          // Kept only when granted (and then bounded); a refused one's is
+          // read and dropped, so the next request is found.
+          const size_t n =
+              static_cast<size_t>(std::min<uint64_t>(rest, c.in.buffered()));
+          if (c.verdict.ok()) {
+            c.notification.append(reinterpret_cast<const char*>(c.in.data()),
+                                  n);
+          }
           c.in.Consume(n);
           c.payload_done += n;
           if (c.payload_done < c.header.length) return Served::kNeedBytes;
-          DeliverNotification(c);
+          if (c.verdict.ok()) {
+            DeliverNotification(c);
+          } else {
+            FinishRequest(c);
+          }
           break;
         }
         if (c.pinned != nullptr) {
@@ -703,8 +720,8 @@ DataServer::Served DataServer::ServeBuffered(Connection& c) {
               c.pinned->data() + c.header.offset + c.payload_done, rest);
         } else {
           // Refused: read and dropped, so the next request is found.
-          const size_t n = static_cast<size_t>(
-              std::min<uint64_t>(rest, c.in.buffered()));
+          const size_t n =
+              static_cast<size_t>(std::min<uint64_t>(rest, c.in.buffered()));
           c.in.Consume(n);
           c.payload_done += n;
         }
@@ -717,20 +734,74 @@ DataServer::Served DataServer::ServeBuffered(Connection& c) {
   }
 }
 
-void DataServer::StartRequest(Connection& c) {
-  // The rest (payload, answer) is timed as a request.
-  if (!c.trusted) c.Enter(Phase::kRequest, options_.request_timeout);
-  if (c.header.kind == RequestKind::kNotify) {
-    // The sink proves the target itself, once the payload is in.
-    c.pinned = nullptr;
-    c.notification.clear();
-    c.payload_done = 0;
-    if (c.header.length == 0) {
-      DeliverNotification(c);
-      return;
+void DataServer::Trust(Connection& c) {
+  if (c.trusted) return;
+  c.trusted = true;
+  // The rest of this request (payload, answer) is timed as a request.
+  c.Enter(Phase::kRequest, options_.request_timeout);
+}
+
+uint64_t DataServer::MaxNotificationPayload() const {
+  if (options_.notifications == nullptr) return 0;
+  // The sender's id (uint16 length, at most kMaxTokenBytes) and the data.
+  return std::min<uint64_t>(
+      kMaxNotificationPayloadBytes,
+      2 + kMaxTokenBytes + uint64_t{options_.notifications->max_bytes()});
+}
+
+void DataServer::StartNotification(Connection& c) {
+  c.pinned = nullptr;
+  c.notification.clear();
+  c.payload_done = 0;
+  ServeRequest target;
+  target.agent_epoch = c.header.epoch;
+  target.buffer_id = c.header.buffer_id;
+  target.token = std::move(c.token);
+  target.requester = c.source;
+  // Token first, before a byte of the payload is read or kept: a stranger
+  // learns nothing (not even whether notifications are taken) and makes
+  // the agent hold nothing. The registration is looked up again when the
+  // notification is delivered.
+  c.verdict = directory_->ResolveForNotification(target).status();
+  c.token = std::move(target.token);  // its buffer, for the next request
+  if (c.verdict.ok()) {
+    Trust(c);
+    if (options_.notifications == nullptr) {
+      c.verdict = absl::UnimplementedError("this agent takes no notifications");
+    } else if (c.header.length > MaxNotificationPayload()) {
+      c.verdict = absl::InvalidArgumentError(absl::StrCat(
+          "a notification payload of ", c.header.length,
+          " bytes is longer than this agent takes (",
+          options_.notifications->max_bytes(),
+          " bytes of data, --max_notification_bytes, and the sender's id)"));
     }
+  } else if (!c.trusted && c.header.length > MaxNotificationPayload()) {
+    // A stranger announcing more than any notification this agent takes:
+    // answered, and nothing more read from it.
+    c.closing = true;
+    FinishRequest(c);
+    return;
+  }
+  if (c.header.length == 0) {
+    if (c.verdict.ok()) {
+      DeliverNotification(c);
+    } else {
+      FinishRequest(c);
+    }
+    return;
+  }
+  // Granted: gathered (at most MaxNotificationPayload()), then delivered.
+  // Refused: read and dropped without being kept (a token holder's within
+  // its request timeout, a stranger's within its handshake deadline).
+  if (c.verdict.ok()) {
     c.notification.reserve(static_cast<size_t>(c.header.length));
-    c.part = Connection::Part::kPayload;
+  }
+  c.part = Connection::Part::kPayload;
+}
+
+void DataServer::StartRequest(Connection& c) {
+  if (c.header.kind == RequestKind::kNotify) {
+    StartNotification(c);
     return;
   }
   ServeRequest request;
@@ -756,7 +827,7 @@ void DataServer::StartRequest(Connection& c) {
   }
   c.verdict = registration.status();
   c.pinned = registration.ok() ? std::move(*registration) : nullptr;
-  c.trusted = c.trusted || c.pinned != nullptr;
+  if (c.pinned != nullptr) Trust(c);
   if (request.write && c.header.length > 0) {
     c.part = Connection::Part::kPayload;
     c.payload_done = 0;
@@ -773,16 +844,15 @@ void DataServer::DeliverNotification(Connection& c) {
   } else if (options_.notifications == nullptr) {
     c.verdict = absl::UnimplementedError("this agent takes no notifications");
   } else {
+    // Checked again by the sink: the buffer may have gone meanwhile.
     ServeRequest target;
     target.agent_epoch = c.header.epoch;
     target.buffer_id = c.header.buffer_id;
     target.token = c.token;
-    target.proof_only = true;
     target.requester = c.source;
-    c.verdict = options_.notifications->Deliver(
-        target, decoded->from_agent_id, decoded->data);
+    c.verdict = options_.notifications->Deliver(target, decoded->from_agent_id,
+                                                decoded->data);
   }
-  c.trusted = c.trusted || c.verdict.ok();
   c.notification.clear();
   c.notification.shrink_to_fit();
   FinishRequest(c);
@@ -823,9 +893,8 @@ void DataServer::FinishRequest(Connection& c) {
   c.verdict = absl::OkStatus();
   c.part = Connection::Part::kHeader;
   c.in_request = false;
-  // A stranger gets the handshake timeout again for its next request, so
-  // well-formed but refused requests buy it no long-lived slot.
-  if (!c.trusted) c.Enter(Phase::kHandshake, options_.handshake_timeout);
+  // A stranger keeps the deadline it got at accept: well-formed but refused
+  // requests buy it no time.
 }
 
 void DataServer::Rearm(Connection& c, Next next) {

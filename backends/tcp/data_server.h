@@ -31,7 +31,9 @@ struct DataServerOptions {
   bool zero_copy_send = false;
   // As in ConfigureDataSocket, for accepted connections.
   int socket_buffer_bytes = 0;
-  // A new connection must have sent a whole valid request header by then.
+  // A new connection must have presented a valid token (a request naming a
+  // registration with it) by then, counted from its accept; refused
+  // requests do not extend it.
   absl::Duration handshake_timeout = absl::Seconds(2);
   // Longest wait for the first byte of the next request on a connection.
   absl::Duration idle_timeout = absl::Seconds(120);
@@ -47,7 +49,9 @@ struct DataServerOptions {
   // small host copying (two stripes of a transfer on two cores); more only
   // help with more cores.
   int threads = 2;
-  // Takes kNotify requests; nullptr: they are answered UNIMPLEMENTED.
+  // Takes kNotify requests, and bounds their payload (max_bytes(): the
+  // agent's --max_notification_bytes); nullptr: they are answered
+  // UNIMPLEMENTED (once their token is proven).
   NotificationSink* notifications = nullptr;
   // Threads that move large payloads (a WRITE still receiving, or READ
   // answers still sending, at least 1 MiB) with blocking calls, each bounded
@@ -70,7 +74,9 @@ int DefaultMaxConnections();
 //
 // Every request is checked with BufferDirectory::ResolveForPeer (epoch,
 // buffer id, token, access, bounds) before a byte of the registration is
-// touched; the resolved registration stays pinned while its bytes move.
+// touched, and a kNotify with ResolveForNotification (epoch, id, token,
+// WRITE access) before a byte of its payload is read; the resolved
+// registration stays pinned while its bytes move.
 // Payloads go between the socket and the registration's mapping directly
 // (small ones through the connection's buffers). Requests of one connection
 // are answered in order. A refused WRITE's payload is read and dropped so
@@ -92,10 +98,12 @@ int DefaultMaxConnections();
 // Strangers are refused cheaply: a connection over the per-source or total
 // cap is closed at accept, before anything is sent; an accepted one gets
 // the server hello (wire.h) at once and is closed when its first bytes are
-// not a request, when no whole request header and token came within the
-// handshake timeout (between requests too, until one of them has named a
-// registration with its token), when it idles past the idle timeout, or
-// when a request does not complete within the request timeout. A closed
+// not a request, when it has not presented a valid token (a request naming
+// a registration with it) within the handshake timeout of its accept (an
+// absolute deadline: refused requests do not extend it), when it idles past
+// the idle timeout, or when a request does not complete within the request
+// timeout. A refused kNotify declaring more payload than any notification
+// this agent takes ends a stranger's connection once answered. A closed
 // connection's fd and buffers go back at once. Accept failures (EMFILE...)
 // back off from 10 ms to 1 s instead of spinning. What strangers trigger is
 // logged at most once a second per kind.
@@ -179,6 +187,15 @@ class DataServer {
   // its registration) and queue its answer, or start receiving its WRITE
   // payload.
   void StartRequest(Connection& connection);
+  // StartRequest for a kNotify: checks its target (token, then WRITE
+  // access) and its declared length before any of its payload is read.
+  void StartNotification(Connection& connection);
+  // The connection has presented a valid token: from now on it is timed by
+  // phase (request, idle) instead of by its handshake deadline.
+  void Trust(Connection& connection);
+  // Longest kNotify payload taken: the sender's id and the sink's
+  // max_bytes() (the agent's --max_notification_bytes).
+  uint64_t MaxNotificationPayload() const;
   // Queues the answer to the request in progress and readies the
   // connection for the next one.
   void FinishRequest(Connection& connection);

@@ -45,8 +45,9 @@ ABSL_FLAG(bool, tcp_zero_copy_send,
 
 ABSL_FLAG(absl::Duration, tcp_handshake_timeout,
           rdma_agent::tcp::DataServerOptions().handshake_timeout,
-          "A new data connection must send a whole request header within this "
-          "or is closed.");
+          "A new data connection must present a valid token (a request "
+          "naming a registration with it) within this of its accept, or is "
+          "closed; refused requests do not extend it.");
 ABSL_FLAG(absl::Duration, tcp_idle_timeout,
           rdma_agent::tcp::DataServerOptions().idle_timeout,
           "A data connection idle this long between requests is closed.");
@@ -73,6 +74,16 @@ ABSL_FLAG(int32_t, tcp_server_bulk_threads,
           "Threads that move large incoming-transfer payloads (1 MiB and "
           "more) with blocking calls when one is free; the event loops move "
           "them otherwise. 0: the event loops move everything.");
+
+// Notifications to peers: their own pooled connections.
+ABSL_FLAG(int32_t, tcp_notify_connections_per_peer,
+          rdma_agent::tcp::NotifyClientOptions().connections_per_peer,
+          "Connections that carry notifications to one peer's data port, in "
+          "use and idle; its notifications take turns on them.");
+ABSL_FLAG(int32_t, tcp_notify_max_connections,
+          rdma_agent::tcp::NotifyClientOptions().max_connections,
+          "Connections that carry notifications, all peers; a dial past it "
+          "first closes the oldest idle one, else waits.");
 
 // The requesting side: threads, connection bounds, dialling.
 ABSL_FLAG(int32_t, tcp_client_threads,
@@ -133,8 +144,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
         absl::GetFlag(FLAGS_tcp_max_connections_per_source);
     options.server.max_connections = absl::GetFlag(FLAGS_tcp_max_connections);
     options.server.threads = absl::GetFlag(FLAGS_tcp_server_threads);
-    options.server.bulk_threads =
-        absl::GetFlag(FLAGS_tcp_server_bulk_threads);
+    options.server.bulk_threads = absl::GetFlag(FLAGS_tcp_server_bulk_threads);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);
@@ -148,6 +158,17 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.client.no_progress_timeout =
         absl::GetFlag(FLAGS_tcp_no_progress_timeout);
     options.client.allow_host_names = absl::GetFlag(FLAGS_tcp_allow_host_names);
+    options.notify.connections_per_peer =
+        absl::GetFlag(FLAGS_tcp_notify_connections_per_peer);
+    options.notify.max_connections =
+        absl::GetFlag(FLAGS_tcp_notify_max_connections);
+    if (options.notify.connections_per_peer < 1 ||
+        options.notify.max_connections < options.notify.connections_per_peer) {
+      return absl::InvalidArgumentError(
+          "--tcp_notify_connections_per_peer must be at least 1 and "
+          "--tcp_notify_max_connections at least "
+          "--tcp_notify_connections_per_peer");
+    }
     auto backend = tcp::TcpBackend::Create(std::move(options), env);
     if (!backend.ok()) return backend.status();
     return std::unique_ptr<Backend>(std::move(*backend));

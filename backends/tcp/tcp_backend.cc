@@ -140,9 +140,8 @@ absl::Status TcpBackend::Notify(const v1::RemoteBuffer& remote,
                                 absl::string_view data, const StopToken& stop) {
   auto peer = PeerOf(endpoint);
   if (!peer.ok()) return peer.status();
-  return SendNotification(*peer, NotificationTarget(remote),
-                          env_.identity.agent_id, data, stop,
-                          options_.client.connect_timeout);
+  return notifier_.Send(*peer, NotificationTarget(remote),
+                        env_.identity.agent_id, data, stop);
 }
 
 std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,

@@ -10,6 +10,7 @@
 #include "backends/backend.h"
 #include "backends/tcp/data_client.h"
 #include "backends/tcp/data_server.h"
+#include "backends/tcp/notify_client.h"
 
 namespace rdma_agent::tcp {
 
@@ -31,6 +32,9 @@ struct TcpOptions {
   // Timeouts and connection caps of the serving side. Its zero_copy_send and
   // socket_buffer_bytes are taken from `client` (one setting for both ends).
   DataServerOptions server;
+  // Connections carrying notifications (idle and connect timeouts: the
+  // client's).
+  NotifyClientOptions notify;
 };
 
 // The agent-to-agent TCP transport: serves this agent's registrations on its
@@ -67,9 +71,9 @@ class TcpBackend : public Backend {
   // INVALID_ARGUMENT unless `client.allow_host_names`.
   std::vector<absl::Status> Submit(absl::Span<const Op> ops,
                                    const StopToken& stop) override;
-  // A kNotify request to the target's data port, on a connection of its own
-  // (tcp/notify_client.h): it follows the ops' answers, so their bytes are
-  // in the target's memory.
+  // A kNotify request to the target's data port, on one of the pooled
+  // notification connections (tcp/notify_client.h): it follows the ops'
+  // answers, so their bytes are in the target's memory.
   absl::Status Notify(const v1::RemoteBuffer& remote,
                       const v1::BackendEndpoint& endpoint,
                       absl::string_view data, const StopToken& stop) override;
@@ -97,6 +101,8 @@ class TcpBackend : public Backend {
   const BackendEnvironment env_;
   const std::string advertise_host_;
   const std::unique_ptr<DataClient> client_;
+  NotifyClient notifier_{options_.notify, options_.client.idle_timeout,
+                              options_.client.connect_timeout};
   // Last: destroyed first, so no serving thread outlives the rest.
   const std::unique_ptr<DataServer> server_;
 };

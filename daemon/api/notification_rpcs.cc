@@ -12,6 +12,12 @@ namespace {
 
 // Notifications one GetNotifications returns at most: bounds the reply.
 constexpr uint32_t kMaxNotificationsPerGet = 1024;
+// Bytes of notifications one GetNotifications returns at most (one always
+// fits: a notification is at most 1 MiB): within gRPC's default 4 MiB a
+// client receives, so that large notifications never make an answer the
+// client refuses after they were taken off the queue. The rest stay queued
+// for the next call.
+constexpr size_t kMaxBytesPerGet = 2 << 20;
 
 // A GetNotifications long poll's view of the inbox.
 class NotificationPoll final : public PollSource<v1::GetNotificationsResponse> {
@@ -23,7 +29,7 @@ class NotificationPoll final : public PollSource<v1::GetNotificationsResponse> {
   bool settled() const override { return poll_->settled(); }
 
   absl::Status Answer(v1::GetNotificationsResponse* response) override {
-    NotificationInbox::Taken batch = poll_->Take(max_count_);
+    NotificationInbox::Taken batch = poll_->Take(max_count_, kMaxBytesPerGet);
     for (v1::Notification& notification : batch.notifications) {
       *response->add_notifications() = std::move(notification);
     }

@@ -20,9 +20,11 @@ namespace rdma_agent {
 // with it.
 
 // GetNotifications for `uid`: INVALID_ARGUMENT for a bad request; otherwise
-// up to max_count of uid's queued notifications, at once when some are
-// queued, else once one arrives or `wait` (cut to `max_wait` and the call's
-// deadline) has passed.
+// up to max_count of uid's queued notifications (and about 2 MiB of them,
+// one at least, so that the answer stays within what a gRPC client takes
+// by default; the rest stay queued), at once when some are queued, else
+// once one arrives or `wait` (cut to `max_wait` and the call's deadline)
+// has passed.
 grpc::ServerUnaryReactor* ServeGetNotifications(
     grpc::CallbackServerContext* context,
     std::unique_ptr<ActiveCalls::Call> call, uid_t uid,

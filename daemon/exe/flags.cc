@@ -210,6 +210,23 @@ ABSL_FLAG(int64_t, max_notifications_per_user,
           "Notifications kept for one local user until read (and for each "
           "of its WatchNotifications streams); beyond, the oldest is dropped "
           "and the drop reported to the user.");
+ABSL_FLAG(int64_t, max_notification_queue_bytes_per_user,
+          Int64(rdma_agent::NotificationLimits().max_queued_bytes_per_user),
+          "Bytes of notifications kept for one local user until read, its "
+          "queue and every copy its open WatchNotifications streams hold "
+          "together; beyond, the oldest of its fullest queue are dropped and "
+          "the drop reported. At least --max_notification_bytes.");
+ABSL_FLAG(int64_t, max_notifications_total,
+          Int64(rdma_agent::NotificationLimits().max_queued_total),
+          "Notifications kept for all local users (streams' copies "
+          "included); beyond, the oldest of the user holding the most bytes "
+          "are dropped and the drop reported.");
+ABSL_FLAG(int64_t, max_notification_queue_bytes_total,
+          Int64(rdma_agent::NotificationLimits().max_queued_bytes_total),
+          "Bytes of notifications kept for all local users (streams' copies "
+          "included); beyond, the oldest of the user holding the most are "
+          "dropped and the drop reported. At least "
+          "--max_notification_queue_bytes_per_user.");
 ABSL_FLAG(absl::Duration, shutdown_grace,
           rdma_agent::AgentOptions().shutdown_grace,
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
@@ -333,6 +350,14 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.metrics.max_connections},
       {FLAGS_metrics_max_peers, "metrics_max_peers",
        &options.metrics.max_peers},
+      {FLAGS_max_notification_queue_bytes_per_user,
+       "max_notification_queue_bytes_per_user",
+       &options.notifications.max_queued_bytes_per_user},
+      {FLAGS_max_notifications_total, "max_notifications_total",
+       &options.notifications.max_queued_total},
+      {FLAGS_max_notification_queue_bytes_total,
+       "max_notification_queue_bytes_total",
+       &options.notifications.max_queued_bytes_total},
   };
   for (const auto& size : sizes) {
     auto value = Size(size.flag, size.name);

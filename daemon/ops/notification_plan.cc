@@ -1,7 +1,6 @@
 #include "daemon/ops/notification_plan.h"
 
-#include <map>
-#include <tuple>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -11,31 +10,34 @@ namespace rdma_agent {
 std::vector<PlannedNotification> PlanNotifications(
     absl::Span<const Op> ran, absl::Span<const OpOutcome> outcomes,
     std::optional<size_t> refused_op) {
-  // The first op on each agent that did not succeed.
-  absl::flat_hash_map<std::string, size_t> failed_on_agent;
+  // The first op on each agent (epoch) that did not succeed.
+  absl::flat_hash_map<uint64_t, size_t> failed_on_agent;
   for (size_t k = 0; k < ran.size(); ++k) {
     if (!outcomes[k].status.ok()) {
-      failed_on_agent.try_emplace(ran[k].remote->agent_id(), ran[k].index);
+      failed_on_agent.try_emplace(ran[k].remote->agent_epoch(), ran[k].index);
     }
   }
   std::vector<PlannedNotification> planned;
-  std::map<std::tuple<std::string, uint64_t, uint64_t>, size_t> position;
+  // By (epoch, buffer id), never by the context's bytes or agent id.
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, size_t> position;
   for (size_t k = 0; k < ran.size(); ++k) {
     const v1::RemoteBuffer& remote = *ran[k].remote;
     auto [it, inserted] = position.try_emplace(
-        {remote.agent_id(), remote.agent_epoch(), remote.buffer_id()},
+        std::make_pair(remote.agent_epoch(), remote.buffer_id()),
         planned.size());
-    if (inserted) planned.push_back({ran[k].remote, "", absl::OkStatus()});
-    // The last op on the buffer names the backend.
+    if (inserted) planned.push_back({nullptr, "", absl::OkStatus()});
+    // The last op on the buffer names the backend, and its context the
+    // endpoint.
+    planned[it->second].remote = ran[k].remote;
     planned[it->second].backend = outcomes[k].backend;
   }
   for (PlannedNotification& notification : planned) {
-    const std::string& agent = notification.remote->agent_id();
     absl::Status blocked;
     if (refused_op.has_value()) {
       blocked = absl::AbortedError(absl::StrCat("not sent: op ", *refused_op,
                                                 " of the batch was refused"));
-    } else if (auto failed = failed_on_agent.find(agent);
+    } else if (auto failed =
+                   failed_on_agent.find(notification.remote->agent_epoch());
                failed != failed_on_agent.end()) {
       blocked = absl::AbortedError(
           absl::StrCat("not sent: op ", failed->second,

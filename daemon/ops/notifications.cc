@@ -15,30 +15,32 @@ NotificationInbox::Stream::~Stream() {
   absl::MutexLock lock(&owner_->mu_);
   User& user = owner_->users_[uid_];
   user.streams.erase(this);
-  // What this stream never handed out goes back to the user's queue, unless
-  // another stream has its own copy of it.
-  if (user.streams.empty()) {
-    while (!queue_.empty()) {
-      user.queue.push_front(std::move(queue_.back()));
-      queue_.pop_back();
-    }
-    while (user.queue.size() > owner_->limits_.max_queued_per_user) {
-      user.queue.pop_front();
-      ++user.dropped;
-      ++owner_->dropped_total_;
-    }
-    user.dropped += dropped_;
+  if (!user.streams.empty()) {
+    // Another stream has its own copy of everything this one holds.
+    while (!queue_.items.empty()) owner_->PopFront(user, queue_, false);
+    return;
+  }
+  // What this stream never handed out goes back to the user's queue (it
+  // stays charged to the user), then the queue's bound applies again.
+  user.queue.bytes += queue_.bytes;
+  while (!queue_.items.empty()) {
+    user.queue.items.push_front(std::move(queue_.items.back()));
+    queue_.items.pop_back();
+  }
+  user.queue.dropped += queue_.dropped;
+  while (user.queue.items.size() > owner_->limits_.max_queued_per_user) {
+    owner_->PopFront(user, user.queue, true);
   }
 }
 
 std::optional<v1::NotificationEvent> NotificationInbox::Stream::Next() {
   absl::MutexLock lock(&owner_->mu_);
-  if (queue_.empty() && dropped_ == 0) return std::nullopt;
+  if (queue_.items.empty() && queue_.dropped == 0) return std::nullopt;
   v1::NotificationEvent event;
-  event.set_dropped(std::exchange(dropped_, 0));
-  if (!queue_.empty()) {
-    *event.mutable_notification() = std::move(queue_.front());
-    queue_.pop_front();
+  event.set_dropped(std::exchange(queue_.dropped, 0));
+  if (!queue_.items.empty()) {
+    *event.mutable_notification() =
+        owner_->PopFront(owner_->users_[uid_], queue_, false);
   }
   return event;
 }
@@ -60,11 +62,12 @@ NotificationInbox::Poll::~Poll() {
 bool NotificationInbox::Poll::settled() const {
   absl::MutexLock lock(&owner_->mu_);
   const User& user = owner_->users_[uid_];
-  return owner_->closed_ || !user.queue.empty() || user.dropped > 0;
+  return owner_->closed_ || !user.queue.items.empty() || user.queue.dropped > 0;
 }
 
-NotificationInbox::Taken NotificationInbox::Poll::Take(size_t max_count) {
-  return owner_->Take(uid_, max_count);
+NotificationInbox::Taken NotificationInbox::Poll::Take(size_t max_count,
+                                                       size_t max_bytes) {
+  return owner_->Take(uid_, max_count, max_bytes);
 }
 
 NotificationInbox::NotificationInbox(const BufferDirectory* directory,
@@ -76,10 +79,9 @@ NotificationInbox::~NotificationInbox() { Close(); }
 absl::Status NotificationInbox::Deliver(const ServeRequest& target,
                                         absl::string_view from_agent_id,
                                         absl::string_view data) {
-  ServeRequest proof = target;
-  proof.proof_only = true;
-  // Token first: a sender without it learns neither the limit nor the id.
-  auto registration = directory_->ResolveForPeer(proof);
+  // Token first: a sender without it learns neither the limit nor the id;
+  // then WRITE access: a READ-only context announces nothing.
+  auto registration = directory_->ResolveForNotification(target);
   if (!registration.ok()) return registration.status();
   if (data.size() > limits_.max_bytes) {
     return absl::InvalidArgumentError(
@@ -105,14 +107,15 @@ absl::Status NotificationInbox::Deliver(const ServeRequest& target,
     notification.set_sequence(user.next_sequence++);
     ++delivered_total_;
     if (user.streams.empty()) {
-      Push(user.queue, user.dropped, std::move(notification));
+      Push(user, user.queue, std::move(notification));
       for (Poll* poll : user.polls) wake.push_back(poll->wake_);
     } else {
       for (Stream* stream : user.streams) {
-        Push(stream->queue_, stream->dropped_, notification);
+        Push(user, stream->queue_, notification);
         wake.push_back(stream->wake_);
       }
     }
+    Trim(user);
   }
   RunAll(wake);
   return absl::OkStatus();
@@ -122,33 +125,94 @@ void NotificationInbox::RunAll(const Wakeups& wakeups) {
   for (const auto& wake : wakeups) wake->Run();
 }
 
-void NotificationInbox::Push(std::deque<v1::Notification>& queue,
-                             uint64_t& dropped, v1::Notification notification) {
-  if (queue.size() >= limits_.max_queued_per_user) {
-    queue.pop_front();
-    ++dropped;
-    ++dropped_total_;
-  }
-  queue.push_back(std::move(notification));
+uint64_t NotificationInbox::Cost(const v1::Notification& notification) {
+  return notification.data().size() + notification.from_agent_id().size() +
+         NotificationLimits::kOverheadBytes;
 }
 
-NotificationInbox::Taken NotificationInbox::Pop(
-    std::deque<v1::Notification>& queue, uint64_t& dropped, size_t max_count) {
-  Taken batch;
-  const size_t count = std::min(max_count, queue.size());
-  batch.notifications.reserve(count);
-  for (size_t i = 0; i < count; ++i) {
-    batch.notifications.push_back(std::move(queue.front()));
-    queue.pop_front();
+void NotificationInbox::Push(User& user, Queue& queue,
+                             v1::Notification notification) {
+  if (queue.items.size() >= limits_.max_queued_per_user) {
+    PopFront(user, queue, true);
   }
-  batch.dropped = std::exchange(dropped, 0);
+  const uint64_t cost = Cost(notification);
+  queue.items.push_back(std::move(notification));
+  queue.bytes += cost;
+  user.bytes += cost;
+  held_bytes_ += cost;
+  ++held_count_;
+}
+
+v1::Notification NotificationInbox::PopFront(User& user, Queue& queue,
+                                             bool dropped) {
+  v1::Notification front = std::move(queue.items.front());
+  queue.items.pop_front();
+  const uint64_t cost = Cost(front);
+  queue.bytes -= cost;
+  user.bytes -= cost;
+  held_bytes_ -= cost;
+  --held_count_;
+  if (dropped) {
+    ++queue.dropped;
+    ++dropped_total_;
+  }
+  return front;
+}
+
+NotificationInbox::Queue* NotificationInbox::Fullest(User& user) {
+  Queue* fullest = user.queue.items.empty() ? nullptr : &user.queue;
+  for (Stream* stream : user.streams) {
+    Queue& queue = stream->queue_;
+    if (!queue.items.empty() &&
+        (fullest == nullptr || queue.bytes > fullest->bytes)) {
+      fullest = &queue;
+    }
+  }
+  return fullest;
+}
+
+void NotificationInbox::Trim(User& user) {
+  // The user's own budget: its fullest queue (a stream that stopped
+  // reading, typically) pays, not the readers that keep up.
+  while (user.bytes > limits_.max_queued_bytes_per_user) {
+    Queue* fullest = Fullest(user);
+    if (fullest == nullptr) break;
+    PopFront(user, *fullest, true);
+  }
+  // The totals: the user holding the most pays.
+  while (held_count_ > limits_.max_queued_total ||
+         held_bytes_ > limits_.max_queued_bytes_total) {
+    User* largest = nullptr;
+    for (auto& [uid, candidate] : users_) {
+      if (candidate.bytes > 0 &&
+          (largest == nullptr || candidate.bytes > largest->bytes)) {
+        largest = &candidate;
+      }
+    }
+    Queue* fullest = largest == nullptr ? nullptr : Fullest(*largest);
+    if (fullest == nullptr) break;
+    PopFront(*largest, *fullest, true);
+  }
+}
+
+NotificationInbox::Taken NotificationInbox::Pop(User& user, size_t max_count,
+                                                size_t max_bytes) {
+  Taken batch;
+  uint64_t bytes = 0;
+  while (batch.notifications.size() < max_count && !user.queue.items.empty()) {
+    const uint64_t cost = Cost(user.queue.items.front());
+    if (!batch.notifications.empty() && bytes + cost > max_bytes) break;
+    bytes += cost;
+    batch.notifications.push_back(PopFront(user, user.queue, false));
+  }
+  batch.dropped = std::exchange(user.queue.dropped, 0);
   return batch;
 }
 
-NotificationInbox::Taken NotificationInbox::Take(uid_t uid, size_t max_count) {
+NotificationInbox::Taken NotificationInbox::Take(uid_t uid, size_t max_count,
+                                                 size_t max_bytes) {
   absl::MutexLock lock(&mu_);
-  User& user = users_[uid];
-  return Pop(user.queue, user.dropped, max_count);
+  return Pop(users_[uid], max_count, max_bytes);
 }
 
 std::unique_ptr<NotificationInbox::Poll> NotificationInbox::StartPoll(
@@ -164,10 +228,8 @@ std::unique_ptr<NotificationInbox::Stream> NotificationInbox::OpenStream(
   std::unique_ptr<Stream> stream(new Stream(this, uid, std::move(wake)));
   absl::MutexLock lock(&mu_);
   User& user = users_[uid];
-  if (user.streams.empty()) {
-    stream->queue_ = std::exchange(user.queue, {});
-    stream->dropped_ = std::exchange(user.dropped, 0);
-  }
+  // The first stream takes over the queue (and its charge).
+  if (user.streams.empty()) stream->queue_ = std::exchange(user.queue, {});
   user.streams.insert(stream.get());
   return stream;
 }
@@ -175,7 +237,12 @@ std::unique_ptr<NotificationInbox::Stream> NotificationInbox::OpenStream(
 size_t NotificationInbox::queued(uid_t uid) const {
   absl::MutexLock lock(&mu_);
   auto it = users_.find(uid);
-  return it == users_.end() ? 0 : it->second.queue.size();
+  return it == users_.end() ? 0 : it->second.queue.items.size();
+}
+
+uint64_t NotificationInbox::held_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return held_bytes_;
 }
 
 uint64_t NotificationInbox::delivered_total() const {

@@ -26,13 +26,31 @@ namespace rdma_agent {
 namespace v1 = ::rdma::agent::v1;
 
 // Bounds of the inbox (flags --max_notification_bytes,
-// --max_notifications_per_user).
+// --max_notifications_per_user, --max_notifications_total,
+// --max_notification_queue_bytes_per_user,
+// --max_notification_queue_bytes_total). What peers deliver is kept until
+// its owner reads it, so it is bounded by count and by bytes, per user and
+// in total; beyond any bound the oldest go (counted and reported).
 struct NotificationLimits {
+  // Per notification, what it is charged on top of its data and sender id:
+  // the message, its strings and its queue slot.
+  static constexpr size_t kOverheadBytes = 128;
+
   // Longest notification accepted, from a peer or in a SubmitRequest.
   size_t max_bytes = 4096;
   // Notifications kept for one user (and for one of its watch streams);
   // beyond, the oldest is dropped and counted.
   size_t max_queued_per_user = 1024;
+  // Bytes kept for one user: its queue and every copy its open streams
+  // hold, together (each charged its data, sender id and kOverheadBytes).
+  // Beyond, the oldest of its fullest queue (a stream that does not read,
+  // typically) go. Two full queues of default notifications.
+  size_t max_queued_bytes_per_user = size_t{8} << 20;
+  // Notifications kept for all users, copies in streams included; beyond,
+  // the oldest of the user holding the most bytes go.
+  size_t max_queued_total = 65536;
+  // The same in bytes.
+  size_t max_queued_bytes_total = size_t{64} << 20;
 };
 
 // The notifications peers sent to the owners of this agent's registrations,
@@ -50,17 +68,28 @@ struct NotificationLimits {
 //   stream closed with notifications it never handed out gives them back to
 //   the user's queue when it was the user's last.
 // - A full queue drops its oldest notification and counts the drop; the
-//   count is reported once, with the reader's next answer.
+//   count is reported once, with the reader's next answer. So does a user
+//   over its byte budget (from its fullest queue) and the inbox over its
+//   totals (from the user holding the most bytes).
 // - Close() wakes every reader and refuses further deliveries.
 //
-// Memory: at most max_queued_per_user × max_bytes per user and per open
-// stream (streams are bounded by the waiting-RPC limits), and a few words
-// per local user ever notified (kept so that sequence numbers never
+// Memory: every copy (the user's queue, each stream's) is charged to its
+// user and to the totals: at most max_queued_bytes_per_user per user and
+// max_queued_bytes_total in all, however many streams are open, and a few
+// words per local user ever notified (kept so that sequence numbers never
 // restart).
 //
 // Thread-safe. `wake` callbacks run on the delivering thread (or Close's),
 // without the inbox's lock held.
 class NotificationInbox : public NotificationSink {
+ private:
+  // One reader's notifications: a user's queue, or a stream's.
+  struct Queue {
+    std::deque<v1::Notification> items;
+    uint64_t bytes = 0;    // charged for `items`
+    uint64_t dropped = 0;  // not yet reported to the reader
+  };
+
  public:
   // What one read returns.
   struct Taken {
@@ -94,8 +123,7 @@ class NotificationInbox : public NotificationSink {
     const uid_t uid_;
     const std::shared_ptr<RevocableCallback> wake_;
     // Guarded by owner_->mu_.
-    std::deque<v1::Notification> queue_;
-    uint64_t dropped_ = 0;
+    Queue queue_;
   };
 
   // A GetNotifications long poll: settled once its user has something
@@ -107,8 +135,9 @@ class NotificationInbox : public NotificationSink {
     ~Poll();
 
     bool settled() const;
-    // Takes up to `max_count` of the user's queued notifications.
-    Taken Take(size_t max_count);
+    // Takes up to `max_count` of the user's queued notifications, and no
+    // more than `max_bytes` of them (at least one).
+    Taken Take(size_t max_count, size_t max_bytes = SIZE_MAX);
 
    private:
     friend class NotificationInbox;
@@ -130,15 +159,19 @@ class NotificationInbox : public NotificationSink {
 
   const NotificationLimits& limits() const { return limits_; }
 
-  // NotificationSink: token first (as ResolveForPeer), then the length;
-  // UNAVAILABLE once closed.
+  // NotificationSink: the target first (ResolveForNotification: token,
+  // then WRITE access), then the length; UNAVAILABLE once closed.
   absl::Status Deliver(const ServeRequest& target,
                        absl::string_view from_agent_id,
                        absl::string_view data) override;
+  size_t max_bytes() const override { return limits_.max_bytes; }
 
   // Takes up to `max_count` of uid's queued notifications, oldest first,
   // at once.
-  Taken Take(uid_t uid, size_t max_count);
+  // Taken notifications are charged as the inbox charges them; more than
+  // `max_bytes` are not taken (one always is), so that one answer stays
+  // within what a client receives.
+  Taken Take(uid_t uid, size_t max_count, size_t max_bytes = SIZE_MAX);
   // Starts a long poll of uid's queue; `wake` runs when it may have
   // settled. Every Poll must be destroyed before the inbox.
   std::unique_ptr<Poll> StartPoll(uid_t uid, std::function<void()> wake);
@@ -149,6 +182,8 @@ class NotificationInbox : public NotificationSink {
 
   // Notifications queued for uid outside streams (for metrics and tests).
   size_t queued(uid_t uid) const;
+  // Bytes charged for everything kept, streams' copies included.
+  uint64_t held_bytes() const;
   // Every notification accepted and every one dropped since start.
   uint64_t delivered_total() const;
   uint64_t dropped_total() const;
@@ -160,19 +195,31 @@ class NotificationInbox : public NotificationSink {
   using Wakeups = std::vector<std::shared_ptr<RevocableCallback>>;
 
   struct User {
-    std::deque<v1::Notification> queue;
-    uint64_t dropped = 0;
+    Queue queue;
+    uint64_t bytes = 0;  // its queue's and its streams' together
     uint64_t next_sequence = 1;
     std::set<Stream*> streams;
     std::set<Poll*> polls;
   };
 
-  // Appends to a bounded queue, dropping (and counting) its oldest.
-  void Push(std::deque<v1::Notification>& queue, uint64_t& dropped,
-            v1::Notification notification) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Up to `max_count` from the front of `queue`, with `dropped` (reset).
-  static Taken Pop(std::deque<v1::Notification>& queue, uint64_t& dropped,
-                   size_t max_count);
+  // What one copy of `notification` is charged.
+  static uint64_t Cost(const v1::Notification& notification);
+  // Appends to `queue` of `user`, charging it; drops the queue's oldest
+  // when it holds max_queued_per_user.
+  void Push(User& user, Queue& queue, v1::Notification notification)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the oldest of `queue`; `dropped`: counted as a drop.
+  v1::Notification PopFront(User& user, Queue& queue, bool dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The non-empty queue of `user` holding the most bytes, or nullptr.
+  static Queue* Fullest(User& user);
+  // Drops oldest copies until `user` and the inbox are within their byte
+  // and count budgets.
+  void Trim(User& user) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Up to `max_count` (and `max_bytes`, one at least) from the front of
+  // uid's queue, with its drops.
+  Taken Pop(User& user, size_t max_count, size_t max_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void RunAll(const Wakeups& wakeups);
 
   const BufferDirectory* const directory_;
@@ -182,6 +229,9 @@ class NotificationInbox : public NotificationSink {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t delivered_total_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t dropped_total_ ABSL_GUARDED_BY(mu_) = 0;
+  // What every queue holds now, all users.
+  uint64_t held_count_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace rdma_agent

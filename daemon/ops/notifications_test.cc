@@ -24,13 +24,13 @@ constexpr uid_t kOther = 1001;
 class NotificationsTest : public ::testing::Test {
  protected:
   // Registers a buffer of `owner` with token "token-<id>".
-  uint64_t AddBuffer(uid_t owner) {
+  uint64_t AddBuffer(uid_t owner, v1::Access access = v1::ACCESS_READ_WRITE) {
     const uint64_t id = table_.NextId();
     auto memory = SharedMemory::Allocate(4096, "notifications_test");
     EXPECT_TRUE(memory.ok()) << memory.status();
-    table_.Add(std::make_shared<Registration>(
-        id, owner, v1::ACCESS_READ_WRITE, "label", Token(id),
-        std::move(*memory), /*agent_allocated=*/true));
+    table_.Add(std::make_shared<Registration>(id, owner, access, "label",
+                                              Token(id), std::move(*memory),
+                                              /*agent_allocated=*/true));
     return id;
   }
 
@@ -115,6 +115,72 @@ TEST_F(NotificationsTest, RefusesWithoutTheTokenBeforeSayingAnythingElse) {
   EXPECT_EQ(inbox.delivered_total(), 1u);
 }
 
+TEST_F(NotificationsTest, OnlyAWriteCapableTokenNotifies) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t read_only = AddBuffer(kOwner, v1::ACCESS_READ);
+  const uint64_t write_only = AddBuffer(kOwner, v1::ACCESS_WRITE);
+  absl::Status status = inbox.Deliver(Target(read_only), "x", "planted");
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied) << status;
+  // The token is still checked first.
+  ServeRequest forged = Target(read_only);
+  forged.token = "guess";
+  EXPECT_EQ(inbox.Deliver(forged, "x", "planted").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(inbox.Deliver(Target(write_only), "x", "written").ok());
+  NotificationInbox::Taken batch = TakeNow(inbox, kOwner);
+  ASSERT_EQ(batch.notifications.size(), 1u);
+  EXPECT_EQ(batch.notifications[0].data(), "written");
+}
+
+TEST_F(NotificationsTest, UnreadStreamPaysForTheUsersByteBudget) {
+  NotificationLimits limits;
+  const std::string data(1000, 'd');
+  const size_t cost = data.size() + 1 + NotificationLimits::kOverheadBytes;
+  limits.max_queued_bytes_per_user = 10 * cost;
+  NotificationInbox inbox(&table_, limits);
+  const uint64_t id = AddBuffer(kOwner);
+  auto reading = inbox.OpenStream(kOwner, [] {});
+  auto stalled = inbox.OpenStream(kOwner, [] {});
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(inbox.Deliver(Target(id), "a", data).ok());
+    // One reader keeps up: it loses nothing.
+    std::vector<v1::NotificationEvent> events = Drain(*reading);
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_EQ(events[0].dropped(), 0u);
+    EXPECT_LE(inbox.held_bytes(), limits.max_queued_bytes_per_user);
+  }
+  // The one that never read kept the newest that fit beside the reader's
+  // copy, and hears of the rest.
+  std::vector<v1::NotificationEvent> events = Drain(*stalled);
+  ASSERT_EQ(events.size(), 9u);
+  EXPECT_EQ(events[0].dropped(), 91u);
+  EXPECT_EQ(events[0].notification().sequence(), 92u);
+  EXPECT_EQ(inbox.held_bytes(), 0u);
+  EXPECT_EQ(inbox.dropped_total(), 91u);
+}
+
+TEST_F(NotificationsTest, TotalsDropFromTheUserHoldingTheMost) {
+  NotificationLimits limits;
+  const std::string data(1000, 'd');
+  const size_t cost = data.size() + 1 + NotificationLimits::kOverheadBytes;
+  limits.max_queued_bytes_per_user = 100 * cost;
+  limits.max_queued_bytes_total = 100 * cost;
+  limits.max_queued_total = 50;
+  NotificationInbox inbox(&table_, limits);
+  const uint64_t theirs = AddBuffer(kOther);
+  const uint64_t mine = AddBuffer(kOwner);
+  ASSERT_TRUE(inbox.Deliver(Target(theirs), "a", data).ok());
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_TRUE(inbox.Deliver(Target(mine), "a", data).ok());
+  }
+  // The count bound held; the flooding user paid for it.
+  EXPECT_EQ(inbox.queued(kOwner) + inbox.queued(kOther), 50u);
+  EXPECT_EQ(inbox.queued(kOther), 1u);
+  EXPECT_EQ(TakeNow(inbox, kOwner, 1000).dropped, 151u);
+  EXPECT_EQ(TakeNow(inbox, kOther).notifications.size(), 1u);
+  EXPECT_EQ(inbox.held_bytes(), 0u);
+}
+
 TEST_F(NotificationsTest, ReleasedBufferTakesNoMore) {
   NotificationInbox inbox(&table_, {});
   const uint64_t id = AddBuffer(kOwner);
@@ -145,6 +211,19 @@ TEST_F(NotificationsTest, FullQueueDropsTheOldestAndSaysSo) {
   ASSERT_EQ(batch.notifications.size(), 1u);
   EXPECT_EQ(batch.notifications[0].data(), "5");
   EXPECT_EQ(inbox.dropped_total(), 2u);
+}
+
+TEST_F(NotificationsTest, TakeStopsAtItsByteBound) {
+  NotificationInbox inbox(&table_, {});
+  const uint64_t id = AddBuffer(kOwner);
+  const std::string data(1000, 'd');
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(inbox.Deliver(Target(id), "a", data).ok());
+  }
+  // Two fit in 2500 bytes (1000 + 1 + overhead each); one always comes.
+  EXPECT_EQ(inbox.Take(kOwner, 100, 2500).notifications.size(), 2u);
+  EXPECT_EQ(inbox.Take(kOwner, 100, 1).notifications.size(), 1u);
+  EXPECT_EQ(inbox.Take(kOwner, 100).notifications.size(), 2u);
 }
 
 TEST_F(NotificationsTest, DropsAloneWakeAPoll) {

@@ -108,9 +108,32 @@ write(T, "notify_wrong_token",
       request(NOTIFY, 12, EPOCH, RO, 0, len(NOTE), b"guess", NOTE))
 write(T, "notify_bad_sender_length",
       request(NOTIFY, 13, EPOCH, RW, 0, 4, TOKEN, b"\xff\x00ab"))
+# A READ-only context's holder may not notify (PERMISSION_DENIED, payload
+# dropped unread); the connection goes on.
 write(T, "notify_then_read",
       request(NOTIFY, 14, EPOCH, RO, 0, len(NOTE), TOKEN, NOTE) +
       request(READ, 15, EPOCH, RO, 0, 16, TOKEN))
+write(T, "notify_empty", request(NOTIFY, 16, EPOCH, RW, 0, 0, TOKEN))
+write(T, "notify_pipelined",
+      request(NOTIFY, 17, EPOCH, RW, 0, len(NOTE), TOKEN, NOTE) +
+      request(NOTIFY, 18, EPOCH, RW, 0, len(NOTE), TOKEN, NOTE) +
+      request(READ, 19, EPOCH, RW, 0, 16, TOKEN))
+# Strangers: no token, announcing 1 MiB (refused on the header, the
+# connection ends) or a small payload (refused, dropped unread), then a
+# valid request.
+write(T, "notify_tokenless_huge",
+      request(NOTIFY, 20, EPOCH, RW, 0, 1 << 20, b"", b"N" * 4096))
+write(T, "notify_tokenless_small_then_read",
+      request(NOTIFY, 21, EPOCH, RW, 0, len(NOTE), b"", NOTE) +
+      request(READ, 22, EPOCH, RW, 0, 16, TOKEN))
+write(T, "notify_stale_epoch",
+      request(NOTIFY, 23, EPOCH + 1, RW, 0, len(NOTE), TOKEN, NOTE))
+# A token holder announcing more than the agent takes: INVALID_ARGUMENT,
+# dropped unread; the connection goes on.
+BIG = notification(b"agent-a", b"B" * 8192)
+write(T, "notify_oversized_then_read",
+      request(NOTIFY, 24, EPOCH, RW, 0, len(BIG), TOKEN, BIG) +
+      request(READ, 25, EPOCH, RW, 0, 16, TOKEN))
 
 # --- attach_frame_fuzzer -------------------------------------------------------
 

@@ -3,13 +3,17 @@
 // writes, refusals) over a loopback connection, through its public Start API.
 // The server serves one read-only and one read-write buffer; the seed corpus
 // carries well-formed requests for both so that mutations reach the payload
-// paths.
+// paths, and kNotify frames with and without valid tokens (to either
+// buffer, within and beyond the notification size, announcing payloads
+// never sent).
 //
 // Oracle: no crash or undefined behaviour in the server; a hello, if it
 // greets, is valid; it answers only with well-formed responses, always ends the
 // connection after the peer has (never hangs), and never changes the
 // read-only buffer; the server lets go of the connection (and runs no thread
-// for it) once the peer has closed.
+// for it) once the peer has closed. The sink is handed only notifications
+// whose target the server proved first (token, then WRITE access), never a
+// payload longer than the sender id and kMaxNotificationBytes.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -40,6 +44,8 @@ constexpr uint64_t kReadOnlyId = 5;
 constexpr uint64_t kReadWriteId = 6;
 constexpr uint64_t kSize = 4096;
 constexpr char kToken[] = "fuzz-token-0123456789";
+// The sink's max_bytes() (the agent's --max_notification_bytes).
+constexpr size_t kMaxNotificationBytes = 4096;
 
 // Threads of this process now (the kernel's count).
 int ThreadCount() {
@@ -51,21 +57,29 @@ int ThreadCount() {
   return -1;
 }
 
-// Takes notifications as the agent's inbox does: the target proven first
-// (token before anything else), then counted.
+// Takes notifications as the agent's inbox does (the target proven, then
+// the length), and checks that the server proved the target before handing
+// it over: in the fuzzer no buffer goes away, so every target must pass.
 class CountingSink : public NotificationSink {
  public:
   explicit CountingSink(const BufferDirectory* directory)
       : directory_(directory) {}
-  absl::Status Deliver(const ServeRequest& target, absl::string_view,
+  absl::Status Deliver(const ServeRequest& target,
+                       absl::string_view from_agent_id,
                        absl::string_view data) override {
-    FUZZ_CHECK(target.proof_only);
-    auto registration = directory_->ResolveForPeer(target);
-    if (!registration.ok()) return registration.status();
-    FUZZ_CHECK(data.size() <= kMaxNotificationPayloadBytes);
+    auto registration = directory_->ResolveForNotification(target);
+    FUZZ_CHECK(registration.ok());
+    FUZZ_CHECK((*registration)->writable());
+    // The payload the server gathered was bounded by max_bytes().
+    FUZZ_CHECK(2 + from_agent_id.size() + data.size() <=
+               2 + kMaxTokenBytes + kMaxNotificationBytes);
+    if (data.size() > kMaxNotificationBytes) {
+      return absl::InvalidArgumentError("notification too long");
+    }
     accepted_.fetch_add(1);
     return absl::OkStatus();
   }
+  size_t max_bytes() const override { return kMaxNotificationBytes; }
 
  private:
   const BufferDirectory* const directory_;
