@@ -26,7 +26,14 @@ class TransferPoll final : public PollSource<v1::GetTransfersResponse> {
   bool settled() const override { return poll_->settled(); }
 
   absl::Status Answer(v1::GetTransfersResponse* response) override {
-    for (v1::Transfer& transfer : poll_->Report(kMaxReplyBytes)) {
+    // Sized before anything is copied, and charged to the user's transfer
+    // byte budget until the call is done (the poll goes at OnDone).
+    absl::StatusOr<std::vector<v1::Transfer>> transfers =
+        poll_->Report(kMaxReplyBytes);
+    if (!transfers.ok()) return transfers.status();
+    response->mutable_transfers()->Reserve(
+        static_cast<int>(transfers->size()));
+    for (v1::Transfer& transfer : *transfers) {
       *response->add_transfers() = std::move(transfer);
     }
     return absl::OkStatus();
