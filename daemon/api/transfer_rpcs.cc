@@ -14,7 +14,8 @@ namespace {
 constexpr size_t kMaxTransfersPerGet = 1024;
 // What the transfers of one reply may take, under the agent's 64 MiB
 // message bound with room to spare: past it, ended transfers come without
-// their results (TransferTable::Poll::Report) and stay kept.
+// their results (TransferTable::Poll::Report, which counts it from each
+// transfer's kept sizes before copying anything) and stay kept.
 constexpr size_t kMaxReplyBytes = 48 << 20;
 
 // A GetTransfers long poll's view of the table.
@@ -31,8 +32,7 @@ class TransferPoll final : public PollSource<v1::GetTransfersResponse> {
     absl::StatusOr<std::vector<v1::Transfer>> transfers =
         poll_->Report(kMaxReplyBytes);
     if (!transfers.ok()) return transfers.status();
-    response->mutable_transfers()->Reserve(
-        static_cast<int>(transfers->size()));
+    response->mutable_transfers()->Reserve(static_cast<int>(transfers->size()));
     for (v1::Transfer& transfer : *transfers) {
       *response->add_transfers() = std::move(transfer);
     }

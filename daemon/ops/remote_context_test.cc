@@ -76,12 +76,13 @@ TEST(RemoteContextTest, RefusesAContextPastTheCapUnparsed) {
   for (int i = 0; i < 200000; ++i) remote.add_endpoints();
   const std::string huge = remote.SerializeAsString();
   ASSERT_GT(huge.size(), kMaxRemoteContextBytesLimit / 4);
-  EXPECT_EQ(ParseRemoteContext(huge, kDefaultMaxRemoteContextBytes)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(CheckRemoteContextSize(small, kDefaultMaxRemoteContextBytes).ok());
-  EXPECT_FALSE(CheckRemoteContextSize(huge, kDefaultMaxRemoteContextBytes).ok());
+  EXPECT_EQ(
+      ParseRemoteContext(huge, kDefaultMaxRemoteContextBytes).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(
+      CheckRemoteContextSize(small, kDefaultMaxRemoteContextBytes).ok());
+  EXPECT_FALSE(
+      CheckRemoteContextSize(huge, kDefaultMaxRemoteContextBytes).ok());
 }
 
 }  // namespace

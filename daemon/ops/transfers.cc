@@ -50,7 +50,8 @@ uint64_t UnknownBytes(const google::protobuf::Message& message) {
   const google::protobuf::UnknownFieldSet& unknown =
       message.GetReflection()->GetUnknownFields(message);
   if (unknown.empty()) return 0;
-  return sizeof(unknown) + kBlockOverhead + unknown.SpaceUsedExcludingSelfLong();
+  return sizeof(unknown) + kBlockOverhead +
+         unknown.SpaceUsedExcludingSelfLong();
 }
 
 template <typename Message>
@@ -474,6 +475,7 @@ absl::Status TransferTable::MakeRoom(uid_t uid, User& user) {
 
 absl::StatusOr<QuotaCharge> TransferTable::ReserveBytes(uid_t uid,
                                                         uint64_t bytes) {
+  if (bytes == 0) return QuotaCharge();  // no entry for the user either
   while (true) {
     absl::StatusOr<QuotaCharge> charge = budget_->Reserve(uid, bytes);
     if (charge.ok()) return charge;
@@ -713,7 +715,8 @@ TransferTable::Wakeups TransferTable::End(const RecordPtr& record,
     record->dropped_marker =
         per_user ? kDetailsDroppedPerUser : kDetailsDroppedTotal;
     record->codes = std::move(outcome.codes);
-    const size_t marker = std::char_traits<char>::length(record->dropped_marker);
+    const size_t marker =
+        std::char_traits<char>::length(record->dropped_marker);
     const size_t brief = std::char_traits<char>::length(kDetailsDropped);
     const size_t notifications = record->codes.size() - results;
     const size_t bad =
@@ -722,7 +725,8 @@ TransferTable::Wakeups TransferTable::End(const RecordPtr& record,
     // first non-OK one of each says why (at most two such).
     const uint64_t ok_wire = ElementWireBytes(CodeOnlyWireBytes(true, 0));
     const uint64_t bad_wire = ElementWireBytes(CodeOnlyWireBytes(false, brief));
-    const uint64_t why_wire = ElementWireBytes(CodeOnlyWireBytes(false, marker));
+    const uint64_t why_wire =
+        ElementWireBytes(CodeOnlyWireBytes(false, marker));
     record->reply_wire_bytes =
         kTransferWireBytes +
         (outcome.results_ok + outcome.notifications_ok) * ok_wire +

@@ -31,8 +31,8 @@ struct Probe {
   std::atomic<bool> run_returned{false};
   std::atomic<bool> skipped{false};
   std::atomic<bool> destroyed{false};
-  absl::Status skip_reason;    // written before `skipped`
-  absl::Notification release;  // lets Run end with `codes`
+  absl::Status skip_reason;      // written before `skipped`
+  absl::Notification release;    // lets Run end with `codes`
   std::string message = "fake";  // of each result, set before Submit
 };
 
@@ -807,9 +807,9 @@ TEST_F(TransfersTest, RequestCopiesAreChargedToTheUserAndTheTotal) {
 
   // Another user fits under the total, up to it.
   probes.push_back(std::make_shared<Probe>());
-  const uint64_t theirs = Submit(table, probes.back(), {absl::StatusCode::kOk},
-                                 kOtherUser, absl::Now() + absl::Seconds(60),
-                                 300 << 10);
+  const uint64_t theirs =
+      Submit(table, probes.back(), {absl::StatusCode::kOk}, kOtherUser,
+             absl::Now() + absl::Seconds(60), 300 << 10);
   ASSERT_NE(theirs, 0u) << last_status_;
   EXPECT_EQ(Submit(table, std::make_shared<Probe>(), {absl::StatusCode::kOk},
                    kOtherUser, absl::Now() + absl::Seconds(60), 300 << 10),
@@ -989,9 +989,9 @@ TEST_F(TransfersTest, DeliveredEndsAreDroppedToMakeRoomForBytes) {
   watch->Delivered(id);
   watch.reset();  // and with it the copy it wrote
   // Its client has it: a request copy that needs its bytes drops it.
-  const uint64_t next = Submit(table, std::make_shared<Probe>(),
-                               {absl::StatusCode::kOk}, kUser,
-                               absl::Now() + absl::Seconds(60), 700 << 10);
+  const uint64_t next =
+      Submit(table, std::make_shared<Probe>(), {absl::StatusCode::kOk}, kUser,
+             absl::Now() + absl::Seconds(60), 700 << 10);
   EXPECT_NE(next, 0u) << last_status_;
   EXPECT_TRUE(absl::IsNotFound(Get(table, id).status()));
   ASSERT_TRUE(table.Cancel(kUser, next).ok());
@@ -1088,8 +1088,8 @@ TEST_F(TransfersTest, IdsSayNothingOfOtherUsersTransfers) {
   size_t small_gaps = 0;
   for (size_t i = 1; i < mine.size(); ++i) {
     EXPECT_LT(mine[i], uint64_t{1} << 63);
-    const uint64_t gap = mine[i] > mine[i - 1] ? mine[i] - mine[i - 1]
-                                               : mine[i - 1] - mine[i];
+    const uint64_t gap =
+        mine[i] > mine[i - 1] ? mine[i] - mine[i - 1] : mine[i - 1] - mine[i];
     if (gap < (uint64_t{1} << 32)) ++small_gaps;
   }
   EXPECT_EQ(small_gaps, 0u) << "ids look like a counter";

@@ -108,8 +108,7 @@ std::unique_ptr<AgentProcess> StartAgent(std::vector<std::string> flags) {
   return std::move(*agent);
 }
 
-std::unique_ptr<WorkerProcess> StartWorker(const AgentProcess& agent,
-                                           int uid) {
+std::unique_ptr<WorkerProcess> StartWorker(const AgentProcess& agent, int uid) {
   WorkerProcess::Options options;
   options.uid = uid;
   options.gid = uid;
@@ -126,7 +125,8 @@ struct OwnBuffer {
 };
 
 OwnBuffer Allocate(WorkerProcess& worker, uint64_t size) {
-  auto words = worker.CallWords(absl::StrCat("allocate ", size, " ", kReadWrite));
+  auto words =
+      worker.CallWords(absl::StrCat("allocate ", size, " ", kReadWrite));
   EXPECT_TRUE(words.ok()) << words.status();
   if (!words.ok()) return {};
   auto buffer = ParseRegistered(*words);
@@ -171,9 +171,9 @@ void ExpectBystanderServed(WorkerProcess& bystander, const OwnBuffer& buffer,
   const std::string id = SubmitCopy(bystander, buffer);
   ASSERT_FALSE(id.empty());
   EXPECT_EQ(AwaitEnd(bystander, id, within), "status OK TRANSFER_STATE_DONE");
-  EXPECT_EQ(bystander.Answer(absl::StrCat("verify ", buffer.id,
-                                          " 7 0 4096 4096 7")),
-            "ok");
+  EXPECT_EQ(
+      bystander.Answer(absl::StrCat("verify ", buffer.id, " 7 0 4096 4096 7")),
+      "ok");
 }
 
 // A peer that looks like an agent to the tcp data plane: it accepts any
@@ -251,8 +251,8 @@ class SilentPeer {
       }
       for (size_t i = 0; i < connections.size(); ++i) {
         if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-        const ssize_t n = ::recv(connections[i].get(), buffer, sizeof(buffer),
-                                 MSG_DONTWAIT);
+        const ssize_t n =
+            ::recv(connections[i].get(), buffer, sizeof(buffer), MSG_DONTWAIT);
         if (n > 0 && !heard[i]) {
           heard[i] = true;
           ++talking_;
@@ -312,8 +312,9 @@ class TransferFloodTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
-    agent_ = StartAgent({absl::StrCat("--max_transfer_bytes_per_user=", kBudget),
-                         absl::StrCat("--max_transfer_bytes_total=", 4 * kBudget)});
+    agent_ =
+        StartAgent({absl::StrCat("--max_transfer_bytes_per_user=", kBudget),
+                    absl::StrCat("--max_transfer_bytes_total=", 4 * kBudget)});
     ASSERT_NE(agent_, nullptr);
     stub_ = v1::RdmaAgent::NewStub(agent_->client().channel());
     bystander_ = StartWorker(*agent_, kBystander);
@@ -371,8 +372,8 @@ TEST_F(TransferFloodTest, UnreadEndsOfManyOpBatchesAreRefusedByTheByteBudget) {
       Flood(request, /*most=*/400, /*refusals=*/20, &refused);
   EXPECT_FALSE(accepted.empty());
   EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
-  EXPECT_TRUE(absl::StrContains(refused.message(),
-                                "--max_transfer_bytes_per_user"))
+  EXPECT_TRUE(
+      absl::StrContains(refused.message(), "--max_transfer_bytes_per_user"))
       << refused;
   ExpectPeakWithinBound();
   // The other user still submits and reads.
@@ -427,18 +428,18 @@ TEST_F(TransferFloodTest, QueuedRequestCopiesAreRefusedByTheByteBudget) {
   }
   ASSERT_GE(peer.talking(), 2) << "the stuck transfers never reached the peer";
 
-  v1::SubmitRequest big = MakeBatch(
-      {MakeWireOp(v1::OP_TYPE_READ_INTO_LOCAL, local->id, 0, 1,
-                  std::string(4 * kMiB, 'c'), 0)},
-      absl::Seconds(120));
+  v1::SubmitRequest big =
+      MakeBatch({MakeWireOp(v1::OP_TYPE_READ_INTO_LOCAL, local->id, 0, 1,
+                            std::string(4 * kMiB, 'c'), 0)},
+                absl::Seconds(120));
   absl::Status refused;
   const std::vector<uint64_t> accepted =
       Flood(big, /*most=*/200, /*refusals=*/10, &refused);
   EXPECT_FALSE(accepted.empty());
   EXPECT_LE(accepted.size(), kBudget / (4 * kMiB));
   EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
-  EXPECT_TRUE(absl::StrContains(refused.message(),
-                                "--max_transfer_bytes_per_user"))
+  EXPECT_TRUE(
+      absl::StrContains(refused.message(), "--max_transfer_bytes_per_user"))
       << refused;
   ExpectPeakWithinBound();
   ExpectBystanderServed(*bystander_, own_);
@@ -454,8 +455,8 @@ TEST_F(TransferFloodTest, QueuedRequestCopiesAreRefusedByTheByteBudget) {
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_TRUE(absl::StartsWith(results->at(1).message(), "op 1: "))
       << results->at(1).message();
-  EXPECT_TRUE(absl::StrContains(results->at(1).message(),
-                                "--max_remote_context_bytes"))
+  EXPECT_TRUE(
+      absl::StrContains(results->at(1).message(), "--max_remote_context_bytes"))
       << results->at(1).message();
   for (uint64_t id : stuck) (void)CancelTransfer(*stub_, id);
 }
@@ -529,8 +530,8 @@ TEST(TransferReadAttackTest, OneHugeEndNamed1024TimesIsReadOnce) {
                                                " 4096 4096 0 ", own.context));
       slowest = std::max(slowest, absl::Now() - asked);
       ++answers;
-      EXPECT_TRUE(absl::StartsWith(answer, get ? "status NOT_FOUND"
-                                               : "transfer "))
+      EXPECT_TRUE(
+          absl::StartsWith(answer, get ? "status NOT_FOUND" : "transfer "))
           << answer;
     }
   }
@@ -543,8 +544,8 @@ TEST(TransferReadAttackTest, OneHugeEndNamed1024TimesIsReadOnce) {
       << "another user's transfer call waited " << slowest << " behind reads";
   const uint64_t after = PeakRssOf(agent->pid());
   EXPECT_LE(after, baseline + 64 * kMiB)
-      << "the reads grew the agent's peak RSS by "
-      << (after - baseline) / kMiB << " MiB";
+      << "the reads grew the agent's peak RSS by " << (after - baseline) / kMiB
+      << " MiB";
 }
 
 // ---------------------------------------------------------------- 3
@@ -631,8 +632,8 @@ TEST(TransferIdsAttackTest, IdsTellNothingOfOtherUsersTransfers) {
     }
   }
   for (size_t i = 1; i < mine.size(); ++i) {
-    const uint64_t gap = mine[i] > mine[i - 1] ? mine[i] - mine[i - 1]
-                                               : mine[i - 1] - mine[i];
+    const uint64_t gap =
+        mine[i] > mine[i - 1] ? mine[i] - mine[i - 1] : mine[i - 1] - mine[i];
     // A counter would give gaps of exactly 1 + B's transfers between.
     EXPECT_GT(gap, uint64_t{1} << 32)
         << "ids " << mine[i - 1] << " and " << mine[i] << " with "
