@@ -1,8 +1,13 @@
 #include "daemon/agent_options.h"
 
 #include "absl/strings/str_cat.h"
+#include "daemon/ops/remote_context.h"
 
 namespace rdma_agent {
+
+// The flag's default is written once per side of the daemon/api boundary.
+static_assert(ApiLimits().max_remote_context_bytes ==
+              kDefaultMaxRemoteContextBytes);
 
 absl::Status AgentOptions::Validate() const {
   if (api.max_transfer_bytes_per_rpc == 0 ||
@@ -19,6 +24,18 @@ absl::Status AgentOptions::Validate() const {
         "--max_transfers_in_flight, --max_kept_transfers_per_user, "
         "--max_waiting_rpcs and --max_waiting_rpcs_per_user must be at "
         "least 1");
+  }
+  if (transfers.max_bytes_per_user < 1 ||
+      transfers.max_bytes_per_user > transfers.max_bytes_total) {
+    return absl::InvalidArgumentError(
+        "--max_transfer_bytes_per_user must be 1 to "
+        "--max_transfer_bytes_total");
+  }
+  if (api.max_remote_context_bytes < 1 ||
+      api.max_remote_context_bytes > kMaxRemoteContextBytesLimit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_remote_context_bytes must be 1 to ",
+                     kMaxRemoteContextBytesLimit));
   }
   if (notifications.max_bytes > (size_t{1} << 20) ||
       notifications.max_queued_per_user < 1 ||

@@ -10,7 +10,8 @@ namespace rdma_agent {
 
 // What one RdmaAgent call may ask for (flags --max_ops_per_submit,
 // --default_submit_timeout, --max_submit_timeout, --max_buffer_bytes,
-// --max_transfer_bytes_per_rpc, --max_transfer_wait).
+// --max_transfer_bytes_per_rpc, --max_transfer_wait,
+// --max_remote_context_bytes).
 struct ApiLimits {
   // Ops in one Submit or SubmitAsync.
   size_t max_ops_per_submit = 65536;
@@ -24,6 +25,10 @@ struct ApiLimits {
   uint64_t max_transfer_bytes_per_rpc = uint64_t{32} << 20;
   // Longest label of a registration.
   size_t max_label_bytes = 256;
+  // Longest remote context one op may carry (--max_remote_context_bytes;
+  // daemon/ops/remote_context.h's kDefaultMaxRemoteContextBytes): a longer
+  // one fails its op before it is parsed.
+  size_t max_remote_context_bytes = 16 << 10;
   // Longest GetTransfers or GetNotifications long poll.
   absl::Duration max_transfer_wait = absl::Minutes(1);
 };

@@ -80,7 +80,8 @@ RdmaAgentService::RdmaAgentService(
       notifications_(notifications),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)),
-      batch_env_{registry, buffers, metrics, &failures_} {}
+      batch_env_{registry, buffers, metrics, &failures_,
+                 limits.max_remote_context_bytes} {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -364,11 +365,20 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   // From now, queueing included; this call's own deadline does not bound
   // the transfer, which outlives it.
   const absl::Time deadline = absl::Now() + *timeout;
+  // The copy of the request the transfer keeps until it ends is charged to
+  // the user's transfer byte budget before it is made; then what preparing
+  // the batch holds (parsed contexts, per-op state), freed at once if it
+  // does not fit.
+  auto bytes = transfers_->Reserve(admitted->caller.uid,
+                                   RequestCopyBytes(*request), count);
+  if (!bytes.ok()) return ToGrpcStatus(Prefixed(bytes.status(), "SubmitAsync"));
   auto batch = OpBatch::Prepare(batch_env_, admitted->caller,
                                 std::make_unique<v1::SubmitRequest>(*request),
                                 std::move(*charge));
-  auto id =
-      transfers_->Submit(admitted->caller.uid, std::move(batch), deadline);
+  absl::Status prepared = transfers_->Grow(*bytes, batch->PreparedBytes());
+  if (!prepared.ok()) return ToGrpcStatus(Prefixed(prepared, "SubmitAsync"));
+  auto id = transfers_->Submit(admitted->caller.uid, std::move(batch), deadline,
+                               std::move(*bytes));
   if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "SubmitAsync"));
   response->set_transfer_id(*id);
   return grpc::Status::OK;

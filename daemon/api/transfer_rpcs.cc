@@ -14,7 +14,8 @@ namespace {
 constexpr size_t kMaxTransfersPerGet = 1024;
 // What the transfers of one reply may take, under the agent's 64 MiB
 // message bound with room to spare: past it, ended transfers come without
-// their results (TransferTable::Poll::Report) and stay kept.
+// their results (TransferTable::Poll::Report, which counts it from each
+// transfer's kept sizes before copying anything) and stay kept.
 constexpr size_t kMaxReplyBytes = 48 << 20;
 
 // A GetTransfers long poll's view of the table.
@@ -26,7 +27,13 @@ class TransferPoll final : public PollSource<v1::GetTransfersResponse> {
   bool settled() const override { return poll_->settled(); }
 
   absl::Status Answer(v1::GetTransfersResponse* response) override {
-    for (v1::Transfer& transfer : poll_->Report(kMaxReplyBytes)) {
+    // Sized before anything is copied, and charged to the user's transfer
+    // byte budget until the call is done (the poll goes at OnDone).
+    absl::StatusOr<std::vector<v1::Transfer>> transfers =
+        poll_->Report(kMaxReplyBytes);
+    if (!transfers.ok()) return transfers.status();
+    response->mutable_transfers()->Reserve(static_cast<int>(transfers->size()));
+    for (v1::Transfer& transfer : *transfers) {
       *response->add_transfers() = std::move(transfer);
     }
     return absl::OkStatus();

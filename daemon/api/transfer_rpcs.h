@@ -21,9 +21,14 @@ namespace rdma_agent {
 
 // GetTransfers for `uid`: INVALID_ARGUMENT for a bad request; NOT_FOUND for
 // an id that is not one of uid's kept transfers; otherwise the named
-// transfers, once all have ended or `wait` (cut to `max_wait` and the
-// call's deadline) has passed. Ends are reported (dropped) only by an answer
-// that is sent: a poll its client cancelled reports nothing.
+// transfers, each distinct id once (in the order first named), once all
+// have ended or `wait` (cut to `max_wait` and the call's deadline) has
+// passed. Ends are reported (dropped) only by an answer that is sent: a poll
+// its client cancelled reports nothing. The reply is sized from the
+// transfers' kept byte counts before anything is copied, copied without the
+// table's lock and charged to uid's transfer byte budget until the call is
+// done: RESOURCE_EXHAUSTED naming the budget, nothing reported, when it does
+// not fit (TransferTable::Poll::Report).
 grpc::ServerUnaryReactor* ServeGetTransfers(
     grpc::CallbackServerContext* context,
     std::unique_ptr<ActiveCalls::Call> call, uid_t uid,

@@ -179,6 +179,27 @@ ABSL_FLAG(int64_t, transfer_workers,
           Int64(rdma_agent::TransferLimits().workers),
           "Threads running asynchronous transfers (SubmitAsync), started "
           "with the agent; transfers beyond them wait in a queue.");
+ABSL_FLAG(int64_t, max_running_transfers_per_user,
+          Int64(rdma_agent::TransferLimits().max_running_per_user),
+          "Asynchronous transfers of one local user running on a transfer "
+          "worker at once; the user's other transfers wait while other "
+          "users' take the free workers. 0: half of --transfer_workers (at "
+          "least 1).");
+ABSL_FLAG(uint64_t, max_transfer_bytes_per_user,
+          rdma_agent::TransferLimits().max_bytes_per_user,
+          "Bytes of memory the agent may hold for one local user's "
+          "asynchronous transfers: request copies of queued and running "
+          "ones, results of ended ones not yet read, replies being sent. "
+          "Beyond, SubmitAsync and GetTransfers are refused with "
+          "RESOURCE_EXHAUSTED, and an end keeps only its ops' codes.");
+ABSL_FLAG(uint64_t, max_transfer_bytes_total,
+          rdma_agent::TransferLimits().max_bytes_total,
+          "The same over all users.");
+ABSL_FLAG(int64_t, max_remote_context_bytes,
+          Int64(rdma_agent::ApiLimits().max_remote_context_bytes),
+          "Longest remote context an op may carry (at most 1048576); a "
+          "longer one fails its op with INVALID_ARGUMENT before it is "
+          "parsed.");
 ABSL_FLAG(int64_t, max_transfers_in_flight_per_user,
           Int64(rdma_agent::TransferLimits().max_in_flight_per_user),
           "Asynchronous transfers one local user may have queued or running; "
@@ -334,7 +355,11 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.connections.max_total},
       {FLAGS_max_connections_per_user, "max_connections_per_user",
        &options.connections.max_per_user},
+      {FLAGS_max_remote_context_bytes, "max_remote_context_bytes",
+       &api.max_remote_context_bytes},
       {FLAGS_transfer_workers, "transfer_workers", &options.transfers.workers},
+      {FLAGS_max_running_transfers_per_user, "max_running_transfers_per_user",
+       &options.transfers.max_running_per_user},
       {FLAGS_max_transfers_in_flight_per_user,
        "max_transfers_in_flight_per_user",
        &options.transfers.max_in_flight_per_user},
@@ -365,6 +390,10 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
     *size.field = *value;
   }
   options.transfers.retention = absl::GetFlag(FLAGS_transfer_retention);
+  options.transfers.max_bytes_per_user =
+      absl::GetFlag(FLAGS_max_transfer_bytes_per_user);
+  options.transfers.max_bytes_total =
+      absl::GetFlag(FLAGS_max_transfer_bytes_total);
 
   auto peer_tls = LoadPeerTls(absl::GetFlag(FLAGS_peer_tls_cert),
                               absl::GetFlag(FLAGS_peer_tls_key),

@@ -4,6 +4,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/log_text.h"
 #include "daemon/metrics/metrics.h"
@@ -39,7 +40,9 @@ void FailedOpLog::Op(const PeerCredentials& caller, absl::string_view rpc,
   // Where the op went, as far as its context says (it may not parse).
   std::string remote = "an unreadable remote context";
   v1::RemoteBuffer context;
-  if (context.ParseFromString(op.remote_context())) {
+  // An oversized context (refused unparsed) is not parsed for a log line.
+  if (op.remote_context().size() <= kMaxRemoteContextBytesLimit &&
+      context.ParseFromString(op.remote_context())) {
     remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
                           LogSafe(context.agent_id()));
   }
@@ -128,7 +131,12 @@ void OpBatch::PrepareOps() {
   ready_.reserve(outcomes_.size());
   ready_index_.reserve(outcomes_.size());
   for (size_t i = 0; i < outcomes_.size(); ++i) {
-    auto op = preparer.Prepare(request_->ops(static_cast<int>(i)), i);
+    const v1::Op& wire = request_->ops(static_cast<int>(i));
+    // Its context's size before anything of it is parsed.
+    const absl::Status size = CheckRemoteContextSize(
+        wire.remote_context(), env_.max_remote_context_bytes);
+    absl::StatusOr<Op> op =
+        size.ok() ? preparer.Prepare(wire, i) : absl::StatusOr<Op>(size);
     if (!op.ok()) {
       outcomes_[i].status = AnnotateOp(op.status(), i);
       if (!first_refused_.has_value()) first_refused_ = i;
@@ -137,6 +145,29 @@ void OpBatch::PrepareOps() {
     ready_.push_back(std::move(*op));
     ready_index_.push_back(i);
   }
+}
+
+uint64_t OpBatch::PreparedBytes() const {
+  constexpr uint64_t kBlockOverhead = 16;
+  uint64_t bytes = sizeof(OpBatch) + outcomes_.capacity() * sizeof(OpOutcome) +
+                   ready_.capacity() * sizeof(Op) +
+                   ready_index_.capacity() * sizeof(size_t);
+  for (const OpOutcome& outcome : outcomes_) {
+    const size_t message = outcome.status.message().size();
+    if (message > 0) bytes += message + 64 + kBlockOverhead;
+  }
+  // Ops sharing a context share one parsed copy, mostly consecutive ones.
+  absl::flat_hash_set<const v1::RemoteBuffer*> seen;
+  const v1::RemoteBuffer* last = nullptr;
+  for (const Op& op : ready_) {
+    const v1::RemoteBuffer* remote = op.remote.get();
+    if (remote == nullptr || remote == last) continue;
+    last = remote;
+    if (!seen.insert(remote).second) continue;
+    // The message, its shared_ptr control block and the allocator's share.
+    bytes += remote->SpaceUsedLong() + 64 + kBlockOverhead;
+  }
+  return bytes;
 }
 
 std::vector<OpOutcome> OpBatch::OutcomesOfReady() const {

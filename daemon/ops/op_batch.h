@@ -2,6 +2,7 @@
 #define RDMA_AGENTD_DAEMON_OPS_OP_BATCH_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@
 #include "daemon/limits/active_calls.h"
 #include "daemon/local/unix_socket.h"
 #include "daemon/ops/notification_plan.h"
+#include "daemon/ops/remote_context.h"
 #include "daemon/ops/transfers.h"
 #include "rdma/agent/v1/agent.pb.h"
 
@@ -45,6 +47,9 @@ struct OpBatchEnvironment {
   BufferTable* buffers = nullptr;
   AgentMetrics* metrics = nullptr;  // nullptr: ops are not counted
   FailedOpLog* failures = nullptr;
+  // Longest remote context an op may carry (--max_remote_context_bytes):
+  // a longer one fails its op (INVALID_ARGUMENT) before it is parsed.
+  size_t max_remote_context_bytes = kDefaultMaxRemoteContextBytes;
 };
 
 // The data path: the ops of one SubmitRequest, validated once and run once —
@@ -80,6 +85,12 @@ class OpBatch final : public TransferWork {
 
   v1::SubmitResponse Run(const StopToken& stop) override;
   v1::SubmitResponse Skip(const absl::Status& reason) override;
+
+  // What the prepared batch holds besides its request, estimated from
+  // above: per-op state, the messages of ops refused and each distinct
+  // parsed remote context (SpaceUsedLong). SubmitAsync charges it to the
+  // transfer byte budget while the transfer is queued or running.
+  uint64_t PreparedBytes() const;
 
  private:
   OpBatch(const OpBatchEnvironment& env, const PeerCredentials& caller,

@@ -1,11 +1,25 @@
 #include "daemon/ops/remote_context.h"
 
+#include "absl/strings/str_cat.h"
 #include "backends/registration.h"
 
 namespace rdma_agent {
 
+absl::Status CheckRemoteContextSize(const std::string& bytes,
+                                    size_t max_bytes) {
+  if (bytes.size() <= max_bytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "remote_context is ", bytes.size(), " bytes; this agent takes at most ",
+      max_bytes,
+      " (--max_remote_context_bytes): not a context an agent issued"));
+}
+
 absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> ParseRemoteContext(
-    const std::string& bytes) {
+    const std::string& bytes, size_t max_bytes) {
+  if (absl::Status size = CheckRemoteContextSize(bytes, max_bytes);
+      !size.ok()) {
+    return size;
+  }
   if (bytes.empty()) {
     return absl::InvalidArgumentError("remote_context is empty");
   }

@@ -61,5 +61,29 @@ TEST(RemoteContextTest, RefusesEachMissingField) {
   }
 }
 
+// A context longer than the cap is refused before it is parsed, naming the
+// flag; one padded to exactly the cap (an unknown field) still parses.
+TEST(RemoteContextTest, RefusesAContextPastTheCapUnparsed) {
+  v1::RemoteBuffer remote = Complete();
+  const std::string small = remote.SerializeAsString();
+  EXPECT_TRUE(ParseRemoteContext(small, small.size()).ok());
+  auto refused = ParseRemoteContext(small, small.size() - 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("--max_remote_context_bytes"),
+            absl::string_view::npos)
+      << refused.status();
+  // Megabytes of endpoints: refused by the default cap at once.
+  for (int i = 0; i < 200000; ++i) remote.add_endpoints();
+  const std::string huge = remote.SerializeAsString();
+  ASSERT_GT(huge.size(), kMaxRemoteContextBytesLimit / 4);
+  EXPECT_EQ(
+      ParseRemoteContext(huge, kDefaultMaxRemoteContextBytes).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(
+      CheckRemoteContextSize(small, kDefaultMaxRemoteContextBytes).ok());
+  EXPECT_FALSE(
+      CheckRemoteContextSize(huge, kDefaultMaxRemoteContextBytes).ok());
+}
+
 }  // namespace
 }  // namespace rdma_agent

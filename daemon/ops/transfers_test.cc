@@ -13,6 +13,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
 #include "tests/testing/eventually.h"
 
@@ -30,8 +31,9 @@ struct Probe {
   std::atomic<bool> run_returned{false};
   std::atomic<bool> skipped{false};
   std::atomic<bool> destroyed{false};
-  absl::Status skip_reason;    // written before `skipped`
-  absl::Notification release;  // lets Run end with `codes`
+  absl::Status skip_reason;      // written before `skipped`
+  absl::Notification release;    // lets Run end with `codes`
+  std::string message = "fake";  // of each result, set before Submit
 };
 
 // Work of `codes.size()` ops. Run waits until the probe releases it (each op
@@ -52,7 +54,7 @@ class FakeWork : public TransferWork {
     const absl::Status stopped = stop.Check("during the fake run");
     for (absl::StatusCode code : codes_) {
       *outcome.add_results() =
-          Result(stopped.ok() ? absl::Status(code, "fake") : stopped);
+          Result(stopped.ok() ? absl::Status(code, probe_->message) : stopped);
     }
     probe_->run_returned = true;
     return outcome;
@@ -90,14 +92,21 @@ TransferLimits Limits(size_t workers = 2) {
 
 class TransfersTest : public ::testing::Test {
  protected:
-  // Submits fake work for `uid`; returns its id, or 0 when refused.
+  // Submits fake work for `uid`, its request copy taking `request_bytes`
+  // of the budget, as SubmitAsync does; returns its id, or 0 when refused.
   uint64_t Submit(TransferTable& table, std::shared_ptr<Probe> probe,
                   std::vector<absl::StatusCode> codes = {absl::StatusCode::kOk},
                   uid_t uid = kUser,
-                  absl::Time deadline = absl::Now() + absl::Seconds(60)) {
+                  absl::Time deadline = absl::Now() + absl::Seconds(60),
+                  uint64_t request_bytes = 0) {
+    auto charge = table.Reserve(uid, request_bytes, codes.size());
+    if (!charge.ok()) {
+      last_status_ = charge.status();
+      return 0;
+    }
     auto id = table.Submit(
         uid, std::make_unique<FakeWork>(std::move(probe), std::move(codes)),
-        deadline);
+        deadline, std::move(*charge));
     last_status_ = id.status();
     return id.ok() ? *id : 0;
   }
@@ -112,7 +121,9 @@ class TransfersTest : public ::testing::Test {
     auto poll = table.StartPoll(uid, ids, [&] { settled.Notify(); });
     if (!poll.ok()) return poll.status();
     if (!(*poll)->settled()) settled.WaitForNotificationWithTimeout(wait);
-    return (*poll)->Report().at(0);
+    auto transfers = (*poll)->Report();
+    if (!transfers.ok()) return transfers.status();
+    return transfers->at(0);
   }
 
   // Opens a stream of `uid`'s ends whose callback counts its wake-ups.
@@ -232,7 +243,7 @@ TEST_F(TransfersTest, APollIsToldWhenTheLastOfItsTransfersEnds) {
   ASSERT_TRUE(Eventually([&] { return calls == 1; }));
   EXPECT_TRUE((*poll)->settled());
   EXPECT_EQ(table.waiting_polls(), 0u);
-  auto transfers = (*poll)->Report();
+  auto transfers = (*poll)->Report().value();
   ASSERT_EQ(transfers.size(), 2u);
   EXPECT_EQ(transfers[0].state(), v1::TRANSFER_STATE_DONE);
   EXPECT_EQ(transfers[1].state(), v1::TRANSFER_STATE_DONE);
@@ -265,7 +276,7 @@ TEST_F(TransfersTest, AReportOverItsBudgetLeavesLaterResultsKept) {
       table.Get(kUser, {measured_id}).value().at(0).ByteSizeLong();
   auto poll = table.StartPoll(kUser, ids, nullptr);
   ASSERT_TRUE(poll.ok()) << poll.status();
-  auto transfers = (*poll)->Report(one + one / 2);
+  auto transfers = (*poll)->Report(one + one / 2).value();
   ASSERT_EQ(transfers.size(), 3u);
   EXPECT_FALSE(transfers[0].results_left_out());
   EXPECT_EQ(transfers[0].results_size(), 1000);
@@ -553,6 +564,7 @@ TEST_F(TransfersTest, EveryStreamGetsEveryEndAndReadingIsLeftToGet) {
   // Told after the end is recorded, outside the table's lock.
   ASSERT_TRUE(Eventually([&] { return first_wakes == 3 && second_wakes == 3; }))
       << first_wakes << " " << second_wakes;
+  std::sort(ids.begin(), ids.end());
   std::vector<uint64_t> got = Drain(*first);
   std::sort(got.begin(), got.end());
   EXPECT_EQ(got, ids);
@@ -708,6 +720,379 @@ TEST_F(TransfersTest, ShutdownEndsEveryTransferAndRefusesNewOnes) {
   }
   EXPECT_EQ(Submit(table, std::make_shared<Probe>()), 0u);
   EXPECT_TRUE(absl::IsUnavailable(last_status_)) << last_status_;
+}
+
+// ------------------------------------------------------------ bytes
+
+TransferLimits ByteLimits(uint64_t per_user, uint64_t total,
+                          size_t workers = 1) {
+  TransferLimits limits = Limits(workers);
+  limits.max_in_flight_per_user = 64;
+  limits.max_in_flight = 128;
+  limits.max_bytes_per_user = per_user;
+  limits.max_bytes_total = total;
+  return limits;
+}
+
+// `count` results, every one but the first failed with a `message_bytes`
+// long message: a few hundred bytes of memory each.
+std::vector<absl::StatusCode> ManyFailed(size_t count) {
+  std::vector<absl::StatusCode> codes(count, absl::StatusCode::kAborted);
+  codes[0] = absl::StatusCode::kOk;
+  return codes;
+}
+
+TEST(TransferBytesTest, EstimatesAreNeverBelowWhatProtobufCounts) {
+  v1::SubmitRequest request;
+  request.set_notification(std::string(3000, 'n'));
+  request.mutable_timeout()->set_seconds(5);
+  for (int i = 0; i < 100; ++i) {
+    v1::Op* op = request.add_ops();
+    op->set_type(v1::OP_TYPE_READ_INTO_LOCAL);
+    op->set_length(4096);
+    op->set_remote_context(std::string(i % 3 == 0 ? 700 : 9, 'c'));
+  }
+  // Fields the schema does not know are kept by a copy too.
+  v1::Op* odd = request.mutable_ops(7);
+  odd->GetReflection()->MutableUnknownFields(odd)->AddLengthDelimited(
+      99, std::string(100000, 'u'));
+  v1::SubmitRequest copy = request;
+  EXPECT_GE(RequestCopyBytes(request), copy.SpaceUsedLong());
+  EXPECT_GE(RequestCopyBytes(request), 100000u);
+
+  v1::SubmitResponse response;
+  for (int i = 0; i < 100; ++i) {
+    v1::OpResult* result = response.add_results();
+    result->set_code(i % 2 == 0 ? 0 : 10);
+    if (i % 2 != 0) result->set_message(std::string(i * 10, 'm'));
+    result->set_backend(i % 5 == 0 ? "memory" : std::string(40, 'b'));
+  }
+  v1::NotificationResult* sent = response.add_notifications();
+  sent->set_agent_id(std::string(36, 'a'));
+  sent->set_message(std::string(300, 'x'));
+  EXPECT_GE(ResultsBytes(response), response.SpaceUsedLong());
+  v1::SubmitResponse response_copy = response;
+  EXPECT_GE(ResultsBytes(response), response_copy.SpaceUsedLong());
+}
+
+// Request copies of queued transfers are charged before they are made:
+// past the user's budget, and past the total, Reserve refuses naming the
+// flag, and every byte comes back once the transfers are read.
+TEST_F(TransfersTest, RequestCopiesAreChargedToTheUserAndTheTotal) {
+  TransferTable table(ByteLimits(1 << 20, 5 << 18));  // 1 MiB, 1.25 MiB
+  auto busy = std::make_shared<Probe>();
+  const uint64_t first = Submit(table, busy);
+  ASSERT_TRUE(Eventually([&] { return busy->started.load(); }));
+  const uint64_t held = table.bytes(kUser);
+  EXPECT_GT(held, 0u) << "a record's floor is charged";
+  std::vector<std::shared_ptr<Probe>> probes;
+  std::vector<uint64_t> ids = {first};
+  for (int i = 0; i < 3; ++i) {
+    probes.push_back(std::make_shared<Probe>());
+    ids.push_back(Submit(table, probes.back(), {absl::StatusCode::kOk}, kUser,
+                         absl::Now() + absl::Seconds(60), 300 << 10));
+    ASSERT_NE(ids.back(), 0u) << last_status_;
+  }
+  EXPECT_GE(table.bytes(kUser), 900u << 10);
+  auto refused = std::make_shared<Probe>();
+  EXPECT_EQ(Submit(table, refused, {absl::StatusCode::kOk}, kUser,
+                   absl::Now() + absl::Seconds(60), 300 << 10),
+            0u);
+  EXPECT_TRUE(absl::IsResourceExhausted(last_status_)) << last_status_;
+  EXPECT_NE(last_status_.message().find("--max_transfer_bytes_per_user"),
+            absl::string_view::npos)
+      << last_status_;
+  EXPECT_LE(table.bytes(kUser), 1u << 20);
+  EXPECT_EQ(table.in_flight(kUser), 4u) << "nothing of the refused one kept";
+
+  // Another user fits under the total, up to it.
+  probes.push_back(std::make_shared<Probe>());
+  const uint64_t theirs =
+      Submit(table, probes.back(), {absl::StatusCode::kOk}, kOtherUser,
+             absl::Now() + absl::Seconds(60), 300 << 10);
+  ASSERT_NE(theirs, 0u) << last_status_;
+  EXPECT_EQ(Submit(table, std::make_shared<Probe>(), {absl::StatusCode::kOk},
+                   kOtherUser, absl::Now() + absl::Seconds(60), 300 << 10),
+            0u);
+  EXPECT_NE(last_status_.message().find("--max_transfer_bytes_total"),
+            absl::string_view::npos)
+      << last_status_;
+  EXPECT_LE(table.bytes(), 5u << 18);
+
+  busy->release.Notify();
+  for (auto& probe : probes) probe->release.Notify();
+  for (uint64_t id : ids) ASSERT_TRUE(Get(table, id, absl::Seconds(10)).ok());
+  ASSERT_TRUE(Get(table, theirs, absl::Seconds(10), kOtherUser).ok());
+  EXPECT_EQ(table.bytes(), 0u) << "every charge came back";
+}
+
+TEST_F(TransfersTest, GrowRefusesWhatDoesNotFitAndLeavesTheChargeAsItWas) {
+  TransferTable table(ByteLimits(1 << 20, 1 << 20));
+  auto charge = table.Reserve(kUser, 100 << 10, 10);
+  ASSERT_TRUE(charge.ok()) << charge.status();
+  const uint64_t before = charge->bytes();
+  EXPECT_EQ(table.bytes(kUser), before);
+  const absl::Status grown = table.Grow(*charge, 1 << 20);
+  EXPECT_TRUE(absl::IsResourceExhausted(grown)) << grown;
+  EXPECT_EQ(charge->bytes(), before);
+  EXPECT_TRUE(table.Grow(*charge, 10 << 10).ok());
+  EXPECT_EQ(table.bytes(kUser), before + (10 << 10));
+  *charge = TransferCharge();
+  EXPECT_EQ(table.bytes(kUser), 0u);
+}
+
+// An end whose results do not fit keeps each code and says so; it costs
+// only the floor reserved with it.
+TEST_F(TransfersTest, AnEndWhoseResultsDoNotFitKeepsOnlyItsCodes) {
+  TransferTable table(ByteLimits(256 << 10, 1 << 20, 2));
+  auto probe = std::make_shared<Probe>();
+  probe->message = std::string(300, 'm');
+  probe->release.Notify();
+  const std::vector<absl::StatusCode> codes = ManyFailed(1000);
+  const uint64_t id = Submit(table, probe, codes);
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  EXPECT_LT(table.bytes(kUser), 16u << 10) << "more than the floor is kept";
+  auto ended = Get(table, id);
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->state(), v1::TRANSFER_STATE_FAILED);
+  EXPECT_FALSE(ended->results_left_out());
+  ASSERT_EQ(ended->results_size(), 1000);
+  EXPECT_EQ(ended->results(0).code(), 0);
+  EXPECT_TRUE(ended->results(0).message().empty());
+  // The first failed op says why, naming the budget; every failed op says
+  // its details were dropped.
+  EXPECT_EQ(ended->results(1).message(), TransferTable::kDetailsDroppedPerUser);
+  for (int i = 1; i < 1000; ++i) {
+    ASSERT_EQ(ended->results(i).code(),
+              static_cast<int>(absl::StatusCode::kAborted));
+    if (i > 1) ASSERT_EQ(ended->results(i).message(), "details dropped");
+  }
+  EXPECT_EQ(table.bytes(), 0u);
+
+  // Results that fit are kept whole.
+  auto small = std::make_shared<Probe>();
+  small->release.Notify();
+  const uint64_t whole = Submit(table, small, ManyFailed(20));
+  auto kept = Get(table, whole, absl::Seconds(10));
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->results(1).message(), "fake");
+}
+
+// Reading is cheap when nobody else holds the end: its results move into
+// the reply with their charge, so a user whose budget its unread ends fill
+// can still read them.
+TEST_F(TransfersTest, AnEndReadByOneReaderMovesIntoTheReplyUncopied) {
+  TransferTable table(ByteLimits(1 << 20, 2 << 20, 2));
+  auto probe = std::make_shared<Probe>();
+  probe->message = std::string(300, 'm');
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe, ManyFailed(1500));
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  const uint64_t kept = table.bytes(kUser);
+  EXPECT_GT(kept, 512u << 10) << "the results were not kept whole";
+  // A copy would not fit next to the kept results.
+  const uint64_t ids[] = {id};
+  auto poll = table.StartPoll(kUser, ids, nullptr);
+  ASSERT_TRUE(poll.ok()) << poll.status();
+  auto read = (*poll)->Report();
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->at(0).results_size(), 1500);
+  EXPECT_EQ(read->at(0).results(1499).message(), probe->message);
+  EXPECT_LE(table.bytes(kUser), kept + (4 << 10))
+      << "the reply was charged as a copy";
+  poll->reset();
+  EXPECT_EQ(table.bytes(kUser), 0u);
+}
+
+// A reader that shares the end (another poll holds it) copies it, and the
+// copy is charged: when it does not fit, nothing is reported.
+TEST_F(TransfersTest, ACopyThatDoesNotFitIsRefusedAndReportsNothing) {
+  TransferTable table(ByteLimits(1 << 20, 2 << 20, 2));
+  auto probe = std::make_shared<Probe>();
+  probe->message = std::string(300, 'm');
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe, ManyFailed(1500));
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  const uint64_t ids[] = {id};
+  auto other = table.StartPoll(kUser, ids, nullptr);
+  ASSERT_TRUE(other.ok());
+  auto refused = table.Get(kUser, ids);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("--max_transfer_bytes_per_user"),
+            absl::string_view::npos)
+      << refused.status();
+  EXPECT_EQ(table.kept(), 1u) << "a refused read reported the end";
+  other->reset();
+  auto read = table.Get(kUser, ids);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->at(0).results_size(), 1500);
+  EXPECT_EQ(table.bytes(), 0u);
+}
+
+TEST_F(TransfersTest, AStreamWhoseNextCopyDoesNotFitIsClosedNamingTheBudget) {
+  TransferTable table(ByteLimits(1 << 20, 2 << 20, 2));
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes);
+  auto probe = std::make_shared<Probe>();
+  probe->message = std::string(300, 'm');
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe, ManyFailed(1500));
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return wakes >= 1; }));
+  EXPECT_TRUE(absl::IsResourceExhausted(watch->status())) << watch->status();
+  EXPECT_NE(watch->status().message().find("--max_transfer_bytes_per_user"),
+            std::string::npos)
+      << watch->status();
+  EXPECT_FALSE(watch->Next().has_value());
+  // The end stays kept, whole, for GetTransfers.
+  auto read = Get(table, id);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->results(1).message(), probe->message);
+  watch.reset();
+  EXPECT_EQ(table.bytes(), 0u);
+}
+
+TEST_F(TransfersTest, AStreamsCopiesAreChargedUntilTheNextOne) {
+  TransferTable table(ByteLimits(4 << 20, 8 << 20, 2));
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes);
+  auto probe = std::make_shared<Probe>();
+  probe->message = std::string(300, 'm');
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe, ManyFailed(1500));
+  ASSERT_TRUE(Eventually([&] { return wakes >= 1; }));
+  const uint64_t kept_and_head = table.bytes(kUser);
+  std::optional<v1::Transfer> end = watch->Next();
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(end->transfer_id(), id);
+  EXPECT_EQ(end->results_size(), 1500);
+  EXPECT_EQ(table.bytes(kUser), kept_and_head) << "the copy moved charges";
+  watch->Delivered(id);
+  ASSERT_TRUE(Get(table, id).ok());
+  watch.reset();
+  EXPECT_EQ(table.bytes(), 0u);
+}
+
+TEST_F(TransfersTest, DeliveredEndsAreDroppedToMakeRoomForBytes) {
+  TransferTable table(ByteLimits(1 << 20, 2 << 20, 2));
+  std::atomic<int> wakes{0};
+  auto watch = Watch(table, &wakes);
+  auto probe = std::make_shared<Probe>();
+  probe->message = std::string(300, 'm');
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe, ManyFailed(1000));
+  ASSERT_TRUE(Eventually([&] { return wakes >= 1; }));
+  ASSERT_TRUE(watch->Next().has_value());
+  watch->Delivered(id);
+  watch.reset();  // and with it the copy it wrote
+  // Its client has it: a request copy that needs its bytes drops it.
+  const uint64_t next =
+      Submit(table, std::make_shared<Probe>(), {absl::StatusCode::kOk}, kUser,
+             absl::Now() + absl::Seconds(60), 700 << 10);
+  EXPECT_NE(next, 0u) << last_status_;
+  EXPECT_TRUE(absl::IsNotFound(Get(table, id).status()));
+  ASSERT_TRUE(table.Cancel(kUser, next).ok());
+}
+
+TEST_F(TransfersTest, GetCountsARepeatedIdOnce) {
+  TransferTable table(Limits());
+  auto probe = std::make_shared<Probe>();
+  probe->release.Notify();
+  const uint64_t id = Submit(table, probe, ManyFailed(100));
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  std::vector<uint64_t> ids(1024, id);
+  auto read = table.Get(kUser, ids);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->size(), 1u);
+  EXPECT_EQ(read->at(0).transfer_id(), id);
+  EXPECT_EQ(read->at(0).results_size(), 100);
+  EXPECT_EQ(table.kept(), 0u);
+}
+
+// --------------------------------------------------------- the workers
+
+// With four workers one user runs at most two transfers at once: its other
+// transfers wait while another user's take the free workers.
+TEST_F(TransfersTest, OneUserRunsAtMostItsShareOfTheWorkers) {
+  TransferTable table(Limits(/*workers=*/4));
+  EXPECT_EQ(table.limits().running_per_user(), 2u);
+  std::vector<std::shared_ptr<Probe>> stuck;
+  for (int i = 0; i < 4; ++i) {
+    stuck.push_back(std::make_shared<Probe>());
+    ASSERT_NE(Submit(table, stuck.back()), 0u) << last_status_;
+  }
+  ASSERT_TRUE(Eventually([&] { return table.running(kUser) == 2; }));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(table.running(kUser), 2u);
+  EXPECT_FALSE(stuck[2]->started);
+  EXPECT_FALSE(stuck[3]->started);
+  // Two workers are free for the other user, at once and again.
+  for (int i = 0; i < 2; ++i) {
+    auto theirs = std::make_shared<Probe>();
+    theirs->release.Notify();
+    const uint64_t id =
+        Submit(table, theirs, {absl::StatusCode::kOk}, kOtherUser);
+    ASSERT_NE(id, 0u) << last_status_;
+    auto done = Get(table, id, absl::Seconds(10), kOtherUser);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->state(), v1::TRANSFER_STATE_DONE)
+        << "the other user's transfer waited behind the stuck ones";
+  }
+  // One of the stuck ends: the next of the same user takes its worker.
+  stuck[0]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return stuck[2]->started.load(); }));
+  EXPECT_EQ(table.running(kUser), 2u);
+  EXPECT_FALSE(stuck[3]->started);
+  for (int i = 1; i < 4; ++i) stuck[i]->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return table.in_flight() == 0; }));
+  EXPECT_TRUE(stuck[3]->run_returned);
+}
+
+TEST_F(TransfersTest, TheRunningCapIsConfigurable) {
+  TransferLimits limits = Limits(/*workers=*/3);
+  EXPECT_EQ(limits.running_per_user(), 1u);
+  limits.max_running_per_user = 3;
+  TransferTable table(limits);
+  std::vector<std::shared_ptr<Probe>> probes;
+  for (int i = 0; i < 3; ++i) {
+    probes.push_back(std::make_shared<Probe>());
+    ASSERT_NE(Submit(table, probes.back()), 0u) << last_status_;
+  }
+  ASSERT_TRUE(Eventually([&] { return table.running(kUser) == 3; }));
+  for (auto& probe : probes) probe->release.Notify();
+}
+
+// ----------------------------------------------------------------- ids
+
+TEST_F(TransfersTest, IdsSayNothingOfOtherUsersTransfers) {
+  TransferTable table(Limits(/*workers=*/2));
+  std::vector<uint64_t> mine;
+  for (int round = 0; round < 20; ++round) {
+    auto probe = std::make_shared<Probe>();
+    probe->release.Notify();
+    mine.push_back(Submit(table, probe));
+    ASSERT_NE(mine.back(), 0u) << last_status_;
+    ASSERT_TRUE(Get(table, mine.back(), absl::Seconds(10)).ok());
+    // Between two of mine, `round` of theirs.
+    for (int i = 0; i < round; ++i) {
+      auto theirs = std::make_shared<Probe>();
+      theirs->release.Notify();
+      const uint64_t id =
+          Submit(table, theirs, {absl::StatusCode::kOk}, kOtherUser);
+      ASSERT_TRUE(Get(table, id, absl::Seconds(10), kOtherUser).ok());
+    }
+  }
+  size_t small_gaps = 0;
+  for (size_t i = 1; i < mine.size(); ++i) {
+    EXPECT_LT(mine[i], uint64_t{1} << 63);
+    const uint64_t gap =
+        mine[i] > mine[i - 1] ? mine[i] - mine[i - 1] : mine[i - 1] - mine[i];
+    if (gap < (uint64_t{1} << 32)) ++small_gaps;
+  }
+  EXPECT_EQ(small_gaps, 0u) << "ids look like a counter";
 }
 
 }  // namespace
