@@ -123,8 +123,19 @@ absl::Status CheckPeerAgentId(const PeerTls& tls, const grpc::AuthContext& auth,
       "', which its certificate does not name (it names ", shown, ")"));
 }
 
+std::string PeerCallerAddress(absl::string_view grpc_peer) {
+  absl::string_view address = grpc_peer;
+  if (absl::ConsumePrefix(&address, "unix-abstract:") &&
+      (absl::StartsWith(address, "ipv4:") ||
+       absl::StartsWith(address, "ipv6:"))) {
+    return std::string(address.substr(0, address.rfind('/')));
+  }
+  return std::string(grpc_peer);
+}
+
 std::string PeerSourceAddress(absl::string_view peer) {
-  absl::string_view address = peer;
+  const std::string caller = PeerCallerAddress(peer);
+  absl::string_view address = caller;
   if (absl::ConsumePrefix(&address, "ipv4:")) {
     return std::string(address.substr(0, address.rfind(':')));
   }
@@ -132,7 +143,7 @@ std::string PeerSourceAddress(absl::string_view peer) {
       absl::StartsWith(address, "[")) {
     return std::string(address.substr(0, address.find(']') + 1));
   }
-  return std::string(peer);
+  return caller;
 }
 
 }  // namespace rdma_agent

@@ -63,6 +63,13 @@ std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& auth);
 absl::Status CheckPeerAgentId(const PeerTls& tls, const grpc::AuthContext& auth,
                               absl::string_view claimed);
 
+// The caller's address ("ipv4:10.0.0.2:5555") from gRPC's peer string of
+// a Peer call: the agent's Peer listener splices connections to gRPC over
+// Unix sockets named after the caller ("unix-abstract:ipv4:10.0.0.2:5555/7",
+// daemon/peer_gate.h), which this undoes; other strings are returned as
+// they are.
+std::string PeerCallerAddress(absl::string_view grpc_peer);
+
 // The address a Peer call came from, without its port, from gRPC's peer
 // string: "10.0.0.2" from "ipv4:10.0.0.2:5555", "[fe80::1]" from
 // "ipv6:[fe80::1]:5555"; any other string whole. What per-source bounds

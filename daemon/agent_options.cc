@@ -26,6 +26,22 @@ absl::Status AgentOptions::Validate() const {
         "--max_notification_bytes must be 0 to 1048576 and "
         "--max_notifications_per_user at least 1");
   }
+  if (peer_listener.max_connections < 1 ||
+      peer_listener.max_connections_per_source < 1 ||
+      peer_listener.max_connections_per_source >
+          peer_listener.max_connections) {
+    return absl::InvalidArgumentError(
+        "--peer_max_connections_per_source must be 1 to "
+        "--peer_max_connections");
+  }
+  if (peer_listener.call_arrival_timeout < absl::Milliseconds(1) ||
+      peer_listener.max_connection_age < absl::Seconds(1) ||
+      peer_listener.max_connection_age > absl::Hours(24 * 24) ||
+      peer_listener.call_arrival_timeout > absl::Hours(1)) {
+    return absl::InvalidArgumentError(
+        "--peer_call_arrival_timeout must be 1ms to 1h and "
+        "--peer_max_connection_age 1s to 24 days");
+  }
   return absl::OkStatus();
 }
 

@@ -36,7 +36,8 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
         !claimed.ok()) {
       return ToGrpcStatus(claimed);
     }
-    auto answer = backend_->AcceptQueuePair(*request, context->peer());
+    auto answer =
+        backend_->AcceptQueuePair(*request, PeerCallerAddress(context->peer()));
     if (!answer.ok()) {
       return ToGrpcStatus(answer.status());
     }
@@ -51,7 +52,8 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
         !claimed.ok()) {
       return ToGrpcStatus(claimed);
     }
-    auto answer = backend_->GrantBuffer(*request, context->peer());
+    auto answer =
+        backend_->GrantBuffer(*request, PeerCallerAddress(context->peer()));
     if (!answer.ok()) {
       return ToGrpcStatus(answer.status());
     }
@@ -66,8 +68,8 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
         !claimed.ok()) {
       return ToGrpcStatus(claimed);
     }
-    return ToGrpcStatus(
-        backend_->AcceptNotification(*request, context->peer()));
+    return ToGrpcStatus(backend_->AcceptNotification(
+        *request, PeerCallerAddress(context->peer())));
   }
 
  private:
@@ -79,7 +81,8 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
                                             *context.auth_context(), agent_id);
     if (!claimed.ok()) {
       spdlog::warn("ibverbs: refused a Peer call from {}: {}",
-                   LogSafe(context.peer()), LogSafe(claimed.message()));
+                   LogSafe(PeerCallerAddress(context.peer())),
+                   LogSafe(claimed.message()));
     }
     return claimed;
   }
