@@ -229,14 +229,16 @@ void PeerGate::Admit(UniqueFd connection, const sockaddr_storage& address) {
   sockaddr_un remote = {};
   remote.sun_family = AF_UNIX;
   std::memcpy(remote.sun_path, backend_path_.data(), backend_path_.size());
+  // Non-blocking before connect: a Unix connect then fails (EAGAIN) when
+  // gRPC's backlog is full rather than stalling the accept thread.
   const bool connected =
-      inner &&
+      inner && SetNonBlocking(inner.get()) &&
       ::bind(inner.get(), reinterpret_cast<sockaddr*>(&local),
              static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
                                     name_bytes)) == 0 &&
       ::connect(inner.get(), reinterpret_cast<sockaddr*>(&remote),
                 sizeof(remote)) == 0 &&
-      SetNonBlocking(inner.get()) && SetNonBlocking(connection.get());
+      SetNonBlocking(connection.get());
   const int error = errno;
   absl::MutexLock lock(&mu_);
   auto it = pipes_.find(serial);
