@@ -3,10 +3,13 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace grpc {
+class AuthContext;
 class ChannelArguments;
 class ChannelCredentials;
 class ServerCredentials;
@@ -46,6 +49,33 @@ std::shared_ptr<grpc::ServerCredentials> PeerServerCredentials(
 // server name in `args` when tls.server_name is set.
 std::shared_ptr<grpc::ChannelCredentials> PeerChannelCredentials(
     const PeerTls& tls, grpc::ChannelArguments* args);
+
+// The names the certificate that authenticated a Peer call gives its
+// agent: its subject common name (CN) and its subjectAltName DNS names and
+// URIs. Empty when no certificate did (plaintext).
+std::vector<std::string> PeerCertificateNames(const grpc::AuthContext& auth);
+
+// Under mutual TLS (`tls` enabled) a Peer caller is the agent its
+// certificate names: OK when `claimed` (the request's agent_id) is one of
+// PeerCertificateNames(auth), UNAUTHENTICATED when the call carries no
+// verified certificate, PERMISSION_DENIED naming both otherwise. Without
+// TLS, OK: the claim is a label only and never selects anything.
+absl::Status CheckPeerAgentId(const PeerTls& tls, const grpc::AuthContext& auth,
+                              absl::string_view claimed);
+
+// The caller's address ("ipv4:10.0.0.2:5555") from gRPC's peer string of
+// a Peer call: the agent's Peer listener splices connections to gRPC over
+// Unix sockets named after the caller ("unix-abstract:ipv4:10.0.0.2:5555/7",
+// daemon/peer_gate.h), which this undoes; other strings are returned as
+// they are.
+std::string PeerCallerAddress(absl::string_view grpc_peer);
+
+// The address a Peer call came from, without its port, from gRPC's peer
+// string: "10.0.0.2" from "ipv4:10.0.0.2:5555", "[fe80::1]" from
+// "ipv6:[fe80::1]:5555"; any other string whole. What per-source bounds
+// count by: one host's connections and sessions share it, whatever port
+// they come from.
+std::string PeerSourceAddress(absl::string_view peer);
 
 }  // namespace rdma_agent
 

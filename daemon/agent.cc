@@ -32,6 +32,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/metrics_server.h"
 #include "daemon/ops/transfers.h"
+#include "daemon/peer_gate.h"
 #include "daemon/state_dir.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -292,19 +293,57 @@ absl::Status Agent::StartPeerListener() {
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              kPeerMaxStreamsPerConnection);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kPeerMaxIdleMs);
-  int port = 0;
+  const PeerListenerLimits& limits = options_.peer_listener;
+  // Every connection ends, so a half-sent call on one that once delivered
+  // a request holds nothing for long either.
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONNECTION_AGE_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(limits.max_connection_age)));
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(limits.call_arrival_timeout)));
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(limits.call_arrival_timeout)));
+  // gRPC serves on a Unix socket only this agent can reach; the PeerGate
+  // takes the network's connections, caps them per source and in total,
+  // cuts those that deliver no request in time, and splices the rest to it
+  // (gRPC's own listener has no per-source cap, and cannot take accepted
+  // fds under TLS).
+  const std::string private_dir = options_.runtime_dir + "/peer";
+  if (::mkdir(private_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ErrnoStatus(absl::StatusCode::kInternal,
+                       absl::StrCat("cannot create ", private_dir), errno);
+  }
+  if (::chmod(private_dir.c_str(), 0700) != 0) {
+    return ErrnoStatus(absl::StatusCode::kInternal,
+                       absl::StrCat("chmod ", private_dir), errno);
+  }
+  const std::string grpc_socket = private_dir + "/grpc.sock";
   // With TLS material, peers must present a certificate from the CA.
-  builder.AddListeningPort(options_.peer_listen,
-                           PeerServerCredentials(options_.peer_tls), &port);
+  builder.AddListeningPort("unix:" + grpc_socket,
+                           PeerServerCredentials(options_.peer_tls));
   for (grpc::Service* service : peer_services) {
     builder.RegisterService(service);
   }
-  ObserveRpcs(builder, std::make_unique<RpcObserverFactory>(metrics_.get()));
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(std::make_unique<RpcObserverFactory>(metrics_.get()));
+  // Calls arrive only through the gate, which exists before any does.
+  interceptors.push_back(MakeArrivalInterceptor([this](absl::string_view peer) {
+    if (peer_gate_ != nullptr) peer_gate_->RequestArrived(peer);
+  }));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   peer_server_ = builder.BuildAndStart();
-  if (peer_server_ == nullptr || port == 0) {
+  if (peer_server_ == nullptr) {
     return absl::UnavailableError(
-        absl::StrCat("cannot listen for peers on ", options_.peer_listen));
+        absl::StrCat("cannot serve peers on ", grpc_socket));
   }
+  auto gate = PeerGate::Start(options_.peer_listen, grpc_socket, limits);
+  if (!gate.ok()) return gate.status();
+  peer_gate_ = std::move(*gate);
+  const uint16_t port = peer_gate_->port();
   // The port actually bound, at the host peers can reach it at.
   peer_address_ = JoinHostPort(
       AdvertisedHost(listen->host,

@@ -131,6 +131,9 @@ class Agent {
   // whose ops charges those batches hold: its workers are joined before
   // either goes, and before the backends do.
   std::unique_ptr<TransferTable> transfers_;
+  // The Peer listener's front (daemon/peer_gate.h); it outlives the Peer
+  // server, whose calls tell it which connections delivered a request.
+  std::unique_ptr<PeerGate> peer_gate_;
   std::unique_ptr<grpc::Server> peer_server_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<UnixListener> listener_;

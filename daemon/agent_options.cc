@@ -67,6 +67,22 @@ absl::Status AgentOptions::Validate() const {
         "--metrics_request_timeout 100ms to 10m and --metrics_max_peers 0 to "
         "4096");
   }
+  if (peer_listener.max_connections < 1 ||
+      peer_listener.max_connections_per_source < 1 ||
+      peer_listener.max_connections_per_source >
+          peer_listener.max_connections) {
+    return absl::InvalidArgumentError(
+        "--peer_max_connections_per_source must be 1 to "
+        "--peer_max_connections");
+  }
+  if (peer_listener.call_arrival_timeout < absl::Milliseconds(1) ||
+      peer_listener.max_connection_age < absl::Seconds(1) ||
+      peer_listener.max_connection_age > absl::Hours(24 * 24) ||
+      peer_listener.call_arrival_timeout > absl::Hours(1)) {
+    return absl::InvalidArgumentError(
+        "--peer_call_arrival_timeout must be 1ms to 1h and "
+        "--peer_max_connection_age 1s to 24 days");
+  }
   return absl::OkStatus();
 }
 

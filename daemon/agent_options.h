@@ -16,6 +16,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/transfers.h"
+#include "daemon/peer_gate.h"
 
 namespace rdma_agent {
 
@@ -49,6 +50,9 @@ struct AgentOptions {
   // Mutual TLS for the Peer listener and for backends calling peers' Peer
   // services (LoadPeerTls()); not enabled = plaintext.
   PeerTls peer_tls;
+  // What the Peer listener lets strangers hold: connections per source and
+  // in total, how long a connection has to deliver a request, and its age.
+  PeerListenerLimits peer_listener;
   // Spawned in order; the registry orders them by transport level.
   std::vector<BackendFactory> backends;
   // host:port of the Prometheus endpoint (/metrics, /healthz); empty: none.

@@ -2,11 +2,18 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "backends/ibverbs/options.h"
 #include "backends/ibverbs/real_verbs.h"
+
+namespace {
+// Defaults come from the options struct, written once.
+const rdma_agent::ibverbs::IbverbsOptions kDefaults;
+}  // namespace
 
 ABSL_FLAG(bool, ibverbs_enable, true,
           "Use RDMA NICs through libibverbs when present. False: the ibverbs "
@@ -82,6 +89,34 @@ ABSL_FLAG(int32_t, ibverbs_max_responders, 1024,
           "Peer sessions kept at most (one per peer agent and device, each a "
           "protection domain with one queue pair); handshakes beyond it fail "
           "with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int32_t, ibverbs_max_responders_per_source,
+          static_cast<int32_t>(kDefaults.max_responders_per_source),
+          "Peer sessions kept at most for one caller address (the IP a Peer "
+          "call comes from), so that one host holding one token cannot take "
+          "every session; handshakes beyond fail with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(absl::Duration, ibverbs_responder_idle_timeout,
+          kDefaults.responder_idle_timeout,
+          "A peer session no handshake or grant request named for this long "
+          "is dropped with its queue pair, protection domain and grants "
+          "(agents using a session name it again well before). 0: never. "
+          "Sessions also go once every buffer proven for them is released.");
+ABSL_FLAG(int32_t, ibverbs_max_requester_peers,
+          static_cast<int32_t>(kDefaults.max_requester_peers),
+          "Peer agents (agent id and epoch, as remote contexts name them) "
+          "this agent keeps lanes and queue pairs for as requester, and Peer "
+          "channels (addresses) it keeps open; past it the least recently "
+          "used idle one makes room, and ops to a new peer fail with "
+          "RESOURCE_EXHAUSTED when every one is in use.");
+ABSL_FLAG(absl::Duration, ibverbs_requester_idle_timeout,
+          kDefaults.requester_idle_timeout,
+          "Requester state of a peer (lanes, queue pairs, its Peer channel) "
+          "unused for this long is dropped; the next op reconnects. Keep it "
+          "below peers' --ibverbs_responder_idle_timeout. 0: never.");
+ABSL_FLAG(int32_t, ibverbs_max_peer_link_labels,
+          static_cast<int32_t>(kDefaults.max_peer_link_labels),
+          "Distinct peer labels of rdma_agentd_peer_links per direction for "
+          "the ibverbs backend; the peers with fewer links are summed under "
+          "peer=\"other\".");
 ABSL_FLAG(int32_t, ibverbs_max_grants_per_peer, 4096,
           "Registrations one peer session may be granted (one memory region "
           "each in its protection domain); grants beyond it fail with "
@@ -174,6 +209,32 @@ absl::StatusOr<IbverbsOptions> IbverbsOptionsFromFlags() {
         "--ibverbs_max_grants_per_peer=", max_grants, " must be positive"));
   }
   options.max_grants_per_peer = static_cast<size_t>(max_grants);
+  for (const auto& [flag, value, out] :
+       {std::tuple{"ibverbs_max_responders_per_source",
+                   absl::GetFlag(FLAGS_ibverbs_max_responders_per_source),
+                   &options.max_responders_per_source},
+        std::tuple{"ibverbs_max_requester_peers",
+                   absl::GetFlag(FLAGS_ibverbs_max_requester_peers),
+                   &options.max_requester_peers},
+        std::tuple{"ibverbs_max_peer_link_labels",
+                   absl::GetFlag(FLAGS_ibverbs_max_peer_link_labels),
+                   &options.max_peer_link_labels}}) {
+    if (value < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, "=", value, " must be positive"));
+    }
+    *out = static_cast<size_t>(value);
+  }
+  options.responder_idle_timeout =
+      absl::GetFlag(FLAGS_ibverbs_responder_idle_timeout);
+  options.requester_idle_timeout =
+      absl::GetFlag(FLAGS_ibverbs_requester_idle_timeout);
+  if (options.responder_idle_timeout < absl::ZeroDuration() ||
+      options.requester_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--ibverbs_responder_idle_timeout and "
+        "--ibverbs_requester_idle_timeout must not be negative");
+  }
   options.stripe_threshold_bytes =
       absl::GetFlag(FLAGS_ibverbs_stripe_threshold_bytes);
   options.rail_cooldown = absl::GetFlag(FLAGS_ibverbs_rail_cooldown);

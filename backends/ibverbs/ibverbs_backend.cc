@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstring>
 #include <thread>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "backends/ibverbs/registration_state.h"
 #include "backends/ibverbs/requester.h"
+#include "backends/peer_tls.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/random.h"
@@ -30,7 +32,12 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
   grpc::Status ConnectQueuePair(
       grpc::ServerContext* context, const v1::ConnectQueuePairRequest* request,
       v1::ConnectQueuePairResponse* response) override {
-    auto answer = backend_->AcceptQueuePair(*request, context->peer());
+    if (absl::Status claimed = CheckClaim(*context, request->agent_id());
+        !claimed.ok()) {
+      return ToGrpcStatus(claimed);
+    }
+    auto answer =
+        backend_->AcceptQueuePair(*request, PeerCallerAddress(context->peer()));
     if (!answer.ok()) {
       return ToGrpcStatus(answer.status());
     }
@@ -41,7 +48,12 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
   grpc::Status GrantBuffer(grpc::ServerContext* context,
                            const v1::GrantBufferRequest* request,
                            v1::GrantBufferResponse* response) override {
-    auto answer = backend_->GrantBuffer(*request, context->peer());
+    if (absl::Status claimed = CheckClaim(*context, request->agent_id());
+        !claimed.ok()) {
+      return ToGrpcStatus(claimed);
+    }
+    auto answer =
+        backend_->GrantBuffer(*request, PeerCallerAddress(context->peer()));
     if (!answer.ok()) {
       return ToGrpcStatus(answer.status());
     }
@@ -52,11 +64,29 @@ class IbverbsBackend::PeerService : public v1::Peer::Service {
   grpc::Status Notify(grpc::ServerContext* context,
                       const v1::NotifyRequest* request,
                       v1::NotifyResponse*) override {
-    return ToGrpcStatus(
-        backend_->AcceptNotification(*request, context->peer()));
+    if (absl::Status claimed = CheckClaim(*context, request->agent_id());
+        !claimed.ok()) {
+      return ToGrpcStatus(claimed);
+    }
+    return ToGrpcStatus(backend_->AcceptNotification(
+        *request, PeerCallerAddress(context->peer())));
   }
 
  private:
+  // Under mutual TLS the caller is the agent its certificate names, before
+  // anything else is looked at; the refusal is logged here, once.
+  absl::Status CheckClaim(const grpc::ServerContext& context,
+                          const std::string& agent_id) const {
+    absl::Status claimed = CheckPeerAgentId(backend_->env_.peer_tls,
+                                            *context.auth_context(), agent_id);
+    if (!claimed.ok()) {
+      spdlog::warn("ibverbs: refused a Peer call from {}: {}",
+                   LogSafe(PeerCallerAddress(context.peer())),
+                   LogSafe(claimed.message()));
+    }
+    return claimed;
+  }
+
   IbverbsBackend* const backend_;
 };
 
@@ -121,25 +151,43 @@ v1::BufferGrant MakeGrant(const Registration& registration, uint32_t rkey) {
 // protection domain of its own on this agent's device, the responder QP in
 // it, and an MR in it for each registration the peer proved (grants). The
 // QP reaches nothing else: MRs of other sessions and of the main PD are in
-// other PDs.
+// other PDs. Named by `secret`, the handle this agent issued: whoever
+// presents it is the session's peer, whatever agent id it claims.
 class IbverbsBackend::PeerSession {
  public:
-  PeerSession(uint64_t serial, std::string id, std::string peer,
-              std::shared_ptr<verbs::ProtectionDomain> pd)
+  PeerSession(uint64_t serial, std::string secret, std::string source,
+              std::string peer, std::shared_ptr<verbs::ProtectionDomain> pd)
       : serial_(serial),
-        id_(std::move(id)),
+        secret_(std::move(secret)),
+        source_(std::move(source)),
         peer_(std::move(peer)),
-        pd_(std::move(pd)) {}
+        pd_(std::move(pd)) {
+    Touch();
+  }
   ~PeerSession() { Close(); }  // grants, then the QP, then the PD
   PeerSession(const PeerSession&) = delete;
   PeerSession& operator=(const PeerSession&) = delete;
 
-  const std::string& id() const { return id_; }
-  // "agent/device" of the requesting rail, for metrics.
+  const std::string& secret() const { return secret_; }
+  // The caller's address without its port (PeerSourceAddress).
+  const std::string& source() const { return source_; }
+  // "agent/device" the requesting rail claimed, for metrics.
   const std::string& peer() const { return peer_; }
   verbs::ProtectionDomain* pd() const { return pd_.get(); }
   void set_responder(std::unique_ptr<QueuePairConnection> responder) {
     responder_ = std::move(responder);
+  }
+
+  // A Peer call named the session now.
+  void Touch() { last_used_ = absl::ToUnixNanos(absl::Now()); }
+  // Unused for longer than `timeout` (never, when it is zero) at `now`, or
+  // admitted by no live registration any more.
+  bool Expired(absl::Time now, absl::Duration timeout) const {
+    if (timeout > absl::ZeroDuration() &&
+        now - absl::FromUnixNanos(last_used_.load()) > timeout) {
+      return true;
+    }
+    return grant_count() == 0;
   }
 
   // Registers `registration` in this session's PD with exactly the remote
@@ -187,7 +235,8 @@ class IbverbsBackend::PeerSession {
     return MakeGrant(registration, rkey);
   }
 
-  // Live grants.
+  // Live grants: one per registration proven for the session and still
+  // registered.
   size_t grant_count() const {
     absl::MutexLock lock(&mu_);
     size_t live = 0;
@@ -217,8 +266,11 @@ class IbverbsBackend::PeerSession {
 
  private:
   const uint64_t serial_;
-  const std::string id_;
+  const std::string secret_;
+  const std::string source_;
   const std::string peer_;
+  // Unix nanoseconds of the last Peer call naming the session.
+  std::atomic<int64_t> last_used_{0};
   // Declared before responder_: the QP is destroyed before its PD.
   const std::shared_ptr<verbs::ProtectionDomain> pd_;
   std::unique_ptr<QueuePairConnection> responder_;
@@ -252,6 +304,7 @@ absl::StatusOr<std::unique_ptr<IbverbsBackend>> IbverbsBackend::Create(
     backend->devices_.clear();
   } else {
     backend->WatchPorts();
+    backend->StartSweeper();
   }
   return backend;
 }
@@ -271,6 +324,7 @@ IbverbsBackend::IbverbsBackend(BackendEnvironment env, IbverbsOptions options,
 }
 
 IbverbsBackend::~IbverbsBackend() {
+  StopSweeper();
   // Port events update rails: their threads go before the rails do (all
   // asked first, so that they stop together).
   for (const auto& device : devices_) {
@@ -752,32 +806,28 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
         absl::StrCat("buffer ", request.buffer_id(),
                      " is not registered with the ibverbs backend"));
   }
-  // One session per (requester rail, rail of ours): a reconnect between
-  // the same two rails replaces it.
-  const std::string key =
-      absl::StrCat(request.agent_id(), "/", requester.device(), ":",
-                   requester.port(), ">", rail->name);
-  const auto over_bound = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return responders_.count(key) == 0 &&
-           responders_.size() >= options_.max_responders;
-  };
-  const auto exhausted = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    // Bounds the PDs and QPs peers can make this agent allocate.
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "agent ", env_.identity.agent_id, " already serves ",
-        responders_.size(), " peer queue pairs (--ibverbs_max_responders)"));
-  };
+  const std::string source = PeerSourceAddress(peer);
+  // Only the handle this agent issued names a session: a reconnect
+  // presenting it replaces that session; anything else (none, a guess, one
+  // that expired) is a new session, which never touches another's.
+  std::shared_ptr<PeerSession> previous =
+      request.session().empty() ? nullptr : FindSession(request.session());
+  std::vector<std::shared_ptr<PeerSession>> expired;  // destroyed unlocked
   uint64_t serial;
   {
     absl::MutexLock lock(&mu_);
-    if (over_bound()) return exhausted();
+    if (previous == nullptr) {
+      absl::Status admitted = AdmitSession(source, "", expired);
+      if (!admitted.ok()) return admitted;
+    }
     serial = next_session_serial_++;
   }
+  expired.clear();
   auto pd = rail->device->device->AllocateProtectionDomain();
   if (!pd.ok()) return pd.status();
   auto session = std::make_shared<PeerSession>(
-      serial, RandomBytes(16),
-      absl::StrCat(request.agent_id(), "/", requester.device()),
+      serial, previous != nullptr ? previous->secret() : RandomBytes(16),
+      source, absl::StrCat(request.agent_id(), "/", requester.device()),
       std::shared_ptr<verbs::ProtectionDomain>(std::move(*pd)));
   LocalPort port = rail->local;
   port.pd = session->pd();
@@ -799,28 +849,128 @@ absl::StatusOr<v1::ConnectQueuePairResponse> IbverbsBackend::AcceptQueuePair(
                                     options_.max_grants_per_peer);
   if (!grant.ok()) return grant.status();
   *response.mutable_grant() = *grant;
-  response.set_session(session->id());
+  response.set_session(session->secret());
+  response.set_session_idle_timeout_ms(static_cast<uint64_t>(
+      absl::ToInt64Milliseconds(options_.responder_idle_timeout)));
   std::shared_ptr<PeerSession> replaced = session;
   {
     absl::MutexLock lock(&mu_);
-    if (over_bound()) return exhausted();
-    responders_[key].swap(replaced);
+    // Checked again: others may have been admitted meanwhile, or the
+    // session reconnected may have expired.
+    absl::Status admitted = AdmitSession(source, session->secret(), expired);
+    if (!admitted.ok()) return admitted;
+    responders_[session->secret()].swap(replaced);
   }
-  spdlog::info("ibverbs: serving agent {} device {} on rail {} (QP {})",
-               LogSafe(request.agent_id()), LogSafe(requester.device()),
-               rail->name, response.responder().qp_num());
-  // `replaced` (the peer's previous session) drops its grants, QP and PD.
+  expired.clear();
+  spdlog::info(
+      "ibverbs: serving agent {} device {} from {} on rail {} (QP {}{})",
+      LogSafe(request.agent_id()), LogSafe(requester.device()), LogSafe(source),
+      rail->name, response.responder().qp_num(),
+      replaced != nullptr ? ", reconnected" : "");
+  // `replaced` (the session's previous QP) drops its grants, QP and PD.
   return response;
 }
 
+absl::Status IbverbsBackend::AdmitSession(
+    const std::string& source, const std::string& replacing,
+    std::vector<std::shared_ptr<PeerSession>>& expired) {
+  if (!replacing.empty() && responders_.count(replacing) != 0) {
+    return absl::OkStatus();  // one session for another
+  }
+  const auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t from_source = 0;
+    for (const auto& [secret, session] : responders_) {
+      from_source += session->source() == source;
+    }
+    if (from_source >= options_.max_responders_per_source) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("agent ", env_.identity.agent_id, " already serves ",
+                       from_source, " peer sessions for ", LogSafe(source),
+                       " (--ibverbs_max_responders_per_source)"));
+    }
+    if (responders_.size() >= options_.max_responders) {
+      // Bounds the PDs and QPs peers can make this agent allocate.
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "agent ", env_.identity.agent_id, " already serves ",
+          responders_.size(), " peer sessions (--ibverbs_max_responders)"));
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status = over();
+  if (status.ok()) return status;
+  // Full: sessions the sweeper has not reached yet make room first.
+  TakeExpiredSessions(absl::Now(), expired);
+  return over();
+}
+
+void IbverbsBackend::TakeExpiredSessions(
+    absl::Time now, std::vector<std::shared_ptr<PeerSession>>& expired) {
+  for (auto it = responders_.begin(); it != responders_.end();) {
+    if (!it->second->Expired(now, options_.responder_idle_timeout)) {
+      ++it;
+      continue;
+    }
+    spdlog::info("ibverbs: dropped the session of {} from {} ({})",
+                 LogSafe(it->second->peer()), LogSafe(it->second->source()),
+                 it->second->grant_count() == 0
+                     ? "every buffer it was granted is released"
+                     : "idle");
+    expired.push_back(std::move(it->second));
+    it = responders_.erase(it);
+  }
+}
+
+void IbverbsBackend::Sweep() {
+  std::vector<std::shared_ptr<PeerSession>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    TakeExpiredSessions(absl::Now(), expired);
+  }
+  expired.clear();  // QPs and PDs destroyed outside mu_
+  requester_->ExpireIdle(absl::Now());
+}
+
+absl::Duration IbverbsBackend::SweepInterval() const {
+  absl::Duration shortest = absl::Seconds(1);
+  for (const absl::Duration timeout :
+       {options_.responder_idle_timeout, options_.requester_idle_timeout}) {
+    if (timeout > absl::ZeroDuration()) {
+      shortest = std::min(shortest, timeout / 4);
+    }
+  }
+  return std::max(shortest, absl::Milliseconds(10));
+}
+
+void IbverbsBackend::StartSweeper() {
+  sweeper_ = std::thread([this] {
+    const absl::Duration interval = SweepInterval();
+    absl::MutexLock lock(&sweep_mu_);
+    while (!stopping_) {
+      sweep_mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
+      if (stopping_) break;
+      sweep_mu_.Unlock();
+      Sweep();
+      sweep_mu_.Lock();
+    }
+  });
+}
+
+void IbverbsBackend::StopSweeper() {
+  {
+    absl::MutexLock lock(&sweep_mu_);
+    stopping_ = true;
+  }
+  if (sweeper_.joinable()) sweeper_.join();
+}
+
 std::shared_ptr<IbverbsBackend::PeerSession> IbverbsBackend::FindSession(
-    const std::string& id) const {
+    const std::string& secret) const {
   absl::MutexLock lock(&mu_);
   std::shared_ptr<PeerSession> found;
   // Compared in constant time and over every session: the handle is the
-  // secret that binds grants to a session.
+  // secret that names the session.
   for (const auto& [key, session] : responders_) {
-    if (TokensEqual(session->id(), id)) found = session;
+    if (TokensEqual(session->secret(), secret)) found = session;
   }
   return found;
 }
@@ -844,9 +994,10 @@ absl::StatusOr<v1::GrantBufferResponse> IbverbsBackend::GrantBuffer(
       request.session().empty() ? nullptr : FindSession(request.session());
   if (session == nullptr) {
     return absl::NotFoundError(
-        "no such queue-pair session (replaced or never connected): "
-        "reconnect");
+        "no such queue-pair session (expired, its buffers released, or never "
+        "connected): reconnect");
   }
+  session->Touch();
   const auto* state = dynamic_cast<const IbverbsRegistration*>(
       (*registration)->backend_state(name_));
   if (state == nullptr) {
@@ -927,6 +1078,35 @@ size_t IbverbsBackend::requester_count() const {
   return requester_->connections();
 }
 
+namespace {
+
+// `counts` as links of `direction`, at most `cap` labels: the peers with
+// the most links by name, the rest summed under "other". Labels come from
+// contexts and requests, so their number and text are bounded here.
+void AppendLinks(const std::map<std::string, size_t>& counts,
+                 const std::string& direction, size_t cap,
+                 std::vector<Backend::PeerLinks>& links) {
+  std::vector<std::pair<std::string, size_t>> sorted(counts.begin(),
+                                                     counts.end());
+  const size_t kept = sorted.size() <= cap ? sorted.size() : cap - 1;
+  std::partial_sort(sorted.begin(), sorted.begin() + kept, sorted.end(),
+                    [](const auto& a, const auto& b) {
+                      return a.second != b.second ? a.second > b.second
+                                                  : a.first < b.first;
+                    });
+  size_t other = 0;
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (i < kept) {
+      links.push_back({LogSafe(sorted[i].first), direction, sorted[i].second});
+    } else {
+      other += sorted[i].second;
+    }
+  }
+  if (kept < sorted.size()) links.push_back({"other", direction, other});
+}
+
+}  // namespace
+
 std::vector<Backend::PeerLinks> IbverbsBackend::peer_links() const {
   const std::map<std::string, size_t> out = requester_->ConnectionsByPeer();
   std::map<std::string, size_t> in;
@@ -934,11 +1114,16 @@ std::vector<Backend::PeerLinks> IbverbsBackend::peer_links() const {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, session] : responders_) ++in[session->peer()];
   }
+  const size_t cap = std::max<size_t>(options_.max_peer_link_labels, 1);
   std::vector<PeerLinks> links;
-  for (const auto& [peer, count] : out) links.push_back({peer, "out", count});
-  for (const auto& [peer, count] : in) links.push_back({peer, "in", count});
+  AppendLinks(out, "out", cap, links);
+  AppendLinks(in, "in", cap, links);
   return links;
 }
+
+size_t IbverbsBackend::requester_peers() const { return requester_->peers(); }
+
+size_t IbverbsBackend::peer_channels() const { return requester_->channels(); }
 
 size_t IbverbsBackend::responder_count() const {
   absl::MutexLock lock(&mu_);

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -119,8 +120,14 @@ class IbverbsBackend : public Backend {
                                   absl::string_view peer = "");
 
   // Requester QPs by peer "agent/device" ("out") and responder QPs by the
-  // requesting agent's "agent/device" ("in").
+  // requesting agent's "agent/device" ("in"): at most
+  // options.max_peer_link_labels labels per direction, the peers with
+  // fewer links summed under "other".
   std::vector<PeerLinks> peer_links() const override;
+  // Peer agents the requesting side holds state for (lanes, handshakes),
+  // and the Peer channels it keeps open.
+  size_t requester_peers() const;
+  size_t peer_channels() const;
 
   // Queue pairs this backend connected as requester, over its life.
   uint64_t connections_established() const;
@@ -171,8 +178,28 @@ class IbverbsBackend : public Backend {
   // and PCIe switch, by its PCI address (none given: every rail).
   RailAffinity AffinityOf(const Registration& registration) const;
 
-  // The session `id` names, or nullptr.
-  std::shared_ptr<PeerSession> FindSession(const std::string& id) const;
+  // The session the handle `secret` names, or nullptr.
+  std::shared_ptr<PeerSession> FindSession(const std::string& secret) const;
+  // OK when a new session from `source` fits the bounds (per source, in
+  // total), making room from expired sessions (into `expired`, for the
+  // caller to destroy outside mu_) when full. A session replacing the one
+  // `replacing` names still held fits.
+  absl::Status AdmitSession(const std::string& source,
+                            const std::string& replacing,
+                            std::vector<std::shared_ptr<PeerSession>>& expired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves sessions idle past the timeout, or admitted by no live
+  // registration, out of the table into `expired`.
+  void TakeExpiredSessions(absl::Time now,
+                           std::vector<std::shared_ptr<PeerSession>>& expired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The sweeper: a thread dropping expired sessions and idle requester
+  // state every SweepInterval() (a quarter of the shortest idle timeout, at
+  // most 1 s), so that they go without waiting for the next Peer call.
+  void StartSweeper();
+  void StopSweeper();
+  void Sweep();
+  absl::Duration SweepInterval() const;
   // The lkey of `registration`'s MR in the first device's main PD (0 when
   // it has none).
   uint32_t local_key(const Registration& registration) const;
@@ -196,11 +223,15 @@ class IbverbsBackend : public Backend {
   std::string peer_address_;
 
   mutable absl::Mutex mu_;
-  // Peer sessions (PD + responder QP + grants) by "agent_id/requester
-  // rail>rail of this agent".
+  // Peer sessions (PD + responder QP + grants) by the handle this agent
+  // issued for each (looked up in constant time: FindSession).
   std::map<std::string, std::shared_ptr<PeerSession>> responders_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_serial_ ABSL_GUARDED_BY(mu_) = 1;
+
+  absl::Mutex sweep_mu_;
+  bool stopping_ ABSL_GUARDED_BY(sweep_mu_) = false;
+  std::thread sweeper_;
 };
 
 }  // namespace rdma_agent::ibverbs

@@ -765,12 +765,19 @@ TEST_F(IbverbsBackendTest, PeerServiceAnswersOnAnExternalListener) {
   EXPECT_EQ(response.grant().size_bytes(), 4096u);
   EXPECT_EQ((*backend)->responder_count(), 1u);
   EXPECT_EQ((*backend)->grant_count(), 1u);
-  // A reconnect from the same requester device replaces it (and its
-  // grants).
-  ASSERT_TRUE(call(request).first.ok());
+  // A reconnect presenting the session's handle replaces it (and its
+  // grants), under the same handle.
+  request.set_session(response.session());
+  auto [again, reconnected] = call(request);
+  ASSERT_TRUE(again.ok()) << again.error_message();
+  EXPECT_EQ(reconnected.session(), response.session());
   EXPECT_EQ((*backend)->responder_count(), 1u);
   EXPECT_EQ((*backend)->grant_count(), 1u);
-  // Another requester would exceed max_responders (1 here).
+  // Anyone without it, whatever agent id it claims, would be another
+  // session: past max_responders (1 here).
+  request.clear_session();
+  EXPECT_EQ(call(request).first.error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
   request.set_agent_id("agent-z");
   EXPECT_EQ(call(request).first.error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);

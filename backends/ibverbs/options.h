@@ -32,12 +32,26 @@ struct IbverbsOptions {
   absl::Duration busy_poll = absl::Microseconds(50);
   // Bound on waiting for a QP in ERR to flush its WRs.
   absl::Duration drain_timeout = absl::Seconds(10);
-  // Peer sessions kept at most (one per peer agent rail and rail of this
-  // agent it connected to, each with its own protection domain and
-  // responder QP).
+  // Peer sessions kept at most, in total (each a protection domain of its
+  // own with one responder QP), and per caller address (the IP the Peer
+  // call came from), so that one source cannot take them all.
   size_t max_responders = 1024;
+  size_t max_responders_per_source = 128;
+  // A session no ConnectQueuePair or GrantBuffer named for this long is
+  // dropped (QP, PD, grants); requesters using one refresh it well before.
+  // Sessions also go once every registration proven for them is released.
+  absl::Duration responder_idle_timeout = absl::Minutes(10);
   // Registrations one peer session may be granted (one MR each in its PD).
   size_t max_grants_per_peer = 4096;
+  // Peer agents (agent id and epoch, as contexts name them) the requesting
+  // side keeps lanes, QPs and handshake state for, and Peer channels
+  // (addresses) it keeps open; past it the least recently used idle one
+  // makes room. State of a peer unused for requester_idle_timeout goes.
+  size_t max_requester_peers = 1024;
+  absl::Duration requester_idle_timeout = absl::Minutes(5);
+  // Distinct peer labels peer_links() reports per direction; the peers
+  // with fewer links are summed under "other".
+  size_t max_peer_link_labels = 64;
   // Ops of at least this many bytes are split over every rail pair to
   // their peer, in proportion to link speed; smaller ones go whole to the
   // least loaded pair.

@@ -196,7 +196,12 @@ struct Lane {
   // session and what it was granted (by remote buffer id). Replaced
   // together when the lane reconnects.
   std::shared_ptr<QueuePairConnection> connection;
+  // The peer's handle of the session (kept across reconnects, which
+  // present it), when it was last named in a Peer call, and how long the
+  // peer keeps it unnamed (zero: for ever).
   std::string session;
+  absl::Time session_refreshed;
+  absl::Duration session_idle_timeout;
   std::map<uint64_t, RemoteGrant> grants;
 };
 

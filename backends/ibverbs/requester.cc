@@ -12,6 +12,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -78,6 +79,7 @@ std::string AgentOf(const std::string& peer) {
 struct Requester::Handshaken {
   std::shared_ptr<QueuePairConnection> connection;
   std::string session;
+  absl::Duration session_idle_timeout;
   uint64_t buffer_id = 0;
   RemoteGrant grant;
 };
@@ -154,16 +156,123 @@ Requester::~Requester() {
 }
 
 std::shared_ptr<v1::Peer::Stub> Requester::StubFor(const std::string& address) {
+  std::shared_ptr<v1::Peer::Stub> evicted;  // its channel closes unlocked
   absl::MutexLock lock(&mu_);
-  auto& stub = stubs_[address];
-  if (stub == nullptr) {
+  const absl::Time now = absl::Now();
+  auto it = stubs_.find(address);
+  if (it == stubs_.end()) {
+    // Contexts name any address: the least recently used channel makes
+    // room (calls in flight on it keep it until they end).
+    if (stubs_.size() >= options_.max_requester_peers) {
+      auto oldest = std::min_element(
+          stubs_.begin(), stubs_.end(), [](const auto& a, const auto& b) {
+            return a.second.last_used < b.second.last_used;
+          });
+      evicted = std::move(oldest->second.stub);
+      stubs_.erase(oldest);
+    }
     grpc::ChannelArguments args;
     std::shared_ptr<grpc::ChannelCredentials> credentials =
         PeerChannelCredentials(env_.peer_tls, &args);
-    stub = v1::Peer::NewStub(
-        grpc::CreateCustomChannel(address, credentials, args));
+    it = stubs_
+             .emplace(address,
+                      Channel{v1::Peer::NewStub(grpc::CreateCustomChannel(
+                                  address, credentials, args)),
+                              now})
+             .first;
   }
-  return stub;
+  it->second.last_used = now;
+  return it->second.stub;
+}
+
+absl::Status Requester::AdmitPeer(const std::string& peer) {
+  std::vector<std::shared_ptr<Lane>> evicted;  // their QPs go unlocked
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) {
+    if (peers_.size() >= options_.max_requester_peers) {
+      // Room from a peer no Submit uses: one never connected first (what
+      // forged contexts leave), then the least recently used.
+      auto victim = peers_.end();
+      bool victim_connected = true;
+      for (auto p = peers_.begin(); p != peers_.end(); ++p) {
+        if (p->second.in_use > 0) continue;
+        const bool connected = PeerConnected(p->first);
+        if (victim == peers_.end() || (!connected && victim_connected) ||
+            (connected == victim_connected &&
+             p->second.last_used < victim->second.last_used)) {
+          victim = p;
+          victim_connected = connected;
+        }
+      }
+      if (victim == peers_.end()) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "this agent is already talking to ", peers_.size(),
+            " peer agents over RDMA (--ibverbs_max_requester_peers)"));
+      }
+      ForgetPeer(victim->first, evicted);
+      peers_.erase(victim);
+    }
+    it = peers_.emplace(peer, PeerUse{}).first;
+  }
+  ++it->second.in_use;
+  it->second.last_used = now;
+  return absl::OkStatus();
+}
+
+void Requester::ReleasePeer(const std::string& peer) {
+  absl::MutexLock lock(&mu_);
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) return;
+  --it->second.in_use;
+  it->second.last_used = absl::Now();
+}
+
+bool Requester::PeerConnected(const std::string& peer) const {
+  const std::string prefix = absl::StrCat(peer, "/");
+  for (auto it = lanes_.lower_bound(prefix);
+       it != lanes_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    if (it->second->connection != nullptr) return true;
+  }
+  return false;
+}
+
+void Requester::ForgetPeer(const std::string& peer,
+                           std::vector<std::shared_ptr<Lane>>& lanes) {
+  const std::string prefix = absl::StrCat(peer, "/");
+  for (auto it = lanes_.lower_bound(prefix);
+       it != lanes_.end() && absl::StartsWith(it->first, prefix);) {
+    connect_locks_.erase(it->first);
+    lanes.push_back(std::move(it->second));
+    it = lanes_.erase(it);
+  }
+  round_robin_.erase(peer);
+}
+
+void Requester::ExpireIdle(absl::Time now) {
+  const absl::Duration timeout = options_.requester_idle_timeout;
+  if (timeout <= absl::ZeroDuration()) return;
+  std::vector<std::shared_ptr<Lane>> expired;  // their QPs go unlocked
+  std::vector<std::shared_ptr<v1::Peer::Stub>> channels;
+  absl::MutexLock lock(&mu_);
+  for (auto it = peers_.begin(); it != peers_.end();) {
+    if (it->second.in_use > 0 || now - it->second.last_used <= timeout) {
+      ++it;
+      continue;
+    }
+    ForgetPeer(it->first, expired);
+    it = peers_.erase(it);
+  }
+  for (auto it = stubs_.begin(); it != stubs_.end();) {
+    if (now - it->second.last_used <= timeout) {
+      ++it;
+      continue;
+    }
+    channels.push_back(std::move(it->second.stub));
+    it = stubs_.erase(it);
+  }
+  // What was taken goes once mu_ is released (declared before `lock`).
 }
 
 uint64_t Requester::connections_established() const {
@@ -202,6 +311,16 @@ std::map<const Rail*, size_t> Requester::LanesCoolingDown(
   return cooling;
 }
 
+size_t Requester::peers() const {
+  absl::MutexLock lock(&mu_);
+  return peers_.size();
+}
+
+size_t Requester::channels() const {
+  absl::MutexLock lock(&mu_);
+  return stubs_.size();
+}
+
 std::string Requester::PeerKey(const v1::RemoteBuffer& remote) {
   return absl::StrCat(remote.agent_id(), "/", remote.agent_epoch());
 }
@@ -238,10 +357,21 @@ std::vector<absl::Status> Requester::Submit(absl::Span<const Op> ops,
     }
     groups[PeerKey(*ops[i].remote)].push_back(i);
   }
+  // Each peer's state is held for the Submit (never evicted under it);
+  // past --ibverbs_max_requester_peers in use, its ops are refused.
+  std::vector<std::string> admitted;
+  const auto release = absl::MakeCleanup([this, &admitted] {
+    for (const std::string& peer : admitted) ReleasePeer(peer);
+  });
   std::vector<PeerPlan> plans;
   std::vector<size_t> plan_of_op(ops.size(), 0);
   plans.reserve(groups.size());
   for (auto& [peer, indices] : groups) {
+    if (absl::Status status = AdmitPeer(peer); !status.ok()) {
+      for (size_t i : indices) batch->Settle({i, 0, ops[i].length}, status);
+      continue;
+    }
+    admitted.push_back(peer);
     plans.push_back(PlanPeer(ops, std::move(indices), *batch));
     for (size_t i : plans.back().ops) plan_of_op[i] = plans.size() - 1;
   }
@@ -1073,9 +1203,9 @@ absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::GetConnection(
     absl::MutexLock lock(&mu_);
     if (lane.connection != nullptr) {
       if (!lane.connection->broken()) return lane.connection;
+      // The session's handle stays: the reconnect presents it.
       stale = std::move(lane.connection);
       lane.connection = nullptr;
-      lane.session.clear();
       lane.grants.clear();
     }
     auto& slot = connect_locks_[lane.key];
@@ -1084,13 +1214,15 @@ absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::GetConnection(
   }
   stale.reset();
   absl::MutexLock connecting(connect_lock.get());
+  std::string session;
   {
     absl::MutexLock lock(&mu_);
     if (lane.connection != nullptr && !lane.connection->broken()) {
       return lane.connection;
     }
+    session = lane.session;
   }
-  auto handshaken = Handshake(lane, remote, endpoint, stop);
+  auto handshaken = Handshake(lane, remote, endpoint, session, stop);
   if (!handshaken.ok()) {
     spdlog::warn("ibverbs: connecting rail {} to agent {} at {}: {}",
                  lane.name(), LogSafe(remote.agent_id()),
@@ -1126,6 +1258,8 @@ absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::GetConnection(
     }
     lane.connection = connection;
     lane.session = handshaken->session;
+    lane.session_refreshed = absl::Now();
+    lane.session_idle_timeout = handshaken->session_idle_timeout;
     lane.grants.clear();
     lane.grants[handshaken->buffer_id] = handshaken->grant;
     ++connections_established_;
@@ -1136,7 +1270,8 @@ absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::GetConnection(
 
 absl::StatusOr<Requester::Handshaken> Requester::Handshake(
     const Lane& lane, const v1::RemoteBuffer& remote,
-    const v1::IbverbsEndpoint& endpoint, const StopToken& stop) {
+    const v1::IbverbsEndpoint& endpoint, const std::string& session,
+    const StopToken& stop) {
   const Rail& rail = *lane.rail;
   // Inbound RDMA refused: whoever answers cannot reach this agent's memory
   // through this QP.
@@ -1159,6 +1294,7 @@ absl::StatusOr<Requester::Handshaken> Requester::Handshake(
   *request.mutable_requester() = result.connection->local_endpoint();
   request.set_buffer_id(remote.buffer_id());
   request.set_token(remote.token());
+  request.set_session(session);
   v1::ConnectQueuePairResponse response;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(
@@ -1192,6 +1328,8 @@ absl::StatusOr<Requester::Handshaken> Requester::Handshake(
                                  lane.name(), " to ", endpoint.peer_address()));
   }
   result.session = response.session();
+  result.session_idle_timeout =
+      absl::Milliseconds(response.session_idle_timeout_ms());
   result.buffer_id = remote.buffer_id();
   result.grant.token = remote.token();
   result.grant.rkey = response.grant().rkey();
@@ -1205,6 +1343,9 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
     const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;
   std::string session;
+  // The grant was cached with this very token: a refusal of it now means
+  // the peer dropped the session, not that the token is wrong.
+  bool proven = false;
   {
     absl::MutexLock lock(&mu_);
     if (lane.connection.get() != &connection) {
@@ -1213,12 +1354,16 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
                        " was replaced while the op was being posted"));
     }
     auto grant = lane.grants.find(remote.buffer_id());
+    // The peer drops sessions nobody names for its idle timeout: one in use
+    // is named again (GrantBuffer answers the same grant) well before.
+    const bool refresh =
+        lane.session_idle_timeout > absl::ZeroDuration() &&
+        absl::Now() - lane.session_refreshed >= lane.session_idle_timeout / 3;
     // The token too: another local user's forged context naming the same
     // buffer id must not ride on a grant earned by a real one.
-    if (grant != lane.grants.end() &&
-        TokensEqual(grant->second.token, remote.token())) {
-      return grant->second;
-    }
+    proven = grant != lane.grants.end() &&
+             TokensEqual(grant->second.token, remote.token());
+    if (proven && !refresh) return grant->second;
     session = lane.session;
   }
   v1::GrantBufferRequest request;
@@ -1239,6 +1384,25 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
   if (!status.ok() && stop.cancelled()) {
     return stop.StopStatus("while asking the peer for buffer access");
   }
+  if (!status.ok() && proven &&
+      status.error_code() == grpc::StatusCode::NOT_FOUND) {
+    // The session expired (or its buffers went): the lane reconnects, as
+    // after a broken QP, and its bytes go over another lane meanwhile.
+    std::shared_ptr<QueuePairConnection> dropped;  // destroyed outside mu_
+    {
+      absl::MutexLock lock(&mu_);
+      if (lane.connection.get() == &connection) {
+        dropped = std::move(lane.connection);
+        lane.connection = nullptr;
+        lane.session.clear();
+        lane.grants.clear();
+      }
+    }
+    return absl::UnavailableError(
+        absl::StrCat("agent ", remote.agent_id(), " at ", address,
+                     " dropped the queue-pair session of rail ", lane.name(),
+                     "; it reconnects"));
+  }
   if (!status.ok()) {
     return Prefixed(
         FromGrpcStatus(status),
@@ -1253,6 +1417,7 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
   absl::MutexLock lock(&mu_);
   if (lane.connection.get() == &connection) {
     lane.grants[remote.buffer_id()] = grant;
+    lane.session_refreshed = absl::Now();
   }
   return grant;
 }

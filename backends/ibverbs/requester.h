@@ -67,6 +67,14 @@ class Requester {
   std::map<std::string, size_t> ConnectionsByPeer() const;
   // Lanes cooling down at `now`, by their rail of this agent.
   std::map<const Rail*, size_t> LanesCoolingDown(absl::Time now) const;
+  // Drops the state of peers, and the channels, unused for
+  // options.requester_idle_timeout at `now` (the backend's sweeper calls
+  // it).
+  void ExpireIdle(absl::Time now);
+  // Peers (agent and epoch) with requester state now, and Peer channels
+  // kept open.
+  size_t peers() const;
+  size_t channels() const;
 
  private:
   struct Handshaken;
@@ -76,6 +84,20 @@ class Requester {
 
   // "agent_id/epoch": whom an op goes to.
   static std::string PeerKey(const v1::RemoteBuffer& remote);
+  // Holds `peer`'s state for a Submit, making room (an unused peer's
+  // lanes, never-connected ones first) past max_requester_peers;
+  // RESOURCE_EXHAUSTED when every peer held is in use. ReleasePeer ends
+  // the hold.
+  absl::Status AdmitPeer(const std::string& peer);
+  void ReleasePeer(const std::string& peer);
+  // Whether a lane to `peer` has a queue pair.
+  bool PeerConnected(const std::string& peer) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `peer`'s lanes (into `lanes`, for the caller to drop outside
+  // mu_), connect locks and round robin out of the tables.
+  void ForgetPeer(const std::string& peer,
+                  std::vector<std::shared_ptr<Lane>>& lanes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
 
@@ -159,9 +181,12 @@ class Requester {
   absl::StatusOr<std::shared_ptr<QueuePairConnection>> GetConnection(
       Lane& lane, const v1::RemoteBuffer& remote,
       const v1::IbverbsEndpoint& endpoint, const StopToken& stop);
+  // ConnectQueuePair for `lane`, reconnecting `session` (the peer's handle
+  // from an earlier handshake) when not empty.
   absl::StatusOr<Handshaken> Handshake(const Lane& lane,
                                        const v1::RemoteBuffer& remote,
                                        const v1::IbverbsEndpoint& endpoint,
+                                       const std::string& session,
                                        const StopToken& stop);
   // The grant for op's remote buffer over `lane`'s `connection`: cached,
   // or asked for with GrantBuffer (cut short by `stop`).
@@ -190,8 +215,21 @@ class Requester {
   std::map<std::string, std::shared_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
   // Rotates ties among equally loaded lanes, per peer ("agent/epoch").
   std::map<std::string, size_t> round_robin_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<v1::Peer::Stub>> stubs_
-      ABSL_GUARDED_BY(mu_);
+  // Peers with state (lanes, connect locks, round robin) by "agent/epoch":
+  // Submits using each now, and when one last did. At most
+  // options.max_requester_peers; idle ones expire (ExpireIdle).
+  struct PeerUse {
+    int in_use = 0;
+    absl::Time last_used;
+  };
+  std::map<std::string, PeerUse> peers_ ABSL_GUARDED_BY(mu_);
+  // Peer channels by address, at most options.max_requester_peers (least
+  // recently used first out); idle ones expire.
+  struct Channel {
+    std::shared_ptr<v1::Peer::Stub> stub;
+    absl::Time last_used;
+  };
+  std::map<std::string, Channel> stubs_ ABSL_GUARDED_BY(mu_);
   uint64_t connections_established_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -49,6 +50,24 @@ ABSL_FLAG(std::vector<std::string>, backends,
 ABSL_FLAG(std::string, peer_listen, "",
           "host:port of the agent-to-agent Peer gRPC listener; default "
           "<advertise_host>:7470. 0.0.0.0:7470 serves every interface.");
+ABSL_FLAG(int64_t, peer_max_connections,
+          Int64(rdma_agent::PeerListenerLimits().max_connections),
+          "Connections the Peer listener holds at once, all sources; more are "
+          "closed at accept with nothing read or sent.");
+ABSL_FLAG(int64_t, peer_max_connections_per_source,
+          Int64(rdma_agent::PeerListenerLimits().max_connections_per_source),
+          "Connections the Peer listener holds from one IP address; more are "
+          "closed at accept.");
+ABSL_FLAG(absl::Duration, peer_call_arrival_timeout,
+          rdma_agent::PeerListenerLimits().call_arrival_timeout,
+          "A Peer connection must deliver a complete request (TLS handshake, "
+          "headers and message) within this long of connecting, or it is "
+          "closed.");
+ABSL_FLAG(absl::Duration, peer_max_connection_age,
+          rdma_agent::PeerListenerLimits().max_connection_age,
+          "Every Peer connection is closed this long after it connected "
+          "(calls in flight get --peer_call_arrival_timeout to finish); "
+          "peers reconnect on their next call.");
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
@@ -304,6 +323,23 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   options.probe_socket_path = absl::GetFlag(FLAGS_probe_socket);
   options.agent_id = absl::GetFlag(FLAGS_agent_id);
   options.peer_listen = absl::GetFlag(FLAGS_peer_listen);
+  for (const auto& [flag, value, out] :
+       {std::tuple{"peer_max_connections",
+                   absl::GetFlag(FLAGS_peer_max_connections),
+                   &options.peer_listener.max_connections},
+        std::tuple{"peer_max_connections_per_source",
+                   absl::GetFlag(FLAGS_peer_max_connections_per_source),
+                   &options.peer_listener.max_connections_per_source}}) {
+    if (value < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, "=", value, " must be at least 1"));
+    }
+    *out = static_cast<size_t>(value);
+  }
+  options.peer_listener.call_arrival_timeout =
+      absl::GetFlag(FLAGS_peer_call_arrival_timeout);
+  options.peer_listener.max_connection_age =
+      absl::GetFlag(FLAGS_peer_max_connection_age);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.metrics.per_user = absl::GetFlag(FLAGS_metrics_per_user);

@@ -112,10 +112,12 @@ class PeerTlsTest : public ::testing::Test {
   }
   void TearDown() override { testing::RemoveTree(dir_); }
 
-  // An agent whose only backend is ibverbs on soft `device`.
+  // An agent `agent_id` whose only backend is ibverbs on soft `device`.
   std::unique_ptr<InProcessAgent> StartAgent(const std::string& device,
-                                             const PeerTls& tls) {
+                                             const PeerTls& tls,
+                                             const std::string& agent_id) {
     AgentOptions options;
+    options.agent_id = agent_id;
     options.peer_listen = "127.0.0.1:0";
     options.advertise_host = "127.0.0.1";
     options.peer_tls = tls;
@@ -177,10 +179,13 @@ class PeerTlsTest : public ::testing::Test {
   }
 
   // Agents a -> b: a writes a buffer into b's over ibverbs; the result.
+  // Under mTLS an agent is who its certificate names: each one's id is its
+  // certificate's name unless given.
   v1::OpResult MoveBytes(const PeerTls& a_tls, const PeerTls& b_tls,
-                         bool* landed) {
-    auto a = StartAgent("nic_a", a_tls);
-    auto b = StartAgent("nic_b", b_tls);
+                         bool* landed, const std::string& a_id = "agent",
+                         const std::string& b_id = "agent") {
+    auto a = StartAgent("nic_a", a_tls, a_id);
+    auto b = StartAgent("nic_b", b_tls, b_id);
     EXPECT_TRUE(a != nullptr && b != nullptr);
     if (a == nullptr || b == nullptr) return v1::OpResult();
     auto local = a->Allocate(kSize);
@@ -194,9 +199,10 @@ class PeerTlsTest : public ::testing::Test {
   }
 
   // B's Peer address and a proof-less request for a raw client.
-  static v1::ConnectQueuePairRequest StrangerRequest() {
+  static v1::ConnectQueuePairRequest StrangerRequest(
+      const std::string& agent_id = "agent-stranger") {
     v1::ConnectQueuePairRequest request;
-    request.set_agent_id("agent-stranger");
+    request.set_agent_id(agent_id);
     request.set_expected_epoch(1);
     request.set_buffer_id(1);
     request.set_token("guess");
@@ -208,15 +214,16 @@ class PeerTlsTest : public ::testing::Test {
     return request;
   }
 
-  static grpc::Status CallPeer(
-      const std::string& address,
-      std::shared_ptr<grpc::ChannelCredentials> creds) {
+  static grpc::Status CallPeer(const std::string& address,
+                               std::shared_ptr<grpc::ChannelCredentials> creds,
+                               const std::string& agent_id = "agent-stranger") {
     auto stub = v1::Peer::NewStub(grpc::CreateChannel(address, creds));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::seconds(5));
     v1::ConnectQueuePairResponse response;
-    return stub->ConnectQueuePair(&context, StrangerRequest(), &response);
+    return stub->ConnectQueuePair(&context, StrangerRequest(agent_id),
+                                  &response);
   }
 
   std::string dir_;
@@ -238,14 +245,14 @@ TEST_F(PeerTlsTest, ServerNameOverrideAcceptsACertificateForThatName) {
   bool landed = false;
   // The certificate names "rdma-agent", not 127.0.0.1: verified against the
   // configured name it passes...
-  v1::OpResult result =
-      MoveBytes(pki_->Tls("named", "ca", "rdma-agent"),
-                pki_->Tls("named", "ca", "rdma-agent"), &landed);
+  v1::OpResult result = MoveBytes(pki_->Tls("named", "ca", "rdma-agent"),
+                                  pki_->Tls("named", "ca", "rdma-agent"),
+                                  &landed, "named", "named");
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_TRUE(landed);
   // ...and against the address dialled it does not.
-  result =
-      MoveBytes(pki_->Tls("named", "ca"), pki_->Tls("named", "ca"), &landed);
+  result = MoveBytes(pki_->Tls("named", "ca"), pki_->Tls("named", "ca"),
+                     &landed, "named", "named");
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
   EXPECT_FALSE(landed);
@@ -267,7 +274,7 @@ TEST_F(PeerTlsTest, AgentWithoutTlsOrFromAnotherCaCannotConnect) {
 }
 
 TEST_F(PeerTlsTest, RawClientsWithoutAValidCertificateAreRefused) {
-  auto b = StartAgent("nic_b", pki_->Tls("agent", "ca"));
+  auto b = StartAgent("nic_b", pki_->Tls("agent", "ca"), "agent");
   ASSERT_NE(b, nullptr);
   const std::string address = b->agent().peer_address();
   ASSERT_FALSE(address.empty());
@@ -297,9 +304,77 @@ TEST_F(PeerTlsTest, RawClientsWithoutAValidCertificateAreRefused) {
   good.pem_root_certs = ca;
   good.pem_cert_chain = ReadFile(pki_->Path("agent.pem"));
   good.pem_private_key = ReadFile(pki_->Path("agent.key"));
-  status = CallPeer(address, grpc::SslCredentials(good));
+  status = CallPeer(address, grpc::SslCredentials(good), "agent");
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
       << status.error_message();
+}
+
+// Under mTLS the agent id a caller claims is the one its certificate names
+// (subject CN, or a subjectAltName DNS name or URI): an agent whose
+// certificate names another agent is refused before anything else.
+TEST_F(PeerTlsTest, CertificateMustNameTheAgentIdItClaims) {
+  ASSERT_TRUE(pki_->MakeCert("agent-a", "ca", "IP:127.0.0.1"));
+  ASSERT_TRUE(pki_->MakeCert("agent-b", "ca", "IP:127.0.0.1"));
+  // Names agent-a by a URI, with a CN of no agent.
+  ASSERT_TRUE(pki_->MakeCert("uri-cert", "ca",
+                             "IP:127.0.0.1,URI:spiffe://rdma/agent-u"));
+  bool landed = true;
+  // agent-a presenting agent-b's certificate (any valid certificate of the
+  // CA): refused, nothing written.
+  v1::OpResult result =
+      MoveBytes(pki_->Tls("agent-b", "ca"), pki_->Tls("agent-b", "ca"), &landed,
+                "agent-a", "agent-b");
+  EXPECT_EQ(result.code(),
+            static_cast<int>(absl::StatusCode::kPermissionDenied))
+      << result.message();
+  EXPECT_NE(result.message().find("agent-a"), std::string::npos)
+      << result.message();
+  EXPECT_FALSE(landed);
+  // Each with its own: bytes move.
+  result = MoveBytes(pki_->Tls("agent-a", "ca"), pki_->Tls("agent-b", "ca"),
+                     &landed, "agent-a", "agent-b");
+  EXPECT_EQ(result.code(), 0) << result.message();
+  EXPECT_TRUE(landed);
+  // A URI subjectAltName names the agent too.
+  result = MoveBytes(pki_->Tls("uri-cert", "ca"), pki_->Tls("agent-b", "ca"),
+                     &landed, "spiffe://rdma/agent-u", "agent-b");
+  EXPECT_EQ(result.code(), 0) << result.message();
+  EXPECT_TRUE(landed);
+
+  // Raw calls: the claim is checked first, for every Peer method.
+  auto b = StartAgent("nic_b", pki_->Tls("agent-b", "ca"), "agent-b");
+  ASSERT_NE(b, nullptr);
+  grpc::SslCredentialsOptions as_a;
+  as_a.pem_root_certs = ReadFile(pki_->Path("ca.pem"));
+  as_a.pem_cert_chain = ReadFile(pki_->Path("agent-a.pem"));
+  as_a.pem_private_key = ReadFile(pki_->Path("agent-a.key"));
+  const auto creds = grpc::SslCredentials(as_a);
+  grpc::Status status = CallPeer(b->agent().peer_address(), creds, "agent-b");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << status.error_message();
+  status = CallPeer(b->agent().peer_address(), creds, "agent-a");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << status.error_message();
+  auto stub =
+      v1::Peer::NewStub(grpc::CreateChannel(b->agent().peer_address(), creds));
+  for (const char* method : {"GrantBuffer", "Notify"}) {
+    SCOPED_TRACE(method);
+    grpc::ClientContext context;
+    grpc::Status answer;
+    if (std::string(method) == "GrantBuffer") {
+      v1::GrantBufferRequest request;
+      request.set_agent_id("agent-b");
+      v1::GrantBufferResponse response;
+      answer = stub->GrantBuffer(&context, request, &response);
+    } else {
+      v1::NotifyRequest request;
+      request.set_agent_id("agent-b");
+      v1::NotifyResponse response;
+      answer = stub->Notify(&context, request, &response);
+    }
+    EXPECT_EQ(answer.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+        << answer.error_message();
+  }
 }
 
 TEST(PeerTlsFilesTest, AllThreeFilesOrNone) {
