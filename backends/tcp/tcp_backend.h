@@ -102,7 +102,7 @@ class TcpBackend : public Backend {
   const std::string advertise_host_;
   const std::unique_ptr<DataClient> client_;
   NotifyClient notifier_{options_.notify, options_.client.idle_timeout,
-                              options_.client.connect_timeout};
+                         options_.client.connect_timeout};
   // Last: destroyed first, so no serving thread outlives the rest.
   const std::unique_ptr<DataServer> server_;
 };

@@ -125,9 +125,9 @@ absl::StatusOr<DecodedNotification> DecodeNotification(
   if (payload.size() < 2) {
     return absl::InvalidArgumentError("notification payload is truncated");
   }
-  const size_t id_bytes = static_cast<uint8_t>(payload[0]) |
-                          (static_cast<size_t>(static_cast<uint8_t>(payload[1]))
-                           << 8);
+  const size_t id_bytes =
+      static_cast<uint8_t>(payload[0]) |
+      (static_cast<size_t>(static_cast<uint8_t>(payload[1])) << 8);
   if (id_bytes > kMaxTokenBytes || 2 + id_bytes > payload.size()) {
     return absl::InvalidArgumentError(
         "notification payload names a sender id that does not fit");

@@ -23,8 +23,8 @@
 
 namespace rdma_agent::tcp {
 
-inline constexpr uint32_t kRequestMagic = 0x52415443;   // "RATC"
-inline constexpr uint32_t kResponseMagic = 0x52415452;  // "RATR"
+inline constexpr uint32_t kRequestMagic = 0x52415443;      // "RATC"
+inline constexpr uint32_t kResponseMagic = 0x52415452;     // "RATR"
 inline constexpr uint32_t kServerHelloMagic = 0x52415448;  // "RATH"
 inline constexpr size_t kServerHelloBytes = 16;
 inline constexpr uint16_t kWireVersion = 1;
