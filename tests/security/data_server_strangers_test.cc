@@ -24,6 +24,7 @@
 #include "tests/security/raw_data_peer.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/eventually.h"
+#include "tests/testing/process.h"
 
 namespace rdma_agent::testing {
 namespace {
@@ -96,7 +97,7 @@ TEST_F(DataServerStrangersTest, TokenlessNotifyIsRefusedBeforeItsPayload) {
   auto owned = victim_->client().AllocateUnmapped(4096, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(owned.ok()) << owned.status();
   const pid_t pid = victim_->pid();
-  const int64_t rss_before = ResidentBytes(pid);
+  const int64_t rss_before = ProcessStatusBytes(pid, "VmRSS");
   ASSERT_GT(rss_before, 0);
 
   constexpr int kConnections = 256;
@@ -129,7 +130,7 @@ TEST_F(DataServerStrangersTest, TokenlessNotifyIsRefusedBeforeItsPayload) {
   }
   const absl::Time sent = absl::Now();
   absl::SleepFor(absl::Milliseconds(500));
-  const int64_t grown = ResidentBytes(pid) - rss_before;
+  const int64_t grown = ProcessStatusBytes(pid, "VmRSS") - rss_before;
   std::cout << kConnections << " tokenless kNotify of " << kDeclared
             << " bytes: agent RSS grew by " << grown / kMiB << " MiB\n";
   EXPECT_LT(grown, 48 * kMiB)

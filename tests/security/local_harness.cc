@@ -3,7 +3,7 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
-#include <fstream>
+#include <algorithm>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -46,17 +46,8 @@ std::string LocalWorker::Ask(absl::string_view command,
 }
 
 uint64_t VmSizeBytes(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    absl::string_view rest = line;
-    if (!absl::ConsumePrefix(&rest, "VmSize:")) continue;
-    rest = absl::StripAsciiWhitespace(rest);
-    absl::ConsumeSuffix(&rest, " kB");
-    uint64_t kib = 0;
-    if (absl::SimpleAtoi(rest, &kib)) return kib * 1024;
-  }
-  return 0;
+  return static_cast<uint64_t>(
+      std::max<int64_t>(0, ProcessStatusBytes(pid, "VmSize")));
 }
 
 int OpenFdCount(pid_t pid) {

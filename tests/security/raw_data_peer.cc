@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -134,22 +133,6 @@ bool RawDataConnection::WaitClosed(absl::Duration timeout) {
     if (n == 0) return true;
     if (n < 0 && errno != EAGAIN && errno != EINTR) return true;
   }
-}
-
-int64_t ResidentBytes(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) != 0) continue;
-    int64_t kib = 0;
-    std::string digits;
-    for (char c : line) {
-      if (c >= '0' && c <= '9') digits.push_back(c);
-    }
-    if (!absl::SimpleAtoi(digits, &kib)) return -1;
-    return kib * 1024;
-  }
-  return -1;
 }
 
 }  // namespace rdma_agent::testing

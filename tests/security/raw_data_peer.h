@@ -61,10 +61,6 @@ class RawDataConnection {
   UniqueFd fd_;
 };
 
-// Resident memory of process `pid` in bytes, from /proc/PID/status (-1 if
-// unreadable).
-int64_t ResidentBytes(pid_t pid);
-
 }  // namespace rdma_agent::testing
 
 #endif  // RDMA_AGENTD_TESTS_SECURITY_RAW_DATA_PEER_H_

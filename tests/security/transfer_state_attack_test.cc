@@ -33,7 +33,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -57,6 +56,7 @@
 #include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/client/worker_process.h"
 #include "tests/testing/agent_process.h"
+#include "tests/testing/process.h"
 #include "tests/testing/transfer_calls.h"
 
 namespace rdma_agent::testing {
@@ -77,18 +77,8 @@ constexpr uint64_t kTransients = 96 * kMiB;
 
 // VmRSS or VmHWM (the peak) of `pid` in bytes; 0 when unreadable.
 uint64_t MemoryOf(pid_t pid, absl::string_view field) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    absl::string_view rest = line;
-    if (!absl::ConsumePrefix(&rest, field) || !absl::ConsumePrefix(&rest, ":"))
-      continue;
-    rest = absl::StripAsciiWhitespace(rest);
-    absl::ConsumeSuffix(&rest, " kB");
-    uint64_t kib = 0;
-    if (absl::SimpleAtoi(rest, &kib)) return kib * 1024;
-  }
-  return 0;
+  return static_cast<uint64_t>(
+      std::max<int64_t>(0, ProcessStatusBytes(pid, field)));
 }
 uint64_t RssOf(pid_t pid) { return MemoryOf(pid, "VmRSS"); }
 uint64_t PeakRssOf(pid_t pid) { return MemoryOf(pid, "VmHWM"); }

@@ -12,12 +12,15 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace rdma_agent::testing {
 namespace {
@@ -397,6 +400,21 @@ std::string RunfilePath(absl::string_view path) {
   const char* workspace = std::getenv("TEST_WORKSPACE");
   return absl::StrCat(
       srcdir, "/", workspace != nullptr ? workspace : "rdma_agentd", "/", path);
+}
+
+int64_t ProcessStatusBytes(pid_t pid, absl::string_view field) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, field) || !absl::ConsumePrefix(&rest, ":"))
+      continue;
+    rest = absl::StripAsciiWhitespace(rest);
+    absl::ConsumeSuffix(&rest, " kB");
+    int64_t kib = 0;
+    return absl::SimpleAtoi(rest, &kib) ? kib * 1024 : -1;
+  }
+  return -1;
 }
 
 }  // namespace rdma_agent::testing

@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -107,6 +108,10 @@ absl::StatusOr<std::string> RunCommand(
 // `bazel test` (no TEST_SRCDIR), `path` itself, for runs by hand from the
 // runfiles tree.
 std::string RunfilePath(absl::string_view path);
+
+// A size field of /proc/PID/status ("VmRSS", "VmHWM", "VmSize", ...) in
+// bytes; -1 when the process or the field cannot be read.
+int64_t ProcessStatusBytes(pid_t pid, absl::string_view field);
 
 }  // namespace rdma_agent::testing
 
