@@ -9,17 +9,6 @@
 
 namespace rdma_agent::testing {
 
-AgentProcess::Options TcpAgentOptions(const std::string& host,
-                                      const std::string& netns) {
-  AgentProcess::Options options;
-  options.backends = "memory,tcp";
-  options.netns = netns;
-  options.listen_host = host;
-  options.advertise_host = host;
-  options.log_level = "info";
-  return options;
-}
-
 client::OpSpec MakeOp(v1::OpType type, const client::Buffer& local,
                       uint64_t local_offset, uint64_t length,
                       const client::Buffer& remote, uint64_t remote_offset) {

@@ -1,8 +1,7 @@
 #ifndef RDMA_AGENTD_TESTS_INTEGRATION_TCP_CHECKS_H_
 #define RDMA_AGENTD_TESTS_INTEGRATION_TCP_CHECKS_H_
 
-// Agents and transfer checks shared by the cross-host and the loopback tcp
-// tests.
+// Transfer checks shared by the cross-host and the loopback tcp tests.
 
 #include <cstdint>
 #include <string>
@@ -15,12 +14,6 @@
 namespace rdma_agent::testing {
 
 namespace v1 = ::rdma::agent::v1;
-
-// An rdma-agentd with the memory and tcp backends, listening on and
-// advertising `host`, inside `netns` unless empty; it logs at info level
-// (debug would log every chunk of the large transfers).
-AgentProcess::Options TcpAgentOptions(const std::string& host = "127.0.0.1",
-                                      const std::string& netns = "");
 
 // One op of a Submit between two buffers.
 client::OpSpec MakeOp(v1::OpType type, const client::Buffer& local,

@@ -35,16 +35,6 @@ using tcp::RequestKind;
 
 constexpr int64_t kMiB = 1 << 20;
 
-AgentProcess::Options TcpAgent(std::vector<std::string> flags = {}) {
-  AgentProcess::Options options;
-  options.backends = "memory,tcp";
-  options.listen_host = "127.0.0.1";
-  options.advertise_host = "127.0.0.1";
-  options.log_level = "info";
-  options.extra_flags = std::move(flags);
-  return options;
-}
-
 // A request naming a buffer the stranger guesses, with a guessed token.
 std::string GuessedRead(uint64_t request_id) {
   RequestHeader header;
@@ -77,7 +67,8 @@ class DataServerStrangersTest : public ::testing::Test {
   }
 
   void StartVictim(std::vector<std::string> flags) {
-    auto victim = AgentProcess::Start(TcpAgent(std::move(flags)));
+    auto victim =
+        AgentProcess::Start(TcpAgentOptions("127.0.0.1", "", std::move(flags)));
     ASSERT_TRUE(victim.ok()) << victim.status();
     victim_ = std::move(*victim);
   }
@@ -194,7 +185,7 @@ TEST_F(DataServerStrangersTest,
   ASSERT_NO_FATAL_FAILURE(
       StartVictim({absl::StrCat("--tcp_max_connections=", kCap),
                    "--tcp_handshake_timeout=2s"}));
-  auto peer = AgentProcess::Start(TcpAgent());
+  auto peer = AgentProcess::Start(TcpAgentOptions());
   ASSERT_TRUE(peer.ok()) << peer.status();
   peer_ = std::move(*peer);
   auto remote =

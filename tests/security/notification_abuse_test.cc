@@ -46,16 +46,6 @@ using tcp::RequestKind;
 
 constexpr int64_t kMiB = 1 << 20;
 
-AgentProcess::Options TcpAgent(std::vector<std::string> flags = {}) {
-  AgentProcess::Options options;
-  options.backends = "memory,tcp";
-  options.listen_host = "127.0.0.1";
-  options.advertise_host = "127.0.0.1";
-  options.log_level = "info";
-  options.extra_flags = std::move(flags);
-  return options;
-}
-
 v1::RemoteBuffer Parse(const std::string& context) {
   v1::RemoteBuffer remote;
   EXPECT_TRUE(remote.ParseFromString(context));
@@ -123,10 +113,11 @@ class NotificationAbuseTest : public ::testing::Test {
   }
 
   void StartAgents(std::vector<std::string> owner_flags = {}) {
-    auto owner = AgentProcess::Start(TcpAgent(std::move(owner_flags)));
+    auto owner = AgentProcess::Start(
+        TcpAgentOptions("127.0.0.1", "", std::move(owner_flags)));
     ASSERT_TRUE(owner.ok()) << owner.status();
     owner_ = std::move(*owner);
-    auto sender = AgentProcess::Start(TcpAgent());
+    auto sender = AgentProcess::Start(TcpAgentOptions());
     ASSERT_TRUE(sender.ok()) << sender.status();
     sender_ = std::move(*sender);
   }
@@ -340,7 +331,8 @@ TEST_F(NotificationAbuseTest, UnreadNotificationsStayWithinTheByteBudget) {
   constexpr int64_t kNotificationBytes = 64 << 10;
   constexpr int kStreams = 16;
   constexpr int kNotifications = 300;
-  auto owner = AgentProcess::Start(TcpAgent(
+  auto owner = AgentProcess::Start(TcpAgentOptions(
+      "127.0.0.1", "",
       {absl::StrCat("--max_notification_bytes=", kNotificationBytes)}));
   ASSERT_TRUE(owner.ok()) << owner.status();
   owner_ = std::move(*owner);

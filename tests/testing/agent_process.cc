@@ -191,4 +191,17 @@ std::string AgentProcess::Log() const {
   return text.str();
 }
 
+AgentProcess::Options TcpAgentOptions(const std::string& host,
+                                      const std::string& netns,
+                                      std::vector<std::string> extra_flags) {
+  AgentProcess::Options options;
+  options.backends = "memory,tcp";
+  options.netns = netns;
+  options.listen_host = host;
+  options.advertise_host = host;
+  options.log_level = "info";
+  options.extra_flags = std::move(extra_flags);
+  return options;
+}
+
 }  // namespace rdma_agent::testing

@@ -116,6 +116,13 @@ class AgentProcess {
   std::unique_ptr<client::AgentClient> client_;
 };
 
+// An rdma-agentd with the memory and tcp backends, listening on and
+// advertising `host`, inside `netns` unless empty, with `extra_flags`; it
+// logs at info level (debug would log every chunk of large transfers).
+AgentProcess::Options TcpAgentOptions(
+    const std::string& host = "127.0.0.1", const std::string& netns = "",
+    std::vector<std::string> extra_flags = {});
+
 }  // namespace rdma_agent::testing
 
 #endif  // RDMA_AGENTD_TESTS_TESTING_AGENT_PROCESS_H_
