@@ -4,13 +4,9 @@
 // long Submit is thousands of 128 MiB copies inside one agent-allocated
 // buffer over the memory backend (minutes of work if nothing stops it).
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,13 +16,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "backends/tcp/wire.h"
-#include "common/unique_fd.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/client/worker_process.h"
+#include "tests/security/raw_data_peer.h"
 #include "tests/testing/agent_process.h"
 
 namespace rdma_agent::testing {
@@ -162,74 +157,6 @@ TEST_F(AbandonedWorkTest, SigtermDoesNotWaitForTransfersInFlight) {
       << *answer;
 }
 
-// A peer that looks like an agent (it sends the data plane's hello) and
-// then never answers: it only counts the bytes it receives and notes when
-// the requester closes the connection.
-class StalledPeer {
- public:
-  StalledPeer() {
-    listener_.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in address = {};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    EXPECT_EQ(::bind(listener_.get(), reinterpret_cast<sockaddr*>(&address),
-                     sizeof(address)),
-              0);
-    EXPECT_EQ(::listen(listener_.get(), 8), 0);
-    ::getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&address),
-                  &length);
-    port_ = ntohs(address.sin_port);
-    thread_ = std::thread([this] { Serve(); });
-  }
-  ~StalledPeer() {
-    ::shutdown(listener_.get(), SHUT_RDWR);
-    thread_.join();
-  }
-
-  uint16_t port() const { return port_; }
-  bool received() const { return received_ > 0; }
-  // Set once the requester closed the connection.
-  bool closed() const { return closed_; }
-
- private:
-  void Serve() {
-    UniqueFd connection(::accept4(listener_.get(), nullptr, nullptr, 0));
-    if (!connection) return;
-    std::byte hello[tcp::kServerHelloBytes];
-    tcp::EncodeServerHello(hello);
-    (void)::send(connection.get(), hello, sizeof(hello), MSG_NOSIGNAL);
-    char buffer[65536];
-    ssize_t n;
-    while ((n = ::recv(connection.get(), buffer, sizeof(buffer), 0)) > 0) {
-      received_ += n;
-    }
-    closed_ = true;
-  }
-
-  UniqueFd listener_;
-  uint16_t port_ = 0;
-  std::atomic<int64_t> received_{0};
-  std::atomic<bool> closed_{false};
-  std::thread thread_;
-};
-
-// A remote context naming the stalled peer's data port.
-std::string ContextFor(const StalledPeer& peer) {
-  v1::RemoteBuffer remote;
-  remote.set_agent_id("agent-stalled");
-  remote.set_agent_epoch(7);
-  remote.set_buffer_id(1);
-  remote.set_size_bytes(1 << 20);
-  remote.set_access(v1::ACCESS_READ_WRITE);
-  remote.set_token(std::string(16, 't'));
-  v1::BackendEndpoint* endpoint = remote.add_endpoints();
-  endpoint->set_backend("tcp");
-  endpoint->mutable_tcp()->set_host("127.0.0.1");
-  endpoint->mutable_tcp()->set_port(peer.port());
-  return absl::Base64Escape(remote.SerializeAsString());
-}
-
 // An agent with the tcp backend, a stalled peer, and a client process that
 // registered a buffer of `size` bytes.
 class AbandonedTcpWorkTest : public ::testing::Test {
@@ -251,7 +178,7 @@ class AbandonedTcpWorkTest : public ::testing::Test {
     buffer_ = *buffer;
   }
 
-  StalledPeer peer_;
+  SilentDataPeer peer_;
   std::unique_ptr<AgentProcess> agent_;
   std::optional<WorkerProcess> worker_;
   WorkerBuffer buffer_;
@@ -259,28 +186,30 @@ class AbandonedTcpWorkTest : public ::testing::Test {
 
 TEST_F(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
   ASSERT_NO_FATAL_FAILURE(StartWithBuffer(1048576));
-  StalledPeer& peer = peer_;
+  SilentDataPeer& peer = peer_;
   WorkerProcess* worker = &*worker_;
   const WorkerBuffer* buffer = &buffer_;
   // A WRITE with a ten-minute timeout that the peer never answers.
   ASSERT_TRUE(worker->process()
                   .WriteLine(absl::StrCat("submit_many 1 write ", buffer->id,
-                                          " 0 1048576 0 ", ContextFor(peer)))
+                                          " 0 1048576 0 ",
+                                          absl::Base64Escape(peer.Context())))
                   .ok());
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
-  while (!peer.received() && absl::Now() < give_up) {
+  while (!peer.talking() > 0 && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  ASSERT_TRUE(peer.received()) << "the Submit never reached the peer";
+  ASSERT_TRUE(peer.talking() > 0) << "the Submit never reached the peer";
   worker->process().Signal(SIGKILL);
   // The agent notices the client is gone and closes the connection, so no
   // late answer can touch the buffer: within a second (plus slack for a
   // loaded machine), not at the ten-minute deadline.
   const absl::Time killed = absl::Now();
-  while (!peer.closed() && absl::Now() < killed + absl::Seconds(3)) {
+  while (!peer.closed() > 0 && absl::Now() < killed + absl::Seconds(3)) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  EXPECT_TRUE(peer.closed()) << "the agent kept waiting on the stalled peer";
+  EXPECT_TRUE(peer.closed() > 0)
+      << "the agent kept waiting on the stalled peer";
   EXPECT_LT(absl::Now() - killed, absl::Seconds(2));
 }
 
@@ -289,7 +218,7 @@ TEST_F(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
 // ten-minute deadline: the op fails UNAVAILABLE and its thread is free.
 TEST_F(AbandonedTcpWorkTest, AStalledPeerFailsTheOpAfterTheNoProgressTimeout) {
   ASSERT_NO_FATAL_FAILURE(StartWithBuffer(4096));
-  StalledPeer& peer = peer_;
+  SilentDataPeer& peer = peer_;
   WorkerProcess* worker = &*worker_;
   const WorkerBuffer* buffer = &buffer_;
   // A READ with a ten-minute timeout: its request reaches the peer, whose
@@ -297,7 +226,8 @@ TEST_F(AbandonedTcpWorkTest, AStalledPeerFailsTheOpAfterTheNoProgressTimeout) {
   const absl::Time start = absl::Now();
   ASSERT_TRUE(worker->process()
                   .WriteLine(absl::StrCat("submit_many 1 read ", buffer->id,
-                                          " 0 4096 0 ", ContextFor(peer)))
+                                          " 0 4096 0 ",
+                                          absl::Base64Escape(peer.Context())))
                   .ok());
   auto answer = worker->process().ReadLine(absl::Seconds(60));
   const absl::Duration took = absl::Now() - start;
@@ -305,7 +235,7 @@ TEST_F(AbandonedTcpWorkTest, AStalledPeerFailsTheOpAfterTheNoProgressTimeout) {
   EXPECT_EQ(*answer, "results 0 UNAVAILABLE");
   EXPECT_GE(took, absl::Seconds(14)) << "gave up before the timeout";
   EXPECT_LT(took, absl::Seconds(45));
-  EXPECT_TRUE(peer.received()) << "the request never reached the peer";
+  EXPECT_TRUE(peer.talking() > 0) << "the request never reached the peer";
 }
 
 }  // namespace

@@ -3,8 +3,10 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -59,6 +61,37 @@ class RawDataConnection {
   absl::Status ReadFull(char* out, size_t size, absl::Time deadline);
 
   UniqueFd fd_;
+};
+
+// A peer that looks like an agent to the tcp data plane and never answers:
+// it accepts any number of connections, sends each the server hello, then
+// reads and throws away whatever comes. An op against Context() is stuck
+// until the agent gives up on it.
+class SilentDataPeer {
+ public:
+  SilentDataPeer();
+  ~SilentDataPeer();
+  SilentDataPeer(const SilentDataPeer&) = delete;
+  SilentDataPeer& operator=(const SilentDataPeer&) = delete;
+
+  uint16_t port() const { return port_; }
+  // Connections that have sent something (a request: an op is stuck).
+  int talking() const { return talking_; }
+  // Connections the agent has closed.
+  int closed() const { return closed_; }
+  // A serialized remote context naming this peer's data port.
+  std::string Context() const;
+
+ private:
+  void Serve();
+
+  UniqueFd listener_;
+  UniqueFd stop_read_;
+  UniqueFd stop_write_;
+  uint16_t port_ = 0;
+  std::atomic<int> talking_{0};
+  std::atomic<int> closed_{0};
+  std::thread thread_;
 };
 
 }  // namespace rdma_agent::testing

@@ -23,11 +23,6 @@
 // client_worker as uid 65533; the bystander a client_worker as uid 65534.
 // Needs root (other users, /proc of the agent).
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -47,14 +42,13 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "backends/tcp/wire.h"
-#include "common/unique_fd.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/client/worker_process.h"
+#include "tests/security/raw_data_peer.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/process.h"
 #include "tests/testing/transfer_calls.h"
@@ -165,103 +159,6 @@ void ExpectBystanderServed(WorkerProcess& bystander, const OwnBuffer& buffer,
       bystander.Answer(absl::StrCat("verify ", buffer.id, " 7 0 4096 4096 7")),
       "ok");
 }
-
-// A peer that looks like an agent to the tcp data plane: it accepts any
-// number of connections, sends each the server hello, then reads and
-// throws away whatever comes and never answers.
-class SilentPeer {
- public:
-  SilentPeer() {
-    listener_.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in address = {};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    EXPECT_EQ(::bind(listener_.get(), reinterpret_cast<sockaddr*>(&address),
-                     sizeof(address)),
-              0);
-    EXPECT_EQ(::listen(listener_.get(), 64), 0);
-    ::getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&address),
-                  &length);
-    port_ = ntohs(address.sin_port);
-    int ends[2];
-    EXPECT_EQ(::pipe2(ends, O_CLOEXEC), 0);
-    stop_read_.reset(ends[0]);
-    stop_write_.reset(ends[1]);
-    thread_ = std::thread([this] { Serve(); });
-  }
-  ~SilentPeer() {
-    (void)::write(stop_write_.get(), "x", 1);
-    thread_.join();
-  }
-
-  uint16_t port() const { return port_; }
-  // Connections that have sent something (a request: an op is stuck).
-  int talking() const { return talking_; }
-
-  // A remote context naming this peer's data port.
-  std::string Context() const {
-    v1::RemoteBuffer remote;
-    remote.set_agent_id("agent-silent");
-    remote.set_agent_epoch(7);
-    remote.set_buffer_id(1);
-    remote.set_size_bytes(kMiB);
-    remote.set_access(v1::ACCESS_READ_WRITE);
-    remote.set_token(std::string(16, 't'));
-    v1::BackendEndpoint* endpoint = remote.add_endpoints();
-    endpoint->set_backend("tcp");
-    endpoint->mutable_tcp()->set_host("127.0.0.1");
-    endpoint->mutable_tcp()->set_port(port_);
-    return remote.SerializeAsString();
-  }
-
- private:
-  void Serve() {
-    std::vector<UniqueFd> connections;
-    std::vector<bool> heard;
-    char buffer[65536];
-    while (true) {
-      std::vector<pollfd> fds = {{stop_read_.get(), POLLIN, 0},
-                                 {listener_.get(), POLLIN, 0}};
-      for (const UniqueFd& connection : connections) {
-        fds.push_back({connection.get(), POLLIN, 0});
-      }
-      if (::poll(fds.data(), fds.size(), 1000) < 0) continue;
-      if (fds[0].revents != 0) return;
-      if (fds[1].revents & POLLIN) {
-        UniqueFd connection(
-            ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-        if (connection) {
-          std::byte hello[tcp::kServerHelloBytes];
-          tcp::EncodeServerHello(hello);
-          (void)::send(connection.get(), hello, sizeof(hello), MSG_NOSIGNAL);
-          connections.push_back(std::move(connection));
-          heard.push_back(false);
-        }
-      }
-      for (size_t i = 0; i < connections.size(); ++i) {
-        if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-        const ssize_t n =
-            ::recv(connections[i].get(), buffer, sizeof(buffer), MSG_DONTWAIT);
-        if (n > 0 && !heard[i]) {
-          heard[i] = true;
-          ++talking_;
-        }
-        if (n == 0) {
-          // Closed by the agent (the op ended): kept, never read again.
-          connections[i].reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-        }
-      }
-    }
-  }
-
-  UniqueFd listener_;
-  UniqueFd stop_read_;
-  UniqueFd stop_write_;
-  uint16_t port_ = 0;
-  std::atomic<int> talking_{0};
-  std::thread thread_;
-};
 
 // A batch of `count` ops whose remote context parses but is incomplete:
 // each fails validation with a message of about 150 bytes, so the transfer
@@ -400,7 +297,7 @@ TEST_F(TransferFloodTest, UnreadEndsOfManyOpBatchesAreRefusedByTheByteBudget) {
 // (--max_remote_context_bytes) when it runs; its copy is charged from
 // SubmitAsync on.
 TEST_F(TransferFloodTest, QueuedRequestCopiesAreRefusedByTheByteBudget) {
-  SilentPeer peer;
+  SilentDataPeer peer;
   auto local = agent_->client().AllocateUnmapped(kMiB, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(local.ok()) << local.status();
   std::vector<uint64_t> stuck;
@@ -542,7 +439,7 @@ TEST(TransferReadAttackTest, OneHugeEndNamed1024TimesIsReadOnce) {
 
 TEST(TransferWorkersAttackTest, StuckTransfersOfOneUserLeaveWorkersForOthers) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
-  SilentPeer peer;
+  SilentDataPeer peer;
   auto agent = StartAgent({});  // --transfer_workers 4
   ASSERT_NE(agent, nullptr);
   auto attacker = StartWorker(*agent, kAttacker);
