@@ -47,7 +47,11 @@ EtcdClient::EtcdClient(Options options) : options_(std::move(options)) {
   arguments.SetMaxReceiveMessageSize(64 << 20);
   // Fail over quickly: reconnect attempts to a dead endpoint must not keep
   // a call waiting past the next endpoint.
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // An endpoint that went away is looked up again within a second, not
+  // after gRPC's default 30 s between resolutions.
+  arguments.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);
   for (const std::string& address : options_.endpoints) {
     auto endpoint = std::make_unique<Endpoint>();
     endpoint->address = address;
