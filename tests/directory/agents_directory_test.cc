@@ -5,10 +5,12 @@
 // agents; bad directory flags.
 #include <signal.h>
 
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -21,6 +23,8 @@
 #include "tests/testing/etcd_server.h"
 #include "tests/testing/eventually.h"
 #include "tests/testing/process.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/testing/test_pki.h"
 
 namespace rdma_agent {
 namespace {
@@ -34,6 +38,8 @@ using ::rdma_agent::testing::FreeLoopbackPort;
 using ::rdma_agent::testing::RunfilePath;
 using ::rdma_agent::testing::RunToCompletion;
 using ::rdma_agent::testing::TcpAgentOptions;
+using ::rdma_agent::testing::TempDir;
+using ::rdma_agent::testing::TestPki;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -270,6 +276,133 @@ TEST_F(AgentsDirectoryTest, AgentctlPrintsTheAgents) {
                       "", absl::Seconds(20));
   ASSERT_TRUE(json.ok());
   EXPECT_THAT(json->out, HasSubstr("\"agent_id\": \"agent-b\""));
+}
+
+// An agent on `etcd` with `flags` (directory flags included).
+std::unique_ptr<AgentProcess> StartAgentOn(const EtcdServer& etcd,
+                                           const std::string& id,
+                                           std::vector<std::string> flags) {
+  std::vector<std::string> all = {
+      "--agent_id=" + id, "--directory=" + etcd.directory(),
+      "--directory_prefix=/test",
+      absl::StrCat("--directory_lease_ttl=", absl::FormatDuration(kLeaseTtl))};
+  all.insert(all.end(), flags.begin(), flags.end());
+  auto agent =
+      AgentProcess::Start(TcpAgentOptions("127.0.0.1", "", std::move(all)));
+  EXPECT_TRUE(agent.ok()) << agent.status();
+  return agent.ok() ? std::move(*agent) : nullptr;
+}
+
+TEST(EtcdTlsTest, ClientCertificatesAreRequiredAndUsed) {
+  TempDir dir;
+  TestPki pki(dir.path());
+  ASSERT_TRUE(pki.MakeCa("ca")) << pki.Log();
+  ASSERT_TRUE(pki.MakeCa("other_ca")) << pki.Log();
+  ASSERT_TRUE(pki.MakeCert("etcd", "ca", "IP:127.0.0.1")) << pki.Log();
+  ASSERT_TRUE(pki.MakeCert("agent", "ca", "IP:127.0.0.1")) << pki.Log();
+  ASSERT_TRUE(pki.MakeCert("stranger", "other_ca", "IP:127.0.0.1"))
+      << pki.Log();
+  EtcdServer::Options options;
+  options.cert_file = pki.Path("etcd.pem");
+  options.key_file = pki.Path("etcd.key");
+  options.ca_file = pki.Path("ca.pem");
+  auto etcd = EtcdServer::Start(options);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+
+  auto good = StartAgentOn(**etcd, "good",
+                           {"--directory_ca_file=" + pki.Path("ca.pem"),
+                            "--directory_cert_file=" + pki.Path("agent.pem"),
+                            "--directory_key_file=" + pki.Path("agent.key")});
+  // Without a client certificate, with one from another CA, and in plain
+  // text, the handshake fails: nothing is published.
+  auto anonymous = StartAgentOn(**etcd, "anonymous",
+                                {"--directory_ca_file=" + pki.Path("ca.pem")});
+  auto stranger =
+      StartAgentOn(**etcd, "stranger",
+                   {"--directory_ca_file=" + pki.Path("ca.pem"),
+                    "--directory_cert_file=" + pki.Path("stranger.pem"),
+                    "--directory_key_file=" + pki.Path("stranger.key")});
+  auto plain = StartAgentOn(**etcd, "plain", {});
+  ASSERT_TRUE(good && anonymous && stranger && plain);
+  EXPECT_THAT(Listed(*good), ElementsAre(Self(*good)));
+  for (AgentProcess* refused : {anonymous.get(), stranger.get(), plain.get()}) {
+    EXPECT_THAT(refused->Log(), HasSubstr("cannot publish agent"));
+    EXPECT_EQ(refused->client().ListAgents().status().code(),
+              absl::StatusCode::kUnavailable);
+  }
+  auto keys = (*etcd)->Etcdctl({"get", "--prefix", "--keys-only", "/test/"});
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  EXPECT_EQ(absl::StripAsciiWhitespace(*keys), "/test/agents/good");
+}
+
+class EtcdAuthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EtcdServer::Options options;
+    // Tokens expire every second: the agent must log in again on its own.
+    options.extra_flags = {"--auth-token-ttl=1"};
+    auto etcd = EtcdServer::Start(options);
+    ASSERT_TRUE(etcd.ok()) << etcd.status();
+    etcd_ = std::move(*etcd);
+    for (const std::vector<std::string>& command :
+         std::vector<std::vector<std::string>>{
+             {"user", "add", "root", "--new-user-password=rootpw"},
+             {"user", "grant-role", "root", "root"},
+             {"role", "add", "agents"},
+             {"role", "grant-permission", "agents", "--prefix=true",
+              "readwrite", "/test/"},
+             {"user", "add", "agent", "--new-user-password=agentpw"},
+             {"user", "grant-role", "agent", "agents"},
+             {"auth", "enable"}}) {
+      auto done = etcd_->Etcdctl(command);
+      ASSERT_TRUE(done.ok()) << done.status();
+    }
+    etcd_->set_etcdctl_user("root:rootpw");
+  }
+
+  std::string PasswordFile(const std::string& password) {
+    const std::string path = absl::StrCat(dir_.path(), "/password-", files_++);
+    std::ofstream(path) << password << "\n";
+    return path;
+  }
+
+  TempDir dir_;
+  int files_ = 0;
+  std::unique_ptr<EtcdServer> etcd_;
+};
+
+TEST_F(EtcdAuthTest, AgentLogsInAndStaysPublishedAcrossExpiringTokens) {
+  auto a =
+      StartAgentOn(*etcd_, "agent-a",
+                   {"--directory_user=agent",
+                    "--directory_password_file=" + PasswordFile("agentpw")});
+  ASSERT_TRUE(a);
+  EXPECT_THAT(Listed(*a), ElementsAre(Self(*a)));
+  // Several token lifetimes and lease renewals later, still there: every
+  // renewal after an expired token logged in again.
+  absl::SleepFor(kLeaseTtl + absl::Seconds(2));
+  EXPECT_THAT(Listed(*a), ElementsAre(Self(*a)));
+  auto keys = etcd_->Etcdctl({"get", "--prefix", "--keys-only", "/test/"});
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  EXPECT_EQ(absl::StripAsciiWhitespace(*keys), "/test/agents/agent-a");
+}
+
+TEST_F(EtcdAuthTest, WrongPasswordOrNoUserPublishesNothing) {
+  auto wrong = StartAgentOn(
+      *etcd_, "wrong",
+      {"--directory_user=agent",
+       "--directory_password_file=" + PasswordFile("not-the-password")});
+  auto anonymous = StartAgentOn(*etcd_, "anonymous", {});
+  ASSERT_TRUE(wrong && anonymous);
+  for (AgentProcess* refused : {wrong.get(), anonymous.get()}) {
+    EXPECT_THAT(refused->Log(), HasSubstr("cannot publish agent"));
+    const absl::Status listed = refused->client().ListAgents().status();
+    EXPECT_FALSE(listed.ok());
+    EXPECT_THAT(listed.message(), HasSubstr("ListAgents"));
+  }
+  auto keys = etcd_->Etcdctl({"get", "--prefix", "--keys-only", "/test/"});
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  EXPECT_EQ(absl::StripAsciiWhitespace(*keys), "");
 }
 
 TEST(LocalDirectoryTest, AnAgentAloneListsItself) {

@@ -5,6 +5,8 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,8 +30,19 @@ absl::StatusOr<uint16_t> FreeLoopbackPort() {
   return ntohs(address.sin_port);
 }
 
-absl::StatusOr<std::unique_ptr<EtcdServer>> EtcdServer::Start() {
-  std::unique_ptr<EtcdServer> server(new EtcdServer());
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EtcdServer>> EtcdServer::Start(Options options) {
+  std::unique_ptr<EtcdServer> server(new EtcdServer(std::move(options)));
   server->dir_.emplace();
   auto client_port = FreeLoopbackPort();
   auto peer_port = FreeLoopbackPort();
@@ -40,6 +53,11 @@ absl::StatusOr<std::unique_ptr<EtcdServer>> EtcdServer::Start() {
   EtcdClient::Options client;
   client.endpoints = {server->endpoint_};
   client.call_timeout = absl::Seconds(2);
+  if (!server->options_.ca_file.empty()) {
+    client.ca_pem = ReadFile(server->options_.ca_file);
+    client.cert_pem = ReadFile(server->options_.cert_file);
+    client.key_pem = ReadFile(server->options_.key_file);
+  }
   server->client_ = std::make_unique<EtcdClient>(std::move(client));
   absl::Status status = server->Launch();
   if (!status.ok()) return status;
@@ -54,13 +72,21 @@ absl::Status EtcdServer::Launch() {
       "etcd",
       "--name=test",
       absl::StrCat("--data-dir=", dir_->path(), "/data"),
-      absl::StrCat("--listen-client-urls=http://", endpoint_),
-      absl::StrCat("--advertise-client-urls=http://", endpoint_),
+      absl::StrCat("--listen-client-urls=", scheme(), endpoint_),
+      absl::StrCat("--advertise-client-urls=", scheme(), endpoint_),
       absl::StrCat("--listen-peer-urls=http://", peer_endpoint_),
       absl::StrCat("--initial-advertise-peer-urls=http://", peer_endpoint_),
       absl::StrCat("--initial-cluster=test=http://", peer_endpoint_),
       "--logger=zap",
       "--log-level=error"};
+  if (!options_.ca_file.empty()) {
+    options.argv.push_back("--cert-file=" + options_.cert_file);
+    options.argv.push_back("--key-file=" + options_.key_file);
+    options.argv.push_back("--trusted-ca-file=" + options_.ca_file);
+    options.argv.push_back("--client-cert-auth");
+  }
+  options.argv.insert(options.argv.end(), options_.extra_flags.begin(),
+                      options_.extra_flags.end());
   options.log_path = dir_->path() + "/etcd.log";
   auto process = Subprocess::Spawn(std::move(options));
   if (!process.ok()) return process.status();
@@ -95,8 +121,15 @@ absl::Status EtcdServer::Restart() {
 }
 
 absl::StatusOr<std::string> EtcdServer::Etcdctl(std::vector<std::string> args) {
-  std::vector<std::string> argv = {"env", "ETCDCTL_API=3", "etcdctl",
-                                   absl::StrCat("--endpoints=", endpoint_)};
+  std::vector<std::string> argv = {
+      "env", "ETCDCTL_API=3", "etcdctl",
+      absl::StrCat("--endpoints=", scheme(), endpoint_)};
+  if (!options_.ca_file.empty()) {
+    argv.push_back("--cacert=" + options_.ca_file);
+    argv.push_back("--cert=" + options_.cert_file);
+    argv.push_back("--key=" + options_.key_file);
+  }
+  if (!etcdctl_user_.empty()) argv.push_back("--user=" + etcdctl_user_);
   argv.insert(argv.end(), args.begin(), args.end());
   return RunCommand(argv);
 }

@@ -17,8 +17,23 @@ namespace rdma_agent::testing {
 // data in a temporary directory: what the directory tests publish into.
 class EtcdServer {
  public:
+  struct Options {
+    // TLS with client certificates required: PEM paths of the server's
+    // certificate (also used by etcdctl and client() as their client
+    // certificate, so it must allow client use) and key, and the CA both
+    // sides' certificates chain to. Empty: plain HTTP.
+    std::string cert_file;
+    std::string key_file;
+    std::string ca_file;
+    // More etcd flags (e.g. --auth-token-ttl=1).
+    std::vector<std::string> extra_flags;
+  };
+
   // Starts etcd on free ports and waits until it answers.
-  static absl::StatusOr<std::unique_ptr<EtcdServer>> Start();
+  static absl::StatusOr<std::unique_ptr<EtcdServer>> Start(Options options);
+  static absl::StatusOr<std::unique_ptr<EtcdServer>> Start() {
+    return Start(Options());
+  }
   ~EtcdServer();
 
   // "127.0.0.1:port" of the client listener.
@@ -31,17 +46,24 @@ class EtcdServer {
   // Starts it again on the same ports and data, and waits until it answers.
   absl::Status Restart();
 
-  // etcdctl (v3 API) against this server; its stdout, or an error with its
-  // output when it fails.
+  // etcdctl (v3 API) against this server (with the TLS material, and as
+  // `etcdctl_user` once set: "name:password"); its stdout, or an error with
+  // its output when it fails.
   absl::StatusOr<std::string> Etcdctl(std::vector<std::string> args);
+  void set_etcdctl_user(std::string user) { etcdctl_user_ = std::move(user); }
 
   // A client of this server, as the agent's directory uses.
   EtcdClient& client() { return *client_; }
 
  private:
-  EtcdServer() = default;
+  explicit EtcdServer(Options options) : options_(std::move(options)) {}
   absl::Status Launch();
+  std::string scheme() const {
+    return options_.ca_file.empty() ? "http://" : "https://";
+  }
 
+  const Options options_;
+  std::string etcdctl_user_;
   std::optional<TempDir> dir_;
   std::string endpoint_;
   std::string peer_endpoint_;
