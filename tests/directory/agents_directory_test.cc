@@ -339,7 +339,7 @@ class EtcdAuthTest : public ::testing::Test {
  protected:
   void SetUp() override {
     EtcdServer::Options options;
-    // Tokens expire every second: the agent must log in again on its own.
+    // Tokens expire after a second unused.
     options.extra_flags = {"--auth-token-ttl=1"};
     auto etcd = EtcdServer::Start(options);
     ASSERT_TRUE(etcd.ok()) << etcd.status();
@@ -371,15 +371,23 @@ class EtcdAuthTest : public ::testing::Test {
   std::unique_ptr<EtcdServer> etcd_;
 };
 
-TEST_F(EtcdAuthTest, AgentLogsInAndStaysPublishedAcrossExpiringTokens) {
+TEST_F(EtcdAuthTest, AgentLogsInAgainWhenEtcdForgetsItsToken) {
   auto a =
       StartAgentOn(*etcd_, "agent-a",
                    {"--directory_user=agent",
                     "--directory_password_file=" + PasswordFile("agentpw")});
   ASSERT_TRUE(a);
   EXPECT_THAT(Listed(*a), ElementsAre(Self(*a)));
-  // Several token lifetimes and lease renewals later, still there: every
-  // renewal after an expired token logged in again.
+  // etcd forgets every token when it restarts: the agent's next calls are
+  // refused as unauthenticated, and it logs in again on its own, both to
+  // renew its lease and to answer ListAgents.
+  ASSERT_TRUE(etcd_->Restart().ok());
+  EXPECT_TRUE(Eventually(
+      [&] {
+        auto listed = a->client().ListAgents();
+        return listed.ok() && listed->agents_size() == 1;
+      },
+      absl::Seconds(10)));
   absl::SleepFor(kLeaseTtl + absl::Seconds(2));
   EXPECT_THAT(Listed(*a), ElementsAre(Self(*a)));
   auto keys = etcd_->Etcdctl({"get", "--prefix", "--keys-only", "/test/"});
