@@ -242,6 +242,16 @@ absl::StatusOr<v1::AgentInfo> AgentClient::GetInfo() {
   return info;
 }
 
+absl::StatusOr<v1::ListAgentsResponse> AgentClient::ListAgents() {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ListAgentsResponse response;
+  grpc::Status status =
+      state_->stub().ListAgents(&context, v1::ListAgentsRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<v1::RegisterResponse> AgentClient::Register(
     const v1::RegisterRequest& request) {
   grpc::ClientContext context;

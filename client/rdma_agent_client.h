@@ -439,6 +439,10 @@ class AgentClient {
   // The agent's identity, version and backends.
   absl::StatusOr<v1::AgentInfo> GetInfo();
 
+  // Every agent the agent's directory knows (--directory), this one
+  // included, ordered by id.
+  absl::StatusOr<v1::ListAgentsResponse> ListAgents();
+
   // Agent allocates `size` zero-filled bytes; the client maps them through
   // the fd the attach socket returns (OpenBuffer). If mapping fails, the
   // registration is released and the mapping error returned.

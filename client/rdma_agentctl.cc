@@ -251,6 +251,64 @@ class InfoCommand : public Command {
   }
 };
 
+class AgentsCommand : public Command {
+ public:
+  explicit AgentsCommand(CLI::App& app) {
+    app.add_subcommand("agents",
+                       "the agents the agent's directory knows (--directory), "
+                       "one line each: id, host, epoch, start time, backends "
+                       "and their addresses");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<v1::ListAgentsResponse> agents = (*client)->ListAgents();
+    if (!agents.ok()) return Failed("agents", agents.status());
+    if (global.json()) {
+      Print(global, *agents);
+      return Ok();
+    }
+    std::printf("%-24s %-20s %-16s %-20s %s\n", "AGENT", "HOST", "EPOCH",
+                "STARTED", "BACKENDS");
+    for (const v1::AgentRecord& agent : agents->agents()) {
+      std::vector<std::string> backends;
+      for (const v1::BackendInfo& backend : agent.info().backends()) {
+        if (!backend.available()) continue;
+        std::vector<std::string> where(
+            backend.transport_info().addresses().begin(),
+            backend.transport_info().addresses().end());
+        for (const v1::DeviceInfo& device :
+             backend.transport_info().devices()) {
+          where.push_back(absl::StrCat(device.name(), ":", device.port()));
+        }
+        backends.push_back(where.empty()
+                               ? backend.name()
+                               : absl::StrCat(backend.name(), "(",
+                                              absl::StrJoin(where, ","), ")"));
+      }
+      const absl::Time started =
+          absl::FromUnixSeconds(agent.start_time().seconds());
+      std::printf(
+          "%-24s %-20s %016llx %-20s %s\n", agent.info().agent_id().c_str(),
+          agent.info().hostname().c_str(),
+          static_cast<unsigned long long>(agent.info().epoch()),
+          absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", started, absl::UTCTimeZone())
+              .c_str(),
+          absl::StrJoin(backends, " ").c_str());
+    }
+    if (agents->unreadable() > 0) {
+      std::fprintf(stderr, "agents: %u unreadable records skipped\n",
+                   agents->unreadable());
+    }
+    if (agents->truncated()) {
+      std::fprintf(stderr,
+                   "agents: more are published than the agent lists "
+                   "(--directory_max_listed_agents)\n");
+    }
+    return Ok();
+  }
+};
+
 // probe.sock next to the agent's socket `target` ("unix:///run/x/agent.sock"),
 // when it is a socket this process may connect to.
 std::optional<std::string> ProbeSocketNextTo(const std::string& target) {
@@ -1100,6 +1158,7 @@ int Main(int argc, char** argv) {
   // Each command adds its subcommand; `subs` and `owned` stay in step.
   std::vector<std::unique_ptr<Command>> owned;
   owned.push_back(std::make_unique<InfoCommand>(app));
+  owned.push_back(std::make_unique<AgentsCommand>(app));
   owned.push_back(std::make_unique<HealthCommand>(app));
   owned.push_back(std::make_unique<MetricsCommand>(app));
   owned.push_back(std::make_unique<RegisterCommand>(app));

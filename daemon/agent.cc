@@ -23,6 +23,7 @@
 #include "daemon/api/rpc_observer.h"
 #include "daemon/api/service.h"
 #include "daemon/api/version.h"
+#include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/local/attach_server.h"
 #include "daemon/local/attach_tokens.h"
@@ -146,14 +147,43 @@ absl::Status Agent::Init() {
   // client can reach the API.
   for (absl::Status (Agent::*step)() :
        {&Agent::SpawnBackends, &Agent::StartPeerListener, &Agent::StartBackends,
-        &Agent::StartMetricsServer, &Agent::StartApiServer,
-        &Agent::StartApiListener, &Agent::StartAttachServer}) {
+        &Agent::StartMetricsServer, &Agent::OpenDirectory,
+        &Agent::StartApiServer, &Agent::StartApiListener,
+        &Agent::StartAttachServer}) {
     status = (this->*step)();
     if (!status.ok()) return status;
   }
   AddGauges();
   serving_ = true;
+  PublishSelf();
   return absl::OkStatus();
+}
+
+absl::Status Agent::OpenDirectory() {
+  auto directory = rdma_agent::OpenDirectory(options_.directory);
+  if (!directory.ok()) return directory.status();
+  directory_ = std::move(*directory);
+  return absl::OkStatus();
+}
+
+void Agent::PublishSelf() {
+  v1::AgentRecord record;
+  *record.mutable_info() = service_->Info();
+  const absl::Duration since_epoch = start_time_ - absl::UnixEpoch();
+  record.mutable_start_time()->set_seconds(absl::ToInt64Seconds(since_epoch));
+  record.mutable_start_time()->set_nanos(static_cast<int32_t>(
+      absl::ToInt64Nanoseconds(since_epoch % absl::Seconds(1))));
+  record.set_peer_address(peer_address_);
+  absl::Status status = directory_->PublishAgent(record);
+  if (status.ok()) {
+    spdlog::info("directory {}: published agent {}", directory_->name(),
+                 identity_.agent_id);
+  } else {
+    spdlog::warn(
+        "directory {}: cannot publish agent {} yet ({}); serving anyway and "
+        "retrying",
+        directory_->name(), identity_.agent_id, std::string(status.message()));
+  }
 }
 
 std::string Agent::Describe() const {
@@ -382,7 +412,7 @@ absl::Status Agent::StartApiServer() {
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
-      metrics_.get(), metrics_address_);
+      metrics_.get(), metrics_address_, directory_.get());
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -480,6 +510,8 @@ void Agent::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   serving_ = false;
+  // Peers stop finding this agent before it stops answering them.
+  if (directory_ != nullptr) directory_->Withdraw();
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)
     server_->GetHealthCheckService()->SetServingStatus(false);

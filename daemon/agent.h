@@ -28,6 +28,7 @@ class BufferTable;
 class CallerTable;
 class MetricsServer;
 class ClientWatcher;
+class Directory;
 class RdmaAgentService;
 class TransferTable;
 class UnixListener;
@@ -97,6 +98,11 @@ class Agent {
   absl::Status StartAttachServer();
   // The Prometheus endpoint, if --metrics_listen asks for one.
   absl::Status StartMetricsServer();
+  // Opens the directory (--directory); nothing is contacted yet.
+  absl::Status OpenDirectory();
+  // Publishes this agent's record, once it serves. A directory that cannot
+  // be reached is retried in the background: the agent serves anyway.
+  void PublishSelf();
   // Gauges read at scrape time from state the agent keeps anyway.
   void AddGauges();
   // Logs and counts peer requests the buffer table refused.
@@ -107,6 +113,7 @@ class Agent {
 
   AgentOptions options_;
   AgentIdentity identity_;
+  const absl::Time start_time_ = absl::Now();
   std::string peer_address_;
   std::string metrics_address_;
   bool advertise_host_explicit_ = false;  // --advertise_host was given
@@ -126,6 +133,8 @@ class Agent {
   std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;
   std::unique_ptr<ActiveCalls> calls_;
+  // Before the service, which answers ListAgents from it.
+  std::unique_ptr<Directory> directory_;
   std::unique_ptr<RdmaAgentService> service_;
   // After the service whose batches its workers run, and after the calls
   // whose ops charges those batches hold: its workers are joined before

@@ -9,6 +9,7 @@
 #include "backends/backend.h"
 #include "backends/peer_tls.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/directory/directory_options.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/limits/quota.h"
 #include "daemon/local/caller_identity.h"
@@ -72,6 +73,8 @@ struct AgentOptions {
   // clients). 0 = derived from the host at start (DeriveQuotaLimits);
   // Agent::options() has the values in force.
   QuotaLimits quotas;
+  // Where the agent publishes itself and finds other agents.
+  DirectoryOptions directory;
   // Asynchronous transfers: workers, queue, what is kept.
   TransferLimits transfers;
   // Notifications: the longest one, and how many are kept per user.

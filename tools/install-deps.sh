@@ -10,6 +10,7 @@ PACKAGES=(
   libspdlog-dev libabsl-dev libgtest-dev libgmock-dev libcli11-dev libsystemd-dev prometheus-cpp-dev libcivetweb-dev
   iproute2 procps python3 python3-grpcio python3-protobuf python3-yaml systemd
   iperf3 ucx-utils
+  etcd-server etcd-client
   clang-14 libclang-rt-14-dev clang-format-14
 )
 

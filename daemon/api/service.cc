@@ -66,7 +66,7 @@ RdmaAgentService::RdmaAgentService(
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
     NotificationInbox* notifications, AgentMetrics* metrics,
-    std::string metrics_address)
+    std::string metrics_address, Directory* directory)
     : limits_(limits),
       identity_(identity),
       registry_(registry),
@@ -80,6 +80,7 @@ RdmaAgentService::RdmaAgentService(
       notifications_(notifications),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)),
+      directory_(directory),
       batch_env_{registry, buffers, metrics, &failures_,
                  limits.max_remote_context_bytes} {}
 
@@ -111,19 +112,38 @@ grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
                                        v1::AgentInfo* response) {
   auto admitted = Admit(*context, "GetInfo");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  response->set_agent_id(identity_.agent_id);
-  response->set_epoch(identity_.epoch);
-  response->set_version(kAgentVersion);
-  response->set_hostname(HostName());
-  response->set_metrics_address(metrics_address_);
+  *response = Info();
+  return grpc::Status::OK;
+}
+
+v1::AgentInfo RdmaAgentService::Info() const {
+  v1::AgentInfo response;
+  response.set_agent_id(identity_.agent_id);
+  response.set_epoch(identity_.epoch);
+  response.set_version(kAgentVersion);
+  response.set_hostname(HostName());
+  response.set_metrics_address(metrics_address_);
   for (const auto& backend : registry_->backends()) {
-    v1::BackendInfo* info = response->add_backends();
+    v1::BackendInfo* info = response.add_backends();
     info->set_name(backend->name());
     info->set_transport_level(backend->transport_level());
     info->set_available(backend->available());
     info->set_unavailable_reason(backend->unavailable_reason());
     *info->mutable_transport_info() = backend->transport_info();
   }
+  return response;
+}
+
+grpc::Status RdmaAgentService::ListAgents(grpc::ServerContext* context,
+                                          const v1::ListAgentsRequest*,
+                                          v1::ListAgentsResponse* response) {
+  auto admitted = Admit(*context, "ListAgents");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  auto agents = directory_->ListAgents(absl::FromChrono(context->deadline()));
+  if (!agents.ok()) {
+    return ToGrpcStatus(Prefixed(agents.status(), "ListAgents"));
+  }
+  *response = std::move(*agents);
   return grpc::Status::OK;
 }
 

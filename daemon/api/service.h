@@ -15,6 +15,7 @@
 #include "common/grpc_status.h"
 #include "common/rate_limited_log.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/limits/quota.h"
 #include "daemon/local/attach_tokens.h"
@@ -49,7 +50,10 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
                    ActiveCalls* calls, AgentQuotas quotas,
                    ClientWatcher* client_watcher, TransferTable* transfers,
                    NotificationInbox* notifications, AgentMetrics* metrics,
-                   std::string metrics_address);
+                   std::string metrics_address, Directory* directory);
+
+  // What GetInfo answers (and the agent publishes in the directory).
+  v1::AgentInfo Info() const;
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -92,6 +96,9 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   grpc::ServerWriteReactor<v1::NotificationEvent>* WatchNotifications(
       grpc::CallbackServerContext* context,
       const v1::WatchNotificationsRequest* request) override;
+  grpc::Status ListAgents(grpc::ServerContext* context,
+                          const v1::ListAgentsRequest* request,
+                          v1::ListAgentsResponse* response) override;
 
  private:
   // What every handler starts with: who is calling, and a call slot for it
@@ -137,6 +144,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   NotificationInbox* const notifications_;
   AgentMetrics* const metrics_;        // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
+  Directory* const directory_;
   FailedOpLog failures_;
   // What Submit's and SubmitAsync's batches run with.
   const OpBatchEnvironment batch_env_;

@@ -1,6 +1,8 @@
 #include "daemon/exe/flags.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,6 +73,36 @@ ABSL_FLAG(absl::Duration, peer_max_connection_age,
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
+ABSL_FLAG(std::string, directory, rdma_agent::DirectoryOptions().address,
+          "Where the agent publishes itself and finds other agents: local "
+          "(this agent alone) or etcd://host:port[,host:port...] (an etcd v3 "
+          "cluster, endpoints tried in order).");
+ABSL_FLAG(std::string, directory_prefix, rdma_agent::DirectoryOptions().prefix,
+          "Key prefix of everything the agent writes in the directory; agents "
+          "see each other only under the same prefix.");
+ABSL_FLAG(absl::Duration, directory_lease_ttl,
+          rdma_agent::DirectoryOptions().lease_ttl,
+          "Lease of the agent's directory record: renewed every third of it, "
+          "and the record is gone this long after the agent dies.");
+ABSL_FLAG(absl::Duration, directory_call_timeout,
+          rdma_agent::DirectoryOptions().call_timeout,
+          "Longest one call to the directory may take.");
+ABSL_FLAG(std::string, directory_ca_file, "",
+          "PEM CA certificate that signed the etcd servers' certificates; set: "
+          "TLS to etcd.");
+ABSL_FLAG(std::string, directory_cert_file, "",
+          "PEM client certificate for etcd (with --directory_key_file).");
+ABSL_FLAG(std::string, directory_key_file, "",
+          "PEM private key of --directory_cert_file.");
+ABSL_FLAG(std::string, directory_user, "",
+          "etcd user the agent authenticates as (with "
+          "--directory_password_file).");
+ABSL_FLAG(std::string, directory_password_file, "",
+          "File holding the etcd user's password (a file, so that it never "
+          "shows in ps).");
+ABSL_FLAG(int64_t, directory_max_listed_agents,
+          rdma_agent::DirectoryOptions().max_listed_agents,
+          "Most agent records one ListAgents answers.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port serving Prometheus metrics at /metrics and health at "
           "/healthz (HTTP, no authentication: keep it on a trusted "
@@ -342,6 +374,19 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
       absl::GetFlag(FLAGS_peer_max_connection_age);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  DirectoryOptions& directory = options.directory;
+  directory.address = absl::GetFlag(FLAGS_directory);
+  directory.prefix = absl::GetFlag(FLAGS_directory_prefix);
+  directory.lease_ttl = absl::GetFlag(FLAGS_directory_lease_ttl);
+  directory.call_timeout = absl::GetFlag(FLAGS_directory_call_timeout);
+  directory.ca_file = absl::GetFlag(FLAGS_directory_ca_file);
+  directory.cert_file = absl::GetFlag(FLAGS_directory_cert_file);
+  directory.key_file = absl::GetFlag(FLAGS_directory_key_file);
+  directory.user = absl::GetFlag(FLAGS_directory_user);
+  directory.password_file = absl::GetFlag(FLAGS_directory_password_file);
+  const int64_t max_listed = absl::GetFlag(FLAGS_directory_max_listed_agents);
+  directory.max_listed_agents = static_cast<int>(
+      std::clamp<int64_t>(max_listed, 0, std::numeric_limits<int>::max()));
   options.metrics.per_user = absl::GetFlag(FLAGS_metrics_per_user);
   options.metrics.request_timeout =
       absl::GetFlag(FLAGS_metrics_request_timeout);
