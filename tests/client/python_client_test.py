@@ -1,6 +1,7 @@
-"""Tests of client/python/rdma_agent_client.py against a real rdma-agentd.
+"""Tests of the rdma_agent client, installed from its wheel, against a real
+rdma-agentd.
 
-Run by python_client_test.sh with Debian's /usr/bin/python3:
+Run by python_venv_test.sh with the Python of a venv the wheel is installed in:
     python_client_test.py --agentd PATH/rdma-agentd
 The module also plays a second client process (--child) for the
 cross-process test.
@@ -23,9 +24,10 @@ import unittest
 
 import grpc
 
-from rdma.agent.v1 import types_pb2
-import rdma_agent_client
-from rdma_agent_client import AgentClient, AgentError, Op, decode_context
+import junit
+import rdma_agent
+from rdma_agent import AgentClient, AgentError, Op, decode_context
+from rdma_agent.proto import types_pb2
 
 AGENTD = None
 MIB = 1 << 20
@@ -393,7 +395,7 @@ class AsyncTransferTest(unittest.TestCase):
                 [Op("read", a.id, 3, MIB, b.remote_context, 1)], timeout=30)
             self.assertGreater(transfer.transfer_id, 0)
             end = transfer.wait(30)
-            self.assertEqual(end.state, rdma_agent_client.DONE)
+            self.assertEqual(end.state, rdma_agent.DONE)
             self.assertTrue(end.ok and end.ended)
             self.assertEqual(end.transfer_id, transfer.transfer_id)
             [result] = end.results
@@ -426,7 +428,7 @@ class AsyncTransferTest(unittest.TestCase):
                 Op("read", a.id, 0, 10, a.remote_context, 100),
                 Op("read", a.id, 0, 10, a.remote_context, 4090)], timeout=30)
             end = transfer.wait(30)
-            self.assertEqual(end.state, rdma_agent_client.FAILED)
+            self.assertEqual(end.state, rdma_agent.FAILED)
             self.assertFalse(end.ok)
             self.assertEqual([r.code for r in end.results],
                              [grpc.StatusCode.OK, grpc.StatusCode.OUT_OF_RANGE])
@@ -446,7 +448,7 @@ class AsyncTransferTest(unittest.TestCase):
 
             ends = asyncio.run(main())
             self.assertEqual(len(ends), 64)
-            self.assertTrue(all(e.state == rdma_agent_client.DONE for e in ends), ends)
+            self.assertTrue(all(e.state == rdma_agent.DONE for e in ends), ends)
             self.assertEqual(len({e.transfer_id for e in ends}), 64)
             self.assertTrue(bytes(a.memory) == bytes(b.memory))
 
@@ -485,7 +487,7 @@ class AsyncTransferTest(unittest.TestCase):
                 self.assertLess(time.monotonic(), deadline, "the transfer never moved a byte")
                 time.sleep(0.005)
             now = running.poll()
-            self.assertEqual(now.state, rdma_agent_client.PENDING)
+            self.assertEqual(now.state, rdma_agent.PENDING)
             self.assertEqual(now.results, [])
             self.assertIsNotNone(now.start_time)
             self.assertIsNone(now.end_time)
@@ -496,7 +498,7 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertFalse(running.future.done())
 
             never = queued.cancel()
-            self.assertEqual(never.state, rdma_agent_client.CANCELLED)
+            self.assertEqual(never.state, rdma_agent.CANCELLED)
             self.assertEqual([r.code for r in never.results], [grpc.StatusCode.CANCELLED])
             self.assertIsNone(never.start_time)
             self.assertEqual(bytes(small.memory), bytes(4096))
@@ -504,7 +506,7 @@ class AsyncTransferTest(unittest.TestCase):
             stopped = running.cancel()
             # Nothing of it writes into `local` once cancel() has returned.
             local.memory[:] = b"\xc3" * len(local.memory)
-            self.assertEqual(stopped.state, rdma_agent_client.CANCELLED)
+            self.assertEqual(stopped.state, rdma_agent.CANCELLED)
             self.assertIn(grpc.StatusCode.CANCELLED, [r.code for r in stopped.results])
             time.sleep(0.5)
             self.assertTrue(bytes(local.memory) == b"\xc3" * len(local.memory))
@@ -528,7 +530,7 @@ class AsyncTransferTest(unittest.TestCase):
         # The transfer runs on; another client of the user stops it.
         with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
             self.assertEqual(other.transfer(transfer.transfer_id).cancel().state,
-                             rdma_agent_client.CANCELLED)
+                             rdma_agent.CANCELLED)
 
     def test_two_watching_clients_both_get_every_end(self):
         running, local, source = self.long_transfer()  # holds the one worker
@@ -544,13 +546,13 @@ class AsyncTransferTest(unittest.TestCase):
             for transfers in (mine, theirs):
                 done, not_done = concurrent.futures.wait([t.future for t in transfers], 60)
                 self.assertEqual(not_done, set(), "the watches split the ends")
-                self.assertTrue(all(t.future.result().state == rdma_agent_client.DONE
+                self.assertTrue(all(t.future.result().state == rdma_agent.DONE
                                     for t in transfers))
             # Delivered twice, read by nobody: a third client still reads each.
             with AgentClient(self.agent.socket, timeout=30, watch=False) as third:
                 for t in mine:
                     self.assertEqual(third.transfer(t.transfer_id).poll().state,
-                                     rdma_agent_client.DONE)
+                                     rdma_agent.DONE)
         local.close()
         source.close()
 
@@ -571,7 +573,7 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertEqual(self.watch_threads(), [])
             self.assertFalse(transfer.future.done())  # nobody pushes it
             end = transfer.wait(30)
-            self.assertEqual(end.state, rdma_agent_client.DONE)
+            self.assertEqual(end.state, rdma_agent.DONE)
             self.assertEqual(transfer.future.result(timeout=0), end)
             self.assertCode(grpc.StatusCode.NOT_FOUND, quiet.transfer(999999).wait, 1)
 
@@ -580,8 +582,8 @@ class AsyncTransferTest(unittest.TestCase):
                 other.allocate(4096) as a:
             submitted = other.submit_async([Op("read", a.id, 0, 10, a.remote_context, 100)])
             followed = self.client.transfer(submitted.transfer_id)
-            self.assertEqual(followed.wait(30).state, rdma_agent_client.DONE)
-            self.assertEqual(followed.future.result(timeout=30).state, rdma_agent_client.DONE)
+            self.assertEqual(followed.wait(30).state, rdma_agent.DONE)
+            self.assertEqual(followed.future.result(timeout=30).state, rdma_agent.DONE)
             self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.transfer(999999).wait, 1)
 
 
@@ -709,8 +711,7 @@ def main():
     if args.child_to_kill:
         return child_to_kill(args.child_to_kill)
     AGENTD = args.agentd
-    program = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
-    return 0 if program.result.wasSuccessful() else 1
+    return junit.main(argv=[sys.argv[0]] + rest)
 
 
 if __name__ == "__main__":

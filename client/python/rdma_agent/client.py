@@ -44,11 +44,18 @@ from collections import namedtuple
 import grpc
 from google.protobuf import duration_pb2
 
-from rdma.agent.v1 import agent_pb2
-from rdma.agent.v1 import agent_pb2_grpc
-from rdma.agent.v1 import attach_pb2
-from rdma.agent.v1 import remote_buffer_pb2
-from rdma.agent.v1 import types_pb2
+from rdma_agent.proto import agent_pb2
+from rdma_agent.proto import agent_pb2_grpc
+from rdma_agent.proto import attach_pb2
+from rdma_agent.proto import remote_buffer_pb2
+from rdma_agent.proto import types_pb2
+
+__all__ = [
+    "ACCESS", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
+    "OP_TYPE", "PENDING", "SOCKET_ENV", "AgentClient", "AgentError", "Buffer",
+    "Notification", "NotificationBatch", "NotificationResult", "NotificationStream", "Op",
+    "OpResult", "SubmitResult", "Transfer", "TransferResult", "decode_context", "status_code",
+]
 
 DEFAULT_SOCKET = "/run/rdma-agentd/agent.sock"
 # Names the agent's socket (a path or a "unix:" target) when none is given.
