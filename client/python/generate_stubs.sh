@@ -14,6 +14,7 @@ stubs="$out/rdma_agent/_proto"
 mkdir -p "$stubs/rdma/agent/v1"
 protoc -I"$root" \
   --python_out="$stubs" \
+  --pyi_out="$stubs" \
   --grpc_python_out="$stubs" \
   --plugin=protoc-gen-grpc_python="$(command -v grpc_python_plugin)" \
   "$root/rdma/agent/v1/types.proto" \

@@ -12,4 +12,7 @@ holds the generated rdma.agent.v1 messages.
 """
 
 from rdma_agent.client import *  # noqa: F401,F403
-from rdma_agent.client import __all__  # noqa: F401
+from rdma_agent.errors import *  # noqa: F401,F403
+from rdma_agent import client as _client, errors as _errors
+
+__all__ = _client.__all__ + [n for n in _errors.__all__ if n not in _client.__all__]
