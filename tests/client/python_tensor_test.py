@@ -7,6 +7,7 @@ Run by python_venv_test.sh:  python_tensor_test.py --agentd PATH/rdma-agentd
 """
 
 import argparse
+import mmap
 import os
 import queue
 import random
@@ -124,6 +125,166 @@ class ViewsOutliveCloseTest(unittest.TestCase):
         self.assertEqual(code, 0, output)
         self.assertIn("ids []", output)      # released all the same
         self.assertIn("view b'abc'", output)
+
+
+class TensorsBetweenTwoAgentsTest(unittest.TestCase):
+    """Two agents (tcp on loopback), one client each: tensors and arrays made
+    registered or registered where they are, moved across, every byte
+    checked, including those around each op's range."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.here_agent, cls.there_agent = Agent(), Agent()
+
+    @classmethod
+    def tearDownClass(cls):
+        codes = [cls.here_agent.stop(), cls.there_agent.stop()]
+        assert codes == [0, 0], codes
+
+    def setUp(self):
+        import numpy
+        import torch
+        self.numpy, self.torch = numpy, torch
+        self.here = AgentClient(self.here_agent.socket, timeout=30)
+        self.there = AgentClient(self.there_agent.socket, timeout=30)
+
+    def tearDown(self):
+        for client in (self.here, self.there):
+            client.close()
+            with AgentClient(client.socket_path, timeout=30) as cleanup:
+                for info in cleanup.list_buffers():
+                    cleanup.release(info.buffer_id)
+
+    def ids(self, client):
+        return {info.buffer_id for info in client.list_buffers()}
+
+    def test_born_registered_tensor_array_and_empty_like(self):
+        torch, numpy = self.torch, self.numpy
+        source = self.there.tensor((64, 1024), torch.float16)
+        self.assertEqual((source.shape, source.dtype), (torch.Size([64, 1024]), torch.float16))
+        self.assertEqual(int(source.count_nonzero()), 0)
+        source.copy_(torch.arange(64 * 1024, dtype=torch.float16).view(64, 1024))
+        target = self.here.empty_like(source)
+        self.assertEqual((target.shape, target.dtype), (source.shape, source.dtype))
+        buffer, offset = self.there.buffer_of(source)
+        self.assertEqual((offset, buffer.size), (0, 64 * 1024 * 2))
+        # Rows 10..19 of the remote tensor into rows 30..39 here.
+        row = 1024 * 2
+        [result] = self.here.submit([rdma_agent_op("read", target[30:40], remote=buffer,
+                                                   remote_offset=10 * row)], timeout=30)
+        self.assertTrue(result.ok, result)
+        self.assertEqual(result.backend, "tcp")
+        self.assertTrue(torch.equal(target[30:40], source[10:20]))
+        self.assertEqual(int(target[:30].count_nonzero()) + int(target[40:].count_nonzero()), 0)
+
+        array = self.here.ndarray((3, 5), numpy.int32)
+        array[:] = numpy.arange(15, dtype=numpy.int32).reshape(3, 5)
+        remote_array = self.there.empty_like(array)
+        [result] = self.here.submit([rdma_agent_op("write", array[1],
+                                                   remote=self.there.buffer_of(remote_array)[0],
+                                                   remote_offset=4 * 5)], timeout=30)
+        self.assertTrue(result.ok, result)
+        self.assertEqual(remote_array.tolist(), [[0] * 5, [5, 6, 7, 8, 9], [0] * 5])
+
+    def test_born_registration_lives_while_a_view_does(self):
+        torch = self.torch
+        tensor = self.here.tensor(4096, torch.uint8, label="views")
+        buffer_id = self.here.buffer_of(tensor)[0].id
+        view = tensor[100:200]
+        del tensor
+        self.here.list_buffers()  # a call: nothing released yet, a view lives
+        self.assertIn(buffer_id, self.ids(self.here))
+        view[:] = 3  # still mapped
+        del view
+        # Released at the client's next call once the last view is gone.
+        self.here.info()
+        self.here.tensor(8, torch.uint8)
+        self.assertNotIn(buffer_id, self.ids(self.here))
+
+    def existing_cases(self):
+        """(name, object, its bytes as they are, share_edge_pages) of memory
+        made the usual way: not page-aligned, so it needs the flag."""
+        torch, numpy = self.torch, self.numpy
+        tensor = torch.tensor(list(range(3000)), dtype=torch.int32)
+        array = numpy.frombuffer(pattern(40, 50000), dtype=numpy.uint8).copy()
+        raw = bytearray(pattern(41, 10000))
+        return [("torch", tensor), ("numpy", array), ("bytearray", raw)]
+
+    def test_existing_tensor_array_and_bytearray_register_in_place(self):
+        torch, numpy = self.torch, self.numpy
+        for name, obj in self.existing_cases():
+            with self.subTest(name=name):
+                view = memoryview(obj) if name == "bytearray" else obj[:]  # made before
+                before = bytes(memoryview(obj).cast("B")) if name != "torch" \
+                    else obj.numpy().tobytes()
+                with self.here.register(obj, share_edge_pages=True, label=name) as buffer:
+                    self.assertGreaterEqual(buffer.size, len(before))
+                    self.assertEqual(buffer.size % 4096, 0)
+                    # The contents are kept, in place.
+                    self.assertEqual(bytes(buffer.memory[buffer.offset:buffer.offset +
+                                                         len(before)]), before)
+                    # A peer writes the middle; the object (and the view made
+                    # before registering) sees it without a copy.
+                    peer = self.there.attach(len(before))
+                    peer.memory[:] = pattern(42, len(before))
+                    middle = slice(len(before) // 4, len(before) // 2)
+                    [result] = self.here.submit([rdma_agent_op(
+                        "read", obj, middle.start, middle.stop - middle.start,
+                        peer, middle.start)], timeout=30)
+                    self.assertTrue(result.ok, result)
+                    expected = bytearray(before)
+                    expected[middle] = pattern(42, len(before))[middle]
+                    now = bytes(memoryview(obj).cast("B")) if name != "torch" \
+                        else obj.numpy().tobytes()
+                    self.assertEqual(now, bytes(expected))  # outside the range: unchanged
+                    seen = bytes(view) if name == "bytearray" else \
+                        (view.numpy().tobytes() if name == "torch" else view.tobytes())
+                    self.assertEqual(seen, bytes(expected))
+                    # And the other way: the whole object onto the peer.
+                    [result] = self.here.submit([rdma_agent_op("write", obj, remote=peer)],
+                                                timeout=30)
+                    self.assertTrue(result.ok, result)
+                    self.assertEqual(bytes(peer.memory), bytes(expected))
+                    peer.close()
+                # Closed: released, and the object is still good memory.
+                self.assertNotIn(buffer.id, self.ids(self.here))
+                if name == "torch":
+                    self.assertEqual(int(obj.sum()), int(torch.tensor(
+                        numpy.frombuffer(bytes(expected), dtype=numpy.int32)).sum()))
+
+    def test_edges_shared_with_other_objects_need_consent_and_overlaps_are_refused(self):
+        numpy = self.numpy
+        array = numpy.zeros(100000, dtype=numpy.uint8)
+        with self.assertRaises(ValueError) as raised:
+            self.here.register(array)
+        self.assertIn("share_edge_pages=True", str(raised.exception))
+        self.assertIn("does not fill whole pages", str(raised.exception))
+        # Whole pages need no consent: anonymous pages of an mmap.
+        anonymous = mmap.mmap(-1, 3 * 4096)
+        pages = numpy.frombuffer(anonymous, dtype=numpy.uint8)
+        pages[:] = numpy.frombuffer(pattern(43, 3 * 4096), dtype=numpy.uint8)
+        with self.here.register(pages[4096:8192]) as buffer:
+            self.assertEqual((buffer.size, buffer.offset), (4096, 0))
+            self.assertEqual(bytes(buffer.memory), pattern(43, 3 * 4096)[4096:8192])
+            self.assertEqual(self.here.read_buffer(buffer.id, 0, 4096),
+                             pattern(43, 3 * 4096)[4096:8192])
+        with self.here.register(array, share_edge_pages=True) as buffer:
+            with self.assertRaises(ValueError) as raised:
+                self.here.register(array[10:20], share_edge_pages=True)
+            self.assertIn("shares pages with buffer %d" % buffer.id, str(raised.exception))
+        with self.assertRaises(ValueError) as raised:
+            self.here.register(self.torch.zeros(4, 4).t())
+        self.assertIn("not contiguous", str(raised.exception))
+        with self.assertRaises(ValueError) as raised:
+            self.here.register(numpy.zeros(4096, numpy.uint8)[::2], share_edge_pages=True)
+        self.assertIn("not C-contiguous", str(raised.exception))
+        with self.assertRaises(ValueError):
+            self.here.register(bytes(100), share_edge_pages=True)  # read-only
+
+
+def rdma_agent_op(*args, **kwargs):
+    import rdma_agent
+    return rdma_agent.Op(*args, **kwargs)
 
 
 def main():
