@@ -862,6 +862,20 @@ class AgentClient:
         address, length = _memory.span(obj, "register_memory")
         if length == 0:
             raise invalid("register_memory: the %s holds no bytes" % type(obj).__name__)
+        return self.register_range(address, length, access, label, lifetime, share_edge_pages,
+                                   owner=obj, what=type(obj).__name__)
+
+    def register_range(self, address: int, length: int, access: str | int = "read_write",
+                       label: str = "", lifetime: str | int = "process",
+                       share_edge_pages: bool = False, owner: object = None,
+                       what: str = "memory") -> Buffer:
+        """register_memory() of the `length` bytes at `address` of this
+        process (e.g. a tensor's data_ptr()), which the caller keeps mapped
+        and allocated until the Buffer is closed (`owner`, if given, is kept
+        alive until then)."""
+        address = _check_count("register_range: address", address, positive=True)
+        length = _check_count("register_range: length", length, positive=True)
+        obj_name = what
         access_number = _access(access, "register_memory")
         lifetime_number = _lifetime(lifetime, "register_memory")
         first, size = _memory.page_span(address, length)
@@ -871,13 +885,12 @@ class AgentClient:
                 "%d bytes, so its registration would expose the bytes sharing its first and "
                 "last page; pass share_edge_pages=True to accept that, or allocate it "
                 "registered with tensor()/ndarray()"
-                % (type(obj).__name__, address, length, _memory.PAGE))
+                % (obj_name, address, length, _memory.PAGE))
         with self._lock:
             for other in list(self._regions.values()):
                 if other.address < first + size and first < other.address + other.size:
                     raise invalid("register_memory: the %s at 0x%x shares pages with "
-                                  "buffer %d of this client" % (type(obj).__name__, address,
-                                                                other.id))
+                                  "buffer %d of this client" % (obj_name, address, other.id))
         self._release_gone()
         fd, first, size = _memory.move_onto_memfd(address, length, label)
         try:
@@ -888,7 +901,7 @@ class AgentClient:
         return self._track(Buffer(self, response.buffer_id, memoryview(pages).cast("B"),
                                   response.remote_context, response.backends,
                                   response.lifetime, size=size, address=first,
-                                  offset=address - first, owner=obj), keep=True)
+                                  offset=address - first, owner=owner), keep=True)
 
     def buffer_of(self, obj: Any) -> tuple[Buffer, int]:
         """The registration of this client that holds `obj` (a tensor, an
@@ -897,15 +910,23 @@ class AgentClient:
         if isinstance(obj, Buffer):
             return obj, 0
         address, length = _memory.span(obj, "buffer_of")
+        found = self.find_range(address, length)
+        if found is not None:
+            return found
+        raise invalid("the %s at 0x%x (%d bytes) is not inside a registration of this client "
+                      "(register it, or make it with tensor()/ndarray())"
+                      % (type(obj).__name__, address, length))
+
+    def find_range(self, address: int, length: int) -> tuple[Buffer, int] | None:
+        """The registration of this client holding the `length` bytes at
+        `address`, and their offset in it; None if none does."""
         with self._lock:
             for buffer in list(self._regions.values()):
                 if buffer.released:
                     continue
                 if buffer.address <= address and address + length <= buffer.address + buffer.size:
                     return buffer, address - buffer.address
-        raise invalid("the %s at 0x%x (%d bytes) is not inside a registration of this client "
-                      "(register it, or make it with tensor()/ndarray())"
-                      % (type(obj).__name__, address, length))
+        return None
 
     def register_dmabuf(self, fd: int, offset: int, length: int, kind: str | int = "cuda",
                         device: int = 0, access: str | int = "read_write", label: str = "",
