@@ -560,6 +560,12 @@ class Buffer:
                                              ", released" if self._released else "")
 
 
+# Every Buffer of every client of this process with memory mapped here, for
+# register_memory()'s overlap check.
+_MAPPED: weakref.WeakSet[Buffer] = weakref.WeakSet()
+_MAPPED_LOCK = threading.Lock()
+
+
 def _probe_socket(path: str) -> None:
     """Fails at once, naming the errno, when `path` cannot be connected to."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -767,6 +773,8 @@ class AgentClient:
     # -- tensors, arrays and memory the caller already has -----------------
 
     def _track(self, buffer: Buffer, keep: bool = False) -> Buffer:
+        with _MAPPED_LOCK:
+            _MAPPED.add(buffer)
         with self._lock:
             self._regions[buffer.id] = buffer
             if keep:
@@ -886,13 +894,18 @@ class AgentClient:
                 "last page; pass share_edge_pages=True to accept that, or allocate it "
                 "registered with tensor()/ndarray()"
                 % (obj_name, address, length, _memory.PAGE))
-        with self._lock:
-            for other in list(self._regions.values()):
-                if other.address < first + size and first < other.address + other.size:
-                    raise invalid("register_memory: the %s at 0x%x shares pages with "
-                                  "buffer %d of this client" % (obj_name, address, other.id))
         self._release_gone()
-        fd, first, size = _memory.move_onto_memfd(address, length, label)
+        with _MAPPED_LOCK:
+            # Any client of this process: moving pages that a registration
+            # (or a live mapping) already holds would cut them off from it.
+            for other in list(_MAPPED):
+                if other.memory is not None and \
+                        other.address < first + size and first < other.address + other.size:
+                    raise invalid("register_memory: the %s at 0x%x shares pages with "
+                                  "buffer %d of %s" % (obj_name, address, other.id,
+                                                       "this client" if other._client is self
+                                                       else "another client of this process"))
+            fd, first, size = _memory.move_onto_memfd(address, length, label)
         try:
             response = self._register_fd(fd, access_number, label, lifetime_number)
         finally:

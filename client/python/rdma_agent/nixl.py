@@ -36,8 +36,11 @@ What differs from NIXL:
   (and, for regions of one register_memory call that share pages, the bytes
   between them). Pass share_edge_pages=False to refuse such regions. A
   region sharing pages with a registration of an earlier call is refused.
-- The agent's notifications are per user and host: two nixl_agents of one
-  user on one host take each other's notifications.
+- Notifications go to the user's streams on the agent: every nixl_agent of
+  the user on that host receives each one and keeps those for its own
+  mailbox. The agent also queues a copy for GetNotifications, which these
+  agents never read; that queue stays within the user's notification
+  budget by losing its oldest (docs/SECURITY.md, Notifications).
 - Errors are rdma_agent.AgentError subclasses (ValueError/TypeError for
   bad arguments) instead of nixlBind errors; nothing is logged and returned
   as None: it is raised.
