@@ -82,6 +82,9 @@ _METADATA_VERSION = 1
 # a listener keeps: anyone who reaches the port can send them.
 _MAX_MESSAGE_BYTES = 16 << 20
 _MAX_REMOTE_AGENTS = 4096
+# A peer of the listener has this long to send its whole message: a slow
+# one cannot hold the (single) listener thread longer.
+_MESSAGE_SECONDS = 10.0
 _NOTIFY_MAGIC = b"NIXL"
 # Notifications kept for get_new_notifs() (each at most the agent's
 # --max_notification_bytes); more are counted in notifs_dropped.
@@ -288,9 +291,13 @@ def _send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(struct.pack("<I", len(body)) + body)
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+def _recv_exactly(sock: socket.socket, size: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the peer was too slow")
+        sock.settimeout(remaining)
         chunk = sock.recv(min(size - len(data), 1 << 20))
         if not chunk:
             raise ConnectionError("the peer closed the connection")
@@ -298,12 +305,14 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def _recv_message(sock: socket.socket) -> dict[str, Any]:
-    (size,) = struct.unpack("<I", _recv_exactly(sock, 4))
+def _recv_message(sock: socket.socket, seconds: float = _MESSAGE_SECONDS) -> dict[str, Any]:
+    """One length-prefixed JSON message, whole within `seconds`."""
+    deadline = time.monotonic() + seconds
+    (size,) = struct.unpack("<I", _recv_exactly(sock, 4, deadline))
     if size > _MAX_MESSAGE_BYTES:
         raise ValueError("a metadata message of %d bytes (at most %d)"
                          % (size, _MAX_MESSAGE_BYTES))
-    message = json.loads(_recv_exactly(sock, size))
+    message = json.loads(_recv_exactly(sock, size, deadline))
     if not isinstance(message, dict):
         raise ValueError("a metadata message that is not an object")
     return message
