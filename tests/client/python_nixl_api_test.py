@@ -172,27 +172,28 @@ class NixlApiTest(unittest.TestCase):
         self.b.deregister_memory(regs)
 
     def test_regions_of_one_call_sharing_pages_share_a_registration(self):
-        block = torch.zeros(6000, dtype=torch.uint8)
-        regions = [(block.data_ptr(), 1000, 0, "x"), (block.data_ptr() + 3000, 3000, 0, "y")]
+        block = torch.zeros(12000, dtype=torch.uint8)
+        page = -(-block.data_ptr() // 4096) * 4096  # both regions touch this page
+        regions = [(page + 100, 1000, 0, "x"), (page + 3000, 3000, 0, "y")]
         regs = self.b.register_memory(self.b.get_reg_descs(regions, "DRAM"))
         answers = self.b.query_memory(regs, "UCX")
         self.assertEqual(answers[0]["buffer_id"], answers[1]["buffer_id"])
-        self.assertIsNone(self.b.query_memory([(block.data_ptr() + 1500, 10, 0, "")], "UCX",
+        self.assertIsNone(self.b.query_memory([(page + 1500, 10, 0, "")], "UCX",
                                               "DRAM")[0])
         # Inside the registration: the same one, released with the last region.
-        inside = self.b.register_memory([(block.data_ptr() + 1200, 10, 0, "")], "DRAM")
+        inside = self.b.register_memory([(page + 1200, 10, 0, "")], "DRAM")
         self.assertEqual(self.b.query_memory(inside, "UCX")[0]["buffer_id"],
                          answers[0]["buffer_id"])
         self.b.deregister_memory(inside)
         self.assertEqual(self.b.query_memory(regs, "UCX"), answers)
         # Straddling its end: refused, nothing moved.
         with self.assertRaises(ValueError) as raised:
-            self.b.register_memory([(block.data_ptr() + 5000, 8000, 0, "")], "DRAM")
+            self.b.register_memory([(page + 5000, 8000, 0, "")], "DRAM")
         self.assertIn("shares pages with buffer %s of this client" % answers[0]["buffer_id"],
                       str(raised.exception))
         # Another agent of this process may not take those pages either.
         with self.assertRaises(ValueError) as raised:
-            self.a.register_memory([(block.data_ptr() + 5000, 8000, 0, "")], "DRAM")
+            self.a.register_memory([(page + 5000, 8000, 0, "")], "DRAM")
         self.assertIn("another client of this process", str(raised.exception))
         self.b.deregister_memory(regs)
         with AgentClient(self.socket) as client:
