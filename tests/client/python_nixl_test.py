@@ -10,16 +10,15 @@ Run by python_venv_test.sh:  python_nixl_test.py --agentd PATH/rdma-agentd
 
 import argparse
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import unittest
 
 import junit
-from rdma_agent import AgentClient, Op
+from agents import Agent
+from rdma_agent import AgentClient
 
 AGENTD = None
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,51 +53,6 @@ class Namespaces:
             subprocess.run(["ip", "netns", "delete", name], check=False)
 
 
-class HostAgent:
-    """rdma-agentd in a namespace, tcp on the namespace's address."""
-
-    def __init__(self, netns, address):
-        self.dir = tempfile.mkdtemp(prefix="ran.", dir="/tmp")
-        self.socket = os.path.join(self.dir, "agent.sock")
-        self.netns = netns
-        self.log = []
-        self.process = subprocess.Popen(
-            ["ip", "netns", "exec", netns, AGENTD, "--runtime_dir=" + self.dir,
-             "--state_dir=" + self.dir, "--backends=memory,tcp",
-             "--tcp_listen=%s:0" % address, "--peer_listen=%s:0" % address,
-             "--log_level=info"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        lines = queue.Queue()
-
-        def drain():
-            for raw in self.process.stdout:
-                line = raw.decode(errors="replace").rstrip("\n")
-                self.log.append(line)
-                lines.put(line)
-            lines.put(None)
-
-        self.drainer = threading.Thread(target=drain, daemon=True)
-        self.drainer.start()
-        while True:
-            line = lines.get(timeout=30)
-            if line is None:
-                raise RuntimeError("rdma-agentd exited:\n" + "\n".join(self.log))
-            if "serving unix://" in line:
-                return
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            return self.process.wait(timeout=30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait(timeout=30)
-            self.drainer.join(timeout=30)
-            self.process.stdout.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-
 class NixlTwoHostsTest(unittest.TestCase):
 
     @classmethod
@@ -107,7 +61,7 @@ class NixlTwoHostsTest(unittest.TestCase):
             raise RuntimeError("python_nixl_test needs root (network namespaces)")
         cls.namespaces = Namespaces()
         try:
-            cls.agents = [HostAgent(name, address)
+            cls.agents = [Agent(AGENTD, address, name)
                           for name, address in zip(cls.namespaces.names, ADDRESSES)]
         except BaseException:
             cls.namespaces.delete()

@@ -9,17 +9,14 @@ Run by python_venv_test.sh:  python_tensor_test.py --agentd PATH/rdma-agentd
 import argparse
 import mmap
 import os
-import queue
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
-import threading
 import unittest
 
 import junit
+from agents import Agent
 from rdma_agent import AgentClient
 
 AGENTD = None
@@ -27,50 +24,6 @@ AGENTD = None
 
 def pattern(seed, size):
     return random.Random(seed).randbytes(size)
-
-
-class Agent:
-    """A real rdma-agentd in a fresh runtime dir (memory and tcp backends on
-    loopback); ready once it logs that it serves its sockets."""
-
-    def __init__(self, flags=()):
-        self.dir = tempfile.mkdtemp(prefix="rat.", dir="/tmp")
-        self.socket = os.path.join(self.dir, "agent.sock")
-        self.log = []
-        self.process = subprocess.Popen(
-            [AGENTD, "--runtime_dir=" + self.dir, "--state_dir=" + self.dir,
-             "--backends=memory,tcp", "--tcp_listen=127.0.0.1:0",
-             "--peer_listen=127.0.0.1:0", "--log_level=info"] + list(flags),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        lines = queue.Queue()
-
-        def drain():
-            for raw in self.process.stdout:
-                line = raw.decode(errors="replace").rstrip("\n")
-                self.log.append(line)
-                lines.put(line)
-            lines.put(None)
-
-        self.drainer = threading.Thread(target=drain, daemon=True)
-        self.drainer.start()
-        while True:
-            line = lines.get(timeout=30)
-            if line is None:
-                raise RuntimeError("rdma-agentd exited:\n" + "\n".join(self.log))
-            if "serving unix://" in line:
-                return
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            return self.process.wait(timeout=30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait(timeout=30)
-            self.drainer.join(timeout=30)
-            self.process.stdout.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_python(socket_path, program):
@@ -89,7 +42,7 @@ class ViewsOutliveCloseTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.agent = Agent()
+        cls.agent = Agent(AGENTD)
 
     @classmethod
     def tearDownClass(cls):
@@ -134,7 +87,7 @@ class TensorsBetweenTwoAgentsTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.here_agent, cls.there_agent = Agent(), Agent()
+        cls.here_agent, cls.there_agent = Agent(AGENTD), Agent(AGENTD)
 
     @classmethod
     def tearDownClass(cls):
@@ -280,6 +233,50 @@ class TensorsBetweenTwoAgentsTest(unittest.TestCase):
         self.assertIn("not C-contiguous", str(raised.exception))
         with self.assertRaises(ValueError):
             self.here.register(bytes(100), share_edge_pages=True)  # read-only
+
+
+class BlockPoolTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.agent = Agent(AGENTD)
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.agent.stop() == 0
+
+    def test_blocks_by_id_between_two_pools(self):
+        import torch
+        from rdma_agent import BlockPool
+        with AgentClient(self.agent.socket, timeout=30) as client:
+            a = BlockPool(client, 8, (4, 100), torch.int16)
+            b = BlockPool(client, 6, (4, 100), torch.int16)
+            self.assertEqual((a.block_bytes, a.free_count()), (800, 8))
+            ids = a.allocate(3)
+            self.assertEqual(ids, [0, 1, 2])
+            for block in ids:
+                a.blocks[block].fill_(block + 1)
+            results = client.submit(a.ops("write", ids, b, remote_blocks=[5, 0, 3]), timeout=30)
+            self.assertTrue(all(r.ok for r in results), results)
+            self.assertEqual([int(b.blocks[i][0][0]) for i in range(6)], [2, 0, 0, 3, 0, 1])
+            self.assertEqual([int(b.blocks[i].count_nonzero()) for i in range(6)],
+                             [400, 0, 0, 400, 0, 400])
+            with self.assertRaises(ValueError) as raised:
+                a.allocate(6)
+            self.assertIn("6 blocks asked, 5 of 8 free", str(raised.exception))
+            with self.assertRaises(ValueError):
+                a.free([7])  # never allocated
+            with self.assertRaises(ValueError):
+                a.ops("read", [0, 1], b, remote_blocks=[1])
+            with self.assertRaises(ValueError):
+                a.ops("read", [8], b)
+            a.free(ids)
+            self.assertEqual(a.free_count(), 8)
+            # The pool's registration goes with its tensor.
+            buffer_id = a.buffer.id
+            del a
+            client.info()
+            self.assertNotIn(buffer_id, [i.buffer_id for i in client.list_buffers()])
 
 
 def rdma_agent_op(*args, **kwargs):

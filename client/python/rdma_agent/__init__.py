@@ -13,6 +13,8 @@ holds the generated rdma.agent.v1 messages.
 
 from rdma_agent.client import *  # noqa: F401,F403
 from rdma_agent.errors import *  # noqa: F401,F403
+from rdma_agent.pool import BlockPool  # noqa: F401
 from rdma_agent import client as _client, errors as _errors
 
-__all__ = _client.__all__ + [n for n in _errors.__all__ if n not in _client.__all__]
+__all__ = _client.__all__ + [n for n in _errors.__all__ if n not in _client.__all__] + \
+    ["BlockPool"]

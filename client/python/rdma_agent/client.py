@@ -676,6 +676,7 @@ class AgentClient:
 
     def info(self) -> agent_pb2.AgentInfo:
         """The agent's AgentInfo (id, epoch, version, backends)."""
+        self._release_gone()
         return _rpc(self.stub.GetInfo, agent_pb2.GetInfoRequest(), self.timeout)
 
     def register(self, what: int | Any, access: str | int = "read_write", label: str = "",
@@ -1049,6 +1050,7 @@ class AgentClient:
         """Takes this user's queued notifications (at most `max_count`; 0 =
         the agent's most), waiting up to `wait` seconds for the first one.
         Returns a NotificationBatch; each notification is returned once."""
+        self._release_gone()
         request = agent_pb2.GetNotificationsRequest(wait=_duration(wait), max_count=max_count)
         response = _rpc(self.stub.GetNotifications, request, wait + self.timeout)
         return NotificationBatch([_notification(n) for n in response.notifications],
@@ -1291,6 +1293,7 @@ class AgentClient:
     def list_buffers(self, all_users: bool = False) -> list[agent_pb2.BufferInfo]:
         """This user's registrations (BufferInfo messages); with `all_users`,
         every user's (root only: AgentError PERMISSION_DENIED otherwise)."""
+        self._release_gone()
         return list(_rpc(self.stub.ListBuffers,
                          agent_pb2.ListBuffersRequest(all_users=all_users),
                          self.timeout).buffers)
