@@ -101,11 +101,11 @@ class NixlApiTest(unittest.TestCase):
         self.assertEqual(self.b.query_xfer_backend(read), "memory")
 
         target[:10] = -7
-        write = self.b.initialize_xfer(
-            "WRITE", [(target[0:10].data_ptr(), 40, 0)] and
-            self.b.get_xfer_descs([(target[0:10].data_ptr(), 40, 0)], "DRAM"),
-            self.b.get_xfer_descs(np.array([[source[4000:4010].data_ptr(), 40, 0]],
-                                           dtype=np.uint64), "cpu"), "a", "wrote")
+        # From (addr, len, dev) tuples to an Nx3 array, as NIXL takes them.
+        local = self.b.get_xfer_descs([(target[0:10].data_ptr(), 40, 0)], "DRAM")
+        remote = self.b.get_xfer_descs(
+            np.array([[source[4000:4010].data_ptr(), 40, 0]], dtype=np.uint64), "cpu")
+        write = self.b.initialize_xfer("WRITE", local, remote, "a", "wrote")
         self.assertEqual(self.b.transfer(write), "PROC")
         self.assertEqual(self.wait_state(self.b, write), "DONE")
         self.assertEqual(source[3999:4011].tolist(), [3999] + [-7] * 10 + [4010])

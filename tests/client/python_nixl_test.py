@@ -116,7 +116,8 @@ class NixlTwoHostsTest(unittest.TestCase):
 
     def test_basic_two_peers(self):
         target = self.started(
-            self.start(0, "nixl_basic_two_peers.py", "--mode", "target", "--ip", ADDRESSES[0], "--port", "5555"),
+            self.start(0, "nixl_basic_two_peers.py", "--mode", "target",
+                       "--ip", ADDRESSES[0], "--port", "5555"),
             "target registered")
         initiator = self.start(1, "nixl_basic_two_peers.py", "--mode", "initiator",
                                "--ip", ADDRESSES[0], "--port", "5555")
@@ -127,7 +128,8 @@ class NixlTwoHostsTest(unittest.TestCase):
 
     def test_expanded_two_peers(self):
         target = self.started(
-            self.start(0, "nixl_expanded_two_peers.py", "--mode", "target", "--ip", ADDRESSES[0], "--port", "5556"),
+            self.start(0, "nixl_expanded_two_peers.py", "--mode", "target",
+                       "--ip", ADDRESSES[0], "--port", "5556"),
             "target registered")
         initiator = self.start(1, "nixl_expanded_two_peers.py", "--mode", "initiator",
                                "--ip", ADDRESSES[0], "--port", "5556")

@@ -64,10 +64,11 @@ from rdma_agent.proto import remote_buffer_pb2
 from rdma_agent.proto import types_pb2
 
 __all__ = [
-    "ACCESS", "ArgumentTypeError", "InvalidArgumentError", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
-    "OP_TYPE", "PENDING", "SOCKET_ENV", "AgentClient", "AgentError", "Buffer",
-    "Notification", "NotificationBatch", "NotificationResult", "NotificationStream", "Op",
-    "OpResult", "SubmitResult", "Transfer", "TransferResult", "decode_context", "status_code",
+    "ACCESS", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
+    "OP_TYPE", "PENDING", "SOCKET_ENV", "AgentClient", "AgentError", "ArgumentTypeError",
+    "Buffer", "InvalidArgumentError", "Notification", "NotificationBatch", "NotificationResult",
+    "NotificationStream", "Op", "OpResult", "SubmitResult", "Transfer", "TransferResult",
+    "decode_context", "status_code",
 ]
 
 DEFAULT_SOCKET = "/run/rdma-agentd/agent.sock"
@@ -1314,7 +1315,8 @@ class AgentClient:
             if done >= length:
                 return b"".join(parts)
 
-    def write_buffer(self, buffer_id: int, offset: int, data: bytes | bytearray | memoryview) -> None:
+    def write_buffer(self, buffer_id: int, offset: int,
+                     data: bytes | bytearray | memoryview) -> None:
         """Writes `data` into a registration at `offset`, over gRPC."""
         view = memoryview(data)
         _check_range("WriteBuffer", buffer_id, offset, len(view))
