@@ -80,6 +80,24 @@ class ViewsOutliveCloseTest(unittest.TestCase):
         self.assertIn("view b'abc'", output)
 
 
+    def test_view_of_memory_registered_in_place_keeps_its_object(self):
+        # 8 MiB: numpy's allocator maps it apart and unmaps it when freed.
+        code, output = run_python(self.agent.socket, """
+            import gc, os, numpy
+            from rdma_agent import AgentClient
+            with AgentClient(os.environ["SOCKET"]) as agent:
+                array = numpy.full(8 << 20, 3, numpy.uint8)
+                buffer = agent.register(array, share_edge_pages=True)
+                view, start = buffer.memory, buffer.offset
+                buffer.close()
+                del array, buffer
+                gc.collect()
+                print("sum", sum(view[start:start + 10]))
+        """)
+        self.assertEqual(code, 0, output)
+        self.assertIn("sum 30", output)
+
+
 class TensorsBetweenTwoAgentsTest(unittest.TestCase):
     """Two agents (tcp on loopback), one client each: tensors and arrays made
     registered or registered where they are, moved across, every byte

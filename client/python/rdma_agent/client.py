@@ -913,6 +913,9 @@ class AgentClient:
         finally:
             os.close(fd)
         pages = (ctypes.c_char * size).from_address(first)
+        # Views of `memory` keep the pages' object allocated, as views of an
+        # mmap keep the mapping.
+        pages._owner = owner  # type: ignore[attr-defined]
         return self._track(Buffer(self, response.buffer_id, memoryview(pages).cast("B"),
                                   response.remote_context, response.backends,
                                   response.lifetime, size=size, address=first,
