@@ -251,6 +251,16 @@ class TensorsBetweenTwoAgentsTest(unittest.TestCase):
         self.assertIn("not C-contiguous", str(raised.exception))
         with self.assertRaises(ValueError):
             self.here.register(bytes(100), share_edge_pages=True)  # read-only
+        # A registered bytearray cannot be resized (its bytes would move away).
+        raw = bytearray(10000)
+        with self.here.register(raw, share_edge_pages=True) as buffer:
+            with self.assertRaises(BufferError):
+                raw.extend(b"more")
+            view = buffer.memory
+        with self.assertRaises(BufferError):
+            raw.extend(b"more")  # a view of the registration still points there
+        del view
+        raw.extend(b"more")
 
 
 class BlockPoolTest(unittest.TestCase):

@@ -872,8 +872,11 @@ class AgentClient:
         address, length = _memory.span(obj, "register_memory")
         if length == 0:
             raise invalid("register_memory: the %s holds no bytes" % type(obj).__name__)
+        # A buffer export, where the object has one, also keeps it from being
+        # resized (moved) while the registration or a view of it lives.
+        owner = obj if type(obj).__module__.startswith("torch") else memoryview(obj)
         return self.register_range(address, length, access, label, lifetime, share_edge_pages,
-                                   owner=obj, what=type(obj).__name__)
+                                   owner=owner, what=type(obj).__name__)
 
     def register_range(self, address: int, length: int, access: str | int = "read_write",
                        label: str = "", lifetime: str | int = "process",
