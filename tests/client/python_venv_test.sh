@@ -14,6 +14,8 @@ trap 'rm -rf "$venv"' EXIT
 "$venv/bin/python" -m pip install --quiet --no-index --disable-pip-version-check \
   "${runfiles}/client/python/rdma_agent-0.1.0-py3-none-any.whl"
 unset PYTHONPATH
+# No __pycache__ next to the runfiles (they link into the source tree).
+export PYTHONDONTWRITEBYTECODE=1
 test="$1"
 shift
 cd "$venv"
