@@ -1,7 +1,7 @@
 """rdma_agent.nixl between two hosts: two rdma-agentd in two network
 namespaces joined by a veth pair, and in each namespace one side of a NIXL
-flow (our own copies of NIXL's basic_two_peers and expanded_two_peers
-examples, and the flow of vLLM's NIXL connector), each side a separate
+flow (examples/nixl_*.py: our own copies of NIXL's basic_two_peers and
+expanded_two_peers examples, and the flow of vLLM's NIXL connector), each side a separate
 process of the venv the rdma-agent wheel is installed in. Needs root (it
 fails, never skips, without it).
 
@@ -21,7 +21,7 @@ from agents import Agent
 from rdma_agent import AgentClient
 
 AGENTD = None
-HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 # 10.78/16 and "rapy" namespaces: apart from the C++ tests' 10.77 and "ratcp".
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
 
@@ -77,7 +77,7 @@ class NixlTwoHostsTest(unittest.TestCase):
         """Runs a flow script in namespace `side` against that side's agent."""
         return subprocess.Popen(
             ["ip", "netns", "exec", self.namespaces.names[side], sys.executable,
-             os.path.join(HERE, script)] + list(args),
+             os.path.join(EXAMPLES, script)] + list(args),
             env=dict(os.environ, RDMA_AGENT_SOCKET=self.agents[side].socket),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
