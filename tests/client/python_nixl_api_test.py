@@ -155,6 +155,18 @@ class NixlApiTest(unittest.TestCase):
             bad.sendall(struct.pack("<I", len(body)) + body)
             self.assertEqual(bad.recv(1), b"")
 
+        # A peer that never finishes its message holds the listener at most
+        # 10 s; then metadata flows again.
+        with socket.create_connection(("127.0.0.1", self.a.listen_port)) as silent:
+            silent.sendall(b"\x10")
+            started = time.monotonic()
+            self.b.send_local_metadata("127.0.0.1", self.a.listen_port)
+            while not self.a.check_remote_metadata("b"):
+                self.assertLess(time.monotonic() - started, 25, "the listener stayed held")
+                time.sleep(0.05)
+            self.assertGreater(time.monotonic() - started, 5)  # it did wait for the peer
+            self.assertEqual(silent.recv(1), b"")  # and then cut it off
+
         # Loopback: rows 0..3 into rows 4..7 of the same tensor, by index.
         tensor[:4] = torch.tensor(list(random.Random(3).randbytes(256)),
                                   dtype=torch.uint8).view(4, 64)
