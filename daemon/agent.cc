@@ -23,6 +23,7 @@
 #include "daemon/api/rpc_observer.h"
 #include "daemon/api/service.h"
 #include "daemon/api/version.h"
+#include "daemon/directory/buffer_names.h"
 #include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/local/attach_server.h"
@@ -163,6 +164,11 @@ absl::Status Agent::OpenDirectory() {
   auto directory = rdma_agent::OpenDirectory(options_.directory);
   if (!directory.ok()) return directory.status();
   directory_ = std::move(*directory);
+  names_ = std::make_unique<BufferNames>(directory_.get(),
+                                         options_.directory.max_names_per_user,
+                                         options_.directory.max_names_total);
+  names_listener_ = buffers_->AddRemovalListener(
+      [names = names_.get()](uint64_t id) { names->Released(id); });
   return absl::OkStatus();
 }
 
@@ -412,7 +418,7 @@ absl::Status Agent::StartApiServer() {
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
-      metrics_.get(), metrics_address_, directory_.get());
+      metrics_.get(), metrics_address_, directory_.get(), names_.get());
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -510,7 +516,10 @@ void Agent::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   serving_ = false;
-  // Peers stop finding this agent before it stops answering them.
+  // Peers stop finding this agent (and its names) before it stops
+  // answering them.
+  if (names_listener_ >= 0) buffers_->RemoveRemovalListener(names_listener_);
+  names_listener_ = -1;
   if (directory_ != nullptr) directory_->Withdraw();
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)

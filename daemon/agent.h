@@ -28,6 +28,7 @@ class BufferTable;
 class CallerTable;
 class MetricsServer;
 class ClientWatcher;
+class BufferNames;
 class Directory;
 class RdmaAgentService;
 class TransferTable;
@@ -135,6 +136,10 @@ class Agent {
   std::unique_ptr<ActiveCalls> calls_;
   // Before the service, which answers ListAgents from it.
   std::unique_ptr<Directory> directory_;
+  // Names published for buffers; after the directory it tells (destroyed
+  // first), listening to the buffer table from OpenDirectory to Shutdown.
+  std::unique_ptr<BufferNames> names_;
+  int names_listener_ = -1;
   std::unique_ptr<RdmaAgentService> service_;
   // After the service whose batches its workers run, and after the calls
   // whose ops charges those batches hold: its workers are joined before

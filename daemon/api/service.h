@@ -15,6 +15,7 @@
 #include "common/grpc_status.h"
 #include "common/rate_limited_log.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/directory/buffer_names.h"
 #include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/limits/quota.h"
@@ -50,7 +51,8 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
                    ActiveCalls* calls, AgentQuotas quotas,
                    ClientWatcher* client_watcher, TransferTable* transfers,
                    NotificationInbox* notifications, AgentMetrics* metrics,
-                   std::string metrics_address, Directory* directory);
+                   std::string metrics_address, Directory* directory,
+                   BufferNames* names);
 
   // What GetInfo answers (and the agent publishes in the directory).
   v1::AgentInfo Info() const;
@@ -99,6 +101,15 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   grpc::Status ListAgents(grpc::ServerContext* context,
                           const v1::ListAgentsRequest* request,
                           v1::ListAgentsResponse* response) override;
+  grpc::Status Publish(grpc::ServerContext* context,
+                       const v1::PublishRequest* request,
+                       v1::PublishResponse* response) override;
+  grpc::Status Unpublish(grpc::ServerContext* context,
+                         const v1::UnpublishRequest* request,
+                         v1::UnpublishResponse* response) override;
+  grpc::Status Resolve(grpc::ServerContext* context,
+                       const v1::ResolveRequest* request,
+                       v1::ResolveResponse* response) override;
 
  private:
   // What every handler starts with: who is calling, and a call slot for it
@@ -145,6 +156,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   AgentMetrics* const metrics_;        // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   Directory* const directory_;
+  BufferNames* const names_;
   FailedOpLog failures_;
   // What Submit's and SubmitAsync's batches run with.
   const OpBatchEnvironment batch_env_;

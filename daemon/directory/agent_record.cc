@@ -6,7 +6,9 @@
 
 namespace rdma_agent {
 
-std::string EncodeAgentRecord(const v1::AgentRecord& record) {
+namespace {
+
+std::string Encode(const google::protobuf::Message& record) {
   std::string json;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
@@ -15,24 +17,51 @@ std::string EncodeAgentRecord(const v1::AgentRecord& record) {
   return json;
 }
 
-absl::StatusOr<v1::AgentRecord> DecodeAgentRecord(absl::string_view value) {
+absl::Status Decode(absl::string_view value, absl::string_view what,
+                    google::protobuf::Message* record) {
   if (value.size() > kMaxAgentRecordBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("agent record of ", value.size(),
-                     " bytes is over the limit of ", kMaxAgentRecordBytes));
+        absl::StrCat(what, " of ", value.size(), " bytes is over the limit of ",
+                     kMaxAgentRecordBytes));
   }
-  v1::AgentRecord record;
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = true;
   const auto status = google::protobuf::util::JsonStringToMessage(
-      google::protobuf::StringPiece(value.data(), value.size()), &record,
+      google::protobuf::StringPiece(value.data(), value.size()), record,
       options);
   if (!status.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("not an agent record: ", status.message().as_string()));
+        absl::StrCat("not a valid ", what, ": ", status.message().as_string()));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string EncodeAgentRecord(const v1::AgentRecord& record) {
+  return Encode(record);
+}
+
+absl::StatusOr<v1::AgentRecord> DecodeAgentRecord(absl::string_view value) {
+  v1::AgentRecord record;
+  absl::Status status = Decode(value, "agent record", &record);
+  if (!status.ok()) return status;
   if (record.info().agent_id().empty()) {
     return absl::InvalidArgumentError("agent record without an agent id");
+  }
+  return record;
+}
+
+std::string EncodeNameRecord(const v1::NameRecord& record) {
+  return Encode(record);
+}
+
+absl::StatusOr<v1::NameRecord> DecodeNameRecord(absl::string_view value) {
+  v1::NameRecord record;
+  absl::Status status = Decode(value, "name record", &record);
+  if (!status.ok()) return status;
+  if (record.name().empty() || record.agent_id().empty()) {
+    return absl::InvalidArgumentError("name record without a name or owner");
   }
   return record;
 }

@@ -20,6 +20,10 @@ std::string EncodeAgentRecord(const v1::AgentRecord& record);
 // AgentRecord with an agent id.
 absl::StatusOr<v1::AgentRecord> DecodeAgentRecord(absl::string_view value);
 
+// Name records, the same way (the context in base64).
+std::string EncodeNameRecord(const v1::NameRecord& record);
+absl::StatusOr<v1::NameRecord> DecodeNameRecord(absl::string_view value);
+
 }  // namespace rdma_agent
 
 #endif  // RDMA_AGENTD_DAEMON_DIRECTORY_AGENT_RECORD_H_

@@ -6,6 +6,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/log_text.h"
 #include "daemon/directory/etcd_client.h"
 #include "daemon/directory/etcd_directory.h"
 #include "daemon/directory/local_directory.h"
@@ -30,6 +32,32 @@ absl::StatusOr<std::string> ReadFile(const std::string& path,
 std::string AgentRecordKey(const DirectoryOptions& options,
                            const std::string& agent_id) {
   return absl::StrCat(options.prefix, "/agents/", agent_id);
+}
+
+std::string NameKey(const DirectoryOptions& options, const std::string& name) {
+  return absl::StrCat(options.prefix, "/names/", name);
+}
+
+absl::Status ValidateName(const std::string& name) {
+  auto invalid = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name \"", LogSafe(name), "\" ", why));
+  };
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    return invalid(absl::StrCat("must be 1 to ", kMaxNameBytes, " bytes"));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(c) && c != '.' && c != '_' && c != '-' &&
+        c != ':' && c != '/') {
+      return invalid("may hold only letters, digits and . _ - : /");
+    }
+  }
+  for (absl::string_view segment : absl::StrSplit(name, '/')) {
+    if (segment.empty() || segment == "." || segment == "..") {
+      return invalid("has an empty, \".\" or \"..\" path segment");
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Directory>> OpenDirectory(

@@ -45,7 +45,27 @@ class Directory {
 
   // "local" or "etcd://host:port,...", for logs and answers.
   virtual std::string name() const = 0;
+
+  // Publishes `record` under its name, owned by (agent_id, owner_uid):
+  // ALREADY_EXISTS when another owner holds the name; the same owner's
+  // earlier record (of an earlier epoch too) is replaced. The name lives as
+  // long as this agent's record unless withdrawn; UNAVAILABLE while this
+  // agent is not published (the directory unreachable).
+  virtual absl::Status PublishName(const v1::NameRecord& record) = 0;
+
+  // Withdraws `name` if this agent published it for `uid`; NOT_FOUND
+  // otherwise.
+  virtual absl::Status UnpublishName(const std::string& name, uint32_t uid) = 0;
+
+  // The record `name` stands for; NOT_FOUND when nobody holds it.
+  virtual absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
+                                                     absl::Time deadline) = 0;
 };
+
+// INVALID_ARGUMENT unless `name` is 1 to kMaxNameBytes of letters, digits
+// and . _ - : /, not starting with /, with no empty, "." or ".." segment.
+absl::Status ValidateName(const std::string& name);
+inline constexpr size_t kMaxNameBytes = 256;
 
 // The directory `options` name; INVALID_ARGUMENT for malformed options or
 // an unreadable password or certificate file. Nothing is contacted yet.
@@ -55,6 +75,8 @@ absl::StatusOr<std::unique_ptr<Directory>> OpenDirectory(
 // The key of an agent's record: <prefix>/agents/<agent id>.
 std::string AgentRecordKey(const DirectoryOptions& options,
                            const std::string& agent_id);
+// The key of a name: <prefix>/names/<name>.
+std::string NameKey(const DirectoryOptions& options, const std::string& name);
 
 }  // namespace rdma_agent
 

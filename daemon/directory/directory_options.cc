@@ -79,6 +79,11 @@ absl::Status DirectoryOptions::Validate() const {
     return absl::InvalidArgumentError(
         "--directory_user and --directory_password_file go together");
   }
+  if (max_names_per_user < 1 || max_names_total < max_names_per_user) {
+    return absl::InvalidArgumentError(
+        "--max_names_per_user must be at least 1 and at most "
+        "--max_names_total");
+  }
   if (max_listed_agents < 1) {
     return absl::InvalidArgumentError(
         "--directory_max_listed_agents must be at least 1");

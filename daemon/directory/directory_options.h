@@ -36,6 +36,10 @@ struct DirectoryOptions {
   // ListAgents answers at most this many records; a record over
   // kMaxAgentRecordBytes is skipped as unreadable.
   int max_listed_agents = 4096;
+  // Names one local user, and all users together, may publish through this
+  // agent (each at most kMaxNameBytes, standing for one of their buffers).
+  size_t max_names_per_user = 1024;
+  size_t max_names_total = 16384;
 
   // INVALID_ARGUMENT naming the flag for anything malformed.
   absl::Status Validate() const;

@@ -232,6 +232,33 @@ absl::StatusOr<etcdserverpb::RangeResponse> EtcdClient::RangePrefix(
   return response;
 }
 
+absl::StatusOr<etcdserverpb::TxnResponse> EtcdClient::Txn(
+    const etcdserverpb::TxnRequest& request) {
+  etcdserverpb::TxnResponse response;
+  absl::Status status =
+      WithFailover(absl::Now() + options_.call_timeout, "transaction",
+                   [&](Endpoint& endpoint, grpc::ClientContext& context) {
+                     return endpoint.kv->Txn(&context, request, &response);
+                   });
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<std::optional<mvccpb::KeyValue>> EtcdClient::Get(
+    const std::string& key, absl::Time deadline) {
+  etcdserverpb::RangeRequest request;
+  request.set_key(key);
+  etcdserverpb::RangeResponse response;
+  absl::Status status = WithFailover(
+      std::min(deadline, absl::Now() + options_.call_timeout), "get",
+      [&](Endpoint& endpoint, grpc::ClientContext& context) {
+        return endpoint.kv->Range(&context, request, &response);
+      });
+  if (!status.ok()) return status;
+  if (response.kvs_size() == 0) return std::optional<mvccpb::KeyValue>();
+  return std::optional<mvccpb::KeyValue>(response.kvs(0));
+}
+
 absl::Status EtcdClient::Delete(const std::string& key) {
   etcdserverpb::DeleteRangeRequest request;
   request.set_key(key);

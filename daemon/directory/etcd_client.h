@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,12 @@ class EtcdClient {
   absl::StatusOr<etcdserverpb::RangeResponse> RangePrefix(
       const std::string& prefix, int64_t limit, absl::Time deadline);
   absl::Status Delete(const std::string& key);
+  // A transaction: `request`'s compares decide which ops run.
+  absl::StatusOr<etcdserverpb::TxnResponse> Txn(
+      const etcdserverpb::TxnRequest& request);
+  // The value of exactly `key`, if it exists.
+  absl::StatusOr<std::optional<mvccpb::KeyValue>> Get(const std::string& key,
+                                                      absl::Time deadline);
 
   // "host:port" of the endpoint calls start from.
   std::string current_endpoint() const;

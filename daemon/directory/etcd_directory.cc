@@ -25,10 +25,12 @@ absl::Status EtcdDirectory::PutRecord() {
     value = EncodeAgentRecord(*record_);
   }
   for (int attempt = 0; attempt < 2; ++attempt) {
+    bool new_lease = false;
     if (lease_ == 0) {
       auto lease = client_->GrantLease(options_.lease_ttl);
       if (!lease.ok()) return lease.status();
       lease_ = *lease;
+      new_lease = true;
     }
     absl::Status status = client_->Put(key, value, lease_);
     // The lease expired or etcd lost it: take a new one, once.
@@ -37,12 +39,15 @@ absl::Status EtcdDirectory::PutRecord() {
       continue;
     }
     published_ = status.ok();
+    if (published_ && new_lease) names_dirty_ = !names_.empty();
+    if (published_ && names_dirty_) PutNamesAgain();
     return status;
   }
   return absl::UnavailableError("etcd: leases granted expire at once");
 }
 
 absl::Status EtcdDirectory::KeepPublished() {
+  if (lease_ != 0 && published_ && names_dirty_) PutNamesAgain();
   if (lease_ != 0 && published_) {
     auto ttl = client_->KeepAlive(lease_);
     if (!ttl.ok()) return ttl.status();
@@ -72,6 +77,127 @@ absl::Status EtcdDirectory::PublishAgent(const v1::AgentRecord& record) {
     keeper_ = std::thread([this] { KeeperLoop(); });
   }
   return status;
+}
+
+absl::Status EtcdDirectory::PutName(const v1::NameRecord& record) {
+  if (lease_ == 0 || !published_) {
+    return absl::UnavailableError(
+        absl::StrCat("this agent is not published in the directory ", name(),
+                     " (unreachable?); names need it"));
+  }
+  const std::string key = NameKey(options_, record.name());
+  const std::string value = EncodeNameRecord(record);
+  // Put only where nobody holds the name; otherwise read who does.
+  etcdserverpb::TxnRequest create;
+  etcdserverpb::Compare* absent = create.add_compare();
+  absent->set_key(key);
+  absent->set_target(etcdserverpb::Compare::CREATE);
+  absent->set_result(etcdserverpb::Compare::EQUAL);
+  absent->set_create_revision(0);
+  etcdserverpb::PutRequest* put = create.add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value(value);
+  put->set_lease(lease_);
+  create.add_failure()->mutable_request_range()->set_key(key);
+  auto created = client_->Txn(create);
+  if (!created.ok()) return created.status();
+  if (created->succeeded()) return absl::OkStatus();
+  const auto& held = created->responses(0).response_range();
+  if (held.kvs_size() == 0) {
+    return absl::AbortedError(absl::StrCat("name \"", record.name(),
+                                           "\" changed meanwhile; try again"));
+  }
+  auto holder = DecodeNameRecord(held.kvs(0).value());
+  if (!holder.ok() || holder->agent_id() != record.agent_id() ||
+      holder->owner_uid() != record.owner_uid()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "name \"", record.name(), "\" is published by another user or agent",
+        holder.ok() ? absl::StrCat(" (agent ", holder->agent_id(), ")")
+                    : std::string()));
+  }
+  // The owner's own earlier record (an earlier life of this agent, or the
+  // same name moved to another buffer): replace it, unless it changed since.
+  etcdserverpb::TxnRequest replace;
+  etcdserverpb::Compare* same = replace.add_compare();
+  same->set_key(key);
+  same->set_target(etcdserverpb::Compare::MOD);
+  same->set_result(etcdserverpb::Compare::EQUAL);
+  same->set_mod_revision(held.kvs(0).mod_revision());
+  *replace.add_success()->mutable_request_put() = *put;
+  auto replaced = client_->Txn(replace);
+  if (!replaced.ok()) return replaced.status();
+  if (!replaced->succeeded()) {
+    return absl::AbortedError(absl::StrCat("name \"", record.name(),
+                                           "\" changed meanwhile; try again"));
+  }
+  return absl::OkStatus();
+}
+
+void EtcdDirectory::PutNamesAgain() {
+  names_dirty_ = false;
+  for (auto it = names_.begin(); it != names_.end();) {
+    absl::Status status = PutName(it->second);
+    if (status.code() == absl::StatusCode::kAlreadyExists) {
+      // Taken while this agent's lease was gone: the taker keeps it.
+      spdlog::warn("directory {}: {}; it is no longer this agent's", name(),
+                   std::string(status.message()));
+      names_.erase(it++);
+      continue;
+    }
+    if (!status.ok()) names_dirty_ = true;
+    ++it;
+  }
+}
+
+absl::Status EtcdDirectory::PublishName(const v1::NameRecord& record) {
+  absl::MutexLock lock(&keeper_mu_);
+  absl::Status status = PutName(record);
+  if (status.ok()) names_[record.name()] = record;
+  return status;
+}
+
+absl::Status EtcdDirectory::UnpublishName(const std::string& name,
+                                          uint32_t uid) {
+  absl::MutexLock lock(&keeper_mu_);
+  auto it = names_.find(name);
+  if (it == names_.end() || it->second.owner_uid() != uid) {
+    return absl::NotFoundError(
+        absl::StrCat("you have published no name \"", name, "\" here"));
+  }
+  names_.erase(it);
+  if (lease_ == 0) return absl::OkStatus();  // gone with the lease
+  // Delete it only while it is still under this agent's lease.
+  const std::string key = NameKey(options_, name);
+  etcdserverpb::TxnRequest txn;
+  etcdserverpb::Compare* ours = txn.add_compare();
+  ours->set_key(key);
+  ours->set_target(etcdserverpb::Compare::LEASE);
+  ours->set_result(etcdserverpb::Compare::EQUAL);
+  ours->set_lease(lease_);
+  txn.add_success()->mutable_request_delete_range()->set_key(key);
+  auto done = client_->Txn(txn);
+  return done.ok() ? absl::OkStatus() : done.status();
+}
+
+absl::StatusOr<v1::NameRecord> EtcdDirectory::ResolveName(
+    const std::string& name, absl::Time deadline) {
+  auto value = client_->Get(NameKey(options_, name), deadline);
+  if (!value.ok()) {
+    return absl::Status(value.status().code(),
+                        absl::StrCat("directory ", this->name(), ": ",
+                                     value.status().message()));
+  }
+  if (!value->has_value()) {
+    return absl::NotFoundError(
+        absl::StrCat("no agent publishes the name \"", name, "\""));
+  }
+  auto record = DecodeNameRecord((*value)->value());
+  if (!record.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the name \"", name,
+        "\" holds no readable record: ", record.status().message()));
+  }
+  return record;
 }
 
 void EtcdDirectory::KeeperLoop() {
@@ -133,6 +259,7 @@ void EtcdDirectory::Withdraw() {
     lease_ = 0;
   }
   published_ = false;
+  names_.clear();
   absl::MutexLock record_lock(&mu_);
   record_.reset();
 }

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "common/rate_limited_log.h"
 #include "daemon/directory/directory.h"
@@ -32,8 +33,18 @@ class EtcdDirectory final : public Directory {
   absl::StatusOr<v1::ListAgentsResponse> ListAgents(
       absl::Time deadline) override;
   std::string name() const override { return options_.address; }
+  absl::Status PublishName(const v1::NameRecord& record) override;
+  absl::Status UnpublishName(const std::string& name, uint32_t uid) override;
+  absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
+                                             absl::Time deadline) override;
 
  private:
+  // Puts `record` under the current lease unless another owner holds its
+  // name: ALREADY_EXISTS then.
+  absl::Status PutName(const v1::NameRecord& record)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(keeper_mu_);
+  // After a new lease: every name this agent holds, put again under it.
+  void PutNamesAgain() ABSL_EXCLUSIVE_LOCKS_REQUIRED(keeper_mu_);
   // Puts the record under the lease, granting one first if there is none.
   absl::Status PutRecord() ABSL_EXCLUSIVE_LOCKS_REQUIRED(keeper_mu_);
   // One turn of the keeper: renew, or publish again.
@@ -50,6 +61,12 @@ class EtcdDirectory final : public Directory {
   int64_t lease_ ABSL_GUARDED_BY(keeper_mu_) = 0;
   // False until the record has been put under the current lease.
   bool published_ ABSL_GUARDED_BY(keeper_mu_) = false;
+  // The names this agent publishes, kept to put them again under a new
+  // lease (BufferNames bounds how many).
+  absl::flat_hash_map<std::string, v1::NameRecord> names_
+      ABSL_GUARDED_BY(keeper_mu_);
+  // Some name could not be put again under a new lease: the keeper retries.
+  bool names_dirty_ ABSL_GUARDED_BY(keeper_mu_) = false;
 
   absl::Mutex mu_;
   std::optional<v1::AgentRecord> record_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/directory/directory.h"
 
@@ -19,10 +20,15 @@ class LocalDirectory final : public Directory {
   absl::StatusOr<v1::ListAgentsResponse> ListAgents(
       absl::Time deadline) override;
   std::string name() const override { return "local"; }
+  absl::Status PublishName(const v1::NameRecord& record) override;
+  absl::Status UnpublishName(const std::string& name, uint32_t uid) override;
+  absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
+                                             absl::Time deadline) override;
 
  private:
   absl::Mutex mu_;
   std::optional<v1::AgentRecord> self_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, v1::NameRecord> names_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace rdma_agent

@@ -103,6 +103,12 @@ ABSL_FLAG(std::string, directory_password_file, "",
 ABSL_FLAG(int64_t, directory_max_listed_agents,
           rdma_agent::DirectoryOptions().max_listed_agents,
           "Most agent records one ListAgents answers.");
+ABSL_FLAG(int64_t, max_names_per_user,
+          Int64(rdma_agent::DirectoryOptions().max_names_per_user),
+          "Names one local user may publish through this agent.");
+ABSL_FLAG(int64_t, max_names_total,
+          Int64(rdma_agent::DirectoryOptions().max_names_total),
+          "Names all local users together may publish through this agent.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port serving Prometheus metrics at /metrics and health at "
           "/healthz (HTTP, no authentication: keep it on a trusted "
@@ -456,6 +462,10 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.metrics.max_connections},
       {FLAGS_metrics_max_peers, "metrics_max_peers",
        &options.metrics.max_peers},
+      {FLAGS_max_names_per_user, "max_names_per_user",
+       &options.directory.max_names_per_user},
+      {FLAGS_max_names_total, "max_names_total",
+       &options.directory.max_names_total},
       {FLAGS_max_notification_queue_bytes_per_user,
        "max_notification_queue_bytes_per_user",
        &options.notifications.max_queued_bytes_per_user},

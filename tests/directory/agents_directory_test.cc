@@ -5,6 +5,7 @@
 // agents; bad directory flags.
 #include <signal.h>
 
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -278,6 +279,163 @@ TEST_F(AgentsDirectoryTest, AgentctlPrintsTheAgents) {
   EXPECT_THAT(json->out, HasSubstr("\"agent_id\": \"agent-b\""));
 }
 
+// Names: agent A's user publishes a buffer, agent B's user resolves the
+// name and moves bytes with the context it stands for.
+TEST_F(AgentsDirectoryTest, NamesResolveOnOtherAgentsAndMoveBytes) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  auto far = a->client().Allocate(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(far.ok()) << far.status();
+  for (int i = 0; i < 4096; ++i) far->data()[i] = std::byte(i * 7 + 1);
+  ASSERT_TRUE(a->client().Publish(far->id(), "job-1/kv/layer.0").ok());
+
+  auto record = b->client().Resolve("job-1/kv/layer.0");
+  ASSERT_TRUE(record.ok()) << record.status();
+  EXPECT_EQ(record->remote_context(), far->remote_context());
+  EXPECT_EQ(record->agent_id(), "agent-a");
+  EXPECT_EQ(record->agent_epoch(), Self(*a).second);
+  EXPECT_EQ(record->buffer_id(), far->id());
+
+  auto near = b->client().Allocate(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(near.ok());
+  std::memset(near->data(), 0xee, 4096);
+  client::OpSpec op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = near->id();
+  op.local_offset = 100;
+  op.length = 1000;
+  op.remote_context = record->remote_context();
+  op.remote_offset = 200;
+  auto results = b->client().Submit({op}, absl::Seconds(10));
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
+  for (int i = 0; i < 4096; ++i) {
+    const std::byte want = (i >= 100 && i < 1100)
+                               ? std::byte((i - 100 + 200) * 7 + 1)
+                               : std::byte(0xee);
+    ASSERT_EQ(near->data()[i], want) << "byte " << i;
+  }
+  // Unknown and malformed names.
+  EXPECT_EQ(b->client().Resolve("job-1/kv/layer.1").status().code(),
+            absl::StatusCode::kNotFound);
+  for (const char* bad : {"", "/abs", "a//b", "a/../b", "sp ace", "quo\"te"}) {
+    const absl::Status status = b->client().Resolve(bad).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(status.message(), HasSubstr("Resolve")) << bad;
+  }
+}
+
+TEST_F(AgentsDirectoryTest, ANameBelongsToItsPublisher) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  auto mine = a->client().Allocate(4096, v1::ACCESS_READ);
+  auto theirs = b->client().Allocate(4096, v1::ACCESS_READ);
+  auto second = a->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(mine.ok() && theirs.ok() && second.ok());
+  ASSERT_TRUE(a->client().Publish(mine->id(), "shared/name").ok());
+  // Another agent's user cannot take it.
+  const absl::Status taken = b->client().Publish(theirs->id(), "shared/name");
+  EXPECT_EQ(taken.code(), absl::StatusCode::kAlreadyExists) << taken;
+  EXPECT_THAT(taken.message(), HasSubstr("agent agent-a"));
+  EXPECT_EQ(b->client().Unpublish("shared/name").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(b->client().Resolve("shared/name")->buffer_id(), mine->id());
+  // Its owner may move it to another of its buffers.
+  ASSERT_TRUE(a->client().Publish(second->id(), "shared/name").ok());
+  EXPECT_EQ(b->client().Resolve("shared/name")->buffer_id(), second->id());
+  // A buffer of someone else's cannot be published (unknown here).
+  EXPECT_EQ(a->client().Publish(theirs->id(), "other").code(),
+            absl::StatusCode::kNotFound);
+  // Unpublished, it is free again.
+  ASSERT_TRUE(a->client().Unpublish("shared/name").ok());
+  EXPECT_EQ(b->client().Resolve("shared/name").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(b->client().Publish(theirs->id(), "shared/name").ok());
+}
+
+TEST_F(AgentsDirectoryTest, NamesGoWithTheirBufferAndTheirAgent) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  auto kept =
+      a->client().Allocate(4096, v1::ACCESS_READ, "", v1::LIFETIME_AGENT);
+  ASSERT_TRUE(kept.ok());
+  {
+    auto released = a->client().Allocate(4096, v1::ACCESS_READ);
+    ASSERT_TRUE(released.ok());
+    ASSERT_TRUE(a->client().Publish(released->id(), "goes/with/buffer").ok());
+    ASSERT_TRUE(a->client().Publish(kept->id(), "goes/with/agent").ok());
+    ASSERT_TRUE(b->client().Resolve("goes/with/buffer").ok());
+  }  // Buffer destroyed: released.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return b->client().Resolve("goes/with/buffer").status().code() ==
+               absl::StatusCode::kNotFound;
+      },
+      absl::Seconds(5)));
+  ASSERT_TRUE(b->client().Resolve("goes/with/agent").ok());
+  // A crashed agent's names expire with its lease.
+  a->Kill();
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return b->client().Resolve("goes/with/agent").status().code() ==
+               absl::StatusCode::kNotFound;
+      },
+      kLeaseTtl + absl::Seconds(5)));
+}
+
+TEST_F(AgentsDirectoryTest, NamesComeBackWithTheirAgentsNewLease) {
+  auto a = StartAgent("agent-a");
+  ASSERT_TRUE(a);
+  auto buffer = a->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok());
+  ASSERT_TRUE(a->client().Publish(buffer->id(), "survives/lease").ok());
+  auto range = etcd_->client().RangePrefix("/test/agents/agent-a", 10,
+                                           absl::Now() + absl::Seconds(2));
+  ASSERT_TRUE(range.ok() && range->kvs_size() == 1);
+  ASSERT_TRUE(etcd_->client().RevokeLease(range->kvs(0).lease()).ok());
+  EXPECT_EQ(a->client().Resolve("survives/lease").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(
+      Eventually([&] { return a->client().Resolve("survives/lease").ok(); },
+                 kLeaseTtl + absl::Seconds(3)));
+}
+
+TEST_F(AgentsDirectoryTest, NamesAreBoundedPerUserAndInTotal) {
+  auto a =
+      StartAgent("agent-a", {"--max_names_per_user=2", "--max_names_total=2"});
+  ASSERT_TRUE(a);
+  auto buffer = a->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok());
+  ASSERT_TRUE(a->client().Publish(buffer->id(), "n/1").ok());
+  ASSERT_TRUE(a->client().Publish(buffer->id(), "n/2").ok());
+  // Publishing a name again is not a new one.
+  ASSERT_TRUE(a->client().Publish(buffer->id(), "n/2").ok());
+  const absl::Status third = a->client().Publish(buffer->id(), "n/3");
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_THAT(third.message(), HasSubstr("--max_names_per_user"));
+  EXPECT_EQ(a->client().Resolve("n/3").status().code(),
+            absl::StatusCode::kNotFound);
+  std::string long_name(300, 'x');
+  EXPECT_EQ(a->client().Publish(buffer->id(), long_name).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a->client().Unpublish("n/1").ok());
+  EXPECT_TRUE(a->client().Publish(buffer->id(), "n/3").ok());
+}
+
+TEST_F(AgentsDirectoryTest, PublishingNeedsThePublishedAgent) {
+  auto a = StartAgent("agent-a");
+  ASSERT_TRUE(a);
+  auto buffer = a->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok());
+  etcd_->Kill();
+  const absl::Status status = a->client().Publish(buffer->id(), "n");
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("Publish"));
+}
+
 // An agent on `etcd` with `flags` (directory flags included).
 std::unique_ptr<AgentProcess> StartAgentOn(const EtcdServer& etcd,
                                            const std::string& id,
@@ -420,6 +578,24 @@ TEST(LocalDirectoryTest, AnAgentAloneListsItself) {
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_EQ(listed->directory(), "local");
   EXPECT_THAT(Listed(**a), ElementsAre(Self(**a)));
+}
+
+TEST(LocalDirectoryTest, NamesWorkOnOneHostWithoutEtcd) {
+  auto a = AgentProcess::Start();
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto buffer = (*a)->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok());
+  ASSERT_TRUE((*a)->client().Publish(buffer->id(), "local/name").ok());
+  auto record = (*a)->client().Resolve("local/name");
+  ASSERT_TRUE(record.ok()) << record.status();
+  EXPECT_EQ(record->remote_context(), buffer->remote_context());
+  ASSERT_TRUE((*a)->client().Release(buffer->id()).ok());
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return (*a)->client().Resolve("local/name").status().code() ==
+               absl::StatusCode::kNotFound;
+      },
+      absl::Seconds(5)));
 }
 
 TEST(DirectoryFlagsTest, MalformedDirectoryFlagsExitTwoNamingTheFlag) {
