@@ -149,6 +149,49 @@ class FlagFileTest(unittest.TestCase):
         self.assertFalse([l for l in active if "0.0.0.0" in l], active)
 
 
+def install_destinations(text):
+    """{installed path: source} for every `install [-D] [-m MODE] SRC... DEST`
+    line of `text` (shell, or a comment of the unit)."""
+    installed = {}
+    for line in re.findall(r"^[#\s]*install\s+(.*)$", text, re.M):
+        words = re.sub(r"\s#.*$", "", line).split()
+        files = []
+        i = 0
+        while i < len(words):
+            if words[i] == "-m":
+                i += 2
+                continue
+            if not words[i].startswith("-"):
+                files.append(words[i])
+            i += 1
+        *sources, dest = files
+        for source in sources:
+            path = dest + os.path.basename(source) if dest.endswith("/") else dest
+            installed[path] = source
+    return installed
+
+
+class SystemdDocumentationTest(unittest.TestCase):
+    def test_documentation_names_files_the_install_steps_install(self):
+        with open(os.path.join(DEPLOY, "rdma-agentd.service")) as f:
+            unit = f.read()
+        with open(os.path.join(RUNFILES, "docs", "OPERATING.md")) as f:
+            operating = f.read()
+        urls = " ".join(re.findall(r"^Documentation=(.*)$", unit, re.M)).split()
+        self.assertTrue(urls, "no Documentation=")
+        # The unit's own install comment and OPERATING.md's systemd steps.
+        for steps in (unit, operating):
+            installed = install_destinations(steps)
+            for url in urls:
+                self.assertTrue(url.startswith("file://"), url)
+                path = url[len("file://"):]
+                self.assertIn(path, installed, "nothing installs " + url)
+                # ... from a file that is in the repository.
+                self.assertTrue(
+                    os.path.isfile(os.path.join(RUNFILES, installed[path])),
+                    installed[path])
+
+
 @unittest.skipUnless(shutil.which("systemd-analyze"), "systemd-analyze is not installed")
 class SystemdUnitTest(unittest.TestCase):
     def setUp(self):
