@@ -127,12 +127,15 @@ Agent::~Agent() { Shutdown(); }
 absl::Status Agent::Init() {
   absl::Status status = PrepareRuntimeDir();
   if (!status.ok()) return status;
-  SetUpQuotas();
   metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
   notifications_ = std::make_unique<NotificationInbox>(buffers_.get(),
                                                        options_.notifications);
   ObservePeerRefusals();
+  // Before the quotas: whether a NIC pins registered memory bounds them.
+  status = SpawnBackends();
+  if (!status.ok()) return status;
+  SetUpQuotas();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;
   watch_options.connection_poll_interval = options_.connection_poll_interval;
@@ -145,7 +148,7 @@ absl::Status Agent::Init() {
   // services, and must be started (knowing the Peer address) before any
   // client can reach the API.
   for (absl::Status (Agent::*step)() :
-       {&Agent::SpawnBackends, &Agent::StartPeerListener, &Agent::StartBackends,
+       {&Agent::StartPeerListener, &Agent::StartBackends,
         &Agent::StartMetricsServer, &Agent::StartApiServer,
         &Agent::StartApiListener, &Agent::StartAttachServer}) {
     status = (this->*step)();
@@ -458,10 +461,43 @@ absl::Status Agent::StartAttachServer() {
 }
 
 void Agent::SetUpQuotas() {
-  const HostLimits host = ReadHostLimits();
+  HostLimits host = ReadHostLimits();
+  for (const auto& backend : registry_->backends()) {
+    host.memory_pinned = host.memory_pinned ||
+                         (backend->available() && backend->transport_level() ==
+                                                      v1::TRANSPORT_LEVEL_NIC);
+  }
+  const MemoryLimitOrigins origins =
+      DescribeMemoryLimits(options_.quotas, host);
   // From here on, options() says the limits in force.
   options_.quotas = DeriveQuotaLimits(options_.quotas, host);
   const QuotaLimits& limits = options_.quotas;
+  spdlog::info(
+      "memory limits (per user / total): registered bytes {} / {} ({}), "
+      "agent-allocated bytes {} / {} ({})",
+      limits.bytes.per_user, limits.bytes.total, origins.registered,
+      limits.agent_allocated.per_user, limits.agent_allocated.total,
+      origins.agent_allocated);
+  // A node that holds a KV cache needs most of its memory registrable: say
+  // so at start rather than at the first refusal.
+  const auto warn_if_far_below = [&](uint64_t total, const char* what,
+                                     const std::string& origin,
+                                     const char* remedy) {
+    if (total >= host.memory_bytes / 2) return;
+    spdlog::warn(
+        "the {} total of {} bytes ({}) is far below the host's {} bytes of "
+        "memory: {}",
+        what, total, origin, host.memory_bytes, remedy);
+  };
+  warn_if_far_below(limits.bytes.total, "registered bytes", origins.registered,
+                    "raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity) or grant "
+                    "CAP_IPC_LOCK, or set --max_registered_bytes_total");
+  warn_if_far_below(
+      limits.agent_allocated.total, "agent-allocated bytes",
+      origins.agent_allocated,
+      "memory clients attach (memfds) is not bound by it; for memory the "
+      "agent allocates, raise the agent's memory limit or set "
+      "--max_agent_allocated_bytes_total");
   spdlog::info(
       "admission limits (per user / total), from {} open files, "
       "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "
