@@ -98,9 +98,10 @@ ABSL_FLAG(std::string, log_level, "info",
           "requests, client-visible errors), error, critical or off.");
 ABSL_FLAG(std::string, log_format, "auto",
           "Logs go to stderr as: journal (<N> syslog priorities, no "
-          "timestamps), terminal (colours), plain (UTC timestamps), or auto: "
-          "journal when journald reads stderr, terminal on a TTY, else "
-          "plain.");
+          "timestamps), terminal (colours), plain (UTC timestamps), json (one "
+          "object a line: time, level, message, and method, uid and pid "
+          "where a line is about an RPC), or auto: journal when journald "
+          "reads stderr, terminal on a TTY, else plain.");
 ABSL_FLAG(absl::Duration, default_submit_timeout,
           rdma_agent::ApiLimits().default_submit_timeout,
           "Timeout of a Submit that sets none.");
