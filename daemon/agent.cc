@@ -127,7 +127,8 @@ Agent::~Agent() { Shutdown(); }
 absl::Status Agent::Init() {
   absl::Status status = PrepareRuntimeDir();
   if (!status.ok()) return status;
-  metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
+  metrics_ =
+      std::make_unique<AgentMetrics>(kAgentVersion, options_.build_revision);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
   notifications_ = std::make_unique<NotificationInbox>(buffers_.get(),
                                                        options_.notifications);
@@ -135,6 +136,11 @@ absl::Status Agent::Init() {
   // Before the quotas: whether a NIC pins registered memory bounds them.
   status = SpawnBackends();
   if (!status.ok()) return status;
+  std::vector<std::string> backend_names;
+  for (const auto& backend : registry_->backends()) {
+    backend_names.push_back(backend->name());
+  }
+  metrics_->DeclareBackends(backend_names);
   SetUpQuotas();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;
@@ -602,11 +608,34 @@ void Agent::AddGauges() {
                        return std::vector<GaugeSample>{
                            {{}, static_cast<double>(transfers->in_flight())}};
                      });
-  metrics_->AddGauge(
-      "rdma_agentd_notifications_received",
-      "Notifications peers delivered here since start, and those dropped "
-      "because their owner's queue or a notification budget was full "
-      "(kind)",
+  // The serving side of ops: what requesters did to this agent's buffers.
+  const auto served = [backends = registry_.get()](bool bytes) {
+    return [backends, bytes] {
+      std::vector<GaugeSample> samples;
+      for (const auto& backend : backends->backends()) {
+        const ServedTotals totals = backend->served();
+        samples.push_back(
+            {{{"backend", backend->name()}, {"op", "read"}},
+             static_cast<double>(bytes ? totals.read_bytes : totals.read_ops)});
+        samples.push_back({{{"backend", backend->name()}, {"op", "write"}},
+                           static_cast<double>(bytes ? totals.write_bytes
+                                                     : totals.write_ops)});
+      }
+      return samples;
+    };
+  };
+  metrics_->AddCounter(
+      "rdma_agentd_served_ops_total",
+      "Ops requesters ran against this agent's buffers and it served in "
+      "full, by backend and what the requester did (op)",
+      served(/*bytes=*/false));
+  metrics_->AddCounter("rdma_agentd_served_bytes_total",
+                       "Bytes of the ops in rdma_agentd_served_ops_total",
+                       served(/*bytes=*/true));
+  metrics_->AddCounter(
+      "rdma_agentd_notifications_received_total",
+      "Notifications peers delivered here, and those dropped because their "
+      "owner's queue or a notification budget was full (kind)",
       [inbox = notifications_.get()] {
         return std::vector<GaugeSample>{
             {{{"kind", "delivered"}},
