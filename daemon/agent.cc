@@ -675,6 +675,40 @@ void Agent::AddGauges() {
   metrics_->AddGauge("rdma_agentd_registered_bytes",
                      "Bytes registered or attached for registration" + by_user,
                      usage(quotas_.bytes));
+  // The limits in force, for "near its limit" alerts.
+  const auto limit = [](std::shared_ptr<ResourceQuota> quota) {
+    return [quota] {
+      return std::vector<GaugeSample>{
+          {{}, static_cast<double>(quota->limits().total)}};
+    };
+  };
+  metrics_->AddGauge("rdma_agentd_registrations_limit",
+                     "Registrations all users together may hold "
+                     "(--max_buffers_total, or derived at start)",
+                     limit(quotas_.registrations));
+  metrics_->AddGauge("rdma_agentd_registered_bytes_limit",
+                     "Bytes all users together may have registered or "
+                     "attached (--max_registered_bytes_total, or derived at "
+                     "start)",
+                     limit(quotas_.bytes));
+  // A rail is a NIC port; 0 when its port is not ACTIVE (cable pulled).
+  metrics_->AddGauge(
+      "rdma_agentd_device_port_up",
+      "1 while an RDMA device port a backend uses is ACTIVE, else 0, by "
+      "backend, device and port",
+      [backends = registry_.get()] {
+        std::vector<GaugeSample> samples;
+        for (const auto& backend : backends->backends()) {
+          for (const v1::DeviceInfo& device :
+               backend->transport_info().devices()) {
+            samples.push_back({{{"backend", backend->name()},
+                                {"device", device.name()},
+                                {"port", absl::StrCat(device.port())}},
+                               device.state() == "ACTIVE" ? 1.0 : 0.0});
+          }
+        }
+        return samples;
+      });
   metrics_->AddGauge("rdma_agentd_watched_clients",
                      "Client processes watched for lifetime-bound "
                      "registrations" +
