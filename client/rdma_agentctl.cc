@@ -33,6 +33,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/internal/cli_docs.h"
 #include "client/internal/context_text.h"
 #include "client/internal/conversions.h"
 #include "client/internal/http_get.h"
@@ -1336,6 +1337,56 @@ class DecodeCommand : public Command {
   ContextOptions context_;
 };
 
+class CompletionCommand : public Command {
+ public:
+  explicit CompletionCommand(CLI::App& app) : app_(app) {
+    CLI::App* sub = app.add_subcommand(
+        "completion", "print a shell completion script (bash)");
+    sub->footer(
+        "source <(rdma-agentctl completion bash), or install it as "
+        "/usr/share/bash-completion/completions/rdma-agentctl. Generated "
+        "from the tool's own parser: it always matches --help.");
+    sub->add_option("SHELL", shell_, "bash");
+  }
+  Outcome Run(LazyClient&, const Global&) override {
+    if (shell_ != "bash") {
+      return Usage("completion: the shell is bash (completion bash)");
+    }
+    std::fputs(internal::BashCompletion(app_).c_str(), stdout);
+    return Ok();
+  }
+
+ private:
+  const CLI::App& app_;
+  std::string shell_;
+};
+
+// The man page, from the parser (hidden: `rdma-agentctl man >
+// rdma-agentctl.1`).
+class ManCommand : public Command {
+ public:
+  explicit ManCommand(CLI::App& app) : app_(app) {
+    app.add_subcommand("man", "print the man page (troff)")->group("");
+  }
+  Outcome Run(LazyClient&, const Global&) override {
+    const std::string extra = absl::StrCat(
+        ".SH EXIT STATUS\n0 ok; 1 the agent refused or an op failed (for "
+        "health, the agent is not serving; for wait, the transfer did not "
+        "end DONE); 2 bad usage; 3 a local file could not be read or "
+        "written.\n",
+        ".SH ENVIRONMENT\n.TP\n.B RDMA_AGENT_SOCKET\nThe agent's socket when "
+        "\\-\\-target is not given (a gRPC target or a path).\n",
+        ".SH SEE ALSO\n\\fBrdma\\-agentd\\fR \\-\\-help; docs/API.md and "
+        "docs/OPERATING.md of rdma\\-agentd (installed in "
+        "/usr/local/share/doc/rdma\\-agentd/).\n");
+    std::fputs(internal::ManPage(app_, kProjectVersion, extra).c_str(), stdout);
+    return Ok();
+  }
+
+ private:
+  const CLI::App& app_;
+};
+
 // Options of the whole tool that take a value in the next argument.
 bool TakesValue(absl::string_view option) {
   return option == "--target" || option == "--attach_socket" ||
@@ -1411,6 +1462,8 @@ int Main(int argc, char** argv) {
   owned.push_back(std::make_unique<WatchCommand>(app));
   owned.push_back(std::make_unique<NotificationsCommand>(app));
   owned.push_back(std::make_unique<DecodeCommand>(app));
+  owned.push_back(std::make_unique<CompletionCommand>(app));
+  owned.push_back(std::make_unique<ManCommand>(app));
   // Subcommands are kept in the order they were added.
   const std::vector<CLI::App*> subs = app.get_subcommands({});
   app.footer(

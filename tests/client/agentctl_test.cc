@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/rdma_agent_client.h"
 #include "gmock/gmock.h"
@@ -1043,6 +1044,80 @@ TEST_F(AgentctlTest, SubmitNotifiesTheOwnerAndNotificationsPrintsIt) {
   r = Ctl({"notifications", "--count=2"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--count needs --watch"));
+}
+
+// What bash completes after `words` (the last one is the word being typed),
+// with the script `rdma-agentctl completion bash` printed.
+std::string Complete(const std::string& script,
+                     const std::vector<std::string>& words) {
+  std::string array;
+  for (const std::string& word : words) {
+    absl::StrAppend(&array, " '", word, "'");
+  }
+  const absl::StatusOr<RunResult> r = RunToCompletion(
+      {"bash", "-c",
+       absl::StrCat("source '", script, "'; COMP_WORDS=(", array,
+                    "); COMP_CWORD=", words.size() - 1,
+                    "; _rdma_agentctl; echo \"${COMPREPLY[*]}\"")},
+      "", absl::Seconds(30));
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->err;
+  return std::string(absl::StripTrailingAsciiWhitespace(r->out));
+}
+
+TEST_F(AgentctlTest, BashCompletionComesFromTheParser) {
+  RunResult r = Ctl({"completion", "bash"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string script = File("completion.bash");
+  WriteFile(script, r.out);
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "reg"}), "register");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "-o", "json", "sub"}), "submit");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "--timeout", "5", "wa"}),
+            "wait watch");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "submit", "--ops"}),
+            "--ops_file");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "info", "--tim"}), "--timeout");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "-o", ""}), "text json");
+  EXPECT_EQ(
+      Complete(script, {"rdma-agentctl", "register", "--access", "read_"}),
+      "read_write");
+  // Every command of --help, and not the hidden man.
+  const std::string all = Complete(script, {"rdma-agentctl", ""});
+  for (const char* command :
+       {"info", "health", "metrics", "register", "list", "release", "write",
+        "read", "submit", "wait", "cancel", "watch", "notifications", "decode",
+        "completion"}) {
+    EXPECT_THAT(absl::StrCat(" ", all, " "),
+                HasSubstr(absl::StrCat(" ", command, " ")))
+        << command;
+  }
+  EXPECT_THAT(all, Not(HasSubstr("man")));
+  EXPECT_EQ(Ctl({"completion", "zsh"}).exit_code, 2);
+}
+
+TEST_F(AgentctlTest, ManPageComesFromTheParserAndRenders) {
+  RunResult r = Ctl({"man"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string page = File("rdma-agentctl.1");
+  WriteFile(page, r.out);
+  auto info = agent_->client().GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("\"rdma-agentctl ", info->version(),
+                                            "\"")));
+  // groff renders it without a warning.
+  const absl::StatusOr<RunResult> rendered = RunToCompletion(
+      {"sh", "-c", absl::StrCat("groff -ww -man -Tutf8 '", page, "' | col -b")},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  EXPECT_EQ(rendered->err, "");
+  for (const char* text :
+       {"NAME", "rdma-agentctl - talks to the host's rdma-agentd", "SYNOPSIS",
+        "COMMANDS", "EXIT STATUS", "RDMA_AGENT_SOCKET", "--ops_file",
+        "--backlog", "release ID", "--timeout VALUE"}) {
+    EXPECT_THAT(rendered->out, HasSubstr(text)) << text;
+  }
+  // Hidden from --help.
+  EXPECT_THAT(Ctl({"--help"}).out, Not(HasSubstr("  man ")));
 }
 
 }  // namespace
