@@ -34,6 +34,7 @@
 #include "daemon/ops/transfers.h"
 #include "daemon/peer_gate.h"
 #include "daemon/state_dir.h"
+#include "google/protobuf/descriptor.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -141,6 +142,20 @@ absl::Status Agent::Init() {
     backend_names.push_back(backend->name());
   }
   metrics_->DeclareBackends(backend_names);
+  // Every method of the services the agent serves (the API, Peer, health).
+  std::vector<std::string> methods;
+  for (const char* service : {"rdma.agent.v1.RdmaAgent", "rdma.agent.v1.Peer",
+                              "grpc.health.v1.Health"}) {
+    const google::protobuf::ServiceDescriptor* descriptor =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+            service);
+    for (int i = 0; descriptor != nullptr && i < descriptor->method_count();
+         ++i) {
+      methods.push_back(
+          absl::StrCat(service, "/", descriptor->method(i)->name()));
+    }
+  }
+  metrics_->DeclareRpcMethods(methods);
   SetUpQuotas();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;

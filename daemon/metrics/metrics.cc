@@ -193,6 +193,12 @@ void AgentMetrics::DeclareBackends(const std::vector<std::string>& backends) {
   }
 }
 
+void AgentMetrics::DeclareRpcMethods(const std::vector<std::string>& methods) {
+  for (const std::string& method : methods) {
+    rpcs_.Add({{"method", method}, {"code", "OK"}});
+  }
+}
+
 void AgentMetrics::RecordOps(absl::string_view backend, v1::OpType type,
                              absl::StatusCode code, uint64_t count,
                              uint64_t bytes, absl::Duration latency) {

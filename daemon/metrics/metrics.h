@@ -105,6 +105,9 @@ class AgentMetrics {
   // notifications sent by each backend, and the peer refusal reasons. A
   // rate() or an alert then sees the series before the first event.
   void DeclareBackends(const std::vector<std::string>& backends);
+  // Likewise rdma_agentd_rpcs_total{code="OK"} for each of `methods`
+  // ("package.Service/Method").
+  void DeclareRpcMethods(const std::vector<std::string>& methods);
 
   // Adds a gauge family whose samples `read` returns at every scrape.
   void AddGauge(const std::string& name, const std::string& help,

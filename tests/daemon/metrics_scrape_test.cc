@@ -151,6 +151,13 @@ TEST_F(MetricsScrapeTest, ValuesMoveWithRealTransfersAndLogsNameTheCallers) {
                   {{"backend", "tcp"}, {"op", "write"}}));
   EXPECT_TRUE(Has(before, "rdma_agentd_notifications_received_total",
                   {{"kind", "dropped"}}));
+  EXPECT_TRUE(Has(
+      before, "rdma_agentd_rpcs_total",
+      {{"method", "rdma.agent.v1.RdmaAgent/CancelTransfer"}, {"code", "OK"}}));
+  EXPECT_TRUE(
+      Has(before, "rdma_agentd_rpcs_total",
+          {{"method", "rdma.agent.v1.Peer/ConnectQueuePair"}, {"code", "OK"}}))
+      << "the Peer service's methods too";
   EXPECT_GT(Sum(before, "process_resident_memory_bytes"), 0);
   EXPECT_GT(Sum(before, "process_open_fds"), 0);
 
