@@ -37,6 +37,7 @@
 #include "client/internal/context_text.h"
 #include "client/internal/conversions.h"
 #include "client/internal/http_get.h"
+#include "client/internal/progress.h"
 #include "client/internal/units.h"
 #include "client/rdma_agent_client.h"
 #include "common/grpc_status.h"
@@ -247,8 +248,15 @@ struct Global {
   std::string attach_socket;
   std::string timeout = "30s";
   std::string output = "text";
+  bool progress = false;
 
   bool json() const { return output == "json"; }
+  // A progress line for bytes this tool moves: on a TTY once the work runs
+  // over a second, from the start with --progress, never with -o json.
+  internal::ProgressLine Progress(uint64_t total) const {
+    return internal::ProgressLine(total, !json() && ::isatty(STDERR_FILENO),
+                                  progress && !json(), stderr);
+  }
   // Checked by the option's validator.
   absl::Duration rpc_timeout() const {
     return internal::ParseDuration(timeout).value_or(absl::Seconds(30));
@@ -633,6 +641,10 @@ class ListCommand : public Command {
   bool all_users_ = false;
 };
 
+// Bytes read or write move per ReadBuffer/WriteBuffer call: the progress
+// line moves in steps of this.
+constexpr uint64_t kChunkBytes = 4 << 20;
+
 // Commands that take one buffer ID.
 class BufferCommand : public Command {
  protected:
@@ -688,7 +700,7 @@ class WriteCommand : public BufferCommand {
     sub->add_option("--in", in_, "input file, - for stdin")
         ->capture_default_str();
   }
-  Outcome Run(LazyClient& lazy, const Global&) override {
+  Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<uint64_t> id = Id();
     if (!id.ok()) return Usage(absl::StrCat("write: ", id.status().message()));
     absl::StatusOr<std::string> data = ReadAll(in_);
@@ -697,8 +709,16 @@ class WriteCommand : public BufferCommand {
     }
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
-    absl::Status status = (*client)->WriteBuffer(*id, offset_, *data);
-    if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
+    internal::ProgressLine progress = global.Progress(data->size());
+    for (uint64_t done = 0; done < data->size();) {
+      const uint64_t n = std::min<uint64_t>(kChunkBytes, data->size() - done);
+      absl::Status status = (*client)->WriteBuffer(
+          *id, offset_ + done, absl::string_view(*data).substr(done, n));
+      if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
+      done += n;
+      progress.Update(done);
+    }
+    progress.Finish(data->size());
     std::fprintf(stderr, "wrote %zu bytes into buffer %llu at offset %llu\n",
                  data->size(), static_cast<unsigned long long>(*id),
                  static_cast<unsigned long long>(offset_));
@@ -723,16 +743,29 @@ class ReadCommand : public BufferCommand {
     sub->add_option("--out", out_, "output file, - for stdout")
         ->capture_default_str();
   }
-  Outcome Run(LazyClient& lazy, const Global&) override {
+  Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<uint64_t> id = Id();
     if (!id.ok()) return Usage(absl::StrCat("read: ", id.status().message()));
     if (!length_.has_value()) return Usage("read needs --length L");
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
-    absl::StatusOr<std::string> data =
-        (*client)->ReadBuffer(*id, offset_, *length_);
-    if (!data.ok()) return Failed(absl::StrCat("read ", *id), data.status());
-    absl::Status written = WriteAll(out_, *data);
+    internal::ProgressLine progress = global.Progress(*length_);
+    std::string data;
+    // At least one call: the agent judges the range, even an empty one.
+    uint64_t done = 0;
+    do {
+      const uint64_t n = std::min<uint64_t>(kChunkBytes, *length_ - done);
+      absl::StatusOr<std::string> chunk =
+          (*client)->ReadBuffer(*id, offset_ + done, n);
+      if (!chunk.ok()) {
+        return Failed(absl::StrCat("read ", *id), chunk.status());
+      }
+      data.append(*chunk);
+      done += n;
+      progress.Update(done);
+    } while (done < *length_);
+    progress.Finish(data.size());
+    absl::Status written = WriteAll(out_, data);
     if (!written.ok())
       return LocalIo(absl::StrCat("read: ", written.message()));
     return Ok();
@@ -1442,6 +1475,10 @@ int Main(int argc, char** argv) {
   app.set_version_flag("--version",
                        absl::StrCat("rdma-agentctl ", kProjectVersion),
                        "print the tool's version and exit");
+  app.add_flag("--progress", global.progress,
+               "show a progress line (bytes, rate, ETA) for read and write "
+               "even when stderr is no terminal or the work is short; never "
+               "with -o json");
   app.add_option("-o,--output", global.output, "output format")
       ->capture_default_str()
       ->check(CLI::IsMember({"text", "json"}));

@@ -1120,5 +1120,31 @@ TEST_F(AgentctlTest, ManPageComesFromTheParserAndRenders) {
   EXPECT_THAT(Ctl({"--help"}).out, Not(HasSubstr("  man ")));
 }
 
+TEST_F(AgentctlTest, ProgressLineForReadAndWriteWhenAskedAndNeverInJson) {
+  constexpr uint64_t kSize = 9 << 20;  // three 4 MiB steps, the last short
+  auto [id, context] = Register(kSize);
+  const std::string payload = PatternString(11, 0, kSize);
+  WriteFile(File("big"), payload);
+  RunResult r = Ctl({"--progress", "write", id, "--in=" + File("big")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("\r4.0 MiB / 9.0 MiB"));
+  EXPECT_THAT(r.err, MatchesRegex("(.|\n)*\r9.0 MiB in [0-9.]+m?s \\([0-9.]+ "
+                                  "[KMG]iB/s\\) *\n(.|\n)*"));
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("wrote ", kSize, " bytes")));
+  r = Ctl({"read", id, "--length=9MiB", "--out=" + File("back"), "--progress"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("9.0 MiB in "));
+  EXPECT_TRUE(ReadFile(File("back")) == payload);
+  // Not a terminal, not asked: nothing; -o json: never.
+  r = Ctl({"read", id, "--length=9MiB", "--out=" + File("back")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  r = Ctl({"-o", "json", "--progress", "read", id, "--length=9MiB",
+           "--out=" + File("back")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_TRUE(ReadFile(File("back")) == payload);
+}
+
 }  // namespace
 }  // namespace rdma_agent::testing
