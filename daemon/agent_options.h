@@ -61,6 +61,8 @@ struct AgentOptions {
   // What the endpoint serves (per-user series or totals) and what it holds
   // for its clients.
   MetricsOptions metrics;
+  // The source revision build_info reports ("unknown": an unstamped build).
+  std::string build_revision = "unknown";
 
   // What one RdmaAgent call may ask for.
   ApiLimits api;

@@ -291,9 +291,12 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
           request.allocate_bytes(), absl::StrCat("rdma-agentd-buffer-", id),
           [&](uint64_t bytes)
               -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+            // Charged to the agent's cgroup, and registered like any other.
+            auto allocated = quotas_.agent_allocated->Reserve(caller, bytes);
+            if (!allocated.ok()) return allocated.status();
             auto charge = quotas_.bytes->Reserve(caller, bytes);
             if (!charge.ok()) return charge.status();
-            return MemoryCharge::Of(std::move(*charge));
+            return MemoryCharge::Of(std::move(*charge), std::move(*allocated));
           });
       agent_allocated = true;
       break;

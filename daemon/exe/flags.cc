@@ -136,9 +136,10 @@ ABSL_FLAG(std::string, log_level, "info",
           "requests, client-visible errors), error, critical or off.");
 ABSL_FLAG(std::string, log_format, "auto",
           "Logs go to stderr as: journal (<N> syslog priorities, no "
-          "timestamps), terminal (colours), plain (UTC timestamps), or auto: "
-          "journal when journald reads stderr, terminal on a TTY, else "
-          "plain.");
+          "timestamps), terminal (colours), plain (UTC timestamps), json (one "
+          "object a line: time, level, message, and method, uid and pid "
+          "where a line is about an RPC), or auto: journal when journald "
+          "reads stderr, terminal on a TTY, else plain.");
 ABSL_FLAG(absl::Duration, default_submit_timeout,
           rdma_agent::ApiLimits().default_submit_timeout,
           "Timeout of a Submit that sets none.");
@@ -162,12 +163,25 @@ ABSL_FLAG(uint64_t, open_files_limit, 0,
 ABSL_FLAG(uint64_t, max_registered_bytes_per_user,
           rdma_agent::QuotaLimits().bytes.per_user,
           "Bytes one local user may have registered or attached (not yet "
-          "registered) at once; 0: a quarter of the total.");
+          "registered) at once, whoever allocated them; 0: a quarter of the "
+          "total.");
 ABSL_FLAG(uint64_t, max_registered_bytes_total,
           rdma_agent::QuotaLimits().bytes.total,
           "Bytes all users together may have registered or attached; 0: the "
-          "host's physical memory, or 7/8 of the agent's cgroup memory limit "
-          "(MemoryMax=, a container's limit) when lower.");
+          "host's physical memory, or RLIMIT_MEMLOCK when lower and a NIC "
+          "pins (without CAP_IPC_LOCK). Never the agent's cgroup: a client's "
+          "memory is charged to the client's.");
+ABSL_FLAG(uint64_t, max_agent_allocated_bytes_per_user,
+          rdma_agent::QuotaLimits().agent_allocated.per_user,
+          "Of the registered bytes, those the agent allocated itself "
+          "(allocate_bytes) one local user may hold; 0: a quarter of the "
+          "total.");
+ABSL_FLAG(uint64_t, max_agent_allocated_bytes_total,
+          rdma_agent::QuotaLimits().agent_allocated.total,
+          "Bytes the agent may allocate for all users together (charged to "
+          "its own cgroup); 0: the host's physical memory, or 7/8 of the "
+          "agent's cgroup memory limit (MemoryMax=, a container's limit) "
+          "when lower.");
 ABSL_FLAG(uint64_t, max_buffers_per_user,
           rdma_agent::QuotaLimits().registrations.per_user,
           "Registrations one local user may hold; 0: a quarter of the total.");
@@ -410,6 +424,9 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   QuotaLimits& quotas = options.quotas;
   quotas.bytes = {absl::GetFlag(FLAGS_max_registered_bytes_per_user),
                   absl::GetFlag(FLAGS_max_registered_bytes_total)};
+  quotas.agent_allocated = {
+      absl::GetFlag(FLAGS_max_agent_allocated_bytes_per_user),
+      absl::GetFlag(FLAGS_max_agent_allocated_bytes_total)};
   quotas.registrations = {absl::GetFlag(FLAGS_max_buffers_per_user),
                           absl::GetFlag(FLAGS_max_buffers_total)};
   quotas.pending_attach = {absl::GetFlag(FLAGS_max_pending_attach_per_user),
