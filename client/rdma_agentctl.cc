@@ -768,14 +768,17 @@ class WriteCommand : public BufferCommand {
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     internal::ProgressLine progress = global.Progress(data->size());
-    for (uint64_t done = 0; done < data->size();) {
+    // At least one call, even for no bytes: the agent still checks the id
+    // and the offset, as it did when the whole input was one call.
+    uint64_t done = 0;
+    do {
       const uint64_t n = std::min<uint64_t>(kChunkBytes, data->size() - done);
       absl::Status status = (*client)->WriteBuffer(
           *id, offset_ + done, absl::string_view(*data).substr(done, n));
       if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
       done += n;
       progress.Update(done);
-    }
+    } while (done < data->size());
     progress.Finish(data->size());
     std::fprintf(stderr, "wrote %zu bytes into buffer %llu at offset %llu\n",
                  data->size(), static_cast<unsigned long long>(*id),
