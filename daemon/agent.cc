@@ -442,7 +442,8 @@ absl::Status Agent::StartApiServer() {
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
-      metrics_.get(), metrics_address_, directory_.get(), names_.get());
+      metrics_.get(), metrics_address_, directory_.get(), names_.get(),
+      options_.directory);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).

@@ -66,7 +66,8 @@ RdmaAgentService::RdmaAgentService(
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
     NotificationInbox* notifications, AgentMetrics* metrics,
-    std::string metrics_address, Directory* directory, BufferNames* names)
+    std::string metrics_address, Directory* directory, BufferNames* names,
+    const DirectoryOptions& names_limits)
     : limits_(limits),
       identity_(identity),
       registry_(registry),
@@ -82,6 +83,8 @@ RdmaAgentService::RdmaAgentService(
       metrics_address_(std::move(metrics_address)),
       directory_(directory),
       names_(names),
+      name_watches_(names_limits.max_name_watches_per_user,
+                    names_limits.max_name_watches),
       batch_env_{registry, buffers, metrics, &failures_,
                  limits.max_remote_context_bytes} {}
 
@@ -207,6 +210,23 @@ grpc::Status RdmaAgentService::Resolve(grpc::ServerContext* context,
   if (!record.ok()) return ToGrpcStatus(Prefixed(record.status(), "Resolve"));
   *response->mutable_record() = std::move(*record);
   return grpc::Status::OK;
+}
+
+grpc::ServerWriteReactor<v1::NameEvent>* RdmaAgentService::WatchNames(
+    grpc::CallbackServerContext* context,
+    const v1::WatchNamesRequest* request) {
+  auto admitted = AdmitCallback(*context, "WatchNames", /*may_wait=*/true);
+  if (!admitted.ok()) return RefuseStream<v1::NameEvent>(admitted.status());
+  if (request->prefix().size() > kMaxNameBytes) {
+    return RefuseStream<v1::NameEvent>(absl::InvalidArgumentError(absl::StrCat(
+        "WatchNames: a prefix is at most ", kMaxNameBytes, " bytes")));
+  }
+  auto slot = name_watches_.Take(admitted->caller.uid);
+  if (!slot.ok()) {
+    return RefuseStream<v1::NameEvent>(Prefixed(slot.status(), "WatchNames"));
+  }
+  return ServeWatchNames(std::move(admitted->call), std::move(*slot),
+                         directory_, request->prefix());
 }
 
 grpc::Status RdmaAgentService::Register(grpc::ServerContext* context,

@@ -15,6 +15,7 @@
 #include "common/grpc_status.h"
 #include "common/rate_limited_log.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/api/name_rpcs.h"
 #include "daemon/directory/buffer_names.h"
 #include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
@@ -39,7 +40,8 @@ using RdmaAgentServiceBase = v1::RdmaAgent::WithCallbackMethod_GetTransfers<
     v1::RdmaAgent::WithCallbackMethod_WatchTransfers<
         v1::RdmaAgent::WithCallbackMethod_GetNotifications<
             v1::RdmaAgent::WithCallbackMethod_WatchNotifications<
-                v1::RdmaAgent::Service>>>>;
+                v1::RdmaAgent::WithCallbackMethod_WatchNames<
+                    v1::RdmaAgent::Service>>>>>;
 
 // The public API (rdma.agent.v1.RdmaAgent). Each RPC acts for the local user
 // whose credentials the caller table holds for its connection.
@@ -52,7 +54,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
                    ClientWatcher* client_watcher, TransferTable* transfers,
                    NotificationInbox* notifications, AgentMetrics* metrics,
                    std::string metrics_address, Directory* directory,
-                   BufferNames* names);
+                   BufferNames* names, const DirectoryOptions& names_limits);
 
   // What GetInfo answers (and the agent publishes in the directory).
   v1::AgentInfo Info() const;
@@ -110,6 +112,9 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   grpc::Status Resolve(grpc::ServerContext* context,
                        const v1::ResolveRequest* request,
                        v1::ResolveResponse* response) override;
+  grpc::ServerWriteReactor<v1::NameEvent>* WatchNames(
+      grpc::CallbackServerContext* context,
+      const v1::WatchNamesRequest* request) override;
 
  private:
   // What every handler starts with: who is calling, and a call slot for it
@@ -157,6 +162,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   const std::string metrics_address_;  // for GetInfo
   Directory* const directory_;
   BufferNames* const names_;
+  NameWatches name_watches_;
   FailedOpLog failures_;
   // What Submit's and SubmitAsync's batches run with.
   const OpBatchEnvironment batch_env_;

@@ -38,6 +38,12 @@ std::string NameKey(const DirectoryOptions& options, const std::string& name) {
   return absl::StrCat(options.prefix, "/names/", name);
 }
 
+absl::Status SnapshotTooLarge(const std::string& prefix) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("more than ", kMaxWatchSnapshot, " names start with \"",
+                   LogSafe(prefix), "\"; watch a narrower prefix"));
+}
+
 absl::Status ValidateName(const std::string& name) {
   auto invalid = [&](absl::string_view why) {
     return absl::InvalidArgumentError(

@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_DAEMON_DIRECTORY_DIRECTORY_H_
 #define RDMA_AGENTD_DAEMON_DIRECTORY_DIRECTORY_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -60,7 +61,29 @@ class Directory {
   // The record `name` stands for; NOT_FOUND when nobody holds it.
   virtual absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
                                                      absl::Time deadline) = 0;
+
+  // Follows the names under `prefix`: `on_event` gets each name published
+  // now, then a SYNCED event, then every PUBLISHED and WITHDRAWN as it
+  // happens; `on_end` is called once if the directory can no longer follow
+  // (nothing comes after it). Both are called from the directory's thread
+  // (or this one, during the call), briefly, and must not call the
+  // directory. Destroying the subscription stops the calls; it must not be
+  // destroyed from inside them.
+  class Subscription {
+   public:
+    virtual ~Subscription() = default;
+  };
+  using NameEventCallback = std::function<void(const v1::NameEvent&)>;
+  using EndCallback = std::function<void(const absl::Status&)>;
+  virtual absl::StatusOr<std::unique_ptr<Subscription>> WatchNames(
+      const std::string& prefix, NameEventCallback on_event,
+      EndCallback on_end) = 0;
 };
+
+// The most names a WatchNames starts with; past it RESOURCE_EXHAUSTED
+// (SnapshotTooLarge): watch a narrower prefix.
+inline constexpr size_t kMaxWatchSnapshot = 4096;
+absl::Status SnapshotTooLarge(const std::string& prefix);
 
 // INVALID_ARGUMENT unless `name` is 1 to kMaxNameBytes of letters, digits
 // and . _ - : /, not starting with /, with no empty, "." or ".." segment.

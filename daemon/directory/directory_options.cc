@@ -84,6 +84,12 @@ absl::Status DirectoryOptions::Validate() const {
         "--max_names_per_user must be at least 1 and at most "
         "--max_names_total");
   }
+  if (max_name_watches_per_user < 1 ||
+      max_name_watches < max_name_watches_per_user) {
+    return absl::InvalidArgumentError(
+        "--max_name_watches_per_user must be at least 1 and at most "
+        "--max_name_watches");
+  }
   if (max_listed_agents < 1) {
     return absl::InvalidArgumentError(
         "--directory_max_listed_agents must be at least 1");

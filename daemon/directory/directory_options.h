@@ -40,6 +40,10 @@ struct DirectoryOptions {
   // agent (each at most kMaxNameBytes, standing for one of their buffers).
   size_t max_names_per_user = 1024;
   size_t max_names_total = 16384;
+  // WatchNames streams open at once, per local user and in total (each
+  // holds at most 4 MiB of events its reader has not taken).
+  size_t max_name_watches_per_user = 8;
+  size_t max_name_watches = 64;
 
   // INVALID_ARGUMENT naming the flag for anything malformed.
   absl::Status Validate() const;

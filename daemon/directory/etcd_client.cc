@@ -60,6 +60,7 @@ EtcdClient::EtcdClient(Options options) : options_(std::move(options)) {
     endpoint->kv = etcdserverpb::KV::NewStub(endpoint->channel);
     endpoint->lease = etcdserverpb::Lease::NewStub(endpoint->channel);
     endpoint->auth = etcdserverpb::Auth::NewStub(endpoint->channel);
+    endpoint->watch = etcdserverpb::Watch::NewStub(endpoint->channel);
     endpoints_.push_back(std::move(endpoint));
   }
 }
@@ -230,6 +231,40 @@ absl::StatusOr<etcdserverpb::RangeResponse> EtcdClient::RangePrefix(
       });
   if (!status.ok()) return status;
   return response;
+}
+
+absl::StatusOr<std::unique_ptr<EtcdClient::WatchStream>> EtcdClient::OpenWatch(
+    grpc::ClientContext* context) {
+  Endpoint* endpoint;
+  {
+    absl::MutexLock lock(&mu_);
+    endpoint = endpoints_[current_].get();
+  }
+  if (!options_.user.empty()) {
+    std::string token;
+    {
+      absl::MutexLock lock(&mu_);
+      token = token_;
+    }
+    if (token.empty()) {
+      absl::Status status =
+          Authenticate(*endpoint, absl::Now() + options_.call_timeout);
+      if (!status.ok()) return status;
+      absl::MutexLock lock(&mu_);
+      token = token_;
+    }
+    context->AddMetadata("token", token);
+  }
+  return std::unique_ptr<WatchStream>(endpoint->watch->Watch(context));
+}
+
+void EtcdClient::WatchEnded(const grpc::Status& status) {
+  absl::MutexLock lock(&mu_);
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    current_ = (current_ + 1) % endpoints_.size();
+  } else if (IsInvalidToken(status)) {
+    token_.clear();
+  }
 }
 
 absl::StatusOr<etcdserverpb::TxnResponse> EtcdClient::Txn(

@@ -59,6 +59,18 @@ class EtcdClient {
   absl::StatusOr<std::optional<mvccpb::KeyValue>> Get(const std::string& key,
                                                       absl::Time deadline);
 
+  // A Watch stream on the endpoint calls start from, logged in; no
+  // deadline: `context` (which must outlive it) ends it with TryCancel.
+  using WatchStream =
+      grpc::ClientReaderWriterInterface<etcdserverpb::WatchRequest,
+                                        etcdserverpb::WatchResponse>;
+  absl::StatusOr<std::unique_ptr<WatchStream>> OpenWatch(
+      grpc::ClientContext* context);
+  // A Watch stream ended with `status`: the next one starts from the next
+  // endpoint when this one was unreachable, with a new login when the
+  // token was refused.
+  void WatchEnded(const grpc::Status& status);
+
   // "host:port" of the endpoint calls start from.
   std::string current_endpoint() const;
 
@@ -69,6 +81,7 @@ class EtcdClient {
     std::unique_ptr<etcdserverpb::KV::Stub> kv;
     std::unique_ptr<etcdserverpb::Lease::Stub> lease;
     std::unique_ptr<etcdserverpb::Auth::Stub> auth;
+    std::unique_ptr<etcdserverpb::Watch::Stub> watch;
   };
 
   // Runs `call(endpoint, context)` on each endpoint in turn from the

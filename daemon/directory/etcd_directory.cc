@@ -13,7 +13,131 @@ EtcdDirectory::EtcdDirectory(DirectoryOptions options,
                              std::unique_ptr<EtcdClient> client)
     : options_(std::move(options)), client_(std::move(client)) {}
 
-EtcdDirectory::~EtcdDirectory() { StopKeeper(); }
+EtcdDirectory::~EtcdDirectory() {
+  StopWatcher();
+  StopKeeper();
+}
+
+std::optional<v1::NameEvent> EtcdDirectory::ToNameEvent(
+    const mvccpb::Event& event) const {
+  const std::string names = options_.prefix + "/names/";
+  v1::NameEvent out;
+  if (event.type() == mvccpb::Event::DELETE) {
+    if (event.kv().key().size() <= names.size()) return std::nullopt;
+    out.set_kind(v1::NameEvent::WITHDRAWN);
+    out.mutable_record()->set_name(event.kv().key().substr(names.size()));
+    return out;
+  }
+  auto record = DecodeNameRecord(event.kv().value());
+  if (!record.ok()) return std::nullopt;
+  out.set_kind(v1::NameEvent::PUBLISHED);
+  *out.mutable_record() = std::move(*record);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Directory::Subscription>>
+EtcdDirectory::WatchNames(const std::string& prefix, NameEventCallback on_event,
+                          EndCallback on_end) {
+  // Held from the snapshot to the subscription: the watcher delivers
+  // nothing meanwhile, so every change after the snapshot's revision
+  // reaches this subscriber and none before it does.
+  absl::MutexLock lock(&subscribers_.mu());
+  const std::string names = options_.prefix + "/names/";
+  auto range = client_->RangePrefix(names + prefix, kMaxWatchSnapshot + 1,
+                                    absl::Now() + options_.call_timeout);
+  if (!range.ok()) {
+    return absl::Status(
+        range.status().code(),
+        absl::StrCat("directory ", name(), ": ", range.status().message()));
+  }
+  if (range->kvs_size() > static_cast<int>(kMaxWatchSnapshot) ||
+      range->more()) {
+    return SnapshotTooLarge(prefix);
+  }
+  const int64_t revision = range->header().revision();
+  for (const mvccpb::KeyValue& kv : range->kvs()) {
+    mvccpb::Event event;
+    event.set_type(mvccpb::Event::PUT);
+    *event.mutable_kv() = kv;
+    if (auto name_event = ToNameEvent(event)) on_event(*name_event);
+  }
+  v1::NameEvent synced;
+  synced.set_kind(v1::NameEvent::SYNCED);
+  on_event(synced);
+  if (!watcher_.joinable()) {
+    watched_revision_ = revision;
+    watcher_ = std::thread([this] { WatcherLoop(); });
+  }
+  return subscribers_.Add(prefix, revision, std::move(on_event),
+                          std::move(on_end));
+}
+
+void EtcdDirectory::WatcherLoop() {
+  const std::string names = options_.prefix + "/names/";
+  std::string names_end = names;
+  names_end.back() = static_cast<char>(names_end.back() + 1);  // '/' + 1
+  for (;;) {
+    grpc::ClientContext context;
+    {
+      absl::MutexLock lock(&watch_mu_);
+      if (watch_stopping_) return;
+      watch_context_ = &context;
+    }
+    auto stream = client_->OpenWatch(&context);
+    if (stream.ok()) {
+      etcdserverpb::WatchRequest request;
+      etcdserverpb::WatchCreateRequest* create =
+          request.mutable_create_request();
+      create->set_key(names);
+      create->set_range_end(names_end);
+      {
+        absl::MutexLock lock(&subscribers_.mu());
+        create->set_start_revision(watched_revision_ + 1);
+      }
+      etcdserverpb::WatchResponse response;
+      if ((*stream)->Write(request)) {
+        while ((*stream)->Read(&response)) {
+          absl::MutexLock lock(&subscribers_.mu());
+          if (response.compact_revision() != 0 || response.canceled()) {
+            // The history this watch needs is gone: its subscribers may
+            // have missed changes; they watch again from a new snapshot.
+            subscribers_.EndAll(absl::UnavailableError(absl::StrCat(
+                "directory ", name(),
+                ": its history was compacted past this watch; watch again")));
+            watched_revision_ =
+                std::max(watched_revision_, response.compact_revision());
+            break;
+          }
+          for (const mvccpb::Event& event : response.events()) {
+            const int64_t revision = event.kv().mod_revision();
+            if (revision <= watched_revision_) continue;
+            if (auto name_event = ToNameEvent(event)) {
+              subscribers_.Deliver(*name_event, revision);
+            }
+            watched_revision_ = revision;
+          }
+        }
+      }
+      context.TryCancel();
+      client_->WatchEnded((*stream)->Finish());
+    }
+    absl::MutexLock lock(&watch_mu_);
+    watch_context_ = nullptr;
+    // Etcd away: try again in a second, unless stopping.
+    watch_mu_.AwaitWithTimeout(absl::Condition(&watch_stopping_),
+                               absl::Seconds(1));
+    if (watch_stopping_) return;
+  }
+}
+
+void EtcdDirectory::StopWatcher() {
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watch_stopping_ = true;
+    if (watch_context_ != nullptr) watch_context_->TryCancel();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
 
 absl::Status EtcdDirectory::PutRecord() {
   std::string key;

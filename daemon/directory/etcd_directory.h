@@ -13,6 +13,7 @@
 #include "common/rate_limited_log.h"
 #include "daemon/directory/directory.h"
 #include "daemon/directory/etcd_client.h"
+#include "daemon/directory/name_subscribers.h"
 
 namespace rdma_agent {
 
@@ -37,8 +38,18 @@ class EtcdDirectory final : public Directory {
   absl::Status UnpublishName(const std::string& name, uint32_t uid) override;
   absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
                                              absl::Time deadline) override;
+  absl::StatusOr<std::unique_ptr<Subscription>> WatchNames(
+      const std::string& prefix, NameEventCallback on_event,
+      EndCallback on_end) override;
 
  private:
+  // Follows <prefix>/names/ with one etcd Watch stream, from the revision
+  // after the last delivered, reconnecting every second while etcd is away;
+  // hands each change to the subscribers.
+  void WatcherLoop();
+  void StopWatcher();
+  // The NameEvent of one etcd event; nullopt for an unreadable record.
+  std::optional<v1::NameEvent> ToNameEvent(const mvccpb::Event& event) const;
   // Puts `record` under the current lease unless another owner holds its
   // name: ALREADY_EXISTS then.
   absl::Status PutName(const v1::NameRecord& record)
@@ -67,6 +78,14 @@ class EtcdDirectory final : public Directory {
       ABSL_GUARDED_BY(keeper_mu_);
   // Some name could not be put again under a new lease: the keeper retries.
   bool names_dirty_ ABSL_GUARDED_BY(keeper_mu_) = false;
+
+  NameSubscribers subscribers_;
+  // The last revision handed to the subscribers.
+  int64_t watched_revision_ ABSL_GUARDED_BY(subscribers_.mu()) = 0;
+  absl::Mutex watch_mu_;
+  grpc::ClientContext* watch_context_ ABSL_GUARDED_BY(watch_mu_) = nullptr;
+  bool watch_stopping_ ABSL_GUARDED_BY(watch_mu_) = false;
+  std::thread watcher_;  // started by the first WatchNames
 
   absl::Mutex mu_;
   std::optional<v1::AgentRecord> record_ ABSL_GUARDED_BY(mu_);

@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/directory/directory.h"
+#include "daemon/directory/name_subscribers.h"
 
 namespace rdma_agent {
 
@@ -24,8 +25,14 @@ class LocalDirectory final : public Directory {
   absl::Status UnpublishName(const std::string& name, uint32_t uid) override;
   absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
                                              absl::Time deadline) override;
+  absl::StatusOr<std::unique_ptr<Subscription>> WatchNames(
+      const std::string& prefix, NameEventCallback on_event,
+      EndCallback on_end) override;
 
  private:
+  // Taken before mu_: changes are delivered in the order they are made.
+  NameSubscribers subscribers_;
+  int64_t revision_ ABSL_GUARDED_BY(subscribers_.mu()) = 0;
   absl::Mutex mu_;
   std::optional<v1::AgentRecord> self_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, v1::NameRecord> names_ ABSL_GUARDED_BY(mu_);

@@ -109,6 +109,12 @@ ABSL_FLAG(int64_t, max_names_per_user,
 ABSL_FLAG(int64_t, max_names_total,
           Int64(rdma_agent::DirectoryOptions().max_names_total),
           "Names all local users together may publish through this agent.");
+ABSL_FLAG(int64_t, max_name_watches_per_user,
+          Int64(rdma_agent::DirectoryOptions().max_name_watches_per_user),
+          "WatchNames streams one local user may have open.");
+ABSL_FLAG(int64_t, max_name_watches,
+          Int64(rdma_agent::DirectoryOptions().max_name_watches),
+          "WatchNames streams open at once, all users.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port serving Prometheus metrics at /metrics and health at "
           "/healthz (HTTP, no authentication: keep it on a trusted "
@@ -483,6 +489,10 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.directory.max_names_per_user},
       {FLAGS_max_names_total, "max_names_total",
        &options.directory.max_names_total},
+      {FLAGS_max_name_watches_per_user, "max_name_watches_per_user",
+       &options.directory.max_name_watches_per_user},
+      {FLAGS_max_name_watches, "max_name_watches",
+       &options.directory.max_name_watches},
       {FLAGS_max_notification_queue_bytes_per_user,
        "max_notification_queue_bytes_per_user",
        &options.notifications.max_queued_bytes_per_user},

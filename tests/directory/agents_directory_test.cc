@@ -8,7 +8,9 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -19,7 +21,9 @@
 #include "client/rdma_agent_client.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "grpcpp/channel.h"
 #include "gtest/gtest.h"
+#include "rdma/agent/v1/agent.grpc.pb.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/etcd_server.h"
 #include "tests/testing/eventually.h"
@@ -436,6 +440,125 @@ TEST_F(AgentsDirectoryTest, PublishingNeedsThePublishedAgent) {
   EXPECT_THAT(status.message(), HasSubstr("Publish"));
 }
 
+// A WatchNames stream read on a thread of its own, as a client would.
+class NameStream {
+ public:
+  NameStream(client::AgentClient& client, const std::string& prefix)
+      : stub_(v1::RdmaAgent::NewStub(client.channel())) {
+    v1::WatchNamesRequest request;
+    request.set_prefix(prefix);
+    reader_ = stub_->WatchNames(&context_, request);
+    thread_ = std::thread([this] {
+      v1::NameEvent event;
+      while (reader_->Read(&event)) {
+        absl::MutexLock lock(&mu_);
+        events_.push_back(Describe(event));
+      }
+      absl::MutexLock lock(&mu_);
+      end_ = reader_->Finish();
+    });
+  }
+  ~NameStream() {
+    context_.TryCancel();
+    thread_.join();
+  }
+  static std::string Describe(const v1::NameEvent& event) {
+    switch (event.kind()) {
+      case v1::NameEvent::PUBLISHED:
+        return "+" + event.record().name();
+      case v1::NameEvent::WITHDRAWN:
+        return "-" + event.record().name();
+      case v1::NameEvent::SYNCED:
+        return "synced";
+      default:
+        return "?";
+    }
+  }
+  std::vector<std::string> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  // True once the events seen are `want`.
+  bool Saw(const std::vector<std::string>& want) {
+    return Eventually([&] { return events() == want; }, absl::Seconds(10));
+  }
+  std::optional<grpc::Status> end() {
+    absl::MutexLock lock(&mu_);
+    return end_;
+  }
+
+ private:
+  std::unique_ptr<v1::RdmaAgent::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::NameEvent>> reader_;
+  std::thread thread_;
+  absl::Mutex mu_;
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
+  std::optional<grpc::Status> end_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(AgentsDirectoryTest, WatchNamesStreamsTheNamesThenTheirChanges) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  auto one = a->client().Allocate(4096, v1::ACCESS_READ);
+  auto two =
+      a->client().Allocate(4096, v1::ACCESS_READ, "", v1::LIFETIME_AGENT);
+  ASSERT_TRUE(one.ok() && two.ok());
+  ASSERT_TRUE(a->client().Publish(one->id(), "job/kv/1").ok());
+  ASSERT_TRUE(a->client().Publish(one->id(), "other/1").ok());
+  NameStream stream(b->client(), "job/");
+  ASSERT_TRUE(stream.Saw({"+job/kv/1", "synced"})) << stream.events().size();
+  ASSERT_TRUE(a->client().Publish(two->id(), "job/kv/2").ok());
+  ASSERT_TRUE(a->client().Publish(two->id(), "other/2").ok());
+  ASSERT_TRUE(stream.Saw({"+job/kv/1", "synced", "+job/kv/2"}));
+  ASSERT_TRUE(a->client().Unpublish("job/kv/2").ok());
+  ASSERT_TRUE(stream.Saw({"+job/kv/1", "synced", "+job/kv/2", "-job/kv/2"}));
+  ASSERT_TRUE(a->client().Release(one->id()).ok());
+  ASSERT_TRUE(stream.Saw(
+      {"+job/kv/1", "synced", "+job/kv/2", "-job/kv/2", "-job/kv/1"}));
+  // A crashed publisher's names go when its lease does, and watchers hear.
+  ASSERT_TRUE(a->client().Publish(two->id(), "job/kv/3").ok());
+  ASSERT_TRUE(stream.Saw({"+job/kv/1", "synced", "+job/kv/2", "-job/kv/2",
+                          "-job/kv/1", "+job/kv/3"}));
+  a->Kill();
+  EXPECT_TRUE(Eventually(
+      [&] {
+        auto seen = stream.events();
+        return !seen.empty() && seen.back() == "-job/kv/3";
+      },
+      kLeaseTtl + absl::Seconds(5)));
+  EXPECT_FALSE(stream.end().has_value());
+}
+
+TEST_F(AgentsDirectoryTest, WatchNamesFollowsThroughAnEtcdRestart) {
+  auto a = StartAgent("agent-a");
+  ASSERT_TRUE(a);
+  auto buffer = a->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok());
+  NameStream stream(a->client(), "");
+  ASSERT_TRUE(stream.Saw({"synced"}));
+  etcd_->Kill();
+  ASSERT_TRUE(etcd_->Restart().ok());
+  EXPECT_TRUE(Eventually(
+      [&] { return a->client().Publish(buffer->id(), "after/restart").ok(); },
+      absl::Seconds(10)));
+  EXPECT_TRUE(stream.Saw({"synced", "+after/restart"}));
+}
+
+TEST_F(AgentsDirectoryTest, WatchNamesStreamsAreBounded) {
+  auto a = StartAgent("agent-a", {"--max_name_watches_per_user=1"});
+  ASSERT_TRUE(a);
+  NameStream first(a->client(), "");
+  ASSERT_TRUE(first.Saw({"synced"}));
+  NameStream second(a->client(), "");
+  ASSERT_TRUE(
+      Eventually([&] { return second.end().has_value(); }, absl::Seconds(10)));
+  EXPECT_EQ(second.end()->error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(second.end()->error_message(),
+              HasSubstr("--max_name_watches_per_user"));
+}
+
 // An agent on `etcd` with `flags` (directory flags included).
 std::unique_ptr<AgentProcess> StartAgentOn(const EtcdServer& etcd,
                                            const std::string& id,
@@ -596,6 +719,20 @@ TEST(LocalDirectoryTest, NamesWorkOnOneHostWithoutEtcd) {
                absl::StatusCode::kNotFound;
       },
       absl::Seconds(5)));
+}
+
+TEST(LocalDirectoryTest, WatchNamesOnOneHost) {
+  auto a = AgentProcess::Start();
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto buffer = (*a)->client().Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(buffer.ok());
+  ASSERT_TRUE((*a)->client().Publish(buffer->id(), "x/1").ok());
+  NameStream stream((*a)->client(), "x/");
+  ASSERT_TRUE(stream.Saw({"+x/1", "synced"}));
+  ASSERT_TRUE((*a)->client().Publish(buffer->id(), "x/2").ok());
+  ASSERT_TRUE((*a)->client().Publish(buffer->id(), "y/2").ok());
+  ASSERT_TRUE((*a)->client().Unpublish("x/1").ok());
+  EXPECT_TRUE(stream.Saw({"+x/1", "synced", "+x/2", "-x/1"}));
 }
 
 TEST(DirectoryFlagsTest, MalformedDirectoryFlagsExitTwoNamingTheFlag) {
