@@ -121,11 +121,14 @@ void ExpectAgentServes(AgentProcess& agent) {
 // Problem 2: the old client built every chunk of a Submit up front: 2048 ops
 // of 64 GiB are 32 M chunks, and the agent was OOM-killed in 1.4 s.
 TEST(TcpClientLimitsTest, HugeOpsInAOneGibMemoryCgroupGetResults) {
-  // The registration quota would refuse a 64 GiB sparse buffer on a small
-  // host; what is under test is the Submit.
+  // The registration quotas (registered and agent-allocated bytes) would
+  // refuse a 64 GiB sparse buffer on a small host; what is under test is
+  // the Submit.
   auto agent = AgentProcess::Start(
       AgentOptions({"--max_registered_bytes_per_user=1099511627776",
-                    "--max_registered_bytes_total=1099511627776"}));
+                    "--max_registered_bytes_total=1099511627776",
+                    "--max_agent_allocated_bytes_per_user=1099511627776",
+                    "--max_agent_allocated_bytes_total=1099511627776"}));
   ASSERT_TRUE(agent.ok()) << agent.status();
   auto cgroup = Cgroup::Create("memory");
   ASSERT_TRUE(cgroup.ok()) << cgroup.status();
