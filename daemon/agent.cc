@@ -378,11 +378,16 @@ absl::Status Agent::StartApiServer() {
   callers_ = std::make_unique<CallerTable>();
   calls_ = std::make_unique<ActiveCalls>(options_.in_flight);
   transfers_ = std::make_unique<TransferTable>(options_.transfers);
+  remote_handles_ =
+      std::make_unique<RemoteHandleTable>(options_.remote_handles);
+  prepared_transfers_ =
+      std::make_unique<PreparedTransferTable>(options_.prepared_transfers);
   service_ = std::make_unique<RdmaAgentService>(
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
-      metrics_.get(), metrics_address_);
+      remote_handles_.get(), prepared_transfers_.get(), metrics_.get(),
+      metrics_address_);
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).

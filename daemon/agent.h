@@ -13,6 +13,8 @@
 #include "daemon/agent_options.h"
 #include "daemon/limits/quota.h"
 #include "daemon/ops/notifications.h"
+#include "daemon/ops/prepared_transfers.h"
+#include "daemon/ops/remote_handles.h"
 
 namespace grpc {
 class Server;
@@ -70,6 +72,11 @@ class Agent {
   const AgentOptions& options() const { return options_; }
   // The asynchronous transfers (for tests: watchers, transfers kept).
   const TransferTable& transfers() const { return *transfers_; }
+  // Imported remotes and prepared transfers (for tests: what is kept).
+  const RemoteHandleTable& remote_handles() const { return *remote_handles_; }
+  const PreparedTransferTable& prepared_transfers() const {
+    return *prepared_transfers_;
+  }
 
  private:
   explicit Agent(AgentOptions options);
@@ -126,6 +133,9 @@ class Agent {
   std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;
   std::unique_ptr<ActiveCalls> calls_;
+  // Before the service, whose RPCs and batches use them.
+  std::unique_ptr<RemoteHandleTable> remote_handles_;
+  std::unique_ptr<PreparedTransferTable> prepared_transfers_;
   std::unique_ptr<RdmaAgentService> service_;
   // After the service whose batches its workers run, and after the calls
   // whose ops charges those batches hold: its workers are joined before
