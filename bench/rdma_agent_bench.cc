@@ -51,7 +51,7 @@ ABSL_FLAG(std::string, serve_socket_peer, "",
 ABSL_FLAG(bool, client_child, false,
           "Internal: one of the processes of the `clients` test.");
 ABSL_FLAG(std::string, tests,
-          "latency,ops,async,kv,bulk,memory,register,clients,socket",
+          "latency,ops,async,kv,bulk,memory,prepared,register,clients,socket",
           "Comma-separated tests to run (see bench/README.md); `info` alone "
           "only prints agent A's tcp settings (every run prints them).");
 ABSL_FLAG(double, seconds, 2.0,
@@ -72,6 +72,8 @@ ABSL_FLAG(uint64_t, kv_op_bytes, 64 << 10, "Bytes per op of kv.");
 ABSL_FLAG(int, kv_batch, 256, "Ops per Submit of kv.");
 ABSL_FLAG(uint64_t, size, 256ull << 20,
           "Bytes of the bulk op, and of each registered buffer.");
+ABSL_FLAG(uint64_t, prepared_op_bytes, 64, "Bytes per op of prepared.");
+ABSL_FLAG(int, prepared_batch, 256, "Ops per Submit of prepared.");
 ABSL_FLAG(int, clients, 8, "Client processes of `clients`.");
 ABSL_FLAG(int, streams, 0,
           "Connections of the socket references; 0: agent A's "
@@ -361,6 +363,87 @@ absl::Status TestMemory(Setup& setup) {
   return MeasureBatches("mem_write", *setup.local_agent, ops, "memory");
 }
 
+// ---- prepared transfers and imported remotes, memory backend ----------------
+
+// The same --prepared_batch WRITEs of --prepared_op_bytes between two
+// buffers of agent A, three ways: every op carrying its remote context in
+// each Submit, every op naming an imported handle, and one prepared
+// transfer run by id. Alternating 100 ms slices, so all see the same noise.
+absl::Status TestPrepared(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
+  const int count = absl::GetFlag(FLAGS_prepared_batch);
+  auto other = AttachPrefaulted(agent, op_bytes * count, 3);
+  if (!other.ok()) return other.status();
+  const std::vector<OpSpec> with_contexts =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), op_bytes, count, op_bytes * count,
+              std::min(setup.local->size(), other->size()));
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  std::vector<OpSpec> with_handles = with_contexts;
+  for (OpSpec& op : with_handles) {
+    op.remote_context.clear();
+    op.remote_handle = handle->handle;
+  }
+  auto prepared = agent.PrepareTransfer(with_contexts);
+  if (!prepared.ok()) return prepared.status();
+  auto run_prepared = [&]() -> absl::Status {
+    auto result = agent.SubmitPrepared(*prepared);
+    if (!result.ok()) return result.status();
+    if (result->results.size() != with_contexts.size()) {
+      return absl::InternalError("prepared: wrong number of results");
+    }
+    for (const client::OpResult& op : result->results) {
+      if (!op.status.ok()) return op.status;
+      if (op.backend != "memory") {
+        return absl::InternalError("prepared: an op ran on " + op.backend);
+      }
+    }
+    return absl::OkStatus();
+  };
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
+      ways = {
+          {"contexts",
+           [&] { return RunBatch(agent, with_contexts, "memory"); }},
+          {"handles", [&] { return RunBatch(agent, with_handles, "memory"); }},
+          {"prepared", run_prepared},
+      };
+  std::vector<Timed> timed(ways.size());
+  for (const auto& way : ways) {
+    for (int i = 0; i < 20; ++i) {
+      if (absl::Status s = way.second(); !s.ok()) return s;
+    }
+  }
+  const absl::Duration slice = absl::Milliseconds(100);
+  for (absl::Duration spent; spent < Seconds();
+       spent += slice * static_cast<int64_t>(ways.size())) {
+    for (size_t i = 0; i < ways.size(); ++i) {
+      auto run = RunFor(slice, 1, ways[i].second);
+      if (!run.ok()) return run.status();
+      timed[i].steps += run->steps;
+      timed[i].elapsed += run->elapsed;
+    }
+  }
+  std::vector<double> rates;
+  for (size_t i = 0; i < ways.size(); ++i) {
+    rates.push_back(static_cast<double>(timed[i].steps * count) /
+                    absl::ToDoubleSeconds(timed[i].elapsed));
+    Print(Report(absl::StrCat("prepared_", ways[i].first))
+              .Add("ops_per_s", rates.back(), 0)
+              .Add("submits_per_s", rates.back() / count, 0)
+              .Add("op_bytes", static_cast<double>(op_bytes), 0)
+              .Add("batch", static_cast<double>(count), 0)
+              .Add("backend", "memory"));
+  }
+  Print(Report("prepared_ratio")
+            .Add("prepared_vs_contexts", rates[2] / rates[0], 2)
+            .Add("handles_vs_contexts", rates[1] / rates[0], 2));
+  (void)agent.ReleasePrepared(*prepared);
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
 // ---- Register + Release against two GetInfo calls ---------------------------
 
 absl::Status TestRegister(Setup& setup) {
@@ -511,8 +594,8 @@ int RunTests() {
       {"latency", TestLatency},   {"ops", TestOps},
       {"async", TestAsync},       {"kv", TestKv},
       {"bulk", TestBulk},         {"memory", TestMemory},
-      {"register", TestRegister}, {"clients", TestClients},
-      {"socket", TestSocket},
+      {"prepared", TestPrepared}, {"register", TestRegister},
+      {"clients", TestClients},   {"socket", TestSocket},
   };
   const std::vector<std::string> wanted =
       absl::StrSplit(absl::GetFlag(FLAGS_tests), ',', absl::SkipEmpty());
