@@ -413,10 +413,11 @@ BackendFactory TcpOnPort(uint16_t port) {
   };
 }
 
-// The remote agent (another host's, over tcp) restarts on the same data
-// port after the handle was imported: the handle's ops fail as a stale
-// context's do.
-TEST(ImportedRemotesTcpTest, AHandleWhoseRemoteAgentRestartedIsStale) {
+// A handle of another agent's buffer (over tcp) runs ops and prepared
+// transfers; then that agent restarts on the same data port and the
+// handle's ops fail as a stale context's do.
+TEST(ImportedRemotesTcpTest,
+     HandlesRunOverTcpAndGoStaleWhenTheirAgentRestarts) {
   AgentOptions a_options;
   a_options.backends = {LoopbackTcpFactory()};
   auto a = InProcessAgent::Start(std::move(a_options));
@@ -442,6 +443,42 @@ TEST(ImportedRemotesTcpTest, AHandleWhoseRemoteAgentRestartedIsStale) {
   ASSERT_EQ(results.size(), 1u);
   ASSERT_EQ(results[0].code(), 0) << results[0].message();
   EXPECT_EQ(on_a.Read(local->buffer_id()), PatternString(9, 0, kSize));
+
+  // A prepared transfer naming the handle runs over tcp too, and carries
+  // its notification to the remote buffer's owner at every run.
+  grpc::ClientContext prepare_call;
+  v1::PrepareTransferRequest prepare;
+  *prepare.add_ops() =
+      HandleOp(kWrite, local->buffer_id(), 0, 100, handle, 1000);
+  prepare.set_notification("layer 7");
+  v1::PrepareTransferResponse prepared;
+  ASSERT_TRUE(
+      (*a)->stub().PrepareTransfer(&prepare_call, prepare, &prepared).ok());
+  v1::SubmitRequest run = MakeBatch({}, absl::Seconds(10));
+  run.set_prepared_id(prepared.prepared_id());
+  for (int i = 0; i < 2; ++i) {
+    grpc::ClientContext call;
+    v1::SubmitResponse response;
+    ASSERT_TRUE((*a)->stub().Submit(&call, run, &response).ok());
+    ASSERT_EQ(response.results_size(), 1);
+    EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+    EXPECT_EQ(response.results(0).backend(), "tcp");
+    ASSERT_EQ(response.notifications_size(), 1);
+    EXPECT_EQ(response.notifications(0).code(), 0)
+        << response.notifications(0).message();
+  }
+  grpc::ClientContext notifications_call;
+  v1::GetNotificationsRequest get;
+  v1::GetNotificationsResponse notifications;
+  ASSERT_TRUE((*b)->stub()
+                  .GetNotifications(&notifications_call, get, &notifications)
+                  .ok());
+  ASSERT_EQ(notifications.notifications_size(), 2);
+  EXPECT_EQ(notifications.notifications(0).data(), "layer 7");
+  EXPECT_EQ(notifications.notifications(0).buffer_id(), remote->buffer_id());
+  std::string remote_expected = PatternString(9, 0, kSize);
+  remote_expected.replace(1000, 100, PatternString(9, 0, 100));
+  EXPECT_EQ(Caller(&(*b)->stub()).Read(remote->buffer_id()), remote_expected);
 
   ASSERT_TRUE((*b)->Restart().ok());
   results = on_a.Submit({HandleOp(kRead, local->buffer_id(), 0, 8, handle, 0)});
