@@ -1,4 +1,5 @@
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -503,6 +504,14 @@ absl::StatusOr<uint64_t> AgentClient::PrepareTransfer(
       state_->stub().PrepareTransfer(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response.prepared_id();
+}
+
+absl::StatusOr<std::unique_ptr<Ring>> AgentClient::OpenRing(
+    uint32_t entries) {
+  absl::StatusOr<std::string> attach_socket =
+      AttachSocketFor(state_->attach_socket());
+  if (!attach_socket.ok()) return attach_socket.status();
+  return Ring::Open(*attach_socket, entries, state_->options().rpc_timeout);
 }
 
 absl::Status AgentClient::ReleasePrepared(uint64_t prepared_id) {

@@ -236,6 +236,8 @@ using TransferCallback =
 // Called for every transfer end a TransferWatch's stream delivers.
 using TransferEndCallback = absl::AnyInvocable<void(const TransferResult&)>;
 
+class Ring;
+
 namespace internal {
 class ClientState;
 struct TransferCore;
@@ -584,6 +586,10 @@ class AgentClient {
   // Drops a prepared transfer on the agent (runs in flight finish);
   // NOT_FOUND when it is not this user's.
   absl::Status ReleasePrepared(uint64_t prepared_id);
+
+  // Opens a shared-memory ring session (client/ring.h, docs/RING.md) of
+  // `entries` slots on this client's attach socket.
+  absl::StatusOr<std::unique_ptr<Ring>> OpenRing(uint32_t entries);
 
   // This user's registrations; with `all_users`, every user's (root only:
   // PERMISSION_DENIED for others).

@@ -455,6 +455,22 @@ absl::Status Agent::StartAttachServer() {
   attach_options.path = options_.attach_socket_path;
   attach_options.max_buffer_bytes = options_.api.max_buffer_bytes;
   attach_options.quotas = quotas_;
+  RingLimits ring_limits = options_.rings;
+  ring_limits.default_timeout = options_.api.default_submit_timeout;
+  ring_limits.max_timeout = options_.api.max_submit_timeout;
+  OpBatchEnvironment ring_env{registry_.get(),
+                              buffers_.get(),
+                              metrics_.get(),
+                              &ring_failures_,
+                              options_.api.max_remote_context_bytes,
+                              remote_handles_.get()};
+  rings_ = std::make_unique<RingSessions>(ring_limits, ring_env, calls_.get(),
+                                          quotas_.bytes);
+  attach_options.serve_ring = [rings = rings_.get()](
+                                  int fd, const PeerCredentials& peer,
+                                  const v1::OpenRing& request) {
+    rings->Serve(fd, peer, request);
+  };
   auto attach =
       AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
   if (!attach.ok()) return attach.status();
@@ -488,6 +504,11 @@ void Agent::Shutdown() {
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)
     server_->GetHealthCheckService()->SetServingStatus(false);
+  // Ring sessions end at their next turn (a running batch is cancelled), so
+  // that the attach server joins their threads at once.
+  if (rings_ != nullptr) {
+    rings_->Shutdown(absl::UnavailableError("the agent is shutting down"));
+  }
   attach_server_.reset();
   listener_.reset();
   probe_listener_.reset();

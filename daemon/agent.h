@@ -15,6 +15,7 @@
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/prepared_transfers.h"
 #include "daemon/ops/remote_handles.h"
+#include "daemon/ops/ring_sessions.h"
 
 namespace grpc {
 class Server;
@@ -77,6 +78,8 @@ class Agent {
   const PreparedTransferTable& prepared_transfers() const {
     return *prepared_transfers_;
   }
+  // Ring sessions (for tests: how many are open).
+  const RingSessions& rings() const { return *rings_; }
 
  private:
   explicit Agent(AgentOptions options);
@@ -148,6 +151,10 @@ class Agent {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<UnixListener> probe_listener_;  // mode 0600
+  // Ring sessions run on attach connections' threads: declared before the
+  // attach server, which joins them, so that it goes first.
+  FailedOpLog ring_failures_;
+  std::unique_ptr<RingSessions> rings_;
   std::unique_ptr<AttachServer> attach_server_;
   std::unique_ptr<MetricsServer> metrics_server_;
   bool shut_down_ = false;

@@ -1,6 +1,7 @@
 #include "daemon/agent_options.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/ring_protocol.h"
 #include "daemon/ops/remote_context.h"
 
 namespace rdma_agent {
@@ -50,6 +51,12 @@ absl::Status AgentOptions::Validate() const {
         "--max_prepared_transfers_total, and "
         "--max_prepared_transfer_bytes_per_user 1 to "
         "--max_prepared_transfer_bytes_total");
+  }
+  if (rings.max_entries < 1 || rings.max_entries > ring::kMaxEntries ||
+      (rings.max_entries & (rings.max_entries - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_ring_entries must be a power of two from 1 to ",
+                     ring::kMaxEntries));
   }
   if (api.max_remote_context_bytes < 1 ||
       api.max_remote_context_bytes > kMaxRemoteContextBytesLimit) {

@@ -17,6 +17,7 @@
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/prepared_transfers.h"
 #include "daemon/ops/remote_handles.h"
+#include "daemon/ops/ring_sessions.h"
 #include "daemon/ops/transfers.h"
 #include "daemon/peer_gate.h"
 
@@ -82,6 +83,9 @@ struct AgentOptions {
   // (PrepareTransfer) kept per user and in total, by count and bytes.
   RemoteHandleLimits remote_handles;
   PreparedTransferLimits prepared_transfers;
+  // Shared-memory ring sessions (docs/RING.md); their batches' default and
+  // largest timeouts are `api`'s.
+  RingLimits rings;
   // How long an attach token stays valid.
   absl::Duration attach_token_ttl = absl::Seconds(60);
   // Longest Shutdown() waits for RPCs once their work is cancelled.

@@ -297,6 +297,11 @@ ABSL_FLAG(uint64_t, max_prepared_transfer_bytes_per_user,
 ABSL_FLAG(uint64_t, max_prepared_transfer_bytes_total,
           rdma_agent::PreparedTransferLimits().max_bytes_total,
           "The same over all local users.");
+ABSL_FLAG(uint32_t, max_ring_entries, rdma_agent::RingLimits().max_entries,
+          "Largest shared-memory ring a client may open on the attach "
+          "socket (submission slots, a power of two); a ring of N slots "
+          "maps 512 + 352 N bytes, charged to its user's registered "
+          "bytes.");
 ABSL_FLAG(absl::Duration, shutdown_grace,
           rdma_agent::AgentOptions().shutdown_grace,
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
@@ -464,6 +469,7 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
       absl::GetFlag(FLAGS_max_remote_handle_bytes_per_user);
   options.remote_handles.max_bytes_total =
       absl::GetFlag(FLAGS_max_remote_handle_bytes_total);
+  options.rings.max_entries = absl::GetFlag(FLAGS_max_ring_entries);
   options.prepared_transfers.max_per_user =
       absl::GetFlag(FLAGS_max_prepared_transfers_per_user);
   options.prepared_transfers.max_total =
