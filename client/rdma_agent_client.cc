@@ -1,5 +1,4 @@
 #include "client/rdma_agent_client.h"
-#include "client/ring.h"
 
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -17,6 +16,7 @@
 #include "client/internal/attach_socket.h"
 #include "client/internal/client_state.h"
 #include "client/internal/conversions.h"
+#include "client/ring.h"
 #include "common/grpc_status.h"
 #include "common/shared_memory.h"
 #include "common/unique_fd.h"
@@ -506,8 +506,7 @@ absl::StatusOr<uint64_t> AgentClient::PrepareTransfer(
   return response.prepared_id();
 }
 
-absl::StatusOr<std::unique_ptr<Ring>> AgentClient::OpenRing(
-    uint32_t entries) {
+absl::StatusOr<std::unique_ptr<Ring>> AgentClient::OpenRing(uint32_t entries) {
   absl::StatusOr<std::string> attach_socket =
       AttachSocketFor(state_->attach_socket());
   if (!attach_socket.ok()) return attach_socket.status();
