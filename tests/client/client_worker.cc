@@ -61,6 +61,11 @@
 //        a prepared transfer of that one op naming handle H
 //   run_prepared ID             -> result CODE BACKEND MESSAGE | error ...
 //   release_prepared ID         -> status CODE
+//   ring_open ENTRIES           -> ok | error CODE MESSAGE
+//        a shared-memory ring session (client/ring.h), kept until exit
+//   ring_op read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET H
+//                               -> result CODE BACKEND MESSAGE | error ...
+//        one op through the ring, waited for
 //   exit                        -> (exits 0)
 //
 // CODE is an absl status code name (OK, NOT_FOUND, ...). Flags: --target,
@@ -94,6 +99,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 #include "common/grpc_status.h"
 #include "common/shared_memory.h"
 #include "grpcpp/grpcpp.h"
@@ -439,6 +445,34 @@ class Worker {
     if (command == "release_prepared" && need(1)) {
       return absl::StrCat("status ", CodeName(client_->ReleasePrepared(n[0])));
     }
+    if (command == "ring_open" && need(1)) {
+      auto ring = client_->OpenRing(static_cast<uint32_t>(n[0]));
+      if (!ring.ok()) return Error(ring.status());
+      ring_ = std::move(*ring);
+      return "ok";
+    }
+    if (command == "ring_op" && need(6)) {
+      if (ring_ == nullptr) return "error FAILED_PRECONDITION no ring";
+      client::RingOp op;
+      op.type = words[1] == "read" ? v1::OP_TYPE_READ_INTO_LOCAL
+                                   : v1::OP_TYPE_WRITE_FROM_LOCAL;
+      op.local_buffer_id = n[1];
+      op.local_offset = n[2];
+      op.length = n[3];
+      op.remote_offset = n[4];
+      op.remote_handle = n[5];
+      if (absl::Status s = ring_->Submit({&op, 1}, absl::Seconds(60));
+          !s.ok()) {
+        return Error(s);
+      }
+      std::vector<client::RingCompletion> ends;
+      auto got = ring_->Wait(&ends, absl::Seconds(60));
+      if (!got.ok()) return Error(got.status());
+      const client::RingCompletion& end = ends.at(0);
+      return absl::StrCat("result ", CodeName(end.status), " ",
+                          end.backend.empty() ? "-" : end.backend, " ",
+                          OneLine(end.status.message()));
+    }
     if (command == "info") {
       return absl::StrCat("status ", CodeName(client_->GetInfo().status()));
     }
@@ -544,6 +578,7 @@ class Worker {
   }
 
   std::unique_ptr<AgentClient> client_;
+  std::unique_ptr<client::Ring> ring_;
   std::unique_ptr<v1::RdmaAgent::Stub> stub_;
   std::map<uint64_t, Buffer> buffers_;
   std::vector<Buffer> watch_buffers_;

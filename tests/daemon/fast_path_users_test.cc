@@ -136,5 +136,53 @@ TEST(FastPathUsersTest, AnotherUsersHandlesAndPreparedTransfersAreInvisible) {
             "status OK");
 }
 
+// A ring session acts for the user that opened it: another user's ring
+// naming the owner's buffer ids or handles gets NOT_FOUND, as its gRPC
+// calls do, and moves no byte; the owner's ring works.
+TEST(FastPathUsersTest, OneUsersRingReachesNoneOfAnothersBuffers) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
+  auto agent = InProcessAgent::Start();
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  WorkerProcess owner = StartWorker(**agent, kOwner);
+  WorkerProcess other = StartWorker(**agent, kOther);
+  const WorkerBuffer local = Attach(owner, 1);
+  const WorkerBuffer source = Attach(owner, 2);
+  const WorkerBuffer others = Attach(other, 3);
+  const std::string handle =
+      After(owner.Answer(absl::StrCat("import ", source.context)), "handle");
+  const std::string own_handle =
+      After(other.Answer(absl::StrCat("import ", others.context)), "handle");
+  ASSERT_EQ(owner.Answer("ring_open 8"), "ok");
+  ASSERT_EQ(other.Answer("ring_open 8"), "ok");
+
+  // The owner's handle, from the other user's ring.
+  EXPECT_EQ(other.Answer(
+                absl::StrCat("ring_op read ", others.id, " 0 100 0 ", handle)),
+            absl::StrCat("result NOT_FOUND - op 0: remote handle ", handle,
+                         " is not imported"));
+  // The owner's buffer as the other user's local side, both ways.
+  for (const char* direction : {"read", "write"}) {
+    EXPECT_EQ(other.Answer(absl::StrCat("ring_op ", direction, " ", local.id,
+                                        " 0 100 0 ", own_handle)),
+              absl::StrCat("result NOT_FOUND - op 0: local buffer ", local.id,
+                           " is not registered"));
+  }
+  // The other user's own ring op works: the refusals are about whose.
+  EXPECT_EQ(other.Answer(absl::StrCat("ring_op read ", others.id, " 0 100 200 ",
+                                      own_handle)),
+            "result OK memory ");
+  // Every byte of the owner's buffers is as filled.
+  EXPECT_EQ(owner.Answer(absl::StrCat("verify ", local.id, " 1 0 0 0 1")),
+            "ok");
+  EXPECT_EQ(owner.Answer(absl::StrCat("verify ", source.id, " 2 0 0 0 2")),
+            "ok");
+  // The owner's ring moves exactly its bytes.
+  EXPECT_EQ(owner.Answer(
+                absl::StrCat("ring_op read ", local.id, " 64 32 16 ", handle)),
+            "result OK memory ");
+  EXPECT_EQ(owner.Answer(absl::StrCat("verify ", local.id, " 2 16 64 32 1")),
+            "ok");
+}
+
 }  // namespace
 }  // namespace rdma_agent::testing
