@@ -34,6 +34,7 @@
 #include "bench/clients.h"
 #include "bench/socket_peer.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 
 ABSL_FLAG(std::string, local, "unix:///run/rdma-agentd/agent.sock",
           "gRPC target of the agent that runs the ops (agent A).");
@@ -51,7 +52,8 @@ ABSL_FLAG(std::string, serve_socket_peer, "",
 ABSL_FLAG(bool, client_child, false,
           "Internal: one of the processes of the `clients` test.");
 ABSL_FLAG(std::string, tests,
-          "latency,ops,async,kv,bulk,memory,prepared,register,clients,socket",
+          "latency,ops,async,kv,bulk,memory,prepared,ring,register,clients,"
+          "socket",
           "Comma-separated tests to run (see bench/README.md); `info` alone "
           "only prints agent A's tcp settings (every run prints them).");
 ABSL_FLAG(double, seconds, 2.0,
@@ -444,6 +446,108 @@ absl::Status TestPrepared(Setup& setup) {
   return absl::OkStatus();
 }
 
+// ---- the shared-memory ring, memory backend ---------------------------------
+
+// One --latency_bytes WRITE between two buffers of agent A through a ring
+// session (post one entry, spin for its completion), next to the same op by
+// Submit and to GetInfo, interleaved in blocks as `latency` is.
+absl::Status TestRing(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
+  auto other = AttachPrefaulted(agent, 4096, 3);
+  if (!other.ok()) return other.status();
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  auto ring = agent.OpenRing(64);
+  if (!ring.ok()) return ring.status();
+  const auto memory_write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), bytes, 1, bytes, bytes);
+  client::RingOp op;
+  op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+  op.local_buffer_id = setup.local->id();
+  op.length = bytes;
+  op.remote_handle = handle->handle;
+  std::vector<client::RingCompletion> ends;
+  auto ring_write = [&]() -> absl::Status {
+    ends.clear();
+    if (absl::Status s = (*ring)->Submit({&op, 1}); !s.ok()) return s;
+    auto got = (*ring)->Wait(&ends, absl::Seconds(120),
+                             /*spin=*/absl::Milliseconds(1));
+    if (!got.ok()) return got.status();
+    if (!ends.front().status.ok()) return ends.front().status;
+    if (ends.front().backend != "memory") {
+      return absl::InternalError("ring: the op ran on " + ends.front().backend);
+    }
+    return absl::OkStatus();
+  };
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
+      kinds = {
+          {"ring_getinfo", [&] { return agent.GetInfo().status(); }},
+          {"ring_submit_mem_write",
+           [&] { return RunBatch(agent, memory_write, "memory"); }},
+          {"ring_mem_write", ring_write},
+      };
+  std::vector<std::vector<absl::Duration>> samples(kinds.size());
+  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
+  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
+  constexpr int kBlock = 100;
+  for (int done = -warmup; done < iterations; done += kBlock) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
+        const absl::Time start = absl::Now();
+        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
+        if (i >= 0) samples[k].push_back(absl::Now() - start);
+      }
+    }
+  }
+  std::vector<Latency> latency;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    latency.push_back(Summarize(samples[k]));
+    Report report(kinds[k].first);
+    if (k > 0) report.Add("bytes", static_cast<double>(bytes), 0);
+    Print(report.AddLatency("", latency.back()));
+  }
+  Print(Report("ring_ratio")
+            .Add("submit_vs_ring", latency[1].p50_us / latency[2].p50_us, 2)
+            .Add("getinfo_vs_ring", latency[0].p50_us / latency[2].p50_us, 2));
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
+// Eight ring sessions of agent A left idle for --seconds after one op each,
+// so that the agent's CPU time while they idle can be read from outside
+// (/proc/PID/stat): compare.sh prints it.
+absl::Status TestRingIdle(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  auto other = AttachPrefaulted(agent, 4096, 3);
+  if (!other.ok()) return other.status();
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  std::vector<std::unique_ptr<client::Ring>> rings;
+  for (int i = 0; i < 8; ++i) {
+    auto ring = agent.OpenRing(64);
+    if (!ring.ok()) return ring.status();
+    client::RingOp op;
+    op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+    op.local_buffer_id = setup.local->id();
+    op.length = 8;
+    op.remote_handle = handle->handle;
+    if (absl::Status s = (*ring)->Submit({&op, 1}); !s.ok()) return s;
+    std::vector<client::RingCompletion> ends;
+    auto got = (*ring)->Wait(&ends, absl::Seconds(10));
+    if (!got.ok()) return got.status();
+    rings.push_back(std::move(*ring));
+  }
+  Print(Report("ring_idle_start").Add("sessions", 8, 0));
+  absl::SleepFor(Seconds());
+  Print(Report("ring_idle_end")
+            .Add("sessions", 8, 0)
+            .Add("seconds", absl::ToDoubleSeconds(Seconds()), 1));
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
 // ---- Register + Release against two GetInfo calls ---------------------------
 
 absl::Status TestRegister(Setup& setup) {
@@ -591,11 +695,12 @@ absl::StatusOr<Setup> Connect(bool with_buffers) {
 
 int RunTests() {
   const std::vector<std::pair<std::string, absl::Status (*)(Setup&)>> all = {
-      {"latency", TestLatency},   {"ops", TestOps},
-      {"async", TestAsync},       {"kv", TestKv},
-      {"bulk", TestBulk},         {"memory", TestMemory},
-      {"prepared", TestPrepared}, {"register", TestRegister},
-      {"clients", TestClients},   {"socket", TestSocket},
+      {"latency", TestLatency},    {"ops", TestOps},
+      {"async", TestAsync},        {"kv", TestKv},
+      {"bulk", TestBulk},          {"memory", TestMemory},
+      {"prepared", TestPrepared},  {"ring", TestRing},
+      {"ring_idle", TestRingIdle}, {"register", TestRegister},
+      {"clients", TestClients},    {"socket", TestSocket},
   };
   const std::vector<std::string> wanted =
       absl::StrSplit(absl::GetFlag(FLAGS_tests), ',', absl::SkipEmpty());

@@ -29,7 +29,7 @@ struct RingLimits {
   absl::Duration max_timeout = absl::Hours(1);
   // How long a session keeps looking at its ring after work before it sets
   // NEEDS_WAKEUP and sleeps on its connection.
-  absl::Duration spin = absl::Microseconds(50);
+  absl::Duration spin = absl::Microseconds(200);
 };
 
 // The shared-memory rings of local clients (docs/RING.md). Each session
