@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 #include "common/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -409,6 +410,50 @@ TEST_F(ClientLibraryTest, OpsNameImportedRemotesAndPreparedTransfers) {
   EXPECT_TRUE(client_->ReleaseRemote(handle->handle).ok());
   EXPECT_EQ(client_->ReleaseRemote(handle->handle).code(),
             absl::StatusCode::kNotFound);
+}
+
+// A ring session with a real rdma-agentd process: bytes land in this
+// process's mapping; then the agent is killed mid-session and every ring
+// call fails UNAVAILABLE at once instead of hanging.
+TEST_F(ClientLibraryTest, ARingWorksAndEndsWhenItsAgentIsKilled) {
+  auto source = client_->Attach(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(source.ok()) << source.status();
+  auto target = client_->Attach(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(target.ok()) << target.status();
+  FillPattern(source->bytes(), 21);
+  FillPattern(target->bytes(), 22);
+  auto handle = client_->ImportRemote(source->remote_context());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  auto ring = client_->OpenRing(16);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  client::RingOp op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = target->id();
+  op.local_offset = 100;
+  op.length = 200;
+  op.remote_handle = handle->handle;
+  op.remote_offset = 300;
+  op.user_tag = 5;
+  ASSERT_TRUE((*ring)->Submit({&op, 1}).ok());
+  std::vector<client::RingCompletion> ends;
+  auto got = (*ring)->Wait(&ends, absl::Seconds(10));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].user_tag, 5u);
+  EXPECT_TRUE(ends[0].status.ok()) << ends[0].status;
+  EXPECT_EQ(FirstMismatch(target->bytes(), 21, 300, 100, 200, 22),
+            std::nullopt);
+
+  client_.reset();
+  agent_->Kill();
+  const absl::Time start = absl::Now();
+  ends.clear();
+  auto after = (*ring)->Wait(&ends, absl::Seconds(30));
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable)
+      << after.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ((*ring)->Submit({&op, 1}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*ring)->status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(ClientLibraryTest, SubmitOfAnEmptyBatchIsInvalid) {

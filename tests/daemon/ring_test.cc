@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/attach.pb.h"
 #include "tests/testing/agent_fixture.h"
+#include "tests/testing/backend_factories.h"
 #include "tests/testing/eventually.h"
 #include "tests/testing/pattern.h"
 
@@ -362,6 +363,61 @@ TEST_F(RingTest, AStoppedAgentEndsTheSession) {
   EXPECT_EQ(waited.status().code(), absl::StatusCode::kUnavailable)
       << waited.status();
   EXPECT_EQ(ring->Submit({&op, 1}).code(), absl::StatusCode::kUnavailable);
+}
+
+// A ring op whose handle names another agent's buffer runs over tcp.
+TEST(RingTcpTest, RingOpsReachAnotherAgentOverTcp) {
+  AgentOptions a_options;
+  a_options.backends = {LoopbackTcpFactory()};
+  auto a = InProcessAgent::Start(std::move(a_options));
+  ASSERT_TRUE(a.ok()) << a.status();
+  AgentOptions b_options;
+  b_options.backends = {LoopbackTcpFactory()};
+  auto b = InProcessAgent::Start(std::move(b_options));
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto local = (*a)->Allocate(kSize);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = (*b)->Allocate(kSize);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  {
+    grpc::ClientContext call;
+    v1::WriteBufferRequest request;
+    request.set_buffer_id(remote->buffer_id());
+    request.set_data(PatternString(31, 0, kSize));
+    v1::WriteBufferResponse response;
+    ASSERT_TRUE((*b)->stub().WriteBuffer(&call, request, &response).ok());
+  }
+  grpc::ClientContext call;
+  v1::ImportRemoteRequest import;
+  import.set_remote_context(remote->remote_context());
+  v1::ImportRemoteResponse imported;
+  ASSERT_TRUE((*a)->stub().ImportRemote(&call, import, &imported).ok());
+  auto ring =
+      Ring::Open((*a)->agent().attach_socket_path(), 8, absl::Seconds(10));
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  RingOp op;
+  op.type = kRead;
+  op.local_buffer_id = local->buffer_id();
+  op.local_offset = 1000;
+  op.length = 2000;
+  op.remote_handle = imported.remote_handle();
+  op.remote_offset = 500;
+  ASSERT_TRUE((*ring)->Submit({&op, 1}).ok());
+  std::vector<RingCompletion> ends;
+  auto got = (*ring)->Wait(&ends, absl::Seconds(10));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_TRUE(ends[0].status.ok()) << ends[0].status;
+  EXPECT_EQ(ends[0].backend, "tcp");
+  grpc::ClientContext read_call;
+  v1::ReadBufferRequest read;
+  read.set_buffer_id(local->buffer_id());
+  read.set_length(kSize);
+  v1::ReadBufferResponse data;
+  ASSERT_TRUE((*a)->stub().ReadBuffer(&read_call, read, &data).ok());
+  std::string expected(kSize, '\0');
+  expected.replace(1000, 2000, PatternString(31, 500, 2000));
+  EXPECT_EQ(data.data(), expected);
 }
 
 }  // namespace
