@@ -593,6 +593,30 @@ void Agent::AddGauges() {
                            {{}, static_cast<double>(transfers->in_flight())}};
                      });
   metrics_->AddGauge(
+      "rdma_agentd_remote_handles",
+      "Imported remotes (ImportRemote) kept now, all users (kind=count), and "
+      "the bytes charged for them (kind=bytes)",
+      [handles = remote_handles_.get()] {
+        return std::vector<GaugeSample>{
+            {{{"kind", "count"}}, static_cast<double>(handles->size())},
+            {{{"kind", "bytes"}}, static_cast<double>(handles->bytes())}};
+      });
+  metrics_->AddGauge(
+      "rdma_agentd_prepared_transfers",
+      "Prepared transfers (PrepareTransfer) kept now, all users "
+      "(kind=count), and the bytes charged for them (kind=bytes)",
+      [prepared = prepared_transfers_.get()] {
+        return std::vector<GaugeSample>{
+            {{{"kind", "count"}}, static_cast<double>(prepared->size())},
+            {{{"kind", "bytes"}}, static_cast<double>(prepared->bytes())}};
+      });
+  metrics_->AddGauge("rdma_agentd_ring_sessions",
+                     "Shared-memory ring sessions open now",
+                     [rings = rings_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(rings->open())}};
+                     });
+  metrics_->AddGauge(
       "rdma_agentd_notifications_received",
       "Notifications peers delivered here since start, and those dropped "
       "because their owner's queue or a notification budget was full "
