@@ -15,6 +15,7 @@
 #include "backends/notification_sink.h"
 #include "backends/peer_tls.h"
 #include "backends/registration.h"
+#include "backends/served_counter.h"
 #include "common/stop_token.h"
 #include "rdma/agent/v1/agent.pb.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
@@ -93,10 +94,13 @@ class Backend {
   virtual std::string unavailable_reason() const { return ""; }
   // Devices, addresses and other details for GetInfo.
   virtual v1::TransportInfo transport_info() const = 0;
+  // What this backend served to requesters since start (metrics). Zero for
+  // a backend whose hardware serves without it (a NIC's one-sided ops).
+  virtual ServedTotals served() const { return {}; }
 
   // Connections (or queue pairs) held with each peer now, for metrics.
   struct PeerLinks {
-    std::string peer;       // "host:port", or "agent/device" for NICs
+    std::string peer;       // the peer's host (tcp), or "agent/device" (NICs)
     std::string direction;  // "out": this agent connected; "in": the peer did
     size_t count = 0;
   };

@@ -92,16 +92,25 @@ absl::Status BufferTable::Remove(uint64_t id, uid_t caller) {
     buffers_.erase(it);
     // Under the lock: once Remove returns, no op that begins can use it.
     removed->MarkReleased();
-    if (removal_listener_) removal_listener_(id);
+    for (const auto& [handle, listener] : removal_listeners_) listener(id);
   }
   // `removed` may be the last reference: unmap outside the lock.
   return absl::OkStatus();
 }
 
-void BufferTable::SetRemovalListener(
-    std::function<void(uint64_t id)> listener) {
+int BufferTable::AddRemovalListener(std::function<void(uint64_t id)> listener) {
   absl::MutexLock lock(&mu_);
-  removal_listener_ = std::move(listener);
+  removal_listeners_.emplace_back(next_listener_, std::move(listener));
+  return next_listener_++;
+}
+
+void BufferTable::RemoveRemovalListener(int handle) {
+  absl::MutexLock lock(&mu_);
+  removal_listeners_.erase(
+      std::remove_if(
+          removal_listeners_.begin(), removal_listeners_.end(),
+          [handle](const auto& entry) { return entry.first == handle; }),
+      removal_listeners_.end());
 }
 
 template <typename Predicate>

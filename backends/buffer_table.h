@@ -78,11 +78,12 @@ class BufferTable : public BufferDirectory {
   // lives on while ops still pin it.
   absl::Status Remove(uint64_t id, uid_t caller);
 
-  // `listener` is told the id of every registration Remove unpublishes
-  // (Clear tells nobody), under the table's lock, so that it can never be
-  // told after it was unset: it must be quick and must not call the table.
-  // nullptr unsets it.
-  void SetRemovalListener(std::function<void(uint64_t id)> listener);
+  // Listeners are told the id of every registration Remove unpublishes
+  // (Clear tells nobody), under the table's lock, so that none can be told
+  // after it was removed: each must be quick and must not call the table.
+  // Add returns a handle for RemoveRemovalListener.
+  int AddRemovalListener(std::function<void(uint64_t id)> listener);
+  void RemoveRemovalListener(int handle);
 
   // The registrations `owner` made, in the order they were added (root's
   // own only: root lists everyone's with ListAll).
@@ -136,7 +137,9 @@ class BufferTable : public BufferDirectory {
   BufferIdSequence ids_ ABSL_GUARDED_BY(mu_);
   uint64_t added_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, Entry> buffers_ ABSL_GUARDED_BY(mu_);
-  std::function<void(uint64_t)> removal_listener_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int, std::function<void(uint64_t)>>> removal_listeners_
+      ABSL_GUARDED_BY(mu_);
+  int next_listener_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace rdma_agent

@@ -227,14 +227,21 @@ TEST(BufferTableTest, RemovalListenerHearsEachRemoveUntilUnset) {
     table.Add(MakeRegistration(id, v1::ACCESS_READ_WRITE));
   }
   std::vector<uint64_t> heard;
-  table.SetRemovalListener([&](uint64_t id) { heard.push_back(id); });
+  std::vector<uint64_t> heard_too;
+  const int listener =
+      table.AddRemovalListener([&](uint64_t id) { heard.push_back(id); });
+  const int other =
+      table.AddRemovalListener([&](uint64_t id) { heard_too.push_back(id); });
   ASSERT_TRUE(table.Remove(2, kOwner).ok());
   EXPECT_FALSE(table.Remove(2, kOwner).ok());
   EXPECT_FALSE(table.Remove(1, kOther).ok()) << "refused: not a removal";
   EXPECT_EQ(heard, std::vector<uint64_t>{2});
-  table.SetRemovalListener(nullptr);
+  EXPECT_EQ(heard_too, std::vector<uint64_t>{2});
+  table.RemoveRemovalListener(listener);
   ASSERT_TRUE(table.Remove(1, kOwner).ok());
   EXPECT_EQ(heard, std::vector<uint64_t>{2});
+  EXPECT_EQ(heard_too, (std::vector<uint64_t>{2, 1}));
+  table.RemoveRemovalListener(other);
   table.Clear();
 }
 

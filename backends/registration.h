@@ -157,6 +157,13 @@ class Registration {
     }
     return nullptr;
   }
+  // The serialized remote context Register answered, for names published
+  // later. Set once before the registration is published; read-only after.
+  void set_remote_context(std::string context) {
+    remote_context_ = std::move(context);
+  }
+  const std::string& remote_context() const { return remote_context_; }
+
   std::vector<std::string> backend_names() const {
     std::vector<std::string> names;
     for (const auto& entry : backends_) names.push_back(entry.first);
@@ -213,6 +220,7 @@ class Registration {
   BufferMemory memory_;
   std::vector<std::pair<std::string, std::unique_ptr<BackendRegistration>>>
       backends_;
+  std::string remote_context_;
 };
 
 // OK for host memory. For device memory FAILED_PRECONDITION: "buffer 7 is

@@ -243,6 +243,46 @@ absl::StatusOr<v1::AgentInfo> AgentClient::GetInfo() {
   return info;
 }
 
+absl::StatusOr<v1::ListAgentsResponse> AgentClient::ListAgents() {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ListAgentsResponse response;
+  grpc::Status status =
+      state_->stub().ListAgents(&context, v1::ListAgentsRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status AgentClient::Publish(uint64_t buffer_id, const std::string& name) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::PublishRequest request;
+  request.set_buffer_id(buffer_id);
+  request.set_name(name);
+  v1::PublishResponse response;
+  return FromGrpcStatus(state_->stub().Publish(&context, request, &response));
+}
+
+absl::Status AgentClient::Unpublish(const std::string& name) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::UnpublishRequest request;
+  request.set_name(name);
+  v1::UnpublishResponse response;
+  return FromGrpcStatus(state_->stub().Unpublish(&context, request, &response));
+}
+
+absl::StatusOr<v1::NameRecord> AgentClient::Resolve(const std::string& name) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ResolveRequest request;
+  request.set_name(name);
+  v1::ResolveResponse response;
+  grpc::Status status = state_->stub().Resolve(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::move(*response.mutable_record());
+}
+
 absl::StatusOr<v1::RegisterResponse> AgentClient::Register(
     const v1::RegisterRequest& request) {
   grpc::ClientContext context;

@@ -456,6 +456,18 @@ class AgentClient {
   // The agent's identity, version and backends.
   absl::StatusOr<v1::AgentInfo> GetInfo();
 
+  // Every agent the agent's directory knows (--directory), this one
+  // included, ordered by id.
+  absl::StatusOr<v1::ListAgentsResponse> ListAgents();
+
+  // Publishes one of the caller's buffers under `name` in the agent's
+  // directory: anyone who resolves the name gets its remote context.
+  absl::Status Publish(uint64_t buffer_id, const std::string& name);
+  // Withdraws one of the caller's names.
+  absl::Status Unpublish(const std::string& name);
+  // The record (remote context, owner agent and epoch) `name` stands for.
+  absl::StatusOr<v1::NameRecord> Resolve(const std::string& name);
+
   // Agent allocates `size` zero-filled bytes; the client maps them through
   // the fd the attach socket returns (OpenBuffer). If mapping fails, the
   // registration is released and the mapping error returned.

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,16 +27,22 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/internal/cli_docs.h"
 #include "client/internal/context_text.h"
 #include "client/internal/conversions.h"
 #include "client/internal/http_get.h"
+#include "client/internal/progress.h"
+#include "client/internal/units.h"
 #include "client/rdma_agent_client.h"
 #include "common/grpc_status.h"
 #include "common/unique_fd.h"
+#include "common/version.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -79,7 +86,57 @@ Outcome Failed(absl::string_view what, const absl::Status& status) {
 Outcome LocalIo(absl::string_view message) {
   return {kExitLocalIo, std::string(message)};
 }
+// Bad usage (INVALID_ARGUMENT) or a local file that could not be read (any
+// other code, from ReadAll).
+Outcome UsageOrLocalIo(absl::string_view what, const absl::Status& status) {
+  const std::string message = absl::StrCat(what, ": ", status.message());
+  return status.code() == absl::StatusCode::kInvalidArgument ? Usage(message)
+                                                             : LocalIo(message);
+}
 
+// Turns a size option's text ("4k", "1GiB") into its byte count before
+// CLI11 converts it, so that negative or overflowing values are refused
+// (exit 2, naming the option) instead of wrapping around.
+CLI::Validator SizeValue() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        absl::StatusOr<uint64_t> bytes = internal::ParseByteSize(text);
+        if (!bytes.ok()) return std::string(bytes.status().message());
+        text = absl::StrCat(*bytes);
+        return "";
+      },
+      "SIZE");
+}
+
+// An id option's text: digits only (no sign that would wrap around).
+CLI::Validator IdValue() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        uint64_t id;
+        return absl::SimpleAtoi(text, &id) && !absl::StartsWith(text, "-") &&
+                       !absl::StartsWith(text, "+")
+                   ? ""
+                   : absl::StrCat(text, " is not an ID");
+      },
+      "ID");
+}
+
+// A duration option's text: seconds ("30", "2.5") or with a unit ("500ms").
+CLI::Validator DurationValue(bool positive) {
+  return CLI::Validator(
+      [positive](std::string& text) -> std::string {
+        absl::StatusOr<absl::Duration> value = internal::ParseDuration(text);
+        if (!value.ok()) return std::string(value.status().message());
+        if (positive && *value == absl::ZeroDuration()) {
+          return absl::StrCat(text, " is not positive");
+        }
+        return "";
+      },
+      "DURATION");
+}
+
+// The bytes of file `path` ("-": stdin). Its errors are local I/O (exit 3),
+// never INVALID_ARGUMENT, which the callers keep for bad usage (exit 2).
 absl::StatusOr<std::string> ReadAll(const std::string& path) {
   UniqueFd owned;
   int fd = STDIN_FILENO;
@@ -167,17 +224,42 @@ absl::StatusOr<uint64_t> BufferIdArgument(
   return id;
 }
 
+// One or more buffer ids; all must parse before any is used.
+absl::StatusOr<std::vector<uint64_t>> BufferIdsArgument(
+    const std::vector<std::string>& args) {
+  if (args.empty()) {
+    return absl::InvalidArgumentError("expected one or more buffer IDs");
+  }
+  std::vector<uint64_t> ids;
+  for (const std::string& arg : args) {
+    uint64_t id;
+    if (!absl::SimpleAtoi(arg, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", arg, "' is not a buffer ID"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
 // Options every command shares.
 struct Global {
   std::string target;
   std::string attach_socket;
   std::string timeout = "30s";
   std::string output = "text";
+  bool progress = false;
 
   bool json() const { return output == "json"; }
+  // A progress line for bytes this tool moves: on a TTY once the work runs
+  // over a second, from the start with --progress, never with -o json.
+  internal::ProgressLine Progress(uint64_t total) const {
+    return internal::ProgressLine(total, !json() && ::isatty(STDERR_FILENO),
+                                  progress && !json(), stderr);
+  }
+  // Checked by the option's validator.
   absl::Duration rpc_timeout() const {
-    absl::Duration value;
-    return absl::ParseDuration(timeout, &value) ? value : absl::Seconds(30);
+    return internal::ParseDuration(timeout).value_or(absl::Seconds(30));
   }
 };
 
@@ -236,17 +318,132 @@ class Command {
   virtual Outcome Run(LazyClient& lazy, const Global& global) = 0;
 };
 
+// What a backend reaches and with what, on one line: its addresses, its
+// devices ("mlx5_0:1 ACTIVE 4096B mlx5") and attributes ("key=value"); for
+// an unavailable one, why.
+std::string BackendDetails(const v1::BackendInfo& backend) {
+  if (!backend.available()) return backend.unavailable_reason();
+  const v1::TransportInfo& transport = backend.transport_info();
+  std::vector<std::string> parts(transport.addresses().begin(),
+                                 transport.addresses().end());
+  for (const v1::DeviceInfo& device : transport.devices()) {
+    parts.push_back(absl::StrCat(device.name(), ":", device.port(), " ",
+                                 device.state(), " ", device.mtu_bytes(), "B ",
+                                 device.profile()));
+  }
+  // Sorted: a proto map's order is not stable.
+  const std::map<std::string, std::string> attributes(
+      transport.attributes().begin(), transport.attributes().end());
+  for (const auto& [key, value] : attributes) {
+    parts.push_back(absl::StrCat(key, "=", value));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+// GetInfo for people: "key: value" lines, then one line per backend.
+void PrintInfoText(const v1::AgentInfo& info) {
+  std::printf(
+      "agent_id: %s\nhostname: %s\nversion: %s\nepoch: %llu\n"
+      "metrics: %s\n",
+      absl::CEscape(info.agent_id()).c_str(),
+      absl::CEscape(info.hostname()).c_str(),
+      absl::CEscape(info.version()).c_str(),
+      static_cast<unsigned long long>(info.epoch()),
+      info.metrics_address().empty()
+          ? "none"
+          : absl::CEscape(info.metrics_address()).c_str());
+  std::vector<std::string> lines = {absl::StrFormat(
+      "%-8s %-7s %-9s %s", "BACKEND", "LEVEL", "AVAILABLE", "DETAILS")};
+  for (const v1::BackendInfo& backend : info.backends()) {
+    absl::string_view level =
+        v1::TransportLevel_Name(backend.transport_level());
+    absl::ConsumePrefix(&level, "TRANSPORT_LEVEL_");
+    lines.push_back(absl::StrFormat("%-8s %-7s %-9s %s",
+                                    absl::CEscape(backend.name()), level,
+                                    backend.available() ? "yes" : "no",
+                                    absl::CEscape(BackendDetails(backend))));
+  }
+  for (const std::string& line : lines) {
+    std::printf("%s\n",
+                std::string(absl::StripTrailingAsciiWhitespace(line)).c_str());
+  }
+}
+
 class InfoCommand : public Command {
  public:
   explicit InfoCommand(CLI::App& app) {
-    app.add_subcommand("info", "agent id, epoch, version and backends");
+    app.add_subcommand("info",
+                       "agent id, host, version, epoch and backends (-o json: "
+                       "its AgentInfo)");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     absl::StatusOr<v1::AgentInfo> info = (*client)->GetInfo();
     if (!info.ok()) return Failed("info", info.status());
-    Print(global, *info);
+    if (global.json()) {
+      Print(global, *info);
+    } else {
+      PrintInfoText(*info);
+    }
+    return Ok();
+  }
+};
+
+class AgentsCommand : public Command {
+ public:
+  explicit AgentsCommand(CLI::App& app) {
+    app.add_subcommand("agents",
+                       "the agents the agent's directory knows (--directory), "
+                       "one line each: id, host, epoch, start time, backends "
+                       "and their addresses");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<v1::ListAgentsResponse> agents = (*client)->ListAgents();
+    if (!agents.ok()) return Failed("agents", agents.status());
+    if (global.json()) {
+      Print(global, *agents);
+      return Ok();
+    }
+    std::printf("%-24s %-20s %-16s %-20s %s\n", "AGENT", "HOST", "EPOCH",
+                "STARTED", "BACKENDS");
+    for (const v1::AgentRecord& agent : agents->agents()) {
+      std::vector<std::string> backends;
+      for (const v1::BackendInfo& backend : agent.info().backends()) {
+        if (!backend.available()) continue;
+        std::vector<std::string> where(
+            backend.transport_info().addresses().begin(),
+            backend.transport_info().addresses().end());
+        for (const v1::DeviceInfo& device :
+             backend.transport_info().devices()) {
+          where.push_back(absl::StrCat(device.name(), ":", device.port()));
+        }
+        backends.push_back(where.empty()
+                               ? backend.name()
+                               : absl::StrCat(backend.name(), "(",
+                                              absl::StrJoin(where, ","), ")"));
+      }
+      const absl::Time started =
+          absl::FromUnixSeconds(agent.start_time().seconds());
+      std::printf(
+          "%-24s %-20s %016llx %-20s %s\n", agent.info().agent_id().c_str(),
+          agent.info().hostname().c_str(),
+          static_cast<unsigned long long>(agent.info().epoch()),
+          absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", started, absl::UTCTimeZone())
+              .c_str(),
+          absl::StrJoin(backends, " ").c_str());
+    }
+    if (agents->unreadable() > 0) {
+      std::fprintf(stderr, "agents: %u unreadable records skipped\n",
+                   agents->unreadable());
+    }
+    if (agents->truncated()) {
+      std::fprintf(stderr,
+                   "agents: more are published than the agent lists "
+                   "(--directory_max_listed_agents)\n");
+    }
     return Ok();
   }
 };
@@ -363,7 +560,8 @@ class RegisterCommand : public Command {
         "register",
         "register an agent-allocated buffer; prints its id and base64 remote "
         "context");
-    sub->add_option("--size", size_, "bytes to allocate");
+    sub->add_option("--size", size_, "bytes to allocate (4096, 4k, 1GiB)")
+        ->transform(SizeValue());
     sub->add_option("--access", access_, "read, write or read_write")
         ->capture_default_str();
     sub->add_option("--label", label_, "label shown by list");
@@ -501,6 +699,10 @@ class ListCommand : public Command {
   bool all_users_ = false;
 };
 
+// Bytes read or write move per ReadBuffer/WriteBuffer call: the progress
+// line moves in steps of this.
+constexpr uint64_t kChunkBytes = 4 << 20;
+
 // Commands that take one buffer ID.
 class BufferCommand : public Command {
  protected:
@@ -511,21 +713,38 @@ class BufferCommand : public Command {
   std::vector<std::string> ids_;
 };
 
-class ReleaseCommand : public BufferCommand {
+class ReleaseCommand : public Command {
  public:
   explicit ReleaseCommand(CLI::App& app) {
-    AddId(app.add_subcommand("release", "drop a registration"));
+    CLI::App* sub = app.add_subcommand("release", "drop registrations");
+    sub->footer(
+        "Releases every ID given, also after one fails; exit 1 when any "
+        "failed (each named).");
+    sub->add_option("ID", ids_, "buffer ids");
   }
   Outcome Run(LazyClient& lazy, const Global&) override {
-    absl::StatusOr<uint64_t> id = Id();
-    if (!id.ok())
-      return Usage(absl::StrCat("release: ", id.status().message()));
+    absl::StatusOr<std::vector<uint64_t>> ids = BufferIdsArgument(ids_);
+    if (!ids.ok()) {
+      return Usage(absl::StrCat("release: ", ids.status().message()));
+    }
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
-    absl::Status status = (*client)->Release(*id);
-    if (!status.ok()) return Failed(absl::StrCat("release ", *id), status);
+    std::vector<std::string> failures;
+    for (uint64_t id : *ids) {
+      absl::Status status = (*client)->Release(id);
+      if (!status.ok()) {
+        failures.push_back(
+            Failed(absl::StrCat("release ", id), status).message);
+      }
+    }
+    if (!failures.empty()) {
+      return {kExitFailed, absl::StrJoin(failures, "\nrdma-agentctl: ")};
+    }
     return Ok();
   }
+
+ private:
+  std::vector<std::string> ids_;
 };
 
 class WriteCommand : public BufferCommand {
@@ -534,11 +753,12 @@ class WriteCommand : public BufferCommand {
     CLI::App* sub = app.add_subcommand(
         "write", "bytes from a file (or stdin) into a buffer, over gRPC");
     AddId(sub);
-    sub->add_option("--offset", offset_, "offset in the buffer");
+    sub->add_option("--offset", offset_, "offset in the buffer")
+        ->transform(SizeValue());
     sub->add_option("--in", in_, "input file, - for stdin")
         ->capture_default_str();
   }
-  Outcome Run(LazyClient& lazy, const Global&) override {
+  Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<uint64_t> id = Id();
     if (!id.ok()) return Usage(absl::StrCat("write: ", id.status().message()));
     absl::StatusOr<std::string> data = ReadAll(in_);
@@ -547,8 +767,16 @@ class WriteCommand : public BufferCommand {
     }
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
-    absl::Status status = (*client)->WriteBuffer(*id, offset_, *data);
-    if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
+    internal::ProgressLine progress = global.Progress(data->size());
+    for (uint64_t done = 0; done < data->size();) {
+      const uint64_t n = std::min<uint64_t>(kChunkBytes, data->size() - done);
+      absl::Status status = (*client)->WriteBuffer(
+          *id, offset_ + done, absl::string_view(*data).substr(done, n));
+      if (!status.ok()) return Failed(absl::StrCat("write ", *id), status);
+      done += n;
+      progress.Update(done);
+    }
+    progress.Finish(data->size());
     std::fprintf(stderr, "wrote %zu bytes into buffer %llu at offset %llu\n",
                  data->size(), static_cast<unsigned long long>(*id),
                  static_cast<unsigned long long>(offset_));
@@ -566,21 +794,36 @@ class ReadCommand : public BufferCommand {
     CLI::App* sub = app.add_subcommand(
         "read", "bytes of a buffer to a file (or stdout), over gRPC");
     AddId(sub);
-    sub->add_option("--offset", offset_, "offset in the buffer");
-    sub->add_option("--length", length_, "bytes to read");
+    sub->add_option("--offset", offset_, "offset in the buffer")
+        ->transform(SizeValue());
+    sub->add_option("--length", length_, "bytes to read")
+        ->transform(SizeValue());
     sub->add_option("--out", out_, "output file, - for stdout")
         ->capture_default_str();
   }
-  Outcome Run(LazyClient& lazy, const Global&) override {
+  Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<uint64_t> id = Id();
     if (!id.ok()) return Usage(absl::StrCat("read: ", id.status().message()));
     if (!length_.has_value()) return Usage("read needs --length L");
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
-    absl::StatusOr<std::string> data =
-        (*client)->ReadBuffer(*id, offset_, *length_);
-    if (!data.ok()) return Failed(absl::StrCat("read ", *id), data.status());
-    absl::Status written = WriteAll(out_, *data);
+    internal::ProgressLine progress = global.Progress(*length_);
+    std::string data;
+    // At least one call: the agent judges the range, even an empty one.
+    uint64_t done = 0;
+    do {
+      const uint64_t n = std::min<uint64_t>(kChunkBytes, *length_ - done);
+      absl::StatusOr<std::string> chunk =
+          (*client)->ReadBuffer(*id, offset_ + done, n);
+      if (!chunk.ok()) {
+        return Failed(absl::StrCat("read ", *id), chunk.status());
+      }
+      data.append(*chunk);
+      done += n;
+      progress.Update(done);
+    } while (done < *length_);
+    progress.Finish(data.size());
+    absl::Status written = WriteAll(out_, data);
     if (!written.ok())
       return LocalIo(absl::StrCat("read: ", written.message()));
     return Ok();
@@ -655,62 +898,142 @@ struct ContextOptions {
   }
 };
 
+// One op as --op or a line of --ops_file gives it:
+// "TYPE[,key=value...]", TYPE read or write, keys local, local_offset,
+// length, remote_offset, context (base64) and context_file. A key it leaves
+// out takes the command's flag of the same name.
+struct OpFields {
+  std::optional<uint64_t> local;
+  uint64_t local_offset = 0;
+  std::optional<uint64_t> length;
+  uint64_t remote_offset = 0;
+  std::string context;
+  std::string context_file;
+};
+
+// The op `text` says, with `defaults` for what it leaves out. Errors are
+// INVALID_ARGUMENT naming the key; the context is not read yet.
+absl::StatusOr<std::pair<v1::OpType, OpFields>> ParseOpText(
+    absl::string_view text, const OpFields& defaults) {
+  std::vector<absl::string_view> parts = absl::StrSplit(text, ',');
+  v1::OpType type;
+  if (parts[0] == "read") {
+    type = v1::OP_TYPE_READ_INTO_LOCAL;
+  } else if (parts[0] == "write") {
+    type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+  } else {
+    return absl::InvalidArgumentError("the op is read or write");
+  }
+  OpFields fields = defaults;
+  bool context_given = false;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    std::pair<absl::string_view, absl::string_view> key_value =
+        absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    const absl::string_view key = key_value.first;
+    const absl::string_view value = key_value.second;
+    if (!absl::StrContains(parts[i], '=') || value.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", key, "' has no value"));
+    }
+    if (key == "local") {
+      uint64_t id;
+      if (!absl::SimpleAtoi(value, &id)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("local: ", value, " is not a buffer ID"));
+      }
+      fields.local = id;
+      continue;
+    }
+    if (key == "context" || key == "context_file") {
+      if (!context_given) fields.context = fields.context_file = "";
+      context_given = true;
+      (key == "context" ? fields.context : fields.context_file) =
+          std::string(value);
+      continue;
+    }
+    if (key != "local_offset" && key != "length" && key != "remote_offset") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown key '", key,
+                       "' (local, local_offset, length, remote_offset, "
+                       "context, context_file)"));
+    }
+    absl::StatusOr<uint64_t> bytes = internal::ParseByteSize(value);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(key, ": ", bytes.status().message()));
+    }
+    if (key == "local_offset") fields.local_offset = *bytes;
+    if (key == "remote_offset") fields.remote_offset = *bytes;
+    if (key == "length") fields.length = *bytes;
+  }
+  if (!fields.local.has_value()) {
+    return absl::InvalidArgumentError(
+        "no local buffer (local=ID, or --local ID for every op)");
+  }
+  if (!fields.length.has_value()) {
+    return absl::InvalidArgumentError(
+        "no length (length=L, or --length L for every op)");
+  }
+  return std::make_pair(type, fields);
+}
+
 class SubmitCommand : public Command {
  public:
   explicit SubmitCommand(CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
         "submit",
-        "one one-sided op between a local buffer and a remote one (--async: "
-        "as a transfer, printing its id)");
+        "one-sided ops between local buffers and remote ones, as one batch "
+        "(--async: as a transfer, printing its id)");
     sub->footer(
-        "The global --timeout (default 30s) bounds the op. With --async the "
-        "command returns once the agent has accepted the op, printing "
-        "transfer_id: ID; the agent runs it after the command has exited. "
+        "Each --op is TYPE[,key=value...]: TYPE read (READ_INTO_LOCAL) or "
+        "write (WRITE_FROM_LOCAL); keys local, local_offset, length, "
+        "remote_offset, context, context_file; a key left out takes the flag "
+        "of the same name, so --op read --local 2 --length 4k --context_file "
+        "a.ctx is one op and --local 2 --context_file a.ctx --op "
+        "read,length=4k --op read,local_offset=4k,remote_offset=8k,length=4k "
+        "two. --ops_file holds one op a line in the same form (# comments). "
+        "Sizes take binary suffixes (4k, 1GiB).\n\n"
+        "The global --timeout (default 30s) bounds the batch. With --async "
+        "the command returns once the agent has accepted the ops, printing "
+        "transfer_id: ID; the agent runs them after the command has exited. "
         "Follow it with wait ID, cancel ID or watch.");
-    sub->add_option("--op", op_,
-                    "read (READ_INTO_LOCAL) or write (WRITE_FROM_LOCAL)");
-    sub->add_option("--local", local_, "local buffer id");
-    sub->add_option("--local_offset", local_offset_,
-                    "offset in the local buffer");
-    sub->add_option("--length", length_, "bytes to move");
-    sub->add_option("--remote_offset", remote_offset_,
-                    "offset in the remote buffer");
+    sub->add_option("--op", ops_,
+                    "an op: read or write, then ,key=value for what differs "
+                    "from the flags below (repeatable)");
+    sub->add_option("--ops_file", ops_file_,
+                    "file of ops, one a line (as --op takes them)");
+    sub->add_option("--local", defaults_.local, "local buffer id")
+        ->check(IdValue());
+    sub->add_option("--local_offset", defaults_.local_offset,
+                    "offset in the local buffer")
+        ->transform(SizeValue());
+    sub->add_option("--length", defaults_.length, "bytes to move")
+        ->transform(SizeValue());
+    sub->add_option("--remote_offset", defaults_.remote_offset,
+                    "offset in the remote buffer")
+        ->transform(SizeValue());
     sub->add_flag("--async", async_,
                   "return at once with the transfer id (SubmitAsync); the "
                   "agent runs it after this command has exited");
     sub->add_option("--notify", notify_,
-                    "bytes for the remote buffer's owner, delivered once the "
-                    "op succeeded (read there with notifications)");
-    context_.Add(sub);
+                    "bytes for the remote buffers' owners, delivered once the "
+                    "ops succeeded (read there with notifications)");
+    sub->add_option("--context", defaults_.context,
+                    "remote context, base64 (as register prints it)");
+    sub->add_option("--context_file", defaults_.context_file,
+                    "file holding the raw remote context");
   }
+
   Outcome Run(LazyClient& lazy, const Global& global) override {
-    OpSpec op;
-    if (op_ == "read") {
-      op.type = v1::OP_TYPE_READ_INTO_LOCAL;
-    } else if (op_ == "write") {
-      op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
-    } else {
-      return Usage("submit needs --op read or --op write");
-    }
-    if (!local_.has_value()) return Usage("submit needs --local ID");
-    if (!length_.has_value()) return Usage("submit needs --length L");
-    absl::StatusOr<std::string> context =
-        RemoteContextArgument(context_.base64, context_.file, {});
-    if (!context.ok()) {
-      return Usage(absl::StrCat("submit: ", context.status().message()));
-    }
-    op.local_buffer_id = *local_;
-    op.local_offset = local_offset_;
-    op.length = *length_;
-    op.remote_context = *std::move(context);
-    op.remote_offset = remote_offset_;
+    absl::StatusOr<std::vector<OpSpec>> ops = Ops();
+    if (!ops.ok()) return UsageOrLocalIo("submit", ops.status());
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     SubmitOptions options;
     options.timeout = global.rpc_timeout();
     options.notification = notify_;
     if (async_) {
-      absl::StatusOr<Transfer> transfer = (*client)->SubmitAsync({op}, options);
+      absl::StatusOr<Transfer> transfer = (*client)->SubmitAsync(*ops, options);
       if (!transfer.ok()) return Failed("submit", transfer.status());
       if (global.json()) {
         v1::SubmitAsyncResponse response;
@@ -722,7 +1045,7 @@ class SubmitCommand : public Command {
       }
       return Ok();
     }
-    absl::StatusOr<SubmitResult> submitted = (*client)->Submit({op}, options);
+    absl::StatusOr<SubmitResult> submitted = (*client)->Submit(*ops, options);
     if (!submitted.ok()) return Failed("submit", submitted.status());
     const std::vector<OpResult>* results = &submitted->results;
     bool all_ok = true;
@@ -751,14 +1074,76 @@ class SubmitCommand : public Command {
   }
 
  private:
-  std::string op_;
-  std::optional<uint64_t> local_;
-  uint64_t local_offset_ = 0;
-  std::optional<uint64_t> length_;
-  uint64_t remote_offset_ = 0;
+  // Every op of --op and --ops_file, in that order, with its context read.
+  // INVALID_ARGUMENT for bad usage (naming the op), another code for a file
+  // that could not be read.
+  absl::StatusOr<std::vector<OpSpec>> Ops() {
+    // (where it came from, its text)
+    std::vector<std::pair<std::string, std::string>> texts;
+    for (const std::string& text : ops_) {
+      texts.emplace_back(absl::StrCat("--op ", text), text);
+    }
+    if (!ops_file_.empty()) {
+      absl::StatusOr<std::string> file = ReadAll(ops_file_);
+      if (!file.ok()) return file.status();
+      int number = 0;
+      for (absl::string_view line : absl::StrSplit(*file, '\n')) {
+        ++number;
+        line = absl::StripAsciiWhitespace(line);
+        if (line.empty() || absl::StartsWith(line, "#")) continue;
+        texts.emplace_back(absl::StrCat(ops_file_, ":", number, ": ", line),
+                           std::string(line));
+      }
+    }
+    if (texts.empty()) {
+      return absl::InvalidArgumentError(
+          "needs --op read or --op write (or --ops_file FILE)");
+    }
+    std::vector<OpSpec> ops;
+    std::map<std::string, std::string> files_read;  // context_file -> bytes
+    for (const auto& [where, text] : texts) {
+      absl::StatusOr<std::pair<v1::OpType, OpFields>> parsed =
+          ParseOpText(text, defaults_);
+      if (!parsed.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": ", parsed.status().message()));
+      }
+      const OpFields& fields = parsed->second;
+      absl::StatusOr<std::string> context;
+      if (!fields.context_file.empty() &&
+          files_read.count(fields.context_file) > 0 && fields.context.empty()) {
+        context = files_read[fields.context_file];
+      } else {
+        context =
+            RemoteContextArgument(fields.context, fields.context_file, {});
+      }
+      if (!context.ok()) {
+        if (context.status().code() != absl::StatusCode::kInvalidArgument) {
+          return context.status();
+        }
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": ", context.status().message()));
+      }
+      if (!fields.context_file.empty()) {
+        files_read[fields.context_file] = *context;
+      }
+      OpSpec op;
+      op.type = parsed->first;
+      op.local_buffer_id = *fields.local;
+      op.local_offset = fields.local_offset;
+      op.length = *fields.length;
+      op.remote_context = *std::move(context);
+      op.remote_offset = fields.remote_offset;
+      ops.push_back(std::move(op));
+    }
+    return ops;
+  }
+
+  std::vector<std::string> ops_;
+  std::string ops_file_;
+  OpFields defaults_;
   bool async_ = false;
   std::string notify_;
-  ContextOptions context_;
 };
 
 // Commands that take one transfer ID.
@@ -843,13 +1228,16 @@ class WatchCommand : public Command {
     CLI::App* sub = app.add_subcommand(
         "watch", "print this user's transfers as they end, until interrupted");
     sub->footer(
-        "Streams WatchTransfers: first the ended transfers the agent still "
-        "keeps (not read yet by wait or another client), then each one as "
-        "it ends, whoever submitted it; -o json prints one TransferEvent per "
-        "line. Runs until SIGINT or SIGTERM (exit 0), --count ends (exit 0) "
-        "or the agent goes away (exit 1). Watching reads nothing: wait still "
-        "finds each end, and other watches see it too.");
+        "Streams WatchTransfers: each transfer that ends after the watch "
+        "started, whoever submitted it (with --backlog, first the ended "
+        "transfers the agent still keeps, not read yet by wait or another "
+        "client); -o json prints one TransferEvent per line. Runs until "
+        "SIGINT or SIGTERM (exit 0), --count ends (exit 0) or the agent goes "
+        "away (exit 1). Watching reads nothing: wait still finds each end, "
+        "and other watches see it too.");
     sub->add_option("--count", count_, "stop after this many ends");
+    sub->add_flag("--backlog", backlog_,
+                  "start with the ends that came before the watch");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
     if (count_.has_value() && *count_ < 1) {
@@ -866,10 +1254,14 @@ class WatchCommand : public Command {
     if (!client.ok()) return Failed("connect", client.status());
     absl::Mutex mu;
     uint64_t printed = 0;
+    // The agent's clock is this host's: an end stamped before now came
+    // before the watch.
+    const absl::Time start = absl::Now();
     absl::StatusOr<TransferWatch> watch =
         (*client)->WatchTransfers([&](const TransferResult& end) {
           absl::MutexLock lock(&mu);
           if (count_.has_value() && printed >= *count_) return;
+          if (!backlog_ && end.end_time < start) return;
           PrintTransfer(global, end, /*one_line=*/true);
           ++printed;
         });
@@ -889,6 +1281,7 @@ class WatchCommand : public Command {
 
  private:
   std::optional<uint64_t> count_;
+  bool backlog_ = false;
 };
 
 // "notification #SEQ from AGENT to buffer ID: DATA" (C-escaped), or the
@@ -937,16 +1330,17 @@ class NotificationsCommand : public Command {
         "notifications (exit 0) or the agent goes away (exit 1). 'dropped: "
         "N' says N were lost to a full queue.");
     sub->add_option("--wait", wait_,
-                    "longest wait for the first one (e.g. 10s; default 0)");
+                    "longest wait for the first one (e.g. 10s or 10; "
+                    "default 0)")
+        ->transform(DurationValue(/*positive=*/false));
     sub->add_flag("--watch", watch_, "stream them until interrupted");
     sub->add_option("--count", count_,
                     "with --watch: stop after this many notifications");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
-    absl::Duration wait;
-    if (!absl::ParseDuration(wait_, &wait) || wait < absl::ZeroDuration()) {
-      return Usage("notifications: --wait takes a duration such as 10s");
-    }
+    // Checked by the option's validator.
+    const absl::Duration wait =
+        internal::ParseDuration(wait_).value_or(absl::ZeroDuration());
     if (count_.has_value() && (*count_ < 1 || !watch_)) {
       return Usage("notifications: --count needs --watch and at least 1");
     }
@@ -1014,9 +1408,7 @@ class DecodeCommand : public Command {
     if (args_.size() > 1) return Usage("decode takes at most one argument");
     absl::StatusOr<std::string> context =
         RemoteContextArgument(context_.base64, context_.file, args_);
-    if (!context.ok()) {
-      return Usage(absl::StrCat("decode: ", context.status().message()));
-    }
+    if (!context.ok()) return UsageOrLocalIo("decode", context.status());
     absl::StatusOr<std::string> text = internal::RemoteContextToText(*context);
     if (!text.ok()) {
       return Usage(absl::StrCat("decode: ", text.status().message()));
@@ -1034,6 +1426,56 @@ class DecodeCommand : public Command {
  private:
   std::vector<std::string> args_;
   ContextOptions context_;
+};
+
+class CompletionCommand : public Command {
+ public:
+  explicit CompletionCommand(CLI::App& app) : app_(app) {
+    CLI::App* sub = app.add_subcommand(
+        "completion", "print a shell completion script (bash)");
+    sub->footer(
+        "source <(rdma-agentctl completion bash), or install it as "
+        "/usr/share/bash-completion/completions/rdma-agentctl. Generated "
+        "from the tool's own parser: it always matches --help.");
+    sub->add_option("SHELL", shell_, "bash");
+  }
+  Outcome Run(LazyClient&, const Global&) override {
+    if (shell_ != "bash") {
+      return Usage("completion: the shell is bash (completion bash)");
+    }
+    std::fputs(internal::BashCompletion(app_).c_str(), stdout);
+    return Ok();
+  }
+
+ private:
+  const CLI::App& app_;
+  std::string shell_;
+};
+
+// The man page, from the parser (hidden: `rdma-agentctl man >
+// rdma-agentctl.1`).
+class ManCommand : public Command {
+ public:
+  explicit ManCommand(CLI::App& app) : app_(app) {
+    app.add_subcommand("man", "print the man page (troff)")->group("");
+  }
+  Outcome Run(LazyClient&, const Global&) override {
+    const std::string extra = absl::StrCat(
+        ".SH EXIT STATUS\n0 ok; 1 the agent refused or an op failed (for "
+        "health, the agent is not serving; for wait, the transfer did not "
+        "end DONE); 2 bad usage; 3 a local file could not be read or "
+        "written.\n",
+        ".SH ENVIRONMENT\n.TP\n.B RDMA_AGENT_SOCKET\nThe agent's socket when "
+        "\\-\\-target is not given (a gRPC target or a path).\n",
+        ".SH SEE ALSO\n\\fBrdma\\-agentd\\fR \\-\\-help; docs/API.md and "
+        "docs/OPERATING.md of rdma\\-agentd (installed in "
+        "/usr/local/share/doc/rdma\\-agentd/).\n");
+    std::fputs(internal::ManPage(app_, kProjectVersion, extra).c_str(), stdout);
+    return Ok();
+  }
+
+ private:
+  const CLI::App& app_;
 };
 
 // Options of the whole tool that take a value in the next argument.
@@ -1083,16 +1525,18 @@ int Main(int argc, char** argv) {
                  "socket");
   app.add_option("--timeout", global.timeout,
                  "deadline of each RPC, the op timeout of submit (with "
-                 "--async too), and how long wait waits (e.g. 30s, 500ms); "
-                 "the last one given wins")
+                 "--async too), and how long wait waits (e.g. 30s, 500ms, "
+                 "or seconds: 30); the last one given wins")
       ->capture_default_str()
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
-      ->check([](const std::string& text) {
-        absl::Duration value;
-        return absl::ParseDuration(text, &value) && value > absl::ZeroDuration()
-                   ? std::string()
-                   : "not a positive duration such as 30s or 500ms";
-      });
+      ->transform(DurationValue(/*positive=*/true));
+  app.set_version_flag("--version",
+                       absl::StrCat("rdma-agentctl ", kProjectVersion),
+                       "print the tool's version and exit");
+  app.add_flag("--progress", global.progress,
+               "show a progress line (bytes, rate, ETA) for read and write "
+               "even when stderr is no terminal or the work is short; never "
+               "with -o json");
   app.add_option("-o,--output", global.output, "output format")
       ->capture_default_str()
       ->check(CLI::IsMember({"text", "json"}));
@@ -1100,6 +1544,7 @@ int Main(int argc, char** argv) {
   // Each command adds its subcommand; `subs` and `owned` stay in step.
   std::vector<std::unique_ptr<Command>> owned;
   owned.push_back(std::make_unique<InfoCommand>(app));
+  owned.push_back(std::make_unique<AgentsCommand>(app));
   owned.push_back(std::make_unique<HealthCommand>(app));
   owned.push_back(std::make_unique<MetricsCommand>(app));
   owned.push_back(std::make_unique<RegisterCommand>(app));
@@ -1113,6 +1558,8 @@ int Main(int argc, char** argv) {
   owned.push_back(std::make_unique<WatchCommand>(app));
   owned.push_back(std::make_unique<NotificationsCommand>(app));
   owned.push_back(std::make_unique<DecodeCommand>(app));
+  owned.push_back(std::make_unique<CompletionCommand>(app));
+  owned.push_back(std::make_unique<ManCommand>(app));
   // Subcommands are kept in the order they were added.
   const std::vector<CLI::App*> subs = app.get_subcommands({});
   app.footer(
@@ -1125,6 +1572,8 @@ int Main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ExtrasError& e) {
     const std::vector<std::string> extras = app.remaining();

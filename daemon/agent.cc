@@ -23,6 +23,8 @@
 #include "daemon/api/rpc_observer.h"
 #include "daemon/api/service.h"
 #include "daemon/api/version.h"
+#include "daemon/directory/buffer_names.h"
+#include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/local/attach_server.h"
 #include "daemon/local/attach_tokens.h"
@@ -34,6 +36,7 @@
 #include "daemon/ops/transfers.h"
 #include "daemon/peer_gate.h"
 #include "daemon/state_dir.h"
+#include "google/protobuf/descriptor.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -127,12 +130,35 @@ Agent::~Agent() { Shutdown(); }
 absl::Status Agent::Init() {
   absl::Status status = PrepareRuntimeDir();
   if (!status.ok()) return status;
-  SetUpQuotas();
-  metrics_ = std::make_unique<AgentMetrics>(kAgentVersion);
+  metrics_ =
+      std::make_unique<AgentMetrics>(kAgentVersion, options_.build_revision);
   buffers_ = std::make_unique<BufferTable>(identity_.epoch);
   notifications_ = std::make_unique<NotificationInbox>(buffers_.get(),
                                                        options_.notifications);
   ObservePeerRefusals();
+  // Before the quotas: whether a NIC pins registered memory bounds them.
+  status = SpawnBackends();
+  if (!status.ok()) return status;
+  std::vector<std::string> backend_names;
+  for (const auto& backend : registry_->backends()) {
+    backend_names.push_back(backend->name());
+  }
+  metrics_->DeclareBackends(backend_names);
+  // Every method of the services the agent serves (the API, Peer, health).
+  std::vector<std::string> methods;
+  for (const char* service : {"rdma.agent.v1.RdmaAgent", "rdma.agent.v1.Peer",
+                              "grpc.health.v1.Health"}) {
+    const google::protobuf::ServiceDescriptor* descriptor =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+            service);
+    for (int i = 0; descriptor != nullptr && i < descriptor->method_count();
+         ++i) {
+      methods.push_back(
+          absl::StrCat(service, "/", descriptor->method(i)->name()));
+    }
+  }
+  metrics_->DeclareRpcMethods(methods);
+  SetUpQuotas();
   ClientWatcher::Options watch_options;
   watch_options.methods = options_.process_watch;
   watch_options.connection_poll_interval = options_.connection_poll_interval;
@@ -145,15 +171,49 @@ absl::Status Agent::Init() {
   // services, and must be started (knowing the Peer address) before any
   // client can reach the API.
   for (absl::Status (Agent::*step)() :
-       {&Agent::SpawnBackends, &Agent::StartPeerListener, &Agent::StartBackends,
-        &Agent::StartMetricsServer, &Agent::StartApiServer,
-        &Agent::StartApiListener, &Agent::StartAttachServer}) {
+       {&Agent::StartPeerListener, &Agent::StartBackends,
+        &Agent::StartMetricsServer, &Agent::OpenDirectory,
+        &Agent::StartApiServer, &Agent::StartApiListener,
+        &Agent::StartAttachServer}) {
     status = (this->*step)();
     if (!status.ok()) return status;
   }
   AddGauges();
   serving_ = true;
+  PublishSelf();
   return absl::OkStatus();
+}
+
+absl::Status Agent::OpenDirectory() {
+  auto directory = rdma_agent::OpenDirectory(options_.directory);
+  if (!directory.ok()) return directory.status();
+  directory_ = std::move(*directory);
+  names_ = std::make_unique<BufferNames>(directory_.get(),
+                                         options_.directory.max_names_per_user,
+                                         options_.directory.max_names_total);
+  names_listener_ = buffers_->AddRemovalListener(
+      [names = names_.get()](uint64_t id) { names->Released(id); });
+  return absl::OkStatus();
+}
+
+void Agent::PublishSelf() {
+  v1::AgentRecord record;
+  *record.mutable_info() = service_->Info();
+  const absl::Duration since_epoch = start_time_ - absl::UnixEpoch();
+  record.mutable_start_time()->set_seconds(absl::ToInt64Seconds(since_epoch));
+  record.mutable_start_time()->set_nanos(static_cast<int32_t>(
+      absl::ToInt64Nanoseconds(since_epoch % absl::Seconds(1))));
+  record.set_peer_address(peer_address_);
+  absl::Status status = directory_->PublishAgent(record);
+  if (status.ok()) {
+    spdlog::info("directory {}: published agent {}", directory_->name(),
+                 identity_.agent_id);
+  } else {
+    spdlog::warn(
+        "directory {}: cannot publish agent {} yet ({}); serving anyway and "
+        "retrying",
+        directory_->name(), identity_.agent_id, std::string(status.message()));
+  }
 }
 
 std::string Agent::Describe() const {
@@ -386,8 +446,8 @@ absl::Status Agent::StartApiServer() {
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
-      remote_handles_.get(), prepared_transfers_.get(), metrics_.get(),
-      metrics_address_);
+      metrics_.get(), metrics_address_, directory_.get(), names_.get(),
+      remote_handles_.get(), prepared_transfers_.get());
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -479,10 +539,43 @@ absl::Status Agent::StartAttachServer() {
 }
 
 void Agent::SetUpQuotas() {
-  const HostLimits host = ReadHostLimits();
+  HostLimits host = ReadHostLimits();
+  for (const auto& backend : registry_->backends()) {
+    host.memory_pinned = host.memory_pinned ||
+                         (backend->available() && backend->transport_level() ==
+                                                      v1::TRANSPORT_LEVEL_NIC);
+  }
+  const MemoryLimitOrigins origins =
+      DescribeMemoryLimits(options_.quotas, host);
   // From here on, options() says the limits in force.
   options_.quotas = DeriveQuotaLimits(options_.quotas, host);
   const QuotaLimits& limits = options_.quotas;
+  spdlog::info(
+      "memory limits (per user / total): registered bytes {} / {} ({}), "
+      "agent-allocated bytes {} / {} ({})",
+      limits.bytes.per_user, limits.bytes.total, origins.registered,
+      limits.agent_allocated.per_user, limits.agent_allocated.total,
+      origins.agent_allocated);
+  // A node that holds a KV cache needs most of its memory registrable: say
+  // so at start rather than at the first refusal.
+  const auto warn_if_far_below = [&](uint64_t total, const char* what,
+                                     const std::string& origin,
+                                     const char* remedy) {
+    if (total >= host.memory_bytes / 2) return;
+    spdlog::warn(
+        "the {} total of {} bytes ({}) is far below the host's {} bytes of "
+        "memory: {}",
+        what, total, origin, host.memory_bytes, remedy);
+  };
+  warn_if_far_below(limits.bytes.total, "registered bytes", origins.registered,
+                    "raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity) or grant "
+                    "CAP_IPC_LOCK, or set --max_registered_bytes_total");
+  warn_if_far_below(
+      limits.agent_allocated.total, "agent-allocated bytes",
+      origins.agent_allocated,
+      "memory clients attach (memfds) is not bound by it; for memory the "
+      "agent allocates, raise the agent's memory limit or set "
+      "--max_agent_allocated_bytes_total");
   spdlog::info(
       "admission limits (per user / total), from {} open files, "
       "vm.max_map_count {}, {} bytes of memory: registered bytes {} / {}, "
@@ -501,6 +594,11 @@ void Agent::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   serving_ = false;
+  // Peers stop finding this agent (and its names) before it stops
+  // answering them.
+  if (names_listener_ >= 0) buffers_->RemoveRemovalListener(names_listener_);
+  names_listener_ = -1;
+  if (directory_ != nullptr) directory_->Withdraw();
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)
     server_->GetHealthCheckService()->SetServingStatus(false);
@@ -592,35 +690,64 @@ void Agent::AddGauges() {
                        return std::vector<GaugeSample>{
                            {{}, static_cast<double>(transfers->in_flight())}};
                      });
-  metrics_->AddGauge(
-      "rdma_agentd_remote_handles",
-      "Imported remotes (ImportRemote) kept now, all users (kind=count), and "
-      "the bytes charged for them (kind=bytes)",
-      [handles = remote_handles_.get()] {
-        return std::vector<GaugeSample>{
-            {{{"kind", "count"}}, static_cast<double>(handles->size())},
-            {{{"kind", "bytes"}}, static_cast<double>(handles->bytes())}};
-      });
-  metrics_->AddGauge(
-      "rdma_agentd_prepared_transfers",
-      "Prepared transfers (PrepareTransfer) kept now, all users "
-      "(kind=count), and the bytes charged for them (kind=bytes)",
-      [prepared = prepared_transfers_.get()] {
-        return std::vector<GaugeSample>{
-            {{{"kind", "count"}}, static_cast<double>(prepared->size())},
-            {{{"kind", "bytes"}}, static_cast<double>(prepared->bytes())}};
-      });
+  metrics_->AddGauge("rdma_agentd_remote_handles",
+                     "Imported remotes (ImportRemote) kept now, all users",
+                     [handles = remote_handles_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(handles->size())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_remote_handle_bytes",
+                     "Bytes charged for the imported remotes kept now",
+                     [handles = remote_handles_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(handles->bytes())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_prepared_transfers",
+                     "Prepared transfers (PrepareTransfer) kept now, all users",
+                     [prepared = prepared_transfers_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(prepared->size())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_prepared_transfer_bytes",
+                     "Bytes charged for the prepared transfers kept now",
+                     [prepared = prepared_transfers_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(prepared->bytes())}};
+                     });
   metrics_->AddGauge("rdma_agentd_ring_sessions",
                      "Shared-memory ring sessions open now",
                      [rings = rings_.get()] {
                        return std::vector<GaugeSample>{
                            {{}, static_cast<double>(rings->open())}};
                      });
-  metrics_->AddGauge(
-      "rdma_agentd_notifications_received",
-      "Notifications peers delivered here since start, and those dropped "
-      "because their owner's queue or a notification budget was full "
-      "(kind)",
+  // The serving side of ops: what requesters did to this agent's buffers.
+  const auto served = [backends = registry_.get()](bool bytes) {
+    return [backends, bytes] {
+      std::vector<GaugeSample> samples;
+      for (const auto& backend : backends->backends()) {
+        const ServedTotals totals = backend->served();
+        samples.push_back(
+            {{{"backend", backend->name()}, {"op", "read"}},
+             static_cast<double>(bytes ? totals.read_bytes : totals.read_ops)});
+        samples.push_back({{{"backend", backend->name()}, {"op", "write"}},
+                           static_cast<double>(bytes ? totals.write_bytes
+                                                     : totals.write_ops)});
+      }
+      return samples;
+    };
+  };
+  metrics_->AddCounter(
+      "rdma_agentd_served_ops_total",
+      "Ops requesters ran against this agent's buffers and it served in "
+      "full, by backend and what the requester did (op)",
+      served(/*bytes=*/false));
+  metrics_->AddCounter("rdma_agentd_served_bytes_total",
+                       "Bytes of the ops in rdma_agentd_served_ops_total",
+                       served(/*bytes=*/true));
+  metrics_->AddCounter(
+      "rdma_agentd_notifications_received_total",
+      "Notifications peers delivered here, and those dropped because their "
+      "owner's queue or a notification budget was full (kind)",
       [inbox = notifications_.get()] {
         return std::vector<GaugeSample>{
             {{{"kind", "delivered"}},
@@ -660,6 +787,40 @@ void Agent::AddGauges() {
   metrics_->AddGauge("rdma_agentd_registered_bytes",
                      "Bytes registered or attached for registration" + by_user,
                      usage(quotas_.bytes));
+  // The limits in force, for "near its limit" alerts.
+  const auto limit = [](std::shared_ptr<ResourceQuota> quota) {
+    return [quota] {
+      return std::vector<GaugeSample>{
+          {{}, static_cast<double>(quota->limits().total)}};
+    };
+  };
+  metrics_->AddGauge("rdma_agentd_registrations_limit",
+                     "Registrations all users together may hold "
+                     "(--max_buffers_total, or derived at start)",
+                     limit(quotas_.registrations));
+  metrics_->AddGauge("rdma_agentd_registered_bytes_limit",
+                     "Bytes all users together may have registered or "
+                     "attached (--max_registered_bytes_total, or derived at "
+                     "start)",
+                     limit(quotas_.bytes));
+  // A rail is a NIC port; 0 when its port is not ACTIVE (cable pulled).
+  metrics_->AddGauge(
+      "rdma_agentd_device_port_up",
+      "1 while an RDMA device port a backend uses is ACTIVE, else 0, by "
+      "backend, device and port",
+      [backends = registry_.get()] {
+        std::vector<GaugeSample> samples;
+        for (const auto& backend : backends->backends()) {
+          for (const v1::DeviceInfo& device :
+               backend->transport_info().devices()) {
+            samples.push_back({{{"backend", backend->name()},
+                                {"device", device.name()},
+                                {"port", absl::StrCat(device.port())}},
+                               device.state() == "ACTIVE" ? 1.0 : 0.0});
+          }
+        }
+        return samples;
+      });
   metrics_->AddGauge("rdma_agentd_watched_clients",
                      "Client processes watched for lifetime-bound "
                      "registrations" +

@@ -31,6 +31,8 @@ class BufferTable;
 class CallerTable;
 class MetricsServer;
 class ClientWatcher;
+class BufferNames;
+class Directory;
 class RdmaAgentService;
 class TransferTable;
 class UnixListener;
@@ -107,6 +109,11 @@ class Agent {
   absl::Status StartAttachServer();
   // The Prometheus endpoint, if --metrics_listen asks for one.
   absl::Status StartMetricsServer();
+  // Opens the directory (--directory); nothing is contacted yet.
+  absl::Status OpenDirectory();
+  // Publishes this agent's record, once it serves. A directory that cannot
+  // be reached is retried in the background: the agent serves anyway.
+  void PublishSelf();
   // Gauges read at scrape time from state the agent keeps anyway.
   void AddGauges();
   // Logs and counts peer requests the buffer table refused.
@@ -117,6 +124,7 @@ class Agent {
 
   AgentOptions options_;
   AgentIdentity identity_;
+  const absl::Time start_time_ = absl::Now();
   std::string peer_address_;
   std::string metrics_address_;
   bool advertise_host_explicit_ = false;  // --advertise_host was given
@@ -136,6 +144,12 @@ class Agent {
   std::unique_ptr<BackendRegistry> registry_;
   std::unique_ptr<CallerTable> callers_;
   std::unique_ptr<ActiveCalls> calls_;
+  // Before the service, which answers ListAgents from it.
+  std::unique_ptr<Directory> directory_;
+  // Names published for buffers; after the directory it tells (destroyed
+  // first), listening to the buffer table from OpenDirectory to Shutdown.
+  std::unique_ptr<BufferNames> names_;
+  int names_listener_ = -1;
   // Before the service, whose RPCs and batches use them.
   std::unique_ptr<RemoteHandleTable> remote_handles_;
   std::unique_ptr<PreparedTransferTable> prepared_transfers_;

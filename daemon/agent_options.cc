@@ -11,6 +11,9 @@ static_assert(ApiLimits().max_remote_context_bytes ==
               kDefaultMaxRemoteContextBytes);
 
 absl::Status AgentOptions::Validate() const {
+  if (absl::Status status = directory.Validate(); !status.ok()) {
+    return status;
+  }
   if (api.max_transfer_bytes_per_rpc == 0 ||
       api.max_transfer_bytes_per_rpc > kMaxTransferBytesPerRpc) {
     return absl::InvalidArgumentError(

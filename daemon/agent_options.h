@@ -9,6 +9,7 @@
 #include "backends/backend.h"
 #include "backends/peer_tls.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/directory/directory_options.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/limits/quota.h"
 #include "daemon/local/caller_identity.h"
@@ -63,6 +64,8 @@ struct AgentOptions {
   // What the endpoint serves (per-user series or totals) and what it holds
   // for its clients.
   MetricsOptions metrics;
+  // The source revision build_info reports ("unknown": an unstamped build).
+  std::string build_revision = "unknown";
 
   // What one RdmaAgent call may ask for.
   ApiLimits api;
@@ -75,6 +78,8 @@ struct AgentOptions {
   // clients). 0 = derived from the host at start (DeriveQuotaLimits);
   // Agent::options() has the values in force.
   QuotaLimits quotas;
+  // Where the agent publishes itself and finds other agents.
+  DirectoryOptions directory;
   // Asynchronous transfers: workers, queue, what is kept.
   TransferLimits transfers;
   // Notifications: the longest one, and how many are kept per user.

@@ -9,7 +9,9 @@ PACKAGES=(
   libibverbs-dev rdma-core ibverbs-utils libnuma-dev
   libspdlog-dev libabsl-dev libgtest-dev libgmock-dev libcli11-dev libsystemd-dev prometheus-cpp-dev libcivetweb-dev
   iproute2 procps python3 python3-grpcio python3-protobuf python3-yaml systemd
-  iperf3 ucx-utils
+  python3-build python3-setuptools python3-venv python3-wheel python3-torch python3-numpy mypy
+  iperf3 ucx-utils prometheus groff-base bsdextrautils
+  etcd-server etcd-client
   clang-14 libclang-rt-14-dev clang-format-14
 )
 

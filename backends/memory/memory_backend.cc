@@ -138,7 +138,10 @@ std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
   PacedStop paced(stop);
   std::vector<absl::Status> results;
   results.reserve(ops.size());
-  for (const Op& op : ops) results.push_back(RunOp(op, remotes, paced));
+  for (const Op& op : ops) {
+    results.push_back(RunOp(op, remotes, paced));
+    if (results.back().ok()) served_.Count(!op.reads_into_local(), op.length);
+  }
   return results;
 }
 

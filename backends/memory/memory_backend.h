@@ -30,6 +30,8 @@ class MemoryBackend : public Backend {
   }
   bool available() const override { return true; }
   v1::TransportInfo transport_info() const override;
+  // Every op it ran: both sides are this agent's.
+  ServedTotals served() const override { return served_.totals(); }
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
       const Registration& registration, v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;
@@ -43,6 +45,7 @@ class MemoryBackend : public Backend {
  private:
   const std::string name_ = "memory";
   const BackendEnvironment env_;
+  ServedCounter served_;
 };
 
 }  // namespace rdma_agent::memory

@@ -726,7 +726,10 @@ DataServer::Served DataServer::ServeBuffered(Connection& c) {
           c.payload_done += n;
         }
         if (c.payload_done < c.header.length) return Served::kNeedBytes;
-        if (c.pinned != nullptr) c.pinned->CountServed(c.header.length);
+        if (c.pinned != nullptr) {
+          c.pinned->CountServed(c.header.length);
+          served_.Count(/*write=*/true, c.header.length);
+        }
         FinishRequest(c);
         break;
       }
@@ -886,6 +889,7 @@ void DataServer::FinishRequest(Connection& c) {
           !c.pages_failed && c.header.length >= kSpliceMinBytes);
     }
     c.pinned->CountServed(c.header.length);
+    served_.Count(/*write=*/false, c.header.length);
   }
   c.out.EndMessage();
   c.answered_unsent += c.header.length;

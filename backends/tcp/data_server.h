@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "backends/buffer_directory.h"
 #include "backends/notification_sink.h"
+#include "backends/served_counter.h"
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
 #include "common/accept_loop.h"
@@ -137,6 +138,8 @@ class DataServer {
   const DataServerOptions& options() const { return options_; }
   // Connections being served now (for tests and status).
   size_t connections();
+  // Requests served in full since start (metrics).
+  ServedTotals served() const { return served_.totals(); }
   // The same by source address, for metrics.
   std::map<std::string, size_t> ConnectionsBySource();
 
@@ -237,6 +240,7 @@ class DataServer {
   int bulk_free_ ABSL_GUARDED_BY(bulk_mu_) = 0;
   bool bulk_stopping_ ABSL_GUARDED_BY(bulk_mu_) = false;
   std::vector<std::thread> bulk_threads_;
+  ServedCounter served_;
 };
 
 }  // namespace rdma_agent::tcp

@@ -9,6 +9,7 @@
 #include "backends/tcp/socket_util.h"
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
+#include "common/net_address.h"
 
 namespace rdma_agent::tcp {
 
@@ -194,8 +195,15 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
 
 std::vector<Backend::PeerLinks> TcpBackend::peer_links() const {
   std::vector<PeerLinks> links;
+  // Named by host both ways, as incoming connections are (their source
+  // port is ephemeral): one series per peer host, not per port.
+  std::map<std::string, size_t> by_host;
   for (const auto& [peer, count] : client_->OpenConnectionsByPeer()) {
-    links.push_back({peer, "out", count});
+    absl::StatusOr<HostPort> address = ParseHostPort(peer);
+    by_host[address.ok() ? address->host : peer] += count;
+  }
+  for (const auto& [host, count] : by_host) {
+    links.push_back({host, "out", count});
   }
   for (const auto& [source, count] : server_->ConnectionsBySource()) {
     links.push_back({source, "in", count});

@@ -62,6 +62,8 @@ class TcpBackend : public Backend {
   }
   bool available() const override { return true; }
   v1::TransportInfo transport_info() const override;
+  // Requests its data server answered in full.
+  ServedTotals served() const override { return server_->served(); }
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
       const Registration& registration, v1::BackendEndpoint* endpoint) override;
   // True when `remote` advertises a usable tcp endpoint (host and port).

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/log_context.h"
 #include "common/log_text.h"
 #include "daemon/local/caller_identity.h"
 #include "daemon/metrics/metrics.h"
@@ -80,13 +81,27 @@ class RpcObserver : public grpc::experimental::Interceptor {
     // Who asked: the credentials the agent read when it accepted the
     // connection (absent for connections it did not accept itself).
     std::string caller = "an unidentified caller";
+    LogContext log_context;
+    log_context.method = method;
     const grpc::ServerContextBase* context = info_->server_context();
     if (context != nullptr && callers_ == nullptr) {
       caller = absl::StrCat("peer ", LogSafe(context->peer()));
     } else if (context != nullptr) {
       auto peer = callers_->Lookup(*context);
-      if (peer.ok())
+      if (peer.ok()) {
         caller = absl::StrCat("uid ", peer->uid, " pid ", peer->pid);
+        log_context.uid = peer->uid;
+        log_context.pid = peer->pid;
+      }
+    }
+    const ScopedLogContext scoped(std::move(log_context));
+    // CANCELLED is only ever the client's own doing (it cancelled, or went
+    // away: Ctrl-C on rdma-agentctl watch): the normal end of a stream or
+    // long poll, not an error of the agent's.
+    if (code == absl::StatusCode::kCancelled) {
+      spdlog::debug("{} from {} ended by the client in {}", method, caller,
+                    absl::FormatDuration(took));
+      return;
     }
     if (!failed) {
       spdlog::debug("{} from {}: OK in {}", method, caller,

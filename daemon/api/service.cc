@@ -65,9 +65,9 @@ RdmaAgentService::RdmaAgentService(
     const BackendRegistry* registry, BufferTable* buffers,
     AttachTokens* attach_tokens, const CallerTable* callers, ActiveCalls* calls,
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
-    NotificationInbox* notifications, RemoteHandleTable* remote_handles,
-    PreparedTransferTable* prepared, AgentMetrics* metrics,
-    std::string metrics_address)
+    NotificationInbox* notifications, AgentMetrics* metrics,
+    std::string metrics_address, Directory* directory, BufferNames* names,
+    RemoteHandleTable* remote_handles, PreparedTransferTable* prepared)
     : limits_(limits),
       identity_(identity),
       registry_(registry),
@@ -83,6 +83,8 @@ RdmaAgentService::RdmaAgentService(
       prepared_(prepared),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)),
+      directory_(directory),
+      names_(names),
       batch_env_{registry,
                  buffers,
                  metrics,
@@ -118,19 +120,99 @@ grpc::Status RdmaAgentService::GetInfo(grpc::ServerContext* context,
                                        v1::AgentInfo* response) {
   auto admitted = Admit(*context, "GetInfo");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  response->set_agent_id(identity_.agent_id);
-  response->set_epoch(identity_.epoch);
-  response->set_version(kAgentVersion);
-  response->set_hostname(HostName());
-  response->set_metrics_address(metrics_address_);
+  *response = Info();
+  return grpc::Status::OK;
+}
+
+v1::AgentInfo RdmaAgentService::Info() const {
+  v1::AgentInfo response;
+  response.set_agent_id(identity_.agent_id);
+  response.set_epoch(identity_.epoch);
+  response.set_version(kAgentVersion);
+  response.set_hostname(HostName());
+  response.set_metrics_address(metrics_address_);
   for (const auto& backend : registry_->backends()) {
-    v1::BackendInfo* info = response->add_backends();
+    v1::BackendInfo* info = response.add_backends();
     info->set_name(backend->name());
     info->set_transport_level(backend->transport_level());
     info->set_available(backend->available());
     info->set_unavailable_reason(backend->unavailable_reason());
     *info->mutable_transport_info() = backend->transport_info();
   }
+  return response;
+}
+
+grpc::Status RdmaAgentService::ListAgents(grpc::ServerContext* context,
+                                          const v1::ListAgentsRequest*,
+                                          v1::ListAgentsResponse* response) {
+  auto admitted = Admit(*context, "ListAgents");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  auto agents = directory_->ListAgents(absl::FromChrono(context->deadline()));
+  if (!agents.ok()) {
+    return ToGrpcStatus(Prefixed(agents.status(), "ListAgents"));
+  }
+  *response = std::move(*agents);
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::Publish(grpc::ServerContext* context,
+                                       const v1::PublishRequest* request,
+                                       v1::PublishResponse*) {
+  auto admitted = Admit(*context, "Publish");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const uid_t uid = admitted->caller.uid;
+  auto registration = buffers_->Find(request->buffer_id(), uid);
+  if (!registration.ok()) {
+    return ToGrpcStatus(Prefixed(registration.status(), "Publish"));
+  }
+  v1::NameRecord record;
+  record.set_name(request->name());
+  record.set_remote_context((*registration)->remote_context());
+  record.set_agent_id(identity_.agent_id);
+  record.set_agent_epoch(identity_.epoch);
+  record.set_owner_uid(uid);
+  record.set_buffer_id(request->buffer_id());
+  const absl::Duration since_epoch = absl::Now() - absl::UnixEpoch();
+  record.mutable_published_at()->set_seconds(absl::ToInt64Seconds(since_epoch));
+  absl::Status status = names_->Publish(record);
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Publish"));
+  // Released meanwhile: its release may have missed the name, so withdraw
+  // it here (the release's own withdrawal and this one race harmlessly).
+  if ((*registration)->released()) {
+    (void)names_->Unpublish(uid, request->name());
+    return ToGrpcStatus(absl::NotFoundError(absl::StrCat(
+        "Publish: buffer ", request->buffer_id(), " was released")));
+  }
+  spdlog::info("uid {} published buffer {} as \"{}\" in directory {}", uid,
+               request->buffer_id(), LogSafe(request->name()),
+               directory_->name());
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::Unpublish(grpc::ServerContext* context,
+                                         const v1::UnpublishRequest* request,
+                                         v1::UnpublishResponse*) {
+  auto admitted = Admit(*context, "Unpublish");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  absl::Status status = ValidateName(request->name());
+  if (status.ok()) {
+    status = names_->Unpublish(admitted->caller.uid, request->name());
+  }
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Unpublish"));
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::Resolve(grpc::ServerContext* context,
+                                       const v1::ResolveRequest* request,
+                                       v1::ResolveResponse* response) {
+  auto admitted = Admit(*context, "Resolve");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  absl::Status status = ValidateName(request->name());
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Resolve"));
+  auto record = directory_->ResolveName(request->name(),
+                                        absl::FromChrono(context->deadline()));
+  if (!record.ok()) return ToGrpcStatus(Prefixed(record.status(), "Resolve"));
+  *response->mutable_record() = std::move(*record);
   return grpc::Status::OK;
 }
 
@@ -216,9 +298,12 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
           request.allocate_bytes(), absl::StrCat("rdma-agentd-buffer-", id),
           [&](uint64_t bytes)
               -> absl::StatusOr<std::unique_ptr<MappingCharge>> {
+            // Charged to the agent's cgroup, and registered like any other.
+            auto allocated = quotas_.agent_allocated->Reserve(caller, bytes);
+            if (!allocated.ok()) return allocated.status();
             auto charge = quotas_.bytes->Reserve(caller, bytes);
             if (!charge.ok()) return charge.status();
-            return MemoryCharge::Of(std::move(*charge));
+            return MemoryCharge::Of(std::move(*charge), std::move(*allocated));
           });
       agent_allocated = true;
       break;
@@ -259,6 +344,7 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   }
   response.set_lifetime(lifetime);
   remote.SerializeToString(response.mutable_remote_context());
+  registration->set_remote_context(response.remote_context());
   buffers_->Add(registration);
   // Published first: a client gone meanwhile releases it like any other.
   if (watch->has_value()) client_watcher_->Bind(std::move(**watch), id);

@@ -15,6 +15,8 @@
 #include "common/grpc_status.h"
 #include "common/rate_limited_log.h"
 #include "daemon/api/api_limits.h"
+#include "daemon/directory/buffer_names.h"
+#include "daemon/directory/directory.h"
 #include "daemon/limits/active_calls.h"
 #include "daemon/limits/quota.h"
 #include "daemon/local/attach_tokens.h"
@@ -50,10 +52,13 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
                    AttachTokens* attach_tokens, const CallerTable* callers,
                    ActiveCalls* calls, AgentQuotas quotas,
                    ClientWatcher* client_watcher, TransferTable* transfers,
-                   NotificationInbox* notifications,
-                   RemoteHandleTable* remote_handles,
-                   PreparedTransferTable* prepared, AgentMetrics* metrics,
-                   std::string metrics_address);
+                   NotificationInbox* notifications, AgentMetrics* metrics,
+                   std::string metrics_address, Directory* directory,
+                   BufferNames* names, RemoteHandleTable* remote_handles,
+                   PreparedTransferTable* prepared);
+
+  // What GetInfo answers (and the agent publishes in the directory).
+  v1::AgentInfo Info() const;
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const v1::GetInfoRequest* request,
@@ -96,6 +101,18 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   grpc::ServerWriteReactor<v1::NotificationEvent>* WatchNotifications(
       grpc::CallbackServerContext* context,
       const v1::WatchNotificationsRequest* request) override;
+  grpc::Status ListAgents(grpc::ServerContext* context,
+                          const v1::ListAgentsRequest* request,
+                          v1::ListAgentsResponse* response) override;
+  grpc::Status Publish(grpc::ServerContext* context,
+                       const v1::PublishRequest* request,
+                       v1::PublishResponse* response) override;
+  grpc::Status Unpublish(grpc::ServerContext* context,
+                         const v1::UnpublishRequest* request,
+                         v1::UnpublishResponse* response) override;
+  grpc::Status Resolve(grpc::ServerContext* context,
+                       const v1::ResolveRequest* request,
+                       v1::ResolveResponse* response) override;
   grpc::Status ImportRemote(grpc::ServerContext* context,
                             const v1::ImportRemoteRequest* request,
                             v1::ImportRemoteResponse* response) override;
@@ -169,6 +186,8 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   PreparedTransferTable* const prepared_;
   AgentMetrics* const metrics_;        // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
+  Directory* const directory_;
+  BufferNames* const names_;
   FailedOpLog failures_;
   // What Submit's and SubmitAsync's batches run with.
   const OpBatchEnvironment batch_env_;

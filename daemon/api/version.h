@@ -1,9 +1,12 @@
 #ifndef RDMA_AGENTD_DAEMON_API_VERSION_H_
 #define RDMA_AGENTD_DAEMON_API_VERSION_H_
 
+#include "common/version.h"
+
 namespace rdma_agent {
 
-inline constexpr char kAgentVersion[] = "0.1.0";
+// What GetInfo, --version and build_info report.
+inline constexpr const char* kAgentVersion = kProjectVersion;
 
 }  // namespace rdma_agent
 

@@ -66,6 +66,12 @@ std::string Provenance() {
 
 }  // namespace
 
+std::string BuildRevision() {
+  const absl::string_view revision = build_stamp::kScmRevision;
+  return revision.empty() || revision == "0" ? "unknown"
+                                             : std::string(revision);
+}
+
 std::string VersionText() {
   return absl::StrCat("rdma-agentd ", kAgentVersion, "\nbuilt by ", kCompiler,
                       ", -c ", kCompilationMode, " (", kCodeGeneration, ")\n",

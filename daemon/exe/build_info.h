@@ -15,6 +15,9 @@ namespace rdma_agent {
 //   revision 0123456789ab (clean), built 2026-12-03 06:39:00 UTC
 std::string VersionText();
 
+// The source revision of a stamped build; "unknown" otherwise.
+std::string BuildRevision();
+
 }  // namespace rdma_agent
 
 #endif  // RDMA_AGENTD_DAEMON_EXE_BUILD_INFO_H_

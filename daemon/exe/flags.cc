@@ -1,6 +1,8 @@
 #include "daemon/exe/flags.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,6 +73,42 @@ ABSL_FLAG(absl::Duration, peer_max_connection_age,
 ABSL_FLAG(std::string, advertise_host, "",
           "Host peers dial to reach this agent; default: the address of the "
           "default-route interface.");
+ABSL_FLAG(std::string, directory, rdma_agent::DirectoryOptions().address,
+          "Where the agent publishes itself and finds other agents: local "
+          "(this agent alone) or etcd://host:port[,host:port...] (an etcd v3 "
+          "cluster, endpoints tried in order).");
+ABSL_FLAG(std::string, directory_prefix, rdma_agent::DirectoryOptions().prefix,
+          "Key prefix of everything the agent writes in the directory; agents "
+          "see each other only under the same prefix.");
+ABSL_FLAG(absl::Duration, directory_lease_ttl,
+          rdma_agent::DirectoryOptions().lease_ttl,
+          "Lease of the agent's directory record: renewed every third of it, "
+          "and the record is gone this long after the agent dies.");
+ABSL_FLAG(absl::Duration, directory_call_timeout,
+          rdma_agent::DirectoryOptions().call_timeout,
+          "Longest one call to the directory may take.");
+ABSL_FLAG(std::string, directory_ca_file, "",
+          "PEM CA certificate that signed the etcd servers' certificates; set: "
+          "TLS to etcd.");
+ABSL_FLAG(std::string, directory_cert_file, "",
+          "PEM client certificate for etcd (with --directory_key_file).");
+ABSL_FLAG(std::string, directory_key_file, "",
+          "PEM private key of --directory_cert_file.");
+ABSL_FLAG(std::string, directory_user, "",
+          "etcd user the agent authenticates as (with "
+          "--directory_password_file).");
+ABSL_FLAG(std::string, directory_password_file, "",
+          "File holding the etcd user's password (a file, so that it never "
+          "shows in ps).");
+ABSL_FLAG(int64_t, directory_max_listed_agents,
+          rdma_agent::DirectoryOptions().max_listed_agents,
+          "Most agent records one ListAgents answers.");
+ABSL_FLAG(int64_t, max_names_per_user,
+          Int64(rdma_agent::DirectoryOptions().max_names_per_user),
+          "Names one local user may publish through this agent.");
+ABSL_FLAG(int64_t, max_names_total,
+          Int64(rdma_agent::DirectoryOptions().max_names_total),
+          "Names all local users together may publish through this agent.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port serving Prometheus metrics at /metrics and health at "
           "/healthz (HTTP, no authentication: keep it on a trusted "
@@ -98,9 +136,10 @@ ABSL_FLAG(std::string, log_level, "info",
           "requests, client-visible errors), error, critical or off.");
 ABSL_FLAG(std::string, log_format, "auto",
           "Logs go to stderr as: journal (<N> syslog priorities, no "
-          "timestamps), terminal (colours), plain (UTC timestamps), or auto: "
-          "journal when journald reads stderr, terminal on a TTY, else "
-          "plain.");
+          "timestamps), terminal (colours), plain (UTC timestamps), json (one "
+          "object a line: time, level, message, and method, uid and pid "
+          "where a line is about an RPC), or auto: journal when journald "
+          "reads stderr, terminal on a TTY, else plain.");
 ABSL_FLAG(absl::Duration, default_submit_timeout,
           rdma_agent::ApiLimits().default_submit_timeout,
           "Timeout of a Submit that sets none.");
@@ -124,12 +163,25 @@ ABSL_FLAG(uint64_t, open_files_limit, 0,
 ABSL_FLAG(uint64_t, max_registered_bytes_per_user,
           rdma_agent::QuotaLimits().bytes.per_user,
           "Bytes one local user may have registered or attached (not yet "
-          "registered) at once; 0: a quarter of the total.");
+          "registered) at once, whoever allocated them; 0: a quarter of the "
+          "total.");
 ABSL_FLAG(uint64_t, max_registered_bytes_total,
           rdma_agent::QuotaLimits().bytes.total,
           "Bytes all users together may have registered or attached; 0: the "
-          "host's physical memory, or 7/8 of the agent's cgroup memory limit "
-          "(MemoryMax=, a container's limit) when lower.");
+          "host's physical memory, or RLIMIT_MEMLOCK when lower and a NIC "
+          "pins (without CAP_IPC_LOCK). Never the agent's cgroup: a client's "
+          "memory is charged to the client's.");
+ABSL_FLAG(uint64_t, max_agent_allocated_bytes_per_user,
+          rdma_agent::QuotaLimits().agent_allocated.per_user,
+          "Of the registered bytes, those the agent allocated itself "
+          "(allocate_bytes) one local user may hold; 0: a quarter of the "
+          "total.");
+ABSL_FLAG(uint64_t, max_agent_allocated_bytes_total,
+          rdma_agent::QuotaLimits().agent_allocated.total,
+          "Bytes the agent may allocate for all users together (charged to "
+          "its own cgroup); 0: the host's physical memory, or 7/8 of the "
+          "agent's cgroup memory limit (MemoryMax=, a container's limit) "
+          "when lower.");
 ABSL_FLAG(uint64_t, max_buffers_per_user,
           rdma_agent::QuotaLimits().registrations.per_user,
           "Registrations one local user may hold; 0: a quarter of the total.");
@@ -377,6 +429,19 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
       absl::GetFlag(FLAGS_peer_max_connection_age);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  DirectoryOptions& directory = options.directory;
+  directory.address = absl::GetFlag(FLAGS_directory);
+  directory.prefix = absl::GetFlag(FLAGS_directory_prefix);
+  directory.lease_ttl = absl::GetFlag(FLAGS_directory_lease_ttl);
+  directory.call_timeout = absl::GetFlag(FLAGS_directory_call_timeout);
+  directory.ca_file = absl::GetFlag(FLAGS_directory_ca_file);
+  directory.cert_file = absl::GetFlag(FLAGS_directory_cert_file);
+  directory.key_file = absl::GetFlag(FLAGS_directory_key_file);
+  directory.user = absl::GetFlag(FLAGS_directory_user);
+  directory.password_file = absl::GetFlag(FLAGS_directory_password_file);
+  const int64_t max_listed = absl::GetFlag(FLAGS_directory_max_listed_agents);
+  directory.max_listed_agents = static_cast<int>(
+      std::clamp<int64_t>(max_listed, 0, std::numeric_limits<int>::max()));
   options.metrics.per_user = absl::GetFlag(FLAGS_metrics_per_user);
   options.metrics.request_timeout =
       absl::GetFlag(FLAGS_metrics_request_timeout);
@@ -394,6 +459,9 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   QuotaLimits& quotas = options.quotas;
   quotas.bytes = {absl::GetFlag(FLAGS_max_registered_bytes_per_user),
                   absl::GetFlag(FLAGS_max_registered_bytes_total)};
+  quotas.agent_allocated = {
+      absl::GetFlag(FLAGS_max_agent_allocated_bytes_per_user),
+      absl::GetFlag(FLAGS_max_agent_allocated_bytes_total)};
   quotas.registrations = {absl::GetFlag(FLAGS_max_buffers_per_user),
                           absl::GetFlag(FLAGS_max_buffers_total)};
   quotas.pending_attach = {absl::GetFlag(FLAGS_max_pending_attach_per_user),
@@ -446,6 +514,10 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.metrics.max_connections},
       {FLAGS_metrics_max_peers, "metrics_max_peers",
        &options.metrics.max_peers},
+      {FLAGS_max_names_per_user, "max_names_per_user",
+       &options.directory.max_names_per_user},
+      {FLAGS_max_names_total, "max_names_total",
+       &options.directory.max_names_total},
       {FLAGS_max_notification_queue_bytes_per_user,
        "max_notification_queue_bytes_per_user",
        &options.notifications.max_queued_bytes_per_user},

@@ -9,6 +9,9 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/log_context.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/sinks/stdout_sinks.h"
@@ -50,6 +53,58 @@ class PriorityFlag : public spdlog::custom_flag_formatter {
   }
 };
 
+// `text` as the inside of a JSON string. Bytes outside ASCII are written as
+// \u00XX: a line stays valid JSON whatever bytes a message carries
+// (callers' strings are already escaped by LogSafe).
+void AppendJsonString(absl::string_view text, std::string* out) {
+  for (const char c : text) {
+    const unsigned char byte = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out->push_back('\\');
+      out->push_back(c);
+    } else if (byte < 0x20 || byte >= 0x7f) {
+      absl::StrAppend(out, "\\u00", absl::Hex(byte, absl::kZeroPad2));
+    } else {
+      out->push_back(c);
+    }
+  }
+}
+
+// One JSON object a line (LogFormat::kJson).
+class JsonFormatter : public spdlog::formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg,
+              spdlog::memory_buf_t& dest) override {
+    std::string line = absl::StrCat(
+        "{\"time\":\"",
+        absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromChrono(msg.time),
+                         absl::UTCTimeZone()),
+        "\",\"level\":\"");
+    const spdlog::string_view_t level =
+        spdlog::level::to_string_view(msg.level);
+    line.append(level.data(), level.size());
+    line.append("\",\"message\":\"");
+    AppendJsonString(absl::string_view(msg.payload.data(), msg.payload.size()),
+                     &line);
+    line.push_back('"');
+    const LogContext& context = CurrentLogContext();
+    if (!context.method.empty()) {
+      line.append(",\"method\":\"");
+      AppendJsonString(context.method, &line);
+      line.push_back('"');
+    }
+    if (context.uid.has_value())
+      absl::StrAppend(&line, ",\"uid\":", *context.uid);
+    if (context.pid.has_value())
+      absl::StrAppend(&line, ",\"pid\":", *context.pid);
+    line.append("}\n");
+    dest.append(line.data(), line.data() + line.size());
+  }
+  std::unique_ptr<spdlog::formatter> clone() const override {
+    return std::make_unique<JsonFormatter>();
+  }
+};
+
 }  // namespace
 
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(
@@ -86,16 +141,18 @@ absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view text, int fd) {
   if (format == "journal") return LogFormat::kJournal;
   if (format == "terminal") return LogFormat::kTerminal;
   if (format == "plain") return LogFormat::kPlain;
+  if (format == "json") return LogFormat::kJson;
   if (format == "auto") {
     if (IsJournalStream(fd)) return LogFormat::kJournal;
     return ::isatty(fd) ? LogFormat::kTerminal : LogFormat::kPlain;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--log_format: unknown format \"", text,
-                   "\"; use auto, journal, terminal or plain"));
+                   "\"; use auto, journal, terminal, plain or json"));
 }
 
 std::unique_ptr<spdlog::formatter> MakeLogFormatter(LogFormat format) {
+  if (format == LogFormat::kJson) return std::make_unique<JsonFormatter>();
   auto formatter = std::make_unique<spdlog::pattern_formatter>();
   switch (format) {
     case LogFormat::kJournal:
@@ -110,6 +167,8 @@ std::unique_ptr<spdlog::formatter> MakeLogFormatter(LogFormat format) {
           spdlog::pattern_time_type::utc);
       formatter->set_pattern("%Y-%m-%dT%H:%M:%S.%fZ %l %v");
       break;
+    case LogFormat::kJson:
+      break;  // returned above
   }
   return formatter;
 }

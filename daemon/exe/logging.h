@@ -18,15 +18,19 @@ namespace rdma_agent {
 // - kTerminal: a person at a TTY: timestamps and coloured levels.
 // - kPlain: a pipe or file (docker logs, kubectl logs, a test): timestamps
 //   and level names, no colour codes.
-enum class LogFormat { kJournal, kTerminal, kPlain };
+// - kJson: log stacks that parse (Kubernetes collectors): one JSON object a
+//   line with "time" (UTC, RFC 3339), "level", "message", and "method",
+//   "uid" and "pid" when the line is about an RPC and its caller
+//   (common/log_context.h).
+enum class LogFormat { kJournal, kTerminal, kPlain, kJson };
 
 // --log_level: trace, debug, info, warn (or warning), error, critical, off,
 // in any case. Anything else is INVALID_ARGUMENT listing the valid values,
 // so that a typo never silently turns logging off.
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text);
 
-// --log_format: auto, journal, terminal or plain. auto decides from where
-// `fd` (stderr) goes: journald, a TTY, else plain.
+// --log_format: auto, journal, terminal, plain or json. auto decides from
+// where `fd` (stderr) goes: journald, a TTY, else plain.
 absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view text, int fd = 2);
 
 // True when $JOURNAL_STREAM names `fd`'s device and inode (sd-daemon(3)'s

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_context.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "spdlog/details/log_msg.h"
@@ -16,6 +17,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
+using ::testing::Not;
 
 std::string Format(LogFormat format, spdlog::level::level_enum level,
                    const std::string& text) {
@@ -53,6 +55,29 @@ TEST(LogFormatTest, JournalLinesCarryTheSyslogPriorityAndNoTimestamp) {
             "<2>x\n");
 }
 
+TEST(LogFormatTest, JsonLinesAreOneObjectWithTheCallerWhereKnown) {
+  EXPECT_THAT(Format(LogFormat::kJson, spdlog::level::info, "serving"),
+              MatchesRegex("\\{\"time\":\"[0-9]{4}-[0-9]{2}-[0-9]{2}T"
+                           "[0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{6}Z\",\"level\":"
+                           "\"info\",\"message\":\"serving\"\\}\n"));
+  LogContext context;
+  context.method = "rdma.agent.v1.RdmaAgent/Submit";
+  context.uid = 1000;
+  context.pid = 4242;
+  {
+    const ScopedLogContext scoped(context);
+    const std::string line = Format(LogFormat::kJson, spdlog::level::warn,
+                                    "a \"quoted\"\tline\\\x01\xff");
+    EXPECT_THAT(line, HasSubstr("\"level\":\"warning\",\"message\":\"a "
+                                "\\\"quoted\\\"\\u0009line\\\\\\u0001\\u00ff\","
+                                "\"method\":\"rdma.agent.v1.RdmaAgent/Submit\","
+                                "\"uid\":1000,\"pid\":4242}\n"));
+  }
+  // The scope ended: no caller any more.
+  EXPECT_THAT(Format(LogFormat::kJson, spdlog::level::info, "x"),
+              Not(HasSubstr("uid")));
+}
+
 TEST(LogFormatTest, PlainLinesHaveUtcTimestampsAndNoColourCodes) {
   const std::string line =
       Format(LogFormat::kPlain, spdlog::level::warn, "op failed");
@@ -78,7 +103,9 @@ TEST(LogFormatTest, AutoPicksJournalOnlyForTheStreamJournaldNamed) {
   EXPECT_EQ(*ParseLogFormat("auto", fds[1]), LogFormat::kPlain);
   ::unsetenv("JOURNAL_STREAM");
   EXPECT_EQ(*ParseLogFormat("journal", fds[1]), LogFormat::kJournal);
-  EXPECT_FALSE(ParseLogFormat("json", fds[1]).ok());
+  EXPECT_EQ(*ParseLogFormat("json", fds[1]), LogFormat::kJson);
+  EXPECT_EQ(*ParseLogFormat("JSON", fds[1]), LogFormat::kJson);
+  EXPECT_FALSE(ParseLogFormat("yaml", fds[1]).ok());
   ::close(fds[0]);
   ::close(fds[1]);
 }

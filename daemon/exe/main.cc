@@ -13,6 +13,7 @@
 #include "common/log_text.h"
 #include "daemon/agent.h"
 #include "daemon/api/version.h"
+#include "daemon/exe/build_info.h"
 #include "daemon/exe/command_line.h"
 #include "daemon/exe/flags.h"
 #include "daemon/exe/logging.h"
@@ -62,6 +63,7 @@ int Run() {
     spdlog::critical("{}", std::string(options.status().message()));
     return 2;
   }
+  options->build_revision = BuildRevision();
 
   // Before Agent::Start creates threads, so that they inherit the mask.
   const sigset_t signals = BlockAgentSignals();

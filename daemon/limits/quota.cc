@@ -9,10 +9,12 @@
 #include <utility>
 
 #include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace rdma_agent {
 namespace {
@@ -43,6 +45,41 @@ void DeriveOne(ResourceQuota::Limits* limits, uint64_t total) {
     limits->per_user = std::max<uint64_t>(limits->total / 4, 1);
   }
   limits->per_user = std::min(limits->per_user, limits->total);
+}
+
+// Whether this process may lock memory beyond RLIMIT_MEMLOCK
+// (CAP_IPC_LOCK in /proc/self/status's effective set).
+bool HasIpcLock() {
+  constexpr int kCapIpcLock = 14;
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, "CapEff:")) continue;
+    uint64_t caps = 0;
+    return absl::SimpleHexAtoi(absl::StripAsciiWhitespace(rest), &caps) &&
+           (caps >> kCapIpcLock & 1) != 0;
+  }
+  return false;
+}
+
+// What all users together may register: physical memory, or what the NIC
+// may pin when that is less.
+uint64_t RegistrableBytes(const HostLimits& host) {
+  if (host.memory_pinned && host.memlock_bytes.has_value()) {
+    return std::min(host.memory_bytes, *host.memlock_bytes);
+  }
+  return host.memory_bytes;
+}
+
+// What the agent may allocate for all users: physical memory, or 7/8 of its
+// cgroup's limit when that is less (the rest is the agent's own).
+uint64_t AgentMemoryBudget(const HostLimits& host) {
+  if (host.cgroup_memory_bytes.has_value()) {
+    const uint64_t limit = *host.cgroup_memory_bytes;
+    return std::min(host.memory_bytes, limit - limit / 8);
+  }
+  return host.memory_bytes;
 }
 
 }  // namespace
@@ -152,8 +189,11 @@ HostLimits ReadHostLimits() {
   std::ifstream in("/proc/self/cgroup");
   const std::string cgroups((std::istreambuf_iterator<char>(in)),
                             std::istreambuf_iterator<char>());
-  if (auto limit = CgroupMemoryLimit(cgroups, "/sys/fs/cgroup")) {
-    host.memory_bytes = std::min(host.memory_bytes, *limit - *limit / 8);
+  host.cgroup_memory_bytes = CgroupMemoryLimit(cgroups, "/sys/fs/cgroup");
+  struct rlimit memlock = {};
+  if (::getrlimit(RLIMIT_MEMLOCK, &memlock) == 0 &&
+      memlock.rlim_cur != RLIM_INFINITY && !HasIpcLock()) {
+    host.memlock_bytes = memlock.rlim_cur;
   }
   return host;
 }
@@ -216,11 +256,36 @@ QuotaLimits DeriveQuotaLimits(QuotaLimits limits, const HostLimits& host) {
   const uint64_t objects = std::min(fds, maps);
   DeriveOne(&limits.registrations, objects - objects / 4);
   DeriveOne(&limits.pending_attach, objects / 4);
-  DeriveOne(&limits.bytes, host.memory_bytes);
+  DeriveOne(&limits.bytes, RegistrableBytes(host));
+  DeriveOne(&limits.agent_allocated, AgentMemoryBudget(host));
   DeriveOne(&limits.attach_connections, kDefaultAttachConnections);
   DeriveOne(&limits.watched_clients,
             std::min(kMaxDefaultWatchedClients, Reserve(host.open_files) / 4));
   return limits;
+}
+
+MemoryLimitOrigins DescribeMemoryLimits(const QuotaLimits& asked,
+                                        const HostLimits& host) {
+  MemoryLimitOrigins origins;
+  if (asked.bytes.total != 0) {
+    origins.registered = "--max_registered_bytes_total";
+  } else if (RegistrableBytes(host) < host.memory_bytes) {
+    origins.registered = absl::StrCat("RLIMIT_MEMLOCK of ", *host.memlock_bytes,
+                                      ", which a NIC's pinned memory counts "
+                                      "against");
+  } else {
+    origins.registered = "the host's physical memory";
+  }
+  if (asked.agent_allocated.total != 0) {
+    origins.agent_allocated = "--max_agent_allocated_bytes_total";
+  } else if (AgentMemoryBudget(host) < host.memory_bytes) {
+    origins.agent_allocated =
+        absl::StrCat("7/8 of the agent's cgroup memory limit of ",
+                     *host.cgroup_memory_bytes);
+  } else {
+    origins.agent_allocated = "the host's physical memory";
+  }
+  return origins;
 }
 
 AgentQuotas MakeAgentQuotas(const QuotaLimits& limits) {
@@ -228,6 +293,10 @@ AgentQuotas MakeAgentQuotas(const QuotaLimits& limits) {
   quotas.bytes = ResourceQuota::Create(
       "bytes of registered or attached memory", "max_registered_bytes_per_user",
       "max_registered_bytes_total", limits.bytes);
+  quotas.agent_allocated = ResourceQuota::Create(
+      "bytes of memory the agent allocated",
+      "max_agent_allocated_bytes_per_user", "max_agent_allocated_bytes_total",
+      limits.agent_allocated);
   quotas.registrations =
       ResourceQuota::Create("registrations", "max_buffers_per_user",
                             "max_buffers_total", limits.registrations);

@@ -98,22 +98,30 @@ class QuotaCharge {
 // once the memory is unmapped and its fd closed.
 class MemoryCharge final : public MappingCharge {
  public:
-  explicit MemoryCharge(QuotaCharge charge) : charge_(std::move(charge)) {}
+  explicit MemoryCharge(QuotaCharge charge, QuotaCharge also = {})
+      : charge_(std::move(charge)), also_(std::move(also)) {}
 
-  // `charge`, ready for SharedMemory::HoldCharge or an Admission.
-  static std::unique_ptr<MappingCharge> Of(QuotaCharge charge) {
-    return std::make_unique<MemoryCharge>(std::move(charge));
+  // `charge` (and `also`, for memory that counts against two quotas), ready
+  // for SharedMemory::HoldCharge or an Admission.
+  static std::unique_ptr<MappingCharge> Of(QuotaCharge charge,
+                                           QuotaCharge also = {}) {
+    return std::make_unique<MemoryCharge>(std::move(charge), std::move(also));
   }
 
  private:
   QuotaCharge charge_;
+  QuotaCharge also_;
 };
 
 // The agent's quotas: one per resource a local user can make the agent hold.
 struct AgentQuotas {
   // Bytes of memory mapped for the user: registered plus parked on the
-  // attach socket. Bounds address space and what ibverbs would pin.
+  // attach socket, whoever allocated them. Bounds address space and what
+  // ibverbs would pin.
   std::shared_ptr<ResourceQuota> bytes;
+  // Of those, the bytes the agent allocated itself (allocate_bytes): the
+  // only ones charged to the agent's own cgroup.
+  std::shared_ptr<ResourceQuota> agent_allocated;
   // Registrations (each holds an fd and a mapping until unmapped).
   std::shared_ptr<ResourceQuota> registrations;
   // Memfds parked on the attach socket, not yet registered (fd + mapping).
@@ -129,15 +137,22 @@ struct AgentQuotas {
 struct HostLimits {
   uint64_t open_files = 0;     // soft RLIMIT_NOFILE
   uint64_t max_map_count = 0;  // /proc/sys/vm/max_map_count
-  uint64_t memory_bytes = 0;   // physical memory, or less: see below
+  uint64_t memory_bytes = 0;   // the host's physical memory
+  // The memory limit of the agent's own cgroup (systemd MemoryMax=, a
+  // container's limit); none when unlimited.
+  std::optional<uint64_t> cgroup_memory_bytes;
+  // RLIMIT_MEMLOCK when it binds the agent (finite, and no CAP_IPC_LOCK);
+  // none otherwise.
+  std::optional<uint64_t> memlock_bytes;
+  // Whether a backend pins registered memory (a NIC), so that
+  // memlock_bytes bounds what may be registered. Set by the agent once its
+  // backends exist.
+  bool memory_pinned = false;
 };
 
-// Reads RLIMIT_NOFILE, vm.max_map_count and the memory the agent may use:
-// the physical memory, or less when the agent's cgroup has a memory limit
-// (systemd MemoryMax=, a container's limit): then 7/8 of that limit, the
-// rest left to the agent itself, so that registrations are refused with
-// RESOURCE_EXHAUSTED before the kernel OOM-kills the agent. Conservative
-// fallbacks when something cannot be read.
+// Reads RLIMIT_NOFILE, vm.max_map_count, the physical memory, the agent's
+// cgroup memory limit and RLIMIT_MEMLOCK. Conservative fallbacks when
+// something cannot be read.
 HostLimits ReadHostLimits();
 
 // The memory limit of the cgroup this process is in, from `proc_cgroup`
@@ -157,6 +172,7 @@ uint64_t SetOpenFileLimit(uint64_t soft_limit);
 // DeriveQuotaLimits).
 struct QuotaLimits {
   ResourceQuota::Limits bytes;
+  ResourceQuota::Limits agent_allocated;
   ResourceQuota::Limits registrations;
   ResourceQuota::Limits pending_attach;
   ResourceQuota::Limits attach_connections;
@@ -168,8 +184,15 @@ struct QuotaLimits {
 //    each, so their budget is min(open files - socket reserve, map count -
 //    reserve for libraries and thread stacks); registrations get 3/4 of it,
 //    parked attachments 1/4;
-//  - bytes: physical memory (what ibverbs could pin, far below the 128 TiB
-//    of address space);
+//  - bytes (registered or attached, whoever allocated them): physical
+//    memory (what ibverbs could pin, far below the 128 TiB of address
+//    space), or RLIMIT_MEMLOCK when lower and a NIC pins; never the agent's
+//    cgroup: a client's memfd is charged to the client's cgroup;
+//  - agent-allocated bytes (charged to the agent's cgroup): 7/8 of the
+//    agent's cgroup memory limit when it has one below physical memory (the
+//    rest left to the agent itself, so that registrations are refused with
+//    RESOURCE_EXHAUSTED before the kernel OOM-kills the agent), else
+//    physical memory;
 //  - attach connections: 256 in all;
 //  - watched clients (a pidfd each, no mapping): out of the fd reserve, a
 //    quarter of it and at most 1024;
@@ -177,6 +200,17 @@ struct QuotaLimits {
 //    user cannot starve the others.
 // Per-user limits set above their total are lowered to the total.
 QuotaLimits DeriveQuotaLimits(QuotaLimits limits, const HostLimits& host);
+
+// Where the memory limits DeriveQuotaLimits(asked, host) sets came from,
+// for the start-up log: "--max_registered_bytes_total", "the host's
+// physical memory", "RLIMIT_MEMLOCK of N, which a NIC's pinned memory
+// counts against", "7/8 of the agent's cgroup memory limit of N".
+struct MemoryLimitOrigins {
+  std::string registered;
+  std::string agent_allocated;
+};
+MemoryLimitOrigins DescribeMemoryLimits(const QuotaLimits& asked,
+                                        const HostLimits& host);
 
 // The quotas for `limits` (every field non-zero), with the flag names the
 // daemon exposes them under.

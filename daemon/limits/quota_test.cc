@@ -146,6 +146,52 @@ TEST(DeriveQuotaLimitsTest, SetLimitsAreKeptAndPerUserNeverExceedsTotal) {
   EXPECT_EQ(limits.bytes.per_user, 1024u);
 }
 
+TEST(DeriveQuotaLimitsTest, TheAgentsCgroupBoundsOnlyWhatItAllocates) {
+  HostLimits host;
+  host.open_files = 20000;
+  host.max_map_count = 65530;
+  host.memory_bytes = uint64_t{64} << 30;
+  host.cgroup_memory_bytes = uint64_t{4} << 30;
+  const QuotaLimits limits = DeriveQuotaLimits({}, host);
+  EXPECT_EQ(limits.bytes.total, uint64_t{64} << 30);
+  EXPECT_EQ(limits.bytes.per_user, uint64_t{16} << 30);
+  EXPECT_EQ(limits.agent_allocated.total, uint64_t{3584} << 20);
+  EXPECT_EQ(limits.agent_allocated.per_user, uint64_t{896} << 20);
+  const MemoryLimitOrigins origins = DescribeMemoryLimits({}, host);
+  EXPECT_EQ(origins.registered, "the host's physical memory");
+  EXPECT_EQ(origins.agent_allocated,
+            "7/8 of the agent's cgroup memory limit of 4294967296");
+  // A cgroup limit above the host's memory changes nothing.
+  host.cgroup_memory_bytes = uint64_t{128} << 30;
+  EXPECT_EQ(DeriveQuotaLimits({}, host).agent_allocated.total,
+            uint64_t{64} << 30);
+  EXPECT_EQ(DescribeMemoryLimits({}, host).agent_allocated,
+            "the host's physical memory");
+}
+
+TEST(DeriveQuotaLimitsTest, MemlockBoundsRegistrationsOnlyWhereANicPins) {
+  HostLimits host;
+  host.open_files = 20000;
+  host.max_map_count = 65530;
+  host.memory_bytes = uint64_t{64} << 30;
+  host.memlock_bytes = uint64_t{8} << 20;
+  EXPECT_EQ(DeriveQuotaLimits({}, host).bytes.total, uint64_t{64} << 30);
+  host.memory_pinned = true;
+  const QuotaLimits limits = DeriveQuotaLimits({}, host);
+  EXPECT_EQ(limits.bytes.total, uint64_t{8} << 20);
+  EXPECT_EQ(limits.agent_allocated.total, uint64_t{64} << 30);
+  EXPECT_THAT(DescribeMemoryLimits({}, host).registered,
+              HasSubstr("RLIMIT_MEMLOCK of 8388608"));
+  // A flag wins, and is named.
+  QuotaLimits asked;
+  asked.bytes.total = uint64_t{1} << 40;
+  asked.agent_allocated.total = uint64_t{1} << 30;
+  EXPECT_EQ(DeriveQuotaLimits(asked, host).bytes.total, uint64_t{1} << 40);
+  const MemoryLimitOrigins origins = DescribeMemoryLimits(asked, host);
+  EXPECT_EQ(origins.registered, "--max_registered_bytes_total");
+  EXPECT_EQ(origins.agent_allocated, "--max_agent_allocated_bytes_total");
+}
+
 TEST(SetOpenFileLimitTest, SetsTheSoftLimitWithinTheHardOne) {
   struct rlimit saved = {};
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);

@@ -102,7 +102,7 @@ absl::StatusOr<std::unique_ptr<ClientWatcher>> ClientWatcher::Start(
       new ClientWatcher(std::move(options), buffers, std::move(quota),
                         std::move(epoll), std::move(wake)));
   watcher->thread_ = std::thread(&ClientWatcher::Run, watcher.get());
-  buffers->SetRemovalListener(
+  watcher->removal_listener_ = buffers->AddRemovalListener(
       [raw = watcher.get()](uint64_t id) { raw->Unbind(id); });
   return watcher;
 }
@@ -119,7 +119,7 @@ ClientWatcher::ClientWatcher(Options options, BufferTable* buffers,
 ClientWatcher::~ClientWatcher() {
   // Waits out a call in progress: the table calls its listener under its
   // lock.
-  buffers_->SetRemovalListener(nullptr);
+  buffers_->RemoveRemovalListener(removal_listener_);
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;

@@ -168,6 +168,7 @@ class ClientWatcher {
 
   const Options options_;
   BufferTable* const buffers_;
+  int removal_listener_ = -1;  // in buffers_' table, set by Start
   const std::shared_ptr<ResourceQuota> quota_;
   const UniqueFd epoll_;
   const UniqueFd wake_;  // eventfd: stop, or a connection watch was added

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/metrics/process_metrics.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -75,13 +76,14 @@ std::vector<GaugeSample> CapLabelValues(std::vector<GaugeSample> samples,
   return out;
 }
 
-// Gauge families read through callbacks when scraped.
-class AgentMetrics::Gauges : public prometheus::Collectable {
+// Gauge and counter families read through callbacks when scraped.
+class AgentMetrics::Callbacks : public prometheus::Collectable {
  public:
-  void Add(std::string name, std::string help,
+  void Add(std::string name, std::string help, prometheus::MetricType type,
            std::function<std::vector<GaugeSample>()> read) {
     absl::MutexLock lock(&mu_);
-    families_.push_back({std::move(name), std::move(help), std::move(read)});
+    families_.push_back(
+        {std::move(name), std::move(help), type, std::move(read)});
   }
 
   std::vector<prometheus::MetricFamily> Collect() const override {
@@ -91,13 +93,17 @@ class AgentMetrics::Gauges : public prometheus::Collectable {
       prometheus::MetricFamily collected;
       collected.name = family.name;
       collected.help = family.help;
-      collected.type = prometheus::MetricType::Gauge;
+      collected.type = family.type;
       for (const GaugeSample& sample : family.read()) {
         prometheus::ClientMetric metric;
         for (const auto& [name, value] : sample.labels) {
           metric.label.push_back({name, value});
         }
-        metric.gauge.value = sample.value;
+        if (family.type == prometheus::MetricType::Counter) {
+          metric.counter.value = sample.value;
+        } else {
+          metric.gauge.value = sample.value;
+        }
         collected.metric.push_back(std::move(metric));
       }
       out.push_back(std::move(collected));
@@ -109,15 +115,17 @@ class AgentMetrics::Gauges : public prometheus::Collectable {
   struct Family {
     std::string name;
     std::string help;
+    prometheus::MetricType type;
     std::function<std::vector<GaugeSample>()> read;
   };
   mutable absl::Mutex mu_;
   std::vector<Family> families_ ABSL_GUARDED_BY(mu_);
 };
 
-AgentMetrics::AgentMetrics(absl::string_view version)
+AgentMetrics::AgentMetrics(absl::string_view version,
+                           absl::string_view revision)
     : registry_(std::make_shared<prometheus::Registry>()),
-      gauges_(std::make_shared<Gauges>()),
+      callbacks_(std::make_shared<Callbacks>()),
       rpcs_(prometheus::BuildCounter()
                 .Name("rdma_agentd_rpcs_total")
                 .Help("RPCs answered (API and Peer), by method and gRPC status "
@@ -158,10 +166,37 @@ AgentMetrics::AgentMetrics(absl::string_view version)
               .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("rdma_agentd_build_info")
-      .Help("The running agent's version")
+      .Help("The running agent's version and source revision")
       .Register(*registry_)
-      .Add({{"version", std::string(version)}})
+      .Add({{"version", std::string(version)},
+            {"revision", std::string(revision)}})
       .Set(1);
+}
+
+void AgentMetrics::DeclareBackends(const std::vector<std::string>& backends) {
+  for (size_t i = 0; i < backends.size(); ++i) {
+    for (const char* op : {"read", "write"}) {
+      ops_.Add({{"backend", backends[i]}, {"op", op}, {"code", "OK"}});
+      bytes_.Add({{"backend", backends[i]}, {"op", op}});
+    }
+    notifications_sent_.Add({{"backend", backends[i]}, {"code", "OK"}});
+    // Routing falls back from a backend to a later (slower) one only.
+    for (size_t j = i + 1; j < backends.size(); ++j) {
+      retries_.Add({{"from", backends[i]}, {"to", backends[j]}});
+    }
+  }
+  // ObservePeerRefusals' reasons: the codes a peer request is refused with.
+  for (const char* reason :
+       {"peer_not_found", "peer_permission_denied", "peer_out_of_range",
+        "peer_failed_precondition", "peer_invalid_argument"}) {
+    refusals_.Add({{"reason", reason}});
+  }
+}
+
+void AgentMetrics::DeclareRpcMethods(const std::vector<std::string>& methods) {
+  for (const std::string& method : methods) {
+    rpcs_.Add({{"method", method}, {"code", "OK"}});
+  }
 }
 
 void AgentMetrics::RecordOps(absl::string_view backend, v1::OpType type,
@@ -221,13 +256,20 @@ void AgentMetrics::RecordRefusal(absl::string_view reason) {
 
 void AgentMetrics::AddGauge(const std::string& name, const std::string& help,
                             std::function<std::vector<GaugeSample>()> read) {
-  gauges_->Add(name, help, std::move(read));
+  callbacks_->Add(name, help, prometheus::MetricType::Gauge, std::move(read));
+}
+
+void AgentMetrics::AddCounter(const std::string& name, const std::string& help,
+                              std::function<std::vector<GaugeSample>()> read) {
+  callbacks_->Add(name, help, prometheus::MetricType::Counter, std::move(read));
 }
 
 std::string AgentMetrics::Scrape() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
-  std::vector<prometheus::MetricFamily> gauges = gauges_->Collect();
-  families.insert(families.end(), gauges.begin(), gauges.end());
+  std::vector<prometheus::MetricFamily> read = callbacks_->Collect();
+  families.insert(families.end(), read.begin(), read.end());
+  std::vector<prometheus::MetricFamily> process = CollectProcessMetrics();
+  families.insert(families.end(), process.begin(), process.end());
   std::ostringstream out;
   prometheus::TextSerializer().Serialize(out, families);
   return out.str();

@@ -65,7 +65,9 @@ std::vector<GaugeSample> CapLabelValues(std::vector<GaugeSample> samples,
 // Thread-safe.
 class AgentMetrics {
  public:
-  explicit AgentMetrics(absl::string_view version);
+  // build_info carries `version` and `revision` (the source revision of a
+  // stamped build, "unknown" otherwise).
+  AgentMetrics(absl::string_view version, absl::string_view revision);
   AgentMetrics(const AgentMetrics&) = delete;
   AgentMetrics& operator=(const AgentMetrics&) = delete;
 
@@ -97,18 +99,33 @@ class AgentMetrics {
   // `backend`; empty when it was not sent).
   void RecordNotificationSent(absl::string_view backend, absl::StatusCode code);
 
+  // Creates, at zero, the series of every labelled counter family for the
+  // label values known at start: ops and bytes by `backends` (in routing
+  // order) and op type, retries from each backend to each later one,
+  // notifications sent by each backend, and the peer refusal reasons. A
+  // rate() or an alert then sees the series before the first event.
+  void DeclareBackends(const std::vector<std::string>& backends);
+  // Likewise rdma_agentd_rpcs_total{code="OK"} for each of `methods`
+  // ("package.Service/Method").
+  void DeclareRpcMethods(const std::vector<std::string>& methods);
+
   // Adds a gauge family whose samples `read` returns at every scrape.
   void AddGauge(const std::string& name, const std::string& help,
                 std::function<std::vector<GaugeSample>()> read);
+  // Adds a counter family (`name` ends in _total) whose samples `read`
+  // returns at every scrape: counts the agent keeps anyway, never
+  // decreasing.
+  void AddCounter(const std::string& name, const std::string& help,
+                  std::function<std::vector<GaugeSample>()> read);
 
   // Everything, in the Prometheus text exposition format.
   std::string Scrape() const;
 
  private:
-  class Gauges;
+  class Callbacks;
 
   std::shared_ptr<prometheus::Registry> registry_;
-  std::shared_ptr<Gauges> gauges_;
+  std::shared_ptr<Callbacks> callbacks_;
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Counter>& ops_;
   prometheus::Family<prometheus::Counter>& bytes_;

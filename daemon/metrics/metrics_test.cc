@@ -22,6 +22,7 @@ namespace {
 
 namespace v1 = ::rdma::agent::v1;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Sends `request` to 127.0.0.1:`port`; the whole HTTP response.
 std::string Exchange(uint16_t port, const std::string& request) {
@@ -52,8 +53,48 @@ std::string Get(uint16_t port, const std::string& path) {
                   absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n"));
 }
 
+TEST(AgentMetricsTest, LabelledCountersExistAtZeroForKnownValues) {
+  AgentMetrics metrics("x", "unknown");
+  std::string text = metrics.Scrape();
+  EXPECT_THAT(text, Not(HasSubstr("rdma_agentd_op_retries_total{")));
+  metrics.DeclareBackends({"ibverbs", "tcp"});
+  text = metrics.Scrape();
+  for (const char* series : {
+           "rdma_agentd_ops_total{backend=\"tcp\",code=\"OK\",op=\"read\"} 0",
+           "rdma_agentd_ops_total{backend=\"ibverbs\",code=\"OK\",op=\"write\"}"
+           " 0",
+           "rdma_agentd_op_bytes_total{backend=\"tcp\",op=\"write\"} 0",
+           "rdma_agentd_op_retries_total{from=\"ibverbs\",to=\"tcp\"} 0",
+           "rdma_agentd_notifications_sent_total{backend=\"tcp\",code=\"OK\"} "
+           "0",
+           "rdma_agentd_refusals_total{reason=\"peer_not_found\"} 0",
+       }) {
+    EXPECT_THAT(text, HasSubstr(series));
+  }
+  // Falling back goes to a later backend only.
+  EXPECT_THAT(text, Not(HasSubstr("{from=\"tcp\",to=\"ibverbs\"}")));
+}
+
+TEST(AgentMetricsTest, CallbackCountersAreCountersAndProcessMetricsAreThere) {
+  AgentMetrics metrics("x", "unknown");
+  metrics.AddCounter("rdma_agentd_things_total", "Things", [] {
+    return std::vector<GaugeSample>{{{{"kind", "a"}}, 7}};
+  });
+  const std::string text = metrics.Scrape();
+  EXPECT_THAT(text, HasSubstr("# TYPE rdma_agentd_things_total counter\n"));
+  EXPECT_THAT(text, HasSubstr("rdma_agentd_things_total{kind=\"a\"} 7"));
+  for (const char* family :
+       {"process_cpu_seconds_total counter",
+        "process_resident_memory_bytes gauge",
+        "process_virtual_memory_bytes gauge", "process_open_fds gauge",
+        "process_max_fds gauge", "process_start_time_seconds gauge",
+        "process_threads gauge"}) {
+    EXPECT_THAT(text, HasSubstr(absl::StrCat("# TYPE ", family, "\n")));
+  }
+}
+
 TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
-  AgentMetrics metrics("1.2.3");
+  AgentMetrics metrics("1.2.3", "0123abc");
   metrics.RecordOp("tcp", v1::OP_TYPE_READ_INTO_LOCAL, absl::StatusCode::kOk,
                    4096, absl::Microseconds(50));
   metrics.RecordOp("tcp", v1::OP_TYPE_READ_INTO_LOCAL, absl::StatusCode::kOk,
@@ -66,7 +107,10 @@ TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
   metrics.RecordRetry("ibverbs", "tcp");
   metrics.RecordRefusal("max_rpcs_per_user");
   const std::string text = metrics.Scrape();
-  EXPECT_THAT(text, HasSubstr("rdma_agentd_build_info{version=\"1.2.3\"} 1"));
+  EXPECT_THAT(
+      text,
+      HasSubstr(
+          "rdma_agentd_build_info{revision=\"0123abc\",version=\"1.2.3\"} 1"));
   EXPECT_THAT(text,
               HasSubstr("rdma_agentd_ops_total{backend=\"tcp\",code=\"OK\","
                         "op=\"read\"} 2"));
@@ -88,7 +132,7 @@ TEST(AgentMetricsTest, CountsOpsBytesRetriesAndRefusals) {
 }
 
 TEST(AgentMetricsTest, OpsRecordedTogetherCountAsManyObservations) {
-  AgentMetrics metrics("x");
+  AgentMetrics metrics("x", "unknown");
   // 1000 ops of one 2 ms batch, as one call: the same as 1000 calls.
   metrics.RecordOps("tcp", v1::OP_TYPE_WRITE_FROM_LOCAL, absl::StatusCode::kOk,
                     1000, 4096000, absl::Milliseconds(2));
@@ -113,7 +157,7 @@ TEST(AgentMetricsTest, OpsRecordedTogetherCountAsManyObservations) {
 }
 
 TEST(AgentMetricsTest, GaugesAreReadAtScrapeTime) {
-  AgentMetrics metrics("x");
+  AgentMetrics metrics("x", "unknown");
   std::atomic<int> registrations{1};
   metrics.AddGauge("rdma_agentd_registrations", "Live registrations by owner",
                    [&] {
@@ -128,7 +172,7 @@ TEST(AgentMetricsTest, GaugesAreReadAtScrapeTime) {
 }
 
 TEST(MetricsServerTest, ServesMetricsAndHealth) {
-  AgentMetrics metrics("x");
+  AgentMetrics metrics("x", "unknown");
   metrics.RecordRefusal("test");
   std::atomic<bool> serving{true};
   auto server = MetricsServer::Start("127.0.0.1:0", MetricsOptions(), &metrics,
@@ -146,7 +190,7 @@ TEST(MetricsServerTest, ServesMetricsAndHealth) {
 }
 
 TEST(MetricsServerTest, AnswersWhatItDoesNotServeWithAStatus) {
-  AgentMetrics metrics("x");
+  AgentMetrics metrics("x", "unknown");
   auto server = MetricsServer::Start("127.0.0.1:0", MetricsOptions(), &metrics,
                                      [] { return true; });
   ASSERT_TRUE(server.ok()) << server.status();
@@ -168,7 +212,7 @@ TEST(MetricsServerTest, AnswersWhatItDoesNotServeWithAStatus) {
 }
 
 TEST(MetricsServerTest, ClosesConnectionsPastTheirTimeout) {
-  AgentMetrics metrics("x");
+  AgentMetrics metrics("x", "unknown");
   MetricsOptions options;
   options.request_timeout = absl::Milliseconds(200);
   auto server = MetricsServer::Start("127.0.0.1:0", options, &metrics,
@@ -206,7 +250,7 @@ TEST(CapLabelValuesTest, KeepsTheLargestAndSumsTheRestPerGroup) {
 }
 
 TEST(MetricsServerTest, BadOrBusyAddressesAreErrors) {
-  AgentMetrics metrics("x");
+  AgentMetrics metrics("x", "unknown");
   EXPECT_TRUE(absl::IsInvalidArgument(
       MetricsServer::Start("no-port", MetricsOptions(), &metrics, [] {
         return true;

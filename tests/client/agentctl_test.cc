@@ -20,12 +20,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "client/rdma_agent_client.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 #include "tests/testing/agent_process.h"
+#include "tests/testing/eventually.h"
 #include "tests/testing/pattern.h"
 #include "tests/testing/process.h"
 #include "tests/testing/temp_dir.h"
@@ -343,9 +346,9 @@ TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
     EXPECT_TRUE(transfer.ok()) << transfer.status();
     return transfer.ok() ? absl::StrCat(transfer->id()) : "";
   };
-  // Ended, most likely, before the watch opens: it starts with those.
+  // Ended, most likely, before the watch opens: --backlog starts with those.
   const std::set<std::string> ids = {submit(), submit(), submit()};
-  RunResult r = Ctl({"watch", "--count=3"});
+  RunResult r = Ctl({"watch", "--backlog", "--count=3"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::set<std::string> printed;
   for (absl::string_view line :
@@ -368,7 +371,7 @@ TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
 
   // JSON: one TransferEvent per line.
   const std::set<std::string> more = {submit(), submit()};
-  r = Ctl({"-o", "json", "watch", "--count", "2"});
+  r = Ctl({"-o", "json", "watch", "--backlog", "--count", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::set<std::string> seen;
   for (absl::string_view line :
@@ -384,10 +387,11 @@ TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
   EXPECT_EQ(seen, more) << r.out;
   for (const std::string& id : more) EXPECT_EQ(Ctl({"wait", id}).exit_code, 0);
 
-  // Until interrupted: an end that comes while it runs, then SIGINT.
+  // Until interrupted: an end that comes while it runs (or just before:
+  // --backlog, which is empty now that wait read the others), then SIGINT.
   Subprocess::Options options;
   options.argv = {RunfilePath("client/rdma-agentctl"),
-                  "--target=" + agent_->target(), "watch"};
+                  "--target=" + agent_->target(), "watch", "--backlog"};
   options.pipe_stdio = true;
   auto watch = Subprocess::Spawn(options);
   ASSERT_TRUE(watch.ok()) << watch.status();
@@ -401,12 +405,289 @@ TEST_F(AgentctlTest, WatchPrintsEndsUntilCountOrInterrupted) {
   EXPECT_EQ(*code, 0);
 }
 
-TEST_F(AgentctlTest, InfoDescribesTheAgent) {
-  const RunResult r = Ctl({"info"});
+TEST_F(AgentctlTest, WatchCountShowsOnlyEndsAfterItStartsUnlessBacklog) {
+  auto buffer = agent_->client().Allocate(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::OpSpec op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = buffer->id();
+  op.length = 100;
+  op.remote_context = buffer->remote_context();
+  op.remote_offset = 1000;
+  // An end nobody has read yet, seen through a watch of this test's own
+  // (watching reads nothing).
+  absl::Mutex mu;
+  std::set<uint64_t> ended;
+  auto seen =
+      agent_->client().WatchTransfers([&](const client::TransferResult& end) {
+        absl::MutexLock lock(&mu);
+        ended.insert(end.id);
+      });
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  auto old = agent_->client().SubmitAsync({op}, absl::Seconds(30));
+  ASSERT_TRUE(old.ok()) << old.status();
+  const uint64_t old_id = old->id();
+  ASSERT_TRUE(Eventually([&] {
+    absl::MutexLock lock(&mu);
+    return ended.count(old_id) > 0;
+  }));
+
+  // watch --count=1 waits for an end after it started: submit until it
+  // prints one.
+  Subprocess::Options options;
+  options.argv = {RunfilePath("client/rdma-agentctl"),
+                  "--target=" + agent_->target(), "watch", "--count=1"};
+  options.pipe_stdio = true;
+  auto watch = Subprocess::Spawn(options);
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  std::set<std::string> later;
+  absl::StatusOr<std::string> line;
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  do {
+    auto transfer = agent_->client().SubmitAsync({op}, absl::Seconds(30));
+    ASSERT_TRUE(transfer.ok()) << transfer.status();
+    later.insert(absl::StrCat(transfer->id()));
+    line = watch->ReadLine(absl::Milliseconds(200));
+  } while (!line.ok() && absl::Now() < give_up);
+  ASSERT_TRUE(line.ok()) << line.status();
+  absl::string_view printed = *line;
+  ASSERT_TRUE(absl::ConsumePrefix(&printed, "transfer ")) << *line;
+  ASSERT_TRUE(absl::ConsumeSuffix(&printed, ": DONE")) << *line;
+  EXPECT_NE(printed, absl::StrCat(old_id));
+  EXPECT_TRUE(later.count(std::string(printed)) > 0) << *line;
+  auto code = watch->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+
+  // --backlog starts with the ends the agent still keeps, oldest first.
+  const RunResult r = Ctl({"watch", "--backlog", "--count=1"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_THAT(r.out, MatchesRegex("(.|\n)*agent_id: \"[^\"]+\"\n(.|\n)*"));
-  EXPECT_THAT(r.out, HasSubstr("name: \"memory\""));
-  EXPECT_THAT(r.out, HasSubstr("available: true"));
+  EXPECT_EQ(r.out, absl::StrCat("transfer ", old_id,
+                                ": DONE\nop 0: OK backend=memory\n"));
+}
+
+TEST_F(AgentctlTest, InfoDescribesTheAgentForPeople) {
+  RunResult r = Ctl({"-o", "json", "info"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::AgentInfo info;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &info).ok())
+      << r.out;
+  r = Ctl({"info"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // One "key: value" line each, no protobuf quoting, and a backend table.
+  EXPECT_EQ(Field(r.out, "agent_id"), info.agent_id()) << r.out;
+  EXPECT_EQ(Field(r.out, "hostname"), info.hostname()) << r.out;
+  EXPECT_EQ(Field(r.out, "version"), info.version()) << r.out;
+  EXPECT_EQ(Field(r.out, "epoch"), absl::StrCat(info.epoch())) << r.out;
+  EXPECT_EQ(Field(r.out, "metrics"), "none") << r.out;
+  EXPECT_THAT(r.out,
+              MatchesRegex("(.|\n)*\nBACKEND +LEVEL +AVAILABLE +"
+                           "DETAILS\nmemory +MEMORY +yes( [^\n]*)?\n(.|\n)*"));
+  EXPECT_THAT(r.out, Not(HasSubstr("\"")));
+  EXPECT_THAT(r.out, Not(HasSubstr("transport_level")));
+}
+
+TEST_F(AgentctlTest, VersionPrintsTheToolsVersionWithoutAnAgent) {
+  auto info = agent_->client().GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const absl::StatusOr<RunResult> r = RunToCompletion(
+      {RunfilePath("client/rdma-agentctl"),
+       "--target=unix://" + File("nobody-listens.sock"), "--version"},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->err;
+  EXPECT_EQ(r->out, absl::StrCat("rdma-agentctl ", info->version(), "\n"));
+}
+
+TEST_F(AgentctlTest, SizesTakeSuffixesAndRefuseNegativeOrOverflowingValues) {
+  RunResult r = Ctl({"register", "--size=4k"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Field(r.out, "size_bytes"), "4096");
+  const std::string id = Field(r.out, "buffer_id");
+  r = Ctl({"register", "--size", "1MiB"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Field(r.out, "size_bytes"), "1048576");
+  // Offsets and lengths take them too.
+  r = Ctl({"write", id, "--offset=3k", "--in=-"}, "abc");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"read", id, "--offset=3KiB", "--length=3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "abc");
+
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"register", "--size=-5"}, "--size: -5 is negative"},
+      {{"register", "--size=18446744073709551616"},
+       "--size: 18446744073709551616 is more than 2^64-1 bytes"},
+      {{"register", "--size=16777216T"},
+       "--size: 16777216T is more than 2^64-1 bytes"},
+      {{"register", "--size=4kb"}, "--size: 4kb is not a size"},
+      {{"register", "--size=1.5G"}, "--size: 1.5G is not a size"},
+      {{"read", id, "--length=-1"}, "--length: -1 is negative"},
+      {{"read", id, "--length=1", "--offset=-1"}, "--offset: -1 is negative"},
+      {{"write", id, "--offset=-4096"}, "--offset: -4096 is negative"},
+      {{"submit", "--op=read", "--local=" + id, "--length=-8", "--context=x"},
+       "--length: -8 is negative"},
+      {{"submit", "--op=read", "--local=" + id, "--length=8",
+        "--remote_offset=-1", "--context=x"},
+       "--remote_offset: -1 is negative"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrJoin(c.args, " "));
+    r = Ctl(c.args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+  }
+  // Nothing was registered by the refused commands.
+  auto buffers = agent_->client().ListBuffers();
+  ASSERT_TRUE(buffers.ok()) << buffers.status();
+  EXPECT_EQ(buffers->size(), 2u);
+}
+
+TEST_F(AgentctlTest, DurationsTakeUnitsOrBareSeconds) {
+  for (const char* timeout : {"--timeout=5", "--timeout=2.5", "--timeout=5s",
+                              "--timeout=1500ms", "--timeout=1m"}) {
+    const RunResult r = Ctl({timeout, "health"});
+    EXPECT_EQ(r.exit_code, 0) << timeout << ": " << r.err;
+  }
+  for (const char* timeout :
+       {"--timeout=0", "--timeout=-1", "--timeout=soon", "--timeout=inf"}) {
+    const RunResult r = Ctl({timeout, "health"});
+    EXPECT_EQ(r.exit_code, 2) << timeout;
+    EXPECT_THAT(r.err, HasSubstr("--timeout")) << timeout;
+  }
+  const absl::Time start = absl::Now();
+  RunResult r = Ctl({"notifications", "--wait=1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1));
+  r = Ctl({"notifications", "--wait=-1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--wait"));
+}
+
+TEST_F(AgentctlTest, ReleaseTakesSeveralIds) {
+  auto [a, a_context] = Register(64);
+  auto [b, b_context] = Register(64);
+  auto [c, c_context] = Register(64);
+  auto [d, d_context] = Register(64);
+  RunResult r = Ctl({"release", a, b, c});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  auto buffers = agent_->client().ListBuffers();
+  ASSERT_TRUE(buffers.ok()) << buffers.status();
+  ASSERT_EQ(buffers->size(), 1u);
+  EXPECT_EQ(absl::StrCat((*buffers)[0].buffer_id()), d);
+  // One unknown id: the others are still released, the unknown one named,
+  // exit 1.
+  r = Ctl({"release", a, d});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("release ", a, ": NOT_FOUND")));
+  buffers = agent_->client().ListBuffers();
+  ASSERT_TRUE(buffers.ok()) << buffers.status();
+  EXPECT_TRUE(buffers->empty());
+  // A malformed id releases nothing.
+  auto [e, e_context] = Register(64);
+  r = Ctl({"release", e, "twelve"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("release: 'twelve' is not a buffer ID"));
+  buffers = agent_->client().ListBuffers();
+  ASSERT_TRUE(buffers.ok()) << buffers.status();
+  EXPECT_EQ(buffers->size(), 1u);
+}
+
+TEST_F(AgentctlTest, SubmitTakesSeveralOpsFromFlagsOrAFile) {
+  auto [src, src_context] = Register(4096);
+  auto [dst, dst_context] = Register(4096);
+  const std::string payload = PatternString(5, 0, 4096);
+  RunResult r = Ctl({"write", src, "--in=-"}, payload);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  // Flags give what every op shares; each --op says its own.
+  r = Ctl({"submit", "--local=" + dst, "--context=" + src_context,
+           "--op=read,length=100", "--op",
+           "read,local_offset=1k,remote_offset=2k,length=50"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "op 0: OK backend=memory\nop 1: OK backend=memory\n");
+  r = Ctl({"read", dst, "--length=4096"});
+  std::string expected(4096, '\0');
+  expected.replace(0, 100, payload.substr(0, 100));
+  expected.replace(1024, 50, payload.substr(2048, 50));
+  EXPECT_TRUE(r.out == expected);
+
+  // A file of ops, one a line, with its own contexts; one op fails.
+  const std::string src_file = File("src.ctx");
+  std::string raw;
+  ASSERT_TRUE(absl::Base64Unescape(src_context, &raw));
+  WriteFile(src_file, raw);
+  WriteFile(File("ops"),
+            absl::StrCat("# from the source\n", "read,local=", dst,
+                         ",local_offset=3000,length=10,",
+                         "remote_offset=10,context_file=", src_file, "\n\n",
+                         "write,local=", src, ",length=4,remote_offset=4093,",
+                         "context=", dst_context, "\n"));
+  r = Ctl({"submit", "--ops_file=" + File("ops")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("op 0: OK backend=memory\n"));
+  EXPECT_THAT(r.out, HasSubstr("op 1: OUT_OF_RANGE"));
+  r = Ctl({"read", dst, "--offset=3000", "--length=10"});
+  EXPECT_TRUE(r.out == payload.substr(10, 10));
+
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"submit", "--context=" + src_context, "--local=" + dst,
+        "--op=read,lenght=5"},
+       "--op read,lenght=5: unknown key 'lenght'"},
+      {{"submit", "--context=" + src_context, "--local=" + dst,
+        "--op=copy,length=5"},
+       "--op copy,length=5: the op is read or write"},
+      {{"submit", "--context=" + src_context, "--local=" + dst,
+        "--op=read,length=-5"},
+       "--op read,length=-5: length: -5 is negative"},
+      {{"submit", "--context=" + src_context, "--op=read,length=5"},
+       "--op read,length=5: no local buffer"},
+      {{"submit", "--context=" + src_context, "--local=" + dst, "--op=read"},
+       "--op read: no length"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrJoin(c.args, " "));
+    r = Ctl(c.args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+  }
+  WriteFile(File("bad-ops"),
+            absl::StrCat("read,local=", dst, ",length=1,context=", src_context,
+                         "\nread,local=1,length\n"));
+  r = Ctl({"submit", "--ops_file=" + File("bad-ops")});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat(File("bad-ops"),
+                                            ":2: read,local=1,length: "
+                                            "'length' has no value")));
+}
+
+TEST_F(AgentctlTest, UnreadableLocalFilesExitThreeInEveryCommand) {
+  auto [id, context] = Register(64);
+  const std::string missing = File("no-such-file");
+  const std::vector<std::vector<std::string>> commands = {
+      {"write", id, "--in=" + missing},
+      {"submit", "--op=read", "--local=" + id, "--length=1",
+       "--context_file=" + missing},
+      {"submit", "--ops_file=" + missing},
+      {"decode", "--context_file=" + missing},
+  };
+  for (const std::vector<std::string>& args : commands) {
+    SCOPED_TRACE(absl::StrJoin(args, " "));
+    const RunResult r = Ctl(args);
+    EXPECT_EQ(r.exit_code, 3) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("cannot open " + missing));
+  }
+  // The help says so.
+  EXPECT_THAT(Ctl({"--help"}).out,
+              HasSubstr("3 a local file could not be read or written"));
 }
 
 TEST_F(AgentctlTest, BadUsageExitsTwoWithAMessage) {
@@ -426,23 +707,22 @@ TEST_F(AgentctlTest, BadUsageExitsTwoWithAMessage) {
       {{"register"}, "register needs --size N"},
       {{"register", "--size=8", "--access=everything"},
        "--access must be read, write or read_write"},
-      {{"release"}, "expected exactly one buffer ID"},
-      {{"release", "twelve"}, "expected exactly one buffer ID"},
+      {{"release"}, "release: expected one or more buffer IDs"},
+      {{"release", "twelve"}, "release: 'twelve' is not a buffer ID"},
       {{"read", id}, "read needs --length L"},
       {{"submit", "--local=" + id, "--length=1", "--context=" + context},
-       "submit needs --op read or --op write"},
+       "submit: needs --op read or --op write"},
       {{"submit", "--op=read", "--length=1", "--context=" + context},
-       "submit needs --local ID"},
+       "submit: --op read: no local buffer"},
       {{"submit", "--op=read", "--local=" + id, "--context=" + context},
-       "submit needs --length L"},
+       "submit: --op read: no length"},
       {{"submit", "--op=read", "--local=" + id, "--length=1"},
        "give the remote context exactly once"},
       {{"decode"}, "give the remote context exactly once"},
       {{"decode", "not base64 at all!"}, "not base64"},
       {{"decode", truncated}, "not a serialized RemoteBuffer"},
-      {{"decode", "--context_file=" + File("missing")}, "cannot open"},
       {{"submit", "--async", "--op=read", "--length=1", "--context=" + context},
-       "submit needs --local ID"},
+       "submit: --op read: no local buffer"},
       {{"wait"}, "wait: expected exactly one transfer ID"},
       {{"wait", "soon"}, "wait: expected exactly one transfer ID"},
       {{"cancel"}, "cancel: expected exactly one transfer ID"},
@@ -457,13 +737,6 @@ TEST_F(AgentctlTest, BadUsageExitsTwoWithAMessage) {
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_THAT(r.err, HasSubstr(c.message));
   }
-}
-
-TEST_F(AgentctlTest, UnreadableInputFileExitsThree) {
-  auto [id, context] = Register(64);
-  const RunResult r = Ctl({"write", id, "--in=" + File("no-such-file")});
-  EXPECT_EQ(r.exit_code, 3);
-  EXPECT_THAT(r.err, HasSubstr("cannot open"));
 }
 
 TEST_F(AgentctlTest, AgentRefusalsExitOneWithTheStatusCode) {
@@ -771,6 +1044,106 @@ TEST_F(AgentctlTest, SubmitNotifiesTheOwnerAndNotificationsPrintsIt) {
   r = Ctl({"notifications", "--count=2"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--count needs --watch"));
+}
+
+// What bash completes after `words` (the last one is the word being typed),
+// with the script `rdma-agentctl completion bash` printed.
+std::string Complete(const std::string& script,
+                     const std::vector<std::string>& words) {
+  std::string array;
+  for (const std::string& word : words) {
+    absl::StrAppend(&array, " '", word, "'");
+  }
+  const absl::StatusOr<RunResult> r = RunToCompletion(
+      {"bash", "-c",
+       absl::StrCat("source '", script, "'; COMP_WORDS=(", array,
+                    "); COMP_CWORD=", words.size() - 1,
+                    "; _rdma_agentctl; echo \"${COMPREPLY[*]}\"")},
+      "", absl::Seconds(30));
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->err;
+  return std::string(absl::StripTrailingAsciiWhitespace(r->out));
+}
+
+TEST_F(AgentctlTest, BashCompletionComesFromTheParser) {
+  RunResult r = Ctl({"completion", "bash"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string script = File("completion.bash");
+  WriteFile(script, r.out);
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "reg"}), "register");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "-o", "json", "sub"}), "submit");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "--timeout", "5", "wa"}),
+            "wait watch");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "submit", "--ops"}),
+            "--ops_file");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "info", "--tim"}), "--timeout");
+  EXPECT_EQ(Complete(script, {"rdma-agentctl", "-o", ""}), "text json");
+  EXPECT_EQ(
+      Complete(script, {"rdma-agentctl", "register", "--access", "read_"}),
+      "read_write");
+  // Every command of --help, and not the hidden man.
+  const std::string all = Complete(script, {"rdma-agentctl", ""});
+  for (const char* command :
+       {"info", "health", "metrics", "register", "list", "release", "write",
+        "read", "submit", "wait", "cancel", "watch", "notifications", "decode",
+        "completion"}) {
+    EXPECT_THAT(absl::StrCat(" ", all, " "),
+                HasSubstr(absl::StrCat(" ", command, " ")))
+        << command;
+  }
+  EXPECT_THAT(all, Not(HasSubstr("man")));
+  EXPECT_EQ(Ctl({"completion", "zsh"}).exit_code, 2);
+}
+
+TEST_F(AgentctlTest, ManPageComesFromTheParserAndRenders) {
+  RunResult r = Ctl({"man"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string page = File("rdma-agentctl.1");
+  WriteFile(page, r.out);
+  auto info = agent_->client().GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("\"rdma-agentctl ", info->version(),
+                                            "\"")));
+  // groff renders it without a warning.
+  const absl::StatusOr<RunResult> rendered = RunToCompletion(
+      {"sh", "-c", absl::StrCat("groff -ww -man -Tutf8 '", page, "' | col -b")},
+      "", absl::Seconds(30));
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  EXPECT_EQ(rendered->err, "");
+  for (const char* text :
+       {"NAME", "rdma-agentctl - talks to the host's rdma-agentd", "SYNOPSIS",
+        "COMMANDS", "EXIT STATUS", "RDMA_AGENT_SOCKET", "--ops_file",
+        "--backlog", "release ID", "--timeout VALUE"}) {
+    EXPECT_THAT(rendered->out, HasSubstr(text)) << text;
+  }
+  // Hidden from --help.
+  EXPECT_THAT(Ctl({"--help"}).out, Not(HasSubstr("  man ")));
+}
+
+TEST_F(AgentctlTest, ProgressLineForReadAndWriteWhenAskedAndNeverInJson) {
+  constexpr uint64_t kSize = 9 << 20;  // three 4 MiB steps, the last short
+  auto [id, context] = Register(kSize);
+  const std::string payload = PatternString(11, 0, kSize);
+  WriteFile(File("big"), payload);
+  RunResult r = Ctl({"--progress", "write", id, "--in=" + File("big")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("\r4.0 MiB / 9.0 MiB"));
+  EXPECT_THAT(r.err, MatchesRegex("(.|\n)*\r9.0 MiB in [0-9.]+m?s \\([0-9.]+ "
+                                  "[KMG]iB/s\\) *\n(.|\n)*"));
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("wrote ", kSize, " bytes")));
+  r = Ctl({"read", id, "--length=9MiB", "--out=" + File("back"), "--progress"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("9.0 MiB in "));
+  EXPECT_TRUE(ReadFile(File("back")) == payload);
+  // Not a terminal, not asked: nothing; -o json: never.
+  r = Ctl({"read", id, "--length=9MiB", "--out=" + File("back")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  r = Ctl({"-o", "json", "--progress", "read", id, "--length=9MiB",
+           "--out=" + File("back")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_TRUE(ReadFile(File("back")) == payload);
 }
 
 }  // namespace

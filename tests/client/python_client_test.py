@@ -1,6 +1,7 @@
-"""Tests of client/python/rdma_agent_client.py against a real rdma-agentd.
+"""Tests of the rdma_agent client, installed from its wheel, against a real
+rdma-agentd.
 
-Run by python_client_test.sh with Debian's /usr/bin/python3:
+Run by python_venv_test.sh with the Python of a venv the wheel is installed in:
     python_client_test.py --agentd PATH/rdma-agentd
 The module also plays a second client process (--child) for the
 cross-process test.
@@ -23,9 +24,10 @@ import unittest
 
 import grpc
 
-from rdma.agent.v1 import types_pb2
-import rdma_agent_client
-from rdma_agent_client import AgentClient, AgentError, Op, decode_context
+import junit
+import rdma_agent
+from rdma_agent import AgentClient, AgentError, Op, decode_context
+from rdma_agent.proto import types_pb2
 
 AGENTD = None
 MIB = 1 << 20
@@ -241,6 +243,81 @@ class PythonClientTest(unittest.TestCase):
         self.assertCode(grpc.StatusCode.UNAVAILABLE, AgentClient,
                         os.path.join(self.agent.dir, "missing.sock"), None, 0.5)
 
+    def test_bad_arguments_are_value_and_type_errors_listing_the_valid_values(self):
+        with self.client.allocate(64) as buffer:
+            context = buffer.remote_context
+            cases = [
+                # (call, exception type, words of the message)
+                (lambda: Op("put", buffer.id, remote=context), ValueError,
+                 ["Op: type 'put'", "'read', 'write'"]),
+                (lambda: Op("read", buffer.id, -1, remote=context), ValueError,
+                 ["Op: local_offset -1", ">= 0"]),
+                (lambda: Op("read", buffer.id, 0, -5, context), ValueError, ["Op: length -5"]),
+                (lambda: Op("read", buffer.id, "0", remote=context), TypeError,
+                 ["Op: local_offset must be an int", "not str"]),
+                (lambda: Op("read", buffer.id), ValueError, ["Op: remote is empty"]),
+                (lambda: Op("read", buffer.id, remote="text"), TypeError,
+                 ["Op: remote must be a remote context"]),
+                (lambda: self.client.allocate(64, access="rw"), ValueError,
+                 ["allocate: access 'rw'", "'read', 'write', 'read_write'"]),
+                (lambda: self.client.attach(64, lifetime="forever"), ValueError,
+                 ["attach: lifetime 'forever'", "'agent', 'process', 'connection'"]),
+                (lambda: self.client.register(64, access=7), ValueError,
+                 ["register: access 7"]),
+                (lambda: self.client.attach(-3), ValueError,
+                 ["attach: size -3", "positive number of bytes"]),
+                (lambda: self.client.allocate(1.5), TypeError,
+                 ["allocate: size must be an int"]),
+                (lambda: self.client.register(object()), TypeError,
+                 ["register_memory must be a torch CPU tensor"]),
+                (lambda: self.client.submit([("read", buffer.id)]), TypeError,
+                 ["op 0 must be an rdma_agent.Op"]),
+                (lambda: self.client.submit([Op("read", bytearray(8), remote=context)]),
+                 ValueError, ["op 0: local:", "not inside a registration of this client"]),
+                (lambda: self.client.submit([Op("read", buffer, 65, remote=context)]),
+                 ValueError, ["op 0: local_offset 65 is past the 64 bytes"]),
+            ]
+            for index, (call, kind, words) in enumerate(cases):
+                with self.subTest(case=index, kind=kind.__name__):
+                    with self.assertRaises(kind) as raised:
+                        call()
+                    # One hierarchy: every refusal is an AgentError with a code.
+                    self.assertIsInstance(raised.exception, AgentError)
+                    self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                    for word in words:
+                        self.assertIn(word, str(raised.exception))
+            self.assertEqual([b.buffer_id for b in self.client.list_buffers()], [buffer.id])
+
+    def test_refusals_of_the_agent_are_subclasses_by_code(self):
+        with self.assertRaises(rdma_agent.NotFoundError) as raised:
+            self.client.read_buffer(999999, 0, 1)
+        self.assertEqual(raised.exception.code, grpc.StatusCode.NOT_FOUND)
+        with self.client.allocate(64) as buffer:
+            with self.assertRaises(rdma_agent.OutOfRangeError):
+                self.client.read_buffer(buffer.id, 60, 5)
+            with self.assertRaises(rdma_agent.InvalidArgumentError) as raised:
+                self.client.submit([])  # the agent's refusal, raised the same way
+            self.assertIsInstance(raised.exception, ValueError)
+
+    def test_op_defaults_move_the_rest_of_the_buffer(self):
+        with self.client.attach(8192) as a, self.client.allocate(5000) as b:
+            a.memory[:] = pattern(30, 8192)
+            b.memory[:] = pattern(31, 5000)
+            # From offset 0, the rest of the local buffer cut to the remote's rest.
+            [result] = self.client.submit([Op("write", b, remote=a)])
+            self.assertTrue(result.ok, result)
+            self.assertEqual(bytes(a.memory[:5000]), bytes(b.memory))
+            self.assertEqual(bytes(a.memory[5000:]), pattern(30, 8192)[5000:])
+            # Offsets given, length left out: the rest from there.
+            b.memory[:] = pattern(32, 5000)
+            [result] = self.client.submit([Op("read", a.id, 3000, remote=b.remote_context,
+                                              remote_offset=100)])
+            self.assertTrue(result.ok, result)
+            expected = bytearray(pattern(30, 8192)[:5000]) + bytearray(pattern(30, 8192)[5000:])
+            expected[:5000] = pattern(31, 5000)
+            expected[3000:3000 + 4900] = pattern(32, 5000)[100:]
+            self.assertEqual(bytes(a.memory), bytes(expected))
+
     def test_socket_from_the_environment(self):
         old = os.environ.get("RDMA_AGENT_SOCKET")
         os.environ["RDMA_AGENT_SOCKET"] = self.agent.socket
@@ -267,15 +344,19 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(self.client.read_buffer(response.buffer_id, 0, 5), b"\0abc\0")
         self.client.release(response.buffer_id)
 
-    def test_mapped_buffers_live_with_the_process_registered_ones_with_the_agent(self):
+    def test_buffers_live_with_the_process_unless_asked_to_live_with_the_agent(self):
         with self.client.allocate(64) as allocated, \
                 self.client.attach(64) as attached, \
                 self.client.attach(64, lifetime="agent") as kept:
-            registered = self.client.register(64)
+            registered = self.client.register(64, lifetime="agent")
             self.assertEqual(allocated.lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
             self.assertEqual(attached.lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
             self.assertEqual(kept.lifetime, types_pb2.LIFETIME_AGENT)
             self.assertEqual(registered.lifetime, types_pb2.LIFETIME_AGENT)
+            # Unmapped registrations live with the process too, unless asked.
+            by_default = self.client.register(64)
+            self.assertEqual(by_default.lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
+            self.client.release(by_default.buffer_id)
             infos = {info.buffer_id: info for info in self.client.list_buffers()}
             self.assertEqual(infos[allocated.id].lifetime, types_pb2.LIFETIME_CLIENT_PROCESS)
             self.assertEqual(infos[registered.buffer_id].lifetime, types_pb2.LIFETIME_AGENT)
@@ -294,13 +375,13 @@ class PythonClientTest(unittest.TestCase):
         try:
             line = child.stdout.readline().split()
             self.assertEqual(line[0], "ready", line)
-            bound, kept = int(line[1]), int(line[2])
-            self.assertEqual({bound, kept} - {i.buffer_id for i in self.client.list_buffers()},
-                             set())
+            bound, kept, unmapped = int(line[1]), int(line[2]), int(line[3])
+            self.assertEqual({bound, kept, unmapped} -
+                             {i.buffer_id for i in self.client.list_buffers()}, set())
             child.kill()
             child.wait(timeout=30)
             deadline = time.monotonic() + 10
-            while bound in {i.buffer_id for i in self.client.list_buffers()}:
+            while {bound, unmapped} & {i.buffer_id for i in self.client.list_buffers()}:
                 self.assertLess(time.monotonic(), deadline, "the dead child's buffer stayed")
                 time.sleep(0.01)
             self.assertIn(kept, {i.buffer_id for i in self.client.list_buffers()})
@@ -393,7 +474,7 @@ class AsyncTransferTest(unittest.TestCase):
                 [Op("read", a.id, 3, MIB, b.remote_context, 1)], timeout=30)
             self.assertGreater(transfer.transfer_id, 0)
             end = transfer.wait(30)
-            self.assertEqual(end.state, rdma_agent_client.DONE)
+            self.assertEqual(end.state, rdma_agent.DONE)
             self.assertTrue(end.ok and end.ended)
             self.assertEqual(end.transfer_id, transfer.transfer_id)
             [result] = end.results
@@ -426,7 +507,7 @@ class AsyncTransferTest(unittest.TestCase):
                 Op("read", a.id, 0, 10, a.remote_context, 100),
                 Op("read", a.id, 0, 10, a.remote_context, 4090)], timeout=30)
             end = transfer.wait(30)
-            self.assertEqual(end.state, rdma_agent_client.FAILED)
+            self.assertEqual(end.state, rdma_agent.FAILED)
             self.assertFalse(end.ok)
             self.assertEqual([r.code for r in end.results],
                              [grpc.StatusCode.OK, grpc.StatusCode.OUT_OF_RANGE])
@@ -446,7 +527,7 @@ class AsyncTransferTest(unittest.TestCase):
 
             ends = asyncio.run(main())
             self.assertEqual(len(ends), 64)
-            self.assertTrue(all(e.state == rdma_agent_client.DONE for e in ends), ends)
+            self.assertTrue(all(e.state == rdma_agent.DONE for e in ends), ends)
             self.assertEqual(len({e.transfer_id for e in ends}), 64)
             self.assertTrue(bytes(a.memory) == bytes(b.memory))
 
@@ -485,7 +566,7 @@ class AsyncTransferTest(unittest.TestCase):
                 self.assertLess(time.monotonic(), deadline, "the transfer never moved a byte")
                 time.sleep(0.005)
             now = running.poll()
-            self.assertEqual(now.state, rdma_agent_client.PENDING)
+            self.assertEqual(now.state, rdma_agent.PENDING)
             self.assertEqual(now.results, [])
             self.assertIsNotNone(now.start_time)
             self.assertIsNone(now.end_time)
@@ -496,7 +577,7 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertFalse(running.future.done())
 
             never = queued.cancel()
-            self.assertEqual(never.state, rdma_agent_client.CANCELLED)
+            self.assertEqual(never.state, rdma_agent.CANCELLED)
             self.assertEqual([r.code for r in never.results], [grpc.StatusCode.CANCELLED])
             self.assertIsNone(never.start_time)
             self.assertEqual(bytes(small.memory), bytes(4096))
@@ -504,7 +585,7 @@ class AsyncTransferTest(unittest.TestCase):
             stopped = running.cancel()
             # Nothing of it writes into `local` once cancel() has returned.
             local.memory[:] = b"\xc3" * len(local.memory)
-            self.assertEqual(stopped.state, rdma_agent_client.CANCELLED)
+            self.assertEqual(stopped.state, rdma_agent.CANCELLED)
             self.assertIn(grpc.StatusCode.CANCELLED, [r.code for r in stopped.results])
             time.sleep(0.5)
             self.assertTrue(bytes(local.memory) == b"\xc3" * len(local.memory))
@@ -528,7 +609,7 @@ class AsyncTransferTest(unittest.TestCase):
         # The transfer runs on; another client of the user stops it.
         with AgentClient(self.agent.socket, timeout=30, watch=False) as other:
             self.assertEqual(other.transfer(transfer.transfer_id).cancel().state,
-                             rdma_agent_client.CANCELLED)
+                             rdma_agent.CANCELLED)
 
     def test_two_watching_clients_both_get_every_end(self):
         running, local, source = self.long_transfer()  # holds the one worker
@@ -544,13 +625,13 @@ class AsyncTransferTest(unittest.TestCase):
             for transfers in (mine, theirs):
                 done, not_done = concurrent.futures.wait([t.future for t in transfers], 60)
                 self.assertEqual(not_done, set(), "the watches split the ends")
-                self.assertTrue(all(t.future.result().state == rdma_agent_client.DONE
+                self.assertTrue(all(t.future.result().state == rdma_agent.DONE
                                     for t in transfers))
             # Delivered twice, read by nobody: a third client still reads each.
             with AgentClient(self.agent.socket, timeout=30, watch=False) as third:
                 for t in mine:
                     self.assertEqual(third.transfer(t.transfer_id).poll().state,
-                                     rdma_agent_client.DONE)
+                                     rdma_agent.DONE)
         local.close()
         source.close()
 
@@ -571,7 +652,7 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertEqual(self.watch_threads(), [])
             self.assertFalse(transfer.future.done())  # nobody pushes it
             end = transfer.wait(30)
-            self.assertEqual(end.state, rdma_agent_client.DONE)
+            self.assertEqual(end.state, rdma_agent.DONE)
             self.assertEqual(transfer.future.result(timeout=0), end)
             self.assertCode(grpc.StatusCode.NOT_FOUND, quiet.transfer(999999).wait, 1)
 
@@ -580,8 +661,8 @@ class AsyncTransferTest(unittest.TestCase):
                 other.allocate(4096) as a:
             submitted = other.submit_async([Op("read", a.id, 0, 10, a.remote_context, 100)])
             followed = self.client.transfer(submitted.transfer_id)
-            self.assertEqual(followed.wait(30).state, rdma_agent_client.DONE)
-            self.assertEqual(followed.future.result(timeout=30).state, rdma_agent_client.DONE)
+            self.assertEqual(followed.wait(30).state, rdma_agent.DONE)
+            self.assertEqual(followed.future.result(timeout=30).state, rdma_agent.DONE)
             self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.transfer(999999).wait, 1)
 
 
@@ -687,12 +768,14 @@ def child(socket_path):
 
 
 def child_to_kill(socket_path):
-    """Registers a buffer with the default lifetime and one with the agent's,
-    prints "ready BOUND KEPT" and waits to be killed."""
+    """Registers a buffer with the default lifetime, one with the agent's and
+    an unmapped one with the default lifetime, prints "ready BOUND KEPT
+    UNMAPPED" and waits to be killed."""
     client = AgentClient(socket_path, timeout=30)
     bound = client.attach(4096)
     kept = client.attach(4096, lifetime="agent")
-    print("ready", bound.id, kept.id, flush=True)
+    unmapped = client.register(4096)
+    print("ready", bound.id, kept.id, unmapped.buffer_id, flush=True)
     sys.stdin.read()
     return 0
 
@@ -709,8 +792,7 @@ def main():
     if args.child_to_kill:
         return child_to_kill(args.child_to_kill)
     AGENTD = args.agentd
-    program = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
-    return 0 if program.result.wasSuccessful() else 1
+    return junit.main(argv=[sys.argv[0]] + rest)
 
 
 if __name__ == "__main__":

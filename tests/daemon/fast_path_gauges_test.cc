@@ -46,16 +46,19 @@ TEST(FastPathGaugesTest, WhatTheFastPathKeepsIsCountedAndGivenBack) {
   auto ring = (*client)->OpenRing(8);
   ASSERT_TRUE(ring.ok()) << ring.status();
 
-  // count 1 plus a positive byte charge.
-  EXPECT_GT(Gauge(**agent, "rdma_agentd_remote_handles"), 1);
-  EXPECT_GT(Gauge(**agent, "rdma_agentd_prepared_transfers"), 1);
+  EXPECT_EQ(Gauge(**agent, "rdma_agentd_remote_handles"), 1);
+  EXPECT_GT(Gauge(**agent, "rdma_agentd_remote_handle_bytes"), 0);
+  EXPECT_EQ(Gauge(**agent, "rdma_agentd_prepared_transfers"), 1);
+  EXPECT_GT(Gauge(**agent, "rdma_agentd_prepared_transfer_bytes"), 0);
   EXPECT_EQ(Gauge(**agent, "rdma_agentd_ring_sessions"), 1);
 
   ASSERT_TRUE((*client)->ReleaseRemote(handle->handle).ok());
   ASSERT_TRUE((*client)->ReleasePrepared(*prepared).ok());
   ring->reset();
   EXPECT_EQ(Gauge(**agent, "rdma_agentd_remote_handles"), 0);
+  EXPECT_EQ(Gauge(**agent, "rdma_agentd_remote_handle_bytes"), 0);
   EXPECT_EQ(Gauge(**agent, "rdma_agentd_prepared_transfers"), 0);
+  EXPECT_EQ(Gauge(**agent, "rdma_agentd_prepared_transfer_bytes"), 0);
   EXPECT_TRUE(Eventually(
       [&] { return Gauge(**agent, "rdma_agentd_ring_sessions") == 0; }));
 }

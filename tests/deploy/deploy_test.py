@@ -84,6 +84,164 @@ class DaemonSetTest(unittest.TestCase):
         self.assertEqual(volumes["state"]["hostPath"]["path"], "/var/lib/rdma-agentd")
 
 
+class KubernetesObjectsTest(unittest.TestCase):
+    """The DaemonSet's companions, and what holds them together."""
+
+    def setUp(self):
+        self.ds = load("daemonset.yaml")
+        self.pod = self.ds["spec"]["template"]["spec"]
+        self.agent = self.pod["containers"][0]
+
+    def test_no_service_account_token(self):
+        account = load("serviceaccount.yaml")
+        self.assertEqual(account["kind"], "ServiceAccount")
+        self.assertFalse(account["automountServiceAccountToken"])
+        self.assertEqual(self.pod["serviceAccountName"],
+                         account["metadata"]["name"])
+        self.assertFalse(self.pod["automountServiceAccountToken"])
+
+    def test_runs_only_on_rdma_nodes(self):
+        terms = (self.pod["affinity"]["nodeAffinity"]
+                 ["requiredDuringSchedulingIgnoredDuringExecution"]
+                 ["nodeSelectorTerms"])
+        expressions = [e for t in terms for e in t["matchExpressions"]]
+        self.assertIn({"key": "feature.node.kubernetes.io/rdma.available",
+                       "operator": "In", "values": ["true"]}, expressions)
+
+    def test_flags_come_from_the_configmap_which_is_the_flag_file(self):
+        configmap = load("configmap.yaml")
+        self.assertEqual(configmap["kind"], "ConfigMap")
+        with open(os.path.join(DEPLOY, "rdma-agentd.flags")) as f:
+            self.assertEqual(configmap["data"]["rdma-agentd.flags"], f.read())
+        volumes = {v["name"]: v for v in self.pod["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in self.agent["volumeMounts"]}
+        configmap_volumes = [n for n, v in volumes.items() if "configMap" in v]
+        self.assertEqual(len(configmap_volumes), 1)
+        name = configmap_volumes[0]
+        self.assertEqual(volumes[name]["configMap"]["name"],
+                         configmap["metadata"]["name"])
+        self.assertEqual(self.agent["args"][0], "--flagfile=%s/rdma-agentd.flags"
+                         % mounts[name])
+
+    def test_the_built_agent_accepts_the_configmap_and_the_args(self):
+        configmap = load("configmap.yaml")
+        with tempfile.NamedTemporaryFile("w", suffix=".flags") as flags:
+            flags.write(configmap["data"]["rdma-agentd.flags"])
+            flags.flush()
+            args = ["--flagfile=" + flags.name] + [
+                a.replace("$(NODE_IP)", "127.0.0.1") for a in self.agent["args"][1:]]
+            agentd = os.path.join(RUNFILES, "daemon", "rdma-agentd")
+            result = subprocess.run([agentd] + args + ["--only_check_args"],
+                                    capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
+    def test_podmonitor_scrapes_the_agents_as_job_rdma_agentd(self):
+        monitor = load("podmonitor.yaml")
+        self.assertEqual(monitor["apiVersion"], "monitoring.coreos.com/v1")
+        self.assertEqual(monitor["kind"], "PodMonitor")
+        labels = self.ds["spec"]["template"]["metadata"]["labels"]
+        for key, value in monitor["spec"]["selector"]["matchLabels"].items():
+            self.assertEqual(labels[key], value)
+        # The rules in deploy/monitoring select job="rdma-agentd".
+        self.assertEqual(labels[monitor["spec"]["jobLabel"]], "rdma-agentd")
+        ports = {p["name"] for p in self.agent["ports"]}
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            self.assertIn(endpoint["port"], ports)
+            self.assertEqual(endpoint["path"], "/metrics")
+
+    def test_memory_limit_is_documented_for_kv_caches(self):
+        with open(os.path.join(DEPLOY, "kubernetes", "daemonset.yaml")) as f:
+            text = f.read()
+        self.assertIn("--max_registered_bytes_", text)
+        self.assertIn("--max_agent_allocated_bytes_", text)
+        self.assertIn("memory", self.agent["resources"]["limits"])
+
+
+# The Kubernetes fields the manifests may use, by where they appear: a
+# misspelt or misplaced field (which kubectl would refuse or silently drop)
+# fails here.
+OBJECT_FIELDS = {"apiVersion", "kind", "metadata", "spec", "data",
+                 "automountServiceAccountToken"}
+METADATA_FIELDS = {"name", "namespace", "labels", "annotations"}
+POD_SPEC_FIELDS = {
+    "containers", "initContainers", "volumes", "securityContext",
+    "serviceAccountName", "automountServiceAccountToken", "affinity",
+    "nodeSelector", "tolerations", "priorityClassName", "hostNetwork",
+    "dnsPolicy", "terminationGracePeriodSeconds", "restartPolicy",
+}
+CONTAINER_FIELDS = {
+    "name", "image", "command", "args", "env", "ports", "securityContext",
+    "resources", "volumeMounts", "startupProbe", "livenessProbe",
+    "readinessProbe", "restartPolicy",
+}
+VOLUME_SOURCES = {"hostPath", "configMap", "emptyDir", "csi"}
+HOST_PATH_TYPES = {"Directory", "DirectoryOrCreate"}
+
+
+def pod_specs(obj):
+    if obj["kind"] == "Pod":
+        return [obj["spec"]]
+    if obj["kind"] == "DaemonSet":
+        return [obj["spec"]["template"]["spec"]]
+    return []
+
+
+class ManifestShapeTest(unittest.TestCase):
+    def setUp(self):
+        self.objects = []
+        for name in sorted(os.listdir(os.path.join(DEPLOY, "kubernetes"))):
+            if name.endswith(".yaml"):
+                with open(os.path.join(DEPLOY, "kubernetes", name)) as f:
+                    for obj in yaml.safe_load_all(f):
+                        self.objects.append((name, obj))
+
+    def test_every_manifest_is_there(self):
+        kinds = {obj["kind"] for _, obj in self.objects}
+        self.assertEqual(kinds, {"DaemonSet", "ServiceAccount", "ConfigMap",
+                                 "PodMonitor", "Pod"})
+
+    def test_objects_use_known_fields(self):
+        for name, obj in self.objects:
+            self.assertLessEqual(set(obj), OBJECT_FIELDS, name)
+            self.assertLessEqual(set(obj["metadata"]), METADATA_FIELDS, name)
+            self.assertTrue(obj["metadata"]["name"], name)
+            for spec in pod_specs(obj):
+                self.assertLessEqual(set(spec), POD_SPEC_FIELDS, name)
+                for container in spec.get("containers", []) + spec.get(
+                        "initContainers", []):
+                    self.assertLessEqual(set(container), CONTAINER_FIELDS,
+                                         "%s: %s" % (name, container["name"]))
+
+    def test_mounts_name_volumes_and_volumes_are_well_formed(self):
+        for name, obj in self.objects:
+            for spec in pod_specs(obj):
+                volumes = {v["name"]: v for v in spec.get("volumes", [])}
+                for volume in volumes.values():
+                    sources = set(volume) - {"name"}
+                    self.assertEqual(len(sources), 1, (name, volume))
+                    self.assertLessEqual(sources, VOLUME_SOURCES, (name, volume))
+                    if "hostPath" in volume:
+                        self.assertIn(volume["hostPath"]["type"],
+                                      HOST_PATH_TYPES, (name, volume))
+                for container in spec.get("containers", []) + spec.get(
+                        "initContainers", []):
+                    for mount in container.get("volumeMounts", []):
+                        self.assertIn(mount["name"], volumes,
+                                      "%s: %s" % (name, container["name"]))
+
+    def test_references_resolve(self):
+        names = {(obj["kind"], obj["metadata"]["name"]) for _, obj in self.objects}
+        for name, obj in self.objects:
+            for spec in pod_specs(obj):
+                if "serviceAccountName" in spec:
+                    self.assertIn(("ServiceAccount", spec["serviceAccountName"]),
+                                  names, name)
+                for volume in spec.get("volumes", []):
+                    if "configMap" in volume:
+                        self.assertIn(("ConfigMap", volume["configMap"]["name"]),
+                                      names, name)
+
+
 class SidecarTest(unittest.TestCase):
     def setUp(self):
         self.pod = load("sidecar-example.yaml")["spec"]
@@ -116,6 +274,8 @@ class AppPodTest(unittest.TestCase):
                          "/run/rdma-agentd/agent.sock")
         volume = [v for v in pod["volumes"] if v["name"] == "rdma-agentd"][0]
         self.assertEqual(volume["hostPath"]["path"], "/run/rdma-agentd")
+        # It may start before the agent has created the directory.
+        self.assertEqual(volume["hostPath"]["type"], "DirectoryOrCreate")
 
 
 class ImageTest(unittest.TestCase):
@@ -147,6 +307,49 @@ class FlagFileTest(unittest.TestCase):
         with open(os.path.join(DEPLOY, "rdma-agentd.flags")) as f:
             active = [l for l in f.read().splitlines() if l.startswith("--")]
         self.assertFalse([l for l in active if "0.0.0.0" in l], active)
+
+
+def install_destinations(text):
+    """{installed path: source} for every `install [-D] [-m MODE] SRC... DEST`
+    line of `text` (shell, or a comment of the unit)."""
+    installed = {}
+    for line in re.findall(r"^[#\s]*install\s+(.*)$", text, re.M):
+        words = re.sub(r"\s#.*$", "", line).split()
+        files = []
+        i = 0
+        while i < len(words):
+            if words[i] == "-m":
+                i += 2
+                continue
+            if not words[i].startswith("-"):
+                files.append(words[i])
+            i += 1
+        *sources, dest = files
+        for source in sources:
+            path = dest + os.path.basename(source) if dest.endswith("/") else dest
+            installed[path] = source
+    return installed
+
+
+class SystemdDocumentationTest(unittest.TestCase):
+    def test_documentation_names_files_the_install_steps_install(self):
+        with open(os.path.join(DEPLOY, "rdma-agentd.service")) as f:
+            unit = f.read()
+        with open(os.path.join(RUNFILES, "docs", "OPERATING.md")) as f:
+            operating = f.read()
+        urls = " ".join(re.findall(r"^Documentation=(.*)$", unit, re.M)).split()
+        self.assertTrue(urls, "no Documentation=")
+        # The unit's own install comment and OPERATING.md's systemd steps.
+        for steps in (unit, operating):
+            installed = install_destinations(steps)
+            for url in urls:
+                self.assertTrue(url.startswith("file://"), url)
+                path = url[len("file://"):]
+                self.assertIn(path, installed, "nothing installs " + url)
+                # ... from a file that is in the repository.
+                self.assertTrue(
+                    os.path.isfile(os.path.join(RUNFILES, installed[path])),
+                    installed[path])
 
 
 @unittest.skipUnless(shutil.which("systemd-analyze"), "systemd-analyze is not installed")

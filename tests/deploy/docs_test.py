@@ -94,6 +94,20 @@ class DocsTest(unittest.TestCase):
                 self.assertEqual(cell, self.flags[name],
                                  "default of --%s in docs/SECURITY.md" % name)
 
+    def test_flag_file_names_real_flags_and_the_memory_limits(self):
+        # Set and commented-out examples alike: an operator uncomments them.
+        with open(os.path.join(RUNFILES, "deploy/rdma-agentd.flags")) as f:
+            text = f.read()
+        named = re.findall(r"^#? ?--(\w+)=", text, re.M)
+        self.assertGreater(len(named), 5)
+        for name in named:
+            self.assertIn(name, self.flags,
+                          "deploy/rdma-agentd.flags names --%s" % name)
+        # A KV-cache node's operator finds both memory limits there.
+        for name in ("max_registered_bytes_per_user",
+                     "max_agent_allocated_bytes_total"):
+            self.assertIn(name, named)
+
 
 if __name__ == "__main__":
     unittest.main()

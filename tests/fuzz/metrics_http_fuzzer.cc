@@ -114,7 +114,7 @@ std::string Exchange(uint16_t port, absl::string_view request) {
 }
 
 uint16_t ServerPort() {
-  static AgentMetrics* const metrics = new AgentMetrics("fuzz");
+  static AgentMetrics* const metrics = new AgentMetrics("fuzz", "unknown");
   static MetricsServer* const server = [] {
     MetricsOptions options;
     options.request_timeout = absl::Seconds(5);

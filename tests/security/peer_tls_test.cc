@@ -20,6 +20,7 @@
 #include "rdma/agent/v1/peer.grpc.pb.h"
 #include "tests/testing/agent_fixture.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/testing/test_pki.h"
 
 namespace rdma_agent {
 namespace {
@@ -27,6 +28,7 @@ namespace {
 using ibverbs::IbverbsBackend;
 using ibverbs::IbverbsOptions;
 using testing::InProcessAgent;
+using testing::TestPki;
 
 constexpr uint64_t kSize = 64 << 10;
 
@@ -37,58 +39,14 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
-// Runs a shell command in `dir`; true on exit status 0.
-bool Run(const std::string& dir, const std::string& command) {
-  const std::string line =
-      absl::StrCat("cd '", dir, "' && ", command, " >>openssl.log 2>&1");
-  return std::system(line.c_str()) == 0;
+// TLS material of certificate `name` trusting `ca`.
+PeerTls Tls(const TestPki& pki, const std::string& name, const std::string& ca,
+            const std::string& server_name = "") {
+  auto tls = LoadPeerTls(pki.Path(name + ".pem"), pki.Path(name + ".key"),
+                         pki.Path(ca + ".pem"), server_name);
+  EXPECT_TRUE(tls.ok()) << tls.status();
+  return tls.ok() ? *tls : PeerTls();
 }
-
-// A CA and certificates it issues, made with the openssl CLI.
-class TestPki {
- public:
-  explicit TestPki(std::string dir) : dir_(std::move(dir)) {}
-
-  // A self-signed CA `name`.
-  bool MakeCa(const std::string& name) {
-    return Run(dir_, absl::StrCat(
-                         "openssl req -x509 -newkey ec -pkeyopt "
-                         "ec_paramgen_curve:P-256 -nodes -days 2 -subj "
-                         "'/CN=",
-                         name, "' -keyout ", name, ".key -out ", name, ".pem"));
-  }
-
-  // A certificate `name` for client and server use, signed by `ca`, with
-  // subjectAltName `san` (e.g. "IP:127.0.0.1").
-  bool MakeCert(const std::string& name, const std::string& ca,
-                const std::string& san) {
-    std::ofstream(dir_ + "/" + name + ".ext")
-        << "subjectAltName=" << san << "\n"
-        << "extendedKeyUsage=serverAuth,clientAuth\n";
-    return Run(dir_, absl::StrCat("openssl req -newkey ec -pkeyopt "
-                                  "ec_paramgen_curve:P-256 -nodes -subj '/CN=",
-                                  name, "' -keyout ", name, ".key -out ", name,
-                                  ".csr")) &&
-           Run(dir_, absl::StrCat("openssl x509 -req -in ", name, ".csr -CA ",
-                                  ca, ".pem -CAkey ", ca,
-                                  ".key -CAcreateserial -days 2 -extfile ",
-                                  name, ".ext -out ", name, ".pem"));
-  }
-
-  std::string Path(const std::string& file) const { return dir_ + "/" + file; }
-
-  // TLS material of certificate `name` trusting `ca`.
-  PeerTls Tls(const std::string& name, const std::string& ca,
-              const std::string& server_name = "") const {
-    auto tls = LoadPeerTls(Path(name + ".pem"), Path(name + ".key"),
-                           Path(ca + ".pem"), server_name);
-    EXPECT_TRUE(tls.ok()) << tls.status();
-    return tls.ok() ? *tls : PeerTls();
-  }
-
- private:
-  const std::string dir_;
-};
 
 class PeerTlsTest : public ::testing::Test {
  protected:
@@ -235,7 +193,7 @@ class PeerTlsTest : public ::testing::Test {
 TEST_F(PeerTlsTest, TwoAgentsWithCertificatesFromOneCaMoveBytes) {
   bool landed = false;
   const v1::OpResult result =
-      MoveBytes(pki_->Tls("agent", "ca"), pki_->Tls("agent", "ca"), &landed);
+      MoveBytes(Tls(*pki_, "agent", "ca"), Tls(*pki_, "agent", "ca"), &landed);
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_EQ(result.backend(), "ibverbs");
   EXPECT_TRUE(landed);
@@ -245,13 +203,13 @@ TEST_F(PeerTlsTest, ServerNameOverrideAcceptsACertificateForThatName) {
   bool landed = false;
   // The certificate names "rdma-agent", not 127.0.0.1: verified against the
   // configured name it passes...
-  v1::OpResult result = MoveBytes(pki_->Tls("named", "ca", "rdma-agent"),
-                                  pki_->Tls("named", "ca", "rdma-agent"),
+  v1::OpResult result = MoveBytes(Tls(*pki_, "named", "ca", "rdma-agent"),
+                                  Tls(*pki_, "named", "ca", "rdma-agent"),
                                   &landed, "named", "named");
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_TRUE(landed);
   // ...and against the address dialled it does not.
-  result = MoveBytes(pki_->Tls("named", "ca"), pki_->Tls("named", "ca"),
+  result = MoveBytes(Tls(*pki_, "named", "ca"), Tls(*pki_, "named", "ca"),
                      &landed, "named", "named");
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
@@ -260,21 +218,22 @@ TEST_F(PeerTlsTest, ServerNameOverrideAcceptsACertificateForThatName) {
 
 TEST_F(PeerTlsTest, AgentWithoutTlsOrFromAnotherCaCannotConnect) {
   bool landed = true;
-  v1::OpResult result = MoveBytes(PeerTls(), pki_->Tls("agent", "ca"), &landed);
+  v1::OpResult result =
+      MoveBytes(PeerTls(), Tls(*pki_, "agent", "ca"), &landed);
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
   EXPECT_FALSE(landed);
   landed = true;
   // The stranger trusts the right CA but presents another CA's certificate.
-  result =
-      MoveBytes(pki_->Tls("stranger", "ca"), pki_->Tls("agent", "ca"), &landed);
+  result = MoveBytes(Tls(*pki_, "stranger", "ca"), Tls(*pki_, "agent", "ca"),
+                     &landed);
   EXPECT_EQ(result.code(), static_cast<int>(absl::StatusCode::kUnavailable))
       << result.message();
   EXPECT_FALSE(landed);
 }
 
 TEST_F(PeerTlsTest, RawClientsWithoutAValidCertificateAreRefused) {
-  auto b = StartAgent("nic_b", pki_->Tls("agent", "ca"), "agent");
+  auto b = StartAgent("nic_b", Tls(*pki_, "agent", "ca"), "agent");
   ASSERT_NE(b, nullptr);
   const std::string address = b->agent().peer_address();
   ASSERT_FALSE(address.empty());
@@ -322,8 +281,8 @@ TEST_F(PeerTlsTest, CertificateMustNameTheAgentIdItClaims) {
   // agent-a presenting agent-b's certificate (any valid certificate of the
   // CA): refused, nothing written.
   v1::OpResult result =
-      MoveBytes(pki_->Tls("agent-b", "ca"), pki_->Tls("agent-b", "ca"), &landed,
-                "agent-a", "agent-b");
+      MoveBytes(Tls(*pki_, "agent-b", "ca"), Tls(*pki_, "agent-b", "ca"),
+                &landed, "agent-a", "agent-b");
   EXPECT_EQ(result.code(),
             static_cast<int>(absl::StatusCode::kPermissionDenied))
       << result.message();
@@ -331,18 +290,18 @@ TEST_F(PeerTlsTest, CertificateMustNameTheAgentIdItClaims) {
       << result.message();
   EXPECT_FALSE(landed);
   // Each with its own: bytes move.
-  result = MoveBytes(pki_->Tls("agent-a", "ca"), pki_->Tls("agent-b", "ca"),
+  result = MoveBytes(Tls(*pki_, "agent-a", "ca"), Tls(*pki_, "agent-b", "ca"),
                      &landed, "agent-a", "agent-b");
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_TRUE(landed);
   // A URI subjectAltName names the agent too.
-  result = MoveBytes(pki_->Tls("uri-cert", "ca"), pki_->Tls("agent-b", "ca"),
+  result = MoveBytes(Tls(*pki_, "uri-cert", "ca"), Tls(*pki_, "agent-b", "ca"),
                      &landed, "spiffe://rdma/agent-u", "agent-b");
   EXPECT_EQ(result.code(), 0) << result.message();
   EXPECT_TRUE(landed);
 
   // Raw calls: the claim is checked first, for every Peer method.
-  auto b = StartAgent("nic_b", pki_->Tls("agent-b", "ca"), "agent-b");
+  auto b = StartAgent("nic_b", Tls(*pki_, "agent-b", "ca"), "agent-b");
   ASSERT_NE(b, nullptr);
   grpc::SslCredentialsOptions as_a;
   as_a.pem_root_certs = ReadFile(pki_->Path("ca.pem"));

@@ -1,35 +1,43 @@
-"""A thin Python client of rdma-agentd.
+"""The client of rdma-agentd: registrations, batches, transfers, notifications.
 
-Works with Debian's /usr/bin/python3 (python3-grpcio, python3-protobuf). The
-rdma.agent.v1 stubs come from protoc + grpc_python_plugin: `bazel build
-//client/python:stubs`, or `client/python/generate_stubs.sh OUT_DIR`; put the
-directory holding `rdma/` on sys.path.
+    import rdma_agent
+    from rdma_agent import AgentClient, Op
 
-    from rdma_agent_client import AgentClient, Op
-
-    with AgentClient() as agent:                       # /run/rdma-agentd/agent.sock
+    with AgentClient() as agent:                       # $RDMA_AGENT_SOCKET
         with agent.attach(1 << 20) as mine:            # memfd passed to the agent
             mine.memory[0:5] = b"hello"                # the agent's bytes, no copy
             peer_context = ...                         # from the other side
-            results = agent.submit([Op("write", mine.id, 0, 5, peer_context, 0)])
-            assert results[0].ok, results[0]
+            [result] = agent.submit([Op("write", mine, length=5, remote=peer_context)])
+            assert result.ok, result
+
+Tensors and arrays are born registered (tensor(), empty_like(), ndarray())
+or registered where they are (register(tensor_or_array)); an Op takes them
+as its local side directly.
 
 Asynchronous transfers return a Transfer at once; its end comes from one
 watch-stream thread per client, as a concurrent.futures.Future (so also
 `await transfer` in asyncio):
 
-    transfer = agent.submit_async([Op("read", mine.id, 0, 5, peer_context, 0)])
+    transfer = agent.submit_async([Op("read", mine, remote=peer_context)])
     end = transfer.wait(timeout=10)        # TransferResult: state, results
     end = await transfer                   # the same, from a coroutine
     transfer.cancel()                      # nothing of it touches memory after
 
-Errors of RPCs are raised as AgentError, whose `code` is a grpc.StatusCode
-(NOT_FOUND, OUT_OF_RANGE, PERMISSION_DENIED, ...). Submit reports each op's
-own outcome in its OpResult instead, and a transfer in its TransferResult.
+Refusals are raised as AgentError (rdma_agent.errors), whose `code` is a
+grpc.StatusCode (NOT_FOUND, OUT_OF_RANGE, ...) and whose subclass names it
+(NotFoundError, ...); bad arguments are InvalidArgumentError (a ValueError)
+or ArgumentTypeError (a TypeError) before anything is sent. Submit reports
+each op's own outcome in its OpResult instead, and a transfer in its
+TransferResult.
 """
 
+from __future__ import annotations
+
 import asyncio
+import collections
 import concurrent.futures
+import ctypes
+import dataclasses
 import errno
 import fcntl
 import mmap
@@ -40,15 +48,28 @@ import threading
 import time
 import weakref
 from collections import namedtuple
+from typing import Any, Generator, Iterable, Iterator, Mapping, Sequence, Union
 
 import grpc
 from google.protobuf import duration_pb2
 
-from rdma.agent.v1 import agent_pb2
-from rdma.agent.v1 import agent_pb2_grpc
-from rdma.agent.v1 import attach_pb2
-from rdma.agent.v1 import remote_buffer_pb2
-from rdma.agent.v1 import types_pb2
+from rdma_agent import memory as _memory
+from rdma_agent.errors import (AgentError, ArgumentTypeError, InvalidArgumentError,
+                               invalid, one_of, status_code, wrong_type)
+
+from rdma_agent.proto import agent_pb2
+from rdma_agent.proto import agent_pb2_grpc
+from rdma_agent.proto import attach_pb2
+from rdma_agent.proto import remote_buffer_pb2
+from rdma_agent.proto import types_pb2
+
+__all__ = [
+    "ACCESS", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
+    "OP_TYPE", "PENDING", "SOCKET_ENV", "AgentClient", "AgentError", "ArgumentTypeError",
+    "Buffer", "InvalidArgumentError", "Notification", "NotificationBatch", "NotificationResult",
+    "NotificationStream", "Op", "OpResult", "SubmitResult", "Transfer", "TransferResult",
+    "decode_context", "status_code",
+]
 
 DEFAULT_SOCKET = "/run/rdma-agentd/agent.sock"
 # Names the agent's socket (a path or a "unix:" target) when none is given.
@@ -95,36 +116,95 @@ _STATE = {
 # --max_transfer_wait; wait() asks again).
 _LONGEST_POLL = 600.0
 
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 # Matches the agent's attach framing (common/fd_message.h).
 _MAX_ATTACH_MESSAGE = 64 * 1024
 
 
-def status_code(number):
-    """The grpc.StatusCode of a status number (UNKNOWN if it is not one)."""
-    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-class AgentError(Exception):
-    """An RPC or attach-socket request the agent (or the transport) refused."""
+def _check_count(what: str, value: object, positive: bool = False) -> int:
+    """`value` as a byte count or offset: an int >= 0 (> 0 if `positive`)."""
+    if not _is_int(value):
+        raise wrong_type(what, value, "an int (bytes)")
+    assert isinstance(value, int)
+    if value < (1 if positive else 0) or value > (1 << 64) - 1:
+        raise invalid("%s %d must be %s and below 2**64" % (
+            what, value, "a positive number of bytes" if positive else ">= 0"))
+    return value
 
-    def __init__(self, code, message):
-        super().__init__("%s: %s" % (code.name, message))
-        self.code = code
-        self.message = message
+
+def _shape(call: str, shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise wrong_type("%s: shape" % call, shape, "an int or a sequence of ints") from None
+    return tuple(_check_count("%s: shape" % call, extent) for extent in dims)
 
 
-# One op of a Submit. `type` is "read" (READ_INTO_LOCAL: remote -> local) or
-# "write" (WRITE_FROM_LOCAL: local -> remote); `remote_context` is the
-# serialized RemoteBuffer (bytes) of the other side.
-Op = namedtuple("Op", "type local_buffer_id local_offset length remote_context remote_offset")
+# What an Op's local side may be: a buffer id, a Buffer, or a tensor, array
+# or buffer-protocol object inside a registration of the same client.
+Local = Any
+# What an Op's remote side may be: a remote context (bytes) or a Buffer
+# (its remote_context).
+Remote = Union[bytes, "Buffer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op of a batch.
+
+    `type`: "read" (READ_INTO_LOCAL: remote -> local) or "write"
+    (WRITE_FROM_LOCAL: local -> remote). `local`: a buffer id, a Buffer, or
+    a tensor/array/bytearray inside a registration made by the submitting
+    client (then offsets count from the object's first byte). `remote`: the
+    other side's remote context (bytes) or a Buffer. `length` None: the rest
+    of the local side from `local_offset` (a whole tensor or array), cut to
+    the rest of the remote buffer from `remote_offset`.
+    """
+
+    type: str | int
+    local: Local
+    local_offset: int = 0
+    length: int | None = None
+    remote: Remote = b""
+    remote_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, str):
+            if self.type not in OP_TYPE:
+                raise one_of("Op: type", self.type, OP_TYPE)
+        elif self.type not in OP_TYPE.values():
+            raise one_of("Op: type", self.type, OP_TYPE)
+        if _is_int(self.local):
+            _check_count("Op: local buffer id", self.local)
+        _check_count("Op: local_offset", self.local_offset)
+        _check_count("Op: remote_offset", self.remote_offset)
+        if self.length is not None:
+            _check_count("Op: length", self.length)
+        if isinstance(self.remote, Buffer):
+            return
+        if not isinstance(self.remote, (bytes, bytearray, memoryview)):
+            raise wrong_type("Op: remote", self.remote,
+                             "a remote context (bytes) or a Buffer")
+        if len(self.remote) == 0:
+            raise invalid("Op: remote is empty: pass the other side's remote context")
+
+    @property
+    def remote_context(self) -> bytes:
+        if isinstance(self.remote, Buffer):
+            return self.remote.remote_context
+        return bytes(self.remote)
 
 
 class OpResult(namedtuple("OpResult", "code message backend")):
     """What happened to one op: a grpc.StatusCode, its message, the backend."""
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         return self.code == grpc.StatusCode.OK
 
 
@@ -136,7 +216,7 @@ class NotificationResult(namedtuple("NotificationResult",
     failed (never resent)."""
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         return self.code == grpc.StatusCode.OK
 
 
@@ -158,12 +238,12 @@ class NotificationBatch(namedtuple("NotificationBatch", "notifications dropped")
     were dropped (queue full) since the last answer that said so."""
 
 
-def _notification_results(messages):
+def _notification_results(messages: Iterable[Any]) -> list[NotificationResult]:
     return [NotificationResult(n.agent_id, n.buffer_id, status_code(n.code), n.message,
                                n.backend) for n in messages]
 
 
-def _notification(message):
+def _notification(message: Any) -> Notification:
     return Notification(message.from_agent_id, message.buffer_id, message.data,
                         _seconds(message, "receive_time"), message.sequence)
 
@@ -182,19 +262,19 @@ class TransferResult(namedtuple(
     """
 
     @property
-    def ended(self):
+    def ended(self) -> bool:
         return self.state != PENDING
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         return self.state == DONE
 
 
-def _seconds(message, field):
+def _seconds(message: Any, field: str) -> float | None:
     return getattr(message, field).ToNanoseconds() / 1e9 if message.HasField(field) else None
 
 
-def _transfer_result(message):
+def _transfer_result(message: Any) -> TransferResult:
     return TransferResult(
         message.transfer_id, _STATE.get(message.state, FAILED),
         [OpResult(status_code(r.code), r.message, r.backend) for r in message.results],
@@ -202,7 +282,7 @@ def _transfer_result(message):
         _seconds(message, "end_time"), _notification_results(message.notifications))
 
 
-def _duration(seconds):
+def _duration(seconds: float) -> Any:
     return duration_pb2.Duration(seconds=int(seconds),
                                  nanos=int(round((seconds - int(seconds)) * 1e9)))
 
@@ -213,11 +293,11 @@ class _Record:
 
     __slots__ = ("transfer_id", "end", "confirmed", "future", "__weakref__")
 
-    def __init__(self, transfer_id):
+    def __init__(self, transfer_id: int) -> None:
         self.transfer_id = transfer_id
-        self.end = None           # the TransferResult once ended; never changes
+        self.end: TransferResult | None = None  # the TransferResult once ended; never changes
         self.confirmed = False    # the agent has answered for this id
-        self.future = concurrent.futures.Future()
+        self.future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
 
 
 class Transfer:
@@ -238,20 +318,20 @@ class Transfer:
     wrap_future only schedules onto its loop, which is fine).
     """
 
-    def __init__(self, client, record):
+    def __init__(self, client: AgentClient, record: _Record) -> None:
         self._client = client
         self._record = record
         self.transfer_id = record.transfer_id
 
     @property
-    def future(self):
+    def future(self) -> concurrent.futures.Future[TransferResult]:
         return self._record.future
 
-    def done(self):
+    def done(self) -> bool:
         """True once the client knows the end."""
         return self._record.end is not None
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> TransferResult:
         """The final TransferResult, once ended (whatever its state: check
         `.ok`); AgentError DEADLINE_EXCEEDED if it did not end within
         `timeout` seconds (None: no bound; 0: look once). With the watch it
@@ -262,7 +342,7 @@ class Transfer:
         GetTransfers of another client, or expired)."""
         return self._client._wait(self._record, timeout)
 
-    def result(self, timeout=None):
+    def result(self, timeout: float | None = None) -> TransferResult:
         """As wait(), with concurrent.futures' manners: TimeoutError instead
         of AgentError DEADLINE_EXCEEDED."""
         try:
@@ -272,46 +352,59 @@ class Transfer:
                 raise TimeoutError(error.message) from None
             raise
 
-    def poll(self):
+    def poll(self) -> TransferResult:
         """The TransferResult now: the end once known, else the agent's answer
         (PENDING with no results while it runs)."""
         return self._client._poll(self._record)
 
-    def cancel(self):
+    def cancel(self) -> TransferResult:
         """Stops the transfer (CancelTransfer): ops not started never start,
         ops in flight stop, and once this returns nothing of the transfer
         reads or writes local memory. Returns the final TransferResult:
         CANCELLED, or the state it had already ended in."""
         return self._client._cancel(self._record)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, TransferResult]:
         return asyncio.wrap_future(self._record.future).__await__()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         end = self._record.end
         return "Transfer(%d, %s)" % (self.transfer_id, end.state if end else PENDING)
 
 
-def _access(access):
-    return ACCESS[access] if isinstance(access, str) else access
+def _named(what: str, table: Mapping[str, int], value: str | int) -> int:
+    """The enum number of `value`, a name in `table` or one of its numbers."""
+    if isinstance(value, str):
+        if value not in table:
+            raise one_of(what, value, table)
+        return table[value]
+    if not _is_int(value):
+        raise wrong_type(what, value, "one of " + ", ".join(repr(k) for k in table))
+    if value not in table.values():
+        raise one_of(what, value, table)
+    return value
 
 
-def _lifetime(lifetime):
-    return LIFETIME[lifetime] if isinstance(lifetime, str) else lifetime
+def _access(access: str | int, call: str = "register") -> int:
+    return _named("%s: access" % call, ACCESS, access)
 
 
-def _memory_kind(kind):
-    return MEMORY_KIND[kind] if isinstance(kind, str) else kind
+def _lifetime(lifetime: str | int, call: str = "register") -> int:
+    return _named("%s: lifetime" % call, LIFETIME, lifetime)
 
 
-def _rpc(call, request, timeout):
+def _memory_kind(kind: str | int) -> int:
+    return _named("register_dmabuf: kind", MEMORY_KIND, kind)
+
+
+def _rpc(call: Any, request: Any, timeout: float | None) -> Any:
     try:
         return call(request, timeout=timeout)
     except grpc.RpcError as error:
         raise AgentError(error.code(), error.details()) from None
 
 
-def _recv_exact(sock, size, fds):
+def _recv_exact(sock: socket.socket, size: int, fds: list[int]) -> bytes:
     """Receives exactly `size` bytes; fds that come along are appended."""
     data = b""
     while len(data) < size:
@@ -324,14 +417,15 @@ def _recv_exact(sock, size, fds):
     return data
 
 
-def _attach_exchange(path, request, fd, timeout):
+def _attach_exchange(path: str, request: Any, fd: int | None,
+                     timeout: float | None) -> tuple[Any, int | None]:
     """One request/response on the attach socket (attach.proto framing).
 
     Returns (AttachResponse, fd or None). The caller owns the returned fd.
     """
     body = request.SerializeToString()
     frame = struct.pack("<I", len(body)) + body
-    fds = []
+    fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
@@ -366,7 +460,7 @@ def _attach_exchange(path, request, fd, timeout):
     return response, (fds[0] if fds else None)
 
 
-def _check_range(what, buffer_id, offset, length):
+def _check_range(what: str, buffer_id: int, offset: int, length: int) -> None:
     # uint64 on the wire: an overflowing range cannot even be sent.
     if offset < 0 or length < 0 or offset + length > (1 << 64) - 1:
         raise AgentError(grpc.StatusCode.OUT_OF_RANGE,
@@ -374,69 +468,106 @@ def _check_range(what, buffer_id, offset, length):
                          % (what, buffer_id, offset, length))
 
 
-def _raise_for(response):
+def _raise_for(response: Any) -> None:
     if response.code != 0:
         raise AgentError(status_code(response.code), response.message)
 
 
 class Buffer:
-    """A registration mapped into this process (`memory`, an mmap).
+    """A registration of this process's memory.
 
-    Closing it (or leaving its `with` block) releases the registration, best
-    effort, unless release() was called, then unmaps the memory. `lifetime`
+    `memory` is the registered memory as this process sees it: an mmap for
+    allocate() and attach(), a memoryview of the pages for register() of an
+    existing object, None once closed (or, for tensor()/ndarray() memory,
+    once the tensor and its views are gone). `size` is the registration's
+    size in bytes; `offset` where the object a registration was made for
+    starts in it (0 but for register() of an existing object).
+
+    close() (or leaving its `with` block) releases the registration, best
+    effort, unless release() was called. It never unmaps memory: this
+    Buffer drops its reference, and the mapping goes when the last view of
+    it does (a torch.frombuffer or numpy view made of `memory` stays valid
+    memory of this process, no longer shared with the agent). `lifetime`
     is the Lifetime the agent keeps it with: by default it is released also
     when this process dies without closing it.
     """
 
-    def __init__(self, client, buffer_id, memory, remote_context, backends,
-                 lifetime=types_pb2.LIFETIME_AGENT):
+    def __init__(self, client: AgentClient, buffer_id: int, memory: Any,
+                 remote_context: bytes, backends: Iterable[str],
+                 lifetime: int = types_pb2.LIFETIME_AGENT, size: int | None = None,
+                 address: int = 0, offset: int = 0, owner: object = None) -> None:
         self._client = client
         self.id = buffer_id
-        self.size = len(memory)
-        self.memory = memory
+        self.size = len(memory) if size is None else size
+        self._memory = memory
+        self._memory_ref: weakref.ref[Any] | None = None
+        self.address = address
+        self.offset = offset
         self.remote_context = remote_context
         self.backends = list(backends)
         self.lifetime = lifetime
+        self._owner = owner  # what keeps adopted memory allocated
         self._released = False
 
-    def release(self):
+    @property
+    def memory(self) -> Any:
+        if self._memory is not None:
+            return self._memory
+        return self._memory_ref() if self._memory_ref is not None else None
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _hold_weakly(self) -> None:
+        """Keeps only a weak reference to `memory`: its views keep it."""
+        self._memory_ref = weakref.ref(self._memory)
+        self._memory = None
+
+    def release(self) -> None:
         """Releases the registration now (AgentError if the agent refuses).
 
-        The mapping stays until close(); close() will not release again.
+        The memory stays mapped; close() will not release again.
         """
         if self._released:
             raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
                              "Release: buffer %d was already released" % self.id)
         self._released = True
+        self._client._forget(self.id)
         self._client.release(self.id)
 
-    def close(self):
+    def close(self) -> None:
+        """Releases (best effort) and drops this Buffer's hold on the memory;
+        live views keep theirs."""
         if not self._released:
             self._released = True
+            self._client._forget(self.id)
             try:
                 self._client.release(self.id)
             except AgentError:
                 pass  # best effort, as documented
-        if self.memory is not None:
-            self.memory.close()
-            self.memory = None
+        self._memory = None
+        self._memory_ref = None
+        self._owner = None
 
-    def __enter__(self):
+    def __enter__(self) -> Buffer:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
-        # Only unmaps: the channel may already be gone at interpreter exit.
-        if getattr(self, "memory", None) is not None:
-            try:
-                self.memory.close()
-            except (BufferError, ValueError):
-                pass
+    def __repr__(self) -> str:
+        return "Buffer(id=%d, size=%d%s)" % (self.id, self.size,
+                                             ", released" if self._released else "")
 
 
-def _probe_socket(path):
+# Every Buffer of every client of this process with memory mapped here, for
+# register_memory()'s overlap check.
+_MAPPED: weakref.WeakSet[Buffer] = weakref.WeakSet()
+_MAPPED_LOCK = threading.Lock()
+
+
+def _probe_socket(path: str) -> None:
     """Fails at once, naming the errno, when `path` cannot be connected to."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -470,8 +601,8 @@ class AgentClient:
     either) and futures resolve only through wait(), poll() and cancel().
     """
 
-    def __init__(self, socket_path=None, attach_socket=None,
-                 timeout=30.0, chunk_bytes=1 << 20, watch=True):
+    def __init__(self, socket_path: str | None = None, attach_socket: str | None = None,
+                 timeout: float = 30.0, chunk_bytes: int = 1 << 20, watch: bool = True) -> None:
         path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         for prefix in ("unix://", "unix:"):
             if path.startswith(prefix):
@@ -503,20 +634,32 @@ class AgentClient:
         # progress, kept until every such call has claimed its own.
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._records = weakref.WeakValueDictionary()
-        self._pending = {}
+        self._records: weakref.WeakValueDictionary[int, _Record] = \
+            weakref.WeakValueDictionary()
+        self._pending: dict[int, _Record] = {}
         self._last_ticket = 0
-        self._submitting = set()
-        self._unclaimed = {}
+        self._submitting: set[int] = set()
+        self._unclaimed: dict[int, tuple[TransferResult, int]] = {}
         self._watch_enabled = watch
         self._watching = False
-        self._watch_call = None
-        self._watch_thread = None
+        self._watch_call: Any = None
+        self._watch_thread: threading.Thread | None = None
         self._closing = False
+        # This client's registrations of local memory, for ops that name a
+        # tensor or array and for sizes: mapped ones weakly (their owner
+        # closes them), born and adopted ones strongly (born ones until
+        # their memory is gone, adopted ones until closed).
+        self._regions: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
+        self._kept: dict[int, Buffer] = {}
+        # Ids of born registrations whose memory went away (appended by a
+        # finalizer, on any thread): released at the next call.
+        self._gone: collections.deque[int] = collections.deque()
 
-    def close(self):
-        """Stops the watch (pending futures fail with AgentError CANCELLED)
-        and closes the channel."""
+    def close(self) -> None:
+        """Releases born registrations whose memory is gone, stops the watch
+        (pending futures fail with AgentError CANCELLED) and closes the
+        channel."""
+        self._release_gone()
         with self._lock:
             self._closing = True
             call, thread = self._watch_call, self._watch_thread
@@ -526,31 +669,49 @@ class AgentClient:
             thread.join()
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> AgentClient:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def info(self):
+    def info(self) -> agent_pb2.AgentInfo:
         """The agent's AgentInfo (id, epoch, version, backends)."""
+        self._release_gone()
         return _rpc(self.stub.GetInfo, agent_pb2.GetInfoRequest(), self.timeout)
 
-    def register(self, size, access="read_write", label="", lifetime="agent"):
-        """Agent-allocated registration, not mapped here and, by default, never
-        released automatically, not even when this process exits: the
-        RegisterResponse (buffer_id, remote_context, lifetime, ...)."""
+    def register(self, what: int | Any, access: str | int = "read_write", label: str = "",
+                 lifetime: str | int = "process", share_edge_pages: bool = False) -> Any:
+        """Registers memory with the agent.
+
+        `what` an int: the agent allocates that many bytes, not mapped here
+        (see allocate() for mapped memory); returns the RegisterResponse
+        (buffer_id, remote_context, lifetime, ...). Anything else: memory
+        this process already has, registered in place (register_memory());
+        returns a Buffer. `access`: "read", "write" or "read_write";
+        `lifetime`: "process" (default: released when this process exits or
+        dies), "connection" (when this client's connection closes) or
+        "agent" (only by release())."""
+        if not _is_int(what):
+            return self.register_memory(what, access, label, lifetime, share_edge_pages)
+        size = _check_count("register: size", what, positive=True)
+        self._release_gone()
         return _rpc(self.stub.Register,
-                    agent_pb2.RegisterRequest(allocate_bytes=size, access=_access(access),
-                                              label=label, lifetime=_lifetime(lifetime)),
+                    agent_pb2.RegisterRequest(allocate_bytes=size,
+                                              access=_access(access, "register"),
+                                              label=label,
+                                              lifetime=_lifetime(lifetime, "register")),
                     self.timeout)
 
-    def allocate(self, size, access="read_write", label="", lifetime="process"):
+    def allocate(self, size: int, access: str | int = "read_write", label: str = "",
+                 lifetime: str | int = "process") -> Buffer:
         """Agent allocates; the memory is mapped here through the fd the
         attach socket returns (OpenBuffer). Returns a Buffer. `lifetime`: by
         default the agent releases it if this process dies without closing
         it; "agent" keeps it until released."""
-        response = self.register(size, access, label, lifetime)
+        size = _check_count("allocate: size", size, positive=True)
+        response = self.register(size, _access(access, "allocate"), label,
+                                 _lifetime(lifetime, "allocate"))
         try:
             reply, fd = _attach_exchange(
                 self.attach_socket,
@@ -571,44 +732,227 @@ class AgentClient:
             except AgentError:
                 pass
             raise
-        return Buffer(self, response.buffer_id, memory, response.remote_context,
-                      response.backends, response.lifetime)
+        return self._track(Buffer(self, response.buffer_id, memory, response.remote_context,
+                                  response.backends, response.lifetime,
+                                  address=_memory.address_of(memory)))
 
-    def attach(self, size, access="read_write", label="", lifetime="process"):
+    def attach(self, size: int, access: str | int = "read_write", label: str = "",
+               lifetime: str | int = "process") -> Buffer:
         """This process creates a memfd (sealed against shrinking), maps it,
         hands it to the agent on the attach socket and registers it.
         `lifetime` as for allocate()."""
-        if size <= 0:
-            raise AgentError(grpc.StatusCode.INVALID_ARGUMENT, "size must be positive")
+        size = _check_count("attach: size", size, positive=True)
+        access_number = _access(access, "attach")
+        lifetime_number = _lifetime(lifetime, "attach")
+        self._release_gone()
         fd = os.memfd_create(label or "rdma-agent-client",
                              os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             memory = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            reply, extra = _attach_exchange(
-                self.attach_socket, attach_pb2.AttachRequest(attach=attach_pb2.AttachMemory()),
-                fd, self.timeout)
+            response = self._register_fd(fd, access_number, label, lifetime_number)
         finally:
             os.close(fd)  # the agent has its own reference; ours is the mapping
+        return self._track(Buffer(self, response.buffer_id, memory, response.remote_context,
+                                  response.backends, response.lifetime,
+                                  address=_memory.address_of(memory)))
+
+    def _register_fd(self, fd: int, access: int, label: str,
+                     lifetime: int) -> agent_pb2.RegisterResponse:
+        """Hands a memfd to the agent (attach socket) and registers it."""
+        reply, extra = _attach_exchange(
+            self.attach_socket, attach_pb2.AttachRequest(attach=attach_pb2.AttachMemory()),
+            fd, self.timeout)
         if extra is not None:
             os.close(extra)
-        try:
-            _raise_for(reply)
-            response = _rpc(self.stub.Register,
-                            agent_pb2.RegisterRequest(attach_token=reply.attach_token,
-                                                      access=_access(access), label=label,
-                                                      lifetime=_lifetime(lifetime)),
-                            self.timeout)
-        except BaseException:
-            memory.close()
-            raise
-        return Buffer(self, response.buffer_id, memory, response.remote_context,
-                      response.backends, response.lifetime)
+        _raise_for(reply)
+        return _rpc(self.stub.Register,
+                    agent_pb2.RegisterRequest(attach_token=reply.attach_token, access=access,
+                                              label=label, lifetime=lifetime),
+                    self.timeout)
 
-    def register_dmabuf(self, fd, offset, length, kind="cuda", device=0,
-                        access="read_write", label="", lifetime="process",
-                        pci_bus_id=None):
+    # -- tensors, arrays and memory the caller already has -----------------
+
+    def _track(self, buffer: Buffer, keep: bool = False) -> Buffer:
+        with _MAPPED_LOCK:
+            _MAPPED.add(buffer)
+        with self._lock:
+            self._regions[buffer.id] = buffer
+            if keep:
+                self._kept[buffer.id] = buffer
+        return buffer
+
+    def _forget(self, buffer_id: int) -> None:
+        with self._lock:
+            self._regions.pop(buffer_id, None)
+            self._kept.pop(buffer_id, None)
+
+    def _release_gone(self) -> None:
+        while self._gone:
+            buffer_id = self._gone.popleft()
+            buffer = self._kept.get(buffer_id)
+            if buffer is not None and not buffer.released:
+                buffer.close()
+
+    def _born(self, nbytes: int, call: str, access: str | int, label: str,
+              lifetime: str | int) -> tuple[Buffer, mmap.mmap]:
+        """An attached registration whose mapping is kept alive only by the
+        views made of it; released once they are all gone."""
+        if nbytes <= 0:
+            raise invalid("%s: the shape holds no elements (a registration needs bytes)"
+                          % call)
+        buffer = self.attach(nbytes, access, label, lifetime)
+        memory = buffer.memory
+        buffer._hold_weakly()
+        weakref.finalize(memory, self._gone.append, buffer.id)
+        self._track(buffer, keep=True)
+        return buffer, memory
+
+    def tensor(self, shape: int | Sequence[int], dtype: Any = None,
+               access: str | int = "read_write", label: str = "",
+               lifetime: str | int = "process") -> Any:
+        """A torch CPU tensor (zeros, default dtype torch.float32) born
+        registered: its memory is a memfd the agent shares. The registration
+        lives while the tensor or any view of it does (then it is released
+        at this client's next call or close()); buffer_of() finds it and an
+        Op takes the tensor as its local side."""
+        import torch
+        dtype = torch.float32 if dtype is None else dtype
+        dims = _shape("tensor", shape)
+        count = 1
+        for extent in dims:
+            count *= extent
+        element = torch.empty((), dtype=dtype).element_size()
+        _, memory = self._born(count * element, "tensor", access, label, lifetime)
+        return torch.frombuffer(memory, dtype=dtype, count=count).view(dims)
+
+    def ndarray(self, shape: int | Sequence[int], dtype: Any = None,
+                access: str | int = "read_write", label: str = "",
+                lifetime: str | int = "process") -> Any:
+        """A numpy array (zeros, default dtype float32) born registered, as
+        tensor()."""
+        import numpy
+        dtype = numpy.dtype(numpy.float32 if dtype is None else dtype)
+        dims = _shape("ndarray", shape)
+        count = 1
+        for extent in dims:
+            count *= extent
+        _, memory = self._born(count * dtype.itemsize, "ndarray", access, label, lifetime)
+        return numpy.frombuffer(memory, dtype=dtype, count=count).reshape(dims)
+
+    def empty_like(self, like: Any, access: str | int = "read_write", label: str = "",
+                   lifetime: str | int = "process") -> Any:
+        """A born-registered tensor or array of the shape and dtype of `like`
+        (a torch tensor or a numpy array), zero-filled."""
+        if type(like).__module__.startswith("torch"):
+            return self.tensor(tuple(like.shape), like.dtype, access, label, lifetime)
+        if type(like).__module__ == "numpy":
+            return self.ndarray(like.shape, like.dtype, access, label, lifetime)
+        raise wrong_type("empty_like: like", like, "a torch tensor or a numpy array")
+
+    def register_memory(self, obj: Any, access: str | int = "read_write", label: str = "",
+                        lifetime: str | int = "process",
+                        share_edge_pages: bool = False) -> Buffer:
+        """Registers memory this process already has — a contiguous torch CPU
+        tensor, a numpy array, a bytearray or another writable buffer — in
+        place: its pages become pages of a memfd the agent shares, at the
+        same addresses (rdma_agent.memory: one copy now, zero copy for every
+        transfer after; existing views stay valid). Returns a Buffer whose
+        `offset` is where `obj` starts in it; the Buffer keeps `obj` alive
+        until close().
+
+        The registration holds the whole pages `obj` touches. When `obj`
+        does not start and end on page boundaries, bytes of other objects in
+        its first and last page become reachable by holders of the remote
+        context: pass share_edge_pages=True to accept that, or allocate
+        with tensor()/ndarray() instead. Memory already inside a
+        registration of this client is refused (moving it again would cut
+        the first registration off from it)."""
+        address, length = _memory.span(obj, "register_memory")
+        if length == 0:
+            raise invalid("register_memory: the %s holds no bytes" % type(obj).__name__)
+        # A buffer export, where the object has one, also keeps it from being
+        # resized (moved) while the registration or a view of it lives.
+        owner = obj if type(obj).__module__.startswith("torch") else memoryview(obj)
+        return self.register_range(address, length, access, label, lifetime, share_edge_pages,
+                                   owner=owner, what=type(obj).__name__)
+
+    def register_range(self, address: int, length: int, access: str | int = "read_write",
+                       label: str = "", lifetime: str | int = "process",
+                       share_edge_pages: bool = False, owner: object = None,
+                       what: str = "memory") -> Buffer:
+        """register_memory() of the `length` bytes at `address` of this
+        process (e.g. a tensor's data_ptr()), which the caller keeps mapped
+        and allocated until the Buffer is closed (`owner`, if given, is kept
+        alive until then)."""
+        address = _check_count("register_range: address", address, positive=True)
+        length = _check_count("register_range: length", length, positive=True)
+        obj_name = what
+        access_number = _access(access, "register_memory")
+        lifetime_number = _lifetime(lifetime, "register_memory")
+        first, size = _memory.page_span(address, length)
+        if not share_edge_pages and (first != address or size != length):
+            raise invalid(
+                "register_memory: the %s at 0x%x (%d bytes) does not fill whole pages of "
+                "%d bytes, so its registration would expose the bytes sharing its first and "
+                "last page; pass share_edge_pages=True to accept that, or allocate it "
+                "registered with tensor()/ndarray()"
+                % (obj_name, address, length, _memory.PAGE))
+        self._release_gone()
+        with _MAPPED_LOCK:
+            # Any client of this process: moving pages that a registration
+            # (or a live mapping) already holds would cut them off from it.
+            for other in list(_MAPPED):
+                if other.memory is not None and \
+                        other.address < first + size and first < other.address + other.size:
+                    raise invalid("register_memory: the %s at 0x%x shares pages with "
+                                  "buffer %d of %s" % (obj_name, address, other.id,
+                                                       "this client" if other._client is self
+                                                       else "another client of this process"))
+            fd, first, size = _memory.move_onto_memfd(address, length, label)
+        try:
+            response = self._register_fd(fd, access_number, label, lifetime_number)
+        finally:
+            os.close(fd)
+        pages = (ctypes.c_char * size).from_address(first)
+        # Views of `memory` keep the pages' object allocated, as views of an
+        # mmap keep the mapping.
+        pages._owner = owner  # type: ignore[attr-defined]
+        return self._track(Buffer(self, response.buffer_id, memoryview(pages).cast("B"),
+                                  response.remote_context, response.backends,
+                                  response.lifetime, size=size, address=first,
+                                  offset=address - first, owner=owner), keep=True)
+
+    def buffer_of(self, obj: Any) -> tuple[Buffer, int]:
+        """The registration of this client that holds `obj` (a tensor, an
+        array or a buffer), and the offset of `obj` in it. InvalidArgumentError
+        when none does."""
+        if isinstance(obj, Buffer):
+            return obj, 0
+        address, length = _memory.span(obj, "buffer_of")
+        found = self.find_range(address, length)
+        if found is not None:
+            return found
+        raise invalid("the %s at 0x%x (%d bytes) is not inside a registration of this client "
+                      "(register it, or make it with tensor()/ndarray())"
+                      % (type(obj).__name__, address, length))
+
+    def find_range(self, address: int, length: int) -> tuple[Buffer, int] | None:
+        """The registration of this client holding the `length` bytes at
+        `address`, and their offset in it; None if none does."""
+        with self._lock:
+            for buffer in list(self._regions.values()):
+                if buffer.released:
+                    continue
+                if buffer.address <= address and address + length <= buffer.address + buffer.size:
+                    return buffer, address - buffer.address
+        return None
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, kind: str | int = "cuda",
+                        device: int = 0, access: str | int = "read_write", label: str = "",
+                        lifetime: str | int = "process",
+                        pci_bus_id: str | None = None) -> agent_pb2.RegisterResponse:
         """Registers device memory (a GPU's) that this process exported as a
         dma-buf `fd` (e.g. cuda-python's cuMemGetHandleForAddressRange with
         CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD): the bytes [offset, offset +
@@ -635,20 +979,60 @@ class AgentClient:
                                               lifetime=_lifetime(lifetime)),
                     self.timeout)
 
-    @staticmethod
-    def _submit_request(ops, timeout, notification=None):
+    def _resolve_local(self, index: int, op: Op) -> tuple[int, int, int | None]:
+        """(buffer id, offset of the op's local side in it, bytes of the local
+        side from there or None if unknown)."""
+        if _is_int(op.local):
+            buffer = self._regions.get(op.local)
+            return op.local, 0, None if buffer is None else buffer.size
+        try:
+            buffer, start = self.buffer_of(op.local)
+        except (InvalidArgumentError, ArgumentTypeError) as error:
+            raise type(error)(error.code, "op %d: local: %s" % (index, error.message)) from None
+        if isinstance(op.local, Buffer):
+            return buffer.id, 0, buffer.size
+        return buffer.id, start, _memory.span(op.local)[1]
+
+    def _op_message(self, index: int, op: Op) -> dict[str, Any]:
+        buffer_id, start, local_size = self._resolve_local(index, op)
+        if local_size is not None and op.local_offset > local_size:
+            raise invalid("op %d: local_offset %d is past the %d bytes of its local side"
+                          % (index, op.local_offset, local_size))
+        remote_context = op.remote_context
+        length = op.length
+        if length is None:
+            rests = []
+            if local_size is not None:
+                rests.append(local_size - op.local_offset)
+            try:
+                remote_size = decode_context(remote_context).size_bytes
+            except Exception:  # malformed: the agent says so
+                remote_size = 0
+            if remote_size:
+                rests.append(max(0, remote_size - op.remote_offset))
+            if not rests:
+                raise invalid("op %d: length is needed (the local buffer %d is not this "
+                              "client's and the remote context has no size)"
+                              % (index, buffer_id))
+            length = min(rests)
+        return dict(type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
+                    local_buffer_id=buffer_id, local_offset=start + op.local_offset,
+                    length=length, remote_context=remote_context,
+                    remote_offset=op.remote_offset)
+
+    def _submit_request(self, ops: Iterable[Op], timeout: float | None,
+                        notification: bytes | str | None = None) -> agent_pb2.SubmitRequest:
+        self._release_gone()
         request = agent_pb2.SubmitRequest(notification=_as_bytes(notification))
-        for op in ops:
-            request.ops.add(type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
-                            local_buffer_id=op.local_buffer_id,
-                            local_offset=op.local_offset, length=op.length,
-                            remote_context=op.remote_context,
-                            remote_offset=op.remote_offset)
+        for index, op in enumerate(ops):
+            if not isinstance(op, Op):
+                raise wrong_type("op %d" % index, op, "an rdma_agent.Op")
+            request.ops.add(**self._op_message(index, op))
         if timeout is not None:
             request.timeout.CopyFrom(_duration(timeout))
         return request
 
-    def submit(self, ops, timeout=None):
+    def submit(self, ops: Iterable[Op], timeout: float | None = None) -> list[OpResult]:
         """Runs `ops` (Op tuples) as one batch: one OpResult per op. `timeout`
         (seconds) bounds the batch on the agent; None = the agent's default."""
         request = self._submit_request(ops, timeout)
@@ -656,7 +1040,8 @@ class AgentClient:
         response = _rpc(self.stub.Submit, request, deadline)
         return [OpResult(status_code(r.code), r.message, r.backend) for r in response.results]
 
-    def submit_notify(self, ops, notification, timeout=None):
+    def submit_notify(self, ops: Iterable[Op], notification: bytes | str,
+                      timeout: float | None = None) -> SubmitResult:
         """submit() that also sends `notification` (bytes or str, at most the
         agent's --max_notification_bytes) to the owner of each remote buffer
         the batch targets, once every op on its agent has succeeded. Returns
@@ -668,22 +1053,24 @@ class AgentClient:
             [OpResult(status_code(r.code), r.message, r.backend) for r in response.results],
             _notification_results(response.notifications))
 
-    def get_notifications(self, wait=0, max_count=0):
+    def get_notifications(self, wait: float = 0, max_count: int = 0) -> NotificationBatch:
         """Takes this user's queued notifications (at most `max_count`; 0 =
         the agent's most), waiting up to `wait` seconds for the first one.
         Returns a NotificationBatch; each notification is returned once."""
+        self._release_gone()
         request = agent_pb2.GetNotificationsRequest(wait=_duration(wait), max_count=max_count)
         response = _rpc(self.stub.GetNotifications, request, wait + self.timeout)
         return NotificationBatch([_notification(n) for n in response.notifications],
                                  response.dropped)
 
-    def watch_notifications(self):
+    def watch_notifications(self) -> NotificationStream:
         """A NotificationStream: iterate it for (Notification or None, dropped)
         pairs as notifications arrive (first those queued), until close()."""
         return NotificationStream(
             self.stub.WatchNotifications(agent_pb2.WatchNotificationsRequest()))
 
-    def submit_async(self, ops, timeout=None, notification=None):
+    def submit_async(self, ops: Iterable[Op], timeout: float | None = None,
+                     notification: bytes | str | None = None) -> Transfer:
         """Starts `ops` as one asynchronous transfer and returns its Transfer
         once the agent has accepted it. A bad batch raises AgentError with
         submit()'s codes (RESOURCE_EXHAUSTED beyond the agent's transfers in
@@ -713,9 +1100,10 @@ class AgentClient:
                 self._prune_unclaimed_locked()
             if record is not None and record.end is not None:
                 self._settle(record.future, record.end)
+        assert record is not None  # the RPC raised otherwise
         return Transfer(self, record)
 
-    def transfer(self, transfer_id):
+    def transfer(self, transfer_id: int) -> Transfer:
         """A Transfer for an id of this user submitted elsewhere (another
         process, rdma-agentctl submit --async); no RPC: an id the agent does
         not know raises NOT_FOUND from wait(), poll() and cancel()."""
@@ -726,7 +1114,7 @@ class AgentClient:
 
     # -- asynchronous transfers: the client's side ------------------------
 
-    def _record_locked(self, transfer_id):
+    def _record_locked(self, transfer_id: int) -> _Record:
         record = self._records.get(transfer_id)
         if record is None:
             record = _Record(transfer_id)
@@ -739,7 +1127,7 @@ class AgentClient:
                 self._pending[transfer_id] = record
         return record
 
-    def _prune_unclaimed_locked(self):
+    def _prune_unclaimed_locked(self) -> None:
         # A submit_async() can claim an end only if it was in progress when
         # the end arrived: its ticket is at most the end's horizon.
         oldest = min(self._submitting) if self._submitting else self._last_ticket + 1
@@ -748,17 +1136,18 @@ class AgentClient:
             del self._unclaimed[transfer_id]
 
     @staticmethod
-    def _settle(future, end=None, error=None):
+    def _settle(future: concurrent.futures.Future[TransferResult],
+                end: TransferResult | None = None, error: BaseException | None = None) -> None:
         """Resolves a future once; a future its user cancelled stays so."""
         try:
-            if error is None:
-                future.set_result(end)
-            else:
+            if error is not None:
                 future.set_exception(error)
+            elif end is not None:
+                future.set_result(end)
         except concurrent.futures.InvalidStateError:
             pass
 
-    def _resolve(self, record, end):
+    def _resolve(self, record: _Record, end: TransferResult) -> TransferResult:
         """Records `end` unless an end is known; returns the end in force."""
         with self._lock:
             if record.end is not None:
@@ -769,7 +1158,7 @@ class AgentClient:
         self._settle(record.future, end)
         return end
 
-    def _ensure_watch(self):
+    def _ensure_watch(self) -> None:
         if not self._watch_enabled:
             return
         with self._lock:
@@ -783,7 +1172,7 @@ class AgentClient:
                 name="rdma-xfer-watch", daemon=True)
             self._watch_thread.start()
 
-    def _watch_loop(self, call):
+    def _watch_loop(self, call: Any) -> None:
         why = AgentError(grpc.StatusCode.UNAVAILABLE, "the agent ended the WatchTransfers stream")
         try:
             for event in call:
@@ -806,7 +1195,7 @@ class AgentClient:
                 why.code, "transfer %d: the watch ended before its end arrived: %s"
                 % (record.transfer_id, why.message)))
 
-    def _delivered(self, end):
+    def _delivered(self, end: TransferResult) -> None:
         with self._lock:
             record = self._pending.get(end.transfer_id)
             if record is None:
@@ -820,10 +1209,10 @@ class AgentClient:
             self._changed.notify_all()
         self._settle(record.future, end)
 
-    def _on_watch_thread(self):
+    def _on_watch_thread(self) -> bool:
         return threading.current_thread() is self._watch_thread
 
-    def _await_end(self, record, deadline):
+    def _await_end(self, record: _Record, deadline: float | None) -> str:
         """Waits without an RPC for the watch to bring the end: "ended",
         "timeout" (a watch still runs) or "nowatch"."""
         with self._lock:
@@ -837,19 +1226,19 @@ class AgentClient:
                 return "ended"
             return "nowatch"
 
-    def _watch_serves(self, record):
+    def _watch_serves(self, record: _Record) -> bool:
         with self._lock:
             return self._watching and record.transfer_id in self._pending and \
                 not self._on_watch_thread()
 
-    def _get_transfer(self, transfer_id, wait):
+    def _get_transfer(self, transfer_id: int, wait: float) -> Any:
         wait = max(0.0, min(wait, _LONGEST_POLL))
         request = agent_pb2.GetTransfersRequest(transfer_ids=[transfer_id])
         if wait > 0:
             request.wait.CopyFrom(_duration(wait))
         return _rpc(self.stub.GetTransfers, request, wait + self.timeout).transfers[0]
 
-    def _wait(self, record, timeout):
+    def _wait(self, record: _Record, timeout: float | None) -> TransferResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         asked = False
         while True:
@@ -861,7 +1250,7 @@ class AgentClient:
                                  "callback) would wait for itself" % record.transfer_id)
             if record.confirmed and self._watch_serves(record):
                 outcome = self._await_end(record, deadline)
-                if outcome == "ended":
+                if outcome == "ended" and record.end is not None:
                     return record.end
                 if outcome == "timeout":
                     break
@@ -879,12 +1268,12 @@ class AgentClient:
         raise AgentError(grpc.StatusCode.DEADLINE_EXCEEDED,
                          "transfer %d did not end within %ss" % (record.transfer_id, timeout))
 
-    def _poll(self, record):
+    def _poll(self, record: _Record) -> TransferResult:
         if record.end is not None:
             return record.end
         return self._ask(record, 0.0)
 
-    def _ask(self, record, wait):
+    def _ask(self, record: _Record, wait: float) -> TransferResult:
         """GetTransfers for `record`, long-polling up to `wait` s: its end
         (kept), or its PENDING state (the agent is then known to have it).
         NOT_FOUND means what it says: the agent's watch streams never take
@@ -897,7 +1286,7 @@ class AgentClient:
             record.confirmed = True
         return result
 
-    def _cancel(self, record):
+    def _cancel(self, record: _Record) -> TransferResult:
         if record.end is not None:  # ended: nothing to stop
             return record.end
         response = _rpc(self.stub.CancelTransfer,
@@ -905,17 +1294,18 @@ class AgentClient:
                         self.timeout)
         return self._resolve(record, _transfer_result(response.transfer))
 
-    def release(self, buffer_id):
+    def release(self, buffer_id: int) -> None:
         _rpc(self.stub.Release, agent_pb2.ReleaseRequest(buffer_id=buffer_id), self.timeout)
 
-    def list_buffers(self, all_users=False):
+    def list_buffers(self, all_users: bool = False) -> list[agent_pb2.BufferInfo]:
         """This user's registrations (BufferInfo messages); with `all_users`,
         every user's (root only: AgentError PERMISSION_DENIED otherwise)."""
+        self._release_gone()
         return list(_rpc(self.stub.ListBuffers,
                          agent_pb2.ListBuffersRequest(all_users=all_users),
                          self.timeout).buffers)
 
-    def read_buffer(self, buffer_id, offset, length):
+    def read_buffer(self, buffer_id: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) of a registration, over gRPC."""
         _check_range("ReadBuffer", buffer_id, offset, length)
         parts = []
@@ -931,7 +1321,8 @@ class AgentClient:
             if done >= length:
                 return b"".join(parts)
 
-    def write_buffer(self, buffer_id, offset, data):
+    def write_buffer(self, buffer_id: int, offset: int,
+                     data: bytes | bytearray | memoryview) -> None:
         """Writes `data` into a registration at `offset`, over gRPC."""
         view = memoryview(data)
         _check_range("WriteBuffer", buffer_id, offset, len(view))
@@ -947,7 +1338,7 @@ class AgentClient:
                 return
 
 
-def _as_bytes(data):
+def _as_bytes(data: bytes | bytearray | memoryview | str | None) -> bytes:
     if data is None:
         return b""
     return data.encode() if isinstance(data, str) else bytes(data)
@@ -961,16 +1352,16 @@ class NotificationStream:
     the stream. A context manager; in asyncio, `async for` over it (one
     reader thread feeds the event loop) and `async with`."""
 
-    def __init__(self, call):
+    def __init__(self, call: Any) -> None:
         self._call = call
-        self._reader = None
+        self._reader: threading.Thread | None = None
 
-    def __aiter__(self):
+    def __aiter__(self) -> Any:
         loop = asyncio.get_running_loop()
-        queue = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
         end = object()
 
-        def read():
+        def read() -> None:
             try:
                 for item in self:
                     loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -981,7 +1372,7 @@ class NotificationStream:
         self._reader = threading.Thread(target=read, name="rdma-notify-watch", daemon=True)
         self._reader.start()
 
-        async def events():
+        async def events() -> Any:
             while True:
                 item = await queue.get()
                 if item is end:
@@ -992,13 +1383,13 @@ class NotificationStream:
 
         return events()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> NotificationStream:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[Notification | None, int]]:
         try:
             for event in self._call:
                 notification = (_notification(event.notification)
@@ -1009,18 +1400,18 @@ class NotificationStream:
                 return
             raise AgentError(error.code(), error.details()) from None
 
-    def close(self):
+    def close(self) -> None:
         """Cancels the stream; an iteration in progress ends."""
         self._call.cancel()
 
-    def __enter__(self):
+    def __enter__(self) -> NotificationStream:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def decode_context(remote_context):
+def decode_context(remote_context: bytes) -> remote_buffer_pb2.RemoteBuffer:
     """The RemoteBuffer message inside a serialized remote context."""
     message = remote_buffer_pb2.RemoteBuffer()
     message.ParseFromString(remote_context)

@@ -1,0 +1,83 @@
+#ifndef RDMA_AGENTD_DAEMON_DIRECTORY_DIRECTORY_H_
+#define RDMA_AGENTD_DAEMON_DIRECTORY_DIRECTORY_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/directory/directory_options.h"
+#include "rdma/agent/v1/agent.pb.h"
+
+namespace rdma_agent {
+
+namespace v1 = ::rdma::agent::v1;
+
+// Where agents find each other. Two kinds behind one interface: the local
+// directory, which knows this agent alone and needs nothing else to run,
+// and an etcd v3 cluster shared by every agent under one key prefix. The
+// directory is optional by design: an agent whose directory is down keeps
+// serving contexts handed over by other means, and publishes itself again
+// when the directory is back.
+//
+// Thread-safe.
+class Directory {
+ public:
+  virtual ~Directory() = default;
+
+  // Publishes this agent's record (replacing the previous one) and keeps it
+  // published until Withdraw, renewing its lease and putting it again after
+  // an outage or a lost lease. Answers the first attempt; a failure is
+  // retried in the background.
+  virtual absl::Status PublishAgent(const v1::AgentRecord& record) = 0;
+
+  // Removes this agent's record now (clean shutdown) and stops renewing.
+  // Idempotent; best effort within the call timeout (a record left behind
+  // expires with its lease).
+  virtual void Withdraw() = 0;
+
+  // Every published agent, ordered by agent id, at most max_listed_agents
+  // (then `truncated`). UNAVAILABLE naming the directory when it cannot be
+  // reached by `deadline`.
+  virtual absl::StatusOr<v1::ListAgentsResponse> ListAgents(
+      absl::Time deadline) = 0;
+
+  // "local" or "etcd://host:port,...", for logs and answers.
+  virtual std::string name() const = 0;
+
+  // Publishes `record` under its name, owned by (agent_id, owner_uid):
+  // ALREADY_EXISTS when another owner holds the name; the same owner's
+  // earlier record (of an earlier epoch too) is replaced. The name lives as
+  // long as this agent's record unless withdrawn; UNAVAILABLE while this
+  // agent is not published (the directory unreachable).
+  virtual absl::Status PublishName(const v1::NameRecord& record) = 0;
+
+  // Withdraws `name` if this agent published it for `uid`; NOT_FOUND
+  // otherwise.
+  virtual absl::Status UnpublishName(const std::string& name, uint32_t uid) = 0;
+
+  // The record `name` stands for; NOT_FOUND when nobody holds it.
+  virtual absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
+                                                     absl::Time deadline) = 0;
+};
+
+// INVALID_ARGUMENT unless `name` is 1 to kMaxNameBytes of letters, digits
+// and . _ - : /, not starting with /, with no empty, "." or ".." segment.
+absl::Status ValidateName(const std::string& name);
+inline constexpr size_t kMaxNameBytes = 256;
+
+// The directory `options` name; INVALID_ARGUMENT for malformed options or
+// an unreadable password or certificate file. Nothing is contacted yet.
+absl::StatusOr<std::unique_ptr<Directory>> OpenDirectory(
+    const DirectoryOptions& options);
+
+// The key of an agent's record: <prefix>/agents/<agent id>.
+std::string AgentRecordKey(const DirectoryOptions& options,
+                           const std::string& agent_id);
+// The key of a name: <prefix>/names/<name>.
+std::string NameKey(const DirectoryOptions& options, const std::string& name);
+
+}  // namespace rdma_agent
+
+#endif  // RDMA_AGENTD_DAEMON_DIRECTORY_DIRECTORY_H_

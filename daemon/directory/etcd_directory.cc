@@ -1,0 +1,296 @@
+#include "daemon/directory/etcd_directory.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/directory/agent_record.h"
+#include "spdlog/spdlog.h"
+
+namespace rdma_agent {
+
+EtcdDirectory::EtcdDirectory(DirectoryOptions options,
+                             std::unique_ptr<EtcdClient> client)
+    : options_(std::move(options)), client_(std::move(client)) {}
+
+EtcdDirectory::~EtcdDirectory() { StopKeeper(); }
+
+absl::Status EtcdDirectory::PutRecord() {
+  std::string key;
+  std::string value;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!record_.has_value()) return absl::OkStatus();
+    key = AgentRecordKey(options_, record_->info().agent_id());
+    value = EncodeAgentRecord(*record_);
+  }
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    bool new_lease = false;
+    if (lease_ == 0) {
+      auto lease = client_->GrantLease(options_.lease_ttl);
+      if (!lease.ok()) return lease.status();
+      lease_ = *lease;
+      new_lease = true;
+    }
+    absl::Status status = client_->Put(key, value, lease_);
+    // The lease expired or etcd lost it: take a new one, once.
+    if (status.code() == absl::StatusCode::kNotFound) {
+      lease_ = 0;
+      continue;
+    }
+    published_ = status.ok();
+    if (published_ && new_lease) names_dirty_ = !names_.empty();
+    if (published_ && names_dirty_) PutNamesAgain();
+    return status;
+  }
+  return absl::UnavailableError("etcd: leases granted expire at once");
+}
+
+absl::Status EtcdDirectory::KeepPublished() {
+  if (lease_ != 0 && published_ && names_dirty_) PutNamesAgain();
+  if (lease_ != 0 && published_) {
+    auto ttl = client_->KeepAlive(lease_);
+    if (!ttl.ok()) return ttl.status();
+    if (*ttl > absl::ZeroDuration()) return absl::OkStatus();
+    // etcd no longer has the lease, so the record is gone with it.
+    spdlog::warn("directory {}: this agent's lease expired; publishing again",
+                 name());
+    lease_ = 0;
+    published_ = false;
+  }
+  return PutRecord();
+}
+
+absl::Status EtcdDirectory::PublishAgent(const v1::AgentRecord& record) {
+  {
+    absl::MutexLock lock(&mu_);
+    record_ = record;
+  }
+  absl::Status status;
+  {
+    absl::MutexLock lock(&keeper_mu_);
+    published_ = false;
+    status = PutRecord();
+  }
+  absl::MutexLock lock(&mu_);
+  if (!keeper_.joinable() && !stopping_) {
+    keeper_ = std::thread([this] { KeeperLoop(); });
+  }
+  return status;
+}
+
+absl::Status EtcdDirectory::PutName(const v1::NameRecord& record) {
+  if (lease_ == 0 || !published_) {
+    return absl::UnavailableError(
+        absl::StrCat("this agent is not published in the directory ", name(),
+                     " (unreachable?); names need it"));
+  }
+  const std::string key = NameKey(options_, record.name());
+  const std::string value = EncodeNameRecord(record);
+  // Put only where nobody holds the name; otherwise read who does.
+  etcdserverpb::TxnRequest create;
+  etcdserverpb::Compare* absent = create.add_compare();
+  absent->set_key(key);
+  absent->set_target(etcdserverpb::Compare::CREATE);
+  absent->set_result(etcdserverpb::Compare::EQUAL);
+  absent->set_create_revision(0);
+  etcdserverpb::PutRequest* put = create.add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value(value);
+  put->set_lease(lease_);
+  create.add_failure()->mutable_request_range()->set_key(key);
+  auto created = client_->Txn(create);
+  if (!created.ok()) return created.status();
+  if (created->succeeded()) return absl::OkStatus();
+  const auto& held = created->responses(0).response_range();
+  if (held.kvs_size() == 0) {
+    return absl::AbortedError(absl::StrCat("name \"", record.name(),
+                                           "\" changed meanwhile; try again"));
+  }
+  auto holder = DecodeNameRecord(held.kvs(0).value());
+  if (!holder.ok() || holder->agent_id() != record.agent_id() ||
+      holder->owner_uid() != record.owner_uid()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "name \"", record.name(), "\" is published by another user or agent",
+        holder.ok() ? absl::StrCat(" (agent ", holder->agent_id(), ")")
+                    : std::string()));
+  }
+  // The owner's own earlier record (an earlier life of this agent, or the
+  // same name moved to another buffer): replace it, unless it changed since.
+  etcdserverpb::TxnRequest replace;
+  etcdserverpb::Compare* same = replace.add_compare();
+  same->set_key(key);
+  same->set_target(etcdserverpb::Compare::MOD);
+  same->set_result(etcdserverpb::Compare::EQUAL);
+  same->set_mod_revision(held.kvs(0).mod_revision());
+  *replace.add_success()->mutable_request_put() = *put;
+  auto replaced = client_->Txn(replace);
+  if (!replaced.ok()) return replaced.status();
+  if (!replaced->succeeded()) {
+    return absl::AbortedError(absl::StrCat("name \"", record.name(),
+                                           "\" changed meanwhile; try again"));
+  }
+  return absl::OkStatus();
+}
+
+void EtcdDirectory::PutNamesAgain() {
+  names_dirty_ = false;
+  for (auto it = names_.begin(); it != names_.end();) {
+    absl::Status status = PutName(it->second);
+    if (status.code() == absl::StatusCode::kAlreadyExists) {
+      // Taken while this agent's lease was gone: the taker keeps it.
+      spdlog::warn("directory {}: {}; it is no longer this agent's", name(),
+                   std::string(status.message()));
+      names_.erase(it++);
+      continue;
+    }
+    if (!status.ok()) names_dirty_ = true;
+    ++it;
+  }
+}
+
+absl::Status EtcdDirectory::PublishName(const v1::NameRecord& record) {
+  absl::MutexLock lock(&keeper_mu_);
+  absl::Status status = PutName(record);
+  if (status.ok()) names_[record.name()] = record;
+  return status;
+}
+
+absl::Status EtcdDirectory::UnpublishName(const std::string& name,
+                                          uint32_t uid) {
+  absl::MutexLock lock(&keeper_mu_);
+  auto it = names_.find(name);
+  if (it == names_.end() || it->second.owner_uid() != uid) {
+    return absl::NotFoundError(
+        absl::StrCat("you have published no name \"", name, "\" here"));
+  }
+  names_.erase(it);
+  if (lease_ == 0) return absl::OkStatus();  // gone with the lease
+  // Delete it only while it is still under this agent's lease.
+  const std::string key = NameKey(options_, name);
+  etcdserverpb::TxnRequest txn;
+  etcdserverpb::Compare* ours = txn.add_compare();
+  ours->set_key(key);
+  ours->set_target(etcdserverpb::Compare::LEASE);
+  ours->set_result(etcdserverpb::Compare::EQUAL);
+  ours->set_lease(lease_);
+  txn.add_success()->mutable_request_delete_range()->set_key(key);
+  auto done = client_->Txn(txn);
+  return done.ok() ? absl::OkStatus() : done.status();
+}
+
+absl::StatusOr<v1::NameRecord> EtcdDirectory::ResolveName(
+    const std::string& name, absl::Time deadline) {
+  auto value = client_->Get(NameKey(options_, name), deadline);
+  if (!value.ok()) {
+    return absl::Status(value.status().code(),
+                        absl::StrCat("directory ", this->name(), ": ",
+                                     value.status().message()));
+  }
+  if (!value->has_value()) {
+    return absl::NotFoundError(
+        absl::StrCat("no agent publishes the name \"", name, "\""));
+  }
+  auto record = DecodeNameRecord((*value)->value());
+  if (!record.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the name \"", name,
+        "\" holds no readable record: ", record.status().message()));
+  }
+  return record;
+}
+
+void EtcdDirectory::KeeperLoop() {
+  const absl::Duration renew = options_.lease_ttl / 3;
+  absl::Duration wait = renew;
+  bool failing = false;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
+      if (stopping_) return;
+    }
+    absl::Status status;
+    {
+      absl::MutexLock lock(&keeper_mu_);
+      status = KeepPublished();
+    }
+    if (status.ok()) {
+      if (failing) spdlog::info("directory {}: published again", name());
+      failing = false;
+      wait = renew;
+      continue;
+    }
+    if (auto held = failure_log_.Allow()) {
+      spdlog::warn("directory {}: {} (retrying every second{})", name(),
+                   std::string(status.message()),
+                   *held > 0 ? absl::StrCat("; ", *held, " more failures")
+                             : std::string());
+    }
+    failing = true;
+    // Retry soon: the record must be back well within a lease's life.
+    wait = std::min(renew, absl::Seconds(1));
+  }
+}
+
+void EtcdDirectory::StopKeeper() {
+  std::thread keeper;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    keeper = std::move(keeper_);
+  }
+  if (keeper.joinable()) keeper.join();
+}
+
+void EtcdDirectory::Withdraw() {
+  StopKeeper();
+  absl::MutexLock lock(&keeper_mu_);
+  if (lease_ != 0) {
+    // Revoking the lease deletes the record with it.
+    absl::Status status = client_->RevokeLease(lease_);
+    if (!status.ok()) {
+      spdlog::warn(
+          "directory {}: withdrawing this agent: {}; its record expires "
+          "within {}",
+          name(), std::string(status.message()),
+          absl::FormatDuration(options_.lease_ttl));
+    }
+    lease_ = 0;
+  }
+  published_ = false;
+  names_.clear();
+  absl::MutexLock record_lock(&mu_);
+  record_.reset();
+}
+
+absl::StatusOr<v1::ListAgentsResponse> EtcdDirectory::ListAgents(
+    absl::Time deadline) {
+  const int64_t max = options_.max_listed_agents;
+  auto range =
+      client_->RangePrefix(options_.prefix + "/agents/", max + 1, deadline);
+  if (!range.ok()) {
+    return absl::Status(
+        range.status().code(),
+        absl::StrCat("directory ", name(), ": ", range.status().message()));
+  }
+  v1::ListAgentsResponse response;
+  response.set_directory(name());
+  int64_t seen = 0;
+  for (const auto& kv : range->kvs()) {
+    if (seen++ == max) {
+      response.set_truncated(true);
+      break;
+    }
+    auto record = DecodeAgentRecord(kv.value());
+    if (!record.ok()) {
+      response.set_unreadable(response.unreadable() + 1);
+      continue;
+    }
+    *response.add_agents() = std::move(*record);
+  }
+  if (range->more()) response.set_truncated(true);
+  return response;
+}
+
+}  // namespace rdma_agent
