@@ -34,6 +34,7 @@
 #include "bench/clients.h"
 #include "bench/socket_peer.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 
 ABSL_FLAG(std::string, local, "unix:///run/rdma-agentd/agent.sock",
           "gRPC target of the agent that runs the ops (agent A).");
@@ -51,7 +52,8 @@ ABSL_FLAG(std::string, serve_socket_peer, "",
 ABSL_FLAG(bool, client_child, false,
           "Internal: one of the processes of the `clients` test.");
 ABSL_FLAG(std::string, tests,
-          "latency,ops,async,kv,bulk,memory,register,clients,socket",
+          "latency,ops,async,kv,bulk,memory,prepared,ring,register,clients,"
+          "socket",
           "Comma-separated tests to run (see bench/README.md); `info` alone "
           "only prints agent A's tcp settings (every run prints them).");
 ABSL_FLAG(double, seconds, 2.0,
@@ -72,6 +74,8 @@ ABSL_FLAG(uint64_t, kv_op_bytes, 64 << 10, "Bytes per op of kv.");
 ABSL_FLAG(int, kv_batch, 256, "Ops per Submit of kv.");
 ABSL_FLAG(uint64_t, size, 256ull << 20,
           "Bytes of the bulk op, and of each registered buffer.");
+ABSL_FLAG(uint64_t, prepared_op_bytes, 64, "Bytes per op of prepared.");
+ABSL_FLAG(int, prepared_batch, 256, "Ops per Submit of prepared.");
 ABSL_FLAG(int, clients, 8, "Client processes of `clients`.");
 ABSL_FLAG(int, streams, 0,
           "Connections of the socket references; 0: agent A's "
@@ -361,6 +365,189 @@ absl::Status TestMemory(Setup& setup) {
   return MeasureBatches("mem_write", *setup.local_agent, ops, "memory");
 }
 
+// ---- prepared transfers and imported remotes, memory backend ----------------
+
+// The same --prepared_batch WRITEs of --prepared_op_bytes between two
+// buffers of agent A, three ways: every op carrying its remote context in
+// each Submit, every op naming an imported handle, and one prepared
+// transfer run by id. Alternating 100 ms slices, so all see the same noise.
+absl::Status TestPrepared(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
+  const int count = absl::GetFlag(FLAGS_prepared_batch);
+  auto other = AttachPrefaulted(agent, op_bytes * count, 3);
+  if (!other.ok()) return other.status();
+  const std::vector<OpSpec> with_contexts =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), op_bytes, count, op_bytes * count,
+              std::min(setup.local->size(), other->size()));
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  std::vector<OpSpec> with_handles = with_contexts;
+  for (OpSpec& op : with_handles) {
+    op.remote_context.clear();
+    op.remote_handle = handle->handle;
+  }
+  auto prepared = agent.PrepareTransfer(with_contexts);
+  if (!prepared.ok()) return prepared.status();
+  auto run_prepared = [&]() -> absl::Status {
+    auto result = agent.SubmitPrepared(*prepared);
+    if (!result.ok()) return result.status();
+    if (result->results.size() != with_contexts.size()) {
+      return absl::InternalError("prepared: wrong number of results");
+    }
+    for (const client::OpResult& op : result->results) {
+      if (!op.status.ok()) return op.status;
+      if (op.backend != "memory") {
+        return absl::InternalError("prepared: an op ran on " + op.backend);
+      }
+    }
+    return absl::OkStatus();
+  };
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
+      ways = {
+          {"contexts",
+           [&] { return RunBatch(agent, with_contexts, "memory"); }},
+          {"handles", [&] { return RunBatch(agent, with_handles, "memory"); }},
+          {"prepared", run_prepared},
+      };
+  std::vector<Timed> timed(ways.size());
+  for (const auto& way : ways) {
+    for (int i = 0; i < 20; ++i) {
+      if (absl::Status s = way.second(); !s.ok()) return s;
+    }
+  }
+  const absl::Duration slice = absl::Milliseconds(100);
+  for (absl::Duration spent; spent < Seconds();
+       spent += slice * static_cast<int64_t>(ways.size())) {
+    for (size_t i = 0; i < ways.size(); ++i) {
+      auto run = RunFor(slice, 1, ways[i].second);
+      if (!run.ok()) return run.status();
+      timed[i].steps += run->steps;
+      timed[i].elapsed += run->elapsed;
+    }
+  }
+  std::vector<double> rates;
+  for (size_t i = 0; i < ways.size(); ++i) {
+    rates.push_back(static_cast<double>(timed[i].steps * count) /
+                    absl::ToDoubleSeconds(timed[i].elapsed));
+    Print(Report(absl::StrCat("prepared_", ways[i].first))
+              .Add("ops_per_s", rates.back(), 0)
+              .Add("submits_per_s", rates.back() / count, 0)
+              .Add("op_bytes", static_cast<double>(op_bytes), 0)
+              .Add("batch", static_cast<double>(count), 0)
+              .Add("backend", "memory"));
+  }
+  Print(Report("prepared_ratio")
+            .Add("prepared_vs_contexts", rates[2] / rates[0], 2)
+            .Add("handles_vs_contexts", rates[1] / rates[0], 2));
+  (void)agent.ReleasePrepared(*prepared);
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
+// ---- the shared-memory ring, memory backend ---------------------------------
+
+// One --latency_bytes WRITE between two buffers of agent A through a ring
+// session (post one entry, spin for its completion), next to the same op by
+// Submit and to GetInfo, interleaved in blocks as `latency` is.
+absl::Status TestRing(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
+  auto other = AttachPrefaulted(agent, 4096, 3);
+  if (!other.ok()) return other.status();
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  auto ring = agent.OpenRing(64);
+  if (!ring.ok()) return ring.status();
+  const auto memory_write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), bytes, 1, bytes, bytes);
+  client::RingOp op;
+  op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+  op.local_buffer_id = setup.local->id();
+  op.length = bytes;
+  op.remote_handle = handle->handle;
+  std::vector<client::RingCompletion> ends;
+  auto ring_write = [&]() -> absl::Status {
+    ends.clear();
+    if (absl::Status s = (*ring)->Submit({&op, 1}); !s.ok()) return s;
+    auto got = (*ring)->Wait(&ends, absl::Seconds(120),
+                             /*spin=*/absl::Milliseconds(1));
+    if (!got.ok()) return got.status();
+    if (!ends.front().status.ok()) return ends.front().status;
+    if (ends.front().backend != "memory") {
+      return absl::InternalError("ring: the op ran on " + ends.front().backend);
+    }
+    return absl::OkStatus();
+  };
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
+      kinds = {
+          {"ring_getinfo", [&] { return agent.GetInfo().status(); }},
+          {"ring_submit_mem_write",
+           [&] { return RunBatch(agent, memory_write, "memory"); }},
+          {"ring_mem_write", ring_write},
+      };
+  std::vector<std::vector<absl::Duration>> samples(kinds.size());
+  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
+  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
+  constexpr int kBlock = 100;
+  for (int done = -warmup; done < iterations; done += kBlock) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
+        const absl::Time start = absl::Now();
+        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
+        if (i >= 0) samples[k].push_back(absl::Now() - start);
+      }
+    }
+  }
+  std::vector<Latency> latency;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    latency.push_back(Summarize(samples[k]));
+    Report report(kinds[k].first);
+    if (k > 0) report.Add("bytes", static_cast<double>(bytes), 0);
+    Print(report.AddLatency("", latency.back()));
+  }
+  Print(Report("ring_ratio")
+            .Add("submit_vs_ring", latency[1].p50_us / latency[2].p50_us, 2)
+            .Add("getinfo_vs_ring", latency[0].p50_us / latency[2].p50_us, 2));
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
+// Eight ring sessions of agent A left idle for --seconds after one op each,
+// so that the agent's CPU time while they idle can be read from outside
+// (/proc/PID/stat): compare.sh prints it.
+absl::Status TestRingIdle(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  auto other = AttachPrefaulted(agent, 4096, 3);
+  if (!other.ok()) return other.status();
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  std::vector<std::unique_ptr<client::Ring>> rings;
+  for (int i = 0; i < 8; ++i) {
+    auto ring = agent.OpenRing(64);
+    if (!ring.ok()) return ring.status();
+    client::RingOp op;
+    op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+    op.local_buffer_id = setup.local->id();
+    op.length = 8;
+    op.remote_handle = handle->handle;
+    if (absl::Status s = (*ring)->Submit({&op, 1}); !s.ok()) return s;
+    std::vector<client::RingCompletion> ends;
+    auto got = (*ring)->Wait(&ends, absl::Seconds(10));
+    if (!got.ok()) return got.status();
+    rings.push_back(std::move(*ring));
+  }
+  Print(Report("ring_idle_start").Add("sessions", 8, 0));
+  absl::SleepFor(Seconds());
+  Print(Report("ring_idle_end")
+            .Add("sessions", 8, 0)
+            .Add("seconds", absl::ToDoubleSeconds(Seconds()), 1));
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
 // ---- Register + Release against two GetInfo calls ---------------------------
 
 absl::Status TestRegister(Setup& setup) {
@@ -508,11 +695,12 @@ absl::StatusOr<Setup> Connect(bool with_buffers) {
 
 int RunTests() {
   const std::vector<std::pair<std::string, absl::Status (*)(Setup&)>> all = {
-      {"latency", TestLatency},   {"ops", TestOps},
-      {"async", TestAsync},       {"kv", TestKv},
-      {"bulk", TestBulk},         {"memory", TestMemory},
-      {"register", TestRegister}, {"clients", TestClients},
-      {"socket", TestSocket},
+      {"latency", TestLatency},    {"ops", TestOps},
+      {"async", TestAsync},        {"kv", TestKv},
+      {"bulk", TestBulk},          {"memory", TestMemory},
+      {"prepared", TestPrepared},  {"ring", TestRing},
+      {"ring_idle", TestRingIdle}, {"register", TestRegister},
+      {"clients", TestClients},    {"socket", TestSocket},
   };
   const std::vector<std::string> wanted =
       absl::StrSplit(absl::GetFlag(FLAGS_tests), ',', absl::SkipEmpty());

@@ -16,6 +16,7 @@
 #include "client/internal/attach_socket.h"
 #include "client/internal/client_state.h"
 #include "client/internal/conversions.h"
+#include "client/ring.h"
 #include "common/grpc_status.h"
 #include "common/shared_memory.h"
 #include "common/unique_fd.h"
@@ -430,9 +431,22 @@ absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(
 
 absl::StatusOr<SubmitResult> AgentClient::Submit(const std::vector<OpSpec>& ops,
                                                  const SubmitOptions& options) {
-  const absl::Duration timeout = options.timeout;
-  v1::SubmitRequest request = internal::SubmitRequestFor(ops, timeout);
+  v1::SubmitRequest request = internal::SubmitRequestFor(ops, options.timeout);
   request.set_notification(options.notification);
+  return SendSubmit(request, options.timeout, ops.size());
+}
+
+absl::StatusOr<SubmitResult> AgentClient::SubmitPrepared(
+    uint64_t prepared_id, const SubmitOptions& options) {
+  v1::SubmitRequest request;
+  request.set_prepared_id(prepared_id);
+  internal::SetTimeout(options.timeout, request);
+  request.set_notification(options.notification);
+  return SendSubmit(request, options.timeout, 0);
+}
+
+absl::StatusOr<SubmitResult> AgentClient::SendSubmit(
+    const v1::SubmitRequest& request, absl::Duration timeout, size_t ops) {
   const bool agent_default = internal::LeavesTimeoutToAgent(timeout);
   grpc::ClientContext context;
   const absl::Duration bound = (agent_default || timeout < absl::ZeroDuration()
@@ -443,10 +457,11 @@ absl::StatusOr<SubmitResult> AgentClient::Submit(const std::vector<OpSpec>& ops,
   v1::SubmitResponse response;
   grpc::Status status = state_->stub().Submit(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
-  if (response.results_size() != request.ops_size()) {
-    return absl::InternalError(
-        absl::StrCat("Submit: the agent answered ", response.results_size(),
-                     " results for ", request.ops_size(), " ops"));
+  if (ops != 0 ? static_cast<size_t>(response.results_size()) != ops
+               : response.results().empty()) {
+    return absl::InternalError(absl::StrCat("Submit: the agent answered ",
+                                            response.results_size(),
+                                            " results for ", ops, " ops"));
   }
   SubmitResult result;
   result.results.reserve(response.results_size());
@@ -461,6 +476,91 @@ absl::StatusOr<SubmitResult> AgentClient::Submit(const std::vector<OpSpec>& ops,
 
 absl::Status AgentClient::Release(uint64_t buffer_id) {
   return ReleaseWith(*state_, buffer_id);
+}
+
+namespace {
+
+RemoteHandle FromProto(const v1::RemoteHandleInfo& info) {
+  RemoteHandle handle;
+  handle.handle = info.remote_handle();
+  handle.agent_id = info.agent_id();
+  handle.buffer_id = info.buffer_id();
+  handle.size = info.size_bytes();
+  handle.access = info.access();
+  handle.backends.assign(info.backends().begin(), info.backends().end());
+  return handle;
+}
+
+}  // namespace
+
+absl::StatusOr<RemoteHandle> AgentClient::ImportRemote(
+    const std::string& remote_context) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ImportRemoteRequest request;
+  request.set_remote_context(remote_context);
+  v1::ImportRemoteResponse response;
+  grpc::Status status =
+      state_->stub().ImportRemote(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return FromProto(response.remote());
+}
+
+absl::Status AgentClient::ReleaseRemote(uint64_t handle) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ReleaseRemoteRequest request;
+  request.set_remote_handle(handle);
+  v1::ReleaseRemoteResponse response;
+  return FromGrpcStatus(
+      state_->stub().ReleaseRemote(&context, request, &response));
+}
+
+absl::StatusOr<std::vector<RemoteHandle>> AgentClient::ListRemotes() {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ListRemotesResponse response;
+  grpc::Status status =
+      state_->stub().ListRemotes(&context, v1::ListRemotesRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<RemoteHandle> handles;
+  for (const v1::RemoteHandleInfo& info : response.remotes()) {
+    handles.push_back(FromProto(info));
+  }
+  return handles;
+}
+
+absl::StatusOr<uint64_t> AgentClient::PrepareTransfer(
+    const std::vector<OpSpec>& ops, const std::string& notification) {
+  const v1::SubmitRequest batch =
+      internal::SubmitRequestFor(ops, absl::ZeroDuration());
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::PrepareTransferRequest request;
+  *request.mutable_ops() = batch.ops();
+  request.set_notification(notification);
+  v1::PrepareTransferResponse response;
+  grpc::Status status =
+      state_->stub().PrepareTransfer(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.prepared_id();
+}
+
+absl::StatusOr<std::unique_ptr<Ring>> AgentClient::OpenRing(uint32_t entries) {
+  absl::StatusOr<std::string> attach_socket =
+      AttachSocketFor(state_->attach_socket());
+  if (!attach_socket.ok()) return attach_socket.status();
+  return Ring::Open(*attach_socket, entries, state_->options().rpc_timeout);
+}
+
+absl::Status AgentClient::ReleasePrepared(uint64_t prepared_id) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ReleasePreparedRequest request;
+  request.set_prepared_id(prepared_id);
+  v1::ReleasePreparedResponse response;
+  return FromGrpcStatus(
+      state_->stub().ReleasePrepared(&context, request, &response));
 }
 
 absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers(

@@ -77,8 +77,23 @@ struct OpSpec {
   uint64_t local_buffer_id = 0;
   uint64_t local_offset = 0;
   uint64_t length = 0;
-  std::string remote_context;  // serialized RemoteBuffer of the other side
+  // The other side: a serialized RemoteBuffer, or (instead) a handle from
+  // AgentClient::ImportRemote. Exactly one of the two.
+  std::string remote_context;
+  uint64_t remote_handle = 0;
   uint64_t remote_offset = 0;
+};
+
+// A remote context the agent has imported (AgentClient::ImportRemote):
+// parsed, checked and routed once; ops name it by `handle`. It stays on the
+// agent until ReleaseRemote.
+struct RemoteHandle {
+  uint64_t handle = 0;
+  std::string agent_id;  // what the context says of its buffer
+  uint64_t buffer_id = 0;
+  uint64_t size = 0;
+  v1::Access access = v1::ACCESS_UNSPECIFIED;
+  std::vector<std::string> backends;  // this agent's that reach it
 };
 
 // What happened to one op.
@@ -220,6 +235,8 @@ using TransferCallback =
     absl::AnyInvocable<void(absl::StatusOr<TransferResult>) &&>;
 // Called for every transfer end a TransferWatch's stream delivers.
 using TransferEndCallback = absl::AnyInvocable<void(const TransferResult&)>;
+
+class Ring;
 
 namespace internal {
 class ClientState;
@@ -554,6 +571,38 @@ class AgentClient {
   // Drops registration `buffer_id`.
   absl::Status Release(uint64_t buffer_id);
 
+  // Imports a remote context once (ImportRemote): ops then name
+  // RemoteHandle::handle in OpSpec::remote_handle instead of carrying the
+  // context. INVALID_ARGUMENT for a malformed context, UNAVAILABLE when no
+  // backend of the agent reaches it, RESOURCE_EXHAUSTED past the user's
+  // --max_remote_handles_per_user or --max_remote_handle_bytes_per_user.
+  absl::StatusOr<RemoteHandle> ImportRemote(const std::string& remote_context);
+  // Drops a handle on the agent; NOT_FOUND when it is not this user's.
+  absl::Status ReleaseRemote(uint64_t handle);
+  // This user's handles.
+  absl::StatusOr<std::vector<RemoteHandle>> ListRemotes();
+
+  // Validates `ops` once and keeps them on the agent (PrepareTransfer);
+  // SubmitPrepared and SubmitPreparedAsync run them again by the returned
+  // id without sending them. A bad op fails the call with its code and
+  // "op N:"; `notification` is sent at every run, as SubmitOptions's.
+  absl::StatusOr<uint64_t> PrepareTransfer(
+      const std::vector<OpSpec>& ops, const std::string& notification = "");
+  // Runs prepared transfer `prepared_id` as Submit would run its ops
+  // (options.notification must be empty: the prepared one is sent).
+  absl::StatusOr<SubmitResult> SubmitPrepared(
+      uint64_t prepared_id, const SubmitOptions& options = {});
+  // The same as an asynchronous transfer.
+  absl::StatusOr<Transfer> SubmitPreparedAsync(
+      uint64_t prepared_id, const SubmitOptions& options = {});
+  // Drops a prepared transfer on the agent (runs in flight finish);
+  // NOT_FOUND when it is not this user's.
+  absl::Status ReleasePrepared(uint64_t prepared_id);
+
+  // Opens a shared-memory ring session (client/ring.h, docs/RING.md) of
+  // `entries` slots on this client's attach socket.
+  absl::StatusOr<std::unique_ptr<Ring>> OpenRing(uint32_t entries);
+
   // This user's registrations; with `all_users`, every user's (root only:
   // PERMISSION_DENIED for others).
   absl::StatusOr<std::vector<v1::BufferInfo>> ListBuffers(
@@ -581,6 +630,11 @@ class AgentClient {
 
  private:
   explicit AgentClient(std::shared_ptr<internal::ClientState> state);
+  // Sends a Submit or SubmitAsync request; `ops` (how many results to
+  // expect) is 0 when the client does not know (a prepared transfer).
+  absl::StatusOr<SubmitResult> SendSubmit(const v1::SubmitRequest& request,
+                                          absl::Duration timeout, size_t ops);
+  absl::StatusOr<Transfer> SendSubmitAsync(const v1::SubmitRequest& request);
   absl::StatusOr<v1::RegisterResponse> Register(
       const v1::RegisterRequest& request);
   // Hands `fd` over on `attach_socket` with `attach` (memfd or dma-buf),

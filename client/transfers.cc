@@ -372,6 +372,20 @@ absl::StatusOr<Transfer> AgentClient::SubmitAsync(
     const std::vector<OpSpec>& ops, const SubmitOptions& options) {
   v1::SubmitRequest request = internal::SubmitRequestFor(ops, options.timeout);
   request.set_notification(options.notification);
+  return SendSubmitAsync(request);
+}
+
+absl::StatusOr<Transfer> AgentClient::SubmitPreparedAsync(
+    uint64_t prepared_id, const SubmitOptions& options) {
+  v1::SubmitRequest request;
+  request.set_prepared_id(prepared_id);
+  internal::SetTimeout(options.timeout, request);
+  request.set_notification(options.notification);
+  return SendSubmitAsync(request);
+}
+
+absl::StatusOr<Transfer> AgentClient::SendSubmitAsync(
+    const v1::SubmitRequest& request) {
   grpc::ClientContext context;
   state_->PrepareContext(&context);
   v1::SubmitAsyncResponse response;

@@ -438,12 +438,16 @@ absl::Status Agent::StartApiServer() {
   callers_ = std::make_unique<CallerTable>();
   calls_ = std::make_unique<ActiveCalls>(options_.in_flight);
   transfers_ = std::make_unique<TransferTable>(options_.transfers);
+  remote_handles_ =
+      std::make_unique<RemoteHandleTable>(options_.remote_handles);
+  prepared_transfers_ =
+      std::make_unique<PreparedTransferTable>(options_.prepared_transfers);
   service_ = std::make_unique<RdmaAgentService>(
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
       metrics_.get(), metrics_address_, directory_.get(), names_.get(),
-      options_.directory);
+      options_.directory, remote_handles_.get(), prepared_transfers_.get());
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -511,6 +515,22 @@ absl::Status Agent::StartAttachServer() {
   attach_options.path = options_.attach_socket_path;
   attach_options.max_buffer_bytes = options_.api.max_buffer_bytes;
   attach_options.quotas = quotas_;
+  RingLimits ring_limits = options_.rings;
+  ring_limits.default_timeout = options_.api.default_submit_timeout;
+  ring_limits.max_timeout = options_.api.max_submit_timeout;
+  OpBatchEnvironment ring_env{registry_.get(),
+                              buffers_.get(),
+                              metrics_.get(),
+                              &ring_failures_,
+                              options_.api.max_remote_context_bytes,
+                              remote_handles_.get()};
+  rings_ = std::make_unique<RingSessions>(ring_limits, ring_env, calls_.get(),
+                                          quotas_.bytes);
+  attach_options.serve_ring = [rings = rings_.get()](
+                                  int fd, const PeerCredentials& peer,
+                                  const v1::OpenRing& request) {
+    rings->Serve(fd, peer, request);
+  };
   auto attach =
       AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
   if (!attach.ok()) return attach.status();
@@ -582,6 +602,11 @@ void Agent::Shutdown() {
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)
     server_->GetHealthCheckService()->SetServingStatus(false);
+  // Ring sessions end at their next turn (a running batch is cancelled), so
+  // that the attach server joins their threads at once.
+  if (rings_ != nullptr) {
+    rings_->Shutdown(absl::UnavailableError("the agent is shutting down"));
+  }
   attach_server_.reset();
   listener_.reset();
   probe_listener_.reset();
@@ -664,6 +689,36 @@ void Agent::AddGauges() {
                      [transfers = transfers_.get()] {
                        return std::vector<GaugeSample>{
                            {{}, static_cast<double>(transfers->in_flight())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_remote_handles",
+                     "Imported remotes (ImportRemote) kept now, all users",
+                     [handles = remote_handles_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(handles->size())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_remote_handle_bytes",
+                     "Bytes charged for the imported remotes kept now",
+                     [handles = remote_handles_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(handles->bytes())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_prepared_transfers",
+                     "Prepared transfers (PrepareTransfer) kept now, all users",
+                     [prepared = prepared_transfers_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(prepared->size())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_prepared_transfer_bytes",
+                     "Bytes charged for the prepared transfers kept now",
+                     [prepared = prepared_transfers_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(prepared->bytes())}};
+                     });
+  metrics_->AddGauge("rdma_agentd_ring_sessions",
+                     "Shared-memory ring sessions open now",
+                     [rings = rings_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(rings->open())}};
                      });
   // The serving side of ops: what requesters did to this agent's buffers.
   const auto served = [backends = registry_.get()](bool bytes) {

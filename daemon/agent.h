@@ -13,6 +13,9 @@
 #include "daemon/agent_options.h"
 #include "daemon/limits/quota.h"
 #include "daemon/ops/notifications.h"
+#include "daemon/ops/prepared_transfers.h"
+#include "daemon/ops/remote_handles.h"
+#include "daemon/ops/ring_sessions.h"
 
 namespace grpc {
 class Server;
@@ -72,6 +75,13 @@ class Agent {
   const AgentOptions& options() const { return options_; }
   // The asynchronous transfers (for tests: watchers, transfers kept).
   const TransferTable& transfers() const { return *transfers_; }
+  // Imported remotes and prepared transfers (for tests: what is kept).
+  const RemoteHandleTable& remote_handles() const { return *remote_handles_; }
+  const PreparedTransferTable& prepared_transfers() const {
+    return *prepared_transfers_;
+  }
+  // Ring sessions (for tests: how many are open).
+  const RingSessions& rings() const { return *rings_; }
 
  private:
   explicit Agent(AgentOptions options);
@@ -140,6 +150,9 @@ class Agent {
   // first), listening to the buffer table from OpenDirectory to Shutdown.
   std::unique_ptr<BufferNames> names_;
   int names_listener_ = -1;
+  // Before the service, whose RPCs and batches use them.
+  std::unique_ptr<RemoteHandleTable> remote_handles_;
+  std::unique_ptr<PreparedTransferTable> prepared_transfers_;
   std::unique_ptr<RdmaAgentService> service_;
   // After the service whose batches its workers run, and after the calls
   // whose ops charges those batches hold: its workers are joined before
@@ -152,6 +165,10 @@ class Agent {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<UnixListener> probe_listener_;  // mode 0600
+  // Ring sessions run on attach connections' threads: declared before the
+  // attach server, which joins them, so that it goes first.
+  FailedOpLog ring_failures_;
+  std::unique_ptr<RingSessions> rings_;
   std::unique_ptr<AttachServer> attach_server_;
   std::unique_ptr<MetricsServer> metrics_server_;
   bool shut_down_ = false;

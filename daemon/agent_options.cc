@@ -1,6 +1,7 @@
 #include "daemon/agent_options.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/ring_protocol.h"
 #include "daemon/ops/remote_context.h"
 
 namespace rdma_agent {
@@ -33,6 +34,32 @@ absl::Status AgentOptions::Validate() const {
     return absl::InvalidArgumentError(
         "--max_transfer_bytes_per_user must be 1 to "
         "--max_transfer_bytes_total");
+  }
+  if (remote_handles.max_per_user < 1 ||
+      remote_handles.max_per_user > remote_handles.max_total ||
+      remote_handles.max_bytes_per_user < 1 ||
+      remote_handles.max_bytes_per_user > remote_handles.max_bytes_total) {
+    return absl::InvalidArgumentError(
+        "--max_remote_handles_per_user must be 1 to "
+        "--max_remote_handles_total, and --max_remote_handle_bytes_per_user 1 "
+        "to --max_remote_handle_bytes_total");
+  }
+  if (prepared_transfers.max_per_user < 1 ||
+      prepared_transfers.max_per_user > prepared_transfers.max_total ||
+      prepared_transfers.max_bytes_per_user < 1 ||
+      prepared_transfers.max_bytes_per_user >
+          prepared_transfers.max_bytes_total) {
+    return absl::InvalidArgumentError(
+        "--max_prepared_transfers_per_user must be 1 to "
+        "--max_prepared_transfers_total, and "
+        "--max_prepared_transfer_bytes_per_user 1 to "
+        "--max_prepared_transfer_bytes_total");
+  }
+  if (rings.max_entries < 1 || rings.max_entries > ring::kMaxEntries ||
+      (rings.max_entries & (rings.max_entries - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_ring_entries must be a power of two from 1 to ",
+                     ring::kMaxEntries));
   }
   if (api.max_remote_context_bytes < 1 ||
       api.max_remote_context_bytes > kMaxRemoteContextBytesLimit) {

@@ -16,6 +16,9 @@
 #include "daemon/local/client_watcher.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/ops/notifications.h"
+#include "daemon/ops/prepared_transfers.h"
+#include "daemon/ops/remote_handles.h"
+#include "daemon/ops/ring_sessions.h"
 #include "daemon/ops/transfers.h"
 #include "daemon/peer_gate.h"
 
@@ -81,6 +84,13 @@ struct AgentOptions {
   TransferLimits transfers;
   // Notifications: the longest one, and how many are kept per user.
   NotificationLimits notifications;
+  // Imported remotes (ImportRemote) and prepared transfers
+  // (PrepareTransfer) kept per user and in total, by count and bytes.
+  RemoteHandleLimits remote_handles;
+  PreparedTransferLimits prepared_transfers;
+  // Shared-memory ring sessions (docs/RING.md); their batches' default and
+  // largest timeouts are `api`'s.
+  RingLimits rings;
   // How long an attach token stays valid.
   absl::Duration attach_token_ttl = absl::Seconds(60);
   // Longest Shutdown() waits for RPCs once their work is cancelled.

@@ -77,7 +77,7 @@ absl::StatusOr<std::string> AttachSocketNextTo(absl::string_view target) {
 
 absl::StatusOr<AttachReply> ExchangeOnAttachSocket(
     const std::string& path, const rdma::agent::v1::AttachRequest& request,
-    int fd, absl::Duration timeout) {
+    int fd, absl::Duration timeout, bool keep_connection) {
   absl::StatusOr<UniqueFd> sock = ConnectUnix(path, timeout);
   if (!sock.ok()) return sock.status();
   absl::Status sent = SendFdMessage(sock->get(), request, fd);
@@ -103,6 +103,7 @@ absl::StatusOr<AttachReply> ExchangeOnAttachSocket(
       ReceiveFdMessage(sock->get(), &reply.response);
   if (!received.ok()) return received.status();
   reply.fd = std::move(*received);
+  if (keep_connection) reply.connection = std::move(*sock);
   return reply;
 }
 

@@ -21,6 +21,9 @@ absl::StatusOr<std::string> AttachSocketNextTo(absl::string_view target);
 struct AttachReply {
   rdma::agent::v1::AttachResponse response;
   UniqueFd fd;  // the fd that came with the response, if any
+  // The connection itself, when the exchange was asked to keep it (a ring
+  // session lives on it).
+  UniqueFd connection;
 };
 
 // Connects to the attach socket at `path`, sends `request` (with `fd` attached
@@ -29,7 +32,7 @@ struct AttachReply {
 // as it is, not as an error: see ResponseStatus.
 absl::StatusOr<AttachReply> ExchangeOnAttachSocket(
     const std::string& path, const rdma::agent::v1::AttachRequest& request,
-    int fd, absl::Duration timeout);
+    int fd, absl::Duration timeout, bool keep_connection = false);
 
 // The status an AttachResponse carries: its code (UNKNOWN if it is not a gRPC
 // code) and its message, unchanged.

@@ -44,14 +44,19 @@ v1::SubmitRequest SubmitRequestFor(const std::vector<OpSpec>& ops,
     op->set_length(spec.length);
     op->set_remote_context(spec.remote_context);
     op->set_remote_offset(spec.remote_offset);
+    op->set_remote_handle(spec.remote_handle);
   }
+  SetTimeout(timeout, request);
+  return request;
+}
+
+void SetTimeout(absl::Duration timeout, v1::SubmitRequest& request) {
   if (!LeavesTimeoutToAgent(timeout)) {
     const int64_t nanos = absl::ToInt64Nanoseconds(timeout);
     request.mutable_timeout()->set_seconds(nanos / 1000000000);
     request.mutable_timeout()->set_nanos(
         static_cast<int32_t>(nanos % 1000000000));
   }
-  return request;
 }
 
 OpResult FromProto(const v1::OpResult& result) {

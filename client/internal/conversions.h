@@ -18,6 +18,8 @@ bool LeavesTimeoutToAgent(absl::Duration timeout);
 // sent as they are: the agent rejects them.
 v1::SubmitRequest SubmitRequestFor(const std::vector<OpSpec>& ops,
                                    absl::Duration timeout);
+// Sets `request`'s timeout as SubmitRequestFor does.
+void SetTimeout(absl::Duration timeout, v1::SubmitRequest& request);
 
 NotificationResult FromProto(const v1::NotificationResult& result);
 v1::NotificationResult ToProto(const NotificationResult& result);

@@ -67,7 +67,8 @@ RdmaAgentService::RdmaAgentService(
     AgentQuotas quotas, ClientWatcher* client_watcher, TransferTable* transfers,
     NotificationInbox* notifications, AgentMetrics* metrics,
     std::string metrics_address, Directory* directory, BufferNames* names,
-    const DirectoryOptions& names_limits)
+    const DirectoryOptions& names_limits, RemoteHandleTable* remote_handles,
+    PreparedTransferTable* prepared)
     : limits_(limits),
       identity_(identity),
       registry_(registry),
@@ -79,14 +80,20 @@ RdmaAgentService::RdmaAgentService(
       client_watcher_(client_watcher),
       transfers_(transfers),
       notifications_(notifications),
+      remote_handles_(remote_handles),
+      prepared_(prepared),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)),
       directory_(directory),
       names_(names),
       name_watches_(names_limits.max_name_watches_per_user,
                     names_limits.max_name_watches),
-      batch_env_{registry, buffers, metrics, &failures_,
-                 limits.max_remote_context_bytes} {}
+      batch_env_{registry,
+                 buffers,
+                 metrics,
+                 &failures_,
+                 limits.max_remote_context_bytes,
+                 remote_handles} {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -387,22 +394,47 @@ grpc::Status RdmaAgentService::Release(grpc::ServerContext* context,
 
 absl::Status RdmaAgentService::CheckBatchSize(const v1::SubmitRequest& request,
                                               absl::string_view rpc) const {
-  if (request.ops().empty()) {
+  // A run of a prepared transfer was checked when it was prepared.
+  if (request.prepared_id() != 0) return absl::OkStatus();
+  return CheckBatchSize(request.ops(), request.notification(), rpc);
+}
+
+absl::Status RdmaAgentService::CheckBatchSize(
+    const google::protobuf::RepeatedPtrField<v1::Op>& ops,
+    const std::string& notification, absl::string_view rpc) const {
+  if (ops.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(rpc, ": the op batch is empty"));
   }
-  if (static_cast<size_t>(request.ops_size()) > limits_.max_ops_per_submit) {
+  if (static_cast<size_t>(ops.size()) > limits_.max_ops_per_submit) {
     return absl::InvalidArgumentError(
-        absl::StrCat(rpc, ": ", request.ops_size(), " ops exceed the limit of ",
+        absl::StrCat(rpc, ": ", ops.size(), " ops exceed the limit of ",
                      limits_.max_ops_per_submit, " per Submit"));
   }
   const size_t most = notifications_->limits().max_bytes;
-  if (request.notification().size() > most) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        rpc, ": the notification is ", request.notification().size(),
-        " bytes; at most ", most, " (--max_notification_bytes)"));
+  if (notification.size() > most) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc, ": the notification is ", notification.size(),
+                     " bytes; at most ", most, " (--max_notification_bytes)"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const PreparedTransfer>>
+RdmaAgentService::PreparedFor(const v1::SubmitRequest& request, uid_t caller,
+                              absl::string_view rpc) const {
+  if (request.prepared_id() == 0) {
+    return std::shared_ptr<const PreparedTransfer>();
+  }
+  if (!request.ops().empty() || !request.notification().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        rpc,
+        ": prepared_id runs the prepared ops and notification; ops and "
+        "notification must be empty"));
+  }
+  auto prepared = prepared_->Find(caller, request.prepared_id());
+  if (!prepared.ok()) return Prefixed(prepared.status(), rpc);
+  return prepared;
 }
 
 absl::StatusOr<absl::Duration> RdmaAgentService::SubmitTimeout(
@@ -431,7 +463,13 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
                                       v1::SubmitResponse* response) {
   absl::Status size = CheckBatchSize(*request, "Submit");
   if (!size.ok()) return ToGrpcStatus(size);
-  const size_t count = static_cast<size_t>(request->ops_size());
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) return ToGrpcStatus(Prefixed(caller.status(), "Submit"));
+  auto prepared = PreparedFor(*request, caller->uid, "Submit");
+  if (!prepared.ok()) return ToGrpcStatus(prepared.status());
+  const size_t count = *prepared != nullptr
+                           ? static_cast<size_t>((*prepared)->remotes.size())
+                           : static_cast<size_t>(request->ops_size());
   // Admitted before anything is built for it; stopped when its client goes
   // away or the agent shuts down.
   auto admitted = Admit(*context, "Submit", count);
@@ -443,7 +481,10 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   // On this thread, not a transfer worker's: a Submit waits behind no
   // transfer, and its client's going away stops it (ActiveCalls).
   auto batch =
-      OpBatch::Prepare(batch_env_, admitted->caller, request, "Submit");
+      *prepared != nullptr
+          ? OpBatch::Prepare(batch_env_, admitted->caller, std::move(*prepared),
+                             nullptr, "Submit")
+          : OpBatch::Prepare(batch_env_, admitted->caller, request, "Submit");
   *response = batch->Run(admitted->call->stop_token(deadline));
   return grpc::Status::OK;
 }
@@ -455,7 +496,15 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   // messages.
   absl::Status size = CheckBatchSize(*request, "SubmitAsync");
   if (!size.ok()) return ToGrpcStatus(size);
-  const size_t count = static_cast<size_t>(request->ops_size());
+  auto caller = callers_->Lookup(*context);
+  if (!caller.ok()) {
+    return ToGrpcStatus(Prefixed(caller.status(), "SubmitAsync"));
+  }
+  auto prepared = PreparedFor(*request, caller->uid, "SubmitAsync");
+  if (!prepared.ok()) return ToGrpcStatus(prepared.status());
+  const size_t count = *prepared != nullptr
+                           ? static_cast<size_t>((*prepared)->remotes.size())
+                           : static_cast<size_t>(request->ops_size());
   auto admitted = Admit(*context, "SubmitAsync");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
   // The ops count toward the same bounds as a Submit's until the transfer
@@ -474,15 +523,23 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   // The copy of the request the transfer keeps until it ends is charged to
   // the user's transfer byte budget before it is made; then what preparing
   // the batch holds (parsed contexts, per-op state), freed at once if it
-  // does not fit.
+  // does not fit. A run of a prepared transfer copies no ops: the prepared
+  // transfer, charged to its own budget, is shared.
   auto bytes = transfers_->Reserve(admitted->caller.uid,
-                                   RequestCopyBytes(*request), count);
+                                   *prepared != nullptr
+                                       ? RequestCopyBytes(v1::SubmitRequest())
+                                       : RequestCopyBytes(*request),
+                                   count);
   if (!bytes.ok()) return ToGrpcStatus(Prefixed(bytes.status(), "SubmitAsync"));
-  auto batch = OpBatch::Prepare(batch_env_, admitted->caller,
-                                std::make_unique<v1::SubmitRequest>(*request),
-                                std::move(*charge));
-  absl::Status prepared = transfers_->Grow(*bytes, batch->PreparedBytes());
-  if (!prepared.ok()) return ToGrpcStatus(Prefixed(prepared, "SubmitAsync"));
+  auto batch =
+      *prepared != nullptr
+          ? OpBatch::Prepare(batch_env_, admitted->caller, std::move(*prepared),
+                             std::move(*charge), "SubmitAsync")
+          : OpBatch::Prepare(batch_env_, admitted->caller,
+                             std::make_unique<v1::SubmitRequest>(*request),
+                             std::move(*charge));
+  absl::Status grown = transfers_->Grow(*bytes, batch->PreparedBytes());
+  if (!grown.ok()) return ToGrpcStatus(Prefixed(grown, "SubmitAsync"));
   auto id = transfers_->Submit(admitted->caller.uid, std::move(batch), deadline,
                                std::move(*bytes));
   if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "SubmitAsync"));
@@ -632,6 +689,86 @@ grpc::Status RdmaAgentService::WriteBuffer(
   std::memcpy((*registration)->data() + request->offset(),
               request->data().data(), request->data().size());
   return grpc::Status::OK;
+}
+
+namespace {
+
+void DescribeRemote(uint64_t handle, const ImportedRemote& imported,
+                    v1::RemoteHandleInfo* info) {
+  const v1::RemoteBuffer& remote = *imported.remote;
+  info->set_remote_handle(handle);
+  info->set_agent_id(remote.agent_id());
+  info->set_buffer_id(remote.buffer_id());
+  info->set_size_bytes(remote.size_bytes());
+  info->set_access(remote.access());
+  for (const std::string& name : imported.backends) info->add_backends(name);
+}
+
+}  // namespace
+
+grpc::Status RdmaAgentService::ImportRemote(
+    grpc::ServerContext* context, const v1::ImportRemoteRequest* request,
+    v1::ImportRemoteResponse* response) {
+  auto admitted = Admit(*context, "ImportRemote");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  auto imported =
+      remote_handles_->Import(admitted->caller.uid, request->remote_context(),
+                              limits_.max_remote_context_bytes, *registry_);
+  if (!imported.ok()) {
+    return ToGrpcStatus(Prefixed(imported.status(), "ImportRemote"));
+  }
+  response->set_remote_handle(imported->handle);
+  DescribeRemote(imported->handle, *imported->remote,
+                 response->mutable_remote());
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::ReleaseRemote(
+    grpc::ServerContext* context, const v1::ReleaseRemoteRequest* request,
+    v1::ReleaseRemoteResponse*) {
+  auto admitted = Admit(*context, "ReleaseRemote");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  return ToGrpcStatus(Prefixed(
+      remote_handles_->Release(admitted->caller.uid, request->remote_handle()),
+      "ReleaseRemote"));
+}
+
+grpc::Status RdmaAgentService::ListRemotes(grpc::ServerContext* context,
+                                           const v1::ListRemotesRequest*,
+                                           v1::ListRemotesResponse* response) {
+  auto admitted = Admit(*context, "ListRemotes");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  for (const auto& imported :
+       remote_handles_->ListOwnedBy(admitted->caller.uid)) {
+    DescribeRemote(imported.handle, *imported.remote, response->add_remotes());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::PrepareTransfer(
+    grpc::ServerContext* context, const v1::PrepareTransferRequest* request,
+    v1::PrepareTransferResponse* response) {
+  absl::Status size = CheckBatchSize(request->ops(), request->notification(),
+                                     "PrepareTransfer");
+  if (!size.ok()) return ToGrpcStatus(size);
+  auto admitted = Admit(*context, "PrepareTransfer");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  OpPreparer preparer(buffers_, admitted->caller.uid, remote_handles_);
+  auto id = prepared_->Prepare(admitted->caller.uid, *request, preparer,
+                               limits_.max_remote_context_bytes);
+  if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "PrepareTransfer"));
+  response->set_prepared_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::ReleasePrepared(
+    grpc::ServerContext* context, const v1::ReleasePreparedRequest* request,
+    v1::ReleasePreparedResponse*) {
+  auto admitted = Admit(*context, "ReleasePrepared");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  return ToGrpcStatus(
+      Prefixed(prepared_->Release(admitted->caller.uid, request->prepared_id()),
+               "ReleasePrepared"));
 }
 
 }  // namespace rdma_agent

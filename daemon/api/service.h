@@ -26,6 +26,8 @@
 #include "daemon/local/unix_socket.h"
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/op_batch.h"
+#include "daemon/ops/prepared_transfers.h"
+#include "daemon/ops/remote_handles.h"
 #include "daemon/ops/transfers.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
@@ -54,7 +56,9 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
                    ClientWatcher* client_watcher, TransferTable* transfers,
                    NotificationInbox* notifications, AgentMetrics* metrics,
                    std::string metrics_address, Directory* directory,
-                   BufferNames* names, const DirectoryOptions& names_limits);
+                   BufferNames* names, const DirectoryOptions& names_limits,
+                   RemoteHandleTable* remote_handles,
+                   PreparedTransferTable* prepared);
 
   // What GetInfo answers (and the agent publishes in the directory).
   v1::AgentInfo Info() const;
@@ -115,6 +119,21 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   grpc::ServerWriteReactor<v1::NameEvent>* WatchNames(
       grpc::CallbackServerContext* context,
       const v1::WatchNamesRequest* request) override;
+  grpc::Status ImportRemote(grpc::ServerContext* context,
+                            const v1::ImportRemoteRequest* request,
+                            v1::ImportRemoteResponse* response) override;
+  grpc::Status ReleaseRemote(grpc::ServerContext* context,
+                             const v1::ReleaseRemoteRequest* request,
+                             v1::ReleaseRemoteResponse* response) override;
+  grpc::Status ListRemotes(grpc::ServerContext* context,
+                           const v1::ListRemotesRequest* request,
+                           v1::ListRemotesResponse* response) override;
+  grpc::Status PrepareTransfer(grpc::ServerContext* context,
+                               const v1::PrepareTransferRequest* request,
+                               v1::PrepareTransferResponse* response) override;
+  grpc::Status ReleasePrepared(grpc::ServerContext* context,
+                               const v1::ReleasePreparedRequest* request,
+                               v1::ReleasePreparedResponse* response) override;
 
  private:
   // What every handler starts with: who is calling, and a call slot for it
@@ -142,6 +161,17 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   // batch is empty or too large, or its notification too long.
   absl::Status CheckBatchSize(const v1::SubmitRequest& request,
                               absl::string_view rpc) const;
+  // The same for a batch of `ops` with `notification` (PrepareTransfer).
+  absl::Status CheckBatchSize(
+      const google::protobuf::RepeatedPtrField<v1::Op>& ops,
+      const std::string& notification, absl::string_view rpc) const;
+  // The prepared transfer a request names (SubmitRequest.prepared_id), or
+  // nullptr when it names none; INVALID_ARGUMENT when it also carries ops or
+  // a notification, NOT_FOUND when the id is not the caller's. Errors are
+  // prefixed with `rpc`.
+  absl::StatusOr<std::shared_ptr<const PreparedTransfer>> PreparedFor(
+      const v1::SubmitRequest& request, uid_t caller,
+      absl::string_view rpc) const;
   // The request's timeout, or the default; INVALID_ARGUMENT when malformed
   // or past the limit.
   absl::StatusOr<absl::Duration> SubmitTimeout(
@@ -158,6 +188,8 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   ClientWatcher* const client_watcher_;
   TransferTable* const transfers_;
   NotificationInbox* const notifications_;
+  RemoteHandleTable* const remote_handles_;
+  PreparedTransferTable* const prepared_;
   AgentMetrics* const metrics_;        // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   Directory* const directory_;

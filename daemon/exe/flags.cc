@@ -325,6 +325,41 @@ ABSL_FLAG(int64_t, max_notification_queue_bytes_total,
           "included); beyond, the oldest of the user holding the most are "
           "dropped and the drop reported. At least "
           "--max_notification_queue_bytes_per_user.");
+ABSL_FLAG(uint64_t, max_remote_handles_per_user,
+          rdma_agent::RemoteHandleLimits().max_per_user,
+          "Imported remotes (ImportRemote) one local user may hold; beyond, "
+          "ImportRemote is refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint64_t, max_remote_handles_total,
+          rdma_agent::RemoteHandleLimits().max_total,
+          "Imported remotes over all local users.");
+ABSL_FLAG(uint64_t, max_remote_handle_bytes_per_user,
+          rdma_agent::RemoteHandleLimits().max_bytes_per_user,
+          "Bytes of agent memory one local user's imported remotes may hold "
+          "(parsed contexts and their records); beyond, ImportRemote is "
+          "refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint64_t, max_remote_handle_bytes_total,
+          rdma_agent::RemoteHandleLimits().max_bytes_total,
+          "The same over all local users.");
+ABSL_FLAG(uint64_t, max_prepared_transfers_per_user,
+          rdma_agent::PreparedTransferLimits().max_per_user,
+          "Prepared transfers (PrepareTransfer) one local user may hold; "
+          "beyond, PrepareTransfer is refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint64_t, max_prepared_transfers_total,
+          rdma_agent::PreparedTransferLimits().max_total,
+          "Prepared transfers over all local users.");
+ABSL_FLAG(uint64_t, max_prepared_transfer_bytes_per_user,
+          rdma_agent::PreparedTransferLimits().max_bytes_per_user,
+          "Bytes of agent memory one local user's prepared transfers may "
+          "hold (their ops and parsed contexts); beyond, PrepareTransfer is "
+          "refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint64_t, max_prepared_transfer_bytes_total,
+          rdma_agent::PreparedTransferLimits().max_bytes_total,
+          "The same over all local users.");
+ABSL_FLAG(uint32_t, max_ring_entries, rdma_agent::RingLimits().max_entries,
+          "Largest shared-memory ring a client may open on the attach "
+          "socket (submission slots, a power of two); a ring of N slots "
+          "maps 512 + 352 N bytes, charged to its user's registered "
+          "bytes.");
 ABSL_FLAG(absl::Duration, shutdown_grace,
           rdma_agent::AgentOptions().shutdown_grace,
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
@@ -508,6 +543,23 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
     *size.field = *value;
   }
   options.transfers.retention = absl::GetFlag(FLAGS_transfer_retention);
+  options.remote_handles.max_per_user =
+      absl::GetFlag(FLAGS_max_remote_handles_per_user);
+  options.remote_handles.max_total =
+      absl::GetFlag(FLAGS_max_remote_handles_total);
+  options.remote_handles.max_bytes_per_user =
+      absl::GetFlag(FLAGS_max_remote_handle_bytes_per_user);
+  options.remote_handles.max_bytes_total =
+      absl::GetFlag(FLAGS_max_remote_handle_bytes_total);
+  options.rings.max_entries = absl::GetFlag(FLAGS_max_ring_entries);
+  options.prepared_transfers.max_per_user =
+      absl::GetFlag(FLAGS_max_prepared_transfers_per_user);
+  options.prepared_transfers.max_total =
+      absl::GetFlag(FLAGS_max_prepared_transfers_total);
+  options.prepared_transfers.max_bytes_per_user =
+      absl::GetFlag(FLAGS_max_prepared_transfer_bytes_per_user);
+  options.prepared_transfers.max_bytes_total =
+      absl::GetFlag(FLAGS_max_prepared_transfer_bytes_total);
   options.transfers.max_bytes_per_user =
       absl::GetFlag(FLAGS_max_transfer_bytes_per_user);
   options.transfers.max_bytes_total =

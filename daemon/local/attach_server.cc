@@ -108,6 +108,18 @@ void AttachServer::Serve(Connection* connection) {
       }
       break;
     }
+    if (request.request_case() == v1::AttachRequest::kOpenRing) {
+      if (!options_.serve_ring) {
+        (void)SendFdMessage(connection->fd.get(),
+                            ErrorResponse(absl::UnimplementedError(
+                                "open ring: this agent serves no rings")));
+        continue;
+      }
+      // The connection is the session's from now on, until it ends.
+      options_.serve_ring(connection->fd.get(), connection->peer,
+                          request.open_ring());
+      break;
+    }
     // `reply.buffer` pins the registration until its fd has been sent.
     const Reply reply = Handle(request, std::move(*fd), connection->peer);
     const int fd_out = reply.buffer ? reply.buffer->fd() : -1;

@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_DAEMON_LOCAL_ATTACH_SERVER_H_
 #define RDMA_AGENTD_DAEMON_LOCAL_ATTACH_SERVER_H_
 
+#include <functional>
 #include <list>
 #include <memory>
 #include <string>
@@ -34,6 +35,13 @@ class AttachServer {
     uint64_t max_buffer_bytes = uint64_t{64} << 30;
     // bytes, pending_attach and attach_connections are used; all must be set.
     AgentQuotas quotas;
+    // Serves a ring session (OpenRing, docs/RING.md) on connection `fd` for
+    // `peer`, on the connection's thread, answering the request itself;
+    // returns when the session has ended. Unset: OpenRing is refused
+    // UNIMPLEMENTED.
+    std::function<void(int fd, const PeerCredentials& peer,
+                       const v1::OpenRing& request)>
+        serve_ring;
   };
 
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(

@@ -41,8 +41,10 @@ void FailedOpLog::Op(const PeerCredentials& caller, absl::string_view rpc,
   std::string remote = "an unreadable remote context";
   v1::RemoteBuffer context;
   // An oversized context (refused unparsed) is not parsed for a log line.
-  if (op.remote_context().size() <= kMaxRemoteContextBytesLimit &&
-      context.ParseFromString(op.remote_context())) {
+  if (op.remote_handle() != 0) {
+    remote = absl::StrCat("remote handle ", op.remote_handle());
+  } else if (op.remote_context().size() <= kMaxRemoteContextBytesLimit &&
+             context.ParseFromString(op.remote_context())) {
     remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
                           LogSafe(context.agent_id()));
   }
@@ -75,6 +77,18 @@ std::unique_ptr<OpBatch> OpBatch::Prepare(
   auto batch = Prepare(env, caller, request.get(), "SubmitAsync");
   batch->owned_request_ = std::move(request);
   batch->charge_ = std::move(charge);
+  return batch;
+}
+
+std::unique_ptr<OpBatch> OpBatch::Prepare(
+    const OpBatchEnvironment& env, const PeerCredentials& caller,
+    std::shared_ptr<const PreparedTransfer> prepared,
+    std::unique_ptr<ActiveCalls::OpsCharge> charge, absl::string_view rpc) {
+  std::unique_ptr<OpBatch> batch(
+      new OpBatch(env, caller, &prepared->request, rpc));
+  batch->prepared_ = std::move(prepared);
+  batch->charge_ = std::move(charge);
+  batch->PrepareOps();
   return batch;
 }
 
@@ -127,16 +141,11 @@ v1::SubmitResponse OpBatch::Skip(const absl::Status& reason) {
 void OpBatch::PrepareOps() {
   // What the ops share (their contexts, their local buffers) is resolved
   // once for the whole batch; each op is still checked on its own.
-  OpPreparer preparer(env_.buffers, caller_.uid);
+  OpPreparer preparer(env_.buffers, caller_.uid, env_.handles);
   ready_.reserve(outcomes_.size());
   ready_index_.reserve(outcomes_.size());
   for (size_t i = 0; i < outcomes_.size(); ++i) {
-    const v1::Op& wire = request_->ops(static_cast<int>(i));
-    // Its context's size before anything of it is parsed.
-    const absl::Status size = CheckRemoteContextSize(
-        wire.remote_context(), env_.max_remote_context_bytes);
-    absl::StatusOr<Op> op =
-        size.ok() ? preparer.Prepare(wire, i) : absl::StatusOr<Op>(size);
+    absl::StatusOr<Op> op = PrepareOp(preparer, i);
     if (!op.ok()) {
       outcomes_[i].status = AnnotateOp(op.status(), i);
       if (!first_refused_.has_value()) first_refused_ = i;
@@ -145,6 +154,20 @@ void OpBatch::PrepareOps() {
     ready_.push_back(std::move(*op));
     ready_index_.push_back(i);
   }
+}
+
+absl::StatusOr<Op> OpBatch::PrepareOp(OpPreparer& preparer, size_t i) const {
+  const v1::Op& wire = request_->ops(static_cast<int>(i));
+  // A prepared op's context was parsed (or its handle resolved) when it was
+  // prepared; everything else is checked again.
+  if (prepared_ != nullptr) {
+    return preparer.PrepareWithRemote(wire, i, prepared_->remotes[i]);
+  }
+  // Its context's size before anything of it is parsed.
+  const absl::Status size = CheckRemoteContextSize(
+      wire.remote_context(), env_.max_remote_context_bytes);
+  if (!size.ok()) return size;
+  return preparer.Prepare(wire, i);
 }
 
 uint64_t OpBatch::PreparedBytes() const {

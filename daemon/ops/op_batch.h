@@ -18,7 +18,10 @@
 #include "daemon/limits/active_calls.h"
 #include "daemon/local/unix_socket.h"
 #include "daemon/ops/notification_plan.h"
+#include "daemon/ops/op_preparer.h"
+#include "daemon/ops/prepared_transfers.h"
 #include "daemon/ops/remote_context.h"
+#include "daemon/ops/remote_handles.h"
 #include "daemon/ops/transfers.h"
 #include "rdma/agent/v1/agent.pb.h"
 
@@ -50,6 +53,8 @@ struct OpBatchEnvironment {
   // Longest remote context an op may carry (--max_remote_context_bytes):
   // a longer one fails its op (INVALID_ARGUMENT) before it is parsed.
   size_t max_remote_context_bytes = kDefaultMaxRemoteContextBytes;
+  // The imported remotes ops may name (Op.remote_handle); nullptr: none.
+  const RemoteHandleTable* handles = nullptr;
 };
 
 // The data path: the ops of one SubmitRequest, validated once and run once —
@@ -82,6 +87,14 @@ class OpBatch final : public TransferWork {
       const OpBatchEnvironment& env, const PeerCredentials& caller,
       std::unique_ptr<v1::SubmitRequest> request,
       std::unique_ptr<ActiveCalls::OpsCharge> charge);
+  // A run of a prepared transfer (SubmitRequest.prepared_id), by Submit or
+  // (with the admission of its ops, `charge`) as a transfer: its ops are
+  // checked again, their remote sides are the ones resolved when it was
+  // prepared. The batch keeps `prepared` until it is destroyed.
+  static std::unique_ptr<OpBatch> Prepare(
+      const OpBatchEnvironment& env, const PeerCredentials& caller,
+      std::shared_ptr<const PreparedTransfer> prepared,
+      std::unique_ptr<ActiveCalls::OpsCharge> charge, absl::string_view rpc);
 
   v1::SubmitResponse Run(const StopToken& stop) override;
   v1::SubmitResponse Skip(const absl::Status& reason) override;
@@ -97,6 +110,8 @@ class OpBatch final : public TransferWork {
           const v1::SubmitRequest* request, absl::string_view rpc);
 
   void PrepareOps();
+  // Op `i` of the request, validated, or why it is refused.
+  absl::StatusOr<Op> PrepareOp(OpPreparer& preparer, size_t i) const;
   // The outcomes of the ops that passed validation, in their order.
   std::vector<OpOutcome> OutcomesOfReady() const;
   // Sends one planned notification (unless it is blocked) and records what
@@ -112,6 +127,8 @@ class OpBatch final : public TransferWork {
   const v1::SubmitRequest* const request_;
   const std::string rpc_;
   std::unique_ptr<v1::SubmitRequest> owned_request_;  // *request_, if owned
+  // The prepared transfer whose request *request_ is, if any.
+  std::shared_ptr<const PreparedTransfer> prepared_;
   std::unique_ptr<ActiveCalls::OpsCharge> charge_;
   // Per op of the request: what ended it (validation or its backend).
   std::vector<OpOutcome> outcomes_;

@@ -38,20 +38,63 @@ const absl::StatusOr<std::shared_ptr<Registration>>& OpPreparer::Local(
   return it->second;
 }
 
-absl::StatusOr<Op> OpPreparer::Prepare(const v1::Op& wire, size_t index) {
-  Op op;
-  op.index = index;
-  op.type = wire.type();
-  if (op.type != v1::OP_TYPE_READ_INTO_LOCAL &&
-      op.type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
+const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>&
+OpPreparer::Handle(uint64_t handle) {
+  auto it = handles_seen_.find(handle);
+  if (it == handles_seen_.end()) {
+    absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> found =
+        handles_ != nullptr
+            ? handles_->Find(caller_, handle)
+            : absl::NotFoundError(
+                  absl::StrCat("remote handle ", handle, " is not imported"));
+    it = handles_seen_.emplace(handle, std::move(found)).first;
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> OpPreparer::Remote(
+    const v1::Op& wire) {
+  if (wire.remote_handle() != 0) {
+    if (!wire.remote_context().empty()) {
+      return absl::InvalidArgumentError(
+          "set remote_context or remote_handle, not both");
+    }
+    return Handle(wire.remote_handle());
+  }
+  if (wire.remote_context().empty()) {
+    return absl::InvalidArgumentError(
+        "remote_context is empty and no remote_handle is set");
+  }
+  return Context(wire.remote_context());
+}
+
+absl::Status OpPreparer::CheckShape(const v1::Op& wire) {
+  if (wire.type() != v1::OP_TYPE_READ_INTO_LOCAL &&
+      wire.type() != v1::OP_TYPE_WRITE_FROM_LOCAL) {
     return absl::InvalidArgumentError(
         "type must be OP_TYPE_READ_INTO_LOCAL or OP_TYPE_WRITE_FROM_LOCAL");
   }
   if (wire.length() == 0) {
     return absl::InvalidArgumentError("length must be positive");
   }
-  const auto& remote = Context(wire.remote_context());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Op> OpPreparer::Prepare(const v1::Op& wire, size_t index) {
+  if (absl::Status shape = CheckShape(wire); !shape.ok()) return shape;
+  auto remote = Remote(wire);
   if (!remote.ok()) return remote.status();
+  return PrepareWithRemote(wire, index, *remote);
+}
+
+absl::StatusOr<Op> OpPreparer::PrepareWithRemote(
+    const v1::Op& wire, size_t index,
+    const std::shared_ptr<const v1::RemoteBuffer>& remote_context) {
+  if (absl::Status shape = CheckShape(wire); !shape.ok()) return shape;
+  Op op;
+  op.index = index;
+  op.type = wire.type();
+  const std::shared_ptr<const v1::RemoteBuffer>* remote = &remote_context;
   const auto& local = Local(wire.local_buffer_id());
   if (!local.ok()) return local.status();
   absl::Status status =

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "backends/backend.h"
 #include "backends/buffer_table.h"
+#include "daemon/ops/remote_handles.h"
 #include "rdma/agent/v1/agent.pb.h"
 
 namespace rdma_agent {
@@ -34,9 +35,11 @@ namespace rdma_agent {
 // One per batch, on one thread; not thread-safe.
 class OpPreparer {
  public:
-  // `buffers` must outlive the preparer.
-  OpPreparer(const BufferTable* buffers, uid_t caller)
-      : buffers_(buffers), caller_(caller) {}
+  // `buffers` and `handles` must outlive the preparer; without `handles`
+  // (nullptr), an op naming a remote_handle is refused as unknown.
+  OpPreparer(const BufferTable* buffers, uid_t caller,
+             const RemoteHandleTable* handles = nullptr)
+      : buffers_(buffers), caller_(caller), handles_(handles) {}
   OpPreparer(const OpPreparer&) = delete;
   OpPreparer& operator=(const OpPreparer&) = delete;
 
@@ -45,7 +48,24 @@ class OpPreparer {
   // prefix, which the caller adds).
   absl::StatusOr<Op> Prepare(const v1::Op& wire, size_t index);
 
+  // The same with the op's remote side already resolved (`remote`, which
+  // Remote() returned for this op earlier): a prepared transfer's ops are
+  // checked again at every run, but their contexts are not looked up again.
+  absl::StatusOr<Op> PrepareWithRemote(
+      const v1::Op& wire, size_t index,
+      const std::shared_ptr<const v1::RemoteBuffer>& remote);
+
+  // The parsed context an op names: its remote_context, or the caller's
+  // imported remote_handle; INVALID_ARGUMENT when it sets both or neither.
+  absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> Remote(
+      const v1::Op& wire);
+
  private:
+  // Type and length, which need nothing looked up.
+  static absl::Status CheckShape(const v1::Op& wire);
+  // The caller's imported `handle`, looked up on first sight.
+  const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Handle(
+      uint64_t handle);
   // The parsed context for `bytes`, parsed on first sight.
   const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Context(
       const std::string& bytes);
@@ -54,6 +74,11 @@ class OpPreparer {
 
   const BufferTable* const buffers_;
   const uid_t caller_;
+  const RemoteHandleTable* const handles_;
+  // By handle, for this caller.
+  absl::flat_hash_map<uint64_t,
+                      absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>
+      handles_seen_;
   // By the exact bytes: equal bytes parse to an equal message, and a parse
   // error is the same for every op that carries them.
   absl::node_hash_map<std::string,

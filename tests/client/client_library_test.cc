@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 #include "common/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -29,6 +30,7 @@ using client::Buffer;
 using client::ConnectOptions;
 using client::OpResult;
 using client::OpSpec;
+using client::SubmitOptions;
 namespace v1 = ::rdma::agent::v1;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -335,6 +337,123 @@ TEST_F(ClientLibraryTest, SubmitAnswersOneResultPerOp) {
   auto default_timeout = client_->Submit({ops[0]}, absl::ZeroDuration());
   ASSERT_TRUE(default_timeout.ok()) << default_timeout.status();
   EXPECT_TRUE((*default_timeout)[0].status.ok());
+}
+
+TEST_F(ClientLibraryTest, OpsNameImportedRemotesAndPreparedTransfers) {
+  auto source = client_->Attach(1000, v1::ACCESS_READ);
+  ASSERT_TRUE(source.ok()) << source.status();
+  auto target = client_->Attach(1000, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(target.ok()) << target.status();
+  FillPattern(source->bytes(), 12);
+  FillPattern(target->bytes(), 13);
+
+  auto handle = client_->ImportRemote(source->remote_context());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  EXPECT_NE(handle->handle, 0u);
+  EXPECT_EQ(handle->buffer_id, source->id());
+  EXPECT_EQ(handle->size, 1000u);
+  EXPECT_EQ(handle->access, v1::ACCESS_READ);
+  EXPECT_EQ(handle->backends, std::vector<std::string>{"memory"});
+  auto listed = client_->ListRemotes();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].handle, handle->handle);
+
+  OpSpec op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = target->id();
+  op.local_offset = 10;
+  op.length = 20;
+  op.remote_handle = handle->handle;
+  op.remote_offset = 30;
+  auto results = client_->Submit({op}, absl::Seconds(10));
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
+  EXPECT_EQ(FirstMismatch(target->bytes(), 12, 30, 10, 20, 13), std::nullopt);
+
+  // The same op prepared, run synchronously and asynchronously, after the
+  // source changed: each run reads it again.
+  op.local_offset = 500;
+  op.remote_offset = 0;
+  auto prepared = client_->PrepareTransfer({op});
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  FillPattern(source->bytes(), 14);
+  auto run = client_->SubmitPrepared(*prepared);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->results.size(), 1u);
+  EXPECT_TRUE(run->results[0].status.ok()) << run->results[0].status;
+  std::string expected = PatternString(13, 0, 1000);
+  expected.replace(10, 20, PatternString(12, 30, 20));
+  expected.replace(500, 20, PatternString(14, 0, 20));
+  EXPECT_TRUE(AsString(target->bytes()) == expected);
+  FillPattern(source->bytes(), 15);
+  auto transfer = client_->SubmitPreparedAsync(*prepared);
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  auto ended = transfer->Wait(absl::Seconds(10));
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_TRUE(ended->ok());
+  expected.replace(500, 20, PatternString(15, 0, 20));
+  EXPECT_TRUE(AsString(target->bytes()) == expected);
+
+  // A run naming a notification of its own is refused: the prepared one
+  // is sent.
+  SubmitOptions with_notification;
+  with_notification.notification = "n";
+  EXPECT_EQ(
+      client_->SubmitPrepared(*prepared, with_notification).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client_->ReleasePrepared(*prepared).ok());
+  EXPECT_EQ(client_->SubmitPrepared(*prepared).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ReleasePrepared(*prepared).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(client_->ReleaseRemote(handle->handle).ok());
+  EXPECT_EQ(client_->ReleaseRemote(handle->handle).code(),
+            absl::StatusCode::kNotFound);
+}
+
+// A ring session with a real rdma-agentd process: bytes land in this
+// process's mapping; then the agent is killed mid-session and every ring
+// call fails UNAVAILABLE at once instead of hanging.
+TEST_F(ClientLibraryTest, ARingWorksAndEndsWhenItsAgentIsKilled) {
+  auto source = client_->Attach(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(source.ok()) << source.status();
+  auto target = client_->Attach(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(target.ok()) << target.status();
+  FillPattern(source->bytes(), 21);
+  FillPattern(target->bytes(), 22);
+  auto handle = client_->ImportRemote(source->remote_context());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  auto ring = client_->OpenRing(16);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  client::RingOp op;
+  op.type = v1::OP_TYPE_READ_INTO_LOCAL;
+  op.local_buffer_id = target->id();
+  op.local_offset = 100;
+  op.length = 200;
+  op.remote_handle = handle->handle;
+  op.remote_offset = 300;
+  op.user_tag = 5;
+  ASSERT_TRUE((*ring)->Submit({&op, 1}).ok());
+  std::vector<client::RingCompletion> ends;
+  auto got = (*ring)->Wait(&ends, absl::Seconds(10));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].user_tag, 5u);
+  EXPECT_TRUE(ends[0].status.ok()) << ends[0].status;
+  EXPECT_EQ(FirstMismatch(target->bytes(), 21, 300, 100, 200, 22),
+            std::nullopt);
+
+  client_.reset();
+  agent_->Kill();
+  const absl::Time start = absl::Now();
+  ends.clear();
+  auto after = (*ring)->Wait(&ends, absl::Seconds(30));
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable)
+      << after.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ((*ring)->Submit({&op, 1}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*ring)->status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(ClientLibraryTest, SubmitOfAnEmptyBatchIsInvalid) {

@@ -51,6 +51,21 @@
 //   list_all                    -> ids ID,ID,... | error CODE MESSAGE
 //        every user's (ListBuffers all_users)
 //   info                        -> status CODE
+//   import BASE64_CONTEXT       -> handle H | error CODE MESSAGE
+//   release_remote H            -> status CODE
+//   remotes                     -> handles H,H,... | error CODE MESSAGE
+//   submit_handle read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET H
+//                               -> result CODE BACKEND MESSAGE | error ...
+//   prepare read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET H
+//                               -> prepared ID | error CODE MESSAGE
+//        a prepared transfer of that one op naming handle H
+//   run_prepared ID             -> result CODE BACKEND MESSAGE | error ...
+//   release_prepared ID         -> status CODE
+//   ring_open ENTRIES           -> ok | error CODE MESSAGE
+//        a shared-memory ring session (client/ring.h), kept until exit
+//   ring_op read|write LOCAL_ID LOCAL_OFFSET LENGTH REMOTE_OFFSET H
+//                               -> result CODE BACKEND MESSAGE | error ...
+//        one op through the ring, waited for
 //   exit                        -> (exits 0)
 //
 // CODE is an absl status code name (OK, NOT_FOUND, ...). Flags: --target,
@@ -84,6 +99,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/internal/attach_socket.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 #include "common/grpc_status.h"
 #include "common/shared_memory.h"
 #include "grpcpp/grpcpp.h"
@@ -124,6 +140,19 @@ std::optional<v1::Lifetime> ParseLifetime(absl::string_view word) {
   if (word == "process") return v1::LIFETIME_CLIENT_PROCESS;
   if (word == "connection") return v1::LIFETIME_CLIENT_CONNECTION;
   return std::nullopt;
+}
+
+// "result CODE BACKEND MESSAGE" of a one-op batch, or its error.
+std::string OneResult(const absl::StatusOr<client::SubmitResult>& submitted) {
+  if (!submitted.ok()) return Error(submitted.status());
+  if (submitted->results.size() != 1) {
+    return absl::StrCat("error INTERNAL ", submitted->results.size(),
+                        " results");
+  }
+  const client::OpResult& result = submitted->results[0];
+  return absl::StrCat("result ", CodeName(result.status), " ",
+                      result.backend.empty() ? "-" : result.backend, " ",
+                      OneLine(result.status.message()));
 }
 
 class Worker {
@@ -368,6 +397,82 @@ class Worker {
         ids.push_back(info.buffer_id());
       return absl::StrCat("ids ", absl::StrJoin(ids, ","));
     }
+    if (command == "import" && need(1)) {
+      std::string context;
+      if (!absl::Base64Unescape(words[1], &context)) {
+        return "error INVALID_ARGUMENT bad base64";
+      }
+      absl::StatusOr<client::RemoteHandle> handle =
+          client_->ImportRemote(context);
+      if (!handle.ok()) return Error(handle.status());
+      return absl::StrCat("handle ", handle->handle);
+    }
+    if (command == "release_remote" && need(1)) {
+      return absl::StrCat("status ", CodeName(client_->ReleaseRemote(n[0])));
+    }
+    if (command == "remotes") {
+      auto handles = client_->ListRemotes();
+      if (!handles.ok()) return Error(handles.status());
+      std::vector<uint64_t> ids;
+      for (const client::RemoteHandle& handle : *handles) {
+        ids.push_back(handle.handle);
+      }
+      return absl::StrCat("handles ", absl::StrJoin(ids, ","));
+    }
+    if ((command == "submit_handle" || command == "prepare") && need(6)) {
+      client::OpSpec op;
+      op.type = words[1] == "read" ? v1::OP_TYPE_READ_INTO_LOCAL
+                                   : v1::OP_TYPE_WRITE_FROM_LOCAL;
+      op.local_buffer_id = n[1];
+      op.local_offset = n[2];
+      op.length = n[3];
+      op.remote_offset = n[4];
+      op.remote_handle = n[5];
+      if (command == "prepare") {
+        absl::StatusOr<uint64_t> id = client_->PrepareTransfer({op});
+        if (!id.ok()) return Error(id.status());
+        return absl::StrCat("prepared ", *id);
+      }
+      client::SubmitOptions options;
+      options.timeout = absl::Seconds(60);
+      return OneResult(client_->Submit({op}, options));
+    }
+    if (command == "run_prepared" && need(1)) {
+      client::SubmitOptions options;
+      options.timeout = absl::Seconds(60);
+      return OneResult(client_->SubmitPrepared(n[0], options));
+    }
+    if (command == "release_prepared" && need(1)) {
+      return absl::StrCat("status ", CodeName(client_->ReleasePrepared(n[0])));
+    }
+    if (command == "ring_open" && need(1)) {
+      auto ring = client_->OpenRing(static_cast<uint32_t>(n[0]));
+      if (!ring.ok()) return Error(ring.status());
+      ring_ = std::move(*ring);
+      return "ok";
+    }
+    if (command == "ring_op" && need(6)) {
+      if (ring_ == nullptr) return "error FAILED_PRECONDITION no ring";
+      client::RingOp op;
+      op.type = words[1] == "read" ? v1::OP_TYPE_READ_INTO_LOCAL
+                                   : v1::OP_TYPE_WRITE_FROM_LOCAL;
+      op.local_buffer_id = n[1];
+      op.local_offset = n[2];
+      op.length = n[3];
+      op.remote_offset = n[4];
+      op.remote_handle = n[5];
+      if (absl::Status s = ring_->Submit({&op, 1}, absl::Seconds(60));
+          !s.ok()) {
+        return Error(s);
+      }
+      std::vector<client::RingCompletion> ends;
+      auto got = ring_->Wait(&ends, absl::Seconds(60));
+      if (!got.ok()) return Error(got.status());
+      const client::RingCompletion& end = ends.at(0);
+      return absl::StrCat("result ", CodeName(end.status), " ",
+                          end.backend.empty() ? "-" : end.backend, " ",
+                          OneLine(end.status.message()));
+    }
     if (command == "info") {
       return absl::StrCat("status ", CodeName(client_->GetInfo().status()));
     }
@@ -473,6 +578,7 @@ class Worker {
   }
 
   std::unique_ptr<AgentClient> client_;
+  std::unique_ptr<client::Ring> ring_;
   std::unique_ptr<v1::RdmaAgent::Stub> stub_;
   std::map<uint64_t, Buffer> buffers_;
   std::vector<Buffer> watch_buffers_;

@@ -195,3 +195,29 @@ write(H, "not_found", b"GET /metrics/../etc HTTP/1.1\r\n\r\n")
 write(H, "half_sent", b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-")
 write(H, "tls_hello", bytes([0x16, 0x03, 0x01, 0x00, 0xa5, 0x01, 0x00]))
 write(H, "too_large", b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 8300 + b"\r\n\r\n")
+
+
+# --- ring_entry_fuzzer ------------------------------------------------------
+def ring_input(exponent, head, tail, cq_head, cq_tail, slots):
+    return struct.pack("<5I", exponent, head, tail, cq_head, cq_tail) + b"".join(slots)
+
+
+def submission(opcode, flags, tag, end=False, length=8, handle=7):
+    return struct.pack("<BBHIQQQQQQQ", opcode, flags | (1 if end else 0), 0, 0,
+                       tag, 1, 0, length, handle, 0, 0)
+
+
+write("ring_entry_fuzzer", "one_op",
+      ring_input(3, 0, 1, 0, 0, [submission(1, 0, 1, end=True)]))
+write("ring_entry_fuzzer", "batch_of_three",
+      ring_input(3, 6, 9, 4, 4, [submission(2, 0, 1), submission(1, 0, 2),
+                                 submission(1, 0, 3, end=True)]))
+write("ring_entry_fuzzer", "wrapping",
+      ring_input(2, 0xfffffffe, 2, 0xfffffffc, 0xfffffffe,
+                 [submission(1, 0, i, end=(i == 3)) for i in range(4)]))
+write("ring_entry_fuzzer", "lying_tail",
+      ring_input(2, 0, 100, 0, 0, [submission(1, 0, 1, end=True)]))
+write("ring_entry_fuzzer", "bad_fields",
+      ring_input(3, 0, 2, 0, 0, [submission(9, 0x80, 1),
+                                 submission(1, 0, 2, end=True, length=0,
+                                            handle=0)]))
