@@ -80,8 +80,10 @@ struct OpSpec {
   // The other side: a serialized RemoteBuffer, or (instead) a handle from
   // AgentClient::ImportRemote. Exactly one of the two.
   std::string remote_context;
-  uint64_t remote_handle = 0;
   uint64_t remote_offset = 0;
+  // After remote_offset, so that {type, id, offset, length, context,
+  // remote offset} initialises what it always did.
+  uint64_t remote_handle = 0;
 };
 
 // A remote context the agent has imported (AgentClient::ImportRemote):

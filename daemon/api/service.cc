@@ -88,12 +88,26 @@ RdmaAgentService::RdmaAgentService(
       names_(names),
       name_watches_(names_limits.max_name_watches_per_user,
                     names_limits.max_name_watches),
+      name_resolver_(
+          [directory, max = limits.max_remote_context_bytes](
+              const std::string& name) -> absl::StatusOr<std::string> {
+            absl::Status valid = ValidateName(name);
+            if (!valid.ok()) return valid;
+            auto record =
+                directory->ResolveName(name, absl::Now() + absl::Seconds(10));
+            if (!record.ok()) return record.status();
+            absl::Status size =
+                CheckRemoteContextSize(record->remote_context(), max);
+            if (!size.ok()) return size;
+            return std::move(*record->mutable_remote_context());
+          }),
       batch_env_{registry,
                  buffers,
                  metrics,
                  &failures_,
                  limits.max_remote_context_bytes,
-                 remote_handles} {}
+                 remote_handles,
+                 &name_resolver_} {}
 
 absl::StatusOr<RdmaAgentService::Admitted> RdmaAgentService::Admit(
     const grpc::ServerContext& context, absl::string_view rpc,
@@ -753,7 +767,8 @@ grpc::Status RdmaAgentService::PrepareTransfer(
   if (!size.ok()) return ToGrpcStatus(size);
   auto admitted = Admit(*context, "PrepareTransfer");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());
-  OpPreparer preparer(buffers_, admitted->caller.uid, remote_handles_);
+  OpPreparer preparer(buffers_, admitted->caller.uid, remote_handles_,
+                      &name_resolver_);
   auto id = prepared_->Prepare(admitted->caller.uid, *request, preparer,
                                limits_.max_remote_context_bytes);
   if (!id.ok()) return ToGrpcStatus(Prefixed(id.status(), "PrepareTransfer"));

@@ -27,6 +27,7 @@
 #include "daemon/ops/notifications.h"
 #include "daemon/ops/op_batch.h"
 #include "daemon/ops/prepared_transfers.h"
+#include "daemon/ops/remote_context.h"
 #include "daemon/ops/remote_handles.h"
 #include "daemon/ops/transfers.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
@@ -197,6 +198,8 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   NameWatches name_watches_;
   FailedOpLog failures_;
   // What Submit's and SubmitAsync's batches run with.
+  // Op.remote_name: the directory's Resolve, its context checked for size.
+  const NameResolver name_resolver_;
   const OpBatchEnvironment batch_env_;
 };
 

@@ -141,7 +141,7 @@ v1::SubmitResponse OpBatch::Skip(const absl::Status& reason) {
 void OpBatch::PrepareOps() {
   // What the ops share (their contexts, their local buffers) is resolved
   // once for the whole batch; each op is still checked on its own.
-  OpPreparer preparer(env_.buffers, caller_.uid, env_.handles);
+  OpPreparer preparer(env_.buffers, caller_.uid, env_.handles, env_.names);
   ready_.reserve(outcomes_.size());
   ready_index_.reserve(outcomes_.size());
   for (size_t i = 0; i < outcomes_.size(); ++i) {

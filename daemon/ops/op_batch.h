@@ -55,6 +55,9 @@ struct OpBatchEnvironment {
   size_t max_remote_context_bytes = kDefaultMaxRemoteContextBytes;
   // The imported remotes ops may name (Op.remote_handle); nullptr: none.
   const RemoteHandleTable* handles = nullptr;
+  // What published names ops may name stand for (Op.remote_name); nullptr:
+  // none.
+  const NameResolver* names = nullptr;
 };
 
 // The data path: the ops of one SubmitRequest, validated once and run once —

@@ -52,18 +52,41 @@ OpPreparer::Handle(uint64_t handle) {
   return it->second;
 }
 
+const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& OpPreparer::Name(
+    const std::string& name) {
+  auto it = names_seen_.find(name);
+  if (it == names_seen_.end()) {
+    absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> found =
+        absl::NotFoundError(
+            absl::StrCat("remote name \"", name, "\" is not published"));
+    if (names_ != nullptr) {
+      absl::StatusOr<std::string> context = (*names_)(name);
+      if (context.ok()) {
+        found = Context(*context);
+      } else {
+        found = context.status();
+      }
+    }
+    it = names_seen_.emplace(name, std::move(found)).first;
+  }
+  return it->second;
+}
+
 absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> OpPreparer::Remote(
     const v1::Op& wire) {
-  if (wire.remote_handle() != 0) {
-    if (!wire.remote_context().empty()) {
-      return absl::InvalidArgumentError(
-          "set remote_context or remote_handle, not both");
-    }
-    return Handle(wire.remote_handle());
+  const int sides = (wire.remote_handle() != 0 ? 1 : 0) +
+                    (!wire.remote_context().empty() ? 1 : 0) +
+                    (!wire.remote_name().empty() ? 1 : 0);
+  if (sides > 1) {
+    return absl::InvalidArgumentError(
+        "set one of remote_context, remote_handle and remote_name, not "
+        "several");
   }
+  if (wire.remote_handle() != 0) return Handle(wire.remote_handle());
+  if (!wire.remote_name().empty()) return Name(wire.remote_name());
   if (wire.remote_context().empty()) {
     return absl::InvalidArgumentError(
-        "remote_context is empty and no remote_handle is set");
+        "remote_context is empty and no remote_handle or remote_name is set");
   }
   return Context(wire.remote_context());
 }

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -33,13 +34,21 @@ namespace rdma_agent {
 // checks them for every op (BufferDirectory).
 //
 // One per batch, on one thread; not thread-safe.
+// The serialized remote context a published name stands for (the
+// directory's Resolve), checked for size; NOT_FOUND when nobody publishes
+// it.
+using NameResolver =
+    std::function<absl::StatusOr<std::string>(const std::string& name)>;
+
 class OpPreparer {
  public:
-  // `buffers` and `handles` must outlive the preparer; without `handles`
-  // (nullptr), an op naming a remote_handle is refused as unknown.
+  // `buffers`, `handles` and `names` must outlive the preparer; without
+  // `handles` (nullptr), an op naming a remote_handle is refused as
+  // unknown, and without `names` one naming a remote_name.
   OpPreparer(const BufferTable* buffers, uid_t caller,
-             const RemoteHandleTable* handles = nullptr)
-      : buffers_(buffers), caller_(caller), handles_(handles) {}
+             const RemoteHandleTable* handles = nullptr,
+             const NameResolver* names = nullptr)
+      : buffers_(buffers), caller_(caller), handles_(handles), names_(names) {}
   OpPreparer(const OpPreparer&) = delete;
   OpPreparer& operator=(const OpPreparer&) = delete;
 
@@ -55,8 +64,9 @@ class OpPreparer {
       const v1::Op& wire, size_t index,
       const std::shared_ptr<const v1::RemoteBuffer>& remote);
 
-  // The parsed context an op names: its remote_context, or the caller's
-  // imported remote_handle; INVALID_ARGUMENT when it sets both or neither.
+  // The parsed context an op names: its remote_context, the caller's
+  // imported remote_handle, or the context its remote_name stands for;
+  // INVALID_ARGUMENT when it sets several or none.
   absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> Remote(
       const v1::Op& wire);
 
@@ -66,6 +76,9 @@ class OpPreparer {
   // The caller's imported `handle`, looked up on first sight.
   const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Handle(
       uint64_t handle);
+  // The context published under `name`, resolved on first sight.
+  const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Name(
+      const std::string& name);
   // The parsed context for `bytes`, parsed on first sight.
   const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Context(
       const std::string& bytes);
@@ -75,6 +88,11 @@ class OpPreparer {
   const BufferTable* const buffers_;
   const uid_t caller_;
   const RemoteHandleTable* const handles_;
+  const NameResolver* const names_;
+  // By name, resolved once per batch.
+  absl::flat_hash_map<std::string,
+                      absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>
+      names_seen_;
   // By handle, for this caller.
   absl::flat_hash_map<uint64_t,
                       absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>>

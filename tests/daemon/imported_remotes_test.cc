@@ -225,7 +225,7 @@ TEST_F(ImportedRemotesTest, EveryBadOpNamingAHandleGetsItsCode) {
   };
   const uint64_t id = local.buffer_id();
   const std::vector<Case> cases = {
-      {both, absl::StatusCode::kInvalidArgument, "not both"},
+      {both, absl::StatusCode::kInvalidArgument, "not several"},
       {MakeWireOp(kRead, id, 0, 8, "", 0), absl::StatusCode::kInvalidArgument,
        "no remote_handle"},
       {HandleOp(kRead, id, 0, 8, 12345, 0), absl::StatusCode::kNotFound,

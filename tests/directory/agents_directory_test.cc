@@ -330,6 +330,74 @@ TEST_F(AgentsDirectoryTest, NamesResolveOnOtherAgentsAndMoveBytes) {
   }
 }
 
+TEST_F(AgentsDirectoryTest, OpsNameTheirRemoteByPublishedName) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  auto far =
+      a->client().Allocate(4096, v1::ACCESS_READ_WRITE, "", v1::LIFETIME_AGENT);
+  ASSERT_TRUE(far.ok());
+  for (int i = 0; i < 4096; ++i) far->data()[i] = std::byte(i % 251);
+  ASSERT_TRUE(a->client().Publish(far->id(), "prefill/blocks").ok());
+  auto near = b->client().Allocate(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(near.ok());
+  auto stub = v1::RdmaAgent::NewStub(b->client().channel());
+  auto submit = [&](v1::Op op) {
+    v1::SubmitRequest request;
+    *request.add_ops() = op;
+    request.mutable_timeout()->set_seconds(10);
+    v1::SubmitResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = stub->Submit(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.results_size() == 1 ? response.results(0) : v1::OpResult();
+  };
+  v1::Op op;
+  op.set_type(v1::OP_TYPE_READ_INTO_LOCAL);
+  op.set_local_buffer_id(near->id());
+  op.set_local_offset(8);
+  op.set_length(512);
+  op.set_remote_name("prefill/blocks");
+  op.set_remote_offset(1000);
+  std::memset(near->data(), 0, 4096);
+  v1::OpResult result = submit(op);
+  ASSERT_EQ(result.code(), 0) << result.message();
+  for (int i = 0; i < 4096; ++i) {
+    const std::byte want =
+        (i >= 8 && i < 520) ? std::byte((i - 8 + 1000) % 251) : std::byte(0);
+    ASSERT_EQ(near->data()[i], want) << "byte " << i;
+  }
+  // A name nobody publishes fails its op, naming it.
+  v1::Op unknown = op;
+  unknown.set_remote_name("prefill/none");
+  result = submit(unknown);
+  EXPECT_EQ(result.code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(result.message(), HasSubstr("op 0"));
+  EXPECT_THAT(result.message(), HasSubstr("prefill/none"));
+  // A name and a context at once is malformed.
+  v1::Op both = op;
+  both.set_remote_context(far->remote_context());
+  result = submit(both);
+  EXPECT_EQ(result.code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(result.message(), HasSubstr("not several"));
+
+  // The publisher restarts: the name is gone with its old life, and its
+  // owner publishes it again for its new buffer; ops by name reach the new
+  // epoch at once.
+  a->Kill();
+  ASSERT_TRUE(a->Restart().ok());
+  auto again = a->client().Allocate(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(again.ok());
+  for (int i = 0; i < 4096; ++i) again->data()[i] = std::byte(0x5a);
+  ASSERT_TRUE(a->client().Publish(again->id(), "prefill/blocks").ok());
+  EXPECT_EQ(b->client().Resolve("prefill/blocks")->agent_epoch(),
+            Self(*a).second);
+  result = submit(op);
+  ASSERT_EQ(result.code(), 0) << result.message();
+  EXPECT_EQ(near->data()[8], std::byte(0x5a));
+  EXPECT_EQ(near->data()[7], std::byte(0));
+}
+
 TEST_F(AgentsDirectoryTest, ANameBelongsToItsPublisher) {
   auto a = StartAgent("agent-a");
   auto b = StartAgent("agent-b");
