@@ -114,7 +114,8 @@ grpc::ServerWriteReactor<v1::NameEvent>* ServeWatchNames(
       [caller, slot = std::move(slot), directory,
        prefix = std::move(prefix)](std::function<void()> wake)
           -> absl::StatusOr<std::unique_ptr<EventSource<v1::NameEvent>>> {
-        auto source = std::make_unique<NameEventSource>(caller, slot, std::move(wake));
+        auto source =
+            std::make_unique<NameEventSource>(caller, slot, std::move(wake));
         NameEventSource* raw = source.get();
         auto subscription = directory->WatchNames(
             prefix, [raw](const v1::NameEvent& event) { raw->Add(event); },
