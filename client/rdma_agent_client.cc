@@ -253,12 +253,14 @@ absl::StatusOr<v1::ListAgentsResponse> AgentClient::ListAgents() {
   return response;
 }
 
-absl::Status AgentClient::Publish(uint64_t buffer_id, const std::string& name) {
+absl::Status AgentClient::Publish(uint64_t buffer_id, const std::string& name,
+                                  v1::Visibility visibility) {
   grpc::ClientContext context;
   state_->PrepareContext(&context);
   v1::PublishRequest request;
   request.set_buffer_id(buffer_id);
   request.set_name(name);
+  request.set_visibility(visibility);
   v1::PublishResponse response;
   return FromGrpcStatus(state_->stub().Publish(&context, request, &response));
 }

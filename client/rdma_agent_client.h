@@ -464,7 +464,10 @@ class AgentClient {
 
   // Publishes one of the caller's buffers under `name` in the agent's
   // directory: anyone who resolves the name gets its remote context.
-  absl::Status Publish(uint64_t buffer_id, const std::string& name);
+  // By default only this user (on any agent) finds it; VISIBILITY_ANY_USER
+  // shares the buffer with every user of the directory.
+  absl::Status Publish(uint64_t buffer_id, const std::string& name,
+                       v1::Visibility visibility = v1::VISIBILITY_OWNER);
   // Withdraws one of the caller's names.
   absl::Status Unpublish(const std::string& name);
   // The record (remote context, owner agent and epoch) `name` stands for.

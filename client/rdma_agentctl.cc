@@ -713,6 +713,95 @@ class BufferCommand : public Command {
   std::vector<std::string> ids_;
 };
 
+class PublishCommand : public Command {
+ public:
+  explicit PublishCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "publish", "publish a buffer under a name in the agent's directory");
+    sub->add_option("ID", id_, "buffer id")->required();
+    sub->add_option("NAME", name_, "the name")->required();
+    sub->add_flag("--any_user", any_user_,
+                  "every user of the directory finds it (it carries the "
+                  "buffer's token); default: only you");
+  }
+  Outcome Run(LazyClient& lazy, const Global&) override {
+    absl::StatusOr<uint64_t> id =
+        BufferIdArgument(std::vector<std::string>{id_});
+    if (!id.ok())
+      return Usage(absl::StrCat("publish: ", id.status().message()));
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Status status = (*client)->Publish(
+        *id, name_, any_user_ ? v1::VISIBILITY_ANY_USER : v1::VISIBILITY_OWNER);
+    if (!status.ok()) return Failed(absl::StrCat("publish ", name_), status);
+    return Ok();
+  }
+
+ private:
+  std::string id_;
+  std::string name_;
+  bool any_user_ = false;
+};
+
+class UnpublishCommand : public Command {
+ public:
+  explicit UnpublishCommand(CLI::App& app) {
+    CLI::App* sub =
+        app.add_subcommand("unpublish", "withdraw one of your names");
+    sub->add_option("NAME", name_, "the name")->required();
+  }
+  Outcome Run(LazyClient& lazy, const Global&) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Status status = (*client)->Unpublish(name_);
+    if (!status.ok()) return Failed(absl::StrCat("unpublish ", name_), status);
+    return Ok();
+  }
+
+ private:
+  std::string name_;
+};
+
+class ResolveCommand : public Command {
+ public:
+  explicit ResolveCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "resolve",
+        "who publishes a name, and the remote context it stands for");
+    sub->add_option("NAME", name_, "the name")->required();
+    sub->add_option("--context_out", context_out_,
+                    "write the remote context (binary) to this file");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<v1::NameRecord> record = (*client)->Resolve(name_);
+    if (!record.ok()) {
+      return Failed(absl::StrCat("resolve ", name_), record.status());
+    }
+    if (!context_out_.empty()) {
+      absl::Status written = WriteAll(context_out_, record->remote_context());
+      if (!written.ok()) {
+        return LocalIo(absl::StrCat("resolve: ", written.message()));
+      }
+    }
+    if (global.json()) {
+      Print(global, *record);
+    } else {
+      std::printf("%s: buffer %llu of uid %u on agent %s (epoch %016llx)\n",
+                  record->name().c_str(),
+                  static_cast<unsigned long long>(record->buffer_id()),
+                  record->owner_uid(), record->agent_id().c_str(),
+                  static_cast<unsigned long long>(record->agent_epoch()));
+    }
+    return Ok();
+  }
+
+ private:
+  std::string name_;
+  std::string context_out_;
+};
+
 class ReleaseCommand : public Command {
  public:
   explicit ReleaseCommand(CLI::App& app) {
@@ -1548,6 +1637,9 @@ int Main(int argc, char** argv) {
   std::vector<std::unique_ptr<Command>> owned;
   owned.push_back(std::make_unique<InfoCommand>(app));
   owned.push_back(std::make_unique<AgentsCommand>(app));
+  owned.push_back(std::make_unique<PublishCommand>(app));
+  owned.push_back(std::make_unique<UnpublishCommand>(app));
+  owned.push_back(std::make_unique<ResolveCommand>(app));
   owned.push_back(std::make_unique<HealthCommand>(app));
   owned.push_back(std::make_unique<MetricsCommand>(app));
   owned.push_back(std::make_unique<RegisterCommand>(app));

@@ -37,8 +37,9 @@ namespace {
 // The directory's events for one stream, queued until written.
 class NameEventSource final : public EventSource<v1::NameEvent> {
  public:
-  NameEventSource(std::shared_ptr<void> slot, std::function<void()> wake)
-      : slot_(std::move(slot)), wake_(std::move(wake)) {}
+  NameEventSource(uid_t caller, std::shared_ptr<void> slot,
+                  std::function<void()> wake)
+      : caller_(caller), slot_(std::move(slot)), wake_(std::move(wake)) {}
 
   void set_subscription(std::unique_ptr<Directory::Subscription> subscription) {
     subscription_ = std::move(subscription);
@@ -46,6 +47,11 @@ class NameEventSource final : public EventSource<v1::NameEvent> {
 
   // From the directory (its thread, or the opener's during WatchNames).
   void Add(const v1::NameEvent& event) {
+    // Names the caller may not see are not there for it, coming or going.
+    if (event.kind() != v1::NameEvent::SYNCED &&
+        !VisibleTo(event.record(), caller_)) {
+      return;
+    }
     {
       absl::MutexLock lock(&mu_);
       if (!status_.ok()) return;
@@ -87,6 +93,7 @@ class NameEventSource final : public EventSource<v1::NameEvent> {
   }
 
  private:
+  const uid_t caller_;
   const std::shared_ptr<void> slot_;
   const std::function<void()> wake_;
   mutable absl::Mutex mu_;
@@ -100,14 +107,15 @@ class NameEventSource final : public EventSource<v1::NameEvent> {
 }  // namespace
 
 grpc::ServerWriteReactor<v1::NameEvent>* ServeWatchNames(
-    std::unique_ptr<ActiveCalls::Call> call, std::shared_ptr<void> slot,
-    Directory* directory, std::string prefix) {
+    std::unique_ptr<ActiveCalls::Call> call, uid_t caller,
+    std::shared_ptr<void> slot, Directory* directory, std::string prefix) {
   return ServeEventStream<v1::NameEvent>(
       std::move(call), "WatchNames",
-      [slot = std::move(slot), directory,
+      [caller, slot = std::move(slot), directory,
        prefix = std::move(prefix)](std::function<void()> wake)
           -> absl::StatusOr<std::unique_ptr<EventSource<v1::NameEvent>>> {
-        auto source = std::make_unique<NameEventSource>(slot, std::move(wake));
+        auto source =
+            std::make_unique<NameEventSource>(caller, slot, std::move(wake));
         NameEventSource* raw = source.get();
         auto subscription = directory->WatchNames(
             prefix, [raw](const v1::NameEvent& event) { raw->Add(event); },

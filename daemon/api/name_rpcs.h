@@ -42,8 +42,8 @@ inline constexpr size_t kMaxQueuedNameEventBytes = 4 << 20;
 // Serves WatchNames for `prefix` from `directory` (the call admitted and
 // the slot taken by the caller).
 grpc::ServerWriteReactor<v1::NameEvent>* ServeWatchNames(
-    std::unique_ptr<ActiveCalls::Call> call, std::shared_ptr<void> slot,
-    Directory* directory, std::string prefix);
+    std::unique_ptr<ActiveCalls::Call> call, uid_t caller,
+    std::shared_ptr<void> slot, Directory* directory, std::string prefix);
 
 }  // namespace rdma_agent
 

@@ -90,12 +90,14 @@ RdmaAgentService::RdmaAgentService(
                     names_limits.max_name_watches),
       name_resolver_(
           [directory, max = limits.max_remote_context_bytes](
+              uid_t caller,
               const std::string& name) -> absl::StatusOr<std::string> {
             absl::Status valid = ValidateName(name);
             if (!valid.ok()) return valid;
             auto record =
                 directory->ResolveName(name, absl::Now() + absl::Seconds(10));
             if (!record.ok()) return record.status();
+            if (!VisibleTo(*record, caller)) return NameNotPublished(name);
             absl::Status size =
                 CheckRemoteContextSize(record->remote_context(), max);
             if (!size.ok()) return size;
@@ -182,8 +184,13 @@ grpc::Status RdmaAgentService::Publish(grpc::ServerContext* context,
   if (!registration.ok()) {
     return ToGrpcStatus(Prefixed(registration.status(), "Publish"));
   }
+  if (!v1::Visibility_IsValid(request->visibility())) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "Publish: visibility must be VISIBILITY_OWNER or VISIBILITY_ANY_USER"));
+  }
   v1::NameRecord record;
   record.set_name(request->name());
+  record.set_visibility(request->visibility());
   record.set_remote_context((*registration)->remote_context());
   record.set_agent_id(identity_.agent_id);
   record.set_agent_epoch(identity_.epoch);
@@ -228,6 +235,9 @@ grpc::Status RdmaAgentService::Resolve(grpc::ServerContext* context,
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Resolve"));
   auto record = directory_->ResolveName(request->name(),
                                         absl::FromChrono(context->deadline()));
+  if (record.ok() && !VisibleTo(*record, admitted->caller.uid)) {
+    record = NameNotPublished(request->name());
+  }
   if (!record.ok()) return ToGrpcStatus(Prefixed(record.status(), "Resolve"));
   *response->mutable_record() = std::move(*record);
   return grpc::Status::OK;
@@ -246,8 +256,8 @@ grpc::ServerWriteReactor<v1::NameEvent>* RdmaAgentService::WatchNames(
   if (!slot.ok()) {
     return RefuseStream<v1::NameEvent>(Prefixed(slot.status(), "WatchNames"));
   }
-  return ServeWatchNames(std::move(admitted->call), std::move(*slot),
-                         directory_, request->prefix());
+  return ServeWatchNames(std::move(admitted->call), admitted->caller.uid,
+                         std::move(*slot), directory_, request->prefix());
 }
 
 grpc::Status RdmaAgentService::Register(grpc::ServerContext* context,

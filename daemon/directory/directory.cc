@@ -38,6 +38,16 @@ std::string NameKey(const DirectoryOptions& options, const std::string& name) {
   return absl::StrCat(options.prefix, "/names/", name);
 }
 
+bool VisibleTo(const v1::NameRecord& record, uint32_t uid) {
+  return record.visibility() == v1::VISIBILITY_ANY_USER ||
+         record.owner_uid() == uid;
+}
+
+absl::Status NameNotPublished(const std::string& name) {
+  return absl::NotFoundError(
+      absl::StrCat("no agent publishes the name \"", LogSafe(name), "\""));
+}
+
 absl::Status SnapshotTooLarge(const std::string& prefix) {
   return absl::ResourceExhaustedError(
       absl::StrCat("more than ", kMaxWatchSnapshot, " names start with \"",

@@ -80,6 +80,13 @@ class Directory {
       EndCallback on_end) = 0;
 };
 
+// Whether `uid` (a local caller of any agent) may find `record`: its owner
+// always, anyone when it is published for any user.
+bool VisibleTo(const v1::NameRecord& record, uint32_t uid);
+// NOT_FOUND for `name`, the same whether nobody publishes it or the caller
+// may not see it.
+absl::Status NameNotPublished(const std::string& name);
+
 // The most names a WatchNames starts with; past it RESOURCE_EXHAUSTED
 // (SnapshotTooLarge): watch a narrower prefix.
 inline constexpr size_t kMaxWatchSnapshot = 4096;

@@ -25,6 +25,15 @@ std::optional<v1::NameEvent> EtcdDirectory::ToNameEvent(
   if (event.type() == mvccpb::Event::DELETE) {
     if (event.kv().key().size() <= names.size()) return std::nullopt;
     out.set_kind(v1::NameEvent::WITHDRAWN);
+    // Who may hear of it is the withdrawn record's business: without it
+    // (never readable), the event names an owner nobody is.
+    auto previous = DecodeNameRecord(event.prev_kv().value());
+    if (previous.ok()) {
+      *out.mutable_record() = std::move(*previous);
+      out.mutable_record()->clear_remote_context();
+    } else {
+      out.mutable_record()->set_owner_uid(static_cast<uint32_t>(-1));
+    }
     out.mutable_record()->set_name(event.kv().key().substr(names.size()));
     return out;
   }
@@ -90,6 +99,7 @@ void EtcdDirectory::WatcherLoop() {
           request.mutable_create_request();
       create->set_key(names);
       create->set_range_end(names_end);
+      create->set_prev_kv(true);  // who may hear of a withdrawal
       {
         absl::MutexLock lock(&subscribers_.mu());
         create->set_start_revision(watched_revision_ + 1);
@@ -312,8 +322,7 @@ absl::StatusOr<v1::NameRecord> EtcdDirectory::ResolveName(
                                      value.status().message()));
   }
   if (!value->has_value()) {
-    return absl::NotFoundError(
-        absl::StrCat("no agent publishes the name \"", name, "\""));
+    return NameNotPublished(name);
   }
   auto record = DecodeNameRecord((*value)->value());
   if (!record.ok()) {

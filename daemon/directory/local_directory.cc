@@ -40,6 +40,7 @@ absl::Status LocalDirectory::PublishName(const v1::NameRecord& record) {
 absl::Status LocalDirectory::UnpublishName(const std::string& name,
                                            uint32_t uid) {
   absl::MutexLock order(&subscribers_.mu());
+  v1::NameRecord withdrawn;
   {
     absl::MutexLock lock(&mu_);
     auto it = names_.find(name);
@@ -47,11 +48,13 @@ absl::Status LocalDirectory::UnpublishName(const std::string& name,
       return absl::NotFoundError(
           absl::StrCat("you have published no name \"", name, "\" here"));
     }
+    withdrawn = std::move(it->second);
     names_.erase(it);
   }
+  withdrawn.clear_remote_context();
   v1::NameEvent event;
   event.set_kind(v1::NameEvent::WITHDRAWN);
-  event.mutable_record()->set_name(name);
+  *event.mutable_record() = std::move(withdrawn);
   subscribers_.Deliver(event, ++revision_);
   return absl::OkStatus();
 }
@@ -89,8 +92,7 @@ absl::StatusOr<v1::NameRecord> LocalDirectory::ResolveName(
   absl::MutexLock lock(&mu_);
   auto it = names_.find(name);
   if (it == names_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("no agent publishes the name \"", name, "\""));
+    return NameNotPublished(name);
   }
   return it->second;
 }

@@ -60,7 +60,7 @@ const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& OpPreparer::Name(
         absl::NotFoundError(
             absl::StrCat("remote name \"", name, "\" is not published"));
     if (names_ != nullptr) {
-      absl::StatusOr<std::string> context = (*names_)(name);
+      absl::StatusOr<std::string> context = (*names_)(caller_, name);
       if (context.ok()) {
         found = Context(*context);
       } else {

@@ -36,9 +36,9 @@ namespace rdma_agent {
 // One per batch, on one thread; not thread-safe.
 // The serialized remote context a published name stands for (the
 // directory's Resolve), checked for size; NOT_FOUND when nobody publishes
-// it.
-using NameResolver =
-    std::function<absl::StatusOr<std::string>(const std::string& name)>;
+// it or `caller` may not see it.
+using NameResolver = std::function<absl::StatusOr<std::string>(
+    uid_t caller, const std::string& name)>;
 
 class OpPreparer {
  public:

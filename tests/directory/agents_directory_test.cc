@@ -4,6 +4,7 @@
 // lost lease and after an etcd outage; endpoint failover; rdma-agentctl
 // agents; bad directory flags.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/rdma_agent_client.h"
@@ -396,6 +398,45 @@ TEST_F(AgentsDirectoryTest, OpsNameTheirRemoteByPublishedName) {
   ASSERT_EQ(result.code(), 0) << result.message();
   EXPECT_EQ(near->data()[8], std::byte(0x5a));
   EXPECT_EQ(near->data()[7], std::byte(0));
+}
+
+// What another local user sees: a name published for its owner only does
+// not exist for it (the same answer as an unknown name), one published for
+// any user resolves.
+TEST_F(AgentsDirectoryTest, ANameIsForItsOwnerUnlessPublishedForAnyUser) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  auto buffer =
+      a->client().Allocate(4096, v1::ACCESS_READ, "", v1::LIFETIME_AGENT);
+  ASSERT_TRUE(buffer.ok());
+  ASSERT_TRUE(a->client().Publish(buffer->id(), "private/x").ok());
+  ASSERT_TRUE(a->client()
+                  .Publish(buffer->id(), "shared/y", v1::VISIBILITY_ANY_USER)
+                  .ok());
+  // mkdtemp made it 0700; the daemon makes its sockets 0666.
+  ASSERT_EQ(::chmod(b->runtime_dir().c_str(), 0755), 0);
+  auto resolve_as = [&](int uid, const std::string& name) {
+    auto run = RunToCompletion({"setpriv", absl::StrCat("--reuid=", uid),
+                                absl::StrCat("--regid=", uid), "--clear-groups",
+                                RunfilePath("client/rdma-agentctl"),
+                                "--target=" + b->target(), "resolve", name},
+                               "", absl::Seconds(20));
+    EXPECT_TRUE(run.ok()) << run.status();
+    return run.ok() ? *run : testing::RunResult();
+  };
+  constexpr int kNobody = 65534;
+  const auto hidden = resolve_as(kNobody, "private/x");
+  EXPECT_EQ(hidden.exit_code, 1) << hidden.out << hidden.err;
+  EXPECT_THAT(hidden.err, HasSubstr("NOT_FOUND"));
+  const auto unknown = resolve_as(kNobody, "private/none");
+  EXPECT_EQ(absl::StrReplaceAll(hidden.err, {{"private/x", "N"}}),
+            absl::StrReplaceAll(unknown.err, {{"private/none", "N"}}));
+  const auto shared = resolve_as(kNobody, "shared/y");
+  EXPECT_EQ(shared.exit_code, 0) << shared.err;
+  EXPECT_THAT(shared.out, HasSubstr("shared/y: buffer"));
+  // The owner (root here) finds both, on any agent.
+  EXPECT_EQ(resolve_as(0, "private/x").exit_code, 0);
 }
 
 TEST_F(AgentsDirectoryTest, ANameBelongsToItsPublisher) {
