@@ -37,6 +37,7 @@
 #include "daemon/peer_gate.h"
 #include "daemon/state_dir.h"
 #include "google/protobuf/descriptor.h"
+#include "google/protobuf/util/time_util.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -199,10 +200,9 @@ absl::Status Agent::OpenDirectory() {
 void Agent::PublishSelf() {
   v1::AgentRecord record;
   *record.mutable_info() = service_->Info();
-  const absl::Duration since_epoch = start_time_ - absl::UnixEpoch();
-  record.mutable_start_time()->set_seconds(absl::ToInt64Seconds(since_epoch));
-  record.mutable_start_time()->set_nanos(static_cast<int32_t>(
-      absl::ToInt64Nanoseconds(since_epoch % absl::Seconds(1))));
+  *record.mutable_start_time() =
+      google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
+          absl::ToUnixNanos(start_time_));
   record.set_peer_address(peer_address_);
   absl::Status status = directory_->PublishAgent(record);
   if (status.ok()) {

@@ -196,8 +196,9 @@ grpc::Status RdmaAgentService::Publish(grpc::ServerContext* context,
   record.set_agent_epoch(identity_.epoch);
   record.set_owner_uid(uid);
   record.set_buffer_id(request->buffer_id());
-  const absl::Duration since_epoch = absl::Now() - absl::UnixEpoch();
-  record.mutable_published_at()->set_seconds(absl::ToInt64Seconds(since_epoch));
+  *record.mutable_published_at() =
+      google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
+          absl::ToUnixNanos(absl::Now()));
   absl::Status status = names_->Publish(record);
   if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Publish"));
   // Released meanwhile: its release may have missed the name, so withdraw
