@@ -387,7 +387,8 @@ TEST_F(AgentsDirectoryTest, OpsNameTheirRemoteByPublishedName) {
   // owner publishes it again for its new buffer; ops by name reach the new
   // epoch at once.
   a->Kill();
-  ASSERT_TRUE(a->Restart().ok());
+  const absl::Status restarted = a->Restart();
+  ASSERT_TRUE(restarted.ok()) << restarted << "\n" << a->Log();
   auto again = a->client().Allocate(4096, v1::ACCESS_READ_WRITE);
   ASSERT_TRUE(again.ok());
   for (int i = 0; i < 4096; ++i) again->data()[i] = std::byte(0x5a);
