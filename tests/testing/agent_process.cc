@@ -93,18 +93,29 @@ absl::Status AgentProcess::Launch() {
   }
   drain_ = std::thread([this] { DrainOutput(); });
 
-  client::ConnectOptions connect;
-  connect.target = target();
-  connect.connect_timeout =
-      std::max(deadline - absl::Now(), absl::Milliseconds(1));
-  auto connected = client::AgentClient::Connect(connect);
-  if (!connected.ok()) {
-    return absl::Status(
-        connected.status().code(),
-        absl::StrCat("cannot connect to rdma-agentd: ",
-                     connected.status().message(), "\n", Log()));
+  // Until the start timeout: right after a restart the first connection
+  // has been seen to end with "Broken pipe" although the agent serves.
+  absl::StatusOr<std::unique_ptr<client::AgentClient>> connected;
+  absl::StatusOr<::rdma::agent::v1::AgentInfo> info;
+  for (;;) {
+    client::ConnectOptions connect;
+    connect.target = target();
+    connect.connect_timeout =
+        std::max(deadline - absl::Now(), absl::Milliseconds(1));
+    connected = client::AgentClient::Connect(connect);
+    if (!connected.ok()) {
+      return absl::Status(
+          connected.status().code(),
+          absl::StrCat("cannot connect to rdma-agentd: ",
+                       connected.status().message(), "\n", Log()));
+    }
+    info = (*connected)->GetInfo();
+    if (info.ok() || info.status().code() != absl::StatusCode::kUnavailable ||
+        absl::Now() >= deadline) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
   }
-  auto info = (*connected)->GetInfo();
   if (!info.ok()) {
     return absl::Status(info.status().code(),
                         absl::StrCat("rdma-agentd does not answer GetInfo: ",
