@@ -84,6 +84,9 @@ struct OpSpec {
   // After remote_offset, so that {type, id, offset, length, context,
   // remote offset} initialises what it always did.
   uint64_t remote_handle = 0;
+  // Or (instead of both) a name published in the agent's directory
+  // (AgentClient::Publish); the agent resolves it once per batch.
+  std::string remote_name;
 };
 
 // A remote context the agent has imported (AgentClient::ImportRemote):
@@ -245,6 +248,7 @@ class ClientState;
 struct TransferCore;
 class WatchStream;
 class NotificationStream;
+class NameStream;
 }  // namespace internal
 
 // The notification stream of AgentClient::WatchNotifications: one
@@ -269,6 +273,44 @@ class NotificationWatch {
   friend class AgentClient;
   explicit NotificationWatch(std::shared_ptr<internal::NotificationStream> s);
   std::shared_ptr<internal::NotificationStream> stream_;
+};
+
+// Called for each event of a NameWatch, on the watch's own thread:
+// PUBLISHED (a name appeared or now stands for another buffer), WITHDRAWN
+// (`record` is the name without its context), or SYNCED (no record: every
+// name published when the watch started has been delivered before it).
+using NameEventCallback = absl::AnyInvocable<void(const v1::NameEvent& event)>;
+
+// The name stream of AgentClient::WatchNames: one WatchNames RPC and one
+// thread, which runs the callback. Movable; Stop() or destruction cancels
+// the stream and joins the thread (after the callback in progress, if any,
+// has returned). The stream ends by itself when the agent stops (an agent
+// restart: watch again, and the new snapshot says what is published now),
+// or when the reader falls too far behind.
+class NameWatch {
+ public:
+  NameWatch(NameWatch&& other) noexcept;
+  NameWatch& operator=(NameWatch&& other) noexcept;
+  NameWatch(const NameWatch&) = delete;
+  NameWatch& operator=(const NameWatch&) = delete;
+  ~NameWatch();
+
+  // Waits until the snapshot has been delivered (the SYNCED event's
+  // callback has returned): OK, DEADLINE_EXCEEDED after `timeout`, or why
+  // the stream ended first.
+  absl::Status WaitSynced(absl::Duration timeout);
+  // Cancels the stream and waits for its thread. Idempotent; not from the
+  // watch's own callback.
+  void Stop();
+  // OK while streaming; then why the stream ended (CANCELLED after Stop,
+  // UNAVAILABLE when the agent stopped or its directory can no longer
+  // follow, RESOURCE_EXHAUSTED when the reader fell behind or was refused).
+  absl::Status status() const;
+
+ private:
+  friend class AgentClient;
+  explicit NameWatch(std::shared_ptr<internal::NameStream> stream);
+  std::shared_ptr<internal::NameStream> stream_;
 };
 
 // A handle on one asynchronous transfer (AgentClient::SubmitAsync). Movable,
@@ -472,6 +514,15 @@ class AgentClient {
   absl::Status Unpublish(const std::string& name);
   // The record (remote context, owner agent and epoch) `name` stands for.
   absl::StatusOr<v1::NameRecord> Resolve(const std::string& name);
+  // Streams the names starting with `prefix` (empty: every name) this user
+  // may see to `on_event`, called on the watch's own thread in order: every
+  // name published now, SYNCED, then each change as it happens (a waiting
+  // peer learns of a name the moment it is published). Each open watch
+  // holds one of the user's --max_name_watches_per_user and
+  // --max_waiting_rpcs_per_user; a refused watch ends at once
+  // (NameWatch::status(), WaitSynced).
+  absl::StatusOr<NameWatch> WatchNames(const std::string& prefix,
+                                       NameEventCallback on_event);
 
   // Agent allocates `size` zero-filled bytes; the client maps them through
   // the fd the attach socket returns (OpenBuffer). If mapping fails, the
