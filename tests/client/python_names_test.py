@@ -5,7 +5,8 @@ between two agents sharing a real etcd, a peer waiting on a watch moves
 bytes to the other's buffer by name; and after the publishing agent is
 killed (-9) and restarted, the client's buffers are registered again and
 their names published again, so that a peer reaches the same memory by name
-on the new epoch.
+on the new epoch; rdma_agent.nixl agents on the two agents exchange metadata
+through the directory and find each other again after such a restart.
 
 Run by python_venv_test.sh:
     python_names_test.py --agentd PATH/rdma-agentd
@@ -13,6 +14,7 @@ Run by python_venv_test.sh:
 
 import argparse
 import asyncio
+import mmap
 import random
 import sys
 import threading
@@ -333,6 +335,68 @@ class NamesAcrossAgentsTest(unittest.TestCase):
             self.assertIn(result.code.name, ("NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE"))
         finally:
             plain.close()
+
+
+class NixlMetadataAcrossAgentsTest(unittest.TestCase):
+    """rdma_agent.nixl agents on two agents sharing one real etcd exchange
+    metadata by name only, and keep working after the prefill side's agent
+    is killed and restarted."""
+
+    def setUp(self):
+        self.etcd = Etcd()
+        flags = ["--directory=" + self.etcd.directory]
+        self.a = Agent(AGENTD, flags=flags + ["--agent_id=agent-a"])
+        self.b = Agent(AGENTD, flags=flags + ["--agent_id=agent-b"])
+
+    def tearDown(self):
+        self.a.stop()
+        self.b.stop()
+        self.etcd.stop()
+
+    def test_metadata_by_name_survives_a_restart_of_the_publishers_agent(self):
+        import torch
+        from rdma_agent.nixl import nixl_agent, nixl_agent_config
+        prefill = nixl_agent("prefill", nixl_agent_config(socket=self.a.socket))
+        decode = nixl_agent("decode", nixl_agent_config(socket=self.b.socket))
+        try:
+            # Pages of their own: memory of other clients of this process
+            # may still be registered.
+            blocks = torch.frombuffer(mmap.mmap(-1, 1 << 16), dtype=torch.uint8)
+            blocks[:] = torch.tensor(list(pattern(6, 1 << 16)), dtype=torch.uint8)
+            into = torch.frombuffer(mmap.mmap(-1, 1 << 16), dtype=torch.uint8)
+            prefill.register_memory(blocks)
+            decode.register_memory(into)
+            decode.fetch_remote_metadata("prefill")
+            prefill.send_local_metadata()
+            self.assertTrue(eventually(lambda: decode.check_remote_metadata("prefill",
+                                                                            [blocks])))
+
+            def read_all():
+                into.zero_()
+                try:
+                    handle = decode.initialize_xfer("READ", decode.get_xfer_descs(into),
+                                                    decode.get_xfer_descs(blocks), "prefill")
+                except AgentError:  # its metadata dropped for a moment
+                    return False
+                state = decode.transfer(handle)
+                while state == "PROC":
+                    time.sleep(0.001)
+                    state = decode.check_xfer_state(handle)
+                decode.release_xfer_handle(handle)
+                return state == "DONE" and torch.equal(into, blocks)
+
+            self.assertTrue(read_all())
+            epoch = prefill._client.info().epoch
+            self.a.kill()
+            self.a.restart()
+            # prefill's registrations come back on the new agent, its
+            # metadata is published again with their new contexts, and
+            # decode, following the name, fetches it: reads work again.
+            self.assertTrue(eventually(read_all, timeout=30))
+            self.assertNotEqual(prefill._client.info().epoch, epoch)
+        finally:
+            decode.close()
+            prefill.close()
 
 
 def main():

@@ -1685,13 +1685,22 @@ class _EventStream:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         end = object()
 
+        def put(item: Any) -> bool:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                return True
+            except RuntimeError:  # the event loop is closed: nobody reads on
+                self._call.cancel()
+                return False
+
         def read() -> None:
             try:
                 for item in self._events():
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                loop.call_soon_threadsafe(queue.put_nowait, end)
+                    if not put(item):
+                        return
+                put(end)
             except AgentError as error:
-                loop.call_soon_threadsafe(queue.put_nowait, error)
+                put(error)
 
         self._reader = threading.Thread(target=read, name=self._thread_name, daemon=True)
         self._reader.start()
