@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -469,8 +470,37 @@ class Buffer {
   // release again, whatever this returned.
   absl::Status Release();
 
+  // Publishes this buffer under `name` (AgentClient::Publish) and keeps the
+  // name, for names() and Rejoin.
+  absl::Status Publish(const std::string& name,
+                       v1::Visibility visibility = v1::VISIBILITY_OWNER);
+  // Withdraws one of the names this Buffer published.
+  absl::Status Unpublish(const std::string& name);
+  // The names this Buffer published and has not withdrawn, with their
+  // visibility (a name another Publish moved elsewhere stays listed).
+  const std::map<std::string, v1::Visibility>& names() const { return names_; }
+
+  // After the agent restarted (a new epoch, which took this registration and
+  // its names with the old life), registers the same memory again and
+  // publishes names() again. true: id(), remote_context() and backends()
+  // are the new registration's, data() is the same memory, and a peer's
+  // next Resolve finds it; false: the agent has not restarted, nothing
+  // changed. Only a Buffer of this process's memory (Attach) that lives
+  // with the process or the connection can; others: FAILED_PRECONDITION.
+  // A name someone else took meanwhile: ALREADY_EXISTS (the registration
+  // is done all the same; the name is dropped from names()). The library
+  // does not call it by itself: call it when the agent went away (a
+  // NameWatch or TransferWatch ended UNAVAILABLE, an op answered
+  // FAILED_PRECONDITION). Not concurrently with other calls on this Buffer.
+  absl::StatusOr<bool> Rejoin();
+
  private:
   friend class AgentClient;
+  // What Rejoin registers again with (set for Attach's buffers).
+  struct RejoinSpec {
+    v1::Access access = v1::ACCESS_UNSPECIFIED;
+    std::string label;
+  };
   Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
          std::unique_ptr<SharedMemory> memory, uint64_t size,
          std::string remote_context, std::vector<std::string> backends,
@@ -486,6 +516,8 @@ class Buffer {
   std::vector<std::string> backends_;
   v1::Lifetime lifetime_ = v1::LIFETIME_UNSPECIFIED;
   bool released_ = true;  // nothing to release until constructed for real
+  std::optional<RejoinSpec> rejoin_;
+  std::map<std::string, v1::Visibility> names_;
 };
 
 class AgentClient {

@@ -3,7 +3,7 @@
 // its agent, and stops on destruction; ops name their remote by
 // OpSpec::remote_name; across two agents sharing a real etcd, a peer
 // waiting on a watch sees the other agent's name appear and moves bytes to
-// it by name.
+// it by name, and a Buffer rejoins under its name after its agent restarts.
 
 #include <memory>
 #include <optional>
@@ -233,6 +233,90 @@ TEST(NamesLibraryTest, APeerWaitsForAnotherAgentsNameThroughEtcd) {
   ASSERT_TRUE(block->Release().ok());
   ASSERT_TRUE(log.WaitFor(3)) << ::testing::PrintToString(log.lines());
   EXPECT_EQ(log.lines()[2], "WITHDRAWN prefill/block-0");
+}
+
+// Buffer::Rejoin after the publishing agent is killed and restarted: the
+// same memory is registered on the new epoch under the same name, and a
+// peer on another agent writes into it by name.
+TEST(NamesLibraryTest, ABufferRejoinsUnderItsNameAfterItsAgentRestarts) {
+  auto etcd = EtcdServer::Start();
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto start = [&](const std::string& id) {
+    AgentProcess::Options options;
+    options.backends = "memory,tcp";
+    options.extra_flags = {"--agent_id=" + id,
+                           "--directory=" + (*etcd)->directory()};
+    return AgentProcess::Start(options);
+  };
+  auto a = start("agent-a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = start("agent-b");
+  ASSERT_TRUE(b.ok()) << b.status();
+  // A client of its own: AgentProcess's goes with the process.
+  auto owner = (*a)->NewClient();
+  ASSERT_TRUE(owner.ok()) << owner.status();
+
+  constexpr uint64_t kSize = 64 << 10;
+  auto mine = (*owner)->Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  FillPattern(mine->bytes(), 31);
+  std::byte* const memory = mine->data();
+  ASSERT_TRUE(mine->Publish("kv/rejoined", v1::VISIBILITY_ANY_USER).ok());
+  ASSERT_TRUE(mine->Publish("kv/withdrawn").ok());
+  ASSERT_TRUE(mine->Unpublish("kv/withdrawn").ok());
+  EXPECT_EQ(mine->names().size(), 1u);
+  // Nothing to do while the agent runs.
+  auto rejoined = mine->Rejoin();
+  ASSERT_TRUE(rejoined.ok()) << rejoined.status();
+  EXPECT_FALSE(*rejoined);
+  auto unmappable = (*owner)->Allocate(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(unmappable.ok());
+  EXPECT_EQ(unmappable->Rejoin().status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const std::string old_context = mine->remote_context();
+
+  (*a)->Kill();
+  const absl::Status restarted = (*a)->Restart();
+  ASSERT_TRUE(restarted.ok()) << restarted << "\n" << (*a)->Log();
+  rejoined = mine->Rejoin();
+  ASSERT_TRUE(rejoined.ok()) << rejoined.status();
+  EXPECT_TRUE(*rejoined);
+  EXPECT_NE(mine->remote_context(), old_context);
+  EXPECT_EQ(mine->data(), memory);
+  EXPECT_EQ(mine->names().count("kv/rejoined"), 1u);
+  auto info = (*a)->client().GetInfo();
+  ASSERT_TRUE(info.ok());
+  // The peer's re-resolve finds the new registration (etcd may still hold
+  // the old record until the restarted agent's Publish replaced it).
+  ASSERT_TRUE(Eventually([&] {
+    auto record = (*b)->client().Resolve("kv/rejoined");
+    return record.ok() && record->agent_epoch() == info->epoch();
+  }));
+  auto record = (*b)->client().Resolve("kv/rejoined");
+  EXPECT_EQ(record->remote_context(), mine->remote_context());
+  EXPECT_EQ(record->buffer_id(), mine->id());
+  EXPECT_EQ(record->visibility(), v1::VISIBILITY_ANY_USER);
+
+  auto theirs = (*b)->client().Attach(4096, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(theirs.ok());
+  FillPattern(theirs->bytes(), 32);
+  OpSpec op;
+  op.type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+  op.local_buffer_id = theirs->id();
+  op.length = 4096;
+  op.remote_name = "kv/rejoined";
+  op.remote_offset = 8192;
+  auto results = (*b)->client().Submit({op}, absl::Seconds(10));
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
+  EXPECT_EQ(FirstMismatch(mine->bytes(), 32, 0, 8192, 4096, 31), std::nullopt);
+  // The released buffer's name goes with it.
+  ASSERT_TRUE(mine->Release().ok());
+  EXPECT_TRUE(mine->names().empty());
+  EXPECT_TRUE(Eventually([&] {
+    return (*b)->client().Resolve("kv/rejoined").status().code() ==
+           absl::StatusCode::kNotFound;
+  }));
 }
 
 }  // namespace
