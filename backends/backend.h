@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_BACKENDS_BACKEND_H_
 #define RDMA_AGENTD_BACKENDS_BACKEND_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -71,6 +72,12 @@ struct Op {
   // BackendRegistry::Submit (which sets it for each attempt). Points into
   // *remote, so it lives as long as the op.
   const v1::BackendEndpoint* endpoint = nullptr;
+  // Where a backend that moves the op in parts adds the bytes of each part
+  // once it has landed (read into local memory, or acknowledged by the
+  // remote side), so a running transfer can show progress. nullptr: nobody
+  // follows. Shared by the ops of a batch; relaxed adds are enough (it is
+  // only ever read as an estimate).
+  std::atomic<uint64_t>* landed = nullptr;
 
   bool reads_into_local() const { return type == v1::OP_TYPE_READ_INTO_LOCAL; }
 };

@@ -230,6 +230,11 @@ struct TransferResult {
   absl::Time end_time = absl::InfinitePast();
   // As SubmitResult::notifications, once ended.
   std::vector<NotificationResult> notifications;
+  // The bytes its valid ops move, and how many have landed: an estimate
+  // while pending (for progress), the bytes of the ops that succeeded once
+  // ended. 0 and 0 from agents that do not report them.
+  uint64_t bytes_total = 0;
+  uint64_t bytes_done = 0;
 
   bool ended() const { return state != TransferState::kPending; }
   bool ok() const { return state == TransferState::kDone; }

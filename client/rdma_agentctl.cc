@@ -1088,7 +1088,10 @@ class SubmitCommand : public Command {
         "The global --timeout (default 30s) bounds the batch. With --async "
         "the command returns once the agent has accepted the ops, printing "
         "transfer_id: ID; the agent runs them after the command has exited. "
-        "Follow it with wait ID, cancel ID or watch.");
+        "Follow it with wait ID, cancel ID or watch. On a terminal (after a "
+        "second) or with --progress, a progress line shows the bytes landed, "
+        "rate and ETA: the batch then runs as a transfer the agent reports "
+        "on, and SIGINT cancels it (its ops end CANCELLED).");
     sub->add_option("--op", ops_,
                     "an op: read or write, then ,key=value for what differs "
                     "from the flags below (repeatable)");
@@ -1119,6 +1122,18 @@ class SubmitCommand : public Command {
   Outcome Run(LazyClient& lazy, const Global& global) override {
     absl::StatusOr<std::vector<OpSpec>> ops = Ops();
     if (!ops.ok()) return UsageOrLocalIo("submit", ops.status());
+    uint64_t total = 0;
+    for (const OpSpec& op : *ops) total += op.length;
+    internal::ProgressLine progress = global.Progress(total);
+    // A batch followed with a progress line runs as a transfer the agent
+    // reports on while it runs; signals are blocked before any thread
+    // exists, so that SIGINT reaches sigtimedwait and cancels it.
+    const bool followed = !async_ && progress.enabled();
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    if (followed) pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     SubmitOptions options;
@@ -1137,13 +1152,49 @@ class SubmitCommand : public Command {
       }
       return Ok();
     }
+    if (followed) {
+      absl::StatusOr<TransferResult> end =
+          Follow(**client, *ops, options, stop_signals, progress);
+      if (!end.ok()) return Failed("submit", end.status());
+      return PrintEnd(global, end->results, end->notifications);
+    }
     absl::StatusOr<SubmitResult> submitted = (*client)->Submit(*ops, options);
     if (!submitted.ok()) return Failed("submit", submitted.status());
-    const std::vector<OpResult>* results = &submitted->results;
+    return PrintEnd(global, submitted->results, submitted->notifications);
+  }
+
+ private:
+  // Runs `ops` as a transfer, drawing its bytes done ten times a second,
+  // until it ends (or is cancelled by SIGINT/SIGTERM): its end.
+  static absl::StatusOr<TransferResult> Follow(
+      AgentClient& client, const std::vector<OpSpec>& ops,
+      const SubmitOptions& options, const sigset_t& stop_signals,
+      internal::ProgressLine& progress) {
+    absl::StatusOr<Transfer> transfer = client.SubmitAsync(ops, options);
+    if (!transfer.ok()) return transfer.status();
+    const timespec tick = {0, 100000000L};  // 100 ms
+    absl::StatusOr<TransferResult> now = transfer->Poll();
+    while (now.ok() && !now->ended()) {
+      progress.Update(now->bytes_done);
+      if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) {
+        now = transfer->Cancel();
+        break;
+      }
+      now = transfer->Poll();
+    }
+    if (now.ok()) progress.Finish(now->bytes_done);
+    return now;
+  }
+
+  // Prints a batch's end as Submit answers it; exit 1 when an op failed or
+  // a notification was not delivered.
+  static Outcome PrintEnd(const Global& global,
+                          const std::vector<OpResult>& results,
+                          const std::vector<NotificationResult>& sent) {
     bool all_ok = true;
     v1::SubmitResponse response;
-    for (size_t i = 0; i < results->size(); ++i) {
-      const OpResult& result = (*results)[i];
+    for (size_t i = 0; i < results.size(); ++i) {
+      const OpResult& result = results[i];
       all_ok = all_ok && result.status.ok();
       v1::OpResult* printed = response.add_results();
       printed->set_code(static_cast<int>(result.status.code()));
@@ -1151,10 +1202,10 @@ class SubmitCommand : public Command {
       printed->set_backend(result.backend);
       if (!global.json()) PrintOpResult(i, result);
     }
-    for (const NotificationResult& sent : submitted->notifications) {
-      all_ok = all_ok && sent.status.ok();
-      *response.add_notifications() = internal::ToProto(sent);
-      if (!global.json()) PrintNotificationResult(sent);
+    for (const NotificationResult& one : sent) {
+      all_ok = all_ok && one.status.ok();
+      *response.add_notifications() = internal::ToProto(one);
+      if (!global.json()) PrintNotificationResult(one);
     }
     if (global.json()) Print(global, response);
     if (!all_ok) {
@@ -1165,7 +1216,6 @@ class SubmitCommand : public Command {
     return Ok();
   }
 
- private:
   // Every op of --op and --ops_file, in that order, with its context read.
   // INVALID_ARGUMENT for bad usage (naming the op), another code for a file
   // that could not be read.
@@ -1712,7 +1762,8 @@ int Main(int argc, char** argv) {
                        absl::StrCat("rdma-agentctl ", kProjectVersion),
                        "print the tool's version and exit");
   app.add_flag("--progress", global.progress,
-               "show a progress line (bytes, rate, ETA) for read and write "
+               "show a progress line (bytes, rate, ETA) for read, write and "
+               "submit "
                "even when stderr is no terminal or the work is short; never "
                "with -o json");
   app.add_option("-o,--output", global.output, "output format")

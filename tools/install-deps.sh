@@ -32,3 +32,31 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# Grafana's own dashboard schema (its TypeScript types) and the TypeScript
+# compiler, from the npm registry: //tests/deploy:grafana_dashboard_test
+# type-checks deploy/monitoring/grafana-dashboard.json against them, as no
+# Grafana server is packaged for Debian. Pinned; installed once.
+NODE_TOOLS=/usr/local/lib/rdma-agentd/node-tools
+NODE_PACKAGES=(typescript@5.9.3 @grafana/schema@13.2.3)
+if ! command -v npm >/dev/null; then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing npm (run as root to install)" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+if [[ ! -f "$NODE_TOOLS/.installed" ]] ||
+   [[ "$(cat "$NODE_TOOLS/.installed")" != "${NODE_PACKAGES[*]}" ]]; then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing $NODE_TOOLS (run as root to install)" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${NODE_PACKAGES[*]} into $NODE_TOOLS"
+  mkdir -p "$NODE_TOOLS"
+  npm install --prefix "$NODE_TOOLS" --no-audit --no-fund --silent \
+    "${NODE_PACKAGES[@]}"
+  echo "${NODE_PACKAGES[*]}" > "$NODE_TOOLS/.installed"
+fi

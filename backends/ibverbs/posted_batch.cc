@@ -9,6 +9,7 @@ namespace rdma_agent::ibverbs {
 PostedBatch::PostedBatch(absl::Span<const Op> ops) : ops_(ops.size()) {
   for (size_t i = 0; i < ops.size(); ++i) {
     ops_[i].unsettled = ops[i].length;
+    ops_[i].landed = ops[i].landed;
     if (ops[i].length > 0) ++not_done_;
   }
 }
@@ -40,6 +41,9 @@ void PostedBatch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
   if (wc.status == IBV_WC_SUCCESS) {
     counters.bytes += wr.range.length;
     ++counters.work_requests;
+    if (std::atomic<uint64_t>* landed = ops_[wr.range.op].landed) {
+      landed->fetch_add(wr.range.length, std::memory_order_relaxed);
+    }
     SettleLocked(wr.range.op, wr.range.length, absl::OkStatus());
     return;
   }

@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_
 #define RDMA_AGENTD_BACKENDS_IBVERBS_POSTED_BATCH_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -91,6 +92,7 @@ class PostedBatch : public CompletionSink {
   struct OpState {
     uint64_t unsettled = 0;  // bytes neither moved nor given up on
     absl::Status status;
+    std::atomic<uint64_t>* landed = nullptr;  // Op::landed
   };
   struct Wr {
     Range range;

@@ -123,6 +123,9 @@ absl::Status RunOp(const Op& op, BatchResolver& remotes, PacedStop& stop) {
     std::memmove(dst + done, src + done, n);
     done += n;
     stop.Copied(n);
+    if (op.landed != nullptr) {
+      op.landed->fetch_add(n, std::memory_order_relaxed);
+    }
   }
   op.local->CountMoved(op.length);
   (*remote)->CountServed(op.length);

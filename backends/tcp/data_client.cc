@@ -106,6 +106,10 @@ class DataClient::PeerRun final : public ChunkSource {
     absl::MutexLock lock(&mu_);
     if (status.ok()) {
       answered_[chunk.op] += chunk.length;
+      std::atomic<uint64_t>* landed = ops_[indices_[chunk.op]].landed;
+      if (landed != nullptr) {
+        landed->fetch_add(chunk.length, std::memory_order_relaxed);
+      }
     } else if (failed_[chunk.op].ok()) {
       failed_[chunk.op] = status;
     }

@@ -189,6 +189,23 @@ TEST_P(BackendContractTest, ChunksOpsPastTheLargestMessage) {
   MoveAndCheck(kRead, near, 5, length, far, 1);
 }
 
+// Op::landed: what a running transfer reports as bytes done. Every byte of
+// an op that succeeded is counted exactly once (chunked ops included), an
+// op refused by the serving side counts nothing.
+TEST_P(BackendContractTest, CountsTheBytesThatLanded) {
+  TwoWay two_way = MakeTwoWay(26);
+  const TestBuffer stale = two_way.far.WithContext(
+      [](v1::RemoteBuffer& c) { c.set_agent_epoch(c.agent_epoch() + 2); });
+  two_way.ops.push_back(MakeOp(2, kRead, two_way.near, 0, 100, stale, 0));
+  std::atomic<uint64_t> landed{0};
+  for (Op& op : two_way.ops) op.landed = &landed;
+  const auto results = Submit(two_way.ops, In(kLong));
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  ASSERT_TRUE(results[1].ok()) << results[1];
+  EXPECT_EQ(results[2].code(), StatusCode::kFailedPrecondition) << results[2];
+  EXPECT_EQ(landed.load(), two_way.ops[0].length + two_way.ops[1].length);
+}
+
 TEST_P(BackendContractTest, MovesAQuarterGibibyteInOneOp) {
   constexpr uint64_t kSize = 256ull << 20;
   TestBuffer near = local().Register(kSize + 8, v1::ACCESS_READ_WRITE, 31);

@@ -148,6 +148,8 @@ TransferResult FromProto(const v1::Transfer& transfer) {
   for (const v1::NotificationResult& sent : transfer.notifications()) {
     result.notifications.push_back(FromProto(sent));
   }
+  result.bytes_total = transfer.bytes_total();
+  result.bytes_done = transfer.bytes_done();
   return result;
 }
 
@@ -170,6 +172,8 @@ v1::Transfer ToProto(const TransferResult& result) {
   if (result.end_time != absl::InfinitePast()) {
     SetTimestamp(result.end_time, transfer.mutable_end_time());
   }
+  transfer.set_bytes_total(result.bytes_total);
+  transfer.set_bytes_done(result.bytes_done);
   return transfer;
 }
 

@@ -30,6 +30,8 @@ class ProgressLine {
                absl::Time start = absl::Now());
   void Update(uint64_t done, absl::Time now = absl::Now());
   void Finish(uint64_t done, absl::Time now = absl::Now());
+  // Whether it may draw at all (a TTY, or forced).
+  bool enabled() const { return enabled_; }
 
  private:
   const uint64_t total_;

@@ -121,6 +121,16 @@ v1::SubmitResponse OpBatch::Run(const StopToken& stop) {
   return response;
 }
 
+std::shared_ptr<const TransferProgress> OpBatch::progress() {
+  if (progress_ == nullptr) {
+    uint64_t total = 0;
+    for (const Op& op : ready_) total += op.length;
+    progress_ = std::make_shared<TransferProgress>(total);
+    for (Op& op : ready_) op.landed = &progress_->landed_bytes;
+  }
+  return progress_;
+}
+
 v1::SubmitResponse OpBatch::Skip(const absl::Status& reason) {
   for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
   v1::SubmitResponse response;
@@ -230,6 +240,17 @@ void OpBatch::Notify(const PlannedNotification& planned, const StopToken& stop,
 
 void OpBatch::Finish(v1::SubmitResponse& response) {
   ready_.clear();
+  if (progress_ != nullptr) {
+    // Parts of an op that failed later, or moved twice by a retry, counted
+    // while it ran; the end counts what succeeded.
+    uint64_t landed = 0;
+    for (size_t i = 0; i < outcomes_.size(); ++i) {
+      if (outcomes_[i].status.ok()) {
+        landed += request_->ops(static_cast<int>(i)).length();
+      }
+    }
+    progress_->landed_bytes.store(landed, std::memory_order_relaxed);
+  }
   google::protobuf::RepeatedPtrField<v1::OpResult>& results =
       *response.mutable_results();
   results.Reserve(static_cast<int>(outcomes_.size()));

@@ -101,6 +101,10 @@ class OpBatch final : public TransferWork {
 
   v1::SubmitResponse Run(const StopToken& stop) override;
   v1::SubmitResponse Skip(const absl::Status& reason) override;
+  // Starts counting the bytes of the valid ops as backends report them
+  // landed; exact (the bytes of the ops that succeeded) once the batch has
+  // ended.
+  std::shared_ptr<const TransferProgress> progress() override;
 
   // What the prepared batch holds besides its request, estimated from
   // above: per-op state, the messages of ops refused and each distinct
@@ -140,6 +144,8 @@ class OpBatch final : public TransferWork {
   std::vector<size_t> ready_index_;
   // The first op refused before it ran, if any: it blocks notifications.
   std::optional<size_t> first_refused_;
+  // Counted only when someone follows it (progress()).
+  std::shared_ptr<TransferProgress> progress_;
 };
 
 }  // namespace rdma_agent

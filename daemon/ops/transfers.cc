@@ -157,6 +157,8 @@ struct TransferTable::Record {
   std::unique_ptr<TransferWork> work;
   // Fired by Cancel and Shutdown; the work's StopToken watches it.
   Cancellation cancellation;
+  // Counted by the work while it runs (nullptr: it reports none).
+  std::shared_ptr<const TransferProgress> progress;
 
   // The rest is guarded by the table's mu_, except the end (below).
   Phase phase = Phase::kQueued;
@@ -534,6 +536,8 @@ uint64_t TransferTable::NewId() const {
 absl::StatusOr<uint64_t> TransferTable::Submit(
     uid_t uid, std::unique_ptr<TransferWork> work, absl::Time deadline,
     TransferCharge charge) {
+  // Asked before the lock: the work may look at every op.
+  std::shared_ptr<const TransferProgress> progress = work->progress();
   Locked lock(this);
   if (closed_) return closed_reason_;
   DropExpired();
@@ -557,6 +561,7 @@ absl::StatusOr<uint64_t> TransferTable::Submit(
   const uint64_t id = NewId();
   auto record = std::make_shared<Record>(id, uid, std::move(work), deadline,
                                          std::move(charge));
+  record->progress = std::move(progress);
   user.queued.push_back(record);
   record->queue_position = std::prev(user.queued.end());
   records_.emplace(id, std::move(record));
@@ -856,6 +861,12 @@ v1::Transfer TransferTable::Header(const Record& record) const {
   }
   if (record.phase == Record::Phase::kEnded) {
     *transfer.mutable_end_time() = ToTimestamp(record.end_time);
+  }
+  if (record.progress != nullptr) {
+    const uint64_t total = record.progress->total_bytes;
+    transfer.set_bytes_total(total);
+    transfer.set_bytes_done(std::min(
+        total, record.progress->landed_bytes.load(std::memory_order_relaxed)));
   }
   return transfer;
 }

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -32,6 +33,15 @@ namespace rdma_agent {
 
 namespace v1 = ::rdma::agent::v1;
 
+// How far a transfer's bytes have got (Transfer.bytes_total and
+// bytes_done): shared by its work, which counts, and the table's record,
+// which reports, so it outlives whichever ends first.
+struct TransferProgress {
+  explicit TransferProgress(uint64_t total) : total_bytes(total) {}
+  const uint64_t total_bytes;
+  std::atomic<uint64_t> landed_bytes{0};
+};
+
 // What one transfer runs: a validated batch of ops. The submitter
 // (RdmaAgentService) provides it; the table calls exactly one of Run and
 // Skip, then destroys it before it reports the end, so whatever the work
@@ -46,6 +56,9 @@ class TransferWork {
   // The outcome of work that never runs: `reason` for each op that had not
   // already failed (and no notification sent).
   virtual v1::SubmitResponse Skip(const absl::Status& reason) = 0;
+  // The work's progress, followed from now on; nullptr: none to report.
+  // Called once, before Run or Skip.
+  virtual std::shared_ptr<const TransferProgress> progress() { return nullptr; }
 };
 
 // Bounds of the transfer table (flags --transfer_workers,

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -1204,6 +1205,104 @@ TEST_F(AgentctlTest, ProgressLineForReadAndWriteWhenAskedAndNeverInJson) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.err, "");
   EXPECT_TRUE(ReadFile(File("back")) == payload);
+}
+
+TEST_F(AgentctlTest, SubmitWithProgressRunsTheBatchAndPrintsItsEnd) {
+  constexpr uint64_t kSize = 9 << 20;
+  auto [src, src_context] = Register(kSize);
+  auto [dst, dst_context] = Register(kSize);
+  const std::string payload = PatternString(12, 0, kSize);
+  WriteFile(File("big"), payload);
+  RunResult r = Ctl({"write", src, "--in=" + File("big")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  r = Ctl({"--progress", "submit", "--op=read", "--local=" + dst,
+           "--length=9MiB", "--context=" + src_context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "op 0: OK backend=memory\n");
+  EXPECT_THAT(r.err, MatchesRegex("(.|\n)*\r9.0 MiB in [0-9.]+m?s \\([0-9.]+ "
+                                  "[KMG]iB/s\\) *\n"));
+  r = Ctl({"read", dst, "--length=9MiB", "--out=" + File("back")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(ReadFile(File("back")) == payload);
+
+  // A failed op: printed as submit prints it, exit 1, only what landed.
+  r = Ctl(
+      {"--progress", "submit", "--op=read", "--local=" + dst, "--length=4k",
+       "--context=" + src_context,
+       "--op=read,length=1MiB,remote_offset=" + std::to_string(kSize - 100)});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("op 0: OK backend=memory\nop 1: OUT_OF_RANGE"));
+  EXPECT_THAT(r.err, HasSubstr("\r4.0 KiB in "));
+  EXPECT_THAT(r.err, HasSubstr("submit: an op failed"));
+
+  // -o json: no line, the SubmitResponse as ever.
+  r = Ctl({"-o", "json", "--progress", "submit", "--op=read", "--local=" + dst,
+           "--length=4k", "--context=" + src_context});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_THAT(r.out, HasSubstr("\"results\""));
+}
+
+// Two agents over tcp: a followed submit that SIGINT interrupts cancels its
+// transfer, prints the ops' ends and exits 1; nothing lands afterwards.
+TEST(AgentctlTcpTest, SigintCancelsAFollowedSubmit) {
+  AgentProcess::Options tcp;
+  tcp.backends = "memory,tcp";
+  tcp.log_level = "info";
+  auto a = AgentProcess::Start(tcp);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = AgentProcess::Start(tcp);
+  ASSERT_TRUE(b.ok()) << b.status();
+  constexpr uint64_t kSize = 256ull << 20;
+  auto local = (*a)->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = (*b)->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  std::memset(local->data(), 0, kSize);
+  std::memset(remote->data(), 0x5a, kSize);
+  auto dir = MakeShortTempDir();
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string context_file = *dir + "/remote.ctx";
+  WriteFile(context_file, remote->remote_context());
+  std::string ops;
+  for (int i = 0; i < 64; ++i) ops += "read\n";  // 16 GiB: seconds of work
+  WriteFile(*dir + "/ops", ops);
+  const std::string log = *dir + "/out";
+  auto ctl = Subprocess::Spawn(
+      {.argv = {RunfilePath("client/rdma-agentctl"),
+                "--target=" + (*a)->target(), "--timeout=600s", "--progress",
+                "submit", "--ops_file=" + *dir + "/ops",
+                "--local=" + std::to_string(local->id()), "--length=256MiB",
+                "--context_file=" + context_file},
+       .log_path = log});
+  ASSERT_TRUE(ctl.ok()) << ctl.status();
+  const std::byte* data = local->data();
+  ASSERT_TRUE(Eventually(
+      [&] {
+        for (uint64_t at = 0; at < kSize; at += 1 << 20) {
+          if (data[at] == std::byte{0x5a}) return true;
+        }
+        return false;
+      },
+      absl::Seconds(60)))
+      << "the transfer never moved a byte";
+  ctl->Signal(SIGINT);
+  auto exit_code = ctl->Wait(absl::Seconds(30));
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  // Ended: a sentinel over the whole buffer stays.
+  std::memset(local->data(), 0xc3, kSize);
+  const std::string out = ReadFile(log);
+  EXPECT_EQ(*exit_code, 1) << out;
+  EXPECT_THAT(out, HasSubstr("CANCELLED")) << out;
+  EXPECT_THAT(out, HasSubstr("op 63: ")) << out;
+  absl::SleepFor(absl::Seconds(1));
+  const std::byte* end = data + kSize;
+  const std::byte* changed =
+      std::find_if(data, end, [](std::byte b) { return b != std::byte{0xc3}; });
+  EXPECT_EQ(changed, end) << "byte " << (changed - data)
+                          << " was written after rdma-agentctl exited";
+  RemoveTree(*dir);
 }
 
 }  // namespace

@@ -481,6 +481,7 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertTrue(result.ok, result)
             self.assertEqual(result.backend, "memory")
             self.assertTrue(bytes(a.memory[3:MIB + 3]) == pattern(3, MIB + 3)[1:MIB + 1])
+            self.assertEqual((end.bytes_total, end.bytes_done), (MIB, MIB))
             self.assertGreaterEqual(end.create_time, before - 1)
             self.assertGreaterEqual(end.start_time, end.create_time)
             self.assertGreaterEqual(end.end_time, end.start_time)
@@ -511,6 +512,8 @@ class AsyncTransferTest(unittest.TestCase):
             self.assertFalse(end.ok)
             self.assertEqual([r.code for r in end.results],
                              [grpc.StatusCode.OK, grpc.StatusCode.OUT_OF_RANGE])
+            # The refused op counts for nothing.
+            self.assertEqual((end.bytes_total, end.bytes_done), (10, 10))
             self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.submit_async, [])
 
     def test_await_and_gather_in_asyncio(self):

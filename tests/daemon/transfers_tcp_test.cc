@@ -187,5 +187,76 @@ TEST_F(TransfersTcpTest, CancelMidFlightLeavesNothingWritingIntoMemory) {
   EXPECT_EQ(done->state(), v1::TRANSFER_STATE_DONE) << done->ShortDebugString();
 }
 
+TEST_F(TransfersTcpTest, RunningTransferReportsBytesLandedWithinItsOps) {
+  auto local = a_->client().Attach(kLarge, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = b_->client().Attach(kLarge, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  std::memset(remote->data(), 0x5a, kLarge);
+  constexpr int kOps = 32;  // seconds of work over loopback
+  v1::SubmitRequest request;
+  for (int i = 0; i < kOps; ++i) {
+    *request.add_ops() = ReadOp(*local, 0, kLarge, *remote, 0);
+  }
+  request.mutable_timeout()->set_seconds(600);
+  auto id = SubmitAsync(request);
+  ASSERT_TRUE(id.ok()) << id.status();
+  // While it runs the agent reports what has landed, part of an op at a
+  // time (tcp counts chunks), never going back and never past the total.
+  uint64_t last = 0;
+  bool inside_an_op = false;
+  const absl::Time until = absl::Now() + absl::Seconds(120);
+  while (!inside_an_op && absl::Now() < until) {
+    auto now = Get(*id);
+    ASSERT_TRUE(now.ok()) << now.status();
+    ASSERT_EQ(now->state(), v1::TRANSFER_STATE_PENDING)
+        << "ended before a part of an op was seen: " << now->bytes_done();
+    EXPECT_EQ(now->bytes_total(), kOps * kLarge);
+    EXPECT_GE(now->bytes_done(), last);
+    EXPECT_LE(now->bytes_done(), now->bytes_total());
+    last = now->bytes_done();
+    inside_an_op = last % kLarge != 0;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(inside_an_op) << "bytes_done only ever " << last;
+
+  grpc::ClientContext context;
+  v1::CancelTransferRequest cancel;
+  cancel.set_transfer_id(*id);
+  v1::CancelTransferResponse response;
+  ASSERT_TRUE(stub_->CancelTransfer(&context, cancel, &response).ok());
+  // Once ended it is exact: the bytes of the ops that succeeded.
+  const v1::Transfer& end = response.transfer();
+  ASSERT_EQ(end.results_size(), kOps);
+  uint64_t succeeded = 0;
+  for (const auto& result : end.results()) succeeded += result.code() == 0;
+  EXPECT_EQ(end.bytes_total(), kOps * kLarge);
+  EXPECT_EQ(end.bytes_done(), succeeded * kLarge) << end.ShortDebugString();
+}
+
+TEST_F(TransfersTcpTest, EndedTransferCountsOnlyTheBytesOfOpsThatRan) {
+  constexpr uint64_t kSize = 1 << 20;
+  auto local = a_->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto remote = b_->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  v1::SubmitRequest request;
+  *request.add_ops() = ReadOp(*local, 0, kSize, *remote, 0);
+  // Refused before it runs (past the remote buffer's end): not in the total.
+  *request.add_ops() = ReadOp(*local, 0, kSize, *remote, 4096);
+  *request.add_ops() = ReadOp(*local, 0, 4096, *remote, 0);
+  auto id = SubmitAsync(request);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto end = Get(*id, 30);
+  ASSERT_TRUE(end.ok()) << end.status();
+  ASSERT_NE(end->state(), v1::TRANSFER_STATE_PENDING);
+  ASSERT_EQ(end->results_size(), 3);
+  EXPECT_EQ(end->results(0).code(), 0) << end->results(0).message();
+  EXPECT_NE(end->results(1).code(), 0);
+  EXPECT_EQ(end->results(2).code(), 0) << end->results(2).message();
+  EXPECT_EQ(end->bytes_total(), kSize + 4096);
+  EXPECT_EQ(end->bytes_done(), kSize + 4096);
+}
+
 }  // namespace
 }  // namespace rdma_agent::testing

@@ -205,7 +205,7 @@ TEST_F(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
   // late answer can touch the buffer: within a second (plus slack for a
   // loaded machine), not at the ten-minute deadline.
   const absl::Time killed = absl::Now();
-  while (!peer.closed() > 0 && absl::Now() < killed + absl::Seconds(3)) {
+  while (peer.closed() == 0 && absl::Now() < killed + absl::Seconds(3)) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_TRUE(peer.closed() > 0)

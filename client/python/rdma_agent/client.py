@@ -316,7 +316,8 @@ def _notification(message: Any) -> Notification:
 
 class TransferResult(namedtuple(
         "TransferResult",
-        "transfer_id state results create_time start_time end_time notifications")):
+        "transfer_id state results create_time start_time end_time notifications "
+        "bytes_total bytes_done", defaults=(0, 0))):
     """A transfer as the client last learnt it.
 
     `state` is PENDING, DONE, FAILED or CANCELLED; `results` one OpResult per
@@ -324,7 +325,9 @@ class TransferResult(namedtuple(
     seconds (float), None when unset: `start_time` for a transfer that never
     ran (cancelled while queued), `end_time` while pending; `notifications`
     one NotificationResult per distinct remote buffer when the transfer
-    carried a notification, once ended.
+    carried a notification, once ended; `bytes_total` the bytes its valid ops
+    move and `bytes_done` how many have landed (an estimate while pending,
+    the bytes of the ops that succeeded once ended).
     """
 
     @property
@@ -345,7 +348,8 @@ def _transfer_result(message: Any) -> TransferResult:
         message.transfer_id, _STATE.get(message.state, FAILED),
         [OpResult(status_code(r.code), r.message, r.backend) for r in message.results],
         _seconds(message, "create_time"), _seconds(message, "start_time"),
-        _seconds(message, "end_time"), _notification_results(message.notifications))
+        _seconds(message, "end_time"), _notification_results(message.notifications),
+        message.bytes_total, message.bytes_done)
 
 
 def _duration(seconds: float) -> Any:
