@@ -290,7 +290,8 @@ using NameEventCallback = absl::AnyInvocable<void(const v1::NameEvent& event)>;
 // The name stream of AgentClient::WatchNames: one WatchNames RPC and one
 // thread, which runs the callback. Movable; Stop() or destruction cancels
 // the stream and joins the thread (after the callback in progress, if any,
-// has returned). The stream ends by itself when the agent stops (an agent
+// has returned), so neither may happen on the watch's own callback. The
+// stream ends by itself when the agent stops (an agent
 // restart: watch again, and the new snapshot says what is published now),
 // or when the reader falls too far behind.
 class NameWatch {
@@ -303,7 +304,8 @@ class NameWatch {
 
   // Waits until the snapshot has been delivered (the SYNCED event's
   // callback has returned): OK, DEADLINE_EXCEEDED after `timeout`, or why
-  // the stream ended first.
+  // the stream ended first. Not from the watch's own callback (it would
+  // wait out `timeout`).
   absl::Status WaitSynced(absl::Duration timeout);
   // Cancels the stream and waits for its thread. Idempotent; not from the
   // watch's own callback.
