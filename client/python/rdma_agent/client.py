@@ -751,8 +751,11 @@ class AgentClient:
                      # Never idle out: where the agent cannot watch this
                      # process, its buffers end with the connection.
                      ("grpc.client_idle_timeout_ms", (1 << 31) - 1),
-                     # A restarted agent is found within seconds (the
-                     # default backoff grows to two minutes).
+                     # A restarted agent is found at once (a local socket
+                     # is cheap to retry; gRPC's default backoff starts at
+                     # a second and grows to two minutes).
+                     ("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 2000)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
