@@ -22,6 +22,7 @@
 #include "common/unique_fd.h"
 #include "grpcpp/grpcpp.h"
 #include "rdma/agent/v1/attach.pb.h"
+#include "rdma/agent/v1/remote_buffer.pb.h"
 
 namespace rdma_agent::client {
 
@@ -45,6 +46,55 @@ absl::Status ReleaseWith(internal::ClientState& state, uint64_t buffer_id) {
 std::vector<std::string> BackendsOf(const v1::RegisterResponse& response) {
   return std::vector<std::string>(response.backends().begin(),
                                   response.backends().end());
+}
+
+// Hands `fd` over on `attach_socket` with `attach` (memfd or dma-buf),
+// then registers the attach token it is answered.
+absl::StatusOr<v1::RegisterResponse> RegisterAttachedWith(
+    internal::ClientState& state, const std::string& attach_socket,
+    const v1::AttachRequest& attach, int fd, v1::Access access,
+    const std::string& label, v1::Lifetime lifetime) {
+  absl::StatusOr<internal::AttachReply> reply =
+      internal::ExchangeOnAttachSocket(attach_socket, attach, fd,
+                                       state.options().rpc_timeout);
+  if (!reply.ok()) return reply.status();
+  if (absl::Status status = internal::ResponseStatus(reply->response);
+      !status.ok()) {
+    return status;
+  }
+  v1::RegisterRequest request;
+  request.set_attach_token(reply->response.attach_token());
+  request.set_access(access);
+  request.set_label(label);
+  request.set_lifetime(lifetime);
+  grpc::ClientContext context;
+  state.PrepareContext(&context);
+  v1::RegisterResponse response;
+  grpc::Status status = state.stub().Register(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status PublishWith(internal::ClientState& state, uint64_t buffer_id,
+                         const std::string& name, v1::Visibility visibility) {
+  grpc::ClientContext context;
+  state.PrepareContext(&context);
+  v1::PublishRequest request;
+  request.set_buffer_id(buffer_id);
+  request.set_name(name);
+  request.set_visibility(visibility);
+  v1::PublishResponse response;
+  return FromGrpcStatus(state.stub().Publish(&context, request, &response));
+}
+
+absl::Status UnpublishWith(internal::ClientState& state,
+                           const std::string& name) {
+  grpc::ClientContext context;
+  state.PrepareContext(&context);
+  v1::UnpublishRequest request;
+  request.set_name(name);
+  v1::UnpublishResponse response;
+  return FromGrpcStatus(state.stub().Unpublish(&context, request, &response));
 }
 
 // What a Register answered, for a registration the client does not map.
@@ -85,7 +135,9 @@ Buffer::Buffer(Buffer&& other) noexcept
       remote_context_(std::move(other.remote_context_)),
       backends_(std::move(other.backends_)),
       lifetime_(other.lifetime_),
-      released_(std::exchange(other.released_, true)) {}
+      released_(std::exchange(other.released_, true)),
+      rejoin_(std::move(other.rejoin_)),
+      names_(std::move(other.names_)) {}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
@@ -99,6 +151,8 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
     backends_ = std::move(other.backends_);
     lifetime_ = other.lifetime_;
     released_ = std::exchange(other.released_, true);
+    rejoin_ = std::move(other.rejoin_);
+    names_ = std::move(other.names_);
   }
   return *this;
 }
@@ -111,7 +165,83 @@ absl::Status Buffer::Release() {
         absl::StrCat("Release: buffer ", id_, " was already released"));
   }
   released_ = true;
+  names_.clear();  // they go with the registration
   return ReleaseWith(*state_, id_);
+}
+
+absl::Status Buffer::Publish(const std::string& name,
+                             v1::Visibility visibility) {
+  if (released_ || state_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Publish: buffer ", id_, " was released"));
+  }
+  absl::Status status = PublishWith(*state_, id_, name, visibility);
+  if (status.ok()) names_[name] = visibility;
+  return status;
+}
+
+absl::Status Buffer::Unpublish(const std::string& name) {
+  if (state_ == nullptr) return absl::FailedPreconditionError("moved from");
+  absl::Status status = UnpublishWith(*state_, name);
+  if (status.ok() || status.code() == absl::StatusCode::kNotFound) {
+    names_.erase(name);
+  }
+  return status;
+}
+
+absl::StatusOr<bool> Buffer::Rejoin() {
+  if (released_ || state_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Rejoin: buffer ", id_, " was released"));
+  }
+  if (!rejoin_.has_value() || lifetime_ == v1::LIFETIME_AGENT) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Rejoin: buffer ", id_,
+        " is not memory of this process that lives with it (Attach)"));
+  }
+  v1::RemoteBuffer issued;
+  if (!issued.ParseFromString(remote_context_)) {
+    return absl::InternalError("Rejoin: the buffer's remote context is bad");
+  }
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::AgentInfo info;
+  if (grpc::Status status =
+          state_->stub().GetInfo(&context, v1::GetInfoRequest(), &info);
+      !status.ok()) {
+    return FromGrpcStatus(status);
+  }
+  if (info.epoch() == issued.agent_epoch()) return false;
+
+  absl::StatusOr<std::string> attach_socket =
+      AttachSocketFor(state_->attach_socket());
+  if (!attach_socket.ok()) return attach_socket.status();
+  v1::AttachRequest attach;
+  attach.mutable_attach();
+  absl::StatusOr<v1::RegisterResponse> response =
+      RegisterAttachedWith(*state_, *attach_socket, attach, memory_->fd(),
+                           rejoin_->access, rejoin_->label, lifetime_);
+  if (!response.ok()) return response.status();
+  id_ = response->buffer_id();
+  remote_context_ = response->remote_context();
+  backends_ = BackendsOf(*response);
+  lifetime_ = response->lifetime();
+  absl::Status first_failure;
+  for (auto it = names_.begin(); it != names_.end();) {
+    absl::Status status = PublishWith(*state_, id_, it->first, it->second);
+    if (status.ok()) {
+      ++it;
+      continue;
+    }
+    if (first_failure.ok()) {
+      first_failure = absl::Status(
+          status.code(), absl::StrCat("Rejoin: publishing ", it->first,
+                                      " again: ", status.message()));
+    }
+    it = names_.erase(it);
+  }
+  if (!first_failure.ok()) return first_failure;
+  return true;
 }
 
 void Buffer::ReleaseBestEffort() {
@@ -255,23 +385,11 @@ absl::StatusOr<v1::ListAgentsResponse> AgentClient::ListAgents() {
 
 absl::Status AgentClient::Publish(uint64_t buffer_id, const std::string& name,
                                   v1::Visibility visibility) {
-  grpc::ClientContext context;
-  state_->PrepareContext(&context);
-  v1::PublishRequest request;
-  request.set_buffer_id(buffer_id);
-  request.set_name(name);
-  request.set_visibility(visibility);
-  v1::PublishResponse response;
-  return FromGrpcStatus(state_->stub().Publish(&context, request, &response));
+  return PublishWith(*state_, buffer_id, name, visibility);
 }
 
 absl::Status AgentClient::Unpublish(const std::string& name) {
-  grpc::ClientContext context;
-  state_->PrepareContext(&context);
-  v1::UnpublishRequest request;
-  request.set_name(name);
-  v1::UnpublishResponse response;
-  return FromGrpcStatus(state_->stub().Unpublish(&context, request, &response));
+  return UnpublishWith(*state_, name);
 }
 
 absl::StatusOr<v1::NameRecord> AgentClient::Resolve(const std::string& name) {
@@ -310,20 +428,8 @@ absl::StatusOr<Registration> AgentClient::AllocateUnmapped(
 absl::StatusOr<v1::RegisterResponse> AgentClient::RegisterAttached(
     const std::string& attach_socket, const v1::AttachRequest& attach, int fd,
     v1::Access access, const std::string& label, v1::Lifetime lifetime) {
-  absl::StatusOr<internal::AttachReply> reply =
-      internal::ExchangeOnAttachSocket(attach_socket, attach, fd,
-                                       state_->options().rpc_timeout);
-  if (!reply.ok()) return reply.status();
-  if (absl::Status status = internal::ResponseStatus(reply->response);
-      !status.ok()) {
-    return status;
-  }
-  v1::RegisterRequest request;
-  request.set_attach_token(reply->response.attach_token());
-  request.set_access(access);
-  request.set_label(label);
-  request.set_lifetime(lifetime);
-  return Register(request);
+  return RegisterAttachedWith(*state_, attach_socket, attach, fd, access, label,
+                              lifetime);
 }
 
 absl::StatusOr<Registration> AgentClient::RegisterDeviceMemory(
@@ -416,10 +522,12 @@ absl::StatusOr<Buffer> AgentClient::Attach(uint64_t size, v1::Access access,
       *attach_socket, attach, memory->fd(), access, label, lifetime);
   if (!response.ok()) return response.status();
   const uint64_t attached = memory->size();
-  return Buffer(state_, response->buffer_id(),
+  Buffer buffer(state_, response->buffer_id(),
                 std::make_unique<SharedMemory>(std::move(*memory)), attached,
                 response->remote_context(), BackendsOf(*response),
                 response->lifetime());
+  buffer.rejoin_ = Buffer::RejoinSpec{access, label};
+  return buffer;
 }
 
 absl::StatusOr<std::vector<OpResult>> AgentClient::Submit(

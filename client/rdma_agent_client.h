@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,6 +85,9 @@ struct OpSpec {
   // After remote_offset, so that {type, id, offset, length, context,
   // remote offset} initialises what it always did.
   uint64_t remote_handle = 0;
+  // Or (instead of both) a name published in the agent's directory
+  // (AgentClient::Publish); the agent resolves it once per batch.
+  std::string remote_name;
 };
 
 // A remote context the agent has imported (AgentClient::ImportRemote):
@@ -250,6 +254,7 @@ class ClientState;
 struct TransferCore;
 class WatchStream;
 class NotificationStream;
+class NameStream;
 }  // namespace internal
 
 // The notification stream of AgentClient::WatchNotifications: one
@@ -274,6 +279,46 @@ class NotificationWatch {
   friend class AgentClient;
   explicit NotificationWatch(std::shared_ptr<internal::NotificationStream> s);
   std::shared_ptr<internal::NotificationStream> stream_;
+};
+
+// Called for each event of a NameWatch, on the watch's own thread:
+// PUBLISHED (a name appeared or now stands for another buffer), WITHDRAWN
+// (`record` is the name without its context), or SYNCED (no record: every
+// name published when the watch started has been delivered before it).
+using NameEventCallback = absl::AnyInvocable<void(const v1::NameEvent& event)>;
+
+// The name stream of AgentClient::WatchNames: one WatchNames RPC and one
+// thread, which runs the callback. Movable; Stop() or destruction cancels
+// the stream and joins the thread (after the callback in progress, if any,
+// has returned), so neither may happen on the watch's own callback. The
+// stream ends by itself when the agent stops (an agent
+// restart: watch again, and the new snapshot says what is published now),
+// or when the reader falls too far behind.
+class NameWatch {
+ public:
+  NameWatch(NameWatch&& other) noexcept;
+  NameWatch& operator=(NameWatch&& other) noexcept;
+  NameWatch(const NameWatch&) = delete;
+  NameWatch& operator=(const NameWatch&) = delete;
+  ~NameWatch();
+
+  // Waits until the snapshot has been delivered (the SYNCED event's
+  // callback has returned): OK, DEADLINE_EXCEEDED after `timeout`, or why
+  // the stream ended first. Not from the watch's own callback (it would
+  // wait out `timeout`).
+  absl::Status WaitSynced(absl::Duration timeout);
+  // Cancels the stream and waits for its thread. Idempotent; not from the
+  // watch's own callback.
+  void Stop();
+  // OK while streaming; then why the stream ended (CANCELLED after Stop,
+  // UNAVAILABLE when the agent stopped or its directory can no longer
+  // follow, RESOURCE_EXHAUSTED when the reader fell behind or was refused).
+  absl::Status status() const;
+
+ private:
+  friend class AgentClient;
+  explicit NameWatch(std::shared_ptr<internal::NameStream> stream);
+  std::shared_ptr<internal::NameStream> stream_;
 };
 
 // A handle on one asynchronous transfer (AgentClient::SubmitAsync). Movable,
@@ -432,8 +477,37 @@ class Buffer {
   // release again, whatever this returned.
   absl::Status Release();
 
+  // Publishes this buffer under `name` (AgentClient::Publish) and keeps the
+  // name, for names() and Rejoin.
+  absl::Status Publish(const std::string& name,
+                       v1::Visibility visibility = v1::VISIBILITY_OWNER);
+  // Withdraws one of the names this Buffer published.
+  absl::Status Unpublish(const std::string& name);
+  // The names this Buffer published and has not withdrawn, with their
+  // visibility (a name another Publish moved elsewhere stays listed).
+  const std::map<std::string, v1::Visibility>& names() const { return names_; }
+
+  // After the agent restarted (a new epoch, which took this registration and
+  // its names with the old life), registers the same memory again and
+  // publishes names() again. true: id(), remote_context() and backends()
+  // are the new registration's, data() is the same memory, and a peer's
+  // next Resolve finds it; false: the agent has not restarted, nothing
+  // changed. Only a Buffer of this process's memory (Attach) that lives
+  // with the process or the connection can; others: FAILED_PRECONDITION.
+  // A name someone else took meanwhile: ALREADY_EXISTS (the registration
+  // is done all the same; the name is dropped from names()). The library
+  // does not call it by itself: call it when the agent went away (a
+  // NameWatch or TransferWatch ended UNAVAILABLE, an op answered
+  // FAILED_PRECONDITION). Not concurrently with other calls on this Buffer.
+  absl::StatusOr<bool> Rejoin();
+
  private:
   friend class AgentClient;
+  // What Rejoin registers again with (set for Attach's buffers).
+  struct RejoinSpec {
+    v1::Access access = v1::ACCESS_UNSPECIFIED;
+    std::string label;
+  };
   Buffer(std::shared_ptr<internal::ClientState> state, uint64_t id,
          std::unique_ptr<SharedMemory> memory, uint64_t size,
          std::string remote_context, std::vector<std::string> backends,
@@ -449,6 +523,8 @@ class Buffer {
   std::vector<std::string> backends_;
   v1::Lifetime lifetime_ = v1::LIFETIME_UNSPECIFIED;
   bool released_ = true;  // nothing to release until constructed for real
+  std::optional<RejoinSpec> rejoin_;
+  std::map<std::string, v1::Visibility> names_;
 };
 
 class AgentClient {
@@ -477,6 +553,15 @@ class AgentClient {
   absl::Status Unpublish(const std::string& name);
   // The record (remote context, owner agent and epoch) `name` stands for.
   absl::StatusOr<v1::NameRecord> Resolve(const std::string& name);
+  // Streams the names starting with `prefix` (empty: every name) this user
+  // may see to `on_event`, called on the watch's own thread in order: every
+  // name published now, SYNCED, then each change as it happens (a waiting
+  // peer learns of a name the moment it is published). Each open watch
+  // holds one of the user's --max_name_watches_per_user and
+  // --max_waiting_rpcs_per_user; a refused watch ends at once
+  // (NameWatch::status(), WaitSynced).
+  absl::StatusOr<NameWatch> WatchNames(const std::string& prefix,
+                                       NameEventCallback on_event);
 
   // Agent allocates `size` zero-filled bytes; the client maps them through
   // the fd the attach socket returns (OpenBuffer). If mapping fails, the

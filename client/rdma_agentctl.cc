@@ -1538,6 +1538,92 @@ class NotificationsCommand : public Command {
   std::optional<uint64_t> count_;
 };
 
+// A name event as names prints it: "NAME: buffer ID of uid U on agent A
+// (epoch E)" for a published name (after "published " while watching),
+// "withdrawn NAME", "synced"; -o json: the NameEvent on one line.
+void PrintNameEvent(const Global& global, const v1::NameEvent& event,
+                    bool watching) {
+  if (global.json()) {
+    std::fputs((ToJson(event, /*indented=*/false) + "\n").c_str(), stdout);
+  } else if (event.kind() == v1::NameEvent::PUBLISHED) {
+    const v1::NameRecord& record = event.record();
+    std::printf("%s%s: buffer %llu of uid %u on agent %s (epoch %016llx)\n",
+                watching ? "published " : "", record.name().c_str(),
+                static_cast<unsigned long long>(record.buffer_id()),
+                record.owner_uid(), record.agent_id().c_str(),
+                static_cast<unsigned long long>(record.agent_epoch()));
+  } else if (event.kind() == v1::NameEvent::WITHDRAWN) {
+    std::printf("withdrawn %s\n", event.record().name().c_str());
+  } else if (event.kind() == v1::NameEvent::SYNCED && watching) {
+    std::printf("synced\n");
+  }
+  std::fflush(stdout);
+}
+
+class NamesCommand : public Command {
+ public:
+  explicit NamesCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "names", "list the names you may see in the agent's directory");
+    sub->footer(
+        "Prints every name published under PREFIX now, one line each (-o "
+        "json: one NameEvent per line). With --watch, then 'synced' and each "
+        "name published or withdrawn (WatchNames) until SIGINT or SIGTERM "
+        "(exit 0), --count changes (exit 0) or the agent goes away (exit "
+        "1).");
+    sub->add_option("PREFIX", prefix_, "names starting with it; default: all");
+    sub->add_flag("--watch", watch_, "then stream changes until interrupted");
+    sub->add_option("--count", count_,
+                    "with --watch: stop after this many changes");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    if (count_.has_value() && (*count_ < 1 || !watch_)) {
+      return Usage("names: --count needs --watch and at least 1");
+    }
+    // As watch: signals blocked before any thread exists.
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::Mutex mu;
+    bool synced = false;
+    uint64_t changes = 0;
+    absl::StatusOr<NameWatch> stream =
+        (*client)->WatchNames(prefix_, [&](const v1::NameEvent& event) {
+          absl::MutexLock lock(&mu);
+          if (synced && (!watch_ || (count_.has_value() && changes >= *count_)))
+            return;
+          PrintNameEvent(global, event, watch_);
+          if (event.kind() == v1::NameEvent::SYNCED) {
+            synced = true;
+          } else if (synced) {
+            ++changes;
+          }
+        });
+    if (!stream.ok()) return Failed("names", stream.status());
+    const timespec tick = {0, 100000000L};  // 100 ms
+    while (true) {
+      if (sigtimedwait(&stop_signals, nullptr, &tick) > 0) return Ok();
+      {
+        absl::MutexLock lock(&mu);
+        if (synced && !watch_) return Ok();
+        if (count_.has_value() && changes >= *count_) return Ok();
+      }
+      if (absl::Status status = stream->status(); !status.ok()) {
+        return Failed("names", status);
+      }
+    }
+  }
+
+ private:
+  std::string prefix_;
+  bool watch_ = false;
+  std::optional<uint64_t> count_;
+};
+
 class DecodeCommand : public Command {
  public:
   explicit DecodeCommand(CLI::App& app) {
@@ -1691,6 +1777,7 @@ int Main(int argc, char** argv) {
   owned.push_back(std::make_unique<PublishCommand>(app));
   owned.push_back(std::make_unique<UnpublishCommand>(app));
   owned.push_back(std::make_unique<ResolveCommand>(app));
+  owned.push_back(std::make_unique<NamesCommand>(app));
   owned.push_back(std::make_unique<HealthCommand>(app));
   owned.push_back(std::make_unique<MetricsCommand>(app));
   owned.push_back(std::make_unique<RegisterCommand>(app));

@@ -45,6 +45,7 @@ v1::SubmitRequest SubmitRequestFor(const std::vector<OpSpec>& ops,
     op->set_remote_context(spec.remote_context);
     op->set_remote_offset(spec.remote_offset);
     op->set_remote_handle(spec.remote_handle);
+    op->set_remote_name(spec.remote_name);
   }
   SetTimeout(timeout, request);
   return request;

@@ -1048,6 +1048,65 @@ TEST_F(AgentctlTest, SubmitNotifiesTheOwnerAndNotificationsPrintsIt) {
   EXPECT_THAT(r.err, HasSubstr("--count needs --watch"));
 }
 
+// names lists what is published under a prefix now; --watch then streams
+// changes until --count or SIGINT.
+TEST_F(AgentctlTest, NamesListsThenWatches) {
+  auto a = agent_->client().Attach(4096, v1::ACCESS_READ);
+  auto b = agent_->client().Attach(4096, v1::ACCESS_READ);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(agent_->client().Publish(a->id(), "kv/a").ok());
+  ASSERT_TRUE(agent_->client().Publish(b->id(), "other/b").ok());
+  const std::string agent = agent_->client().GetInfo()->agent_id();
+  RunResult r = Ctl({"names", "kv/"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ::testing::StartsWith(absl::StrCat(
+                         "kv/a: buffer ", a->id(), " of uid ", ::getuid(),
+                         " on agent ", agent, " (epoch ")));
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  r = Ctl({"names"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("other/b: buffer"));
+  r = Ctl({"-o", "json", "names", "kv/"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::NameEvent event;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(
+                  r.out.substr(0, r.out.find('\n')), &event)
+                  .ok())
+      << r.out;
+  EXPECT_EQ(event.kind(), v1::NameEvent::PUBLISHED);
+  EXPECT_EQ(event.record().remote_context(), a->remote_context());
+
+  Subprocess::Options options;
+  options.argv = {RunfilePath("client/rdma-agentctl"),
+                  "--target=" + agent_->target(),
+                  "names",
+                  "kv/",
+                  "--watch",
+                  "--count=2"};
+  options.pipe_stdio = true;
+  auto watch = Subprocess::Spawn(options);
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  for (const char* expected : {"published kv/a: buffer", "synced"}) {
+    auto line = watch->ReadLine(absl::Seconds(30));
+    ASSERT_TRUE(line.ok()) << line.status();
+    EXPECT_THAT(*line, ::testing::StartsWith(expected));
+  }
+  ASSERT_TRUE(agent_->client().Publish(b->id(), "kv/b").ok());
+  ASSERT_TRUE(agent_->client().Unpublish("kv/a").ok());
+  for (const char* expected : {"published kv/b: buffer", "withdrawn kv/a"}) {
+    auto line = watch->ReadLine(absl::Seconds(30));
+    ASSERT_TRUE(line.ok()) << line.status();
+    EXPECT_THAT(*line, ::testing::StartsWith(expected));
+  }
+  auto code = watch->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+
+  r = Ctl({"names", "--count=2"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--count needs --watch"));
+}
+
 // What bash completes after `words` (the last one is the word being typed),
 // with the script `rdma-agentctl completion bash` printed.
 std::string Complete(const std::string& script,

@@ -183,6 +183,52 @@ class NixlApiTest(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline)
         self.b.deregister_memory(regs)
 
+    def test_metadata_through_the_agents_directory(self):
+        # Pages of their own (a and b are agents of one process).
+        source = torch.frombuffer(mmap.mmap(-1, 8192), dtype=torch.uint8)
+        source[:] = torch.tensor(list(random.Random(5).randbytes(8192)), dtype=torch.uint8)
+        target = torch.frombuffer(mmap.mmap(-1, 8192), dtype=torch.uint8)
+        self.a.register_memory(source)
+        self.b.register_memory(target)
+        # b follows a before a has published anything: it arrives when a does.
+        self.b.fetch_remote_metadata("a")
+        time.sleep(0.2)
+        self.assertFalse(self.b.check_remote_metadata("a"))
+        self.a.send_local_metadata()
+        self.wait_until(lambda: self.b.check_remote_metadata("a", [source[0:8192]]))
+        with AgentClient(self.socket) as client:
+            record = client.resolve("nixl/agents/a")
+            self.assertEqual(record.visibility, "owner")
+            size = struct.unpack("<Q", client.read_buffer(record.buffer_id, 0, 8))[0]
+            metadata = json.loads(client.read_buffer(record.buffer_id, 8, size))
+        self.assertEqual(metadata["name"], "a")
+        self.assertEqual(len(metadata["regions"]), 1)
+
+        read = self.b.initialize_xfer("READ", self.b.get_xfer_descs(target[100:1100]),
+                                      self.b.get_xfer_descs(source[200:1200]), "a")
+        self.assertEqual(self.b.transfer(read), "PROC")
+        self.assertEqual(self.wait_state(self.b, read), "DONE")
+        self.assertTrue(torch.equal(target[100:1100], source[200:1200]))
+        self.assertEqual(int(target[:100].count_nonzero()) + int(target[1100:].count_nonzero()),
+                         0)
+
+        # Withdrawn: the follower drops it; sent again: fetched again.
+        self.a.invalidate_local_metadata()
+        self.wait_until(lambda: not self.b.check_remote_metadata("a"))
+        self.a.send_local_metadata()
+        self.wait_until(lambda: self.b.check_remote_metadata("a"))
+        # A fetch of an agent already published loads it at once.
+        self.b.send_local_metadata()
+        self.a.fetch_remote_metadata("b")
+        self.wait_until(lambda: self.a.check_remote_metadata("b", [target[0:10]]))
+        self.b.release_xfer_handle(read)
+
+    def wait_until(self, condition):
+        deadline = time.monotonic() + 30
+        while not condition():
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+
     def test_regions_of_one_call_sharing_pages_share_a_registration(self):
         block = torch.zeros(12000, dtype=torch.uint8)
         page = -(-block.data_ptr() // 4096) * 4096  # both regions touch this page
@@ -252,7 +298,10 @@ class NixlApiTest(unittest.TestCase):
              "deserialize_descs: not a serialized descriptor list"),
             (lambda: self.b.deregister_memory(self.b.get_reg_descs([(8, 8, 0, "")], "DRAM")),
              ValueError, "deregister_memory: descriptor 0"),
-            (lambda: self.b.send_local_metadata(), ValueError, "ip_addr is needed"),
+            (lambda: self.b.fetch_remote_metadata(""), ValueError,
+             "remote_agent must be a non-empty str"),
+            (lambda: nixl_agent_config(metadata_visibility="all"), ValueError,
+             "metadata_visibility"),
             (lambda: self.b.get_xfer_telemetry(self.b.initialize_xfer(
                 "READ", [tensor[0:8]], [tensor[8:16]], "b")), AgentError, "has not ended"),
         ]

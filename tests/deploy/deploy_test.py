@@ -174,7 +174,7 @@ CONTAINER_FIELDS = {
     "resources", "volumeMounts", "startupProbe", "livenessProbe",
     "readinessProbe", "restartPolicy",
 }
-VOLUME_SOURCES = {"hostPath", "configMap", "emptyDir", "csi"}
+VOLUME_SOURCES = {"hostPath", "configMap", "emptyDir", "csi", "secret"}
 HOST_PATH_TYPES = {"Directory", "DirectoryOrCreate"}
 
 
@@ -307,6 +307,59 @@ class FlagFileTest(unittest.TestCase):
         with open(os.path.join(DEPLOY, "rdma-agentd.flags")) as f:
             active = [l for l in f.read().splitlines() if l.startswith("--")]
         self.assertFalse([l for l in active if "0.0.0.0" in l], active)
+
+
+class DirectoryDeploymentTest(unittest.TestCase):
+    """The etcd directory is shown, off by default, and its files come from
+    the Secret the DaemonSet mounts."""
+
+    def setUp(self):
+        with open(os.path.join(DEPLOY, "rdma-agentd.flags")) as f:
+            self.lines = f.read().splitlines()
+        # The commented example flags: "# --name=value".
+        self.example = [l[2:] for l in self.lines if l.startswith("# --directory")]
+        self.pod = load("daemonset.yaml")["spec"]["template"]["spec"]
+        self.agent = self.pod["containers"][0]
+
+    def test_the_default_stays_local(self):
+        active = [l for l in self.lines if l.startswith("--directory")]
+        self.assertEqual(active, [])
+        self.assertFalse([a for a in self.agent["args"] if a.startswith("--directory")])
+
+    def test_the_etcd_lines_name_tls_auth_and_the_secret_mount(self):
+        names = {l.split("=", 1)[0] for l in self.example}
+        self.assertEqual(names, {"--directory", "--directory_ca_file", "--directory_cert_file",
+                                 "--directory_key_file", "--directory_user",
+                                 "--directory_password_file"})
+        mounts = {m["name"]: m for m in self.agent["volumeMounts"]}
+        volumes = {v["name"]: v for v in self.pod["volumes"]}
+        secret = volumes["etcd"]["secret"]
+        self.assertEqual(secret["secretName"], "rdma-agentd-etcd")
+        self.assertTrue(secret["optional"])  # pods start without it (local)
+        self.assertEqual(secret["defaultMode"], 0o400)
+        self.assertTrue(mounts["etcd"]["readOnly"])
+        for line in self.example:
+            if line.split("=", 1)[0].endswith("_file"):
+                self.assertTrue(line.split("=", 1)[1].startswith(
+                    mounts["etcd"]["mountPath"] + "/"), line)
+
+    def test_the_built_agent_accepts_the_etcd_lines(self):
+        agentd = os.path.join(RUNFILES, "daemon", "rdma-agentd")
+        active = [l for l in self.lines if l.startswith("--")]
+        # Client certificates or a user: each alternative on its own.
+        alternatives = {
+            "client certificate": ("--directory_user", "--directory_password_file"),
+            "user and password": ("--directory_cert_file", "--directory_key_file"),
+        }
+        for kept, dropped in alternatives.items():
+            with self.subTest(kept), tempfile.NamedTemporaryFile("w", suffix=".flags") as flags:
+                etcd = [l for l in self.example if not l.startswith(dropped)]
+                flags.write("\n".join(active + etcd) + "\n")
+                flags.flush()
+                result = subprocess.run(
+                    [agentd, "--flagfile=" + flags.name, "--only_check_args"],
+                    capture_output=True, text=True)
+                self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
 
 
 def install_destinations(text):

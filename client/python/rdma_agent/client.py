@@ -23,6 +23,14 @@ watch-stream thread per client, as a concurrent.futures.Future (so also
     end = await transfer                   # the same, from a coroutine
     transfer.cancel()                      # nothing of it touches memory after
 
+Buffers are found by name through the agent's directory (--directory):
+publish() (or Buffer.publish) puts a buffer's remote context under a name,
+resolve() answers it, watch_names() streams names appearing and going, and
+an Op may name its remote side by `remote_name`. A buffer this process owns
+(attach(), tensor(), register()) and registered with the process's or the
+connection's lifetime comes back by itself when the agent restarts:
+registered again, with its names published again (see AgentClient).
+
 Refusals are raised as AgentError (rdma_agent.errors), whose `code` is a
 grpc.StatusCode (NOT_FOUND, OUT_OF_RANGE, ...) and whose subclass names it
 (NotFoundError, ...); bad arguments are InvalidArgumentError (a ValueError)
@@ -48,7 +56,7 @@ import threading
 import time
 import weakref
 from collections import namedtuple
-from typing import Any, Generator, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence, Union
 
 import grpc
 from google.protobuf import duration_pb2
@@ -65,8 +73,9 @@ from rdma_agent.proto import types_pb2
 
 __all__ = [
     "ACCESS", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
-    "OP_TYPE", "PENDING", "SOCKET_ENV", "AgentClient", "AgentError", "ArgumentTypeError",
-    "Buffer", "InvalidArgumentError", "Notification", "NotificationBatch", "NotificationResult",
+    "OP_TYPE", "PENDING", "SOCKET_ENV", "VISIBILITY", "AgentClient", "AgentError",
+    "ArgumentTypeError", "Buffer", "InvalidArgumentError", "NameEvent", "NameRecord",
+    "NameStream", "Notification", "NotificationBatch", "NotificationResult",
     "NotificationStream", "Op", "OpResult", "SubmitResult", "Transfer", "TransferResult",
     "decode_context", "status_code",
 ]
@@ -97,6 +106,19 @@ LIFETIME = {
     "agent": types_pb2.LIFETIME_AGENT,
     "process": types_pb2.LIFETIME_CLIENT_PROCESS,
     "connection": types_pb2.LIFETIME_CLIENT_CONNECTION,
+}
+# Who may resolve a published name (agent.proto Visibility): the publishing
+# user only ("owner", on any agent of the directory) or every user.
+VISIBILITY = {
+    "owner": agent_pb2.VISIBILITY_OWNER,
+    "any_user": agent_pb2.VISIBILITY_ANY_USER,
+}
+_VISIBILITY_NAME = {number: name for name, number in VISIBILITY.items()}
+# What a NameEvent says happened (agent.proto NameEvent.Kind).
+_NAME_EVENT_KIND = {
+    agent_pb2.NameEvent.PUBLISHED: "published",
+    agent_pb2.NameEvent.WITHDRAWN: "withdrawn",
+    agent_pb2.NameEvent.SYNCED: "synced",
 }
 
 # Where an asynchronous transfer is (types.proto TransferState). PENDING is
@@ -161,9 +183,12 @@ class Op:
     (WRITE_FROM_LOCAL: local -> remote). `local`: a buffer id, a Buffer, or
     a tensor/array/bytearray inside a registration made by the submitting
     client (then offsets count from the object's first byte). `remote`: the
-    other side's remote context (bytes) or a Buffer. `length` None: the rest
-    of the local side from `local_offset` (a whole tensor or array), cut to
-    the rest of the remote buffer from `remote_offset`.
+    other side's remote context (bytes) or a Buffer; or, instead,
+    `remote_name`: a name published in the agent's directory, which the
+    agent resolves once per batch (NOT_FOUND in the op's result when nobody
+    publishes it). `length` None: the rest of the local side from
+    `local_offset` (a whole tensor or array), cut to the rest of the remote
+    buffer from `remote_offset` when the remote is a context.
     """
 
     type: str | int
@@ -172,6 +197,7 @@ class Op:
     length: int | None = None
     remote: Remote = b""
     remote_offset: int = 0
+    remote_name: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.type, str):
@@ -185,13 +211,21 @@ class Op:
         _check_count("Op: remote_offset", self.remote_offset)
         if self.length is not None:
             _check_count("Op: length", self.length)
+        if not isinstance(self.remote_name, str):
+            raise wrong_type("Op: remote_name", self.remote_name, "a str")
+        if self.remote_name:
+            if isinstance(self.remote, Buffer) or len(self.remote) != 0:
+                raise invalid("Op: remote and remote_name are both set: name the other "
+                              "side one way")
+            return
         if isinstance(self.remote, Buffer):
             return
         if not isinstance(self.remote, (bytes, bytearray, memoryview)):
             raise wrong_type("Op: remote", self.remote,
                              "a remote context (bytes) or a Buffer")
         if len(self.remote) == 0:
-            raise invalid("Op: remote is empty: pass the other side's remote context")
+            raise invalid("Op: remote is empty: pass the other side's remote context "
+                          "(or its published name as remote_name)")
 
     @property
     def remote_context(self) -> bytes:
@@ -236,6 +270,38 @@ class Notification(namedtuple("Notification",
 class NotificationBatch(namedtuple("NotificationBatch", "notifications dropped")):
     """get_notifications(): the notifications, oldest first, and how many
     were dropped (queue full) since the last answer that said so."""
+
+
+class NameRecord(namedtuple("NameRecord",
+                            "name remote_context agent_id agent_epoch owner_uid buffer_id "
+                            "published_at visibility")):
+    """A published name: the remote context it stands for (bytes; empty in a
+    "withdrawn" event), the owner (the publishing agent, its epoch then, the
+    local uid there, the buffer id there), when it was published (Unix
+    seconds, None if unknown) and who may resolve it ("owner" or
+    "any_user")."""
+
+
+class NameEvent(namedtuple("NameEvent", "kind record")):
+    """One event of watch_names(): `kind` "published" (the name appeared, or
+    now stands for another buffer), "withdrawn" (`record` without its
+    context) or "synced" (record None: every name published when the watch
+    started came before it)."""
+
+
+def _name_record(message: Any) -> NameRecord:
+    return NameRecord(message.name, message.remote_context, message.agent_id,
+                      message.agent_epoch, message.owner_uid, message.buffer_id,
+                      _seconds(message, "published_at"),
+                      _VISIBILITY_NAME.get(message.visibility, "owner"))
+
+
+def _check_name(call: str, name: object) -> str:
+    if not isinstance(name, str):
+        raise wrong_type("%s: name" % call, name, "a str")
+    if not name:
+        raise invalid("%s: the name is empty" % call)
+    return name
 
 
 def _notification_results(messages: Iterable[Any]) -> list[NotificationResult]:
@@ -494,12 +560,23 @@ class Buffer:
     memory of this process, no longer shared with the agent). `lifetime`
     is the Lifetime the agent keeps it with: by default it is released also
     when this process dies without closing it.
+
+    publish(name) puts the buffer under a name in the agent's directory;
+    `names` lists the names this client published for it. When the agent
+    restarts, a buffer of memory this process owns (attach(), tensor(),
+    ndarray(), register() of an object) with the "process" or "connection"
+    lifetime is registered again on the new agent and its names published
+    again: `id`, `remote_context` and `backends` then change in place (the
+    memory stays the same), so name it in ops by the Buffer (or the object
+    inside it), not by a saved id. See AgentClient's `rejoin`.
     """
 
     def __init__(self, client: AgentClient, buffer_id: int, memory: Any,
                  remote_context: bytes, backends: Iterable[str],
                  lifetime: int = types_pb2.LIFETIME_AGENT, size: int | None = None,
-                 address: int = 0, offset: int = 0, owner: object = None) -> None:
+                 address: int = 0, offset: int = 0, owner: object = None,
+                 memfd: int | None = None, access: int = types_pb2.ACCESS_READ_WRITE,
+                 label: str = "") -> None:
         self._client = client
         self.id = buffer_id
         self.size = len(memory) if size is None else size
@@ -512,6 +589,35 @@ class Buffer:
         self.lifetime = lifetime
         self._owner = owner  # what keeps adopted memory allocated
         self._released = False
+        # What registering it again after an agent restart takes: the memfd
+        # (closed with the Buffer, or when it is collected), access, label.
+        self._memfd = memfd
+        self._memfd_closer = (weakref.finalize(self, os.close, memfd)
+                              if memfd is not None else None)
+        self._access = access
+        self._label = label
+        # Names this client published for it, with their visibility numbers.
+        self._names: dict[str, int] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """The names this client published for this buffer (and has not
+        withdrawn), sorted."""
+        return sorted(self._names)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the agent that issued `remote_context`."""
+        return decode_context(self.remote_context).agent_epoch
+
+    def publish(self, name: str, visibility: str | int = "owner") -> None:
+        """AgentClient.publish(self, name, visibility)."""
+        self._client.publish(self, name, visibility)
+
+    def _drop_memfd(self) -> None:
+        if self._memfd_closer is not None:
+            self._memfd_closer()
+        self._memfd = None
 
     @property
     def memory(self) -> Any:
@@ -538,6 +644,8 @@ class Buffer:
                              "Release: buffer %d was already released" % self.id)
         self._released = True
         self._client._forget(self.id)
+        self._names.clear()
+        self._drop_memfd()
         self._client.release(self.id)
 
     def close(self) -> None:
@@ -546,10 +654,12 @@ class Buffer:
         if not self._released:
             self._released = True
             self._client._forget(self.id)
+            self._names.clear()
             try:
                 self._client.release(self.id)
             except AgentError:
                 pass  # best effort, as documented
+        self._drop_memfd()
         self._memory = None
         self._memory_ref = None
         self._owner = None
@@ -603,10 +713,27 @@ class AgentClient:
     clients' wait() and poll() until one of them reads it. With
     watch=False, no thread: wait() long-polls the agent (no agent thread
     either) and futures resolve only through wait(), poll() and cancel().
+
+    `rejoin` (default True): when the agent restarts (a new epoch), every
+    Buffer of this client over memory this process owns (attach(),
+    tensor(), ndarray(), register() of an object) that lives with the
+    process or the connection is registered again on the new agent from the
+    memfd the Buffer keeps, and every name this client published for it is
+    published again (with its visibility), so a peer's next resolve finds
+    it. The Buffer updates itself (`id`, `remote_context`, `backends`;
+    `memory` is the same); then `on_rejoin(buffer, old_id)` is called, if
+    given, on the client's "rdma-rejoin" thread. That thread starts with the
+    first such Buffer and wakes when the channel reconnects; rejoin() does
+    the same check on demand. Each such Buffer holds one fd of this process.
+    Agent-allocated buffers (allocate(), register(size)) and "agent"
+    lifetime ones are not registered again: their memory or their owner is
+    the old agent's. What went wrong last is in `rejoin_error`.
     """
 
     def __init__(self, socket_path: str | None = None, attach_socket: str | None = None,
-                 timeout: float = 30.0, chunk_bytes: int = 1 << 20, watch: bool = True) -> None:
+                 timeout: float = 30.0, chunk_bytes: int = 1 << 20, watch: bool = True,
+                 rejoin: bool = True,
+                 on_rejoin: Callable[[Buffer, int], None] | None = None) -> None:
         path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         for prefix in ("unix://", "unix:"):
             if path.startswith(prefix):
@@ -623,7 +750,13 @@ class AgentClient:
             options=[("grpc.max_receive_message_length", max(4 << 20, chunk_bytes + (64 << 10))),
                      # Never idle out: where the agent cannot watch this
                      # process, its buffers end with the connection.
-                     ("grpc.client_idle_timeout_ms", (1 << 31) - 1)])
+                     ("grpc.client_idle_timeout_ms", (1 << 31) - 1),
+                     # A restarted agent is found at once (a local socket
+                     # is cheap to retry; gRPC's default backoff starts at
+                     # a second and grows to two minutes).
+                     ("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 2000)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -655,9 +788,17 @@ class AgentClient:
         # their memory is gone, adopted ones until closed).
         self._regions: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
         self._kept: dict[int, Buffer] = {}
-        # Ids of born registrations whose memory went away (appended by a
+        # Born registrations whose memory went away (appended by a
         # finalizer, on any thread): released at the next call.
-        self._gone: collections.deque[int] = collections.deque()
+        self._gone: collections.deque[Buffer] = collections.deque()
+        # Registering again after an agent restart (see the class docstring).
+        self._rejoin_enabled = rejoin
+        self._on_rejoin = on_rejoin
+        self._rejoin_lock = threading.Lock()
+        self._rejoin_wake = threading.Event()
+        self._rejoin_thread: threading.Thread | None = None
+        self._connection_lost = False
+        self.rejoin_error: AgentError | None = None
 
     def close(self) -> None:
         """Releases born registrations whose memory is gone, stops the watch
@@ -671,6 +812,18 @@ class AgentClient:
             call.cancel()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        rejoiner = self._rejoin_thread
+        if rejoiner is not None:
+            self._channel.unsubscribe(self._on_connectivity)
+            self._rejoin_wake.set()
+            if rejoiner is not threading.current_thread():
+                rejoiner.join()
+            # gRPC's connectivity poller notices the unsubscription within
+            # 0.2 s; a channel closed before then makes it fail loudly.
+            poller = getattr(self._channel, "_connectivity_state", None)
+            deadline = time.monotonic() + 1
+            while getattr(poller, "polling", False) and time.monotonic() < deadline:
+                time.sleep(0.01)
         self._channel.close()
 
     def __enter__(self) -> AgentClient:
@@ -756,11 +909,23 @@ class AgentClient:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             memory = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             response = self._register_fd(fd, access_number, label, lifetime_number)
-        finally:
-            os.close(fd)  # the agent has its own reference; ours is the mapping
+        except BaseException:
+            os.close(fd)
+            raise
+        # The agent has its own reference and ours is the mapping; the fd is
+        # kept only to register the memory again after an agent restart.
         return self._track(Buffer(self, response.buffer_id, memory, response.remote_context,
                                   response.backends, response.lifetime,
-                                  address=_memory.address_of(memory)))
+                                  address=_memory.address_of(memory),
+                                  memfd=self._kept_memfd(fd, response.lifetime),
+                                  access=access_number, label=label))
+
+    def _kept_memfd(self, fd: int, lifetime: int) -> int | None:
+        """`fd` when a Buffer keeps it for rejoin; otherwise closes it."""
+        if self._rejoin_enabled and lifetime != types_pb2.LIFETIME_AGENT:
+            return fd
+        os.close(fd)
+        return None
 
     def _register_fd(self, fd: int, access: int, label: str,
                      lifetime: int) -> agent_pb2.RegisterResponse:
@@ -785,6 +950,8 @@ class AgentClient:
             self._regions[buffer.id] = buffer
             if keep:
                 self._kept[buffer.id] = buffer
+        if buffer._memfd is not None:
+            self._start_rejoin()
         return buffer
 
     def _forget(self, buffer_id: int) -> None:
@@ -794,9 +961,8 @@ class AgentClient:
 
     def _release_gone(self) -> None:
         while self._gone:
-            buffer_id = self._gone.popleft()
-            buffer = self._kept.get(buffer_id)
-            if buffer is not None and not buffer.released:
+            buffer = self._gone.popleft()
+            if not buffer.released:
                 buffer.close()
 
     def _born(self, nbytes: int, call: str, access: str | int, label: str,
@@ -809,7 +975,8 @@ class AgentClient:
         buffer = self.attach(nbytes, access, label, lifetime)
         memory = buffer.memory
         buffer._hold_weakly()
-        weakref.finalize(memory, self._gone.append, buffer.id)
+        # The Buffer, not its id: rejoin may give it another id.
+        weakref.finalize(memory, self._gone.append, buffer)
         self._track(buffer, keep=True)
         return buffer, memory
 
@@ -917,8 +1084,10 @@ class AgentClient:
             fd, first, size = _memory.move_onto_memfd(address, length, label)
         try:
             response = self._register_fd(fd, access_number, label, lifetime_number)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        memfd = self._kept_memfd(fd, response.lifetime)
         pages = (ctypes.c_char * size).from_address(first)
         # Views of `memory` keep the pages' object allocated, as views of an
         # mmap keep the mapping.
@@ -926,7 +1095,8 @@ class AgentClient:
         return self._track(Buffer(self, response.buffer_id, memoryview(pages).cast("B"),
                                   response.remote_context, response.backends,
                                   response.lifetime, size=size, address=first,
-                                  offset=address - first, owner=owner), keep=True)
+                                  offset=address - first, owner=owner, memfd=memfd,
+                                  access=access_number, label=label), keep=True)
 
     def buffer_of(self, obj: Any) -> tuple[Buffer, int]:
         """The registration of this client that holds `obj` (a tensor, an
@@ -1002,7 +1172,7 @@ class AgentClient:
         if local_size is not None and op.local_offset > local_size:
             raise invalid("op %d: local_offset %d is past the %d bytes of its local side"
                           % (index, op.local_offset, local_size))
-        remote_context = op.remote_context
+        remote_context = b"" if op.remote_name else op.remote_context
         length = op.length
         if length is None:
             rests = []
@@ -1022,7 +1192,7 @@ class AgentClient:
         return dict(type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
                     local_buffer_id=buffer_id, local_offset=start + op.local_offset,
                     length=length, remote_context=remote_context,
-                    remote_offset=op.remote_offset)
+                    remote_offset=op.remote_offset, remote_name=op.remote_name)
 
     def _submit_request(self, ops: Iterable[Op], timeout: float | None,
                         notification: bytes | str | None = None) -> agent_pb2.SubmitRequest:
@@ -1298,6 +1468,162 @@ class AgentClient:
                         self.timeout)
         return self._resolve(record, _transfer_result(response.transfer))
 
+    # -- names (the agent's directory) -------------------------------------
+
+    def list_agents(self) -> agent_pb2.ListAgentsResponse:
+        """Every agent the agent's directory knows, this one included, by id
+        (ListAgentsResponse: `agents`, AgentRecord messages; `directory`,
+        "local" or "etcd://..."; `unreadable`; `truncated`)."""
+        self._release_gone()
+        return _rpc(self.stub.ListAgents, agent_pb2.ListAgentsRequest(), self.timeout)
+
+    def publish(self, buffer: Buffer | int, name: str, visibility: str | int = "owner") -> None:
+        """Publishes one of this user's buffers (a Buffer, or a buffer id)
+        under `name` in the agent's directory: whoever resolves the name gets
+        its remote context. `visibility` "owner" (default: this user, on any
+        agent) or "any_user". A name held by another user or agent raises
+        AgentError ALREADY_EXISTS; publishing it
+        again moves it to this buffer. A Buffer of this client keeps its
+        names (Buffer.names) and publishes them again after an agent
+        restart."""
+        name = _check_name("publish", name)
+        number = _named("publish: visibility", VISIBILITY, visibility)
+        if isinstance(buffer, Buffer):
+            target: Buffer | None = buffer
+            buffer_id = buffer.id
+        elif _is_int(buffer):
+            buffer_id = _check_count("publish: buffer id", buffer)
+            target = self._regions.get(buffer_id)
+        else:
+            raise wrong_type("publish: buffer", buffer, "a Buffer or a buffer id")
+        self._release_gone()
+        _rpc(self.stub.Publish,
+             agent_pb2.PublishRequest(buffer_id=buffer_id, name=name,
+                                      visibility=agent_pb2.Visibility.Name(number)),
+             self.timeout)
+        with self._lock:
+            for other in list(self._regions.values()):
+                other._names.pop(name, None)  # a name stands for one buffer
+            if target is not None:
+                target._names[name] = number
+
+    def unpublish(self, name: str) -> None:
+        """Withdraws one of this user's names (NotFoundError when this user
+        holds no such name on this agent)."""
+        name = _check_name("unpublish", name)
+        self._release_gone()
+        _rpc(self.stub.Unpublish, agent_pb2.UnpublishRequest(name=name), self.timeout)
+        with self._lock:
+            for buffer in list(self._regions.values()):
+                buffer._names.pop(name, None)
+
+    def resolve(self, name: str) -> NameRecord:
+        """The NameRecord `name` stands for (its remote_context goes into an
+        Op's `remote`); NotFoundError when nobody this user may see holds
+        it."""
+        name = _check_name("resolve", name)
+        self._release_gone()
+        response = _rpc(self.stub.Resolve, agent_pb2.ResolveRequest(name=name), self.timeout)
+        return _name_record(response.record)
+
+    def watch_names(self, prefix: str = "") -> NameStream:
+        """A NameStream of the names under `prefix` (empty: every name) this
+        user may see: iterate it for NameEvents, first one "published" per
+        name published now, then "synced", then each change as it happens,
+        until close(). The stream ends (AgentError UNAVAILABLE) when the
+        agent stops; watch again for a fresh snapshot."""
+        if not isinstance(prefix, str):
+            raise wrong_type("watch_names: prefix", prefix, "a str")
+        self._release_gone()
+        return NameStream(self.stub.WatchNames(agent_pb2.WatchNamesRequest(prefix=prefix)))
+
+    # -- registering again after an agent restart --------------------------
+
+    def _start_rejoin(self) -> None:
+        with self._lock:
+            if self._rejoin_thread is not None or self._closing:
+                return
+            self._rejoin_thread = threading.Thread(target=self._rejoin_loop,
+                                                   name="rdma-rejoin", daemon=True)
+        self._channel.subscribe(self._on_connectivity, try_to_connect=True)
+        self._rejoin_thread.start()
+
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        # On gRPC's thread: only note it. Back to READY after a loss is
+        # when the agent may have restarted.
+        if state == grpc.ChannelConnectivity.READY:
+            if self._connection_lost:
+                self._connection_lost = False
+                self._rejoin_wake.set()
+        else:
+            self._connection_lost = True
+
+    def _rejoin_loop(self) -> None:
+        attempts = 0
+        while True:
+            self._rejoin_wake.wait()
+            self._rejoin_wake.clear()
+            if self._closing:
+                return
+            try:
+                self.rejoin()
+                attempts = 0
+            except AgentError as error:
+                self.rejoin_error = error
+                attempts += 1
+                if attempts < 20:  # the agent may not serve yet: try again
+                    time.sleep(0.25 * attempts)
+                    self._rejoin_wake.set()
+
+    def rejoin(self) -> list[Buffer]:
+        """Registers again, on the agent as it is now, every Buffer this
+        client would rejoin (see the class docstring) whose registration is
+        from an earlier epoch, and publishes its names again. Returns those
+        Buffers (empty when the agent has not restarted). A name another
+        owner took meanwhile stays theirs: that failure is kept in
+        `rejoin_error` and the name dropped from Buffer.names. Called by the
+        "rdma-rejoin" thread when the channel reconnects; safe to call from
+        any thread."""
+        with self._rejoin_lock:
+            epoch = _rpc(self.stub.GetInfo, agent_pb2.GetInfoRequest(), self.timeout).epoch
+            with self._lock:
+                stale = [b for b in self._regions.values()
+                         if b._memfd is not None and not b.released and b.epoch != epoch]
+            for buffer in stale:
+                self._register_again(buffer)
+            return stale
+
+    def _register_again(self, buffer: Buffer) -> None:
+        assert buffer._memfd is not None
+        old_id = buffer.id
+        response = self._register_fd(buffer._memfd, buffer._access, buffer._label,
+                                     buffer.lifetime)
+        with self._lock:
+            if self._regions.get(old_id) is buffer:
+                del self._regions[old_id]
+            kept = self._kept.pop(old_id, None)
+            buffer.id = response.buffer_id
+            buffer.remote_context = response.remote_context
+            buffer.backends = list(response.backends)
+            buffer.lifetime = response.lifetime
+            self._regions[buffer.id] = buffer
+            if kept is not None:
+                self._kept[buffer.id] = buffer
+            names = dict(buffer._names)
+        for name, visibility in names.items():
+            try:
+                _rpc(self.stub.Publish,
+                     agent_pb2.PublishRequest(buffer_id=buffer.id, name=name,
+                                              visibility=agent_pb2.Visibility.Name(visibility)),
+                     self.timeout)
+            except AgentError as error:
+                self.rejoin_error = AgentError(
+                    error.code, "publishing %r again for buffer %d: %s"
+                    % (name, buffer.id, error.message))
+                buffer._names.pop(name, None)
+        if self._on_rejoin is not None:
+            self._on_rejoin(buffer, old_id)
+
     def release(self, buffer_id: int) -> None:
         _rpc(self.stub.Release, agent_pb2.ReleaseRequest(buffer_id=buffer_id), self.timeout)
 
@@ -1348,32 +1674,42 @@ def _as_bytes(data: bytes | bytearray | memoryview | str | None) -> bytes:
     return data.encode() if isinstance(data, str) else bytes(data)
 
 
-class NotificationStream:
-    """One WatchNotifications stream. Iterating yields (notification, dropped)
-    pairs: a Notification (or None when the event only reports drops) and the
-    notifications this stream lost to a full queue since the previous event.
-    Iteration ends after close(), or raises AgentError when the agent ends
-    the stream. A context manager; in asyncio, `async for` over it (one
-    reader thread feeds the event loop) and `async with`."""
+class _EventStream:
+    """One server stream read by iteration (or `async for`, through one
+    reader thread that feeds the event loop); close() cancels it."""
+
+    _thread_name = "rdma-stream"
 
     def __init__(self, call: Any) -> None:
         self._call = call
         self._reader: threading.Thread | None = None
+
+    def _events(self) -> Iterator[Any]:
+        raise NotImplementedError
 
     def __aiter__(self) -> Any:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         end = object()
 
+        def put(item: Any) -> bool:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                return True
+            except RuntimeError:  # the event loop is closed: nobody reads on
+                self._call.cancel()
+                return False
+
         def read() -> None:
             try:
-                for item in self:
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                loop.call_soon_threadsafe(queue.put_nowait, end)
+                for item in self._events():
+                    if not put(item):
+                        return
+                put(end)
             except AgentError as error:
-                loop.call_soon_threadsafe(queue.put_nowait, error)
+                put(error)
 
-        self._reader = threading.Thread(target=read, name="rdma-notify-watch", daemon=True)
+        self._reader = threading.Thread(target=read, name=self._thread_name, daemon=True)
         self._reader.start()
 
         async def events() -> Any:
@@ -1387,18 +1723,9 @@ class NotificationStream:
 
         return events()
 
-    async def __aenter__(self) -> NotificationStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    def __iter__(self) -> Iterator[tuple[Notification | None, int]]:
+    def _messages(self) -> Iterator[Any]:
         try:
-            for event in self._call:
-                notification = (_notification(event.notification)
-                                if event.HasField("notification") else None)
-                yield notification, event.dropped
+            yield from self._call
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.CANCELLED:
                 return
@@ -1408,7 +1735,79 @@ class NotificationStream:
         """Cancels the stream; an iteration in progress ends."""
         self._call.cancel()
 
+
+class NotificationStream(_EventStream):
+    """One WatchNotifications stream. Iterating yields (notification, dropped)
+    pairs: a Notification (or None when the event only reports drops) and the
+    notifications this stream lost to a full queue since the previous event.
+    Iteration ends after close(), or raises AgentError when the agent ends
+    the stream. A context manager; in asyncio, `async for` over it (one
+    reader thread feeds the event loop) and `async with`."""
+
+    _thread_name = "rdma-notify-watch"
+
+    def _events(self) -> Iterator[tuple[Notification | None, int]]:
+        for event in self._messages():
+            notification = (_notification(event.notification)
+                            if event.HasField("notification") else None)
+            yield notification, event.dropped
+
+    def __iter__(self) -> Iterator[tuple[Notification | None, int]]:
+        return self._events()
+
+    async def __aenter__(self) -> NotificationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
     def __enter__(self) -> NotificationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NameStream(_EventStream):
+    """One WatchNames stream (watch_names()). Iterating yields NameEvents:
+    one "published" per name published when the stream started, "synced",
+    then each "published" or "withdrawn" as it happens. Iteration ends after
+    close(), or raises AgentError when the agent ends the stream
+    (UNAVAILABLE when it stops; RESOURCE_EXHAUSTED when this reader fell too
+    far behind, or the user holds too many watches). A context manager;
+    `async for` and `async with` in asyncio.
+
+    wait_for(name) reads on until `name` is published and returns its
+    NameRecord: what a peer waiting for another's buffer does."""
+
+    _thread_name = "rdma-name-watch"
+
+    def _events(self) -> Iterator[NameEvent]:
+        for event in self._messages():
+            kind = _NAME_EVENT_KIND.get(event.kind)
+            if kind is None:
+                continue  # a kind newer than this client
+            yield NameEvent(kind, _name_record(event.record) if kind != "synced" else None)
+
+    def __iter__(self) -> Iterator[NameEvent]:
+        return self._events()
+
+    def wait_for(self, name: str) -> NameRecord:
+        """Reads events until `name` is published; its record. AgentError
+        when the stream ends first (CANCELLED after close())."""
+        for event in self._events():
+            if event.kind == "published" and event.record.name == name:
+                return event.record
+        raise AgentError(grpc.StatusCode.CANCELLED,
+                         "watch_names: the stream was closed before %r was published" % name)
+
+    async def __aenter__(self) -> NameStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __enter__(self) -> NameStream:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,6 +15,21 @@ How each part maps onto the agent:
 - Metadata (get_agent_metadata, add_remote_agent, the listener and
   send_local_metadata/fetch_remote_metadata) carries the name and the remote
   contexts of the registrations: JSON, never pickle.
+- Without an ip_addr, send_local_metadata/fetch_remote_metadata/
+  invalidate_local_metadata use the agent's directory instead, as NIXL
+  uses etcd when NIXL_ETCD_ENDPOINTS is set: the metadata goes into a small
+  read-only registration published under the name
+  `<metadata_prefix><agent name>` (nixl_agent_config; "nixl/agents/" by
+  default, for the publishing user only unless metadata_visibility is
+  "any_user"); a fetch resolves the name and reads the metadata with one
+  READ; invalidation withdraws the name. Like NIXL's etcd watchers, one
+  WatchNames stream per nixl_agent (thread "nixl-metadata") follows the
+  names it fetched: a peer's new metadata (sent again, or after its agent
+  restarted) is fetched again, and withdrawn metadata is dropped. The
+  directory is the agents' --directory (etcd across hosts; the local one
+  reaches the agents of one host), so nothing but the agent is configured
+  here. After this process's agent restarts, its registrations come back
+  (AgentClient rejoin) and metadata it had sent is sent again.
 - Transfers are asynchronous transfers of the agent (SubmitAsync, their ends
   pushed by WatchTransfers); check_xfer_state reads the end.
 - Notifications are the agent's: each agent registers a small mailbox
@@ -44,8 +59,10 @@ What differs from NIXL:
 - Errors are rdma_agent.AgentError subclasses (ValueError/TypeError for
   bad arguments) instead of nixlBind errors; nothing is logged and returned
   as None: it is raised.
-- Partial metadata, central metadata servers (etcd), estimate_xfer_cost,
-  memory views and make_connection are not offered.
+- Partial metadata, estimate_xfer_cost, memory views and make_connection
+  are not offered; the metadata's directory is the agent's, not one of
+  this process's own (NIXL_ETCD_ENDPOINTS and NIXL_ETCD_NAMESPACE are not
+  read).
 """
 
 from __future__ import annotations
@@ -63,17 +80,20 @@ from typing import Any, Iterable, Sequence
 
 import grpc
 
-from rdma_agent.client import DONE, AgentClient, Buffer, Op, TransferResult, decode_context
-from rdma_agent.errors import AgentError, invalid, one_of, wrong_type
+from rdma_agent.client import (DONE, VISIBILITY, AgentClient, Buffer, NameRecord, NameStream,
+                               Op, TransferResult, decode_context)
+from rdma_agent.errors import AgentError, NotFoundError, invalid, one_of, wrong_type
 from rdma_agent.memory import page_span
 
 __all__ = [
-    "DEFAULT_COMM_PORT", "NIXL_INIT_AGENT", "nixl_agent", "nixl_agent_config",
+    "DEFAULT_COMM_PORT", "DEFAULT_METADATA_PREFIX", "NIXL_INIT_AGENT", "nixl_agent", "nixl_agent_config",
     "nixl_prepped_dlist_handle", "nixl_xfer_handle", "nixlRegDList", "nixlXferDList",
     "nixlXferTelemetry",
 ]
 
 DEFAULT_COMM_PORT = 8888
+# Where nixl_agents publish their metadata in the agent's directory.
+DEFAULT_METADATA_PREFIX = "nixl/agents/"
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
 _MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
 _OPERATIONS = {"READ": "read", "WRITE": "write"}
@@ -184,14 +204,25 @@ class nixl_agent_config:  # noqa: N801 (NIXL's name)
     capture_telemetry, num_threads, backends and sync_mode are accepted for
     compatibility; telemetry is always kept. Added: `socket` (the agent's
     socket; default $RDMA_AGENT_SOCKET), `timeout` (seconds a transfer may
-    take; None: the agent's default) and `share_edge_pages` (see the module
-    docstring)."""
+    take; None: the agent's default), `share_edge_pages` (see the module
+    docstring), and for metadata through the agent's directory
+    `metadata_prefix` (names are the prefix and the agent's name) and
+    `metadata_visibility` ("owner": the same user finds it; "any_user")."""
 
     def __init__(self, enable_prog_thread: bool = True, enable_listen_thread: bool = False,
                  listen_port: int = DEFAULT_COMM_PORT, capture_telemetry: bool = False,
                  num_threads: int = 0, backends: Sequence[str] = ("UCX",),
                  sync_mode: object = None, socket: str | None = None,
-                 timeout: float | None = None, share_edge_pages: bool = True) -> None:
+                 timeout: float | None = None, share_edge_pages: bool = True,
+                 metadata_prefix: str = DEFAULT_METADATA_PREFIX,
+                 metadata_visibility: str = "owner") -> None:
+        if not isinstance(metadata_prefix, str):
+            raise wrong_type("nixl_agent_config: metadata_prefix", metadata_prefix, "a str")
+        if metadata_visibility not in VISIBILITY:
+            raise one_of("nixl_agent_config: metadata_visibility", metadata_visibility,
+                         VISIBILITY)
+        self.metadata_prefix = metadata_prefix
+        self.metadata_visibility = metadata_visibility
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
         self.port = listen_port
@@ -329,10 +360,19 @@ class nixl_agent:  # noqa: N801 (NIXL's name)
         self.config = nixl_conf or nixl_agent_config()
         self.notifs: dict[str, list[bytes]] = {}
         self.backends: dict[str, str] = {b: b for b in self.config.backends}
-        self._client = AgentClient(self.config.socket, timeout=30.0)
+        self._client = AgentClient(self.config.socket, timeout=30.0,
+                                   on_rejoin=self._on_rejoin)
         self._lock = threading.Lock()
         self._regions: list[_Region] = []
         self._remotes: dict[str, _RemoteAgent] = {}
+        # Metadata through the agent's directory: the registration published
+        # under this agent's name, the peers whose metadata was fetched from
+        # the directory (refetched when they publish again, dropped when
+        # they withdraw), and the stream that follows them.
+        self._published: Buffer | None = None
+        self._wanted: set[str] = set()
+        self._names_stream: NameStream | None = None
+        self._names_thread: threading.Thread | None = None
         self._mailbox = self._client.attach(64, label="nixl-mailbox:" + agent_name[:40])
         self._closed = False
         # Sends of metadata, fetches and transfer notifications run here, in
@@ -374,6 +414,15 @@ class nixl_agent:  # noqa: N801 (NIXL's name)
         self._worker.join(timeout=30)
         self._stream.close()
         self._notify_thread.join(timeout=30)
+        with self._lock:
+            names_stream, names_thread = self._names_stream, self._names_thread
+        if names_stream is not None:
+            names_stream.close()
+        if names_thread is not None:
+            names_thread.join(timeout=30)
+        if self._published is not None:
+            self._published.close()  # its name goes with it
+            self._published = None
         for region in list(self._regions):
             if region.owned:
                 region.buffer.close()
@@ -630,6 +679,7 @@ class nixl_agent:  # noqa: N801 (NIXL's name)
 
     def remove_remote_agent(self, agent: str) -> None:
         with self._lock:
+            self._wanted.discard(agent)
             if self._remotes.pop(agent, None) is None:
                 raise invalid("remove_remote_agent: no remote agent %r" % agent)
 
@@ -650,20 +700,27 @@ class nixl_agent:  # noqa: N801 (NIXL's name)
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         """Sends this agent's metadata to the listener at ip_addr:port, in the
-        background (retried for 30 s while the peer is not listening yet)."""
+        background (retried for 30 s while the peer is not listening yet);
+        without ip_addr, publishes it in the agent's directory (again, with
+        what is registered now, at each call)."""
         if not ip_addr:
-            raise invalid("send_local_metadata: a peer's ip_addr is needed (no central "
-                          "metadata server)")
+            self._work.put(self._publish_metadata)
+            return
         self._work.put(lambda: self._exchange(ip_addr, port, {
             "op": "send_md", "md": self.get_agent_metadata().decode()}))
 
     def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "",
                               port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
         """Asks the listener at ip_addr:port for `remote_agent`'s metadata, in
-        the background; check_remote_metadata() says when it arrived."""
+        the background; check_remote_metadata() says when it arrived.
+        Without ip_addr, fetches it from the agent's directory, now or as
+        soon as `remote_agent` publishes it, and again whenever it publishes
+        new metadata (until remove_remote_agent)."""
+        if not isinstance(remote_agent, str) or not remote_agent:
+            raise invalid("fetch_remote_metadata: remote_agent must be a non-empty str")
         if not ip_addr:
-            raise invalid("fetch_remote_metadata: a peer's ip_addr is needed (no central "
-                          "metadata server)")
+            self._follow(remote_agent)
+            return
 
         def fetch() -> None:
             answer = self._exchange(ip_addr, port, {"op": "fetch_md", "name": remote_agent})
@@ -674,11 +731,129 @@ class nixl_agent:  # noqa: N801 (NIXL's name)
 
     def invalidate_local_metadata(self, ip_addr: str = "",
                                   port: int = DEFAULT_COMM_PORT) -> None:
-        """Tells the listener at ip_addr:port to forget this agent."""
+        """Tells the listener at ip_addr:port to forget this agent; without
+        ip_addr, withdraws its metadata from the agent's directory (its
+        followers drop it)."""
         if not ip_addr:
-            raise invalid("invalidate_local_metadata: a peer's ip_addr is needed")
+            self._work.put(self._withdraw_metadata)
+            return
         self._work.put(lambda: self._exchange(ip_addr, port,
                                               {"op": "invalidate", "name": self.name}))
+
+    # -- metadata through the agent's directory -------------------------------
+
+    def _metadata_name(self, agent: str) -> str:
+        return self.config.metadata_prefix + agent
+
+    def _publish_metadata(self) -> None:
+        """Puts the metadata into a new read-only registration (8-byte
+        little-endian length, then the JSON), publishes it under this
+        agent's name, and releases the one published before."""
+        blob = self.get_agent_metadata()
+        payload = struct.pack("<Q", len(blob)) + blob
+        buffer = self._client.attach(len(payload), access="read",
+                                     label="nixl-metadata:" + self.name[:40])
+        try:
+            buffer.memory[:] = payload
+            buffer.publish(self._metadata_name(self.name), self.config.metadata_visibility)
+        except BaseException:
+            buffer.close()
+            raise
+        old, self._published = self._published, buffer
+        if old is not None:
+            old.close()
+
+    def _withdraw_metadata(self) -> None:
+        old, self._published = self._published, None
+        if old is not None:
+            old.close()  # Release withdraws its name
+
+    def _on_rejoin(self, buffer: Buffer, old_id: int) -> None:
+        # Regions, mailbox and metadata have new contexts on the restarted
+        # agent: metadata sent before is sent again, with them.
+        if self._published is not None and not self._closed:
+            self._work.put(self._republish_after_rejoin)
+
+    def _republish_after_rejoin(self) -> None:
+        if self._published is not None:
+            self._publish_metadata()
+
+    def _follow(self, remote_agent: str) -> None:
+        """Fetches `remote_agent`'s metadata from the directory now and each
+        time it is published, through this agent's names stream."""
+        with self._lock:
+            self._wanted.add(remote_agent)
+            start = self._names_thread is None
+            if start:
+                self._names_thread = threading.Thread(target=self._follow_loop,
+                                                      name="nixl-metadata", daemon=True)
+        if start:
+            assert self._names_thread is not None
+            self._names_thread.start()
+        else:
+            self._work.put(lambda: self._fetch_by_name(remote_agent))
+
+    def _follow_loop(self) -> None:
+        prefix = self.config.metadata_prefix
+        while not self._closed:
+            try:
+                stream = self._client.watch_names(prefix)
+                with self._lock:
+                    if self._closed:
+                        stream.close()
+                        return
+                    self._names_stream = stream
+                for event in stream:
+                    if event.record is None or not event.record.name.startswith(prefix):
+                        continue
+                    agent = event.record.name[len(prefix):]
+                    with self._lock:
+                        wanted = agent in self._wanted and agent != self.name
+                    if not wanted:
+                        continue
+                    if event.kind == "published":
+                        self._work.put(lambda agent=agent, record=event.record:
+                                       self._load(agent, record))
+                    elif event.kind == "withdrawn":
+                        with self._lock:
+                            self._remotes.pop(agent, None)
+                return  # closed
+            except AgentError:
+                time.sleep(0.5)  # the agent restarted: watch again (a new snapshot)
+
+    def _fetch_by_name(self, agent: str) -> None:
+        try:
+            record = self._client.resolve(self._metadata_name(agent))
+        except NotFoundError:
+            return  # the stream fetches it once it is published
+        self._load(agent, record)
+
+    def _load(self, agent: str, record: NameRecord) -> None:
+        """Reads the metadata a record points at and loads it if it is
+        `agent`'s."""
+        size = decode_context(record.remote_context).size_bytes
+        if not 8 <= size <= _MAX_MESSAGE_BYTES:
+            return
+        with self._client.attach(size, access="write", label="nixl-metadata-read") as into:
+            [result] = self._client.submit([Op("read", into, 0, size,
+                                               remote=record.remote_context)],
+                                           timeout=self.config.timeout or 30)
+            if not result.ok:
+                return  # withdrawn meanwhile, or its agent restarted: a new event follows
+            data = bytes(into.memory)
+        (length,) = struct.unpack_from("<Q", data)
+        if length > size - 8:
+            return
+        blob = data[8:8 + length]
+        try:
+            if json.loads(blob).get("name") != agent:
+                return
+        except (ValueError, AttributeError):
+            return
+        with self._lock:
+            if agent not in self._wanted:
+                return  # removed meanwhile
+        self.add_remote_agent(blob)
 
     def _exchange(self, ip_addr: str, port: int,
                   message: dict[str, Any]) -> dict[str, Any] | None:
