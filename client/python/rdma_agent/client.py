@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from collections import namedtuple
-from typing import Any, Generator, Iterable, Iterator, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Iterator, Mapping, Sequence, Union
 
 import grpc
 from google.protobuf import duration_pb2
@@ -62,6 +62,9 @@ from rdma_agent.proto import agent_pb2_grpc
 from rdma_agent.proto import attach_pb2
 from rdma_agent.proto import remote_buffer_pb2
 from rdma_agent.proto import types_pb2
+
+if TYPE_CHECKING:
+    from rdma_agent.ring import Ring
 
 __all__ = [
     "ACCESS", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
@@ -1168,6 +1171,15 @@ class AgentClient:
         else:
             fields["remote_context"] = remote_context
         return fields
+
+    def open_ring(self, entries: int = 64) -> Ring:
+        """Opens a shared-memory ring session with the agent (docs/RING.md):
+        returns an rdma_agent.ring.Ring of `entries` slots (a power of two, at
+        most the agent's --max_ring_entries), whose ops name local buffers
+        and RemoteHandles and run without a gRPC call. The ring's memory is
+        charged to this user's registered-bytes quota until close()."""
+        from rdma_agent.ring import Ring
+        return Ring._open(self, entries)
 
     def _op_messages(self, ops: Iterable[Op], container: Any) -> None:
         """Adds one Op message per Op to the repeated field `container`."""
