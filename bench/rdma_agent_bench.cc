@@ -79,6 +79,9 @@ ABSL_FLAG(int, prepared_batch, 256, "Ops per Submit of prepared.");
 ABSL_FLAG(int, ring_batch, 256,
           "Ops per ring batch (and per Submit beside it) of ring_tcp's op "
           "rate; 4 batches are kept in flight.");
+ABSL_FLAG(int, ring_spin_us, 20,
+          "How long ring_tcp's client spins for a completion before it "
+          "blocks on the session (Ring::Wait's spin), in microseconds.");
 ABSL_FLAG(int, clients, 8, "Client processes of `clients`.");
 ABSL_FLAG(int, streams, 0,
           "Connections of the socket references; 0: agent A's "
@@ -557,8 +560,8 @@ class TcpRing {
   client::Ring& ring() { return *ring_; }
 
   // Waits (spinning up to `spin`) until at least `count` completions have
-  // been read; each must be OK on tcp.
-  absl::Status Reap(size_t count, absl::Duration spin) {
+  // been read; each must be OK on tcp. Returns how many were read.
+  absl::StatusOr<size_t> Reap(size_t count, absl::Duration spin) {
     size_t got = 0;
     while (got < count) {
       ends_.clear();
@@ -572,7 +575,7 @@ class TcpRing {
       }
       got += *reaped;
     }
-    return absl::OkStatus();
+    return got;
   }
 
  private:
@@ -586,8 +589,9 @@ class TcpRing {
 
 // Two figures of the ring over tcp, each beside the same run's Submit:
 // - one --latency_bytes READ and WRITE to agent B through the ring (post one
-//   entry, spin for its completion), next to the TCP round trip and the
-//   same WRITE by Submit (interleaved in blocks, as `latency` is);
+//   entry, spin --ring_spin_us for its completion, then block), next to the
+//   TCP round trip and the same WRITE by Submit (interleaved in blocks, as
+//   `latency` is);
 // - --small_op_bytes WRITEs, --ring_batch per batch with 4 batches in
 //   flight, next to Submits of the same --ring_batch ops (contexts), in
 //   alternating 100 ms slices so that both see the same noise.
@@ -604,6 +608,8 @@ absl::Status TestRingTcp(Setup& setup) {
   auto opened = TcpRing::Open(setup, entries);
   if (!opened.ok()) return opened.status();
   TcpRing& ring = *opened;
+  const absl::Duration spin =
+      absl::Microseconds(absl::GetFlag(FLAGS_ring_spin_us));
   auto ping = PingPong::Connect(setup.socket_peer);
   if (!ping.ok()) return ping.status();
 
@@ -617,7 +623,7 @@ absl::Status TestRingTcp(Setup& setup) {
                                    setup.local->id(), bytes, 1, bytes);
   auto one = [&](const std::vector<client::RingOp>& op) -> absl::Status {
     if (absl::Status s = ring.ring().Submit(op); !s.ok()) return s;
-    return ring.Reap(1, absl::Milliseconds(1));
+    return ring.Reap(1, spin).status();
   };
   const std::vector<std::pair<std::string, std::function<absl::Status()>>>
       kinds = {
@@ -661,29 +667,30 @@ absl::Status TestRingTcp(Setup& setup) {
               setup.local->size());
   const auto ring_ops = ring.Ops(v1::OP_TYPE_WRITE_FROM_LOCAL,
                                  setup.local->id(), op_bytes, batch, window);
-  // A slice keeps kBatchesInFlight batches posted: each time the oldest
-  // ends another is posted; the last ones are waited for within it.
+  // A slice keeps kBatchesInFlight batches posted: whenever a batch's worth
+  // of room is free another is posted; what is in flight at the end is
+  // waited for within it. Counts ops (Timed::steps).
   auto ring_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
     Timed timed;
     const absl::Time start = absl::Now();
-    int posted = 0;
-    for (; posted < kBatchesInFlight; ++posted) {
-      if (absl::Status s = ring.ring().Submit(ring_ops); !s.ok()) return s;
-    }
-    while (absl::Now() - start < length) {
-      if (absl::Status s = ring.Reap(batch, absl::Milliseconds(1)); !s.ok()) {
-        return s;
+    client::Ring& r = ring.ring();
+    auto fill = [&]() -> absl::Status {
+      while (r.in_flight() + static_cast<uint32_t>(batch) <=
+             static_cast<uint32_t>(batch * kBatchesInFlight)) {
+        if (absl::Status s = r.Submit(ring_ops); !s.ok()) return s;
       }
-      ++timed.steps;
-      if (absl::Status s = ring.ring().Submit(ring_ops); !s.ok()) return s;
+      return absl::OkStatus();
+    };
+    if (absl::Status s = fill(); !s.ok()) return s;
+    while (absl::Now() - start < length) {
+      auto got = ring.Reap(batch, spin);
+      if (!got.ok()) return got.status();
+      timed.steps += static_cast<int64_t>(*got);
+      if (absl::Status s = fill(); !s.ok()) return s;
     }
-    if (absl::Status s =
-            ring.Reap(static_cast<size_t>(batch) * kBatchesInFlight,
-                      absl::Milliseconds(1));
-        !s.ok()) {
-      return s;
-    }
-    timed.steps += kBatchesInFlight;
+    auto rest = ring.Reap(r.in_flight(), spin);
+    if (!rest.ok()) return rest.status();
+    timed.steps += static_cast<int64_t>(*rest);
     timed.elapsed = absl::Now() - start;
     return timed;
   };
@@ -704,13 +711,13 @@ absl::Status TestRingTcp(Setup& setup) {
     if (!a.ok()) return a.status();
     auto b = ring_slice(slice);
     if (!b.ok()) return b.status();
-    by_submit.steps += a->steps;
+    by_submit.steps += a->steps * batch;
     by_submit.elapsed += a->elapsed;
     by_ring.steps += b->steps;
     by_ring.elapsed += b->elapsed;
   }
-  const auto rate = [&](const Timed& timed) {
-    return static_cast<double>(timed.steps * batch) /
+  const auto rate = [&](const Timed& timed) {  // steps: ops
+    return static_cast<double>(timed.steps) /
            absl::ToDoubleSeconds(timed.elapsed);
   };
   for (const auto& [name, timed] :
