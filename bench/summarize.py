@@ -244,7 +244,7 @@ def main():
                                       r.all("ring_tcp_rtt.p50_us"))
                 if isinstance(a, float) and isinstance(b, float)]
         row(f"ring: {lat_bytes} {op.upper()} over tcp p50, µs",
-            f"{fmt(p50, 1)} (RTT + {fmt(median(over), 1)})",
+            f"{fmt(p50, 1)} (p50 − RTT: {fmt(median(over), 1)}, median)",
             f"TCP RTT {fmt(ring_rtt, 1)}; Submit WRITE "
             f"{fmt(r.best('ring_submit_tcp_write.p50_us', lowest=True), 1)}; "
             f"`ucp_put_lat` RTT ≈ {fmt(ucx_lat and 2 * ucx_lat, 1)}",

@@ -10,7 +10,7 @@ gRPC call, and no syscall while the agent is awake.
         [result] = ring.submit([Op("write", mine, 0, 4096, peer)])
         assert result.ok, result
 
-        first = ring.post([Op("read", mine, 0, 4096, peer)], tags=[7])
+        ring.post([Op("read", mine, 0, 4096, peer)], tags=[7])
         ring.post([Op("read", mine, 4096, 4096, peer)], tags=[8])
         ends = ring.wait(timeout=5)        # RingCompletion(tag, code, message, backend)
 
@@ -28,10 +28,10 @@ following, and opens a ring only on x86-64 (elsewhere use submit()):
   torn. Each access is a separate call of the interpreter into
   memoryview's C code, so the compiler cannot move one across another, and
   the GIL lets no other thread of this process in between.
-- RING.md's release stores (entries, then sq_tail; reaped, then cq_head)
-  and acquire loads (cq_tail, then the completions) need no instruction on
-  x86-64: TSO never reorders a store with an older store, nor a load with
-  an older load.
+- RING.md's release stores (entries written, then sq_tail; completions
+  read, then cq_head) and acquire loads (cq_tail, then the completions)
+  need no instruction on x86-64: TSO never reorders a store with an older
+  store or an older load, nor a load with an older load.
 - Its sequentially consistent steps are Dekker-style (store sq_tail, then
   load agent_flags; store WAITING, then load cq_tail), and TSO may let a
   load pass an older store still in the store buffer. _full_fence() sits
@@ -74,8 +74,10 @@ __all__ = ["Ring", "RingCompletion"]
 VERSION = 1
 _MAGIC = 0x474E4952  # "RING", little-endian
 _HEADER_BYTES = 512
-# Header fields the agent writes once: (offset, struct format).
-_HEADER = struct.Struct("<III4xQQQQ")  # magic, version, entries, then the 4 offsets/sizes
+# What the agent writes once, from offset 0: magic, version, entries, 4
+# unused bytes, then the offsets of the submissions, completions and
+# messages and the total bytes.
+_HEADER = struct.Struct("<III4xQQQQ")
 # The shared 4-byte words, by byte offset (each on a 64-byte line of its own).
 _SQ_TAIL = 64        # client
 _SQ_HEAD = 128       # agent
