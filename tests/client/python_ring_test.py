@@ -99,6 +99,25 @@ class RingTest(unittest.TestCase):
         self.assertTrue(result.message.startswith("op 0:"), result.message)
         self.assertEqual(bytes(self.target.memory), pattern(2, SIZE))
 
+    def test_the_batch_timeout_and_tags_reach_the_agent(self):
+        # Past --max_submit_timeout: every op of the batch is refused, naming
+        # the timeout; nothing moves.
+        ops = [Op("write", self.local, 0, 16, self.handle),
+               Op("write", self.local, 16, 16, self.handle, 16)]
+        tags = [(1 << 64) - 1, 0]
+        self.ring.post(ops, timeout=1e6, tags=tags)
+        ends = []
+        while len(ends) < 2:
+            ends += self.ring.wait(timeout=30)
+        self.assertEqual([e.tag for e in ends], tags)
+        for index, end in enumerate(ends):
+            self.assertEqual(end.code, grpc.StatusCode.INVALID_ARGUMENT, end)
+            self.assertTrue(end.message.startswith("op %d:" % index), end.message)
+            self.assertIn("timeout", end.message)
+        self.assertEqual(bytes(self.target.memory), pattern(2, SIZE))
+        with self.assertRaises(rdma_agent.InvalidArgumentError):
+            self.ring.post(ops, timeout=0)
+
     def test_two_batches_pipelined(self):
         first = self.ring.post([Op("write", self.local, 0, 4096, self.handle, 0),
                                 Op("write", self.local, 4096, 4096, self.handle, 8192)],
