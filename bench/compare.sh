@@ -12,10 +12,13 @@
 # is compared with, so that the noise of a shared machine hits both alike:
 #   UCX_TLS=tcp ucx_perftest -t ucp_put_lat -s 8   then  bench latency
 #   ucx_perftest -t ucp_put_bw -s 4096             then  bench ops, async
+#     and bench ring_tcp (the ring's 8 B latency and 4 KiB WRITE rate over
+#     tcp, each beside the same run's Submit)
 #   iperf3 -l 1M: 1 stream, N streams (N = the agent's tcp
 #     connections_per_peer) and N processes of 1 stream at once (iperf3 3.12
 #     runs one process on one thread)              then  bench kv, bulk, socket
-#   bench memory, register, clients (their references are in the bench)
+#   bench memory, prepared, ring, register, clients, and
+#     bench/python_ring_bench.py (their references are in the bench)
 # The table (bench/summarize.py) shows each figure's best round, each ratio
 # as the median of the rounds' own ratios, and every round.
 #
@@ -59,7 +62,8 @@ if [[ -z "$BIN_DIR" && -x "$RUNFILES/daemon/rdma-agentd" ]]; then
   BIN_DIR="$RUNFILES"
   SCRIPT_DIR="$RUNFILES/bench"
 elif [[ -z "$BIN_DIR" ]]; then
-  (cd "$ROOT" && bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench >&2)
+  (cd "$ROOT" && bazel build -c opt //daemon:rdma-agentd //bench:rdma-agent-bench \
+     //client/python:stubs >&2)
   BIN_DIR="$(cd "$ROOT" && bazel info -c opt bazel-bin 2>/dev/null)"
 fi
 AGENTD="$BIN_DIR/daemon/rdma-agentd"
@@ -68,6 +72,13 @@ SUMMARIZE="$SCRIPT_DIR/summarize.py"
 for tool in ip iperf3 ucx_perftest /usr/bin/python3 "$AGENTD" "$BENCH" "$SUMMARIZE"; do
   command -v "$tool" >/dev/null || [[ -e "$tool" ]] || { echo "missing: $tool" >&2; exit 1; }
 done
+
+# The rdma_agent package for python_ring_bench.py: the runfiles hold it whole;
+# otherwise the sources with the stubs generated into BIN_DIR, copied
+# together into the work dir below.
+PY_SOURCES="$ROOT/client/python/rdma_agent"
+[[ -d "$BIN_DIR/client/python/rdma_agent/_proto" ]] ||
+  { echo "missing: the rdma_agent stubs (bazel build -c opt //client/python:stubs)" >&2; exit 1; }
 
 NS_A="$PREFIX-a"; NS_B="$PREFIX-b"
 DEV_A="$PREFIX-va"; DEV_B="$PREFIX-vb"
@@ -81,6 +92,14 @@ for ns in "$NS_A" "$NS_B"; do
 done
 
 WORK="$(mktemp -d /tmp/rdma-bench.XXXXXX)"
+if [[ "$BIN_DIR" == "$RUNFILES" ]]; then
+  PY_PATH="$RUNFILES/client/python"
+else
+  PY_PATH="$WORK/python"
+  mkdir -p "$PY_PATH"
+  cp -r "$PY_SOURCES" "$PY_PATH/"
+  cp -r "$BIN_DIR/client/python/rdma_agent/_proto" "$PY_PATH/rdma_agent/"
+fi
 PIDS=()
 cleanup() {
   local status=$?
@@ -180,6 +199,12 @@ bench_part() {  # round-dir tests: appends to round-dir/bench.txt
   "${IN_A[@]}" "$BENCH" "${BENCH_ARGS[@]}" --tests="$2" >>"$1/bench.txt" 2>>"$1/bench.err" || true
 }
 
+python_ring_part() {  # round-dir: the Python ring's rows, appended likewise
+  "${IN_A[@]}" env PYTHONPATH="$PY_PATH" PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 \
+    "$SCRIPT_DIR/python_ring_bench.py" --socket="$WORK/a/agent.sock" \
+    >>"$1/bench.txt" 2>>"$1/bench.err" || echo "py_ring_mem_write failed=exit $?" >>"$1/bench.txt"
+}
+
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 {
   echo "date=$(date -u +%Y-%m-%dT%H:%MZ)"
@@ -198,12 +223,13 @@ for round in $(seq 1 "$ROUNDS"); do
   ucx_once "$R/ucx_lat.log" -t ucp_put_lat -s 8 -n 20000
   bench_part "$R" latency
   ucx_once "$R/ucx_bw.log" -t ucp_put_bw -s 4096 -n 300000
-  bench_part "$R" ops,async
+  bench_part "$R" ops,async,ring_tcp
   iperf_once 1 1 "$R/iperf1.json"
   iperf_once 1 "$STREAMS" "$R/iperfN.json"
   iperf_once "$STREAMS" 1 "$R/iperfNproc.json"
   bench_part "$R" kv,bulk,socket
-  bench_part "$R" memory,register,clients
+  bench_part "$R" memory,prepared,ring,register,clients
+  python_ring_part "$R"
 done
 echo "load_end=$(load)" >>"$WORK/meta.txt"
 

@@ -52,8 +52,8 @@ ABSL_FLAG(std::string, serve_socket_peer, "",
 ABSL_FLAG(bool, client_child, false,
           "Internal: one of the processes of the `clients` test.");
 ABSL_FLAG(std::string, tests,
-          "latency,ops,async,kv,bulk,memory,prepared,ring,register,clients,"
-          "socket",
+          "latency,ops,async,kv,bulk,memory,prepared,ring,ring_tcp,register,"
+          "clients,socket",
           "Comma-separated tests to run (see bench/README.md); `info` alone "
           "only prints agent A's tcp settings (every run prints them).");
 ABSL_FLAG(double, seconds, 2.0,
@@ -76,6 +76,12 @@ ABSL_FLAG(uint64_t, size, 256ull << 20,
           "Bytes of the bulk op, and of each registered buffer.");
 ABSL_FLAG(uint64_t, prepared_op_bytes, 64, "Bytes per op of prepared.");
 ABSL_FLAG(int, prepared_batch, 256, "Ops per Submit of prepared.");
+ABSL_FLAG(int, ring_batch, 256,
+          "Ops per ring batch (and per Submit beside it) of ring_tcp's op "
+          "rate; 4 batches are kept in flight.");
+ABSL_FLAG(int, ring_spin_us, 20,
+          "How long ring_tcp's client spins for a completion before it "
+          "blocks on the session (Ring::Wait's spin), in microseconds.");
 ABSL_FLAG(int, clients, 8, "Client processes of `clients`.");
 ABSL_FLAG(int, streams, 0,
           "Connections of the socket references; 0: agent A's "
@@ -515,6 +521,222 @@ absl::Status TestRing(Setup& setup) {
   return absl::OkStatus();
 }
 
+// ---- the shared-memory ring, tcp backend across the two agents --------------
+
+// Ring ops of agent A's client against agent B's buffer (an imported handle,
+// which the caller releases), each checked: OK and run by tcp.
+class TcpRing {
+ public:
+  static absl::StatusOr<TcpRing> Open(Setup& setup, uint32_t entries) {
+    auto handle =
+        setup.local_agent->ImportRemote(setup.remote->remote_context());
+    if (!handle.ok()) return handle.status();
+    auto ring = setup.local_agent->OpenRing(entries);
+    if (!ring.ok()) return ring.status();
+    return TcpRing(handle->handle, std::move(*ring));
+  }
+
+  uint64_t handle() const { return handle_; }
+
+  // `count` ops of `op_bytes`, cycling through the first `window` bytes.
+  std::vector<client::RingOp> Ops(v1::OpType type, uint64_t local_id,
+                                  uint64_t op_bytes, int count,
+                                  uint64_t window) const {
+    std::vector<client::RingOp> ops(count);
+    for (int i = 0; i < count; ++i) {
+      const uint64_t offset = (uint64_t{static_cast<uint64_t>(i)} * op_bytes) %
+                              std::max(window, op_bytes);
+      ops[i].type = type;
+      ops[i].local_buffer_id = local_id;
+      ops[i].local_offset = offset;
+      ops[i].length = op_bytes;
+      ops[i].remote_handle = handle_;
+      ops[i].remote_offset = offset;
+      ops[i].user_tag = static_cast<uint64_t>(i);
+    }
+    return ops;
+  }
+
+  client::Ring& ring() { return *ring_; }
+
+  // Waits (spinning up to `spin`) until at least `count` completions have
+  // been read; each must be OK on tcp. Returns how many were read.
+  absl::StatusOr<size_t> Reap(size_t count, absl::Duration spin) {
+    size_t got = 0;
+    while (got < count) {
+      ends_.clear();
+      auto reaped = ring_->Wait(&ends_, absl::Seconds(120), spin);
+      if (!reaped.ok()) return reaped.status();
+      for (const client::RingCompletion& end : ends_) {
+        if (!end.status.ok()) return end.status;
+        if (end.backend != "tcp") {
+          return absl::InternalError("ring: an op ran on " + end.backend);
+        }
+      }
+      got += *reaped;
+    }
+    return got;
+  }
+
+ private:
+  TcpRing(uint64_t handle, std::unique_ptr<client::Ring> ring)
+      : handle_(handle), ring_(std::move(ring)) {}
+
+  uint64_t handle_ = 0;
+  std::unique_ptr<client::Ring> ring_;
+  std::vector<client::RingCompletion> ends_;
+};
+
+// Two figures of the ring over tcp, each beside the same run's Submit:
+// - one --latency_bytes READ and WRITE to agent B through the ring (post one
+//   entry, spin --ring_spin_us for its completion, then block), next to the
+//   TCP round trip and the same WRITE by Submit (interleaved in blocks, as
+//   `latency` is);
+// - --small_op_bytes WRITEs, --ring_batch per batch with 4 batches in
+//   flight, next to Submits of the same --ring_batch ops (contexts), in
+//   alternating 100 ms slices so that both see the same noise.
+absl::Status TestRingTcp(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
+  const int batch = std::max(1, absl::GetFlag(FLAGS_ring_batch));
+  constexpr int kBatchesInFlight = 4;
+  uint32_t entries = 1;
+  while (entries < static_cast<uint32_t>(batch * kBatchesInFlight)) {
+    entries *= 2;
+  }
+  auto opened = TcpRing::Open(setup, entries);
+  if (!opened.ok()) return opened.status();
+  TcpRing& ring = *opened;
+  const absl::Duration spin =
+      absl::Microseconds(absl::GetFlag(FLAGS_ring_spin_us));
+  auto ping = PingPong::Connect(setup.socket_peer);
+  if (!ping.ok()) return ping.status();
+
+  // Latency.
+  const auto submit_write =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              setup.remote->remote_context(), bytes, 1, bytes, bytes);
+  const auto ring_read =
+      ring.Ops(v1::OP_TYPE_READ_INTO_LOCAL, setup.local->id(), bytes, 1, bytes);
+  const auto ring_write = ring.Ops(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                   setup.local->id(), bytes, 1, bytes);
+  auto one = [&](const std::vector<client::RingOp>& op) -> absl::Status {
+    if (absl::Status s = ring.ring().Submit(op); !s.ok()) return s;
+    return ring.Reap(1, spin).status();
+  };
+  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
+      kinds = {
+          {"ring_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
+          {"ring_submit_tcp_write",
+           [&] { return RunBatch(agent, submit_write, "tcp"); }},
+          {"ring_tcp_write", [&] { return one(ring_write); }},
+          {"ring_tcp_read", [&] { return one(ring_read); }},
+      };
+  std::vector<std::vector<absl::Duration>> samples(kinds.size());
+  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
+  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
+  constexpr int kBlock = 100;
+  for (int done = -warmup; done < iterations; done += kBlock) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
+        const absl::Time start = absl::Now();
+        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
+        if (i >= 0) samples[k].push_back(absl::Now() - start);
+      }
+    }
+  }
+  std::vector<Latency> latency;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    latency.push_back(Summarize(samples[k]));
+    Report report(kinds[k].first);
+    if (k > 0) report.Add("bytes", static_cast<double>(bytes), 0);
+    Print(report.AddLatency("", latency.back()));
+  }
+  Print(
+      Report("ring_tcp_ratio")
+          .Add("submit_vs_ring_write", latency[1].p50_us / latency[2].p50_us, 2)
+          .Add("ring_read_minus_rtt_us",
+               latency[3].p50_us - latency[0].p50_us));
+
+  // Op rate.
+  const uint64_t window = op_bytes * batch;
+  const auto submit_ops =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              setup.remote->remote_context(), op_bytes, batch, window,
+              setup.local->size());
+  const auto ring_ops = ring.Ops(v1::OP_TYPE_WRITE_FROM_LOCAL,
+                                 setup.local->id(), op_bytes, batch, window);
+  // A slice keeps kBatchesInFlight batches posted: whenever a batch's worth
+  // of room is free another is posted; what is in flight at the end is
+  // waited for within it. Counts ops (Timed::steps).
+  auto ring_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
+    Timed timed;
+    const absl::Time start = absl::Now();
+    client::Ring& r = ring.ring();
+    auto fill = [&]() -> absl::Status {
+      while (r.in_flight() + static_cast<uint32_t>(batch) <=
+             static_cast<uint32_t>(batch * kBatchesInFlight)) {
+        if (absl::Status s = r.Submit(ring_ops); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status s = fill(); !s.ok()) return s;
+    while (absl::Now() - start < length) {
+      auto got = ring.Reap(batch, spin);
+      if (!got.ok()) return got.status();
+      timed.steps += static_cast<int64_t>(*got);
+      if (absl::Status s = fill(); !s.ok()) return s;
+    }
+    auto rest = ring.Reap(r.in_flight(), spin);
+    if (!rest.ok()) return rest.status();
+    timed.steps += static_cast<int64_t>(*rest);
+    timed.elapsed = absl::Now() - start;
+    return timed;
+  };
+  auto submit_slice = [&](absl::Duration length) {
+    return RunFor(length, 1,
+                  [&] { return RunBatch(agent, submit_ops, "tcp"); });
+  };
+  if (auto warm = ring_slice(absl::ZeroDuration()); !warm.ok()) {
+    return warm.status();
+  }
+  if (auto warm = submit_slice(absl::ZeroDuration()); !warm.ok()) {
+    return warm.status();
+  }
+  Timed by_ring, by_submit;
+  const absl::Duration slice = absl::Milliseconds(100);
+  for (absl::Duration spent; spent < Seconds(); spent += 2 * slice) {
+    auto a = submit_slice(slice);
+    if (!a.ok()) return a.status();
+    auto b = ring_slice(slice);
+    if (!b.ok()) return b.status();
+    by_submit.steps += a->steps * batch;
+    by_submit.elapsed += a->elapsed;
+    by_ring.steps += b->steps;
+    by_ring.elapsed += b->elapsed;
+  }
+  const auto rate = [&](const Timed& timed) {  // steps: ops
+    return static_cast<double>(timed.steps) /
+           absl::ToDoubleSeconds(timed.elapsed);
+  };
+  for (const auto& [name, timed] :
+       {std::pair<std::string, Timed>{"ring_tcp_ops_submit_write", by_submit},
+        std::pair<std::string, Timed>{"ring_tcp_ops_write", by_ring}}) {
+    Print(Report(name)
+              .Add("ops_per_s", rate(timed), 0)
+              .Add("MiB_per_s",
+                   rate(timed) * static_cast<double>(op_bytes) / (1 << 20))
+              .Add("op_bytes", static_cast<double>(op_bytes), 0)
+              .Add("batch", batch, 0)
+              .Add("backend", "tcp"));
+  }
+  Print(Report("ring_tcp_ops_ratio")
+            .Add("ring_vs_submit", rate(by_ring) / rate(by_submit), 2));
+  (void)agent.ReleaseRemote(ring.handle());
+  return absl::OkStatus();
+}
+
 // Eight ring sessions of agent A left idle for --seconds after one op each,
 // so that the agent's CPU time while they idle can be read from outside
 // (/proc/PID/stat): compare.sh prints it.
@@ -695,12 +917,13 @@ absl::StatusOr<Setup> Connect(bool with_buffers) {
 
 int RunTests() {
   const std::vector<std::pair<std::string, absl::Status (*)(Setup&)>> all = {
-      {"latency", TestLatency},    {"ops", TestOps},
-      {"async", TestAsync},        {"kv", TestKv},
-      {"bulk", TestBulk},          {"memory", TestMemory},
-      {"prepared", TestPrepared},  {"ring", TestRing},
-      {"ring_idle", TestRingIdle}, {"register", TestRegister},
-      {"clients", TestClients},    {"socket", TestSocket},
+      {"latency", TestLatency},   {"ops", TestOps},
+      {"async", TestAsync},       {"kv", TestKv},
+      {"bulk", TestBulk},         {"memory", TestMemory},
+      {"prepared", TestPrepared}, {"ring", TestRing},
+      {"ring_tcp", TestRingTcp},  {"ring_idle", TestRingIdle},
+      {"register", TestRegister}, {"clients", TestClients},
+      {"socket", TestSocket},
   };
   const std::vector<std::string> wanted =
       absl::StrSplit(absl::GetFlag(FLAGS_tests), ',', absl::SkipEmpty());

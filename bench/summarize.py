@@ -235,6 +235,58 @@ def main():
         f"`ucp_put_bw -s 4096` {fmt(ucx_bw)} msg/s", spread(q), "≥ 1.5",
         verdict(median(q), 1.5))
 
+    # The shared-memory ring, each figure beside the same run's Submit.
+    ring_rtt = r.best("ring_tcp_rtt.p50_us", lowest=True)
+    for op in ("write", "read"):
+        p50 = r.best(f"ring_tcp_{op}.p50_us", lowest=True)
+        q = r.ratios(f"ring_tcp_{op}.p50_us", "ring_tcp_rtt.p50_us")
+        over = [a - b for a, b in zip(r.all(f"ring_tcp_{op}.p50_us"),
+                                      r.all("ring_tcp_rtt.p50_us"))
+                if isinstance(a, float) and isinstance(b, float)]
+        row(f"ring: {lat_bytes} {op.upper()} over tcp p50, µs",
+            f"{fmt(p50, 1)} (p50 − RTT: {fmt(median(over), 1)}, median)",
+            f"TCP RTT {fmt(ring_rtt, 1)}; Submit WRITE "
+            f"{fmt(r.best('ring_submit_tcp_write.p50_us', lowest=True), 1)}; "
+            f"`ucp_put_lat` RTT ≈ {fmt(ucx_lat and 2 * ucx_lat, 1)}",
+            spread(q) + " × RTT", "≤ RTT + 10 µs",
+            verdict(median(over), 10.0, higher_is_better=False))
+    q = r.ratios("ring_tcp_ratio.submit_vs_ring_write", scale=1.0)
+    row(f"ring: Submit / ring, {lat_bytes} WRITE over tcp p50", "—", "—",
+        spread(q), "—", "—")
+    ring_batch = count(r.best("ring_tcp_ops_write.batch"))
+    ring_ops = r.best("ring_tcp_ops_write.ops_per_s")
+    q = r.ratios("ring_tcp_ops_ratio.ring_vs_submit", scale=1.0)
+    q_async = r.ratios("ring_tcp_ops_write.ops_per_s", "async_write.ops_per_s")
+    q_ucx = r.ratios("ring_tcp_ops_write.ops_per_s", "ucx_bw.msg_per_s")
+    row(f"ring: {small} WRITE × {ring_batch}, 4 batches in flight, ops/s",
+        fmt(ring_ops),
+        f"Submit × {ring_batch} {fmt(r.best('ring_tcp_ops_submit_write.ops_per_s'))} "
+        f"(ratio {spread(q)}); `ucp_put_bw` ratio {spread(q_ucx)}",
+        spread(q_async) + " × async", "≥ 1.3 × async", verdict(median(q_async), 1.3))
+    mem_ring = r.best("ring_mem_write.p50_us", lowest=True)
+    q = r.ratios("ring_ratio.submit_vs_ring", scale=1.0)
+    row(f"ring: {lat_bytes} WRITE, memory backend, p50 µs", fmt(mem_ring, 1),
+        f"Submit {fmt(r.best('ring_submit_mem_write.p50_us', lowest=True), 1)} "
+        f"(ratio {spread(q)})", fmt(median(
+            [v for v in r.all("ring_mem_write.p50_us") if isinstance(v, float)]), 1) + " µs",
+        "≤ 5 µs", verdict(median([v for v in r.all("ring_mem_write.p50_us")
+                                 if isinstance(v, float)]), 5.0, higher_is_better=False))
+    py_ring = [v for v in r.all("py_ring_mem_write.p50_us") if isinstance(v, float)]
+    q = r.ratios("py_ring_ratio.submit_vs_ring", scale=1.0)
+    row(f"Python ring: {lat_bytes} WRITE, memory backend, p50 µs",
+        fmt(r.best("py_ring_mem_write.p50_us", lowest=True), 1),
+        f"Python submit "
+        f"{fmt(r.best('py_submit_mem_write.p50_us', lowest=True), 1)} (ratio {spread(q)})",
+        fmt(median(py_ring), 1) + " µs", "≤ 20 µs",
+        verdict(median(py_ring), 20.0, higher_is_better=False))
+    q = r.ratios("prepared_ratio.prepared_vs_contexts", scale=1.0)
+    row(f"prepared {size_label(r.best('prepared_prepared.op_bytes'))} × "
+        f"{count(r.best('prepared_prepared.batch'))} reposted, ops/s",
+        fmt(r.best("prepared_prepared.ops_per_s")),
+        f"contexts in every Submit {fmt(r.best('prepared_contexts.ops_per_s'))}; "
+        f"handles {fmt(r.best('prepared_handles.ops_per_s'))}",
+        spread(q), "≥ 2", verdict(median(q), 2.0))
+
     iperf_n = r.best("iperfN")
     iperf_nproc = r.best("iperfNproc")
     kv = (f"{size_label(r.best('kv_write.op_bytes'))} × "
@@ -360,6 +412,18 @@ def main():
         ("clients_write.ops_per_s", "clients aggregate ops/s", 0),
         ("clients_write.min_share", "clients min share", 3),
         ("clients_write.max_share", "clients max share", 3),
+        ("ring_tcp_rtt.p50_us", "ring: TCP RTT p50 µs", 1),
+        ("ring_tcp_write.p50_us", f"ring: WRITE {lat_bytes} tcp µs", 1),
+        ("ring_tcp_read.p50_us", f"ring: READ {lat_bytes} tcp µs", 1),
+        ("ring_submit_tcp_write.p50_us", "ring: Submit WRITE tcp µs", 1),
+        ("ring_tcp_ops_write.ops_per_s", "ring: tcp WRITE ops/s", 0),
+        ("ring_tcp_ops_submit_write.ops_per_s", "ring: Submit beside ops/s", 0),
+        ("async_write.ops_per_s", "async WRITE ops/s", 0),
+        ("ring_mem_write.p50_us", "ring: memory WRITE µs", 1),
+        ("ring_submit_mem_write.p50_us", "ring: Submit memory µs", 1),
+        ("py_ring_mem_write.p50_us", "Python ring memory µs", 1),
+        ("py_submit_mem_write.p50_us", "Python submit memory µs", 1),
+        ("prepared_ratio.prepared_vs_contexts", "prepared / contexts", 2),
     ]
     for key, label, decimals in per_round:
         values = " / ".join(fmt(v if isinstance(v, float) else None, decimals)

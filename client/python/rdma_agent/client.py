@@ -56,7 +56,7 @@ import threading
 import time
 import weakref
 from collections import namedtuple
-from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence, Union
 
 import grpc
 from google.protobuf import duration_pb2
@@ -71,13 +71,16 @@ from rdma_agent.proto import attach_pb2
 from rdma_agent.proto import remote_buffer_pb2
 from rdma_agent.proto import types_pb2
 
+if TYPE_CHECKING:
+    from rdma_agent.ring import Ring
+
 __all__ = [
     "ACCESS", "CANCELLED", "DEFAULT_SOCKET", "DONE", "FAILED", "LIFETIME", "MEMORY_KIND",
     "OP_TYPE", "PENDING", "SOCKET_ENV", "VISIBILITY", "AgentClient", "AgentError",
     "ArgumentTypeError", "Buffer", "InvalidArgumentError", "NameEvent", "NameRecord",
     "NameStream", "Notification", "NotificationBatch", "NotificationResult",
-    "NotificationStream", "Op", "OpResult", "SubmitResult", "Transfer", "TransferResult",
-    "decode_context", "status_code",
+    "NotificationStream", "Op", "OpResult", "PreparedTransfer", "RemoteHandle", "SubmitResult",
+    "Transfer", "TransferResult", "decode_context", "status_code",
 ]
 
 DEFAULT_SOCKET = "/run/rdma-agentd/agent.sock"
@@ -170,9 +173,10 @@ def _shape(call: str, shape: int | Sequence[int]) -> tuple[int, ...]:
 # What an Op's local side may be: a buffer id, a Buffer, or a tensor, array
 # or buffer-protocol object inside a registration of the same client.
 Local = Any
-# What an Op's remote side may be: a remote context (bytes) or a Buffer
-# (its remote_context).
-Remote = Union[bytes, "Buffer"]
+# What an Op's remote side may be: a remote context (bytes), a Buffer (its
+# remote_context) or a RemoteHandle (import_remote(): the context parsed once
+# by the agent, named by its handle).
+Remote = Union[bytes, "Buffer", "RemoteHandle"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,12 +187,13 @@ class Op:
     (WRITE_FROM_LOCAL: local -> remote). `local`: a buffer id, a Buffer, or
     a tensor/array/bytearray inside a registration made by the submitting
     client (then offsets count from the object's first byte). `remote`: the
-    other side's remote context (bytes) or a Buffer; or, instead,
-    `remote_name`: a name published in the agent's directory, which the
-    agent resolves once per batch (NOT_FOUND in the op's result when nobody
-    publishes it). `length` None: the rest of the local side from
+    other side's remote context (bytes), a Buffer, or a RemoteHandle from
+    import_remote() (the op then carries 8 bytes instead of the context); or,
+    instead, `remote_name`: a name published in the agent's directory, which
+    the agent resolves once per batch (NOT_FOUND in the op's result when
+    nobody publishes it). `length` None: the rest of the local side from
     `local_offset` (a whole tensor or array), cut to the rest of the remote
-    buffer from `remote_offset` when the remote is a context.
+    buffer from `remote_offset` when the remote is a context or a handle.
     """
 
     type: str | int
@@ -214,23 +219,26 @@ class Op:
         if not isinstance(self.remote_name, str):
             raise wrong_type("Op: remote_name", self.remote_name, "a str")
         if self.remote_name:
-            if isinstance(self.remote, Buffer) or len(self.remote) != 0:
+            if isinstance(self.remote, (Buffer, RemoteHandle)) or len(self.remote) != 0:
                 raise invalid("Op: remote and remote_name are both set: name the other "
                               "side one way")
             return
-        if isinstance(self.remote, Buffer):
+        if isinstance(self.remote, (Buffer, RemoteHandle)):
             return
         if not isinstance(self.remote, (bytes, bytearray, memoryview)):
             raise wrong_type("Op: remote", self.remote,
-                             "a remote context (bytes) or a Buffer")
+                             "a remote context (bytes), a Buffer or a RemoteHandle")
         if len(self.remote) == 0:
             raise invalid("Op: remote is empty: pass the other side's remote context "
                           "(or its published name as remote_name)")
 
     @property
     def remote_context(self) -> bytes:
+        """The remote context; empty when `remote` is a RemoteHandle."""
         if isinstance(self.remote, Buffer):
             return self.remote.remote_context
+        if isinstance(self.remote, RemoteHandle):
+            return b""
         return bytes(self.remote)
 
 
@@ -493,41 +501,54 @@ def _attach_exchange(path: str, request: Any, fd: int | None,
 
     Returns (AttachResponse, fd or None). The caller owns the returned fd.
     """
+    response, received, sock = _attach_open(path, request, fd, timeout)
+    sock.close()
+    return response, received
+
+
+def _attach_open(path: str, request: Any, fd: int | None,
+                 timeout: float | None) -> tuple[Any, int | None, socket.socket]:
+    """_attach_exchange() that keeps the connection (a ring session lives on
+    it): returns (AttachResponse, fd or None, the connected socket), all the
+    caller's."""
     body = request.SerializeToString()
     frame = struct.pack("<I", len(body)) + body
     fds: list[int] = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            # The fd rides on the first byte of the length prefix.
-            sent = socket.send_fds(sock, [frame], [fd] if fd is not None else [])
-            if sent < len(frame):
-                sock.sendall(frame[sent:])
-            (size,) = struct.unpack("<I", _recv_exact(sock, 4, fds))
-            if size > _MAX_ATTACH_MESSAGE:
-                raise AgentError(grpc.StatusCode.INTERNAL,
-                                 "attach response of %d bytes is too large" % size)
-            response = attach_pb2.AttachResponse()
-            response.ParseFromString(_recv_exact(sock, size, fds))
+        sock.settimeout(timeout)
+        sock.connect(path)
+        # The fd rides on the first byte of the length prefix.
+        sent = socket.send_fds(sock, [frame], [fd] if fd is not None else [])
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
+        (size,) = struct.unpack("<I", _recv_exact(sock, 4, fds))
+        if size > _MAX_ATTACH_MESSAGE:
+            raise AgentError(grpc.StatusCode.INTERNAL,
+                             "attach response of %d bytes is too large" % size)
+        response = attach_pb2.AttachResponse()
+        response.ParseFromString(_recv_exact(sock, size, fds))
     except socket.timeout:
+        sock.close()
         for extra in fds:
             os.close(extra)
         raise AgentError(grpc.StatusCode.DEADLINE_EXCEEDED,
                          "no answer from the attach socket %s in time" % path) from None
     except (FileNotFoundError, ConnectionError) as error:
+        sock.close()
         for extra in fds:
             os.close(extra)
         raise AgentError(grpc.StatusCode.UNAVAILABLE,
                          "attach socket %s: %s" % (path, error)) from None
     except BaseException:
+        sock.close()
         for extra in fds:
             os.close(extra)
         raise
     # Keep the first fd; a well-behaved agent sends at most one.
     for extra in fds[1:]:
         os.close(extra)
-    return response, (fds[0] if fds else None)
+    return response, (fds[0] if fds else None), sock
 
 
 def _check_range(what: str, buffer_id: int, offset: int, length: int) -> None:
@@ -673,6 +694,127 @@ class Buffer:
     def __repr__(self) -> str:
         return "Buffer(id=%d, size=%d%s)" % (self.id, self.size,
                                              ", released" if self._released else "")
+
+
+class RemoteHandle:
+    """A remote context the agent has parsed, checked and routed once
+    (AgentClient.import_remote): an Op whose `remote` is this handle sends
+    its 8-byte id instead of the context.
+
+    The handle is this user's (another user's ops naming it get NOT_FOUND)
+    and lives on the agent until release() or close() (leaving its `with`
+    block), or until the agent stops. It says nothing about the buffer
+    still existing: ops naming it are checked by the serving agent as ops
+    carrying the context are. `agent_id`, `buffer_id`, `size_bytes`,
+    `access` and `backends` are what the context says (the backends: the
+    agent's that reach it, best first).
+    """
+
+    def __init__(self, client: AgentClient, info: Any) -> None:
+        self._client = client
+        self.id: int = info.remote_handle
+        self.agent_id: str = info.agent_id
+        self.buffer_id: int = info.buffer_id
+        self.size_bytes: int = info.size_bytes
+        self.access: int = info.access
+        self.backends: list[str] = list(info.backends)
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Drops the handle (ReleaseRemote); ops already running with it
+        finish. NotFoundError when the agent does not know it;
+        FailedPreconditionError when this object released it already."""
+        if self._released:
+            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "ReleaseRemote: handle %d was already released" % self.id)
+        self._released = True
+        _rpc(self._client.stub.ReleaseRemote,
+             agent_pb2.ReleaseRemoteRequest(remote_handle=self.id), self._client.timeout)
+
+    def close(self) -> None:
+        """release(), best effort, unless released already."""
+        if not self._released:
+            try:
+                self.release()
+            except AgentError:
+                pass
+
+    def __enter__(self) -> RemoteHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "RemoteHandle(%d, buffer %d of %s%s)" % (
+            self.id, self.buffer_id, self.agent_id, ", released" if self._released else "")
+
+
+class PreparedTransfer:
+    """A batch the agent validated once and keeps under an id
+    (AgentClient.prepare_transfer): submit() and submit_async() run its ops
+    again without sending them, each run exactly as a Submit of those ops
+    (results one per op, in order). The ops are fixed when prepared: a
+    handle they name may be released afterwards. Lives on the agent until
+    release() or close() (leaving its `with` block); runs already started
+    finish.
+    """
+
+    def __init__(self, client: AgentClient, prepared_id: int, op_count: int) -> None:
+        self._client = client
+        self.id = prepared_id
+        self.op_count = op_count
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def submit(self, timeout: float | None = None) -> list[OpResult]:
+        """Runs the ops once and waits: one OpResult per op. `timeout`
+        (seconds) bounds the run on the agent; None = the agent's default.
+        NotFoundError once released."""
+        return self._client._submit_prepared(self.id, timeout)
+
+    def submit_async(self, timeout: float | None = None) -> Transfer:
+        """Starts one run as an asynchronous transfer (AgentClient.
+        submit_async); the TransferResult also says what became of the
+        notification given to prepare_transfer()."""
+        return self._client._submit_async_request(
+            self._client._prepared_request(self.id, timeout))
+
+    def release(self) -> None:
+        """Drops it on the agent (ReleasePrepared). NotFoundError when the
+        agent does not know it; FailedPreconditionError when this object
+        released it already."""
+        if self._released:
+            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "ReleasePrepared: transfer %d was already released" % self.id)
+        self._released = True
+        _rpc(self._client.stub.ReleasePrepared,
+             agent_pb2.ReleasePreparedRequest(prepared_id=self.id), self._client.timeout)
+
+    def close(self) -> None:
+        """release(), best effort, unless released already."""
+        if not self._released:
+            try:
+                self.release()
+            except AgentError:
+                pass
+
+    def __enter__(self) -> PreparedTransfer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "PreparedTransfer(%d, %d ops%s)" % (self.id, self.op_count,
+                                                    ", released" if self._released else "")
 
 
 # Every Buffer of every client of this process with memory mapped here, for
@@ -1173,15 +1315,19 @@ class AgentClient:
             raise invalid("op %d: local_offset %d is past the %d bytes of its local side"
                           % (index, op.local_offset, local_size))
         remote_context = b"" if op.remote_name else op.remote_context
+        handle = op.remote if isinstance(op.remote, RemoteHandle) else None
         length = op.length
         if length is None:
             rests = []
             if local_size is not None:
                 rests.append(local_size - op.local_offset)
-            try:
-                remote_size = decode_context(remote_context).size_bytes
-            except Exception:  # malformed: the agent says so
-                remote_size = 0
+            if handle is not None:
+                remote_size = handle.size_bytes
+            else:
+                try:
+                    remote_size = decode_context(remote_context).size_bytes
+                except Exception:  # malformed: the agent says so
+                    remote_size = 0
             if remote_size:
                 rests.append(max(0, remote_size - op.remote_offset))
             if not rests:
@@ -1189,22 +1335,98 @@ class AgentClient:
                               "client's and the remote context has no size)"
                               % (index, buffer_id))
             length = min(rests)
-        return dict(type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
-                    local_buffer_id=buffer_id, local_offset=start + op.local_offset,
-                    length=length, remote_context=remote_context,
-                    remote_offset=op.remote_offset, remote_name=op.remote_name)
+        fields: dict[str, Any] = dict(
+            type=OP_TYPE[op.type] if isinstance(op.type, str) else op.type,
+            local_buffer_id=buffer_id, local_offset=start + op.local_offset, length=length,
+            remote_offset=op.remote_offset)
+        if op.remote_name:
+            fields["remote_name"] = op.remote_name
+        elif handle is not None:
+            fields["remote_handle"] = handle.id
+        else:
+            fields["remote_context"] = remote_context
+        return fields
+
+    def open_ring(self, entries: int = 64) -> Ring:
+        """Opens a shared-memory ring session with the agent (docs/RING.md):
+        returns an rdma_agent.ring.Ring of `entries` slots (a power of two, at
+        most the agent's --max_ring_entries), whose ops name local buffers
+        and RemoteHandles and run without a gRPC call. The ring's memory is
+        charged to this user's registered-bytes quota until close()."""
+        from rdma_agent.ring import Ring
+        return Ring._open(self, entries)
+
+    def _op_messages(self, ops: Iterable[Op], container: Any) -> None:
+        """Adds one Op message per Op to the repeated field `container`."""
+        for index, op in enumerate(ops):
+            if not isinstance(op, Op):
+                raise wrong_type("op %d" % index, op, "an rdma_agent.Op")
+            container.add(**self._op_message(index, op))
 
     def _submit_request(self, ops: Iterable[Op], timeout: float | None,
                         notification: bytes | str | None = None) -> agent_pb2.SubmitRequest:
         self._release_gone()
         request = agent_pb2.SubmitRequest(notification=_as_bytes(notification))
-        for index, op in enumerate(ops):
-            if not isinstance(op, Op):
-                raise wrong_type("op %d" % index, op, "an rdma_agent.Op")
-            request.ops.add(**self._op_message(index, op))
+        self._op_messages(ops, request.ops)
         if timeout is not None:
             request.timeout.CopyFrom(_duration(timeout))
         return request
+
+    # -- imported remotes and prepared transfers ---------------------------
+
+    def import_remote(self, remote: bytes | Buffer) -> RemoteHandle:
+        """Has the agent parse, check and route a remote context once
+        (ImportRemote); returns the RemoteHandle that ops then name instead
+        of the context (a Buffer: its remote_context). InvalidArgumentError
+        for a malformed context, UnavailableError when no backend of the
+        agent reaches it, ResourceExhaustedError beyond the agent's
+        --max_remote_handles_per_user (or its bytes)."""
+        if isinstance(remote, Buffer):
+            context = remote.remote_context
+        elif isinstance(remote, (bytes, bytearray, memoryview)):
+            context = bytes(remote)
+        else:
+            raise wrong_type("import_remote: remote", remote, "a remote context (bytes) or a "
+                             "Buffer")
+        if not context:
+            raise invalid("import_remote: the remote context is empty")
+        self._release_gone()
+        response = _rpc(self.stub.ImportRemote,
+                        agent_pb2.ImportRemoteRequest(remote_context=context), self.timeout)
+        return RemoteHandle(self, response.remote)
+
+    def list_remotes(self) -> list[RemoteHandle]:
+        """This user's imported remotes on the agent (ListRemotes), whoever
+        imported them; each a RemoteHandle (release() drops it)."""
+        response = _rpc(self.stub.ListRemotes, agent_pb2.ListRemotesRequest(), self.timeout)
+        return [RemoteHandle(self, info) for info in response.remotes]
+
+    def prepare_transfer(self, ops: Iterable[Op],
+                         notification: bytes | str | None = None) -> PreparedTransfer:
+        """Has the agent validate `ops` once and keep them (PrepareTransfer):
+        returns the PreparedTransfer to run them by id. A bad batch or a bad
+        op fails the call with the code Submit would give it, naming the op
+        ("op N: ..."); ResourceExhaustedError beyond the agent's
+        --max_prepared_transfers_per_user (or its bytes). `notification`
+        (bytes or str) is sent at every run, as for submit_notify()."""
+        self._release_gone()
+        request = agent_pb2.PrepareTransferRequest(notification=_as_bytes(notification))
+        self._op_messages(ops, request.ops)
+        response = _rpc(self.stub.PrepareTransfer, request, self.timeout)
+        return PreparedTransfer(self, response.prepared_id, len(request.ops))
+
+    def _prepared_request(self, prepared_id: int,
+                          timeout: float | None) -> agent_pb2.SubmitRequest:
+        request = agent_pb2.SubmitRequest(prepared_id=prepared_id)
+        if timeout is not None:
+            request.timeout.CopyFrom(_duration(timeout))
+        return request
+
+    def _submit_prepared(self, prepared_id: int, timeout: float | None) -> list[OpResult]:
+        request = self._prepared_request(prepared_id, timeout)
+        deadline = (timeout if timeout is not None else self.timeout) + 5
+        response = _rpc(self.stub.Submit, request, deadline)
+        return [OpResult(status_code(r.code), r.message, r.backend) for r in response.results]
 
     def submit(self, ops: Iterable[Op], timeout: float | None = None) -> list[OpResult]:
         """Runs `ops` (Op tuples) as one batch: one OpResult per op. `timeout`
@@ -1253,7 +1475,9 @@ class AgentClient:
         queued included; None = the agent's default. `notification` as for
         submit_notify(); the TransferResult's `notifications` say what became
         of it."""
-        request = self._submit_request(ops, timeout, notification)
+        return self._submit_async_request(self._submit_request(ops, timeout, notification))
+
+    def _submit_async_request(self, request: agent_pb2.SubmitRequest) -> Transfer:
         self._ensure_watch()
         # Taken before the request leaves: the watch may deliver the end
         # before the answer arrives.

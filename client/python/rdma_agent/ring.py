@@ -1,0 +1,532 @@
+"""A shared-memory ring session with the local agent (docs/RING.md), in pure
+Python over mmap: ops are posted by writing entries into memory the agent
+maps too and moving a tail, and their ends are read back the same way — no
+gRPC call, and no syscall while the agent is awake.
+
+    from rdma_agent import AgentClient, Op
+
+    with AgentClient() as agent, agent.open_ring(64) as ring:
+        peer = agent.import_remote(peer_context)        # the ring names handles
+        [result] = ring.submit([Op("write", mine, 0, 4096, peer)])
+        assert result.ok, result
+
+        ring.post([Op("read", mine, 0, 4096, peer)], tags=[7])
+        ring.post([Op("read", mine, 4096, 4096, peer)], tags=[8])
+        ends = ring.wait(timeout=5)        # RingCompletion(tag, code, message, backend)
+
+An op's local side is what an Op takes for submit(); its remote side must
+be a RemoteHandle (AgentClient.import_remote). A session ends with close()
+(or its `with` block), with this process, or when the agent stops it: then
+calls raise FailedPreconditionError with the agent's reason, or
+UnavailableError when the agent went away.
+
+Memory ordering. Python has no atomics; this module relies on the
+following, and opens a ring only on x86-64 (elsewhere use submit()):
+- Each index and flag is one aligned 4-byte word, read and written through
+  a memoryview cast to "I": memoryview copies the item with a 4-byte
+  memcpy, which the C compiler makes one aligned mov, so no word is ever
+  torn. Each access is a separate call of the interpreter into
+  memoryview's C code, so the compiler cannot move one across another, and
+  the GIL lets no other thread of this process in between.
+- RING.md's release stores (entries written, then sq_tail; completions
+  read, then cq_head) and acquire loads (cq_tail, then the completions)
+  need no instruction on x86-64: TSO never reorders a store with an older
+  store or an older load, nor a load with an older load.
+- Its sequentially consistent steps are Dekker-style (store sq_tail, then
+  load agent_flags; store WAITING, then load cq_tail), and TSO may let a
+  load pass an older store still in the store buffer. _full_fence() sits
+  between each such pair: acquiring and releasing an uncontended
+  threading.Lock runs a locked read-modify-write in glibc (lock cmpxchg),
+  which on x86-64 drains the store buffer before any later load.
+The agent publishes completions with a release store of cq_tail and then
+loads client_flags without a full fence, so a WAITING set at that moment
+can be missed; a blocked wait() therefore looks at the ring again every
+_LONGEST_SLEEP seconds instead of trusting the doorbell alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import platform
+import select
+import socket
+import struct
+import threading
+import time
+from collections import namedtuple
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import grpc
+
+from rdma_agent.client import Op, OpResult, _attach_open, _raise_for
+from rdma_agent.errors import AgentError, invalid, status_code, wrong_type
+from rdma_agent.proto import attach_pb2
+
+if TYPE_CHECKING:
+    from rdma_agent.client import AgentClient
+
+__all__ = ["Ring", "RingCompletion"]
+
+# ---- version 1 of the layout (docs/RING.md): every offset and size here ----
+
+VERSION = 1
+_MAGIC = 0x474E4952  # "RING", little-endian
+_HEADER_BYTES = 512
+# What the agent writes once, from offset 0: magic, version, entries, 4
+# unused bytes, then the offsets of the submissions, completions and
+# messages and the total bytes.
+_HEADER = struct.Struct("<III4xQQQQ")
+# The shared 4-byte words, by byte offset (each on a 64-byte line of its own).
+_SQ_TAIL = 64        # client
+_SQ_HEAD = 128       # agent
+_CQ_TAIL = 192       # agent
+_CQ_HEAD = 256       # client
+_AGENT_FLAGS = 320   # agent
+_CLIENT_FLAGS = 384  # client
+_NEEDS_WAKEUP = 1 << 0  # agent_flags
+_STOPPED = 1 << 1       # agent_flags
+_WAITING = 1 << 0       # client_flags
+# The stop reason, NUL-terminated. RING.md gives it 64 bytes; the agent
+# (common/ring_protocol.h kStopReasonBytes) writes up to 128, so that many
+# are read: by then the session is over and slot 0 is nobody's.
+_STOP_REASON = 448
+_STOP_REASON_BYTES = 128
+# Submission entry: opcode, flags, reserved, timeout_ms, user_tag,
+# local_buffer_id, local_offset, length, remote_handle, remote_offset,
+# reserved.
+_SUBMISSION = struct.Struct("<BBHIQQQQQQQ")
+_END_OF_BATCH = 1 << 0
+# Completion entry: user_tag, code, backend, message length, reserved.
+_COMPLETION = struct.Struct("<QiHH16x")
+_MESSAGE_BYTES = 256
+_BACKENDS = {0: "", 1: "memory", 2: "tcp", 3: "ibverbs"}
+_MAX_ENTRIES = 1 << 16
+
+# ---- the client's side -------------------------------------------------------
+
+# How long a blocked wait() sleeps before it looks at the ring again (see
+# the module docstring: a doorbell may be missed).
+_LONGEST_SLEEP = 0.05
+_FENCE = threading.Lock()
+
+
+def _full_fence() -> None:
+    """Orders every earlier store before every later load (x86-64: a locked
+    instruction; see the module docstring)."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+class RingCompletion(namedtuple("RingCompletion", "tag code message backend")):
+    """The end of one ring op: its user tag, a grpc.StatusCode, the agent's
+    message ("op N: ..." when it failed, N its index in its batch) and the
+    backend that ran it ("" if none did)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+
+class _Geometry(namedtuple("_Geometry",
+                           "entries submissions completions messages total_bytes")):
+    """Where a ring's parts are, as its header says."""
+
+
+def _read_header(memory: mmap.mmap, size: int) -> _Geometry:
+    """The header's geometry, checked before any of it is trusted: the magic,
+    the version this module speaks, a power-of-two entry count, and every
+    region inside the mapping, past the header and apart from the others.
+    FailedPreconditionError for another version, InternalError otherwise."""
+    if size < _HEADER_BYTES:
+        raise AgentError(grpc.StatusCode.INTERNAL,
+                         "open ring: the ring of %d bytes is smaller than its header" % size)
+    magic, version, entries, submissions, completions, messages, total = \
+        _HEADER.unpack_from(memory, 0)
+    if magic != _MAGIC:
+        raise AgentError(grpc.StatusCode.INTERNAL,
+                         "open ring: the ring's magic is 0x%08x, not 0x%08x" % (magic, _MAGIC))
+    if version != VERSION:
+        raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "open ring: the agent speaks ring version %d; this client speaks %d"
+                         % (version, VERSION))
+    if entries < 1 or entries > _MAX_ENTRIES or entries & (entries - 1):
+        raise AgentError(grpc.StatusCode.INTERNAL,
+                         "open ring: %d entries is not a power of two up to %d"
+                         % (entries, _MAX_ENTRIES))
+    if total > size:
+        raise AgentError(grpc.StatusCode.INTERNAL,
+                         "open ring: the header claims %d bytes; the mapping has %d"
+                         % (total, size))
+    regions = sorted([(submissions, entries * _SUBMISSION.size, "submissions"),
+                      (completions, entries * _COMPLETION.size, "completions"),
+                      (messages, entries * _MESSAGE_BYTES, "messages")])
+    end = _HEADER_BYTES
+    for start, length, name in regions:
+        if start < end or start + length > total or start % 8:
+            raise AgentError(grpc.StatusCode.INTERNAL,
+                             "open ring: the %s at %d (%d bytes) overlap another part or "
+                             "leave the ring's %d bytes" % (name, start, length, total))
+        end = start + length
+    return _Geometry(entries, submissions, completions, messages, total)
+
+
+def _timeout_ms(timeout: float | None) -> int:
+    """A batch's timeout field: 0 (the agent's default) for None."""
+    if timeout is None:
+        return 0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise invalid("ring: timeout must be a positive number of seconds or None, not %r"
+                      % (timeout,))
+    return min(max(1, int(round(timeout * 1000))), (1 << 32) - 1)
+
+
+class Ring:
+    """A ring session (AgentClient.open_ring). Calls from several threads
+    are taken one at a time. A context manager: leaving it closes the
+    session."""
+
+    def __init__(self, client: AgentClient, connection: socket.socket, memory: mmap.mmap,
+                 geometry: _Geometry) -> None:
+        self._client = client
+        self._connection = connection
+        self._memory = memory
+        self._geometry = geometry
+        self._mask = geometry.entries - 1
+        # The shared words, indexed by byte offset // 4.
+        self._words = memoryview(memory).cast("I")
+        self._lock = threading.RLock()
+        self._sq_tail = 0    # entries posted (free-running, 32 bits)
+        self._cq_head = 0    # completions reaped
+        self._reaped: list[RingCompletion] = []  # read by submit(), not yet reap()ed
+        self._next_tag = 1
+        self._ended: AgentError | None = None
+        self._closed = False
+
+    @classmethod
+    def _open(cls, client: AgentClient, entries: int) -> Ring:
+        if isinstance(entries, bool) or not isinstance(entries, int):
+            raise wrong_type("open_ring: entries", entries, "an int (a power of two)")
+        if entries < 1 or entries > _MAX_ENTRIES or entries & (entries - 1):
+            raise invalid("open_ring: entries %d is not a power of two from 1 to %d"
+                          % (entries, _MAX_ENTRIES))
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "open ring: the Python ring needs x86-64's memory ordering; "
+                             "this is %s (use submit())" % platform.machine())
+        client._release_gone()
+        request = attach_pb2.AttachRequest(open_ring=attach_pb2.OpenRing(entries=entries))
+        response, fd, connection = _attach_open(client.attach_socket, request, None,
+                                                client.timeout)
+        try:
+            _raise_for(response)
+            if fd is None:
+                raise AgentError(grpc.StatusCode.INTERNAL, "open ring: the agent sent no memfd")
+            size = os.fstat(fd).st_size
+            if size != response.size_bytes:
+                raise AgentError(grpc.StatusCode.INTERNAL,
+                                 "open ring: the memfd has %d bytes; the agent said %d"
+                                 % (size, response.size_bytes))
+            memory = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            connection.close()
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)  # the mapping keeps the memory
+        try:
+            geometry = _read_header(memory, size)
+            if geometry.entries != entries:
+                raise AgentError(grpc.StatusCode.INTERNAL,
+                                 "open ring: asked for %d entries, got %d"
+                                 % (entries, geometry.entries))
+        except BaseException:
+            memory.close()
+            connection.close()
+            raise
+        connection.setblocking(False)
+        return cls(client, connection, memory, geometry)
+
+    # -- what callers see ------------------------------------------------
+
+    @property
+    def entries(self) -> int:
+        """Submission (and completion) slots."""
+        return int(self._geometry.entries)
+
+    @property
+    def in_flight(self) -> int:
+        """Ops posted and not yet reaped (read by reap(), wait() or submit())."""
+        return (self._sq_tail - self._cq_head) & 0xFFFFFFFF
+
+    @property
+    def ended(self) -> AgentError | None:
+        """None while the session runs; else the error its calls raise."""
+        return self._ended
+
+    def post(self, ops: Sequence[Op], timeout: float | None = None,
+             tags: Sequence[int] | None = None) -> list[int]:
+        """Posts `ops` as one batch (run together, like one submit();
+        `timeout` in seconds bounds it on the agent, None: the agent's
+        default) and wakes the agent if it sleeps. `tags` (one uint64 per
+        op) come back in the completions; default: numbers this ring hands
+        out. Returns the tags. ResourceExhaustedError, posting nothing,
+        when the ring lacks room for all of them (reap first)."""
+        with self._lock:
+            self._check_open()
+            entries = self._entries(ops, timeout, tags)
+            self._publish(entries)
+            return [entry[4] for entry in entries]
+
+    def reap(self, max_count: int | None = None) -> list[RingCompletion]:
+        """The completions ready now, oldest first (at most `max_count`).
+        Once the session has ended and every completion posted before has
+        been read, raises its error."""
+        with self._lock:
+            self._check_open()
+            ready = self._take(max_count)
+            if not ready:
+                self._check_ended()
+                if self._ended is not None:
+                    raise self._ended
+            return ready
+
+    def wait(self, timeout: float | None = None, spin: float = 20e-6) -> list[RingCompletion]:
+        """Like reap(), but waits for at least one completion: spins for
+        `spin` seconds, then blocks on the session's connection (the WAITING
+        flag). DeadlineExceededError when none came within `timeout`
+        seconds (None: no bound)."""
+        with self._lock:
+            self._check_open()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._await(lambda: self._ready() > 0, deadline, spin,
+                        "no completion within %ss" % timeout)
+            return self._take(None)
+
+    def submit(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
+        """Runs `ops` as one batch and waits for it: one OpResult per op, in
+        order, as AgentClient.submit(). Completions of batches posted earlier
+        that arrive meanwhile are kept for reap()."""
+        with self._lock:
+            self._check_open()
+            entries = self._entries(ops, timeout, None)
+            # Every entry gets one completion and the agent takes batches
+            # in order: this batch's come right after those of the
+            # `earlier` entries not yet read.
+            earlier = (self._sq_tail - self._cq_head) & 0xFFFFFFFF
+            self._publish(entries)
+            limit = (timeout if timeout is not None else 0) + self._client.timeout + 5
+            self._await(lambda: ((self._cq_tail() - self._cq_head) & 0xFFFFFFFF) >=
+                        earlier + len(entries),
+                        time.monotonic() + limit, 20e-6,
+                        "the batch did not end within %ss" % limit)
+            self._reaped.extend(self._read(earlier))
+            return [OpResult(end.code, end.message, end.backend)
+                    for end in self._read(len(entries))]
+
+    def close(self) -> None:
+        """Ends the session: entries the agent has not taken never run; a
+        batch running ends under its deadline. The mapping goes once no
+        view of it is left."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._connection.close()
+            self._words.release()
+            try:
+                self._memory.close()
+            except BufferError:
+                pass  # exported elsewhere: unmapped with the last view
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "Ring(%d entries, %d in flight%s)" % (
+            self.entries, self.in_flight, ", closed" if self._closed else
+            "" if self._ended is None else ", ended")
+
+    # -- posting ---------------------------------------------------------
+
+    def _entries(self, ops: Sequence[Op], timeout: float | None,
+                 tags: Sequence[int] | None) -> list[tuple[int, ...]]:
+        """Each op as the fields of its submission entry, checked; the batch
+        fits the ring now."""
+        if self._ended is not None:
+            raise self._ended
+        ops = list(ops)
+        if not ops:
+            raise invalid("ring: the op batch is empty")
+        if tags is not None:
+            tags = list(tags)
+            if len(tags) != len(ops):
+                raise invalid("ring: %d tags for %d ops" % (len(tags), len(ops)))
+        timeout_ms = _timeout_ms(timeout)
+        free = self.entries - self.in_flight
+        if len(ops) > free:
+            raise AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             "ring: %d ops do not fit; %d of %d slots are in flight "
+                             "(reap completions)" % (len(ops), self.in_flight, self.entries))
+        entries: list[tuple[int, ...]] = []
+        for index, op in enumerate(ops):
+            if not isinstance(op, Op):
+                raise wrong_type("op %d" % index, op, "an rdma_agent.Op")
+            fields = self._client._op_message(index, op)
+            if "remote_handle" not in fields:
+                raise invalid("op %d: remote: the ring names remotes by handle: pass a "
+                              "RemoteHandle (AgentClient.import_remote)" % index)
+            if tags is None:
+                tag = self._next_tag
+                self._next_tag = (self._next_tag + 1) & 0xFFFFFFFFFFFFFFFF
+            else:
+                tag = tags[index]
+                if isinstance(tag, bool) or not isinstance(tag, int) or \
+                        not 0 <= tag < (1 << 64):
+                    raise invalid("op %d: tag %r is not a uint64" % (index, tag))
+            if not 0 < fields["length"] < (1 << 64):
+                raise invalid("op %d: length %d must be positive" % (index, fields["length"]))
+            last = index == len(ops) - 1
+            entries.append((fields["type"], _END_OF_BATCH if last else 0, 0,
+                            timeout_ms if last else 0, tag, fields["local_buffer_id"],
+                            fields["local_offset"], fields["length"], fields["remote_handle"],
+                            fields["remote_offset"], 0))
+        return entries
+
+    def _publish(self, entries: list[tuple[int, ...]]) -> None:
+        """Writes the entries, then moves sq_tail (release: TSO keeps the
+        stores in order), then rings if the agent sleeps."""
+        base = self._geometry.submissions
+        for entry in entries:
+            slot = self._sq_tail & self._mask
+            _SUBMISSION.pack_into(self._memory, base + slot * _SUBMISSION.size, *entry)
+            self._sq_tail = (self._sq_tail + 1) & 0xFFFFFFFF
+        self._words[_SQ_TAIL // 4] = self._sq_tail
+        _full_fence()
+        if self._words[_AGENT_FLAGS // 4] & _NEEDS_WAKEUP:
+            self._doorbell()
+
+    def _doorbell(self) -> None:
+        try:
+            self._connection.send(b"\x01", socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            pass  # the socket already holds bytes: the agent will wake
+        except OSError:
+            self._check_ended()
+
+    # -- completions -----------------------------------------------------
+
+    def _cq_tail(self) -> int:
+        return int(self._words[_CQ_TAIL // 4])
+
+    def _ready(self) -> int:
+        """Completions kept or published and not read."""
+        return len(self._reaped) + ((self._cq_tail() - self._cq_head) & 0xFFFFFFFF)
+
+    def _take(self, max_count: int | None) -> list[RingCompletion]:
+        kept, self._reaped = self._reaped, []
+        if max_count is not None and len(kept) >= max_count:
+            self._reaped = kept[max_count:]
+            return kept[:max_count]
+        published = (self._cq_tail() - self._cq_head) & 0xFFFFFFFF
+        if published > self.entries:  # the agent never does this
+            self._end(AgentError(grpc.StatusCode.INTERNAL,
+                                 "ring: cq_tail is %d completions past cq_head" % published))
+            return kept
+        want = published if max_count is None else min(published, max_count - len(kept))
+        return kept + self._read(want)
+
+    def _read(self, count: int) -> list[RingCompletion]:
+        """Reads `count` published completions (the caller loaded cq_tail
+        past them: acquire under TSO), then moves cq_head."""
+        if count == 0:
+            return []
+        ends = []
+        base, messages = self._geometry.completions, self._geometry.messages
+        for _ in range(count):
+            slot = self._cq_head & self._mask
+            tag, code, backend, length = _COMPLETION.unpack_from(
+                self._memory, base + slot * _COMPLETION.size)
+            start = messages + slot * _MESSAGE_BYTES
+            text = bytes(self._memory[start:start + min(length, _MESSAGE_BYTES - 1)])
+            ends.append(RingCompletion(tag, status_code(code),
+                                       text.decode("utf-8", errors="replace"),
+                                       _BACKENDS.get(backend, "other")))
+            self._cq_head = (self._cq_head + 1) & 0xFFFFFFFF
+        self._words[_CQ_HEAD // 4] = self._cq_head
+        # An agent asleep with a batch waiting for completion room goes on.
+        _full_fence()
+        if self._words[_AGENT_FLAGS // 4] & _NEEDS_WAKEUP and \
+                self._words[_SQ_HEAD // 4] != self._sq_tail:
+            self._doorbell()
+        return ends
+
+    # -- waiting and the end of the session ------------------------------
+
+    def _await(self, done: Callable[[], bool], deadline: float | None, spin: float, what: str) -> None:
+        """Returns once done() holds: spins for `spin` seconds, then blocks
+        on the connection. Raises the session's end, or DeadlineExceeded."""
+        spin_until = time.monotonic() + spin
+        while not done():
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            self._check_ended()
+            if self._ended is not None:
+                if done():
+                    return
+                raise self._ended
+            if deadline is not None and now >= deadline:
+                raise AgentError(grpc.StatusCode.DEADLINE_EXCEEDED, "ring: " + what)
+            # WAITING, then one more look, then sleep until a doorbell.
+            self._words[_CLIENT_FLAGS // 4] = _WAITING
+            _full_fence()
+            if done():
+                break
+            sleep = _LONGEST_SLEEP if deadline is None else \
+                max(0.0, min(_LONGEST_SLEEP, deadline - now))
+            select.select([self._connection], [], [], sleep)
+
+    def _check_ended(self) -> None:
+        """Records why the session ended, if it has: STOPPED (the agent's
+        reason) or the connection closed. Drains doorbell bytes."""
+        if self._ended is not None:
+            return
+        if self._words[_AGENT_FLAGS // 4] & _STOPPED:
+            raw = bytes(self._memory[_STOP_REASON:_STOP_REASON + _STOP_REASON_BYTES])
+            reason = raw.split(b"\0", 1)[0].decode("utf-8", errors="replace")
+            self._end(AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 "the agent stopped this ring: " + reason))
+            return
+        while True:
+            try:
+                data = self._connection.recv(64)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError as error:
+                data = b""
+                if error.errno not in (errno.ECONNRESET, errno.EPIPE):
+                    raise
+            if not data:
+                # A stop may be published just before the close.
+                if self._words[_AGENT_FLAGS // 4] & _STOPPED:
+                    self._check_ended()
+                    return
+                self._end(AgentError(grpc.StatusCode.UNAVAILABLE,
+                                     "the agent closed this ring's session (it stopped or "
+                                     "restarted)"))
+                return
+
+    def _end(self, error: AgentError) -> None:
+        if self._ended is None:
+            self._ended = error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION, "ring: closed")
