@@ -244,7 +244,13 @@ void RingSessions::Session::Serve() {
 RingSessions::RingSessions(const RingLimits& limits,
                            const OpBatchEnvironment& env, ActiveCalls* calls,
                            std::shared_ptr<ResourceQuota> bytes)
-    : limits_(limits), env_(env), calls_(calls), bytes_(std::move(bytes)) {}
+    : limits_(limits),
+      env_(env),
+      calls_(calls),
+      bytes_(std::move(bytes)),
+      sessions_(ResourceQuota::Create(
+          "ring sessions", "max_ring_sessions_per_user", "max_ring_sessions",
+          {limits.max_sessions_per_user, limits.max_sessions})) {}
 
 void RingSessions::Serve(int fd, const PeerCredentials& peer,
                          const v1::OpenRing& request) {
@@ -259,6 +265,9 @@ void RingSessions::Serve(int fd, const PeerCredentials& peer,
   }
   auto geometry = ring::GeometryFor(request.entries());
   if (!geometry.ok()) return refuse(geometry.status());
+  // Counted before anything of the session exists; held until it ends.
+  auto slot = sessions_->Reserve(peer.uid, 1);
+  if (!slot.ok()) return refuse(slot.status());
   // Charged like registered memory, before the memfd exists.
   auto memory = SharedMemory::Allocate(
       geometry->total_bytes, "rdma-agentd-ring",

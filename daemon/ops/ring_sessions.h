@@ -16,12 +16,19 @@
 
 namespace rdma_agent {
 
-// What ring sessions may ask for (flag --max_ring_entries) and how they
-// wait.
+// What ring sessions may ask for (flags --max_ring_entries,
+// --max_ring_sessions_per_user, --max_ring_sessions) and how they wait.
 struct RingLimits {
   // Largest ring (submission slots; completion slots are as many). A ring of
   // N slots maps 512 + 352 N bytes, charged to its user's memory quota.
   uint32_t max_entries = 4096;
+  // Sessions open at once, for one user and over all users. Each holds an
+  // attach connection, a memfd and its mapping, and a serving thread: a
+  // process needs one per submitting thread at most, so 4 covers a few
+  // worker threads per user, and 64 in all stays a quarter of the attach
+  // connections' total (256), so rings never starve plain attach traffic.
+  uint64_t max_sessions_per_user = 4;
+  uint64_t max_sessions = 64;
   // A batch's timeout when its last entry sets none, and the largest one
   // (the daemon fills them from --default_submit_timeout and
   // --max_submit_timeout).
@@ -67,6 +74,8 @@ class RingSessions {
   const OpBatchEnvironment env_;
   ActiveCalls* const calls_;
   const std::shared_ptr<ResourceQuota> bytes_;
+  // Sessions open, by user: reserved before the memfd is created.
+  const std::shared_ptr<ResourceQuota> sessions_;
   Cancellation stopping_;
   std::atomic<int64_t> open_{0};
 };
