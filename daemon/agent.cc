@@ -518,6 +518,7 @@ absl::Status Agent::StartAttachServer() {
   RingLimits ring_limits = options_.rings;
   ring_limits.default_timeout = options_.api.default_submit_timeout;
   ring_limits.max_timeout = options_.api.max_submit_timeout;
+  ring_limits.max_notification_bytes = options_.notifications.max_bytes;
   OpBatchEnvironment ring_env{registry_.get(),
                               buffers_.get(),
                               metrics_.get(),
@@ -525,7 +526,8 @@ absl::Status Agent::StartAttachServer() {
                               options_.api.max_remote_context_bytes,
                               remote_handles_.get()};
   rings_ = std::make_unique<RingSessions>(ring_limits, ring_env, calls_.get(),
-                                          quotas_.bytes);
+                                          quotas_.bytes, transfers_.get(),
+                                          prepared_transfers_.get());
   attach_options.serve_ring = [rings = rings_.get()](
                                   int fd, const PeerCredentials& peer,
                                   const v1::OpenRing& request) {

@@ -358,7 +358,7 @@ ABSL_FLAG(uint64_t, max_prepared_transfer_bytes_total,
 ABSL_FLAG(uint32_t, max_ring_entries, rdma_agent::RingLimits().max_entries,
           "Largest shared-memory ring a client may open on the attach "
           "socket (submission slots, a power of two); a ring of N slots "
-          "maps 512 + 352 N bytes, charged to its user's registered "
+          "maps 512 + 608 N bytes, charged to its user's registered "
           "bytes.");
 ABSL_FLAG(uint64_t, max_ring_sessions_per_user,
           rdma_agent::RingLimits().max_sessions_per_user,

@@ -29,8 +29,9 @@ class RingSessionsTest : public ::testing::Test {
     RingLimits limits;
     limits.max_sessions_per_user = 2;
     limits.max_sessions = 3;
+    // No batch runs here: no transfer table or prepared transfers needed.
     rings_ = std::make_unique<RingSessions>(limits, OpBatchEnvironment{},
-                                            &calls_, bytes_);
+                                            &calls_, bytes_, nullptr, nullptr);
   }
 
   ~RingSessionsTest() override {
