@@ -106,6 +106,13 @@ TEST_F(RingSessionsTest, SessionsAreBoundedPerUserAndInTotal) {
   EXPECT_THAT(fourth.message(), HasSubstr("--max_ring_sessions)"));
   EXPECT_EQ(bytes_->used(502), two_rings / 2);
   EXPECT_EQ(rings_->open(), 3);
+  // Listed by user: each sees its own; unset, everyone's.
+  ASSERT_EQ(rings_->List(501).size(), 2u);
+  EXPECT_EQ(rings_->List(501)[0].entries, 4u);
+  EXPECT_EQ(rings_->List(501)[0].pid, 1501);
+  ASSERT_EQ(rings_->List(502).size(), 1u);
+  EXPECT_EQ(rings_->List(502)[0].uid, 502u);
+  EXPECT_EQ(rings_->List(std::nullopt).size(), 3u);
 
   // A session's end gives its place back.
   Close(0);

@@ -8,6 +8,7 @@
 // op's range, and after the peer resumes, to show nothing of a cancelled
 // batch lands.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
@@ -319,6 +320,16 @@ TEST_F(RingBatchesTest, SeveralBatchesRunAtOnceAndEndInAnyOrder) {
   EXPECT_EQ(ring_->in_flight(), 1u);
   std::vector<RingCompletion> none;
   EXPECT_EQ(*ring_->Poll(&none), 0u);
+  // What ListRingSessions reports of it.
+  std::vector<RingSessionInfo> sessions = a_->agent().rings().List(::geteuid());
+  ASSERT_EQ(sessions.size(), 1u);
+  EXPECT_EQ(sessions[0].pid, ::getpid());
+  EXPECT_EQ(sessions[0].entries, 16u);
+  EXPECT_EQ(sessions[0].batches_in_flight, 1u);
+  EXPECT_EQ(sessions[0].ops_in_flight, 1u);
+  EXPECT_EQ(sessions[0].ops_completed, 2u);
+  EXPECT_TRUE(sessions[0].stopped_reason.empty());
+  EXPECT_TRUE(a_->agent().rings().List(::geteuid() + 1).empty());
   Resume();
   ends = Reap(1);
   EXPECT_TRUE(ends[1].status.ok()) << ends[1].status;
