@@ -495,7 +495,10 @@ void RingSessions::Session::Serve() {
       continue;
     }
     // Spinning: the connection is looked at now and then, for its closing.
-    if (absl::Now() - last_work < owner_->limits_.spin) {
+    // Not while batches run: their workers need the cores a spinning
+    // session would take, and their ends write the wake-up.
+    if (running_.empty() &&
+        absl::Now() - last_work < owner_->limits_.spin) {
       if (++turns % 64 == 0 && !Drain()) break;
       continue;
     }
