@@ -92,9 +92,10 @@ class RingSessions {
   // ring after.
   void Serve(int fd, const PeerCredentials& peer, const v1::OpenRing& request);
 
-  // Every session ends at its next turn; running batches are cancelled
-  // with `reason` (their ops end with that code, as a Submit's at
-  // shutdown).
+  // Every session ends at its next turn (woken now); it cancels its
+  // running batches as a CANCEL would (their ops end CANCELLED) and posts
+  // their completions before it goes. New sessions are refused with
+  // `reason`.
   void Shutdown(const absl::Status& reason);
 
   // Sessions open now.

@@ -407,5 +407,24 @@ TEST_F(RingBatchesTest, AClosedSessionCancelsItsBatchesAndGivesAllBack) {
   }
 }
 
+TEST_F(RingBatchesTest, AStoppingAgentEndsRunningBatchesFirst) {
+  const uint64_t local = Local(17);
+  const uint64_t handle = Import(remote_contexts_[Remote(18)]);
+  Hold();
+  const RingOp op = Op(kRead, local, 0, 1000, handle, 0, 1);
+  ASSERT_TRUE(ring_->Submit({&op, 1}).ok());
+  ASSERT_TRUE(Running(1));
+  const absl::Time start = absl::Now();
+  a_.reset();  // returns once the session's thread has ended
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // The batch's completion was posted before the session went.
+  std::vector<RingCompletion> ends;
+  ASSERT_EQ(*ring_->Poll(&ends), 1u);
+  EXPECT_EQ(ends[0].user_tag, 1u);
+  EXPECT_EQ(ends[0].status.code(), absl::StatusCode::kCancelled)
+      << ends[0].status;
+  EXPECT_EQ(ring_->Poll(&ends).status().code(), absl::StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace rdma_agent::testing
