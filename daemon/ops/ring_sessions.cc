@@ -497,8 +497,7 @@ void RingSessions::Session::Serve() {
     // Spinning: the connection is looked at now and then, for its closing.
     // Not while batches run: their workers need the cores a spinning
     // session would take, and their ends write the wake-up.
-    if (running_.empty() &&
-        absl::Now() - last_work < owner_->limits_.spin) {
+    if (running_.empty() && absl::Now() - last_work < owner_->limits_.spin) {
       if (++turns % 64 == 0 && !Drain()) break;
       continue;
     }
