@@ -73,8 +73,8 @@ std::unique_ptr<OpBatch> OpBatch::Prepare(const OpBatchEnvironment& env,
 std::unique_ptr<OpBatch> OpBatch::Prepare(
     const OpBatchEnvironment& env, const PeerCredentials& caller,
     std::unique_ptr<v1::SubmitRequest> request,
-    std::unique_ptr<ActiveCalls::OpsCharge> charge) {
-  auto batch = Prepare(env, caller, request.get(), "SubmitAsync");
+    std::unique_ptr<ActiveCalls::OpsCharge> charge, absl::string_view rpc) {
+  auto batch = Prepare(env, caller, request.get(), rpc);
   batch->owned_request_ = std::move(request);
   batch->charge_ = std::move(charge);
   return batch;

@@ -85,11 +85,13 @@ class OpBatch final : public TransferWork {
                                           const v1::SubmitRequest* request,
                                           absl::string_view rpc);
   // The same for a transfer: the batch keeps its own copy of the request
-  // and the admission of its ops until it is destroyed.
+  // and the admission of its ops until it is destroyed. `rpc` as above
+  // (a ring's batches say "Ring").
   static std::unique_ptr<OpBatch> Prepare(
       const OpBatchEnvironment& env, const PeerCredentials& caller,
       std::unique_ptr<v1::SubmitRequest> request,
-      std::unique_ptr<ActiveCalls::OpsCharge> charge);
+      std::unique_ptr<ActiveCalls::OpsCharge> charge,
+      absl::string_view rpc = "SubmitAsync");
   // A run of a prepared transfer (SubmitRequest.prepared_id), by Submit or
   // (with the admission of its ops, `charge`) as a transfer: its ops are
   // checked again, their remote sides are the ones resolved when it was

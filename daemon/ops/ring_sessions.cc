@@ -334,7 +334,7 @@ void RingSessions::Session::Submit(TakenPtr taken) {
     }
   } else {
     batch = OpBatch::Prepare(owner_->env_, peer_, std::move(taken->request),
-                             std::move(*charge));
+                             std::move(*charge), "Ring");
   }
   if (absl::Status grown = transfers->Grow(*bytes, batch->PreparedBytes());
       !grown.ok()) {
