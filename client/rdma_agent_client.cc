@@ -687,6 +687,20 @@ absl::StatusOr<std::vector<v1::BufferInfo>> AgentClient::ListBuffers(
                                      response.buffers().end());
 }
 
+absl::StatusOr<std::vector<v1::RingSession>> AgentClient::ListRingSessions(
+    bool all_users) {
+  grpc::ClientContext context;
+  state_->PrepareContext(&context);
+  v1::ListRingSessionsRequest request;
+  request.set_all_users(all_users);
+  v1::ListRingSessionsResponse response;
+  grpc::Status status =
+      state_->stub().ListRingSessions(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::vector<v1::RingSession>(response.sessions().begin(),
+                                      response.sessions().end());
+}
+
 absl::StatusOr<std::string> AgentClient::ReadBuffer(uint64_t id,
                                                     uint64_t offset,
                                                     uint64_t length) {

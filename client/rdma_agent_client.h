@@ -703,6 +703,11 @@ class AgentClient {
   absl::StatusOr<std::vector<v1::BufferInfo>> ListBuffers(
       bool all_users = false);
 
+  // This user's open ring sessions (every process's); with `all_users`,
+  // every user's (root only: PERMISSION_DENIED for others).
+  absl::StatusOr<std::vector<v1::RingSession>> ListRingSessions(
+      bool all_users = false);
+
   // Copies [offset, offset+length) of a registration out over gRPC, in
   // chunks of at most transfer_chunk_bytes. OUT_OF_RANGE if offset+length
   // overflows; the agent checks the bounds.

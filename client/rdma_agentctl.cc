@@ -699,6 +699,50 @@ class ListCommand : public Command {
   bool all_users_ = false;
 };
 
+class SessionsCommand : public Command {
+ public:
+  explicit SessionsCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "sessions",
+        "this user's shared-memory ring sessions: owner, size, batches and "
+        "ops in flight, ops completed");
+    sub->add_flag("--all-users,--all_users", all_users_,
+                  "every user's sessions (root only)");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    absl::StatusOr<std::vector<v1::RingSession>> sessions =
+        (*client)->ListRingSessions(all_users_);
+    if (!sessions.ok()) return Failed("sessions", sessions.status());
+    if (global.json()) {
+      v1::ListRingSessionsResponse response;
+      for (const v1::RingSession& session : *sessions) {
+        *response.add_sessions() = session;
+      }
+      Print(global, response);
+      return Ok();
+    }
+    std::printf("%10s %10s %8s %-20s %8s %8s %14s %s\n", "UID", "PID",
+                "ENTRIES", "OPENED", "BATCHES", "OPS", "COMPLETED", "STOPPED");
+    for (const v1::RingSession& session : *sessions) {
+      std::printf("%10u %10u %8u %-20s %8llu %8llu %14llu %s\n",
+                  session.owner_uid(), session.owner_pid(), session.entries(),
+                  TimeText(session.open_time()).c_str(),
+                  static_cast<unsigned long long>(session.batches_in_flight()),
+                  static_cast<unsigned long long>(session.ops_in_flight()),
+                  static_cast<unsigned long long>(session.ops_completed()),
+                  session.stopped_reason().empty()
+                      ? "-"
+                      : absl::CEscape(session.stopped_reason()).c_str());
+    }
+    return Ok();
+  }
+
+ private:
+  bool all_users_ = false;
+};
+
 // Bytes read or write move per ReadBuffer/WriteBuffer call: the progress
 // line moves in steps of this.
 constexpr uint64_t kChunkBytes = 4 << 20;
@@ -1782,6 +1826,7 @@ int Main(int argc, char** argv) {
   owned.push_back(std::make_unique<MetricsCommand>(app));
   owned.push_back(std::make_unique<RegisterCommand>(app));
   owned.push_back(std::make_unique<ListCommand>(app));
+  owned.push_back(std::make_unique<SessionsCommand>(app));
   owned.push_back(std::make_unique<ReleaseCommand>(app));
   owned.push_back(std::make_unique<WriteCommand>(app));
   owned.push_back(std::make_unique<ReadCommand>(app));

@@ -83,46 +83,128 @@ void Ring::CheckEnded() {
   }
 }
 
-absl::Status Ring::Submit(absl::Span<const RingOp> ops,
-                          absl::Duration timeout) {
+absl::Status Ring::CheckRoom(size_t count) {
   CheckEnded();
   if (!ended_.ok()) return ended_;
-  if (ops.empty()) {
-    return absl::InvalidArgumentError("ring: the op batch is empty");
-  }
   const uint32_t head =
       Word(ring::kSqHeadOffset).load(std::memory_order_acquire);
   const uint32_t free = geometry_.entries - (sq_tail_ - head);
-  if (ops.size() > free || in_flight() + ops.size() > geometry_.entries) {
+  if (count > free || in_flight() + count > geometry_.entries) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "ring: ", ops.size(), " ops do not fit; ", in_flight(), " of ",
+        "ring: ", count, " entries do not fit; ", in_flight(), " of ",
         geometry_.entries, " slots are in flight (reap completions)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Ring::PlacePayload(uint32_t index,
+                                            absl::string_view notification) {
+  if (notification.empty()) return 0;
+  // Payloads of entries the agent has taken are free again.
+  const uint32_t head =
+      Word(ring::kSqHeadOffset).load(std::memory_order_acquire);
+  while (!payloads_.empty() &&
+         static_cast<int32_t>(head - payloads_.front().index) > 0) {
+    payloads_.pop_front();
+  }
+  const uint64_t area = geometry_.payload_area_bytes();
+  const uint64_t offset = payloads_.empty() ? 0 : payloads_.back().end;
+  if (notification.size() > area - offset) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ring: no room for a notification of ",
+                     notification.size(), " bytes in the payload area of ",
+                     area, " bytes until the agent takes the earlier ones"));
+  }
+  std::memcpy(memory_.data() + geometry_.payloads_offset + offset,
+              notification.data(), notification.size());
+  payloads_.push_back({index, offset + notification.size()});
+  return offset | (uint64_t{notification.size()} << 32);
+}
+
+void Ring::Post(absl::Span<const ring::Submission> entries) {
+  for (size_t i = 0; i < entries.size(); ++i) {
+    std::memcpy(memory_.data() + geometry_.submissions_offset +
+                    uint64_t{(sq_tail_ + i) & geometry_.mask()} *
+                        ring::kSubmissionBytes,
+                &entries[i], sizeof(entries[i]));
+  }
+  sq_tail_ += static_cast<uint32_t>(entries.size());
+  Word(ring::kSqTailOffset).store(sq_tail_, std::memory_order_seq_cst);
+  if ((Word(ring::kAgentFlagsOffset).load(std::memory_order_seq_cst) &
+       ring::kAgentNeedsWakeup) != 0) {
+    Doorbell();
+  }
+}
+
+namespace {
+
+uint32_t TimeoutMs(absl::Duration timeout) {
   const int64_t ms = absl::ToInt64Milliseconds(timeout);
-  const uint32_t timeout_ms =
-      static_cast<uint32_t>(std::clamp<int64_t>(ms, 0, UINT32_MAX));
+  return static_cast<uint32_t>(std::clamp<int64_t>(ms, 0, UINT32_MAX));
+}
+
+}  // namespace
+
+absl::Status Ring::Submit(absl::Span<const RingOp> ops, absl::Duration timeout,
+                          absl::string_view notification) {
+  if (ops.empty()) {
+    CheckEnded();
+    if (!ended_.ok()) return ended_;
+    return absl::InvalidArgumentError("ring: the op batch is empty");
+  }
+  if (absl::Status room = CheckRoom(ops.size()); !room.ok()) return room;
+  const uint32_t last = sq_tail_ + static_cast<uint32_t>(ops.size()) - 1;
+  auto payload = PlacePayload(last, notification);
+  if (!payload.ok()) return payload.status();
+  entries_.assign(ops.size(), ring::Submission());
   for (size_t i = 0; i < ops.size(); ++i) {
-    ring::Submission entry;
+    ring::Submission& entry = entries_[i];
     entry.opcode = static_cast<uint8_t>(ops[i].type);
-    entry.flags = i + 1 == ops.size() ? ring::kEndOfBatch : 0;
-    entry.timeout_ms = timeout_ms;
+    entry.timeout_ms = TimeoutMs(timeout);
     entry.user_tag = ops[i].user_tag;
     entry.local_buffer_id = ops[i].local_buffer_id;
     entry.local_offset = ops[i].local_offset;
     entry.length = ops[i].length;
     entry.remote_handle = ops[i].remote_handle;
     entry.remote_offset = ops[i].remote_offset;
-    std::memcpy(memory_.data() + geometry_.submissions_offset +
-                    uint64_t{(sq_tail_ + i) & geometry_.mask()} *
-                        ring::kSubmissionBytes,
-                &entry, sizeof(entry));
   }
-  sq_tail_ += static_cast<uint32_t>(ops.size());
-  Word(ring::kSqTailOffset).store(sq_tail_, std::memory_order_seq_cst);
-  if ((Word(ring::kAgentFlagsOffset).load(std::memory_order_seq_cst) &
-       ring::kAgentNeedsWakeup) != 0) {
-    Doorbell();
+  entries_.back().flags = ring::kEndOfBatch;
+  if (!notification.empty()) {
+    entries_.back().flags |= ring::kNotify;
+    entries_.back().notification = *payload;
   }
+  Post(entries_);
+  return absl::OkStatus();
+}
+
+absl::Status Ring::RunPrepared(uint64_t prepared_id, uint64_t user_tag,
+                               absl::Duration timeout,
+                               absl::string_view notification) {
+  if (absl::Status room = CheckRoom(1); !room.ok()) return room;
+  auto payload = PlacePayload(sq_tail_, notification);
+  if (!payload.ok()) return payload.status();
+  ring::Submission entry;
+  entry.opcode = ring::kOpRunPrepared;
+  entry.flags = ring::kEndOfBatch;
+  entry.timeout_ms = TimeoutMs(timeout);
+  entry.user_tag = user_tag;
+  entry.remote_handle = prepared_id;
+  if (!notification.empty()) {
+    entry.flags |= ring::kNotify;
+    entry.notification = *payload;
+  }
+  Post(absl::MakeConstSpan(&entry, 1));
+  return absl::OkStatus();
+}
+
+absl::Status Ring::Cancel(uint64_t tag, uint64_t user_tag) {
+  if (absl::Status room = CheckRoom(1); !room.ok()) return room;
+  ring::Submission entry;
+  entry.opcode = ring::kOpCancel;
+  entry.flags = ring::kEndOfBatch;
+  entry.user_tag = user_tag;
+  entry.remote_handle = tag;
+  Post(absl::MakeConstSpan(&entry, 1));
   return absl::OkStatus();
 }
 

@@ -11,12 +11,14 @@
 // thread). The session ends when the Ring is destroyed.
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/ring_protocol.h"
@@ -57,11 +59,30 @@ class Ring {
 
   // Posts `ops` as one batch (run together, like one Submit; `timeout`
   // bounds it, zero: the agent's default) and wakes the agent if it
-  // sleeps. RESOURCE_EXHAUSTED, posting nothing, when the ring lacks free
-  // slots for all of them (reap completions first); FAILED_PRECONDITION
-  // or UNAVAILABLE once the session has ended (see status()).
+  // sleeps. A non-empty `notification` goes to the owners of the remote
+  // buffers once the batch's bytes have landed, as Submit's (its bytes are
+  // written to the ring's payload area). RESOURCE_EXHAUSTED, posting
+  // nothing, when the ring lacks free slots for all of them (reap
+  // completions first) or payload room for the notification (the agent
+  // has not taken earlier ones yet); FAILED_PRECONDITION or UNAVAILABLE
+  // once the session has ended (see status()).
   absl::Status Submit(absl::Span<const RingOp> ops,
-                      absl::Duration timeout = absl::ZeroDuration());
+                      absl::Duration timeout = absl::ZeroDuration(),
+                      absl::string_view notification = {});
+
+  // Runs prepared transfer `prepared_id` (AgentClient::PrepareTransfer) as
+  // one entry: one completion tagged `user_tag`, OK when every op
+  // succeeded, else the first failed op's. A non-empty `notification`
+  // replaces the prepared one for this run. Errors as Submit.
+  absl::Status RunPrepared(uint64_t prepared_id, uint64_t user_tag,
+                           absl::Duration timeout = absl::ZeroDuration(),
+                           absl::string_view notification = {});
+
+  // Cancels the batch taken by the agent and not yet completed that holds
+  // an op tagged `tag`: its ops that have not ended end CANCELLED. Its own
+  // completion, tagged `user_tag`, is OK when such a batch was found,
+  // NOT_FOUND otherwise. Errors as Submit.
+  absl::Status Cancel(uint64_t tag, uint64_t user_tag);
 
   // Appends the completions ready now to `out` (at most `max`); returns how
   // many. Errors as Submit, once every completion posted before the end
@@ -96,6 +117,15 @@ class Ring {
   void CheckEnded();
   // Writes one doorbell byte.
   void Doorbell();
+  // Room for `count` entries, or why not.
+  absl::Status CheckRoom(size_t count);
+  // Writes `notification` into the payload area for the entry that will
+  // have index `index`: its offset and length as the entry's field.
+  absl::StatusOr<uint64_t> PlacePayload(uint32_t index,
+                                        absl::string_view notification);
+  // Writes `entries` at the tail, publishes them and wakes the agent if it
+  // sleeps.
+  void Post(absl::Span<const ring::Submission> entries);
 
   UniqueFd connection_;
   SharedMemory memory_;
@@ -103,6 +133,14 @@ class Ring {
   uint32_t sq_tail_ = 0;
   uint32_t cq_head_ = 0;
   absl::Status ended_;
+  // Payloads the agent has not taken yet: the index of their entry and
+  // where they end in the payload area (placed one after another).
+  struct Payload {
+    uint32_t index;
+    uint64_t end;
+  };
+  std::deque<Payload> payloads_;
+  std::vector<ring::Submission> entries_;  // reused by Submit
 };
 
 }  // namespace rdma_agent::client

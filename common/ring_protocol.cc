@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -36,8 +37,10 @@ absl::StatusOr<Geometry> GeometryFor(uint32_t entries) {
       geometry.submissions_offset + uint64_t{entries} * kSubmissionBytes;
   geometry.messages_offset =
       geometry.completions_offset + uint64_t{entries} * kCompletionBytes;
-  geometry.total_bytes =
+  geometry.payloads_offset =
       geometry.messages_offset + uint64_t{entries} * kMessageBytes;
+  geometry.total_bytes =
+      geometry.payloads_offset + uint64_t{entries} * kPayloadBytes;
   return geometry;
 }
 
@@ -49,6 +52,7 @@ void WriteHeader(std::byte* base, const Geometry& geometry) {
   Store<uint64_t>(base, kCompletionsOffsetOffset, geometry.completions_offset);
   Store<uint64_t>(base, kMessagesOffsetOffset, geometry.messages_offset);
   Store<uint64_t>(base, kTotalBytesOffset, geometry.total_bytes);
+  Store<uint64_t>(base, kPayloadsOffsetOffset, geometry.payloads_offset);
 }
 
 absl::StatusOr<Geometry> ReadHeader(const std::byte* base, uint64_t size) {
@@ -72,6 +76,8 @@ absl::StatusOr<Geometry> ReadHeader(const std::byte* base, uint64_t size) {
       Load<uint64_t>(base, kMessagesOffsetOffset) !=
           geometry->messages_offset ||
       Load<uint64_t>(base, kTotalBytesOffset) != geometry->total_bytes ||
+      Load<uint64_t>(base, kPayloadsOffsetOffset) !=
+          geometry->payloads_offset ||
       geometry->total_bytes > size) {
     return absl::InvalidArgumentError(
         "the ring's offsets do not match its entries or its size");
@@ -112,28 +118,100 @@ Submission CopySubmission(const std::byte* base, const Geometry& geometry,
   return entry;
 }
 
-absl::Status CheckSubmission(const Submission& entry) {
-  if (entry.opcode != kOpReadIntoLocal && entry.opcode != kOpWriteFromLocal) {
+namespace {
+
+// The fields an opcode does not use must be zero.
+absl::Status CheckUnused(const Submission& entry, const char* opcode) {
+  if (entry.local_buffer_id != 0 || entry.local_offset != 0 ||
+      entry.length != 0 || entry.remote_offset != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(opcode,
+                     ": local_buffer_id, local_offset, length and "
+                     "remote_offset must be 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNotification(const Submission& entry,
+                               const Geometry& geometry,
+                               uint64_t max_notification_bytes) {
+  if (!entry.notify()) {
+    if (entry.notification != 0) {
+      return absl::InvalidArgumentError(
+          "notification (offset 56) must be 0 without the NOTIFY flag");
+    }
+    return absl::OkStatus();
+  }
+  if (!entry.end_of_batch()) {
+    return absl::InvalidArgumentError(
+        "NOTIFY is only allowed on an END_OF_BATCH entry");
+  }
+  if (entry.opcode == kOpCancel) {
+    return absl::InvalidArgumentError("NOTIFY is not allowed on CANCEL");
+  }
+  const uint64_t offset = entry.payload_offset();
+  const uint64_t length = entry.payload_length();
+  if (length == 0) {
+    return absl::InvalidArgumentError("payload_length must be positive");
+  }
+  if (length > max_notification_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "payload_length ", length, " exceeds the agent's limit of ",
+        max_notification_bytes, " bytes (--max_notification_bytes)"));
+  }
+  if (offset + length > geometry.payload_area_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload_offset ", offset, " + payload_length ", length,
+                     " is beyond the payload area of ",
+                     geometry.payload_area_bytes(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckSubmission(const Submission& entry, const Geometry& geometry,
+                             uint64_t max_notification_bytes) {
+  if (entry.opcode < kOpReadIntoLocal || entry.opcode > kOpCancel) {
     return absl::InvalidArgumentError(
         absl::StrCat("opcode ", entry.opcode,
-                     " is not 1 (READ_INTO_LOCAL) "
-                     "or 2 (WRITE_FROM_LOCAL)"));
+                     " is not 1 (READ_INTO_LOCAL), 2 (WRITE_FROM_LOCAL), "
+                     "3 (RUN_PREPARED) or 4 (CANCEL)"));
   }
   if ((entry.flags & ~kKnownSubmissionFlags) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("flags 0x", absl::Hex(entry.flags), " has unknown bits"));
   }
-  if (entry.reserved0 != 0 || entry.reserved1 != 0) {
+  if (entry.reserved0 != 0) {
     return absl::InvalidArgumentError("reserved fields must be zero");
   }
-  if (entry.length == 0) {
-    return absl::InvalidArgumentError("length must be positive");
+  switch (entry.opcode) {
+    case kOpRunPrepared:
+      if (absl::Status unused = CheckUnused(entry, "RUN_PREPARED");
+          !unused.ok()) {
+        return unused;
+      }
+      if (entry.remote_handle == 0) {
+        return absl::InvalidArgumentError(
+            "RUN_PREPARED: remote_handle must name a prepared transfer "
+            "(PrepareTransfer)");
+      }
+      break;
+    case kOpCancel:
+      if (absl::Status unused = CheckUnused(entry, "CANCEL"); !unused.ok()) {
+        return unused;
+      }
+      break;
+    default:
+      if (entry.length == 0) {
+        return absl::InvalidArgumentError("length must be positive");
+      }
+      if (entry.remote_handle == 0) {
+        return absl::InvalidArgumentError(
+            "remote_handle must name an imported remote (ImportRemote)");
+      }
   }
-  if (entry.remote_handle == 0) {
-    return absl::InvalidArgumentError(
-        "remote_handle must name an imported remote (ImportRemote)");
-  }
-  return absl::OkStatus();
+  return CheckNotification(entry, geometry, max_notification_bytes);
 }
 
 absl::StatusOr<uint32_t> PendingSubmissions(uint32_t head, uint32_t tail,
@@ -161,9 +239,11 @@ absl::StatusOr<uint32_t> FreeCompletions(uint32_t head, uint32_t tail,
 absl::StatusOr<uint32_t> TakeBatch(const std::byte* base,
                                    const Geometry& geometry, uint32_t head,
                                    uint32_t tail, uint32_t free_completions,
+                                   uint64_t max_notification_bytes,
                                    Batch* batch) {
   batch->entries.clear();
   batch->checks.clear();
+  batch->notification.clear();
   auto pending = PendingSubmissions(head, tail, geometry.entries);
   if (!pending.ok()) return pending.status();
   uint32_t taken = 0;
@@ -180,9 +260,31 @@ absl::StatusOr<uint32_t> TakeBatch(const std::byte* base,
     batch->entries.clear();
     return 0;
   }
-  batch->checks.reserve(taken);
   for (const Submission& entry : batch->entries) {
-    batch->checks.push_back(CheckSubmission(entry));
+    absl::Status check =
+        CheckSubmission(entry, geometry, max_notification_bytes);
+    if (check.ok() &&
+        (entry.opcode == kOpRunPrepared || entry.opcode == kOpCancel)) {
+      const char* name =
+          entry.opcode == kOpRunPrepared ? "RUN_PREPARED" : "CANCEL";
+      if (taken > 1) {
+        check = absl::InvalidArgumentError(
+            absl::StrCat(name, " must be a batch of its own"));
+      } else if (!entry.end_of_batch()) {
+        check = absl::InvalidArgumentError(
+            absl::StrCat(name, " must carry END_OF_BATCH"));
+      }
+    }
+    batch->checks.push_back(std::move(check));
+  }
+  // The notification's bytes, copied once: the client may reuse them as
+  // soon as sq_head passes the entry.
+  const Submission& last = batch->entries.back();
+  if (last.notify() && batch->checks.back().ok()) {
+    batch->notification.assign(
+        reinterpret_cast<const char*>(base + geometry.payloads_offset +
+                                      last.payload_offset()),
+        last.payload_length());
   }
   return taken;
 }

@@ -23,13 +23,14 @@
 namespace rdma_agent::ring {
 
 inline constexpr uint32_t kMagic = 0x474e4952;  // "RING", little-endian
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 
 // Sizes, in bytes.
 inline constexpr uint32_t kHeaderBytes = 512;
 inline constexpr uint32_t kSubmissionBytes = 64;
 inline constexpr uint32_t kCompletionBytes = 32;
 inline constexpr uint32_t kMessageBytes = 256;  // one per completion slot
+inline constexpr uint32_t kPayloadBytes = 256;  // payload area, per entry
 inline constexpr uint32_t kStopReasonBytes = 128;
 
 // Header offsets. Each index has a 64-byte cache line of its own.
@@ -40,6 +41,7 @@ inline constexpr size_t kSubmissionsOffsetOffset = 16;
 inline constexpr size_t kCompletionsOffsetOffset = 24;
 inline constexpr size_t kMessagesOffsetOffset = 32;
 inline constexpr size_t kTotalBytesOffset = 40;
+inline constexpr size_t kPayloadsOffsetOffset = 48;
 inline constexpr size_t kSqTailOffset = 64;        // client writes
 inline constexpr size_t kSqHeadOffset = 128;       // agent writes
 inline constexpr size_t kCqTailOffset = 192;       // agent writes
@@ -56,11 +58,20 @@ inline constexpr uint32_t kClientWaiting = 1u << 0;
 
 // Submission entry flags.
 inline constexpr uint8_t kEndOfBatch = 1u << 0;
-inline constexpr uint8_t kKnownSubmissionFlags = kEndOfBatch;
+// The batch carries a notification whose bytes are in the payload area
+// (Submission::notification); only on an END_OF_BATCH entry of opcode 1-3.
+inline constexpr uint8_t kNotify = 1u << 1;
+inline constexpr uint8_t kKnownSubmissionFlags = kEndOfBatch | kNotify;
 
-// Opcodes: the values of rdma.agent.v1.OpType.
+// Opcodes: 1 and 2 are the values of rdma.agent.v1.OpType.
 inline constexpr uint8_t kOpReadIntoLocal = 1;
 inline constexpr uint8_t kOpWriteFromLocal = 2;
+// Runs the prepared transfer whose id is in `remote_handle`: one entry, a
+// batch of its own, one completion for all of its ops.
+inline constexpr uint8_t kOpRunPrepared = 3;
+// Cancels the running batch holding the entry whose tag is in
+// `remote_handle`; a batch of its own.
+inline constexpr uint8_t kOpCancel = 4;
 
 // Bounds of a ring's entry count (a power of two).
 inline constexpr uint32_t kMinEntries = 1;
@@ -72,9 +83,13 @@ struct Geometry {
   uint64_t submissions_offset = 0;
   uint64_t completions_offset = 0;
   uint64_t messages_offset = 0;
+  uint64_t payloads_offset = 0;
   uint64_t total_bytes = 0;
 
   uint32_t mask() const { return entries - 1; }
+  uint64_t payload_area_bytes() const {
+    return uint64_t{entries} * kPayloadBytes;
+  }
 };
 
 // The geometry of a ring of `entries` slots; INVALID_ARGUMENT unless
@@ -100,9 +115,18 @@ struct Submission {
   uint64_t length = 0;
   uint64_t remote_handle = 0;
   uint64_t remote_offset = 0;
-  uint64_t reserved1 = 0;
+  // With kNotify: the payload's offset in the payload area (low 32 bits)
+  // and its length (high 32 bits). Without it: 0.
+  uint64_t notification = 0;
 
   bool end_of_batch() const { return (flags & kEndOfBatch) != 0; }
+  bool notify() const { return (flags & kNotify) != 0; }
+  uint32_t payload_offset() const {
+    return static_cast<uint32_t>(notification);
+  }
+  uint32_t payload_length() const {
+    return static_cast<uint32_t>(notification >> 32);
+  }
 };
 static_assert(sizeof(Submission) == kSubmissionBytes);
 
@@ -131,10 +155,15 @@ const char* BackendName(uint16_t code);
 Submission CopySubmission(const std::byte* base, const Geometry& geometry,
                           uint32_t index);
 
-// Why a copied submission cannot run (INVALID_ARGUMENT naming the field):
-// unknown opcode or flags, reserved fields not zero, length 0, no remote
-// handle. OK when it may be handed to the op checks.
-absl::Status CheckSubmission(const Submission& entry);
+// Why a copied submission cannot run on its own (INVALID_ARGUMENT naming
+// the field): unknown opcode or flags, reserved fields not zero, the fields
+// its opcode uses out of their ranges or those it does not use not zero,
+// NOTIFY without END_OF_BATCH or with a payload outside the payload area
+// of `geometry`, empty or longer than `max_notification_bytes`. OK when it
+// may be handed to the op checks. (Whether RUN_PREPARED and CANCEL are
+// alone in their batch is TakeBatch's to judge.)
+absl::Status CheckSubmission(const Submission& entry, const Geometry& geometry,
+                             uint64_t max_notification_bytes);
 
 // How many submissions the agent may take: tail - head, which a client that
 // lies about its tail can make anything. FAILED_PRECONDITION, naming both,
@@ -148,10 +177,13 @@ absl::StatusOr<uint32_t> FreeCompletions(uint32_t head, uint32_t tail,
                                          uint32_t entries);
 
 // The next batch of a ring, as the agent takes it: each entry copied out
-// once, with the verdict of CheckSubmission on that copy.
+// once, with the verdict of CheckSubmission on that copy, and the
+// notification's payload copied out of the payload area once.
 struct Batch {
   std::vector<Submission> entries;
   std::vector<absl::Status> checks;  // one per entry
+  // The payload of the last entry's valid NOTIFY; empty without one.
+  std::string notification;
 };
 // Copies the next batch out of the ring whose client published `tail`
 // (its claim) while the agent's head is `head`: the entries up to and
@@ -159,11 +191,15 @@ struct Batch {
 // without one. Takes nothing (returns 0) when that batch is not all
 // published yet, or when it needs more than `free_completions` slots (each
 // entry gets one completion: ops that cannot report never start).
-// FAILED_PRECONDITION when the tail is impossible (PendingSubmissions).
-// Returns how many entries it took into `batch` (cleared first).
+// Entries are judged with CheckSubmission and `max_notification_bytes`; a
+// RUN_PREPARED or CANCEL entry that is not a batch of its own fails
+// INVALID_ARGUMENT. FAILED_PRECONDITION when the tail is impossible
+// (PendingSubmissions). Returns how many entries it took into `batch`
+// (cleared first; its vectors keep their capacity).
 absl::StatusOr<uint32_t> TakeBatch(const std::byte* base,
                                    const Geometry& geometry, uint32_t head,
                                    uint32_t tail, uint32_t free_completions,
+                                   uint64_t max_notification_bytes,
                                    Batch* batch);
 
 // Writes completion slot `index` (masked) and its message (cut at 255 bytes).

@@ -442,12 +442,28 @@ absl::Status Agent::StartApiServer() {
       std::make_unique<RemoteHandleTable>(options_.remote_handles);
   prepared_transfers_ =
       std::make_unique<PreparedTransferTable>(options_.prepared_transfers);
+  // Before the service, which lists their sessions; served by the attach
+  // server (StartAttachServer).
+  RingLimits ring_limits = options_.rings;
+  ring_limits.default_timeout = options_.api.default_submit_timeout;
+  ring_limits.max_timeout = options_.api.max_submit_timeout;
+  ring_limits.max_notification_bytes = options_.notifications.max_bytes;
+  OpBatchEnvironment ring_env{registry_.get(),
+                              buffers_.get(),
+                              metrics_.get(),
+                              &ring_failures_,
+                              options_.api.max_remote_context_bytes,
+                              remote_handles_.get()};
+  rings_ = std::make_unique<RingSessions>(ring_limits, ring_env, calls_.get(),
+                                          quotas_.bytes, transfers_.get(),
+                                          prepared_transfers_.get());
   service_ = std::make_unique<RdmaAgentService>(
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
       client_watcher_.get(), transfers_.get(), notifications_.get(),
       metrics_.get(), metrics_address_, directory_.get(), names_.get(),
-      options_.directory, remote_handles_.get(), prepared_transfers_.get());
+      options_.directory, remote_handles_.get(), prepared_transfers_.get(),
+      rings_.get());
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service carries no protobuf descriptor of its own; linking
   // ours lets reflection resolve grpc.health.v1.Health (grpcurl, grpcui).
@@ -515,17 +531,6 @@ absl::Status Agent::StartAttachServer() {
   attach_options.path = options_.attach_socket_path;
   attach_options.max_buffer_bytes = options_.api.max_buffer_bytes;
   attach_options.quotas = quotas_;
-  RingLimits ring_limits = options_.rings;
-  ring_limits.default_timeout = options_.api.default_submit_timeout;
-  ring_limits.max_timeout = options_.api.max_submit_timeout;
-  OpBatchEnvironment ring_env{registry_.get(),
-                              buffers_.get(),
-                              metrics_.get(),
-                              &ring_failures_,
-                              options_.api.max_remote_context_bytes,
-                              remote_handles_.get()};
-  rings_ = std::make_unique<RingSessions>(ring_limits, ring_env, calls_.get(),
-                                          quotas_.bytes);
   attach_options.serve_ring = [rings = rings_.get()](
                                   int fd, const PeerCredentials& peer,
                                   const v1::OpenRing& request) {

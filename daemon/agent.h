@@ -166,7 +166,9 @@ class Agent {
   std::unique_ptr<UnixListener> listener_;
   std::unique_ptr<UnixListener> probe_listener_;  // mode 0600
   // Ring sessions run on attach connections' threads: declared before the
-  // attach server, which joins them, so that it goes first.
+  // attach server, which joins them, so that it goes first. Made with the
+  // service (ListRingSessions), whose server is shut down before either
+  // goes.
   FailedOpLog ring_failures_;
   std::unique_ptr<RingSessions> rings_;
   std::unique_ptr<AttachServer> attach_server_;

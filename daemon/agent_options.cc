@@ -61,6 +61,11 @@ absl::Status AgentOptions::Validate() const {
         absl::StrCat("--max_ring_entries must be a power of two from 1 to ",
                      ring::kMaxEntries));
   }
+  if (rings.max_sessions_per_user < 1 ||
+      rings.max_sessions_per_user > rings.max_sessions) {
+    return absl::InvalidArgumentError(
+        "--max_ring_sessions_per_user must be 1 to --max_ring_sessions");
+  }
   if (api.max_remote_context_bytes < 1 ||
       api.max_remote_context_bytes > kMaxRemoteContextBytesLimit) {
     return absl::InvalidArgumentError(

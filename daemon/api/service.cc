@@ -68,7 +68,7 @@ RdmaAgentService::RdmaAgentService(
     NotificationInbox* notifications, AgentMetrics* metrics,
     std::string metrics_address, Directory* directory, BufferNames* names,
     const DirectoryOptions& names_limits, RemoteHandleTable* remote_handles,
-    PreparedTransferTable* prepared)
+    PreparedTransferTable* prepared, const RingSessions* rings)
     : limits_(limits),
       identity_(identity),
       registry_(registry),
@@ -82,6 +82,7 @@ RdmaAgentService::RdmaAgentService(
       notifications_(notifications),
       remote_handles_(remote_handles),
       prepared_(prepared),
+      rings_(rings),
       metrics_(metrics),
       metrics_address_(std::move(metrics_address)),
       directory_(directory),
@@ -658,6 +659,34 @@ grpc::Status RdmaAgentService::ListBuffers(
                                  : buffers_->ListOwnedBy(caller->uid);
   for (const auto& registration : registrations) {
     DescribeBuffer(*registration, response->add_buffers());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RdmaAgentService::ListRingSessions(
+    grpc::ServerContext* context, const v1::ListRingSessionsRequest* request,
+    v1::ListRingSessionsResponse* response) {
+  using google::protobuf::util::TimeUtil;
+  auto admitted = Admit(*context, "ListRingSessions");
+  if (!admitted.ok()) return ToGrpcStatus(admitted.status());
+  const uid_t uid = admitted->caller.uid;
+  if (request->all_users() && uid != 0) {
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        absl::StrCat("ListRingSessions: all_users is for root; uid ", uid,
+                     " may list only its own sessions")));
+  }
+  for (const RingSessionInfo& session : rings_->List(
+           request->all_users() ? std::nullopt : std::optional<uid_t>(uid))) {
+    v1::RingSession* info = response->add_sessions();
+    info->set_owner_uid(session.uid);
+    info->set_owner_pid(static_cast<uint32_t>(session.pid));
+    info->set_entries(session.entries);
+    *info->mutable_open_time() =
+        TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(session.opened));
+    info->set_batches_in_flight(session.batches_in_flight);
+    info->set_ops_in_flight(session.ops_in_flight);
+    info->set_ops_completed(session.ops_completed);
+    info->set_stopped_reason(session.stopped_reason);
   }
   return grpc::Status::OK;
 }

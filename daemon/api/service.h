@@ -29,6 +29,7 @@
 #include "daemon/ops/prepared_transfers.h"
 #include "daemon/ops/remote_context.h"
 #include "daemon/ops/remote_handles.h"
+#include "daemon/ops/ring_sessions.h"
 #include "daemon/ops/transfers.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
 
@@ -59,7 +60,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
                    std::string metrics_address, Directory* directory,
                    BufferNames* names, const DirectoryOptions& names_limits,
                    RemoteHandleTable* remote_handles,
-                   PreparedTransferTable* prepared);
+                   PreparedTransferTable* prepared, const RingSessions* rings);
 
   // What GetInfo answers (and the agent publishes in the directory).
   v1::AgentInfo Info() const;
@@ -135,6 +136,9 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   grpc::Status ReleasePrepared(grpc::ServerContext* context,
                                const v1::ReleasePreparedRequest* request,
                                v1::ReleasePreparedResponse* response) override;
+  grpc::Status ListRingSessions(
+      grpc::ServerContext* context, const v1::ListRingSessionsRequest* request,
+      v1::ListRingSessionsResponse* response) override;
 
  private:
   // What every handler starts with: who is calling, and a call slot for it
@@ -191,6 +195,7 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   NotificationInbox* const notifications_;
   RemoteHandleTable* const remote_handles_;
   PreparedTransferTable* const prepared_;
+  const RingSessions* const rings_;    // for ListRingSessions
   AgentMetrics* const metrics_;        // ops by backend, type and code
   const std::string metrics_address_;  // for GetInfo
   Directory* const directory_;

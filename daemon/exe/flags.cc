@@ -358,8 +358,15 @@ ABSL_FLAG(uint64_t, max_prepared_transfer_bytes_total,
 ABSL_FLAG(uint32_t, max_ring_entries, rdma_agent::RingLimits().max_entries,
           "Largest shared-memory ring a client may open on the attach "
           "socket (submission slots, a power of two); a ring of N slots "
-          "maps 512 + 352 N bytes, charged to its user's registered "
+          "maps 512 + 608 N bytes, charged to its user's registered "
           "bytes.");
+ABSL_FLAG(uint64_t, max_ring_sessions_per_user,
+          rdma_agent::RingLimits().max_sessions_per_user,
+          "Shared-memory ring sessions one local user may have open at "
+          "once; beyond, OpenRing is refused with RESOURCE_EXHAUSTED before "
+          "its memory is created.");
+ABSL_FLAG(uint64_t, max_ring_sessions, rdma_agent::RingLimits().max_sessions,
+          "The same over all local users.");
 ABSL_FLAG(absl::Duration, shutdown_grace,
           rdma_agent::AgentOptions().shutdown_grace,
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
@@ -552,6 +559,9 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   options.remote_handles.max_bytes_total =
       absl::GetFlag(FLAGS_max_remote_handle_bytes_total);
   options.rings.max_entries = absl::GetFlag(FLAGS_max_ring_entries);
+  options.rings.max_sessions_per_user =
+      absl::GetFlag(FLAGS_max_ring_sessions_per_user);
+  options.rings.max_sessions = absl::GetFlag(FLAGS_max_ring_sessions);
   options.prepared_transfers.max_per_user =
       absl::GetFlag(FLAGS_max_prepared_transfers_per_user);
   options.prepared_transfers.max_total =

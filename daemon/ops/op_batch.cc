@@ -73,8 +73,8 @@ std::unique_ptr<OpBatch> OpBatch::Prepare(const OpBatchEnvironment& env,
 std::unique_ptr<OpBatch> OpBatch::Prepare(
     const OpBatchEnvironment& env, const PeerCredentials& caller,
     std::unique_ptr<v1::SubmitRequest> request,
-    std::unique_ptr<ActiveCalls::OpsCharge> charge) {
-  auto batch = Prepare(env, caller, request.get(), "SubmitAsync");
+    std::unique_ptr<ActiveCalls::OpsCharge> charge, absl::string_view rpc) {
+  auto batch = Prepare(env, caller, request.get(), rpc);
   batch->owned_request_ = std::move(request);
   batch->charge_ = std::move(charge);
   return batch;
@@ -100,18 +100,28 @@ OpBatch::OpBatch(const OpBatchEnvironment& env, const PeerCredentials& caller,
       rpc_(rpc),
       outcomes_(request->ops_size()) {}
 
+void OpBatch::ReplaceNotification(std::string bytes) {
+  replaced_notification_ = std::move(bytes);
+  notification_replaced_ = true;
+}
+
+const std::string& OpBatch::notification() const {
+  return notification_replaced_ ? replaced_notification_
+                                : request_->notification();
+}
+
 v1::SubmitResponse OpBatch::Run(const StopToken& stop) {
   std::vector<OpOutcome> ran;
   if (!ready_.empty()) {
     ran = env_.registry->SubmitInPlace(absl::MakeSpan(ready_), stop);
     // Kept whole only when notifications are planned from them.
-    const bool keep = !request_->notification().empty();
+    const bool keep = !notification().empty();
     for (size_t k = 0; k < ready_.size(); ++k) {
       outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
     }
   }
   v1::SubmitResponse response;
-  if (!request_->notification().empty()) {
+  if (!notification().empty()) {
     for (const PlannedNotification& planned :
          PlanNotifications(ready_, ran, first_refused_)) {
       Notify(planned, stop, response.add_notifications());
@@ -134,7 +144,7 @@ std::shared_ptr<const TransferProgress> OpBatch::progress() {
 v1::SubmitResponse OpBatch::Skip(const absl::Status& reason) {
   for (size_t i : ready_index_) outcomes_[i].status = AnnotateOp(reason, i);
   v1::SubmitResponse response;
-  if (!request_->notification().empty()) {
+  if (!notification().empty()) {
     const absl::Status not_sent(reason.code(),
                                 absl::StrCat("not sent: ", reason.message()));
     for (PlannedNotification planned :
@@ -225,8 +235,8 @@ void OpBatch::Notify(const PlannedNotification& planned, const StopToken& stop,
   }
   if (status.ok()) {
     result->set_backend(planned.backend);
-    status = env_.registry->Notify(planned.backend, remote,
-                                   request_->notification(), stop);
+    status =
+        env_.registry->Notify(planned.backend, remote, notification(), stop);
   }
   result->set_code(static_cast<int>(status.code()));
   result->set_message(std::string(status.message()));

@@ -85,11 +85,13 @@ class OpBatch final : public TransferWork {
                                           const v1::SubmitRequest* request,
                                           absl::string_view rpc);
   // The same for a transfer: the batch keeps its own copy of the request
-  // and the admission of its ops until it is destroyed.
+  // and the admission of its ops until it is destroyed. `rpc` as above
+  // (a ring's batches say "Ring").
   static std::unique_ptr<OpBatch> Prepare(
       const OpBatchEnvironment& env, const PeerCredentials& caller,
       std::unique_ptr<v1::SubmitRequest> request,
-      std::unique_ptr<ActiveCalls::OpsCharge> charge);
+      std::unique_ptr<ActiveCalls::OpsCharge> charge,
+      absl::string_view rpc = "SubmitAsync");
   // A run of a prepared transfer (SubmitRequest.prepared_id), by Submit or
   // (with the admission of its ops, `charge`) as a transfer: its ops are
   // checked again, their remote sides are the ones resolved when it was
@@ -98,6 +100,11 @@ class OpBatch final : public TransferWork {
       const OpBatchEnvironment& env, const PeerCredentials& caller,
       std::shared_ptr<const PreparedTransfer> prepared,
       std::unique_ptr<ActiveCalls::OpsCharge> charge, absl::string_view rpc);
+
+  // Sends `bytes` as the batch's notification in place of its request's
+  // (a ring's RUN_PREPARED with NOTIFY: the prepared ops, this run's
+  // notification). Before Run or Skip.
+  void ReplaceNotification(std::string bytes);
 
   v1::SubmitResponse Run(const StopToken& stop) override;
   v1::SubmitResponse Skip(const absl::Status& reason) override;
@@ -117,6 +124,8 @@ class OpBatch final : public TransferWork {
           const v1::SubmitRequest* request, absl::string_view rpc);
 
   void PrepareOps();
+  // The notification to send: the request's, unless replaced.
+  const std::string& notification() const;
   // Op `i` of the request, validated, or why it is refused.
   absl::StatusOr<Op> PrepareOp(OpPreparer& preparer, size_t i) const;
   // The outcomes of the ops that passed validation, in their order.
@@ -142,6 +151,8 @@ class OpBatch final : public TransferWork {
   // The ops that passed validation, and their positions in the request.
   std::vector<Op> ready_;
   std::vector<size_t> ready_index_;
+  std::string replaced_notification_;
+  bool notification_replaced_ = false;
   // The first op refused before it ran, if any: it blocks notifications.
   std::optional<size_t> first_refused_;
   // Counted only when someone follows it (progress()).

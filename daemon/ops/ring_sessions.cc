@@ -1,8 +1,11 @@
 #include "daemon/ops/ring_sessions.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -16,6 +19,7 @@
 #include "common/ring_protocol.h"
 #include "common/shared_memory.h"
 #include "common/status_util.h"
+#include "common/unique_fd.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -34,38 +38,85 @@ void Ring(int fd) {
   (void)::send(fd, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
+absl::Status StatusOf(int32_t code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
 }  // namespace
 
 // One open ring: its mapping (the agent's geometry, never read back from
-// it), the agent's own head and completion tail, and the loop that serves
-// it on the connection's thread.
+// it), the agent's own head and completion tail, the batches it has taken
+// and not completed, and the loop that serves it on the connection's
+// thread. Only that thread posts completions.
 class RingSessions::Session {
  public:
   Session(RingSessions* owner, int fd, const PeerCredentials& peer,
-          SharedMemory memory, const ring::Geometry& geometry)
+          SharedMemory memory, const ring::Geometry& geometry, UniqueFd wakeup)
       : owner_(owner),
         fd_(fd),
         peer_(peer),
         memory_(std::move(memory)),
         geometry_(geometry),
-        base_(memory_.data()) {}
+        base_(memory_.data()),
+        wakeup_(std::move(wakeup)),
+        opened_(absl::Now()) {}
 
+  // Serves until the session ends, then cancels what it has running and
+  // waits for it.
   void Serve();
+  // Wakes the serving thread (a batch ended, the agent stops).
+  void Wake() const {
+    const uint64_t one = 1;
+    (void)!::write(wakeup_.get(), &one, sizeof(one));
+  }
+  RingSessionInfo Info() const;
 
  private:
+  // A batch taken and not yet completed: the copies of its entries, and
+  // once started, the transfer running it. Reused from batch to batch.
+  struct Taken {
+    std::vector<ring::Submission> entries;
+    std::vector<absl::Status> checks;
+    // Not yet started: what it will run.
+    std::unique_ptr<v1::SubmitRequest> request;
+    std::shared_ptr<const PreparedTransfer> prepared;
+    std::string notification;
+    absl::Time deadline;
+    size_t ops = 0;
+    // Started: its transfer, and the poll that tells of its end.
+    uint64_t transfer_id = 0;
+    std::unique_ptr<TransferTable::Poll> poll;
+  };
+  using TakenPtr = std::unique_ptr<Taken>;
+
   std::atomic<uint32_t>& Word(size_t offset) {
     return ring::Word(base_, offset);
   }
   // Reads doorbell bytes; false when the client closed the connection.
   bool Drain();
-  // Sleeps on the connection until a doorbell or `timeout`; false when the
-  // client closed it.
+  // Sleeps on the connection and the wake-up until either or `timeout`;
+  // false when the client closed the connection.
   bool Sleep(absl::Duration timeout);
-  // One turn: takes and runs at most one batch. False when the session must
-  // end (stopped).
+  // One turn: posts the batches that ended, then takes and starts at most
+  // one batch. False when the session must end (stopped).
   bool Turn(bool* worked);
-  // Runs the taken batch and posts one completion per entry.
-  void Run(const ring::Batch& batch);
+  // Starts a batch just taken (or answers it at once: CANCEL, refusals).
+  void Start(TakenPtr taken);
+  // Admits and submits `taken` (not a CANCEL); keeps it as waiting_ while
+  // its user's ops in flight leave no room.
+  void Submit(TakenPtr taken);
+  // CANCEL: cancels the running batch holding the tag; its own completion.
+  void Cancel(TakenPtr taken);
+  // Posts the completions of every started batch that ended; true if any.
+  bool PostEnded();
+  // Posts one completion per entry of `taken`: each entry's own check
+  // first, then `refused` (every op), else the transfer's results.
+  void Complete(TakenPtr taken, const absl::Status& refused,
+                const v1::Transfer* transfer);
+  // Cancels every started batch and waits for their ends.
+  void CancelAll();
+  TakenPtr NewTaken();
   // Stops the session: the reason for the client, STOPPED, a doorbell.
   void Stop(const absl::Status& reason);
 
@@ -75,12 +126,37 @@ class RingSessions::Session {
   SharedMemory memory_;
   const ring::Geometry geometry_;
   std::byte* const base_;
-  uint32_t head_ = 0;     // next submission to take
-  uint32_t cq_tail_ = 0;  // next completion slot
+  const UniqueFd wakeup_;  // eventfd
+  const absl::Time opened_;
+  uint32_t head_ = 0;      // next submission to take
+  uint32_t cq_tail_ = 0;   // next completion slot
+  uint32_t reserved_ = 0;  // completion slots of batches taken
   ring::Batch batch_;
-  std::vector<ring::Completion> completions_;
-  std::vector<std::string> messages_;
+  std::vector<TakenPtr> running_;  // in the order taken
+  TakenPtr waiting_;  // taken, waiting for room under the ops bound
+  std::vector<TakenPtr> spare_;
+  std::vector<uint64_t> ids_;
+  // For Info(), from other threads.
+  std::atomic<uint64_t> batches_in_flight_{0};
+  std::atomic<uint64_t> ops_in_flight_{0};
+  std::atomic<uint64_t> ops_completed_{0};
+  mutable absl::Mutex mu_;
+  std::string stopped_reason_ ABSL_GUARDED_BY(mu_);
 };
+
+RingSessionInfo RingSessions::Session::Info() const {
+  RingSessionInfo info;
+  info.uid = peer_.uid;
+  info.pid = peer_.pid;
+  info.entries = geometry_.entries;
+  info.opened = opened_;
+  info.batches_in_flight = batches_in_flight_.load(std::memory_order_relaxed);
+  info.ops_in_flight = ops_in_flight_.load(std::memory_order_relaxed);
+  info.ops_completed = ops_completed_.load(std::memory_order_relaxed);
+  absl::MutexLock lock(&mu_);
+  info.stopped_reason = stopped_reason_;
+  return info;
+}
 
 bool RingSessions::Session::Drain() {
   char bytes[64];
@@ -94,15 +170,19 @@ bool RingSessions::Session::Drain() {
 }
 
 bool RingSessions::Session::Sleep(absl::Duration timeout) {
-  struct pollfd pfd = {fd_, POLLIN, 0};
+  struct pollfd pfds[2] = {{fd_, POLLIN, 0}, {wakeup_.get(), POLLIN, 0}};
   const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
-  const int ready = ::poll(&pfd, 1, ms);
+  const int ready = ::poll(pfds, 2, ms);
   if (ready <= 0) return true;
-  if ((pfd.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0 &&
-      (pfd.revents & POLLIN) == 0) {
+  if ((pfds[1].revents & POLLIN) != 0) {
+    uint64_t count;
+    (void)!::read(wakeup_.get(), &count, sizeof(count));
+  }
+  if ((pfds[0].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0 &&
+      (pfds[0].revents & POLLIN) == 0) {
     return false;
   }
-  return Drain();
+  return (pfds[0].revents & POLLIN) == 0 || Drain();
 }
 
 void RingSessions::Session::Stop(const absl::Status& reason) {
@@ -112,12 +192,30 @@ void RingSessions::Session::Stop(const absl::Status& reason) {
   base_[ring::kStopReasonOffset + n] = std::byte{0};
   Word(ring::kAgentFlagsOffset).fetch_or(ring::kAgentStopped);
   Ring(fd_);
+  {
+    absl::MutexLock lock(&mu_);
+    stopped_reason_ = text;
+  }
   spdlog::warn("ring session of uid {} pid {} stopped: {}", peer_.uid,
                peer_.pid, LogSafe(text));
 }
 
+RingSessions::Session::TakenPtr RingSessions::Session::NewTaken() {
+  if (spare_.empty()) return std::make_unique<Taken>();
+  TakenPtr taken = std::move(spare_.back());
+  spare_.pop_back();
+  return taken;
+}
+
 bool RingSessions::Session::Turn(bool* worked) {
-  *worked = false;
+  *worked = PostEnded();
+  if (waiting_ != nullptr) {
+    // Batches are started in the order taken: nothing more is taken until
+    // the waiting one has room (or its deadline passes).
+    Submit(std::move(waiting_));
+    if (waiting_ != nullptr) return true;
+    *worked = true;
+  }
   const uint32_t tail =
       Word(ring::kSqTailOffset).load(std::memory_order_acquire);
   const uint32_t cq_head =
@@ -127,32 +225,72 @@ bool RingSessions::Session::Turn(bool* worked) {
     Stop(free.status());
     return false;
   }
-  auto taken = ring::TakeBatch(base_, geometry_, head_, tail, *free, &batch_);
+  // Slots of batches taken and not completed are spoken for.
+  const uint32_t room = *free > reserved_ ? *free - reserved_ : 0;
+  auto taken = ring::TakeBatch(base_, geometry_, head_, tail, room,
+                               owner_->limits_.max_notification_bytes, &batch_);
   if (!taken.ok()) {
     Stop(taken.status());
     return false;
   }
   if (*taken == 0) return true;
   head_ += *taken;
-  // The entries are copied: the client may reuse their slots.
+  // The entries (and the payload) are copied: the client may reuse them.
   Word(ring::kSqHeadOffset).store(head_, std::memory_order_release);
-  Run(batch_);
+  reserved_ += *taken;
+  TakenPtr next = NewTaken();
+  next->entries.assign(batch_.entries.begin(), batch_.entries.end());
+  next->checks.assign(batch_.checks.begin(), batch_.checks.end());
+  next->notification.swap(batch_.notification);
+  Start(std::move(next));
   *worked = true;
   return true;
 }
 
-void RingSessions::Session::Run(const ring::Batch& batch) {
-  const size_t count = batch.entries.size();
-  completions_.assign(count, ring::Completion());
-  messages_.assign(count, std::string());
+void RingSessions::Session::Start(TakenPtr taken) {
+  batches_in_flight_.fetch_add(1, std::memory_order_relaxed);
+  const ring::Submission& last = taken->entries.back();
+  if (taken->entries.size() == 1 && taken->checks[0].ok() &&
+      last.opcode == ring::kOpCancel) {
+    return Cancel(std::move(taken));
+  }
+  const absl::Duration timeout = last.timeout_ms == 0
+                                     ? owner_->limits_.default_timeout
+                                     : absl::Milliseconds(last.timeout_ms);
+  if (timeout > owner_->limits_.max_timeout) {
+    return Complete(std::move(taken),
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "timeout ", absl::FormatDuration(timeout),
+                        " exceeds the agent's limit of ",
+                        absl::FormatDuration(owner_->limits_.max_timeout))),
+                    nullptr);
+  }
+  // Queueing included, as a SubmitAsync's.
+  taken->deadline = absl::Now() + timeout;
+  if (taken->entries.size() == 1 && taken->checks[0].ok() &&
+      last.opcode == ring::kOpRunPrepared) {
+    auto prepared = owner_->prepared_->Find(peer_.uid, last.remote_handle);
+    if (!prepared.ok()) {
+      return Complete(std::move(taken),
+                      Prefixed(prepared.status(), "RUN_PREPARED"), nullptr);
+    }
+    taken->prepared = std::move(*prepared);
+    taken->ops = taken->prepared->remotes.size();
+    ops_in_flight_.fetch_add(taken->ops, std::memory_order_relaxed);
+    return Submit(std::move(taken));
+  }
+  if (std::none_of(taken->checks.begin(), taken->checks.end(),
+                   [](const absl::Status& check) { return check.ok(); })) {
+    return Complete(std::move(taken), absl::OkStatus(), nullptr);
+  }
   // One request per batch; an entry that failed its checks is kept in place
   // (as an op no check passes) so that every op's index is its entry's.
-  v1::SubmitRequest request;
-  request.mutable_ops()->Reserve(static_cast<int>(count));
-  for (size_t i = 0; i < count; ++i) {
-    const ring::Submission& entry = batch.entries[i];
-    v1::Op* op = request.add_ops();
-    if (!batch.checks[i].ok()) continue;
+  auto request = std::make_unique<v1::SubmitRequest>();
+  request->mutable_ops()->Reserve(static_cast<int>(taken->entries.size()));
+  for (size_t i = 0; i < taken->entries.size(); ++i) {
+    const ring::Submission& entry = taken->entries[i];
+    v1::Op* op = request->add_ops();
+    if (!taken->checks[i].ok()) continue;
     op->set_type(static_cast<v1::OpType>(entry.opcode));
     op->set_local_buffer_id(entry.local_buffer_id);
     op->set_local_offset(entry.local_offset);
@@ -160,47 +298,151 @@ void RingSessions::Session::Run(const ring::Batch& batch) {
     op->set_remote_handle(entry.remote_handle);
     op->set_remote_offset(entry.remote_offset);
   }
-  const uint32_t timeout_ms = batch.entries.back().timeout_ms;
-  const absl::Duration timeout = timeout_ms == 0
-                                     ? owner_->limits_.default_timeout
-                                     : absl::Milliseconds(timeout_ms);
-  absl::Status refused;
-  if (timeout > owner_->limits_.max_timeout) {
-    refused = absl::InvalidArgumentError(
-        absl::StrCat("timeout ", absl::FormatDuration(timeout),
-                     " exceeds the agent's limit of ",
-                     absl::FormatDuration(owner_->limits_.max_timeout)));
-  }
-  std::unique_ptr<ActiveCalls::OpsCharge> charge;
-  if (refused.ok()) {
-    auto charged = owner_->calls_->ChargeOps(peer_.uid, count);
-    if (charged.ok()) {
-      charge = std::move(*charged);
-    } else {
-      refused = charged.status();
+  request->set_notification(taken->notification);
+  taken->ops = taken->entries.size();
+  taken->request = std::move(request);
+  ops_in_flight_.fetch_add(taken->ops, std::memory_order_relaxed);
+  Submit(std::move(taken));
+}
+
+void RingSessions::Session::Submit(TakenPtr taken) {
+  const uid_t uid = peer_.uid;
+  auto charge = owner_->calls_->ChargeOps(uid, taken->ops);
+  if (!charge.ok()) {
+    // Over the user's ops in flight: the batch waits for room, within its
+    // deadline, while the session keeps serving (and completing) the rest.
+    if (absl::IsResourceExhausted(charge.status()) &&
+        absl::Now() < taken->deadline && !owner_->stopping_.cancelled()) {
+      waiting_ = std::move(taken);
+      return;
     }
+    return Complete(std::move(taken), charge.status(), nullptr);
   }
-  v1::SubmitResponse response;
-  if (refused.ok()) {
-    auto prepared = OpBatch::Prepare(owner_->env_, peer_, &request, "Ring");
-    response =
-        prepared->Run(StopToken(absl::Now() + timeout, &owner_->stopping_));
+  TransferTable* transfers = owner_->transfers_;
+  auto bytes = transfers->Reserve(
+      uid,
+      RequestCopyBytes(taken->request != nullptr ? *taken->request
+                                                 : v1::SubmitRequest()),
+      taken->ops);
+  if (!bytes.ok()) return Complete(std::move(taken), bytes.status(), nullptr);
+  std::unique_ptr<OpBatch> batch;
+  if (taken->prepared != nullptr) {
+    batch = OpBatch::Prepare(owner_->env_, peer_, taken->prepared,
+                             std::move(*charge), "Ring");
+    if (taken->entries[0].notify()) {
+      batch->ReplaceNotification(taken->notification);
+    }
+  } else {
+    batch = OpBatch::Prepare(owner_->env_, peer_, std::move(taken->request),
+                             std::move(*charge), "Ring");
   }
-  charge.reset();
+  if (absl::Status grown = transfers->Grow(*bytes, batch->PreparedBytes());
+      !grown.ok()) {
+    return Complete(std::move(taken), grown, nullptr);
+  }
+  auto id = transfers->Submit(uid, std::move(batch), taken->deadline,
+                              std::move(*bytes));
+  if (!id.ok()) return Complete(std::move(taken), id.status(), nullptr);
+  taken->transfer_id = *id;
+  auto poll = transfers->StartPoll(uid, absl::MakeConstSpan(&*id, 1),
+                                   [this] { Wake(); });
+  if (!poll.ok()) {
+    // Not expected (the transfer is kept until reported); it must not run
+    // untracked.
+    (void)transfers->Cancel(uid, *id);
+    return Complete(std::move(taken), poll.status(), nullptr);
+  }
+  taken->poll = std::move(*poll);
+  running_.push_back(std::move(taken));
+}
+
+void RingSessions::Session::Cancel(TakenPtr taken) {
+  const uint64_t tag = taken->entries[0].remote_handle;
+  absl::Status found = absl::NotFoundError(
+      absl::StrCat("CANCEL: no batch taken and not completed holds tag ", tag));
+  for (const TakenPtr& running : running_) {
+    const bool holds = std::any_of(
+        running->entries.begin(), running->entries.end(),
+        [tag](const ring::Submission& entry) { return entry.user_tag == tag; });
+    if (!holds) continue;
+    // As CancelTransfer: on return, nothing of the batch touches local
+    // memory; its ops that had not ended end CANCELLED. Its completions
+    // are posted with the other ends.
+    (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
+    found = absl::OkStatus();
+    break;
+  }
+  Complete(std::move(taken), found, nullptr);
+}
+
+bool RingSessions::Session::PostEnded() {
+  bool posted = false;
+  for (auto it = running_.begin(); it != running_.end();) {
+    if (!(*it)->poll->settled()) {
+      ++it;
+      continue;
+    }
+    TakenPtr taken = std::move(*it);
+    it = running_.erase(it);
+    auto report = taken->poll->Report();
+    taken->poll.reset();
+    if (!report.ok() || report->size() != 1) {
+      Complete(std::move(taken),
+               report.ok() ? absl::InternalError("the batch's end was lost")
+                           : report.status(),
+               nullptr);
+    } else {
+      Complete(std::move(taken), absl::OkStatus(), &report->front());
+    }
+    posted = true;
+  }
+  return posted;
+}
+
+void RingSessions::Session::Complete(TakenPtr taken,
+                                     const absl::Status& refused,
+                                     const v1::Transfer* transfer) {
+  const size_t count = taken->entries.size();
+  const bool prepared = taken->prepared != nullptr;
+  bool all_ok = true;
   for (size_t i = 0; i < count; ++i) {
-    ring::Completion& completion = completions_[i];
-    completion.user_tag = batch.entries[i].user_tag;
+    ring::Completion completion;
+    completion.user_tag = taken->entries[i].user_tag;
     absl::Status status;
     std::string backend;
-    if (!batch.checks[i].ok()) {
-      status = AnnotateOp(batch.checks[i], i);
-    } else if (!refused.ok()) {
+    if (!taken->checks[i].ok()) {
+      status = AnnotateOp(taken->checks[i], i);
+    } else if (!refused.ok() || transfer == nullptr) {
       status = AnnotateOp(refused, i);
-    } else {
-      const v1::OpResult& result = response.results(static_cast<int>(i));
-      status = absl::Status(static_cast<absl::StatusCode>(result.code()),
-                            result.message());
+    } else if (prepared) {
+      // One completion for every op of the prepared transfer: the first
+      // failure (its message names its index there), else OK.
+      for (const v1::OpResult& result : transfer->results()) {
+        if (backend.empty()) backend = result.backend();
+        if (result.code() != 0) {
+          status = StatusOf(result.code(), result.message());
+          backend = result.backend();
+          break;
+        }
+      }
+    } else if (static_cast<int>(i) < transfer->results_size()) {
+      const v1::OpResult& result = transfer->results(static_cast<int>(i));
+      status = StatusOf(result.code(), result.message());
       backend = result.backend();
+    } else {
+      status = absl::InternalError(absl::StrCat("op ", i, ": no result"));
+    }
+    all_ok = all_ok && status.ok();
+    // The notification's outcome rides on the last entry, when every op
+    // succeeded and it could not be sent.
+    if (i + 1 == count && all_ok && transfer != nullptr) {
+      for (const v1::NotificationResult& sent : transfer->notifications()) {
+        if (sent.code() != 0) {
+          status = StatusOf(sent.code(),
+                            absl::StrCat("notification: ", sent.message()));
+          break;
+        }
+      }
     }
     completion.code = static_cast<int32_t>(status.code());
     completion.backend = ring::BackendCode(backend);
@@ -208,12 +450,38 @@ void RingSessions::Session::Run(const ring::Batch& batch) {
                           completion, std::string(status.message()));
   }
   cq_tail_ += static_cast<uint32_t>(count);
+  reserved_ -= static_cast<uint32_t>(count);
   Word(ring::kCqTailOffset).store(cq_tail_, std::memory_order_release);
+  batches_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+  ops_in_flight_.fetch_sub(taken->ops, std::memory_order_relaxed);
+  ops_completed_.fetch_add(count, std::memory_order_relaxed);
   // A client about to block is told; one that spins is not bothered.
   if ((Word(ring::kClientFlagsOffset).load() & ring::kClientWaiting) != 0) {
     Word(ring::kClientFlagsOffset).fetch_and(~ring::kClientWaiting);
     Ring(fd_);
   }
+  // Kept for the next batch, with its vectors' room.
+  taken->request.reset();
+  taken->prepared.reset();
+  taken->notification.clear();
+  taken->ops = 0;
+  taken->transfer_id = 0;
+  spare_.push_back(std::move(taken));
+}
+
+void RingSessions::Session::CancelAll() {
+  if (waiting_ != nullptr) {
+    absl::Status reason = owner_->stopping_.reason();
+    if (reason.ok()) reason = absl::CancelledError("the ring session ended");
+    Complete(std::move(waiting_), reason, nullptr);
+  }
+  for (const TakenPtr& running : running_) {
+    (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
+  }
+  PostEnded();
+  // Cancel returned once each run had ended, so every poll has settled; an
+  // end not reported above (it cannot be) is dropped with its poll.
+  running_.clear();
 }
 
 void RingSessions::Session::Serve() {
@@ -221,30 +489,44 @@ void RingSessions::Session::Serve() {
   int turns = 0;
   while (!owner_->stopping_.cancelled()) {
     bool worked = false;
-    if (!Turn(&worked)) return;
+    if (!Turn(&worked)) break;
     if (worked) {
       last_work = absl::Now();
       continue;
     }
     // Spinning: the connection is looked at now and then, for its closing.
-    if (absl::Now() - last_work < owner_->limits_.spin) {
-      if (++turns % 64 == 0 && !Drain()) return;
+    // Not while batches run: their workers need the cores a spinning
+    // session would take, and their ends write the wake-up.
+    if (running_.empty() && absl::Now() - last_work < owner_->limits_.spin) {
+      if (++turns % 64 == 0 && !Drain()) break;
       continue;
     }
-    // Asleep: a client that publishes work sees NEEDS_WAKEUP and rings.
+    // Asleep: a client that publishes work sees NEEDS_WAKEUP and rings; a
+    // batch's end writes the wake-up.
     Word(ring::kAgentFlagsOffset).fetch_or(ring::kAgentNeedsWakeup);
     const uint32_t tail = Word(ring::kSqTailOffset).load();
-    const bool waiting = tail != head_;
-    if (!Sleep(waiting ? absl::Milliseconds(1) : absl::Seconds(1))) return;
+    const bool pending = tail != head_ || waiting_ != nullptr;
+    if (!Sleep(pending ? absl::Milliseconds(1) : absl::Seconds(1))) break;
     Word(ring::kAgentFlagsOffset).fetch_and(~ring::kAgentNeedsWakeup);
-    if (!waiting) last_work = absl::Now();
+    if (!pending) last_work = absl::Now();
   }
+  CancelAll();
 }
 
 RingSessions::RingSessions(const RingLimits& limits,
                            const OpBatchEnvironment& env, ActiveCalls* calls,
-                           std::shared_ptr<ResourceQuota> bytes)
-    : limits_(limits), env_(env), calls_(calls), bytes_(std::move(bytes)) {}
+                           std::shared_ptr<ResourceQuota> bytes,
+                           TransferTable* transfers,
+                           const PreparedTransferTable* prepared)
+    : limits_(limits),
+      env_(env),
+      calls_(calls),
+      bytes_(std::move(bytes)),
+      transfers_(transfers),
+      prepared_(prepared),
+      sessions_(ResourceQuota::Create(
+          "ring sessions", "max_ring_sessions_per_user", "max_ring_sessions",
+          {limits.max_sessions_per_user, limits.max_sessions})) {}
 
 void RingSessions::Serve(int fd, const PeerCredentials& peer,
                          const v1::OpenRing& request) {
@@ -259,6 +541,14 @@ void RingSessions::Serve(int fd, const PeerCredentials& peer,
   }
   auto geometry = ring::GeometryFor(request.entries());
   if (!geometry.ok()) return refuse(geometry.status());
+  // Counted before anything of the session exists; held until it ends.
+  auto slot = sessions_->Reserve(peer.uid, 1);
+  if (!slot.ok()) return refuse(slot.status());
+  UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wakeup.valid()) {
+    return refuse(absl::ResourceExhaustedError(
+        absl::StrCat("no eventfd for the session: ", std::strerror(errno))));
+  }
   // Charged like registered memory, before the memfd exists.
   auto memory = SharedMemory::Allocate(
       geometry->total_bytes, "rdma-agentd-ring",
@@ -272,16 +562,39 @@ void RingSessions::Serve(int fd, const PeerCredentials& peer,
   v1::AttachResponse response;
   response.set_size_bytes(geometry->total_bytes);
   if (!SendFdMessage(fd, response, memory->fd()).ok()) return;
-  open_.fetch_add(1, std::memory_order_relaxed);
   spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid, peer.pid,
                 geometry->entries);
-  Session session(this, fd, peer, std::move(*memory), *geometry);
+  Session session(this, fd, peer, std::move(*memory), *geometry,
+                  std::move(wakeup));
+  {
+    absl::MutexLock lock(&mu_);
+    open_sessions_.push_back(&session);
+  }
+  open_.fetch_add(1, std::memory_order_relaxed);
   session.Serve();
+  {
+    absl::MutexLock lock(&mu_);
+    open_sessions_.remove(&session);
+  }
   open_.fetch_sub(1, std::memory_order_relaxed);
 }
 
 void RingSessions::Shutdown(const absl::Status& reason) {
   stopping_.Cancel(reason);
+  absl::MutexLock lock(&mu_);
+  for (const Session* session : open_sessions_) session->Wake();
+}
+
+std::vector<RingSessionInfo> RingSessions::List(
+    std::optional<uid_t> uid) const {
+  std::vector<RingSessionInfo> sessions;
+  absl::MutexLock lock(&mu_);
+  for (const Session* session : open_sessions_) {
+    RingSessionInfo info = session->Info();
+    if (uid.has_value() && info.uid != *uid) continue;
+    sessions.push_back(std::move(info));
+  }
+  return sessions;
 }
 
 }  // namespace rdma_agent

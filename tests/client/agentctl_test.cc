@@ -25,6 +25,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/rdma_agent_client.h"
+#include "client/ring.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -789,8 +790,8 @@ TEST_F(AgentctlTest, HelpListsCommandsAndEachCommandHasItsOwn) {
   RunResult r = Ctl({"--help"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   for (const char* command :
-       {"info", "health", "register", "list", "release", "write", "read",
-        "submit", "wait", "cancel", "watch", "decode"}) {
+       {"info", "health", "register", "list", "sessions", "release", "write",
+        "read", "submit", "wait", "cancel", "watch", "decode"}) {
     EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
   }
   EXPECT_THAT(r.out, HasSubstr("rdma-agentctl help COMMAND"));
@@ -910,6 +911,62 @@ TEST_F(AgentctlTest, ListAllUsersIsForRoot) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr(" theirs\n"));
   EXPECT_THAT(r.out, Not(HasSubstr(" mine\n")));
+}
+
+TEST_F(AgentctlTest, SessionsListsRingSessionsAllUsersOnlyForRoot) {
+  // No session yet: the header alone.
+  RunResult r = Ctl({"sessions"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("ENTRIES"));
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+
+  auto ring = client::Ring::Open(agent_->attach_socket_path(), 8);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  const std::string uid = absl::StrCat(::geteuid());
+  const std::string pid = absl::StrCat(::getpid());
+  r = Ctl({"sessions"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, MatchesRegex(absl::StrCat("(.|\n)* ", uid, " +", pid,
+                                               " +8 .* 0 +0 +0 -\n")));
+  r = Ctl({"-o", "json", "sessions"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  v1::ListRingSessionsResponse list;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &list).ok())
+      << r.out;
+  ASSERT_EQ(list.sessions_size(), 1);
+  EXPECT_EQ(list.sessions(0).owner_pid(), static_cast<uint32_t>(::getpid()));
+  EXPECT_EQ(list.sessions(0).entries(), 8u);
+  EXPECT_TRUE(list.sessions(0).has_open_time());
+
+  if (::geteuid() != 0) return;  // the rest needs a second user
+  ASSERT_EQ(::chmod(agent_->runtime_dir().c_str(), 0755), 0);
+  auto as_nobody = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {"setpriv",
+                                     "--reuid=65534",
+                                     "--regid=65534",
+                                     "--clear-groups",
+                                     RunfilePath("client/rdma-agentctl"),
+                                     "--target=" + agent_->target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    absl::StatusOr<RunResult> result =
+        RunToCompletion(argv, "", absl::Seconds(60));
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : RunResult();
+  };
+  // Root's session is not another user's to see.
+  r = as_nobody({"-o", "json", "sessions"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  list.Clear();
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &list).ok())
+      << r.out;
+  EXPECT_EQ(list.sessions_size(), 0);
+  r = as_nobody({"sessions", "--all-users"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(r.err, HasSubstr("ListRingSessions"));
+  r = Ctl({"sessions", "--all-users"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat(" ", pid, " ")));
 }
 
 TEST_F(AgentctlTest, HealthExitsZeroWhileServing) {
@@ -1145,9 +1202,9 @@ TEST_F(AgentctlTest, BashCompletionComesFromTheParser) {
   // Every command of --help, and not the hidden man.
   const std::string all = Complete(script, {"rdma-agentctl", ""});
   for (const char* command :
-       {"info", "health", "metrics", "register", "list", "release", "write",
-        "read", "submit", "wait", "cancel", "watch", "notifications", "decode",
-        "completion"}) {
+       {"info", "health", "metrics", "register", "list", "sessions", "release",
+        "write", "read", "submit", "wait", "cancel", "watch", "notifications",
+        "decode", "completion"}) {
     EXPECT_THAT(absl::StrCat(" ", all, " "),
                 HasSubstr(absl::StrCat(" ", command, " ")))
         << command;

@@ -341,6 +341,66 @@ TEST_F(RingTest, AScribbledEntryIsJudgedOnItsCopy) {
   EXPECT_EQ(second.code, 0) << message;
 }
 
+TEST_F(RingTest, ABadNotificationFailsItsEntryAndOthersRun) {
+  const uint64_t local = Filled(13);
+  const uint64_t handle = Import(Filled(14));
+  auto raw = OpenRaw(agent_->agent().attach_socket_path(), 32);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  auto geometry = ring::ReadHeader(raw->memory.data(), raw->memory.size());
+  ASSERT_TRUE(geometry.ok());
+  ASSERT_EQ(geometry->payload_area_bytes(), 32u * 256);
+  auto entry = [&](uint64_t tag, uint64_t local_offset) {
+    ring::Submission e;
+    e.opcode = ring::kOpReadIntoLocal;
+    e.flags = ring::kEndOfBatch | ring::kNotify;
+    e.user_tag = tag;
+    e.local_buffer_id = local;
+    e.local_offset = local_offset;
+    e.length = 8;
+    e.remote_handle = handle;
+    return e;
+  };
+  const uint64_t area = geometry->payload_area_bytes();
+  std::vector<ring::Submission> entries = {entry(1, 0), entry(2, 100),
+                                           entry(3, 200), entry(4, 300)};
+  // Beyond the payload area; over --max_notification_bytes (4096; the
+  // area holds 8192); empty.
+  entries[0].notification = (area - 4) | (uint64_t{8} << 32);
+  entries[1].notification = uint64_t{4097} << 32;
+  entries[2].notification = 16;
+  // A good batch among them, without a notification.
+  entries[3].flags = ring::kEndOfBatch;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    std::memcpy(raw->memory.data() + geometry->submissions_offset +
+                    i * ring::kSubmissionBytes,
+                &entries[i], sizeof(entries[i]));
+  }
+  raw->Word(ring::kSqTailOffset).store(4);
+  const char byte = 1;
+  ASSERT_EQ(::send(raw->connection.get(), &byte, 1, MSG_NOSIGNAL), 1);
+  ASSERT_TRUE(
+      Eventually([&] { return raw->Word(ring::kCqTailOffset).load() == 4; }));
+  std::map<uint64_t, std::pair<int, std::string>> ends;
+  for (uint32_t i = 0; i < 4; ++i) {
+    std::string message;
+    const ring::Completion end =
+        ring::ReadCompletion(raw->memory.data(), *geometry, i, &message);
+    ends[end.user_tag] = {end.code, message};
+  }
+  const int invalid = static_cast<int>(absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ends[1].first, invalid);
+  EXPECT_THAT(ends[1].second, HasSubstr("beyond the payload area"));
+  EXPECT_EQ(ends[2].first, invalid);
+  EXPECT_THAT(ends[2].second, HasSubstr("--max_notification_bytes"));
+  EXPECT_EQ(ends[3].first, invalid);
+  EXPECT_THAT(ends[3].second, HasSubstr("payload_length"));
+  EXPECT_EQ(ends[4].first, 0) << ends[4].second;
+  // Only the good batch moved bytes.
+  std::string expected = PatternString(13, 0, kSize);
+  expected.replace(300, 8, PatternString(14, 0, 8));
+  EXPECT_EQ(Read(local), expected);
+}
+
 TEST_F(RingTest, ClosingTheConnectionEndsTheSession) {
   auto ring = Open(1024);
   ASSERT_NE(ring, nullptr);

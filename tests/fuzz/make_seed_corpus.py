@@ -198,13 +198,20 @@ write(H, "too_large", b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 8300 + b"\r\n\r\n
 
 
 # --- ring_entry_fuzzer ------------------------------------------------------
-def ring_input(exponent, head, tail, cq_head, cq_tail, slots):
-    return struct.pack("<5I", exponent, head, tail, cq_head, cq_tail) + b"".join(slots)
+# Protocol version 2: six header words (the last: the largest notification),
+# the submission slots, then the payload area (256 bytes per slot).
+def ring_input(exponent, head, tail, cq_head, cq_tail, slots, max_note=64,
+               payloads=b""):
+    entries = 1 << (exponent % 5)
+    slot_bytes = b"".join(slots).ljust(64 * entries, b"\0")
+    return (struct.pack("<6I", exponent, head, tail, cq_head, cq_tail,
+                        max_note) + slot_bytes + payloads)
 
 
-def submission(opcode, flags, tag, end=False, length=8, handle=7):
+def submission(opcode, flags, tag, end=False, length=8, handle=7, local=1,
+               note=0):
     return struct.pack("<BBHIQQQQQQQ", opcode, flags | (1 if end else 0), 0, 0,
-                       tag, 1, 0, length, handle, 0, 0)
+                       tag, local, 0, length, handle, 0, note)
 
 
 write("ring_entry_fuzzer", "one_op",
@@ -221,3 +228,15 @@ write("ring_entry_fuzzer", "bad_fields",
       ring_input(3, 0, 2, 0, 0, [submission(9, 0x80, 1),
                                  submission(1, 0, 2, end=True, length=0,
                                             handle=0)]))
+write("ring_entry_fuzzer", "notify",
+      ring_input(1, 0, 1, 0, 0,
+                 [submission(2, 2, 1, end=True, note=(5 << 32) | 16)],
+                 payloads=b"\0" * 16 + b"hello"))
+write("ring_entry_fuzzer", "run_prepared",
+      ring_input(1, 0, 1, 0, 0,
+                 [submission(3, 0, 1, end=True, length=0, handle=9, local=0)]))
+write("ring_entry_fuzzer", "cancel_in_a_batch",
+      ring_input(2, 0, 2, 0, 0,
+                 [submission(1, 0, 1),
+                  submission(4, 0, 2, end=True, length=0, handle=1,
+                             local=0)]))
