@@ -31,7 +31,7 @@ inline constexpr uint32_t kSubmissionBytes = 64;
 inline constexpr uint32_t kCompletionBytes = 32;
 inline constexpr uint32_t kMessageBytes = 256;  // one per completion slot
 inline constexpr uint32_t kPayloadBytes = 256;  // payload area, per entry
-inline constexpr uint32_t kStopReasonBytes = 128;
+inline constexpr uint32_t kStopReasonBytes = 64;
 
 // Header offsets. Each index has a 64-byte cache line of its own.
 inline constexpr size_t kMagicOffset = 0;
@@ -49,6 +49,8 @@ inline constexpr size_t kCqHeadOffset = 256;       // client writes
 inline constexpr size_t kAgentFlagsOffset = 320;   // agent writes
 inline constexpr size_t kClientFlagsOffset = 384;  // client writes
 inline constexpr size_t kStopReasonOffset = 448;   // agent writes
+static_assert(kStopReasonOffset + kStopReasonBytes <= kHeaderBytes,
+              "the stop reason stays inside the header");
 
 // agent_flags bits.
 inline constexpr uint32_t kAgentNeedsWakeup = 1u << 0;

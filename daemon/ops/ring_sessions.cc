@@ -106,6 +106,11 @@ class RingSessions::Session {
   // Admits and submits `taken` (not a CANCEL); keeps it as waiting_ while
   // its user's ops in flight leave no room.
   void Submit(TakenPtr taken);
+  // Whether `taken` is small enough to be run inline (RingLimits::
+  // inline_bytes), judged from its entries before anything is prepared.
+  bool MayRunInline(const Taken& taken) const;
+  // Runs `batch` (prepared from `taken`) on this thread and completes it.
+  void RunInline(TakenPtr taken, std::unique_ptr<OpBatch> batch);
   // CANCEL: cancels the running batch holding the tag; its own completion.
   void Cancel(TakenPtr taken);
   // Posts the completions of every started batch that ended; true if any.
@@ -187,8 +192,11 @@ bool RingSessions::Session::Sleep(absl::Duration timeout) {
 
 void RingSessions::Session::Stop(const absl::Status& reason) {
   const std::string text = reason.ToString();
-  const size_t n = std::min<size_t>(text.size(), ring::kStopReasonBytes - 1);
-  std::memcpy(base_ + ring::kStopReasonOffset, text.data(), n);
+  // The message alone (clients report it as FAILED_PRECONDITION), cut to
+  // its 64-byte field; the log keeps it whole.
+  const absl::string_view message = reason.message();
+  const size_t n = std::min<size_t>(message.size(), ring::kStopReasonBytes - 1);
+  std::memcpy(base_ + ring::kStopReasonOffset, message.data(), n);
   base_[ring::kStopReasonOffset + n] = std::byte{0};
   Word(ring::kAgentFlagsOffset).fetch_or(ring::kAgentStopped);
   Ring(fd_);
@@ -319,23 +327,33 @@ void RingSessions::Session::Submit(TakenPtr taken) {
     return Complete(std::move(taken), charge.status(), nullptr);
   }
   TransferTable* transfers = owner_->transfers_;
-  auto bytes = transfers->Reserve(
-      uid,
-      RequestCopyBytes(taken->request != nullptr ? *taken->request
-                                                 : v1::SubmitRequest()),
-      taken->ops);
-  if (!bytes.ok()) return Complete(std::move(taken), bytes.status(), nullptr);
-  std::unique_ptr<OpBatch> batch;
-  if (taken->prepared != nullptr) {
-    batch = OpBatch::Prepare(owner_->env_, peer_, taken->prepared,
-                             std::move(*charge), "Ring");
-    if (taken->entries[0].notify()) {
-      batch->ReplaceNotification(taken->notification);
+  const uint64_t request_bytes = RequestCopyBytes(
+      taken->request != nullptr ? *taken->request : v1::SubmitRequest());
+  const auto prepare = [&] {
+    std::unique_ptr<OpBatch> prepared;
+    if (taken->prepared != nullptr) {
+      prepared = OpBatch::Prepare(owner_->env_, peer_, taken->prepared,
+                                  std::move(*charge), "Ring");
+      if (taken->entries[0].notify()) {
+        prepared->ReplaceNotification(taken->notification);
+      }
+    } else {
+      prepared =
+          OpBatch::Prepare(owner_->env_, peer_, std::move(taken->request),
+                           std::move(*charge), "Ring");
     }
-  } else {
-    batch = OpBatch::Prepare(owner_->env_, peer_, std::move(taken->request),
-                             std::move(*charge), "Ring");
+    return prepared;
+  };
+  std::unique_ptr<OpBatch> batch;
+  if (MayRunInline(*taken)) {
+    batch = prepare();
+    if (batch->RunsOnlyOn("memory", owner_->limits_.inline_bytes)) {
+      return RunInline(std::move(taken), std::move(batch));
+    }
   }
+  auto bytes = transfers->Reserve(uid, request_bytes, taken->ops);
+  if (!bytes.ok()) return Complete(std::move(taken), bytes.status(), nullptr);
+  if (batch == nullptr) batch = prepare();
   if (absl::Status grown = transfers->Grow(*bytes, batch->PreparedBytes());
       !grown.ok()) {
     return Complete(std::move(taken), grown, nullptr);
@@ -354,6 +372,36 @@ void RingSessions::Session::Submit(TakenPtr taken) {
   }
   taken->poll = std::move(*poll);
   running_.push_back(std::move(taken));
+}
+
+bool RingSessions::Session::MayRunInline(const Taken& taken) const {
+  const uint64_t limit = owner_->limits_.inline_bytes;
+  if (limit == 0) return false;
+  uint64_t bytes = 0;
+  if (taken.prepared != nullptr) {
+    for (const v1::Op& op : taken.prepared->request.ops()) {
+      bytes += op.length();
+      if (bytes > limit) return false;
+    }
+    return true;
+  }
+  for (const ring::Submission& entry : taken.entries) {
+    bytes += entry.length;
+    if (bytes > limit) return false;
+  }
+  return true;
+}
+
+void RingSessions::Session::RunInline(TakenPtr taken,
+                                      std::unique_ptr<OpBatch> batch) {
+  // The agent's stop cancels it, as it cancels the transfers.
+  v1::SubmitResponse response =
+      batch->Run(StopToken(taken->deadline, &owner_->stopping_));
+  batch.reset();  // its ops' admission and pins are given back first
+  v1::Transfer ended;
+  ended.mutable_results()->Swap(response.mutable_results());
+  ended.mutable_notifications()->Swap(response.mutable_notifications());
+  Complete(std::move(taken), absl::OkStatus(), &ended);
 }
 
 void RingSessions::Session::Cancel(TakenPtr taken) {
@@ -451,7 +499,10 @@ void RingSessions::Session::Complete(TakenPtr taken,
   }
   cq_tail_ += static_cast<uint32_t>(count);
   reserved_ -= static_cast<uint32_t>(count);
-  Word(ring::kCqTailOffset).store(cq_tail_, std::memory_order_release);
+  // Sequentially consistent, not just release: the load of client_flags
+  // below must not pass this store, or a client that set WAITING and then
+  // saw the old cq_tail would miss its doorbell (RING.md, wake-ups).
+  Word(ring::kCqTailOffset).store(cq_tail_, std::memory_order_seq_cst);
   batches_in_flight_.fetch_sub(1, std::memory_order_relaxed);
   ops_in_flight_.fetch_sub(taken->ops, std::memory_order_relaxed);
   ops_completed_.fetch_add(count, std::memory_order_relaxed);
@@ -559,19 +610,23 @@ void RingSessions::Serve(int fd, const PeerCredentials& peer,
       });
   if (!memory.ok()) return refuse(memory.status());
   ring::WriteHeader(memory->data(), *geometry);
-  v1::AttachResponse response;
-  response.set_size_bytes(geometry->total_bytes);
-  if (!SendFdMessage(fd, response, memory->fd()).ok()) return;
-  spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid, peer.pid,
-                geometry->entries);
+  const int memfd = memory->fd();  // owned by the session from here
   Session session(this, fd, peer, std::move(*memory), *geometry,
                   std::move(wakeup));
+  // Listed and counted before the client has its ring, so that whoever it
+  // tells finds the session.
   {
     absl::MutexLock lock(&mu_);
     open_sessions_.push_back(&session);
   }
   open_.fetch_add(1, std::memory_order_relaxed);
-  session.Serve();
+  v1::AttachResponse response;
+  response.set_size_bytes(geometry->total_bytes);
+  if (SendFdMessage(fd, response, memfd).ok()) {
+    spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid,
+                  peer.pid, geometry->entries);
+    session.Serve();
+  }
   {
     absl::MutexLock lock(&mu_);
     open_sessions_.remove(&session);

@@ -50,6 +50,13 @@ struct RingLimits {
   // How long a session keeps looking at its ring after work before it sets
   // NEEDS_WAKEUP and sleeps on its connection.
   absl::Duration spin = absl::Microseconds(200);
+  // A batch whose ops all run on the memory backend (both sides on this
+  // agent) and move at most this many bytes in all runs on the session's
+  // own thread: it cannot wait on anything outside the agent and ends
+  // within microseconds, so handing it to a transfer worker would cost
+  // more than running it. Every other batch runs as a transfer (and only
+  // those can be reached by a CANCEL before they end). 0: none inline.
+  uint64_t inline_bytes = 64 * 1024;
 };
 
 // One open session as GetInfo reports it.

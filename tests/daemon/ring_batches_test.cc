@@ -47,6 +47,8 @@ class RingBatchesTest : public ::testing::Test {
     AgentOptions options;
     options.backends = {MemoryFactory(), LoopbackTcpFactory()};
     options.in_flight.max_ops_per_user = kMaxOpsPerUser;
+    // Two workers: a held batch takes one, and the inline test holds both.
+    options.transfers.workers = 2;
     auto a = InProcessAgent::Start(std::move(options));
     ASSERT_TRUE(a.ok()) << a.status();
     a_ = std::move(*a);
@@ -339,6 +341,48 @@ TEST_F(RingBatchesTest, SeveralBatchesRunAtOnceAndEndInAnyOrder) {
   expected.replace(1000, 10, PatternString(10, 0, 10));
   expected.replace(2000, 10, PatternString(10, 10, 10));
   EXPECT_EQ(Read(a_->stub(), local), expected);
+}
+
+// A small batch between buffers of this agent runs on the session's own
+// thread: it completes while every transfer worker waits on a held peer,
+// and it is no transfer.
+TEST_F(RingBatchesTest, ASmallLocalBatchRunsWhileEveryWorkerIsBusy) {
+  const uint64_t local = Local(30);
+  const uint64_t handle = Import(remote_contexts_[Remote(31)]);
+  const uint64_t other = Local(32);
+  const uint64_t same_host = Import(contexts_[other]);
+  Hold();
+  const RingOp slow[] = {Op(kRead, local, 0, 100, handle, 0, 1)};
+  const RingOp slower[] = {Op(kRead, local, 100, 100, handle, 100, 2)};
+  ASSERT_TRUE(ring_->Submit(slow).ok());
+  ASSERT_TRUE(ring_->Submit(slower).ok());
+  ASSERT_TRUE(Running(2));
+  const RingOp fast[] = {Op(kWrite, local, 1000, 10, same_host, 0, 3),
+                         Op(kRead, local, 2000, 10, same_host, 10, 4)};
+  ASSERT_TRUE(ring_->Submit(fast).ok());
+  auto ends = Reap(2);
+  ASSERT_EQ(ends.count(3), 1u);
+  ASSERT_EQ(ends.count(4), 1u);
+  EXPECT_TRUE(ends[3].status.ok()) << ends[3].status;
+  EXPECT_TRUE(ends[4].status.ok()) << ends[4].status;
+  EXPECT_EQ(ends[4].backend, "memory");
+  EXPECT_EQ(a_->agent().transfers().in_flight(), 2u);
+  // A CANCEL naming it finds it ended.
+  ASSERT_TRUE(ring_->Cancel(3, 5).ok());
+  auto cancelled = Reap(1);
+  ASSERT_EQ(cancelled.count(5), 1u);
+  EXPECT_EQ(cancelled[5].status.code(), absl::StatusCode::kNotFound);
+  Resume();
+  ends = Reap(2);
+  EXPECT_TRUE(ends[1].status.ok()) << ends[1].status;
+  EXPECT_TRUE(ends[2].status.ok()) << ends[2].status;
+  std::string expected = PatternString(30, 0, kSize);
+  expected.replace(0, 200, PatternString(31, 0, 200));
+  expected.replace(2000, 10, PatternString(32, 10, 10));
+  EXPECT_EQ(Read(a_->stub(), local), expected);
+  std::string written = PatternString(32, 0, kSize);
+  written.replace(0, 10, PatternString(30, 1000, 10));
+  EXPECT_EQ(Read(a_->stub(), other), written);
 }
 
 TEST_F(RingBatchesTest, ABatchOverTheOpsBoundWaitsForRoom) {
