@@ -282,23 +282,6 @@ class RingTest(unittest.TestCase):
                 small.post(ops, notification=b"x" * 101)
         self.client.get_notifications()
 
-    def test_a_payload_in_use_is_not_overwritten(self):
-        # Payloads whose entries the agent has not taken stay put: with
-        # the agent's head held back (as when it waits for completion
-        # room), a payload that needs their bytes is refused.
-        ring = self.ring
-        held = ring._sq_tail  # an entry at the agent's head, not taken
-        ring._payloads.append((held, 0, 2000))
-        ring._payload_next = 2000
-        try:
-            with self.assertRaises(rdma_agent.ResourceExhaustedError):
-                ring._place(b"y" * 100, held + 1)  # would wrap onto bytes 0..99
-            self.assertEqual(bytes(ring._memory[ring._geometry.payloads:][:100]),
-                             bytes(100))
-            self.assertEqual(ring._place(b"z" * 48, held + 1), 2000)  # fits before the end
-        finally:
-            ring._payloads.clear()
-
     def test_cancel_of_an_unknown_tag_is_false(self):
         [tag] = self.ring.post([Op("write", self.local, 0, 16, self.handle)], tags=[5])
         self.assertFalse(self.ring.cancel(424242))
@@ -443,8 +426,9 @@ def header(magic=0x474E4952, version=2, entries=4, submissions=512, completions=
     return memory
 
 
-class HeaderTest(unittest.TestCase):
-    """The checks of the agent's header, before anything of it is trusted."""
+class CraftedMappingTest(unittest.TestCase):
+    """On crafted mappings: the checks of the agent's header before anything
+    of it is trusted, the stop reason's bounds, and the payload area's use."""
 
     def geometry(self, memory):
         return ring_module._read_header(memory, len(memory))
@@ -474,6 +458,32 @@ class HeaderTest(unittest.TestCase):
             ring_module._read_header(header(), 100)
         with self.assertRaises(rdma_agent.InternalError):  # the mapping is short
             ring_module._read_header(header(), 2943)
+
+    def test_payloads_are_reused_only_once_their_entries_are_taken(self):
+        memory = header()  # 4 entries: a payload area of 1024 bytes at 1920
+        ours, theirs = socket.socketpair()
+        self.addCleanup(theirs.close)
+        ring = ring_module.Ring(None, ours, memory, self.geometry(memory))
+        self.addCleanup(ring.close)
+        self.assertEqual(ring.max_notification_bytes, 1024)
+        ring._sq_tail = 2  # entries 0 and 1 posted; sq_head 0: neither taken
+        self.assertEqual(ring._place(b"a" * 600, 0), 0)
+        self.assertEqual(ring._place(b"b" * 300, 1), 600)
+        with self.assertRaises(rdma_agent.ResourceExhaustedError):
+            ring._place(b"c" * 200, 1)  # would wrap onto entry 0's bytes
+        self.assertEqual(ring._place(b"d" * 124, 1), 900)  # fits before the end
+        self.assertEqual(bytes(memory[1920:2944]), b"a" * 600 + b"b" * 300 + b"d" * 124)
+        struct.pack_into("<I", memory, 128, 1)  # sq_head: the agent took entry 0
+        ring._sq_tail = 3
+        self.assertEqual(ring._place(b"e" * 500, 2), 0)
+        with self.assertRaises(rdma_agent.ResourceExhaustedError):
+            ring._place(b"f" * 200, 2)  # entry 1's bytes are still in use
+        self.assertEqual(bytes(memory[1920:2944]),
+                         b"e" * 500 + b"a" * 100 + b"b" * 300 + b"d" * 124)
+        # Far past: all taken, the area is whole again.
+        struct.pack_into("<I", memory, 128, 1000)
+        ring._sq_tail = 1000
+        self.assertEqual(ring._place(b"g" * 1024, 1000), 0)
 
     def test_the_stop_reason_is_at_most_64_bytes(self):
         # No NUL in the 64 bytes, then submission slot 0's bytes; and a

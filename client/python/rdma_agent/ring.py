@@ -542,10 +542,11 @@ class Ring:
         """Writes `data` where no payload the agent may still copy lies and
         records it for the entry of `index`; returns its offset in the area.
         A payload never wraps: one that would is put at the area's start."""
+        # Payloads whose entry the agent has taken (outside [sq_head,
+        # sq_tail)) are free.
         head = int(self._words[_SQ_HEAD // 4])
-        # Payloads whose entry the agent has taken (sq_head passed it) are free.
-        while self._payloads and \
-                1 <= ((head - self._payloads[0][0]) & 0xFFFFFFFF) <= self.entries:
+        untaken = (self._sq_tail - head) & 0xFFFFFFFF
+        while self._payloads and ((self._payloads[0][0] - head) & 0xFFFFFFFF) >= untaken:
             self._payloads.popleft()
         if not self._payloads:
             self._payload_next = 0
