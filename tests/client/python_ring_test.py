@@ -226,10 +226,10 @@ class RingTest(unittest.TestCase):
             [result] = self.ring.submit([Op("write", self.local, 0, 512, self.handle, 1024)],
                                         timeout=10, notification="ring ready")
             self.assertTrue(result.ok, result)
-            tag = self.ring.run_prepared(
-                self.client.prepare_transfer([Op("write", self.local, 0, 8, self.handle)]),
-                notification=b"\x00prepared")
-            [end] = self.ring.wait(timeout=30)
+            with self.client.prepare_transfer(
+                    [Op("write", self.local, 0, 8, self.handle)]) as layer:
+                tag = self.ring.run_prepared(layer, notification=b"\x00prepared")
+                [end] = self.ring.wait(timeout=30)
             self.assertEqual((end.tag, end.code), (tag, grpc.StatusCode.OK))
             got = []
             deadline = time.monotonic() + 30
@@ -396,6 +396,7 @@ class HeldPeerTest(unittest.TestCase):
 
         os.kill(self.b.process.pid, signal.SIGSTOP)
         self.held = True
+        self.addCleanup(self.resume)  # before the peer's buffer is released
         ring.post([Op("read", local, 0, 1000, handle, 0),
                    Op("read", local, 2000, 1000, handle, 2000)], timeout=30, tags=[5, 6])
         started = time.monotonic()
