@@ -267,6 +267,23 @@ class RingTest(unittest.TestCase):
                 got += owner.get_notifications(wait=5).notifications
             self.assertEqual([n.data for n in got], sent)
 
+    def test_pipelined_notifications_keep_their_own_bytes(self):
+        with AgentClient(self.agent.socket, timeout=30) as owner:
+            owner.get_notifications()
+            sent = [pattern(200 + i, 600) for i in range(3)]  # 1800 of 2048 bytes
+            tags = [self.ring.post([Op("write", self.local, 0, 16, self.handle, 100 * i)],
+                                   notification=data)[0] for i, data in enumerate(sent)]
+            ends = []
+            while len(ends) < 3:
+                ends += self.ring.wait(timeout=30)
+            self.assertEqual(sorted((e.tag, e.code) for e in ends),
+                             [(tag, grpc.StatusCode.OK) for tag in tags])
+            got = []
+            deadline = time.monotonic() + 30
+            while len(got) < len(sent) and time.monotonic() < deadline:
+                got += owner.get_notifications(wait=5).notifications
+            self.assertEqual(sorted(n.data for n in got), sorted(sent))
+
     def test_a_notification_too_large_or_empty_is_refused_here(self):
         ops = [Op("write", self.local, 0, 16, self.handle)]
         for bad in [b"x" * 2049, b"", ""]:
