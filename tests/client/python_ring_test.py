@@ -1,8 +1,10 @@
-"""The Python shared-memory ring (rdma_agent.ring), installed from its wheel,
-against a real rdma-agentd: bytes moved and checked around each op, failed
-ops and their messages, pipelined batches, a ring the agent stops for a
-lying tail, and an agent killed under a ring. The header checks run on
-crafted mappings.
+"""The Python shared-memory ring (rdma_agent.ring, protocol version 2),
+installed from its wheel, against a real rdma-agentd: bytes moved and
+checked around each op, failed ops and their messages, pipelined batches,
+prepared runs, notifications through the payload area, CANCEL (of an
+unknown tag, and of a batch held by a stopped peer agent over tcp), a ring
+the agent stops for a lying tail, and an agent killed under a ring. The
+header checks and the stop reason's bounds run on crafted mappings.
 
 Run by python_venv_test.sh:
     python_ring_test.py --agentd PATH/rdma-agentd
@@ -10,7 +12,10 @@ Run by python_venv_test.sh:
 
 import argparse
 import mmap
+import os
 import random
+import signal
+import socket
 import struct
 import sys
 import time
@@ -122,7 +127,7 @@ class RingTest(unittest.TestCase):
         first = self.ring.post([Op("write", self.local, 0, 4096, self.handle, 0),
                                 Op("write", self.local, 4096, 4096, self.handle, 8192)],
                                tags=[11, 12])
-        second = self.ring.post([Op("read", self.local, 20000, 4096, self.handle, 0)],
+        second = self.ring.post([Op("read", self.local, 20000, 4096, self.handle, 30000)],
                                 timeout=10)
         self.assertEqual(first, [11, 12])
         self.assertEqual(self.ring.in_flight, 3)
@@ -130,21 +135,29 @@ class RingTest(unittest.TestCase):
         deadline = time.monotonic() + 30
         while len(ends) < 3 and time.monotonic() < deadline:
             ends += self.ring.wait(timeout=30)
-        self.assertEqual([e.tag for e in ends], [11, 12] + second)
+        # Batches run asynchronously: they may end in either order, each
+        # batch's completions together and in entry order.
+        self.assertIn([e.tag for e in ends], [[11, 12] + second, second + [11, 12]])
         self.assertTrue(all(e.ok for e in ends), ends)
-        local = pattern(1, SIZE)
-        # The read ran after both writes: it sees the first one's bytes.
-        self.assertEqual(bytes(self.local.memory[20000:24096]), local[0:4096])
-        self.assertEqual(bytes(self.target.memory[8192:12288]), local[4096:8192])
-        self.assertEqual(bytes(self.target.memory[4096:8192]), pattern(2, SIZE)[4096:8192])
+        local, target = bytearray(pattern(1, SIZE)), bytearray(pattern(2, SIZE))
+        local[20000:24096] = target[30000:34096]
+        target[0:4096] = local[0:4096]
+        target[8192:12288] = local[4096:8192]
+        self.assertEqual(bytes(self.local.memory), bytes(local))
+        self.assertEqual(bytes(self.target.memory), bytes(target))
 
     def test_submit_keeps_earlier_completions_for_reap(self):
         [tag] = self.ring.post([Op("write", self.local, 0, 16, self.handle)])
         [result] = self.ring.submit([Op("read", 987654321, 0, 16, self.handle)])
         self.assertEqual(result.code, grpc.StatusCode.NOT_FOUND)
-        [end] = self.ring.reap()
-        self.assertEqual((end.tag, end.code), (tag, grpc.StatusCode.OK))
+        # The earlier batch ends before or after this one: either way its
+        # completion is reaped, once.
+        ends = self.ring.reap()
+        while not ends:
+            ends = self.ring.wait(timeout=30)
+        self.assertEqual([(e.tag, e.code) for e in ends], [(tag, grpc.StatusCode.OK)])
         self.assertEqual(self.ring.reap(), [])
+        self.assertEqual(self.ring.in_flight, 0)
 
     def test_a_blocked_wait_is_woken(self):
         self.ring.post([Op("write", self.local, 0, 16, self.handle)])
@@ -161,6 +174,151 @@ class RingTest(unittest.TestCase):
         self.ring.post(ops[:8])
         with self.assertRaises(rdma_agent.ResourceExhaustedError):
             self.ring.post(ops[8:])
+
+    def test_a_prepared_run_is_one_completion(self):
+        local, target = pattern(1, SIZE), bytearray(pattern(2, SIZE))
+        with self.client.prepare_transfer(
+                [Op("write", self.local, 100, 3000, self.handle, 5000),
+                 Op("write", self.local, 20000, 700, self.handle, 60000)]) as layer:
+            self.assertEqual(self.ring.run_prepared(layer, timeout=10, tag=42), 42)
+            [end] = self.ring.wait(timeout=30)
+            self.assertEqual((end.tag, end.code, end.message, end.backend),
+                             (42, grpc.StatusCode.OK, "", "memory"))
+            target[5000:8000] = local[100:3100]
+            target[60000:60700] = local[20000:20700]
+            self.assertEqual(bytes(self.target.memory), bytes(target))
+            self.assertEqual(bytes(self.local.memory), local)
+            # By id too, with a tag the ring hands out.
+            self.target.memory[:] = pattern(2, SIZE)
+            tag = self.ring.run_prepared(layer.id)
+            [end] = self.ring.wait(timeout=30)
+            self.assertEqual((end.tag, end.code), (tag, grpc.StatusCode.OK))
+            self.assertEqual(bytes(self.target.memory), bytes(target))
+        # Released: an unknown id.
+        self.ring.run_prepared(layer.id, tag=43)
+        [end] = self.ring.wait(timeout=30)
+        self.assertEqual((end.tag, end.code), (43, grpc.StatusCode.NOT_FOUND), end)
+        with self.assertRaises(rdma_agent.ArgumentTypeError):
+            self.ring.run_prepared("1")
+        with self.assertRaises(rdma_agent.InvalidArgumentError):
+            self.ring.run_prepared(0)
+        with self.assertRaises(rdma_agent.InvalidArgumentError):
+            self.ring.run_prepared(layer.id, tag=1 << 64)
+        self.assertEqual(self.ring.in_flight, 0)
+
+    def test_a_failing_prepared_run_reports_its_first_failed_op(self):
+        other = self.client.attach(SIZE, label="other")
+        other.memory[:] = pattern(3, SIZE)
+        other_handle = self.client.import_remote(other)
+        with self.client.prepare_transfer(
+                [Op("write", self.local, 0, 1000, self.handle, 0),
+                 Op("write", self.local, 1000, 1000, other_handle, 0),
+                 Op("write", self.local, 2000, 1000, self.handle, 9000)]) as layer:
+            other_handle.close()
+            other.close()  # op 1 now names a buffer that is gone
+            self.ring.run_prepared(layer, timeout=10, tag=7)
+            [end] = self.ring.wait(timeout=30)
+        self.assertEqual(end.tag, 7)
+        self.assertNotEqual(end.code, grpc.StatusCode.OK, end)
+        self.assertTrue(end.message.startswith("op 1:"), end.message)
+        # The other ops ran, and nothing else moved.
+        local, target = pattern(1, SIZE), bytearray(pattern(2, SIZE))
+        target[0:1000] = local[0:1000]
+        target[9000:10000] = local[2000:3000]
+        self.assertEqual(bytes(self.target.memory), bytes(target))
+        self.assertEqual(bytes(self.local.memory), local)
+
+    def test_a_notification_reaches_the_owner(self):
+        with AgentClient(self.agent.socket, timeout=30) as owner:
+            owner.get_notifications()  # what other tests left
+            [result] = self.ring.submit([Op("write", self.local, 0, 512, self.handle, 1024)],
+                                        timeout=10, notification="ring ready")
+            self.assertTrue(result.ok, result)
+            with self.client.prepare_transfer(
+                    [Op("write", self.local, 0, 8, self.handle)]) as layer:
+                tag = self.ring.run_prepared(layer, notification=b"\x00prepared")
+                [end] = self.ring.wait(timeout=30)
+            self.assertEqual((end.tag, end.code), (tag, grpc.StatusCode.OK))
+            got = []
+            deadline = time.monotonic() + 30
+            while len(got) < 2 and time.monotonic() < deadline:
+                got += owner.get_notifications(wait=5).notifications
+            self.assertEqual([(n.data, n.buffer_id) for n in got],
+                             [(b"ring ready", self.target.id),
+                              (b"\x00prepared", self.target.id)])
+            expected = bytearray(pattern(2, SIZE))
+            expected[1024:1536] = pattern(1, SIZE)[0:512]
+            expected[0:8] = pattern(1, SIZE)[0:8]
+            self.assertEqual(bytes(self.target.memory), bytes(expected))
+
+    def test_notifications_go_round_the_payload_area(self):
+        # 8 entries: a 2048-byte area; 20 payloads of 700 bytes reuse it.
+        self.assertEqual(self.ring.max_notification_bytes, 2048)
+        with AgentClient(self.agent.socket, timeout=30) as owner:
+            owner.get_notifications()
+            sent = [pattern(100 + i, 700) for i in range(20)]
+            for data in sent:
+                [result] = self.ring.submit([Op("write", self.local, 0, 16, self.handle)],
+                                            notification=data)
+                self.assertTrue(result.ok, result)
+            got = []
+            deadline = time.monotonic() + 30
+            while len(got) < len(sent) and time.monotonic() < deadline:
+                got += owner.get_notifications(wait=5).notifications
+            self.assertEqual([n.data for n in got], sent)
+
+    def test_pipelined_notifications_keep_their_own_bytes(self):
+        with AgentClient(self.agent.socket, timeout=30) as owner:
+            owner.get_notifications()
+            sent = [pattern(200 + i, 600) for i in range(3)]  # 1800 of 2048 bytes
+            tags = [self.ring.post([Op("write", self.local, 0, 16, self.handle, 100 * i)],
+                                   notification=data)[0] for i, data in enumerate(sent)]
+            ends = []
+            while len(ends) < 3:
+                ends += self.ring.wait(timeout=30)
+            self.assertEqual(sorted((e.tag, e.code) for e in ends),
+                             [(tag, grpc.StatusCode.OK) for tag in tags])
+            got = []
+            deadline = time.monotonic() + 30
+            while len(got) < len(sent) and time.monotonic() < deadline:
+                got += owner.get_notifications(wait=5).notifications
+            self.assertEqual(sorted(n.data for n in got), sorted(sent))
+
+    def test_a_notification_too_large_or_empty_is_refused_here(self):
+        ops = [Op("write", self.local, 0, 16, self.handle)]
+        for bad in [b"x" * 2049, b"", ""]:
+            with self.subTest(size=len(bad)), \
+                    self.assertRaises(rdma_agent.InvalidArgumentError) as raised:
+                self.ring.post(ops, notification=bad)
+            self.assertIn("notification", raised.exception.message)
+        with self.assertRaises(rdma_agent.ArgumentTypeError):
+            self.ring.post(ops, notification=17)
+        self.assertEqual(self.ring.in_flight, 0)
+        # A bigger ring: the agent's --max_notification_bytes bounds it.
+        with self.client.open_ring(64) as big:
+            self.assertEqual(big.max_notification_bytes, 4096)
+            with self.assertRaises(rdma_agent.InvalidArgumentError) as raised:
+                big.submit(ops, notification=b"x" * 4097)
+            self.assertIn("4097", raised.exception.message)
+            [result] = big.submit(ops, notification=b"x" * 4096)
+            self.assertTrue(result.ok, result)
+        with self.client.open_ring(8, max_notification_bytes=100) as small:
+            with self.assertRaises(rdma_agent.InvalidArgumentError):
+                small.post(ops, notification=b"x" * 101)
+        self.client.get_notifications()
+
+    def test_cancel_of_an_unknown_tag_is_false(self):
+        [tag] = self.ring.post([Op("write", self.local, 0, 16, self.handle)], tags=[5])
+        self.assertFalse(self.ring.cancel(424242))
+        # The write's completion is kept for reap(), whatever the order.
+        ends = []
+        while not ends:
+            ends = self.ring.wait(timeout=30)
+        self.assertEqual([(e.tag, e.code) for e in ends], [(5, grpc.StatusCode.OK)])
+        self.assertFalse(self.ring.cancel(5))  # completed: no longer running
+        with self.assertRaises(rdma_agent.InvalidArgumentError):
+            self.ring.cancel(-1)
+        self.assertEqual(self.ring.in_flight, 0)
 
     def test_bad_arguments(self):
         with self.assertRaises(rdma_agent.InvalidArgumentError) as raised:
@@ -225,37 +383,154 @@ class KilledAgentTest(unittest.TestCase):
             agent.stop()
 
 
-def header(magic=0x474E4952, version=1, entries=4, submissions=512, completions=768,
-           messages=896, total=1920):
-    memory = mmap.mmap(-1, 1920)
-    struct.pack_into("<III4xQQQQ", memory, 0, magic, version, entries, submissions,
-                     completions, messages, total)
+class HeldPeerTest(unittest.TestCase):
+    """CANCEL of a running batch: its remote is on a second agent over tcp,
+    held with SIGSTOP (the kernel accepts its connections; nothing answers)."""
+
+    def setUp(self):
+        self.a = agents.Agent(AGENTD)
+        self.addCleanup(self.a.stop)
+        self.b = agents.Agent(AGENTD)
+        self.addCleanup(self.b.stop)
+        self.held = False
+        self.addCleanup(self.resume)
+        self.client = AgentClient(self.a.socket, timeout=30)
+        self.addCleanup(self.client.close)
+        self.peer = AgentClient(self.b.socket, timeout=30)
+        self.addCleanup(self.peer.close)
+
+    def resume(self):
+        if self.held:
+            os.kill(self.b.process.pid, signal.SIGCONT)
+            self.held = False
+
+    def test_a_cancel_ends_the_running_batch_holding_its_tag(self):
+        local = self.client.attach(SIZE)
+        self.addCleanup(local.close)
+        local.memory[:] = pattern(1, SIZE)
+        remote = self.peer.attach(SIZE)
+        self.addCleanup(remote.close)
+        remote.memory[:] = pattern(2, SIZE)
+        handle = self.client.import_remote(remote.remote_context)
+        self.addCleanup(handle.close)
+        ring = self.client.open_ring(8)
+        self.addCleanup(ring.close)
+        [result] = ring.submit([Op("read", local, 0, 16, handle, 0)], timeout=20)
+        self.assertEqual((result.code, result.backend), (grpc.StatusCode.OK, "tcp"), result)
+        local.memory[:] = pattern(1, SIZE)
+
+        os.kill(self.b.process.pid, signal.SIGSTOP)
+        self.held = True
+        self.addCleanup(self.resume)  # before the peer's buffer is released
+        ring.post([Op("read", local, 0, 1000, handle, 0),
+                   Op("read", local, 2000, 1000, handle, 2000)], timeout=30, tags=[5, 6])
+        started = time.monotonic()
+        self.assertTrue(ring.cancel(6))
+        ends = []
+        while len(ends) < 2:
+            ends += ring.wait(timeout=30)
+        self.assertLess(time.monotonic() - started, 20)
+        self.assertEqual(sorted((e.tag, e.code) for e in ends),
+                         [(5, grpc.StatusCode.CANCELLED), (6, grpc.StatusCode.CANCELLED)])
+        self.assertFalse(ring.cancel(6))  # ended: no running batch holds it
+        self.resume()
+        # Nothing of the cancelled reads lands, even once the peer answers
+        # (a read after them, over the same peer, has ended by then).
+        [result] = ring.submit([Op("read", local, 40000, 16, handle, 40000)], timeout=20)
+        self.assertTrue(result.ok, result)
+        expected = bytearray(pattern(1, SIZE))
+        expected[40000:40016] = pattern(2, SIZE)[40000:40016]
+        self.assertEqual(bytes(local.memory), bytes(expected))
+
+
+# A version 2 header of 4 entries: submissions at 512 (256 bytes),
+# completions at 768 (128), messages at 896 (1024), payloads at 1920
+# (1024), 2944 bytes in all.
+def header(magic=0x474E4952, version=2, entries=4, submissions=512, completions=768,
+           messages=896, total=2944, payloads=1920, size=2944):
+    memory = mmap.mmap(-1, size)
+    struct.pack_into("<III4xQQQQQ", memory, 0, magic, version, entries, submissions,
+                     completions, messages, total, payloads)
     return memory
 
 
-class HeaderTest(unittest.TestCase):
-    """The checks of the agent's header, before anything of it is trusted."""
+class CraftedMappingTest(unittest.TestCase):
+    """On crafted mappings: the checks of the agent's header before anything
+    of it is trusted, the stop reason's bounds, and the payload area's use."""
 
     def geometry(self, memory):
         return ring_module._read_header(memory, len(memory))
 
     def test_a_good_header(self):
-        self.assertEqual(tuple(self.geometry(header())), (4, 512, 768, 896, 1920))
+        self.assertEqual(tuple(self.geometry(header())), (4, 512, 768, 896, 1920, 2944))
 
-    def test_another_version_is_a_failed_precondition(self):
-        with self.assertRaises(rdma_agent.FailedPreconditionError) as raised:
-            self.geometry(header(version=2))
-        self.assertIn("version 2", raised.exception.message)
+    def test_other_versions_are_a_failed_precondition(self):
+        for version in [1, 3]:
+            with self.subTest(version=version), \
+                    self.assertRaises(rdma_agent.FailedPreconditionError) as raised:
+                self.geometry(header(version=version))
+            self.assertIn("version %d; this client speaks 2" % version,
+                          raised.exception.message)
 
     def test_bad_headers_are_internal_errors(self):
-        for bad in [dict(magic=0), dict(entries=3), dict(entries=0), dict(total=4096),
+        for bad in [dict(magic=0), dict(entries=3), dict(entries=0),
+                    dict(total=1920), dict(total=4096, size=4096),  # not 512 + 608 N
                     dict(submissions=256), dict(completions=600),
-                    dict(messages=1800), dict(messages=769)]:
+                    dict(messages=1800), dict(messages=769),
+                    # the payload area over the messages, past the ring, unaligned
+                    dict(payloads=1800), dict(payloads=2000), dict(payloads=1924),
+                    dict(payloads=0), dict(payloads=512)]:
             with self.subTest(bad=bad), self.assertRaises(rdma_agent.InternalError):
                 self.geometry(header(**bad))
         with self.assertRaises(rdma_agent.InternalError):
             ring_module._read_header(header(), 100)
+        with self.assertRaises(rdma_agent.InternalError):  # the mapping is short
+            ring_module._read_header(header(), 2943)
 
+    def test_payloads_are_reused_only_once_their_entries_are_taken(self):
+        memory = header()  # 4 entries: a payload area of 1024 bytes at 1920
+        ours, theirs = socket.socketpair()
+        self.addCleanup(theirs.close)
+        ring = ring_module.Ring(None, ours, memory, self.geometry(memory))
+        self.addCleanup(ring.close)
+        self.assertEqual(ring.max_notification_bytes, 1024)
+        ring._sq_tail = 2  # entries 0 and 1 posted; sq_head 0: neither taken
+        self.assertEqual(ring._place(b"a" * 600, 0), 0)
+        self.assertEqual(ring._place(b"b" * 300, 1), 600)
+        with self.assertRaises(rdma_agent.ResourceExhaustedError):
+            ring._place(b"c" * 200, 1)  # would wrap onto entry 0's bytes
+        self.assertEqual(ring._place(b"d" * 124, 1), 900)  # fits before the end
+        self.assertEqual(bytes(memory[1920:2944]), b"a" * 600 + b"b" * 300 + b"d" * 124)
+        struct.pack_into("<I", memory, 128, 1)  # sq_head: the agent took entry 0
+        ring._sq_tail = 3
+        self.assertEqual(ring._place(b"e" * 500, 2), 0)
+        with self.assertRaises(rdma_agent.ResourceExhaustedError):
+            ring._place(b"f" * 200, 2)  # entry 1's bytes are still in use
+        self.assertEqual(bytes(memory[1920:2944]),
+                         b"e" * 500 + b"a" * 100 + b"b" * 300 + b"d" * 124)
+        # Far past: all taken, the area is whole again.
+        struct.pack_into("<I", memory, 128, 1000)
+        ring._sq_tail = 1000
+        self.assertEqual(ring._place(b"g" * 1024, 1000), 0)
+
+    def test_the_stop_reason_is_at_most_64_bytes(self):
+        # No NUL in the 64 bytes, then submission slot 0's bytes; and a
+        # short reason.
+        for reason, expected in [(b"r" * 64, "r" * 64), (b"short\0" + b"x" * 58, "short")]:
+            memory = header()
+            memory[448:512] = reason
+            memory[512:640] = b"s" * 128
+            struct.pack_into("<I", memory, 320, 2)  # agent_flags: STOPPED
+            ours, theirs = socket.socketpair()
+            self.addCleanup(theirs.close)
+            ours.setblocking(False)
+            ring = ring_module.Ring(None, ours, memory, self.geometry(memory))
+            self.addCleanup(ring.close)
+            with self.subTest(expected=expected), \
+                    self.assertRaises(rdma_agent.FailedPreconditionError) as raised:
+                ring.reap()
+            self.assertEqual(raised.exception.message,
+                             "the agent stopped this ring: " + expected)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -1347,14 +1347,17 @@ class AgentClient:
             fields["remote_context"] = remote_context
         return fields
 
-    def open_ring(self, entries: int = 64) -> Ring:
-        """Opens a shared-memory ring session with the agent (docs/RING.md):
-        returns an rdma_agent.ring.Ring of `entries` slots (a power of two, at
-        most the agent's --max_ring_entries), whose ops name local buffers
-        and RemoteHandles and run without a gRPC call. The ring's memory is
-        charged to this user's registered-bytes quota until close()."""
+    def open_ring(self, entries: int = 64, max_notification_bytes: int = 4096) -> Ring:
+        """Opens a shared-memory ring session with the agent (docs/RING.md,
+        version 2): returns an rdma_agent.ring.Ring of `entries` slots (a
+        power of two, at most the agent's --max_ring_entries), whose ops name
+        local buffers and RemoteHandles and run without a gRPC call.
+        `max_notification_bytes` is the agent's --max_notification_bytes (the
+        agent does not say it): larger notifications are refused here. The
+        ring's memory is charged to this user's registered-bytes quota until
+        close()."""
         from rdma_agent.ring import Ring
-        return Ring._open(self, entries)
+        return Ring._open(self, entries, max_notification_bytes)
 
     def _op_messages(self, ops: Iterable[Op], container: Any) -> None:
         """Adds one Op message per Op to the repeated field `container`."""

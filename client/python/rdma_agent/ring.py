@@ -11,8 +11,18 @@ gRPC call, and no syscall while the agent is awake.
         assert result.ok, result
 
         ring.post([Op("read", mine, 0, 4096, peer)], tags=[7])
-        ring.post([Op("read", mine, 4096, 4096, peer)], tags=[8])
+        ring.post([Op("read", mine, 4096, 4096, peer)], tags=[8], notification=b"done")
         ends = ring.wait(timeout=5)        # RingCompletion(tag, code, message, backend)
+
+        with agent.prepare_transfer(ops) as layer:
+            tag = ring.run_prepared(layer, timeout=5)   # one completion for the run
+            ring.cancel(tag)               # True if the agent found it running
+
+Version 2 of the protocol: batches run asynchronously on the agent and may
+complete in any order, so completions are matched by tag (submit() and
+cancel() keep the others for reap() and wait()). A notification's bytes go
+into the ring's payload area, used as a ring of its own: a payload's bytes
+are reused only once the agent has taken (copied) the entry that named them.
 
 An op's local side is what an Op takes for submit(); its remote side must
 be a RemoteHandle (AgentClient.import_remote). A session ends with close()
@@ -55,12 +65,12 @@ import socket
 import struct
 import threading
 import time
-from collections import namedtuple
+from collections import deque, namedtuple
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 
-from rdma_agent.client import Op, OpResult, _attach_open, _raise_for
+from rdma_agent.client import Op, OpResult, PreparedTransfer, _attach_open, _raise_for
 from rdma_agent.errors import AgentError, invalid, status_code, wrong_type
 from rdma_agent.proto import attach_pb2
 
@@ -69,15 +79,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Ring", "RingCompletion"]
 
-# ---- version 1 of the layout (docs/RING.md): every offset and size here ----
+# ---- version 2 of the layout (docs/RING.md): every offset and size here ----
 
-VERSION = 1
+VERSION = 2
 _MAGIC = 0x474E4952  # "RING", little-endian
 _HEADER_BYTES = 512
 # What the agent writes once, from offset 0: magic, version, entries, 4
 # unused bytes, then the offsets of the submissions, completions and
-# messages and the total bytes.
-_HEADER = struct.Struct("<III4xQQQQ")
+# messages, the total bytes and the offset of the payload area.
+_HEADER = struct.Struct("<III4xQQQQQ")
 # The shared 4-byte words, by byte offset (each on a 64-byte line of its own).
 _SQ_TAIL = 64        # client
 _SQ_HEAD = 128       # agent
@@ -88,19 +98,25 @@ _CLIENT_FLAGS = 384  # client
 _NEEDS_WAKEUP = 1 << 0  # agent_flags
 _STOPPED = 1 << 1       # agent_flags
 _WAITING = 1 << 0       # client_flags
-# The stop reason, NUL-terminated. RING.md gives it 64 bytes; the agent
-# (common/ring_protocol.h kStopReasonBytes) writes up to 128, so that many
-# are read: by then the session is over and slot 0 is nobody's.
+# The stop reason: 64 bytes of NUL-terminated text, the rest of the header
+# (a longer read would run into submission slot 0).
 _STOP_REASON = 448
-_STOP_REASON_BYTES = 128
+_STOP_REASON_BYTES = 64
 # Submission entry: opcode, flags, reserved, timeout_ms, user_tag,
-# local_buffer_id, local_offset, length, remote_handle, remote_offset,
-# reserved.
+# local_buffer_id, local_offset, length, remote_handle (RUN_PREPARED: the
+# prepared id; CANCEL: the tag to cancel), remote_offset, and with NOTIFY
+# the payload's offset (low 32 bits) and length (high 32 bits).
 _SUBMISSION = struct.Struct("<BBHIQQQQQQQ")
+_RUN_PREPARED = 3
+_CANCEL = 4
 _END_OF_BATCH = 1 << 0
+_NOTIFY = 1 << 1
 # Completion entry: user_tag, code, backend, message length, reserved.
 _COMPLETION = struct.Struct("<QiHH16x")
 _MESSAGE_BYTES = 256
+_PAYLOAD_BYTES = 256  # of the payload area, per entry
+# The agent's --max_notification_bytes unless open_ring() is told otherwise.
+DEFAULT_MAX_NOTIFICATION_BYTES = 4096
 _BACKENDS = {0: "", 1: "memory", 2: "tcp", 3: "ibverbs"}
 _MAX_ENTRIES = 1 << 16
 
@@ -130,7 +146,7 @@ class RingCompletion(namedtuple("RingCompletion", "tag code message backend")):
 
 
 class _Geometry(namedtuple("_Geometry",
-                           "entries submissions completions messages total_bytes")):
+                           "entries submissions completions messages payloads total_bytes")):
     """Where a ring's parts are, as its header says."""
 
 
@@ -142,7 +158,7 @@ def _read_header(memory: mmap.mmap, size: int) -> _Geometry:
     if size < _HEADER_BYTES:
         raise AgentError(grpc.StatusCode.INTERNAL,
                          "open ring: the ring of %d bytes is smaller than its header" % size)
-    magic, version, entries, submissions, completions, messages, total = \
+    magic, version, entries, submissions, completions, messages, total, payloads = \
         _HEADER.unpack_from(memory, 0)
     if magic != _MAGIC:
         raise AgentError(grpc.StatusCode.INTERNAL,
@@ -155,13 +171,20 @@ def _read_header(memory: mmap.mmap, size: int) -> _Geometry:
         raise AgentError(grpc.StatusCode.INTERNAL,
                          "open ring: %d entries is not a power of two up to %d"
                          % (entries, _MAX_ENTRIES))
+    expected = _HEADER_BYTES + entries * (_SUBMISSION.size + _COMPLETION.size +
+                                          _MESSAGE_BYTES + _PAYLOAD_BYTES)
+    if total != expected:
+        raise AgentError(grpc.StatusCode.INTERNAL,
+                         "open ring: the header claims %d bytes; %d entries take %d"
+                         % (total, entries, expected))
     if total > size:
         raise AgentError(grpc.StatusCode.INTERNAL,
                          "open ring: the header claims %d bytes; the mapping has %d"
                          % (total, size))
     regions = sorted([(submissions, entries * _SUBMISSION.size, "submissions"),
                       (completions, entries * _COMPLETION.size, "completions"),
-                      (messages, entries * _MESSAGE_BYTES, "messages")])
+                      (messages, entries * _MESSAGE_BYTES, "messages"),
+                      (payloads, entries * _PAYLOAD_BYTES, "payloads")])
     end = _HEADER_BYTES
     for start, length, name in regions:
         if start < end or start + length > total or start % 8:
@@ -169,7 +192,13 @@ def _read_header(memory: mmap.mmap, size: int) -> _Geometry:
                              "open ring: the %s at %d (%d bytes) overlap another part or "
                              "leave the ring's %d bytes" % (name, start, length, total))
         end = start + length
-    return _Geometry(entries, submissions, completions, messages, total)
+    return _Geometry(entries, submissions, completions, messages, payloads, total)
+
+
+def _tag(what: str, tag: object) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < (1 << 64):
+        raise invalid("%s %r is not a uint64" % (what, tag))
+    return tag
 
 
 def _timeout_ms(timeout: float | None) -> int:
@@ -188,7 +217,8 @@ class Ring:
     session."""
 
     def __init__(self, client: AgentClient, connection: socket.socket, memory: mmap.mmap,
-                 geometry: _Geometry) -> None:
+                 geometry: _Geometry,
+                 max_notification_bytes: int = DEFAULT_MAX_NOTIFICATION_BYTES) -> None:
         self._client = client
         self._connection = connection
         self._memory = memory
@@ -201,16 +231,32 @@ class Ring:
         self._cq_head = 0    # completions reaped
         self._reaped: list[RingCompletion] = []  # read by submit(), not yet reap()ed
         self._next_tag = 1
+        # The payload area, used as a ring: _payload_next is where the next
+        # payload goes (a position counting up; its place is modulo the
+        # area), _payloads the (entry index, start, end) of payloads whose
+        # entry the agent may not have taken yet, oldest first.
+        self._payload_area = geometry.entries * _PAYLOAD_BYTES
+        self._max_notification = min(self._payload_area, max_notification_bytes)
+        self._payload_next = 0
+        self._payloads: deque[tuple[int, int, int]] = deque()
         self._ended: AgentError | None = None
         self._closed = False
 
     @classmethod
-    def _open(cls, client: AgentClient, entries: int) -> Ring:
+    def _open(cls, client: AgentClient, entries: int,
+              max_notification_bytes: int = DEFAULT_MAX_NOTIFICATION_BYTES) -> Ring:
         if isinstance(entries, bool) or not isinstance(entries, int):
             raise wrong_type("open_ring: entries", entries, "an int (a power of two)")
         if entries < 1 or entries > _MAX_ENTRIES or entries & (entries - 1):
             raise invalid("open_ring: entries %d is not a power of two from 1 to %d"
                           % (entries, _MAX_ENTRIES))
+        if isinstance(max_notification_bytes, bool) or \
+                not isinstance(max_notification_bytes, int):
+            raise wrong_type("open_ring: max_notification_bytes", max_notification_bytes,
+                             "an int")
+        if max_notification_bytes < 1:
+            raise invalid("open_ring: max_notification_bytes %d must be positive"
+                          % max_notification_bytes)
         if platform.machine() not in ("x86_64", "AMD64"):
             raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
                              "open ring: the Python ring needs x86-64's memory ordering; "
@@ -246,7 +292,7 @@ class Ring:
             connection.close()
             raise
         connection.setblocking(False)
-        return cls(client, connection, memory, geometry)
+        return cls(client, connection, memory, geometry, max_notification_bytes)
 
     # -- what callers see ------------------------------------------------
 
@@ -265,18 +311,30 @@ class Ring:
         """None while the session runs; else the error its calls raise."""
         return self._ended
 
+    @property
+    def max_notification_bytes(self) -> int:
+        """The largest notification a batch of this ring may carry: the
+        payload area (256 bytes per entry) or the agent's
+        --max_notification_bytes (open_ring()), whichever is smaller."""
+        return self._max_notification
+
     def post(self, ops: Sequence[Op], timeout: float | None = None,
-             tags: Sequence[int] | None = None) -> list[int]:
+             tags: Sequence[int] | None = None,
+             notification: bytes | str | None = None) -> list[int]:
         """Posts `ops` as one batch (run together, like one submit();
         `timeout` in seconds bounds it on the agent, None: the agent's
         default) and wakes the agent if it sleeps. `tags` (one uint64 per
         op) come back in the completions; default: numbers this ring hands
-        out. Returns the tags. ResourceExhaustedError, posting nothing,
-        when the ring lacks room for all of them (reap first)."""
+        out (counting from 1: tags of your own should not repeat them).
+        `notification` (bytes or str, 1 to max_notification_bytes) goes to
+        the owner of each remote buffer the batch wrote or read once its
+        bytes have landed, as submit_notify()'s. Returns the tags.
+        ResourceExhaustedError, posting nothing, when the ring lacks room
+        for all of them or for the notification (reap first)."""
         with self._lock:
             self._check_open()
             entries = self._entries(ops, timeout, tags)
-            self._publish(entries)
+            self._post(entries, notification)
             return [entry[4] for entry in entries]
 
     def reap(self, max_count: int | None = None) -> list[RingCompletion]:
@@ -304,26 +362,68 @@ class Ring:
                         "no completion within %ss" % timeout)
             return self._take(None)
 
-    def submit(self, ops: Sequence[Op], timeout: float | None = None) -> list[OpResult]:
+    def submit(self, ops: Sequence[Op], timeout: float | None = None,
+               notification: bytes | str | None = None) -> list[OpResult]:
         """Runs `ops` as one batch and waits for it: one OpResult per op, in
-        order, as AgentClient.submit(). Completions of batches posted earlier
-        that arrive meanwhile are kept for reap()."""
+        order, as AgentClient.submit(); `notification` as for post().
+        Completions of other batches that arrive meanwhile are kept for
+        reap()."""
         with self._lock:
             self._check_open()
             entries = self._entries(ops, timeout, None)
-            # Every entry gets one completion and the agent takes batches
-            # in order: this batch's come right after those of the
-            # `earlier` entries not yet read.
-            earlier = (self._sq_tail - self._cq_head) & 0xFFFFFFFF
-            self._publish(entries)
+            self._post(entries, notification)
             limit = (timeout if timeout is not None else 0) + self._client.timeout + 5
-            self._await(lambda: ((self._cq_tail() - self._cq_head) & 0xFFFFFFFF) >=
-                        earlier + len(entries),
-                        time.monotonic() + limit, 20e-6,
-                        "the batch did not end within %ss" % limit)
-            self._reaped.extend(self._read(earlier))
-            return [OpResult(end.code, end.message, end.backend)
-                    for end in self._read(len(entries))]
+            ends = self._collect([entry[4] for entry in entries], time.monotonic() + limit,
+                                 "the batch did not end within %ss" % limit)
+            return [OpResult(end.code, end.message, end.backend) for end in ends]
+
+    def run_prepared(self, prepared: PreparedTransfer | int, timeout: float | None = None,
+                     notification: bytes | str | None = None, tag: int | None = None) -> int:
+        """Posts one run of a prepared transfer (AgentClient.prepare_transfer,
+        or its id) as a batch of its own, with `timeout` and `notification`
+        as for post(). Returns its tag (`tag`, or one this ring hands out);
+        the run ends in ONE completion (reap(), wait()): OK when every op
+        succeeded, else the first failed op's code and message ("op N: ...",
+        N its index in the prepared transfer). An unknown or released id
+        ends NOT_FOUND. ResourceExhaustedError as for post()."""
+        with self._lock:
+            self._check_open()
+            if isinstance(prepared, PreparedTransfer):
+                prepared_id = prepared.id
+            elif isinstance(prepared, int) and not isinstance(prepared, bool):
+                prepared_id = prepared
+            else:
+                raise wrong_type("run_prepared: prepared", prepared,
+                                 "a PreparedTransfer or its id")
+            if not 0 < prepared_id < (1 << 64):
+                raise invalid("run_prepared: prepared transfer id %d is not a positive uint64"
+                              % prepared_id)
+            entry = self._single(_RUN_PREPARED, _timeout_ms(timeout),
+                                 None if tag is None else _tag("run_prepared: tag", tag),
+                                 prepared_id)
+            self._post([entry], notification)
+            return entry[4]
+
+    def cancel(self, tag: int) -> bool:
+        """Cancels the running batch holding an entry tagged `tag` (a CANCEL
+        entry) and waits for the agent's answer: True when it found that
+        batch taken and not yet completed (nothing of it touches local
+        memory any more; its ops that had not ended end CANCELLED, and its
+        completions follow), False when it found none (not yet taken, or
+        already completed). Completions of other batches that arrive
+        meanwhile are kept for reap()."""
+        with self._lock:
+            self._check_open()
+            entry = self._single(_CANCEL, 0, None, _tag("cancel: tag", tag))
+            self._post([entry], None)
+            limit = self._client.timeout + 5
+            [end] = self._collect([entry[4]], time.monotonic() + limit,
+                                  "the cancel was not answered within %ss" % limit)
+            if end.code == grpc.StatusCode.OK:
+                return True
+            if end.code == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise AgentError(end.code, "cancel: " + end.message)
 
     def close(self) -> None:
         """Ends the session: entries the agent has not taken never run; a
@@ -380,14 +480,7 @@ class Ring:
             if "remote_handle" not in fields:
                 raise invalid("op %d: remote: the ring names remotes by handle: pass a "
                               "RemoteHandle (AgentClient.import_remote)" % index)
-            if tags is None:
-                tag = self._next_tag
-                self._next_tag = (self._next_tag + 1) & 0xFFFFFFFFFFFFFFFF
-            else:
-                tag = tags[index]
-                if isinstance(tag, bool) or not isinstance(tag, int) or \
-                        not 0 <= tag < (1 << 64):
-                    raise invalid("op %d: tag %r is not a uint64" % (index, tag))
+            tag = self._new_tag() if tags is None else _tag("op %d: tag" % index, tags[index])
             if not 0 < fields["length"] < (1 << 64):
                 raise invalid("op %d: length %d must be positive" % (index, fields["length"]))
             last = index == len(ops) - 1
@@ -396,6 +489,82 @@ class Ring:
                             fields["local_offset"], fields["length"], fields["remote_handle"],
                             fields["remote_offset"], 0))
         return entries
+
+    def _single(self, opcode: int, timeout_ms: int, tag: int | None,
+                field: int) -> tuple[int, ...]:
+        """A RUN_PREPARED or CANCEL entry (a batch of its own; `field` the
+        prepared id or the tag to cancel); the ring has a slot for it now."""
+        if self._ended is not None:
+            raise self._ended
+        if self.in_flight >= self.entries:
+            raise AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             "ring: no slot is free; %d of %d are in flight (reap completions)"
+                             % (self.in_flight, self.entries))
+        return (opcode, _END_OF_BATCH, 0, timeout_ms,
+                self._new_tag() if tag is None else tag, 0, 0, 0, field, 0, 0)
+
+    def _new_tag(self) -> int:
+        tag = self._next_tag
+        self._next_tag = (self._next_tag + 1) & 0xFFFFFFFFFFFFFFFF
+        return tag
+
+    def _post(self, entries: list[tuple[int, ...]],
+              notification: bytes | str | None) -> None:
+        """Places the notification (if any) in the payload area, flags the
+        batch's last entry with it, and publishes the batch."""
+        if notification is not None:
+            data = self._payload(notification)
+            index = (self._sq_tail + len(entries) - 1) & 0xFFFFFFFF
+            offset = self._place(data, index)
+            last = list(entries[-1])
+            last[1] |= _NOTIFY
+            last[10] = offset | (len(data) << 32)
+            entries[-1] = tuple(last)
+        self._publish(entries)
+
+    def _payload(self, notification: bytes | str) -> bytes:
+        if isinstance(notification, str):
+            data = notification.encode()
+        elif isinstance(notification, (bytes, bytearray, memoryview)):
+            data = bytes(notification)
+        else:
+            raise wrong_type("ring: notification", notification, "bytes or str")
+        if not data:
+            raise invalid("ring: the notification is empty (pass None for none)")
+        if len(data) > self._max_notification:
+            raise invalid("ring: the notification of %d bytes is larger than this ring's "
+                          "max_notification_bytes, %d (the smaller of its payload area, %d "
+                          "bytes, and the agent's --max_notification_bytes)"
+                          % (len(data), self._max_notification, self._payload_area))
+        return data
+
+    def _place(self, data: bytes, index: int) -> int:
+        """Writes `data` where no payload the agent may still copy lies and
+        records it for the entry of `index`; returns its offset in the area.
+        A payload never wraps: one that would is put at the area's start."""
+        # Payloads whose entry the agent has taken (outside [sq_head,
+        # sq_tail)) are free.
+        head = int(self._words[_SQ_HEAD // 4])
+        untaken = (self._sq_tail - head) & 0xFFFFFFFF
+        while self._payloads and ((self._payloads[0][0] - head) & 0xFFFFFFFF) >= untaken:
+            self._payloads.popleft()
+        if not self._payloads:
+            self._payload_next = 0
+        oldest = self._payloads[0][1] if self._payloads else self._payload_next
+        start = self._payload_next
+        if start % self._payload_area + len(data) > self._payload_area:
+            start += self._payload_area - start % self._payload_area
+        if start + len(data) - oldest > self._payload_area:
+            raise AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             "ring: no room for a notification of %d bytes until the agent "
+                             "takes earlier batches' (wait or reap, then post again)"
+                             % len(data))
+        offset = start % self._payload_area
+        place = self._geometry.payloads + offset
+        self._memory[place:place + len(data)] = data
+        self._payloads.append((index, start, start + len(data)))
+        self._payload_next = start + len(data)
+        return offset
 
     def _publish(self, entries: list[tuple[int, ...]]) -> None:
         """Writes the entries, then moves sq_tail (release: TSO keeps the
@@ -432,13 +601,40 @@ class Ring:
         if max_count is not None and len(kept) >= max_count:
             self._reaped = kept[max_count:]
             return kept[:max_count]
+        published = self._published()
+        want = published if max_count is None else min(published, max_count - len(kept))
+        return kept + self._read(want)
+
+    def _collect(self, tags: list[int], deadline: float, what: str) -> list[RingCompletion]:
+        """Waits for the completions tagged `tags` (one each, returned in
+        that order); every other completion read meanwhile is kept for
+        reap(). Batches complete in any order."""
+        found: dict[int, RingCompletion] = {}
+        wanted = set(tags)
+        kept = []
+        for end in self._reaped:
+            if end.tag in wanted and end.tag not in found:
+                found[end.tag] = end
+            else:
+                kept.append(end)
+        self._reaped = kept
+        while len(found) < len(wanted):
+            self._await(lambda: self._published() > 0, deadline, 20e-6, what)
+            for end in self._read(self._published()):
+                if end.tag in wanted and end.tag not in found:
+                    found[end.tag] = end
+                else:
+                    self._reaped.append(end)
+        return [found[tag] for tag in tags]
+
+    def _published(self) -> int:
+        """Completions the agent published and this ring has not read."""
         published = (self._cq_tail() - self._cq_head) & 0xFFFFFFFF
         if published > self.entries:  # the agent never does this
             self._end(AgentError(grpc.StatusCode.INTERNAL,
                                  "ring: cq_tail is %d completions past cq_head" % published))
-            return kept
-        want = published if max_count is None else min(published, max_count - len(kept))
-        return kept + self._read(want)
+            return 0
+        return published
 
     def _read(self, count: int) -> list[RingCompletion]:
         """Reads `count` published completions (the caller loaded cq_tail
