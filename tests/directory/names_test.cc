@@ -42,6 +42,7 @@ using ::rdma_agent::testing::RunfilePath;
 using ::rdma_agent::testing::RunToCompletion;
 using ::rdma_agent::testing::TcpAgentOptions;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr absl::Duration kLeaseTtl = absl::Seconds(3);
 // Room for a loaded 2-core machine.
@@ -459,6 +460,66 @@ TEST_F(NamesTest, ANameRepublishedAfterItsOwnerRestartsReachesThePeer) {
   ASSERT_TRUE(bytes.ok());
   EXPECT_EQ(*bytes, std::string(8, '\0') + std::string(100, 'n') +
                         std::string(92, '\0'));
+}
+
+// WatchNames run by another local user (nobody, through setpriv and
+// rdma-agentctl names): its snapshot and its events show the names it
+// publishes itself and those published for any user, nothing else, not
+// even the withdrawal of a name it could not see.
+TEST_F(NamesTest, AnotherUserWatchesOnlyItsOwnAndSharedNames) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  // mkdtemp made it 0700; the daemon makes its sockets 0666.
+  ASSERT_EQ(::chmod(b->runtime_dir().c_str(), 0755), 0);
+  auto as_nobody = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {"setpriv",
+                                     "--reuid=65534",
+                                     "--regid=65534",
+                                     "--clear-groups",
+                                     RunfilePath("client/rdma-agentctl"),
+                                     "--target=" + b->target()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  };
+  auto private_name = Register(*a, "w/private");
+  auto shared_name = Register(*a, "w/shared", v1::VISIBILITY_ANY_USER);
+  ASSERT_TRUE(private_name.ok() && shared_name.ok());
+  auto own = RunToCompletion(
+      as_nobody({"register", "--size=4k", "--name=w/nobody"}), "", kPatience);
+  ASSERT_TRUE(own.ok()) << own.status();
+  ASSERT_EQ(own->exit_code, 0) << own->err;
+
+  auto snapshot = RunToCompletion(as_nobody({"names", "w/"}), "", kPatience);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  ASSERT_EQ(snapshot->exit_code, 0) << snapshot->err;
+  EXPECT_THAT(snapshot->out, HasSubstr("w/shared: buffer"));
+  EXPECT_THAT(snapshot->out, HasSubstr("w/nobody: buffer"));
+  EXPECT_THAT(snapshot->out, Not(HasSubstr("w/private")));
+  // The owner (root) sees its own names too.
+  auto root = RunToCompletion({RunfilePath("client/rdma-agentctl"),
+                               "--target=" + b->target(), "names", "w/"},
+                              "", kPatience);
+  ASSERT_TRUE(root.ok());
+  EXPECT_THAT(root->out, HasSubstr("w/private: buffer"));
+
+  testing::Subprocess::Options options;
+  options.argv = as_nobody({"names", "w/", "--follow"});
+  options.pipe_stdio = true;
+  auto follower = testing::Subprocess::Spawn(std::move(options));
+  ASSERT_TRUE(follower.ok()) << follower.status();
+  ASSERT_TRUE(follower->WaitForLine("-- synced", kPatience).ok());
+  ASSERT_TRUE(Register(*a, "w/private2").ok());
+  ASSERT_TRUE(a->client().Release(private_name->buffer_id()).ok());
+  ASSERT_TRUE(Register(*a, "w/shared2", v1::VISIBILITY_ANY_USER).ok());
+  ASSERT_TRUE(a->client().Release(shared_name->buffer_id()).ok());
+  std::string seen;
+  const absl::Status last = follower->WaitForLine(
+      "withdrawn w/shared", kPatience,
+      [&](const std::string& line) { seen += line + "\n"; });
+  EXPECT_TRUE(last.ok()) << last << "\n" << seen;
+  EXPECT_THAT(seen, HasSubstr("w/shared2: buffer"));
+  EXPECT_THAT(seen, Not(HasSubstr("private")));
 }
 
 }  // namespace
