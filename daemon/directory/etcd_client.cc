@@ -1,5 +1,7 @@
 #include "daemon/directory/etcd_client.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <utility>
@@ -154,13 +156,26 @@ absl::Status EtcdClient::CallWithFailover(absl::Time deadline, const char* what,
   }
   absl::Status last;
   bool reauthenticated = false;
-  for (size_t tried = 0; tried < endpoints_.size(); ++tried) {
+  // Several endpoints: round after round until the deadline, since members
+  // of a cluster that has just lost its leader answer UNAVAILABLE, or hold
+  // a call, until they have elected another; each attempt gets a slice of
+  // the deadline. One endpoint: once, failing fast.
+  const bool cluster = endpoints_.size() > 1;
+  const size_t rounds_end = cluster ? SIZE_MAX : endpoints_.size();
+  const absl::Duration slice =
+      std::max(options_.call_timeout / 4, absl::Milliseconds(250));
+  for (size_t tried = 0; tried < rounds_end; ++tried) {
+    if (tried > 0 && tried % endpoints_.size() == 0) {
+      absl::SleepFor(std::min(absl::Milliseconds(100), deadline - absl::Now()));
+    }
     const size_t index = (first + tried) % endpoints_.size();
     Endpoint& endpoint = *endpoints_[index];
     grpc::Status status;
     for (;;) {
       grpc::ClientContext context;
-      absl::Status prepared = Prepare(endpoint, context, deadline);
+      absl::Status prepared =
+          Prepare(endpoint, context,
+                  cluster ? std::min(deadline, absl::Now() + slice) : deadline);
       if (!prepared.ok()) {
         status = ToGrpcStatus(prepared);
         break;
@@ -174,7 +189,12 @@ absl::Status EtcdClient::CallWithFailover(absl::Time deadline, const char* what,
       absl::MutexLock lock(&mu_);
       token_.clear();
     }
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    const bool next =
+        status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        (cluster &&
+         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+         absl::Now() < deadline);
+    if (!next) {
       absl::MutexLock lock(&mu_);
       current_ = index;
       if (status.ok()) return absl::OkStatus();
@@ -184,6 +204,10 @@ absl::Status EtcdClient::CallWithFailover(absl::Time deadline, const char* what,
     }
     last = absl::UnavailableError(absl::StrCat(
         "etcd ", what, " at ", endpoint.address, ": ", status.error_message()));
+    if (absl::Now() >= deadline &&
+        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      last = absl::DeadlineExceededError(last.message());
+    }
     if (absl::Now() >= deadline) break;
   }
   return last;

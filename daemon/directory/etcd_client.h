@@ -20,8 +20,10 @@ namespace rdma_agent {
 
 // The few etcd v3 calls the directory makes (KV, Lease, Auth), over gRPC
 // with etcd's own wire contract (proto/etcd). Endpoints are tried in order:
-// a call that finds one unreachable moves on to the next, and later calls
-// start from the one that answered. With a user, the client authenticates
+// a call that finds one unreachable moves on to the next (with several,
+// round after round until its deadline: a cluster electing a new leader
+// answers UNAVAILABLE meanwhile), and later calls start from the one that
+// answered. With a user, the client authenticates
 // once and again whenever etcd says the token is no longer valid.
 //
 // Thread-safe.

@@ -99,6 +99,7 @@ void EtcdDirectory::WatcherLoop() {
       watch_context_ = &context;
     }
     auto stream = client_->OpenWatch(&context);
+    bool synced = false;  // this stream
     if (stream.ok()) {
       etcdserverpb::WatchRequest request;
       etcdserverpb::WatchCreateRequest* create =
@@ -118,6 +119,7 @@ void EtcdDirectory::WatcherLoop() {
         while ((*stream)->Read(&response)) {
           absl::MutexLock lock(&subscribers_.mu());
           if (response.created()) {
+            synced = true;
             watch_synced_ = true;
             watch_lost_ = false;
             if (watched_revision_ == 0) {
@@ -158,15 +160,20 @@ void EtcdDirectory::WatcherLoop() {
       client_->WatchEnded((*stream)->Finish());
     }
     {
+      // A stream that never became current: etcd cannot be reached. One
+      // that was is opened again at once (on the next endpoint when its
+      // member went away); misses ask etcd meanwhile.
       absl::MutexLock lock(&subscribers_.mu());
-      if (watch_synced_) watch_lost_ = true;
+      watch_lost_ = !synced;
       watch_synced_ = false;
     }
     absl::MutexLock lock(&watch_mu_);
     watch_context_ = nullptr;
-    // Etcd away: try again in a second, unless stopping.
-    watch_mu_.AwaitWithTimeout(absl::Condition(&watch_stopping_),
-                               absl::Seconds(1));
+    // Etcd away: try again in a second (at once after a current stream
+    // broke: its member went away), unless stopping.
+    watch_mu_.AwaitWithTimeout(
+        absl::Condition(&watch_stopping_),
+        synced ? absl::Milliseconds(100) : absl::Seconds(1));
     if (watch_stopping_) return;
   }
 }
