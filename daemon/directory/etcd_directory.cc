@@ -137,9 +137,13 @@ void EtcdDirectory::WatcherLoop() {
                 std::max(watched_revision_, response.compact_revision());
             break;
           }
+          // One revision may hold many events (a lease expiring withdraws
+          // every name under it at once): skip only what an earlier
+          // response delivered.
+          const int64_t delivered = watched_revision_;
           for (const mvccpb::Event& event : response.events()) {
             const int64_t revision = event.kv().mod_revision();
-            if (revision <= watched_revision_) continue;
+            if (revision <= delivered) continue;
             auto name_event = ToNameEvent(event);
             if (name_event.has_value()) {
               if (name_event->kind() == v1::NameEvent::PUBLISHED) {

@@ -414,6 +414,46 @@ TEST_F(NamesTest, EtcdLostCachedNamesStillMoveBytesAndComeBackAfter) {
   EXPECT_EQ(result.code(), 0) << result.message();
 }
 
+// A crashed agent's lease takes all its names at once (one etcd revision):
+// every one of them leaves the other agents' caches and watches.
+TEST_F(NamesTest, EveryNameOfACrashedAgentLeavesTheCaches) {
+  auto a = StartAgent("agent-a");
+  auto b = StartAgent("agent-b");
+  ASSERT_TRUE(a && b);
+  const std::vector<std::string> names = {"crash/1", "crash/2", "crash/3"};
+  for (const std::string& name : names) {
+    ASSERT_TRUE(Register(*a, name).ok()) << name;
+    ASSERT_TRUE(ResolveUntilCached(*b, name)) << name;
+  }
+  testing::Subprocess::Options options;
+  options.argv = {RunfilePath("client/rdma-agentctl"),
+                  "--target=" + b->target(), "names", "crash/", "--follow"};
+  options.pipe_stdio = true;
+  auto follower = testing::Subprocess::Spawn(std::move(options));
+  ASSERT_TRUE(follower.ok()) << follower.status();
+  ASSERT_TRUE(follower->WaitForLine("-- synced", kPatience).ok());
+  a->Kill();
+  for (const std::string& name : names) {
+    EXPECT_TRUE(Eventually(
+        [&] {
+          return b->client().Resolve(name).status().code() ==
+                 absl::StatusCode::kNotFound;
+        },
+        kLeaseTtl + kPatience))
+        << name;
+  }
+  std::string seen;
+  for (const std::string& name : names) {
+    EXPECT_TRUE(
+        follower
+            ->WaitForLine("withdrawn " + name, kPatience,
+                          [&](const std::string& line) { seen += line + "\n"; })
+            .ok())
+        << name << " not among\n"
+        << seen;
+  }
+}
+
 TEST_F(NamesTest, ANameRepublishedAfterItsOwnerRestartsReachesThePeer) {
   auto a = StartAgent("agent-a");
   auto b = StartAgent("agent-b");
