@@ -134,7 +134,7 @@ int Run() {
   row("resolve, cold cache (etcd asked):", cold);
   row("resolve, warm cache:", warm);
   row("resolve, cache off (etcd asked):", from_etcd);
-  std::printf("warm cache / cache off (p50 per name): %.2f\n",
+  std::printf("warm cache / cache off (mean per name): %.2f\n",
               absl::FDivDuration(Sum(warm), Sum(from_etcd)));
 
   // SIGKILL the publisher: how long until etcd has dropped its names and
