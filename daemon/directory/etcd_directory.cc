@@ -281,6 +281,16 @@ absl::Status EtcdDirectory::PutName(const v1::NameRecord& record) {
         absl::StrCat("this agent is not published in the directory ", name(),
                      " (unreachable?); names need it"));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Now() >= lease_held_until_) {
+      return absl::UnavailableError(
+          absl::StrCat("this agent's lease in the directory ", name(),
+                       " could not be renewed within ",
+                       absl::FormatDuration(options_.lease_ttl),
+                       " (etcd unreachable?); names need it"));
+    }
+  }
   const std::string key = NameKey(options_, record.name());
   const std::string value = EncodeNameRecord(record);
   // Put only where nobody holds the name; otherwise read who does.
