@@ -191,9 +191,7 @@ absl::Status EtcdClient::CallWithFailover(absl::Time deadline, const char* what,
     }
     const bool next =
         status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        (cluster &&
-         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-         absl::Now() < deadline);
+        (cluster && status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED);
     if (!next) {
       absl::MutexLock lock(&mu_);
       current_ = index;
@@ -204,10 +202,6 @@ absl::Status EtcdClient::CallWithFailover(absl::Time deadline, const char* what,
     }
     last = absl::UnavailableError(absl::StrCat(
         "etcd ", what, " at ", endpoint.address, ": ", status.error_message()));
-    if (absl::Now() >= deadline &&
-        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      last = absl::DeadlineExceededError(last.message());
-    }
     if (absl::Now() >= deadline) break;
   }
   return last;

@@ -97,6 +97,8 @@ void EtcdDirectory::WatcherLoop() {
       absl::MutexLock lock(&watch_mu_);
       if (watch_stopping_) return;
       watch_context_ = &context;
+      watch_opened_ = absl::Now();
+      watch_current_ = false;
     }
     auto stream = client_->OpenWatch(&context);
     bool synced = false;  // this stream
@@ -119,6 +121,10 @@ void EtcdDirectory::WatcherLoop() {
         while ((*stream)->Read(&response)) {
           absl::MutexLock lock(&subscribers_.mu());
           if (response.created()) {
+            {
+              absl::MutexLock watch_lock(&watch_mu_);
+              watch_current_ = true;
+            }
             synced = true;
             watch_synced_ = true;
             watch_lost_ = false;
@@ -179,6 +185,14 @@ void EtcdDirectory::WatcherLoop() {
         absl::Condition(&watch_stopping_),
         synced ? absl::Milliseconds(100) : absl::Seconds(1));
     if (watch_stopping_) return;
+  }
+}
+
+void EtcdDirectory::CancelStuckWatch() {
+  absl::MutexLock lock(&watch_mu_);
+  if (watch_context_ != nullptr && !watch_current_ &&
+      absl::Now() - watch_opened_ > options_.call_timeout) {
+    watch_context_->TryCancel();
   }
 }
 
@@ -477,6 +491,7 @@ void EtcdDirectory::KeeperLoop() {
       mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
       if (stopping_) return;
     }
+    CancelStuckWatch();
     absl::Status status;
     {
       absl::MutexLock lock(&keeper_mu_);

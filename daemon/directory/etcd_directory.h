@@ -55,6 +55,11 @@ class EtcdDirectory final : public Directory {
   // Starts WatcherLoop unless it runs.
   void StartWatcher() ABSL_EXCLUSIVE_LOCKS_REQUIRED(subscribers_.mu());
   void StopWatcher();
+  // Ends a Watch stream that has not become current within the call
+  // timeout (a connection etcd accepted before it served can leave it
+  // waiting for good); the watcher then opens another. Called by the
+  // keeper at each turn.
+  void CancelStuckWatch();
   bool cache_enabled() const { return options_.resolve_cache_entries > 0; }
   // UNAVAILABLE when `record` is this agent's and its lease could not be
   // renewed within its TTL (etcd has dropped it, or will at any moment).
@@ -103,6 +108,8 @@ class EtcdDirectory final : public Directory {
   bool watch_lost_ ABSL_GUARDED_BY(subscribers_.mu()) = false;
   absl::Mutex watch_mu_;
   grpc::ClientContext* watch_context_ ABSL_GUARDED_BY(watch_mu_) = nullptr;
+  absl::Time watch_opened_ ABSL_GUARDED_BY(watch_mu_);
+  bool watch_current_ ABSL_GUARDED_BY(watch_mu_) = false;
   bool watch_stopping_ ABSL_GUARDED_BY(watch_mu_) = false;
   std::thread watcher_;  // started by the first WatchNames
 
