@@ -91,6 +91,10 @@ void EtcdDirectory::WatcherLoop() {
   const std::string names = options_.prefix + "/names/";
   std::string names_end = names;
   names_end.back() = static_cast<char>(names_end.back() + 1);  // '/' + 1
+  const size_t endpoints = options_.EtcdEndpoints().size();
+  // Streams in a row that never became current, and since when.
+  size_t failed = 0;
+  absl::Time failing_since = absl::Now();
   for (;;) {
     grpc::ClientContext context;
     {
@@ -169,21 +173,28 @@ void EtcdDirectory::WatcherLoop() {
       context.TryCancel();
       client_->WatchEnded((*stream)->Finish());
     }
+    if (synced) {
+      failed = 0;
+      failing_since = absl::Now();
+    } else {
+      ++failed;
+    }
     {
-      // A stream that never became current: etcd cannot be reached. One
-      // that was is opened again at once (on the next endpoint when its
-      // member went away); misses ask etcd meanwhile.
+      // Etcd is lost once every endpoint failed to give a current stream
+      // for a call timeout (a cluster electing a leader is not lost);
+      // until then misses ask etcd.
       absl::MutexLock lock(&subscribers_.mu());
-      watch_lost_ = !synced;
+      watch_lost_ = failed >= endpoints &&
+                    absl::Now() - failing_since >= options_.call_timeout;
       watch_synced_ = false;
     }
     absl::MutexLock lock(&watch_mu_);
     watch_context_ = nullptr;
-    // Etcd away: try again in a second (at once after a current stream
-    // broke: its member went away), unless stopping.
-    watch_mu_.AwaitWithTimeout(
-        absl::Condition(&watch_stopping_),
-        synced ? absl::Milliseconds(100) : absl::Seconds(1));
+    // The next endpoint at once; a second between rounds, unless stopping.
+    watch_mu_.AwaitWithTimeout(absl::Condition(&watch_stopping_),
+                               failed % endpoints != 0 || failed == 0
+                                   ? absl::Milliseconds(100)
+                                   : absl::Seconds(1));
     if (watch_stopping_) return;
   }
 }

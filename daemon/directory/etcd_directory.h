@@ -103,8 +103,8 @@ class EtcdDirectory final : public Directory {
   ResolveCache cache_ ABSL_GUARDED_BY(subscribers_.mu());
   // The watch stream is open and current (so the cache is).
   bool watch_synced_ ABSL_GUARDED_BY(subscribers_.mu()) = false;
-  // The last stream never became current (etcd unreachable): the cache is
-  // served as it stands, misses fail fast.
+  // No endpoint has given a current stream for a call timeout (etcd
+  // unreachable): the cache is served as it stands, misses fail fast.
   bool watch_lost_ ABSL_GUARDED_BY(subscribers_.mu()) = false;
   absl::Mutex watch_mu_;
   grpc::ClientContext* watch_context_ ABSL_GUARDED_BY(watch_mu_) = nullptr;
