@@ -280,6 +280,19 @@ TEST_F(NamesTest, ACachedResolutionAsksEtcdNothing) {
   }
   EXPECT_EQ(Metric(*b, kEtcdGets), gets);
   EXPECT_EQ(Metric(*b, kCacheHits), hits + 25);
+  // The publisher's gauges and lease renewals (every second with a 3 s TTL).
+  EXPECT_EQ(Metric(*a, "rdma_agentd_directory_names_published"), 1);
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return Metric(*a,
+                      "rdma_agentd_directory_lease_renewals_total{result="
+                      "\"ok\"}") > 0;
+      },
+      kPatience));
+  EXPECT_EQ(
+      Metric(*a,
+             "rdma_agentd_directory_lease_renewals_total{result=\"failed\"}"),
+      0);
   // The caller's visibility is judged on cached records too.
   ASSERT_EQ(::chmod(b->runtime_dir().c_str(), 0755), 0);
   auto as_nobody =
@@ -388,6 +401,14 @@ TEST_F(NamesTest, EtcdLostCachedNamesStillMoveBytesAndComeBackAfter) {
   ASSERT_TRUE(bytes.ok());
   EXPECT_EQ(*bytes, std::string(8, '\0') + std::string(2000, 'o') +
                         std::string(4096 - 2008, '\0'));
+  EXPECT_GT(
+      Metric(*a,
+             "rdma_agentd_directory_lease_renewals_total{result=\"failed\"}"),
+      0);
+  EXPECT_GT(
+      Metric(*b,
+             "rdma_agentd_directory_etcd_errors_total{operation=\"watch\"}"),
+      0);
   // A, whose lease could not be renewed, no longer claims its own names.
   const absl::Status own = a->client().Resolve("outage/cached").status();
   EXPECT_EQ(own.code(), absl::StatusCode::kUnavailable) << own;
