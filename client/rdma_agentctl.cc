@@ -48,6 +48,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "rdma/agent/v1/agent.grpc.pb.h"
 #include "rdma/agent/v1/remote_buffer.pb.h"
 
 namespace rdma_agent::client {
@@ -567,6 +568,12 @@ class RegisterCommand : public Command {
     sub->add_option("--label", label_, "label shown by list");
     sub->add_option("--context_out", context_out_,
                     "also write the raw remote context to this file");
+    sub->add_option("--name", name_,
+                    "also publish it under this name in the agent's "
+                    "directory (both or neither)");
+    sub->add_flag("--any_user", any_user_,
+                  "with --name: every user of the directory finds it; "
+                  "default: only you");
   }
   Outcome Run(LazyClient& lazy, const Global& global) override {
     if (!size_.has_value()) return Usage("register needs --size N");
@@ -574,10 +581,12 @@ class RegisterCommand : public Command {
     if (!access.has_value()) {
       return Usage("--access must be read, write or read_write");
     }
+    if (any_user_ && name_.empty()) return Usage("--any_user needs --name");
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     absl::StatusOr<Registration> registration =
-        (*client)->AllocateUnmapped(*size_, *access, label_);
+        name_.empty() ? (*client)->AllocateUnmapped(*size_, *access, label_)
+                      : RegisterNamed(**client, *access, global);
     if (!registration.ok()) return Failed("register", registration.status());
     if (global.json()) {
       v1::RegisterResponse response;
@@ -608,10 +617,42 @@ class RegisterCommand : public Command {
   }
 
  private:
+  // Register with a name, straight on the RdmaAgent service (LIFETIME_AGENT,
+  // as AllocateUnmapped).
+  absl::StatusOr<Registration> RegisterNamed(AgentClient& client,
+                                             v1::Access access,
+                                             const Global& global) const {
+    auto stub = v1::RdmaAgent::NewStub(client.channel());
+    grpc::ClientContext context;
+    context.set_deadline(
+        absl::ToChronoTime(absl::Now() + global.rpc_timeout()));
+    v1::RegisterRequest request;
+    request.set_allocate_bytes(*size_);
+    request.set_access(access);
+    request.set_label(label_);
+    request.set_lifetime(v1::LIFETIME_AGENT);
+    request.set_name(name_);
+    request.set_name_visibility(any_user_ ? v1::VISIBILITY_ANY_USER
+                                          : v1::VISIBILITY_OWNER);
+    v1::RegisterResponse response;
+    const grpc::Status status = stub->Register(&context, request, &response);
+    if (!status.ok()) return FromGrpcStatus(status);
+    Registration registration;
+    registration.id = response.buffer_id();
+    registration.size = response.size_bytes();
+    registration.remote_context = response.remote_context();
+    registration.backends.assign(response.backends().begin(),
+                                 response.backends().end());
+    registration.lifetime = response.lifetime();
+    return registration;
+  }
+
   std::optional<uint64_t> size_;
   std::string access_ = "read_write";
   std::string label_;
   std::string context_out_;
+  std::string name_;
+  bool any_user_ = false;
 };
 
 // A lifetime as the list shows it.
@@ -844,6 +885,60 @@ class ResolveCommand : public Command {
  private:
   std::string name_;
   std::string context_out_;
+};
+
+class NamesCommand : public Command {
+ public:
+  explicit NamesCommand(CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "names",
+        "the names you may see under a prefix (WatchNames); with --follow, "
+        "then each one published or withdrawn, until interrupted");
+    sub->add_option("PREFIX", prefix_, "names starting with it (default: all)");
+    sub->add_flag("--follow", follow_,
+                  "keep printing names as they are published and withdrawn");
+  }
+  Outcome Run(LazyClient& lazy, const Global& global) override {
+    absl::StatusOr<AgentClient*> client = lazy.Get();
+    if (!client.ok()) return Failed("connect", client.status());
+    auto stub = v1::RdmaAgent::NewStub((*client)->channel());
+    grpc::ClientContext context;
+    v1::WatchNamesRequest request;
+    request.set_prefix(prefix_);
+    auto stream = stub->WatchNames(&context, request);
+    v1::NameEvent event;
+    while (stream->Read(&event)) {
+      if (event.kind() == v1::NameEvent::SYNCED) {
+        if (!follow_) {
+          context.TryCancel();
+          break;
+        }
+        std::printf("-- synced\n");
+      } else if (global.json()) {
+        Print(global, event);
+      } else if (event.kind() == v1::NameEvent::WITHDRAWN) {
+        std::printf("withdrawn %s\n", event.record().name().c_str());
+      } else {
+        const v1::NameRecord& record = event.record();
+        std::printf(
+            "%s: buffer %llu of uid %u on agent %s%s\n", record.name().c_str(),
+            static_cast<unsigned long long>(record.buffer_id()),
+            record.owner_uid(), record.agent_id().c_str(),
+            record.visibility() == v1::VISIBILITY_ANY_USER ? " (any user)"
+                                                           : "");
+      }
+      std::fflush(stdout);
+    }
+    const grpc::Status status = stream->Finish();
+    if (!status.ok() && status.error_code() != grpc::StatusCode::CANCELLED) {
+      return Failed("names", FromGrpcStatus(status));
+    }
+    return Ok();
+  }
+
+ private:
+  std::string prefix_;
+  bool follow_ = false;
 };
 
 class ReleaseCommand : public Command {

@@ -666,7 +666,73 @@ absl::Status Agent::StartMetricsServer() {
   return absl::OkStatus();
 }
 
+void Agent::AddDirectoryMetrics() {
+  Directory* const directory = directory_.get();
+  auto pair = [directory](const char* label, const char* first,
+                          uint64_t DirectoryStats::*first_value,
+                          const char* second,
+                          uint64_t DirectoryStats::*second_value) {
+    return [=] {
+      const DirectoryStats stats = directory->Stats();
+      return std::vector<GaugeSample>{
+          {{{label, first}}, static_cast<double>(stats.*first_value)},
+          {{{label, second}}, static_cast<double>(stats.*second_value)}};
+    };
+  };
+  metrics_->AddCounter(
+      "rdma_agentd_directory_resolve_cache_lookups_total",
+      "Resolutions (Resolve, ops by name) answered from the resolve cache "
+      "(hit) and those that asked etcd (miss)",
+      pair("result", "hit", &DirectoryStats::resolve_cache_hits, "miss",
+           &DirectoryStats::resolve_cache_misses));
+  metrics_->AddCounter(
+      "rdma_agentd_directory_lease_renewals_total",
+      "Renewals of this agent's directory lease, by result (ok, failed)",
+      pair("result", "ok", &DirectoryStats::lease_renewals_ok, "failed",
+           &DirectoryStats::lease_renewals_failed));
+  auto etcd = [directory](bool errors) {
+    return [directory, errors] {
+      std::vector<GaugeSample> samples;
+      for (const auto& operation : directory->Stats().etcd) {
+        samples.push_back(
+            {{{"operation", operation.operation}},
+             static_cast<double>(errors ? operation.errors : operation.calls)});
+      }
+      return samples;
+    };
+  };
+  metrics_->AddCounter("rdma_agentd_directory_etcd_calls_total",
+                       "Calls to etcd by operation (none with the local "
+                       "directory)",
+                       etcd(/*errors=*/false));
+  metrics_->AddCounter("rdma_agentd_directory_etcd_errors_total",
+                       "Calls to etcd that failed, by operation",
+                       etcd(/*errors=*/true));
+  auto size = [directory](size_t DirectoryStats::*value) {
+    return [directory, value] {
+      return std::vector<GaugeSample>{
+          {{}, static_cast<double>(directory->Stats().*value)}};
+    };
+  };
+  metrics_->AddGauge("rdma_agentd_directory_resolve_cache_entries",
+                     "Name records in the resolve cache",
+                     size(&DirectoryStats::resolve_cache_entries));
+  metrics_->AddGauge("rdma_agentd_directory_resolve_cache_bytes",
+                     "Bytes of names and records in the resolve cache",
+                     size(&DirectoryStats::resolve_cache_bytes));
+  metrics_->AddGauge("rdma_agentd_directory_watch_streams",
+                     "WatchNames streams open",
+                     size(&DirectoryStats::watch_streams));
+  metrics_->AddGauge("rdma_agentd_directory_names_published",
+                     "Names this agent's users publish through it",
+                     [names = names_.get()] {
+                       return std::vector<GaugeSample>{
+                           {{}, static_cast<double>(names->size())}};
+                     });
+}
+
 void Agent::AddGauges() {
+  AddDirectoryMetrics();
   metrics_->AddGauge(
       "rdma_agentd_rpcs_in_flight",
       "API RPCs running now, waiting ones included (rdma_agentd_waiting_rpcs "

@@ -116,6 +116,8 @@ class Agent {
   void PublishSelf();
   // Gauges read at scrape time from state the agent keeps anyway.
   void AddGauges();
+  // The directory's counters and gauges (rdma_agentd_directory_*).
+  void AddDirectoryMetrics();
   // Logs and counts peer requests the buffer table refused.
   void ObservePeerRefusals();
   // Fills the admission limits left at 0 from the host, logs them and makes

@@ -185,34 +185,42 @@ grpc::Status RdmaAgentService::Publish(grpc::ServerContext* context,
   if (!registration.ok()) {
     return ToGrpcStatus(Prefixed(registration.status(), "Publish"));
   }
-  if (!v1::Visibility_IsValid(request->visibility())) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "Publish: visibility must be VISIBILITY_OWNER or VISIBILITY_ANY_USER"));
+  absl::Status status = PublishBufferName(**registration, uid, request->name(),
+                                          request->visibility());
+  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Publish"));
+  return grpc::Status::OK;
+}
+
+absl::Status RdmaAgentService::PublishBufferName(
+    const Registration& registration, uid_t uid, const std::string& name,
+    v1::Visibility visibility) {
+  if (!v1::Visibility_IsValid(visibility)) {
+    return absl::InvalidArgumentError(
+        "visibility must be VISIBILITY_OWNER or VISIBILITY_ANY_USER");
   }
   v1::NameRecord record;
-  record.set_name(request->name());
-  record.set_visibility(request->visibility());
-  record.set_remote_context((*registration)->remote_context());
+  record.set_name(name);
+  record.set_visibility(visibility);
+  record.set_remote_context(registration.remote_context());
   record.set_agent_id(identity_.agent_id);
   record.set_agent_epoch(identity_.epoch);
   record.set_owner_uid(uid);
-  record.set_buffer_id(request->buffer_id());
+  record.set_buffer_id(registration.id());
   *record.mutable_published_at() =
       google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
           absl::ToUnixNanos(absl::Now()));
   absl::Status status = names_->Publish(record);
-  if (!status.ok()) return ToGrpcStatus(Prefixed(status, "Publish"));
+  if (!status.ok()) return status;
   // Released meanwhile: its release may have missed the name, so withdraw
   // it here (the release's own withdrawal and this one race harmlessly).
-  if ((*registration)->released()) {
-    (void)names_->Unpublish(uid, request->name());
-    return ToGrpcStatus(absl::NotFoundError(absl::StrCat(
-        "Publish: buffer ", request->buffer_id(), " was released")));
+  if (registration.released()) {
+    (void)names_->Unpublish(uid, name);
+    return absl::NotFoundError(
+        absl::StrCat("buffer ", registration.id(), " was released"));
   }
   spdlog::info("uid {} published buffer {} as \"{}\" in directory {}", uid,
-               request->buffer_id(), LogSafe(request->name()),
-               directory_->name());
-  return grpc::Status::OK;
+               registration.id(), LogSafe(name), directory_->name());
+  return absl::OkStatus();
 }
 
 grpc::Status RdmaAgentService::Unpublish(grpc::ServerContext* context,
@@ -305,6 +313,14 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
                      " is not LIFETIME_AGENT, LIFETIME_CLIENT_PROCESS or "
                      "LIFETIME_CLIENT_CONNECTION"));
   }
+  if (!request.name().empty()) {
+    absl::Status valid = ValidateName(request.name());
+    if (!valid.ok()) return valid;
+  }
+  if (!v1::Visibility_IsValid(request.name_visibility())) {
+    return absl::InvalidArgumentError(
+        "name_visibility must be VISIBILITY_OWNER or VISIBILITY_ANY_USER");
+  }
   const v1::Lifetime asked = request.lifetime() == v1::LIFETIME_UNSPECIFIED
                                  ? v1::LIFETIME_AGENT
                                  : request.lifetime();
@@ -394,6 +410,17 @@ absl::StatusOr<v1::RegisterResponse> RdmaAgentService::DoRegister(
   buffers_->Add(registration);
   // Published first: a client gone meanwhile releases it like any other.
   if (watch->has_value()) client_watcher_->Bind(std::move(**watch), id);
+  if (!request.name().empty()) {
+    // Registered and published in one call, or neither: a name that cannot
+    // be published takes its registration back with it.
+    status = PublishBufferName(*registration, caller, request.name(),
+                               request.name_visibility());
+    if (!status.ok()) {
+      (void)buffers_->Remove(id, caller);
+      return Prefixed(status, absl::StrCat("publishing buffer ", id, " as \"",
+                                           request.name(), "\""));
+    }
+  }
   spdlog::info(
       "uid {} pid {} registered buffer {} ({} bytes of {}, {}, {}, label "
       "\"{}\")",

@@ -159,6 +159,12 @@ class RdmaAgentService final : public RdmaAgentServiceBase {
   absl::StatusOr<v1::RegisterResponse> DoRegister(
       const v1::RegisterRequest& request, const grpc::ServerContext& context,
       const PeerCredentials& caller);
+  // Publishes `registration` (the caller's, `uid`) as `name`: the checks
+  // and the directory's answer of Publish, unprefixed. A registration
+  // released meanwhile loses the name again (NOT_FOUND).
+  absl::Status PublishBufferName(const Registration& registration, uid_t uid,
+                                 const std::string& name,
+                                 v1::Visibility visibility);
   // A reserved watch of the caller for `lifetime`; none for LIFETIME_AGENT.
   absl::StatusOr<std::optional<ClientWatcher::Ticket>> WatchCaller(
       const grpc::ServerContext& context, v1::Lifetime lifetime);

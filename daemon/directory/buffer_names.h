@@ -38,6 +38,11 @@ class BufferNames {
   void Released(uint64_t id);
   // Blocks until every release heard so far has been handled (tests).
   void Flush();
+  // Names published through this agent now.
+  size_t size() {
+    absl::MutexLock lock(&mu_);
+    return names_.size();
+  }
 
  private:
   struct Held {

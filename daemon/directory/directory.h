@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -14,6 +15,25 @@
 namespace rdma_agent {
 
 namespace v1 = ::rdma::agent::v1;
+
+// What a directory counts, for the agent's metrics: totals since the start
+// (counts never decrease) and current sizes.
+struct DirectoryStats {
+  uint64_t resolve_cache_hits = 0;
+  uint64_t resolve_cache_misses = 0;
+  size_t resolve_cache_entries = 0;
+  size_t resolve_cache_bytes = 0;
+  uint64_t lease_renewals_ok = 0;
+  uint64_t lease_renewals_failed = 0;
+  size_t watch_streams = 0;  // WatchNames subscribers
+  // etcd calls and failures by operation (empty for the local directory).
+  struct EtcdOperation {
+    std::string operation;
+    uint64_t calls = 0;
+    uint64_t errors = 0;
+  };
+  std::vector<EtcdOperation> etcd;
+};
 
 // Where agents find each other. Two kinds behind one interface: the local
 // directory, which knows this agent alone and needs nothing else to run,
@@ -47,6 +67,9 @@ class Directory {
   // "local" or "etcd://host:port,...", for logs and answers.
   virtual std::string name() const = 0;
 
+  // Its counts now.
+  virtual DirectoryStats Stats() = 0;
+
   // Publishes `record` under its name, owned by (agent_id, owner_uid):
   // ALREADY_EXISTS when another owner holds the name; the same owner's
   // earlier record (of an earlier epoch too) is replaced. The name lives as
@@ -58,7 +81,12 @@ class Directory {
   // otherwise.
   virtual absl::Status UnpublishName(const std::string& name, uint32_t uid) = 0;
 
-  // The record `name` stands for; NOT_FOUND when nobody holds it.
+  // The record `name` stands for; NOT_FOUND when nobody holds it. The etcd
+  // directory answers from its resolve cache when it can (kept true by its
+  // watch, and still served while etcd is away); a miss asks etcd, and
+  // fails UNAVAILABLE at once while the watch has lost etcd. A name of this
+  // agent's is UNAVAILABLE once its lease could not be renewed within its
+  // TTL: the agent no longer claims it.
   virtual absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,
                                                      absl::Time deadline) = 0;
 

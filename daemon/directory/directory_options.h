@@ -44,6 +44,11 @@ struct DirectoryOptions {
   // holds at most 4 MiB of events its reader has not taken).
   size_t max_name_watches_per_user = 8;
   size_t max_name_watches = 64;
+  // Records Resolve and Op.remote_name keep, kept true by the directory's
+  // watch (etcd only): at most this many, and this many bytes of names and
+  // records. 0 entries: every resolution asks etcd.
+  size_t resolve_cache_entries = 16384;
+  size_t resolve_cache_bytes = 64 << 20;
 
   // INVALID_ARGUMENT naming the flag for anything malformed.
   absl::Status Validate() const;

@@ -1,5 +1,9 @@
 #include "daemon/directory/etcd_client.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +27,11 @@ std::string PrefixEnd(std::string prefix) {
   }
   return std::string(1, '\0');  // every key
 }
+
+// The operations counted, as WithFailover's callers name them.
+constexpr const char* kOperations[] = {
+    "lease grant", "lease keep-alive", "lease revoke", "put",  "range",
+    "get",         "transaction",      "delete",       "watch"};
 
 bool IsInvalidToken(const grpc::Status& status) {
   return status.error_code() == grpc::StatusCode::UNAUTHENTICATED;
@@ -63,6 +72,28 @@ EtcdClient::EtcdClient(Options options) : options_(std::move(options)) {
     endpoint->watch = etcdserverpb::Watch::NewStub(endpoint->channel);
     endpoints_.push_back(std::move(endpoint));
   }
+}
+
+EtcdClient::Counter& EtcdClient::CounterOf(const char* what) {
+  for (size_t i = 0; i < std::size(kOperations); ++i) {
+    if (std::strcmp(kOperations[i], what) == 0) return counters_[i];
+  }
+  return counters_.back();  // every caller names one of kOperations
+}
+
+std::vector<EtcdClient::OperationCount> EtcdClient::Counts() const {
+  std::vector<OperationCount> counts;
+  for (size_t i = 0; i < std::size(kOperations); ++i) {
+    OperationCount count;
+    count.operation = kOperations[i];
+    for (char& c : count.operation) {
+      if (c == ' ' || c == '-') c = '_';
+    }
+    count.calls = counters_[i].calls.load(std::memory_order_relaxed);
+    count.errors = counters_[i].errors.load(std::memory_order_relaxed);
+    counts.push_back(std::move(count));
+  }
+  return counts;
 }
 
 std::string EtcdClient::current_endpoint() const {
@@ -108,6 +139,16 @@ absl::Status EtcdClient::Prepare(Endpoint& endpoint,
 template <typename Call>
 absl::Status EtcdClient::WithFailover(absl::Time deadline, const char* what,
                                       Call call) {
+  Counter& counter = CounterOf(what);
+  counter.calls.fetch_add(1, std::memory_order_relaxed);
+  absl::Status status = CallWithFailover(deadline, what, call);
+  if (!status.ok()) counter.errors.fetch_add(1, std::memory_order_relaxed);
+  return status;
+}
+
+template <typename Call>
+absl::Status EtcdClient::CallWithFailover(absl::Time deadline, const char* what,
+                                          Call call) {
   size_t first;
   {
     absl::MutexLock lock(&mu_);
@@ -115,13 +156,26 @@ absl::Status EtcdClient::WithFailover(absl::Time deadline, const char* what,
   }
   absl::Status last;
   bool reauthenticated = false;
-  for (size_t tried = 0; tried < endpoints_.size(); ++tried) {
+  // Several endpoints: round after round until the deadline, since members
+  // of a cluster that has just lost its leader answer UNAVAILABLE, or hold
+  // a call, until they have elected another; each attempt gets a slice of
+  // the deadline. One endpoint: once, failing fast.
+  const bool cluster = endpoints_.size() > 1;
+  const size_t rounds_end = cluster ? SIZE_MAX : endpoints_.size();
+  const absl::Duration slice =
+      std::max(options_.call_timeout / 4, absl::Milliseconds(250));
+  for (size_t tried = 0; tried < rounds_end; ++tried) {
+    if (tried > 0 && tried % endpoints_.size() == 0) {
+      absl::SleepFor(std::min(absl::Milliseconds(100), deadline - absl::Now()));
+    }
     const size_t index = (first + tried) % endpoints_.size();
     Endpoint& endpoint = *endpoints_[index];
     grpc::Status status;
     for (;;) {
       grpc::ClientContext context;
-      absl::Status prepared = Prepare(endpoint, context, deadline);
+      absl::Status prepared =
+          Prepare(endpoint, context,
+                  cluster ? std::min(deadline, absl::Now() + slice) : deadline);
       if (!prepared.ok()) {
         status = ToGrpcStatus(prepared);
         break;
@@ -135,7 +189,10 @@ absl::Status EtcdClient::WithFailover(absl::Time deadline, const char* what,
       absl::MutexLock lock(&mu_);
       token_.clear();
     }
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    const bool next =
+        status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        (cluster && status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED);
+    if (!next) {
       absl::MutexLock lock(&mu_);
       current_ = index;
       if (status.ok()) return absl::OkStatus();
@@ -235,6 +292,7 @@ absl::StatusOr<etcdserverpb::RangeResponse> EtcdClient::RangePrefix(
 
 absl::StatusOr<std::unique_ptr<EtcdClient::WatchStream>> EtcdClient::OpenWatch(
     grpc::ClientContext* context) {
+  CounterOf("watch").calls.fetch_add(1, std::memory_order_relaxed);
   Endpoint* endpoint;
   {
     absl::MutexLock lock(&mu_);
@@ -249,7 +307,10 @@ absl::StatusOr<std::unique_ptr<EtcdClient::WatchStream>> EtcdClient::OpenWatch(
     if (token.empty()) {
       absl::Status status =
           Authenticate(*endpoint, absl::Now() + options_.call_timeout);
-      if (!status.ok()) return status;
+      if (!status.ok()) {
+        CounterOf("watch").errors.fetch_add(1, std::memory_order_relaxed);
+        return status;
+      }
       absl::MutexLock lock(&mu_);
       token = token_;
     }
@@ -259,6 +320,9 @@ absl::StatusOr<std::unique_ptr<EtcdClient::WatchStream>> EtcdClient::OpenWatch(
 }
 
 void EtcdClient::WatchEnded(const grpc::Status& status) {
+  if (status.error_code() != grpc::StatusCode::CANCELLED) {
+    CounterOf("watch").errors.fetch_add(1, std::memory_order_relaxed);
+  }
   absl::MutexLock lock(&mu_);
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     current_ = (current_ + 1) % endpoints_.size();
@@ -280,7 +344,7 @@ absl::StatusOr<etcdserverpb::TxnResponse> EtcdClient::Txn(
 }
 
 absl::StatusOr<std::optional<mvccpb::KeyValue>> EtcdClient::Get(
-    const std::string& key, absl::Time deadline) {
+    const std::string& key, absl::Time deadline, int64_t* revision) {
   etcdserverpb::RangeRequest request;
   request.set_key(key);
   etcdserverpb::RangeResponse response;
@@ -290,6 +354,7 @@ absl::StatusOr<std::optional<mvccpb::KeyValue>> EtcdClient::Get(
         return endpoint.kv->Range(&context, request, &response);
       });
   if (!status.ok()) return status;
+  if (revision != nullptr) *revision = response.header().revision();
   if (response.kvs_size() == 0) return std::optional<mvccpb::KeyValue>();
   return std::optional<mvccpb::KeyValue>(response.kvs(0));
 }

@@ -11,7 +11,9 @@ namespace rdma_agent {
 
 EtcdDirectory::EtcdDirectory(DirectoryOptions options,
                              std::unique_ptr<EtcdClient> client)
-    : options_(std::move(options)), client_(std::move(client)) {}
+    : options_(std::move(options)),
+      client_(std::move(client)),
+      cache_(options_.resolve_cache_entries, options_.resolve_cache_bytes) {}
 
 EtcdDirectory::~EtcdDirectory() {
   StopWatcher();
@@ -75,24 +77,35 @@ EtcdDirectory::WatchNames(const std::string& prefix, NameEventCallback on_event,
   on_event(synced);
   if (!watcher_.joinable()) {
     watched_revision_ = revision;
-    watcher_ = std::thread([this] { WatcherLoop(); });
+    StartWatcher();
   }
   return subscribers_.Add(prefix, revision, std::move(on_event),
                           std::move(on_end));
+}
+
+void EtcdDirectory::StartWatcher() {
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { WatcherLoop(); });
 }
 
 void EtcdDirectory::WatcherLoop() {
   const std::string names = options_.prefix + "/names/";
   std::string names_end = names;
   names_end.back() = static_cast<char>(names_end.back() + 1);  // '/' + 1
+  const size_t endpoints = options_.EtcdEndpoints().size();
+  // Streams in a row that never became current, and since when.
+  size_t failed = 0;
+  absl::Time failing_since = absl::Now();
   for (;;) {
     grpc::ClientContext context;
     {
       absl::MutexLock lock(&watch_mu_);
       if (watch_stopping_) return;
       watch_context_ = &context;
+      watch_opened_ = absl::Now();
+      watch_current_ = false;
     }
     auto stream = client_->OpenWatch(&context);
+    bool synced = false;  // this stream
     if (stream.ok()) {
       etcdserverpb::WatchRequest request;
       etcdserverpb::WatchCreateRequest* create =
@@ -102,13 +115,29 @@ void EtcdDirectory::WatcherLoop() {
       create->set_prev_kv(true);  // who may hear of a withdrawal
       {
         absl::MutexLock lock(&subscribers_.mu());
-        create->set_start_revision(watched_revision_ + 1);
+        // 0: from now (nothing delivered yet, nobody's snapshot to follow).
+        if (watched_revision_ != 0) {
+          create->set_start_revision(watched_revision_ + 1);
+        }
       }
       etcdserverpb::WatchResponse response;
       if ((*stream)->Write(request)) {
         while ((*stream)->Read(&response)) {
           absl::MutexLock lock(&subscribers_.mu());
+          if (response.created()) {
+            {
+              absl::MutexLock watch_lock(&watch_mu_);
+              watch_current_ = true;
+            }
+            synced = true;
+            watch_synced_ = true;
+            watch_lost_ = false;
+            if (watched_revision_ == 0) {
+              watched_revision_ = response.header().revision();
+            }
+          }
           if (response.compact_revision() != 0 || response.canceled()) {
+            cache_.Clear();
             // The history this watch needs is gone: its subscribers may
             // have missed changes; they watch again from a new snapshot.
             subscribers_.EndAll(absl::UnavailableError(absl::StrCat(
@@ -118,11 +147,24 @@ void EtcdDirectory::WatcherLoop() {
                 std::max(watched_revision_, response.compact_revision());
             break;
           }
+          // One revision may hold many events (a lease expiring withdraws
+          // every name under it at once): skip only what an earlier
+          // response delivered.
+          const int64_t delivered = watched_revision_;
           for (const mvccpb::Event& event : response.events()) {
             const int64_t revision = event.kv().mod_revision();
-            if (revision <= watched_revision_) continue;
-            if (auto name_event = ToNameEvent(event)) {
+            if (revision <= delivered) continue;
+            auto name_event = ToNameEvent(event);
+            if (name_event.has_value()) {
+              if (name_event->kind() == v1::NameEvent::PUBLISHED) {
+                cache_.Published(name_event->record(), revision);
+              } else {
+                cache_.Withdrawn(name_event->record().name(), revision);
+              }
               subscribers_.Deliver(*name_event, revision);
+            } else if (event.kv().key().size() > names.size()) {
+              // An unreadable record: whatever was cached is stale.
+              cache_.Withdrawn(event.kv().key().substr(names.size()), revision);
             }
             watched_revision_ = revision;
           }
@@ -131,12 +173,37 @@ void EtcdDirectory::WatcherLoop() {
       context.TryCancel();
       client_->WatchEnded((*stream)->Finish());
     }
+    if (synced) {
+      failed = 0;
+      failing_since = absl::Now();
+    } else {
+      ++failed;
+    }
+    {
+      // Etcd is lost once every endpoint failed to give a current stream
+      // for a call timeout (a cluster electing a leader is not lost);
+      // until then misses ask etcd.
+      absl::MutexLock lock(&subscribers_.mu());
+      watch_lost_ = failed >= endpoints &&
+                    absl::Now() - failing_since >= options_.call_timeout;
+      watch_synced_ = false;
+    }
     absl::MutexLock lock(&watch_mu_);
     watch_context_ = nullptr;
-    // Etcd away: try again in a second, unless stopping.
+    // The next endpoint at once; a second between rounds, unless stopping.
     watch_mu_.AwaitWithTimeout(absl::Condition(&watch_stopping_),
-                               absl::Seconds(1));
+                               failed % endpoints != 0 || failed == 0
+                                   ? absl::Milliseconds(100)
+                                   : absl::Seconds(1));
     if (watch_stopping_) return;
+  }
+}
+
+void EtcdDirectory::CancelStuckWatch() {
+  absl::MutexLock lock(&watch_mu_);
+  if (watch_context_ != nullptr && !watch_current_ &&
+      absl::Now() - watch_opened_ > options_.call_timeout) {
+    watch_context_->TryCancel();
   }
 }
 
@@ -160,6 +227,7 @@ absl::Status EtcdDirectory::PutRecord() {
   }
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool new_lease = false;
+    const absl::Time granted = absl::Now();
     if (lease_ == 0) {
       auto lease = client_->GrantLease(options_.lease_ttl);
       if (!lease.ok()) return lease.status();
@@ -173,6 +241,10 @@ absl::Status EtcdDirectory::PutRecord() {
       continue;
     }
     published_ = status.ok();
+    if (published_ && new_lease) {
+      absl::MutexLock lock(&mu_);
+      lease_held_until_ = granted + options_.lease_ttl;
+    }
     if (published_ && new_lease) names_dirty_ = !names_.empty();
     if (published_ && names_dirty_) PutNamesAgain();
     return status;
@@ -183,9 +255,19 @@ absl::Status EtcdDirectory::PutRecord() {
 absl::Status EtcdDirectory::KeepPublished() {
   if (lease_ != 0 && published_ && names_dirty_) PutNamesAgain();
   if (lease_ != 0 && published_) {
+    const absl::Time asked = absl::Now();
     auto ttl = client_->KeepAlive(lease_);
+    if (!ttl.ok() || *ttl <= absl::ZeroDuration()) {
+      renewals_failed_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      renewals_ok_.fetch_add(1, std::memory_order_relaxed);
+    }
     if (!ttl.ok()) return ttl.status();
-    if (*ttl > absl::ZeroDuration()) return absl::OkStatus();
+    if (*ttl > absl::ZeroDuration()) {
+      absl::MutexLock lock(&mu_);
+      lease_held_until_ = asked + *ttl;
+      return absl::OkStatus();
+    }
     // etcd no longer has the lease, so the record is gone with it.
     spdlog::warn("directory {}: this agent's lease expired; publishing again",
                  name());
@@ -206,6 +288,11 @@ absl::Status EtcdDirectory::PublishAgent(const v1::AgentRecord& record) {
     published_ = false;
     status = PutRecord();
   }
+  if (cache_enabled()) {
+    // Follow the names from now on, so that resolutions can be cached.
+    absl::MutexLock lock(&subscribers_.mu());
+    StartWatcher();
+  }
   absl::MutexLock lock(&mu_);
   if (!keeper_.joinable() && !stopping_) {
     keeper_ = std::thread([this] { KeeperLoop(); });
@@ -218,6 +305,16 @@ absl::Status EtcdDirectory::PutName(const v1::NameRecord& record) {
     return absl::UnavailableError(
         absl::StrCat("this agent is not published in the directory ", name(),
                      " (unreachable?); names need it"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Now() >= lease_held_until_) {
+      return absl::UnavailableError(
+          absl::StrCat("this agent's lease in the directory ", name(),
+                       " could not be renewed within ",
+                       absl::FormatDuration(options_.lease_ttl),
+                       " (etcd unreachable?); names need it"));
+    }
   }
   const std::string key = NameKey(options_, record.name());
   const std::string value = EncodeNameRecord(record);
@@ -313,9 +410,41 @@ absl::Status EtcdDirectory::UnpublishName(const std::string& name,
   return done.ok() ? absl::OkStatus() : done.status();
 }
 
+absl::Status EtcdDirectory::CheckClaimed(const v1::NameRecord& record) {
+  absl::MutexLock lock(&mu_);
+  if (!record_.has_value() || record.agent_id() != record_->info().agent_id() ||
+      absl::Now() < lease_held_until_) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "the name \"", record.name(), "\" is this agent's, and its lease in ",
+      name(), " could not be renewed within ",
+      absl::FormatDuration(options_.lease_ttl),
+      " (etcd unreachable?): it no longer claims it"));
+}
+
 absl::StatusOr<v1::NameRecord> EtcdDirectory::ResolveName(
     const std::string& name, absl::Time deadline) {
-  auto value = client_->Get(NameKey(options_, name), deadline);
+  {
+    absl::MutexLock lock(&subscribers_.mu());
+    if (cache_enabled()) {
+      StartWatcher();
+      if (std::optional<v1::NameRecord> cached = cache_.Lookup(name)) {
+        absl::Status claimed = CheckClaimed(*cached);
+        if (!claimed.ok()) return claimed;
+        return *std::move(cached);
+      }
+      if (watch_lost_) {
+        return absl::UnavailableError(absl::StrCat(
+            "directory ", this->name(),
+            ": etcd cannot be reached (the names "
+            "watch is down); only names resolved here before are answered "
+            "until it is back"));
+      }
+    }
+  }
+  int64_t revision = 0;
+  auto value = client_->Get(NameKey(options_, name), deadline, &revision);
   if (!value.ok()) {
     return absl::Status(value.status().code(),
                         absl::StrCat("directory ", this->name(), ": ",
@@ -330,7 +459,37 @@ absl::StatusOr<v1::NameRecord> EtcdDirectory::ResolveName(
         "the name \"", name,
         "\" holds no readable record: ", record.status().message()));
   }
+  {
+    absl::MutexLock lock(&subscribers_.mu());
+    // Cached only while the watch is current and has delivered nothing
+    // after this read: every later change of the name then reaches the
+    // entry, and no earlier one overwrites it.
+    if (watch_synced_ && watched_revision_ <= revision) {
+      cache_.Fill(*record, (*value)->mod_revision());
+    }
+  }
+  absl::Status claimed = CheckClaimed(*record);
+  if (!claimed.ok()) return claimed;
   return record;
+}
+
+DirectoryStats EtcdDirectory::Stats() {
+  DirectoryStats stats;
+  {
+    absl::MutexLock lock(&subscribers_.mu());
+    stats.resolve_cache_hits = cache_.hits();
+    stats.resolve_cache_misses = cache_.misses();
+    stats.resolve_cache_entries = cache_.entries();
+    stats.resolve_cache_bytes = cache_.bytes();
+    stats.watch_streams = subscribers_.size();
+  }
+  stats.lease_renewals_ok = renewals_ok_.load(std::memory_order_relaxed);
+  stats.lease_renewals_failed =
+      renewals_failed_.load(std::memory_order_relaxed);
+  for (const EtcdClient::OperationCount& count : client_->Counts()) {
+    stats.etcd.push_back({count.operation, count.calls, count.errors});
+  }
+  return stats;
 }
 
 void EtcdDirectory::KeeperLoop() {
@@ -343,6 +502,7 @@ void EtcdDirectory::KeeperLoop() {
       mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
       if (stopping_) return;
     }
+    CancelStuckWatch();
     absl::Status status;
     {
       absl::MutexLock lock(&keeper_mu_);
@@ -395,6 +555,7 @@ void EtcdDirectory::Withdraw() {
   names_.clear();
   absl::MutexLock record_lock(&mu_);
   record_.reset();
+  lease_held_until_ = absl::InfinitePast();
 }
 
 absl::StatusOr<v1::ListAgentsResponse> EtcdDirectory::ListAgents(

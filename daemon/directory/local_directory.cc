@@ -105,4 +105,11 @@ absl::StatusOr<v1::ListAgentsResponse> LocalDirectory::ListAgents(absl::Time) {
   return response;
 }
 
+DirectoryStats LocalDirectory::Stats() {
+  DirectoryStats stats;
+  absl::MutexLock lock(&subscribers_.mu());
+  stats.watch_streams = subscribers_.size();
+  return stats;
+}
+
 }  // namespace rdma_agent

@@ -21,6 +21,7 @@ class LocalDirectory final : public Directory {
   absl::StatusOr<v1::ListAgentsResponse> ListAgents(
       absl::Time deadline) override;
   std::string name() const override { return "local"; }
+  DirectoryStats Stats() override;
   absl::Status PublishName(const v1::NameRecord& record) override;
   absl::Status UnpublishName(const std::string& name, uint32_t uid) override;
   absl::StatusOr<v1::NameRecord> ResolveName(const std::string& name,

@@ -43,6 +43,9 @@ class NameSubscribers {
   bool empty() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return entries_.empty();
   }
+  size_t size() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return entries_.size();
+  }
 
  private:
   struct Entry {

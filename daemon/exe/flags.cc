@@ -109,6 +109,13 @@ ABSL_FLAG(int64_t, max_names_per_user,
 ABSL_FLAG(int64_t, max_names_total,
           Int64(rdma_agent::DirectoryOptions().max_names_total),
           "Names all local users together may publish through this agent.");
+ABSL_FLAG(int64_t, directory_resolve_cache_entries,
+          Int64(rdma_agent::DirectoryOptions().resolve_cache_entries),
+          "Name records Resolve and ops by name keep, kept true by the etcd "
+          "watch; 0: every resolution asks etcd.");
+ABSL_FLAG(int64_t, directory_resolve_cache_bytes,
+          Int64(rdma_agent::DirectoryOptions().resolve_cache_bytes),
+          "Bytes of names and records the resolve cache keeps at most.");
 ABSL_FLAG(int64_t, max_name_watches_per_user,
           Int64(rdma_agent::DirectoryOptions().max_name_watches_per_user),
           "WatchNames streams one local user may have open.");
@@ -531,6 +538,10 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
        &options.directory.max_names_per_user},
       {FLAGS_max_names_total, "max_names_total",
        &options.directory.max_names_total},
+      {FLAGS_directory_resolve_cache_entries, "directory_resolve_cache_entries",
+       &options.directory.resolve_cache_entries},
+      {FLAGS_directory_resolve_cache_bytes, "directory_resolve_cache_bytes",
+       &options.directory.resolve_cache_bytes},
       {FLAGS_max_name_watches_per_user, "max_name_watches_per_user",
        &options.directory.max_name_watches_per_user},
       {FLAGS_max_name_watches, "max_name_watches",

@@ -393,8 +393,15 @@ TEST_F(AgentsDirectoryTest, OpsNameTheirRemoteByPublishedName) {
   ASSERT_TRUE(again.ok());
   for (int i = 0; i < 4096; ++i) again->data()[i] = std::byte(0x5a);
   ASSERT_TRUE(a->client().Publish(again->id(), "prefill/blocks").ok());
-  EXPECT_EQ(b->client().Resolve("prefill/blocks")->agent_epoch(),
-            Self(*a).second);
+  // Other agents answer from a cache their watch updates: the new record
+  // reaches them within moments.
+  const uint64_t epoch = Self(*a).second;
+  EXPECT_TRUE(Eventually(
+      [&] {
+        auto record = b->client().Resolve("prefill/blocks");
+        return record.ok() && record->agent_epoch() == epoch;
+      },
+      absl::Seconds(20)));
   result = submit(op);
   ASSERT_EQ(result.code(), 0) << result.message();
   EXPECT_EQ(near->data()[8], std::byte(0x5a));
@@ -458,14 +465,23 @@ TEST_F(AgentsDirectoryTest, ANameBelongsToItsPublisher) {
   EXPECT_EQ(b->client().Resolve("shared/name")->buffer_id(), mine->id());
   // Its owner may move it to another of its buffers.
   ASSERT_TRUE(a->client().Publish(second->id(), "shared/name").ok());
-  EXPECT_EQ(b->client().Resolve("shared/name")->buffer_id(), second->id());
+  EXPECT_TRUE(Eventually(
+      [&] {
+        auto record = b->client().Resolve("shared/name");
+        return record.ok() && record->buffer_id() == second->id();
+      },
+      absl::Seconds(20)));
   // A buffer of someone else's cannot be published (unknown here).
   EXPECT_EQ(a->client().Publish(theirs->id(), "other").code(),
             absl::StatusCode::kNotFound);
   // Unpublished, it is free again.
   ASSERT_TRUE(a->client().Unpublish("shared/name").ok());
-  EXPECT_EQ(b->client().Resolve("shared/name").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return b->client().Resolve("shared/name").status().code() ==
+               absl::StatusCode::kNotFound;
+      },
+      absl::Seconds(20)));
   EXPECT_TRUE(b->client().Publish(theirs->id(), "shared/name").ok());
 }
 

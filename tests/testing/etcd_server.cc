@@ -48,8 +48,8 @@ absl::StatusOr<std::unique_ptr<EtcdServer>> EtcdServer::Start(Options options) {
   auto peer_port = FreeLoopbackPort();
   if (!client_port.ok()) return client_port.status();
   if (!peer_port.ok()) return peer_port.status();
-  server->endpoint_ = absl::StrCat("127.0.0.1:", *client_port);
-  server->peer_endpoint_ = absl::StrCat("127.0.0.1:", *peer_port);
+  server->endpoint_ = absl::StrCat(server->options_.host, ":", *client_port);
+  server->peer_endpoint_ = absl::StrCat(server->options_.host, ":", *peer_port);
   EtcdClient::Options client;
   client.endpoints = {server->endpoint_};
   client.call_timeout = absl::Seconds(2);
@@ -87,6 +87,10 @@ absl::Status EtcdServer::Launch() {
   }
   options.argv.insert(options.argv.end(), options_.extra_flags.begin(),
                       options_.extra_flags.end());
+  if (!options_.netns.empty()) {
+    options.argv.insert(options.argv.begin(),
+                        {"ip", "netns", "exec", options_.netns});
+  }
   options.log_path = dir_->path() + "/etcd.log";
   auto process = Subprocess::Spawn(std::move(options));
   if (!process.ok()) return process.status();
@@ -131,6 +135,9 @@ absl::StatusOr<std::string> EtcdServer::Etcdctl(std::vector<std::string> args) {
   }
   if (!etcdctl_user_.empty()) argv.push_back("--user=" + etcdctl_user_);
   argv.insert(argv.end(), args.begin(), args.end());
+  if (!options_.netns.empty()) {
+    argv.insert(argv.begin(), {"ip", "netns", "exec", options_.netns});
+  }
   return RunCommand(argv);
 }
 

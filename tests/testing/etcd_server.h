@@ -13,8 +13,9 @@
 
 namespace rdma_agent::testing {
 
-// A real etcd server (Debian's etcd-server) on loopback, one member, its
-// data in a temporary directory: what the directory tests publish into.
+// A real etcd server (Debian's etcd-server) on loopback (or an address of a
+// network namespace), one member, its data in a temporary directory: what
+// the directory tests publish into.
 class EtcdServer {
  public:
   struct Options {
@@ -27,6 +28,10 @@ class EtcdServer {
     std::string ca_file;
     // More etcd flags (e.g. --auth-token-ttl=1).
     std::vector<std::string> extra_flags;
+    // Non-empty: etcd (and etcdctl) run inside this network namespace,
+    // listening on `host` there; client() then cannot reach it.
+    std::string netns;
+    std::string host = "127.0.0.1";
   };
 
   // Starts etcd on free ports and waits until it answers.
@@ -36,7 +41,7 @@ class EtcdServer {
   }
   ~EtcdServer();
 
-  // "127.0.0.1:port" of the client listener.
+  // "host:port" of the client listener.
   const std::string& endpoint() const { return endpoint_; }
   // The agent's --directory value for this server.
   std::string directory() const { return "etcd://" + endpoint_; }

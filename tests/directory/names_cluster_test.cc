@@ -1,0 +1,147 @@
+// A 3-member etcd cluster (three real etcd processes) whose leader is
+// killed with SIGKILL while two real agents publish names, resolve them and
+// move bytes by name: no client sees an error, and both agents stay
+// published.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/rdma_agent_client.h"
+#include "common/grpc_status.h"
+#include "gmock/gmock.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "rdma/agent/v1/agent.grpc.pb.h"
+#include "tests/testing/agent_process.h"
+#include "tests/testing/etcd_cluster.h"
+#include "tests/testing/eventually.h"
+
+namespace rdma_agent {
+namespace {
+
+namespace v1 = ::rdma::agent::v1;
+
+using ::rdma_agent::testing::AgentProcess;
+using ::rdma_agent::testing::EtcdCluster;
+using ::rdma_agent::testing::Eventually;
+using ::rdma_agent::testing::TcpAgentOptions;
+using ::testing::IsEmpty;
+
+constexpr absl::Duration kPatience = absl::Seconds(20);
+
+absl::StatusOr<v1::RegisterResponse> Register(AgentProcess& agent,
+                                              const std::string& name) {
+  auto stub = v1::RdmaAgent::NewStub(agent.client().channel());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kPatience));
+  v1::RegisterRequest request;
+  request.set_allocate_bytes(4096);
+  request.set_access(v1::ACCESS_READ_WRITE);
+  request.set_lifetime(v1::LIFETIME_AGENT);
+  request.set_name(name);
+  v1::RegisterResponse response;
+  const grpc::Status status = stub->Register(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+// Reads 100 bytes of the buffer `name` stands for into `local` by name.
+absl::Status ReadByName(AgentProcess& agent, uint64_t local,
+                        const std::string& name) {
+  auto stub = v1::RdmaAgent::NewStub(agent.client().channel());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kPatience));
+  v1::SubmitRequest request;
+  v1::Op* op = request.add_ops();
+  op->set_type(v1::OP_TYPE_READ_INTO_LOCAL);
+  op->set_local_buffer_id(local);
+  op->set_length(100);
+  op->set_remote_name(name);
+  request.mutable_timeout()->set_seconds(10);
+  v1::SubmitResponse response;
+  const grpc::Status status = stub->Submit(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (response.results(0).code() != 0) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(response.results(0).code()),
+        response.results(0).message());
+  }
+  return absl::OkStatus();
+}
+
+TEST(NamesClusterTest, KillingTheLeaderIsSeenByNoClient) {
+  auto cluster = EtcdCluster::Start(3);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<int> leader;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        leader = (*cluster)->Leader();
+        return leader.ok();
+      },
+      kPatience))
+      << leader.status();
+  // The agents talk to the leader first: its death is what they notice.
+  std::vector<int> order = {*leader};
+  for (int i = 0; i < (*cluster)->size(); ++i) {
+    if (i != *leader) order.push_back(i);
+  }
+  auto start = [&](const std::string& id) {
+    auto agent = AgentProcess::Start(TcpAgentOptions(
+        "127.0.0.1", "",
+        {"--agent_id=" + id, "--directory=" + (*cluster)->directory(order),
+         "--directory_prefix=/test", "--directory_lease_ttl=5s"}));
+    EXPECT_TRUE(agent.ok()) << agent.status();
+    return agent.ok() ? std::move(*agent) : nullptr;
+  };
+  auto a = start("agent-a");
+  auto b = start("agent-b");
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(Register(*a, "c/blocks").ok());
+  auto near = Register(*b, "");
+  ASSERT_TRUE(near.ok()) << near.status();
+
+  // Publish, resolve (a miss: etcd asked) and read by name, over and over;
+  // the leader dies a second in, and the work goes on for five more.
+  std::vector<std::string> errors;
+  const absl::Time begin = absl::Now();
+  absl::Time killed = absl::InfiniteFuture();
+  int after_kill = 0;
+  for (int i = 0; absl::Now() < killed + absl::Seconds(5); ++i) {
+    if (killed == absl::InfiniteFuture() &&
+        absl::Now() - begin > absl::Seconds(1)) {
+      (*cluster)->Kill(*leader);
+      killed = absl::Now();
+    }
+    const std::string name = absl::StrCat("c/", i);
+    auto registered = Register(*a, name);
+    if (!registered.ok()) {
+      errors.push_back(
+          absl::StrCat(i, " register: ", registered.status().ToString()));
+    }
+    auto resolved = b->client().Resolve(name);
+    if (!resolved.ok()) {
+      errors.push_back(
+          absl::StrCat(i, " resolve: ", resolved.status().ToString()));
+    }
+    absl::Status read = ReadByName(*b, near->buffer_id(), "c/blocks");
+    if (!read.ok())
+      errors.push_back(absl::StrCat(i, " read: ", read.ToString()));
+    if (killed != absl::InfiniteFuture()) ++after_kill;
+  }
+  EXPECT_THAT(errors, IsEmpty());
+  EXPECT_GT(after_kill, 0);
+  // Both agents are still published (their leases survived the election).
+  auto listed = b->client().ListAgents();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->agents_size(), 2);
+  // And the cluster has a new leader.
+  auto now_leading = (*cluster)->Leader();
+  ASSERT_TRUE(now_leading.ok()) << now_leading.status();
+  EXPECT_NE(*now_leading, *leader);
+}
+
+}  // namespace
+}  // namespace rdma_agent
