@@ -887,60 +887,6 @@ class ResolveCommand : public Command {
   std::string context_out_;
 };
 
-class NamesCommand : public Command {
- public:
-  explicit NamesCommand(CLI::App& app) {
-    CLI::App* sub = app.add_subcommand(
-        "names",
-        "the names you may see under a prefix (WatchNames); with --follow, "
-        "then each one published or withdrawn, until interrupted");
-    sub->add_option("PREFIX", prefix_, "names starting with it (default: all)");
-    sub->add_flag("--follow", follow_,
-                  "keep printing names as they are published and withdrawn");
-  }
-  Outcome Run(LazyClient& lazy, const Global& global) override {
-    absl::StatusOr<AgentClient*> client = lazy.Get();
-    if (!client.ok()) return Failed("connect", client.status());
-    auto stub = v1::RdmaAgent::NewStub((*client)->channel());
-    grpc::ClientContext context;
-    v1::WatchNamesRequest request;
-    request.set_prefix(prefix_);
-    auto stream = stub->WatchNames(&context, request);
-    v1::NameEvent event;
-    while (stream->Read(&event)) {
-      if (event.kind() == v1::NameEvent::SYNCED) {
-        if (!follow_) {
-          context.TryCancel();
-          break;
-        }
-        std::printf("-- synced\n");
-      } else if (global.json()) {
-        Print(global, event);
-      } else if (event.kind() == v1::NameEvent::WITHDRAWN) {
-        std::printf("withdrawn %s\n", event.record().name().c_str());
-      } else {
-        const v1::NameRecord& record = event.record();
-        std::printf(
-            "%s: buffer %llu of uid %u on agent %s%s\n", record.name().c_str(),
-            static_cast<unsigned long long>(record.buffer_id()),
-            record.owner_uid(), record.agent_id().c_str(),
-            record.visibility() == v1::VISIBILITY_ANY_USER ? " (any user)"
-                                                           : "");
-      }
-      std::fflush(stdout);
-    }
-    const grpc::Status status = stream->Finish();
-    if (!status.ok() && status.error_code() != grpc::StatusCode::CANCELLED) {
-      return Failed("names", FromGrpcStatus(status));
-    }
-    return Ok();
-  }
-
- private:
-  std::string prefix_;
-  bool follow_ = false;
-};
-
 class ReleaseCommand : public Command {
  public:
   explicit ReleaseCommand(CLI::App& app) {

@@ -1326,13 +1326,18 @@ TEST(AgentctlTcpTest, SigintCancelsAFollowedSubmit) {
   for (int i = 0; i < 64; ++i) ops += "read\n";  // 16 GiB: seconds of work
   WriteFile(*dir + "/ops", ops);
   const std::string log = *dir + "/out";
-  auto ctl = Subprocess::Spawn(
-      {.argv = {RunfilePath("client/rdma-agentctl"),
-                "--target=" + (*a)->target(), "--timeout=600s", "--progress",
-                "submit", "--ops_file=" + *dir + "/ops",
-                "--local=" + std::to_string(local->id()), "--length=256MiB",
-                "--context_file=" + context_file},
-       .log_path = log});
+  Subprocess::Options options;
+  options.argv = {RunfilePath("client/rdma-agentctl"),
+                  "--target=" + (*a)->target(),
+                  "--timeout=600s",
+                  "--progress",
+                  "submit",
+                  "--ops_file=" + *dir + "/ops",
+                  "--local=" + std::to_string(local->id()),
+                  "--length=256MiB",
+                  "--context_file=" + context_file};
+  options.log_path = log;
+  auto ctl = Subprocess::Spawn(std::move(options));
   ASSERT_TRUE(ctl.ok()) << ctl.status();
   const std::byte* data = local->data();
   ASSERT_TRUE(Eventually(

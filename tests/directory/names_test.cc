@@ -448,11 +448,11 @@ TEST_F(NamesTest, EveryNameOfACrashedAgentLeavesTheCaches) {
   }
   testing::Subprocess::Options options;
   options.argv = {RunfilePath("client/rdma-agentctl"),
-                  "--target=" + b->target(), "names", "crash/", "--follow"};
+                  "--target=" + b->target(), "names", "crash/", "--watch"};
   options.pipe_stdio = true;
   auto follower = testing::Subprocess::Spawn(std::move(options));
   ASSERT_TRUE(follower.ok()) << follower.status();
-  ASSERT_TRUE(follower->WaitForLine("-- synced", kPatience).ok());
+  ASSERT_TRUE(follower->WaitForLine("synced", kPatience).ok());
   a->Kill();
   for (const std::string& name : names) {
     EXPECT_TRUE(Eventually(
@@ -565,11 +565,11 @@ TEST_F(NamesTest, AnotherUserWatchesOnlyItsOwnAndSharedNames) {
   EXPECT_THAT(root->out, HasSubstr("w/private: buffer"));
 
   testing::Subprocess::Options options;
-  options.argv = as_nobody({"names", "w/", "--follow"});
+  options.argv = as_nobody({"names", "w/", "--watch"});
   options.pipe_stdio = true;
   auto follower = testing::Subprocess::Spawn(std::move(options));
   ASSERT_TRUE(follower.ok()) << follower.status();
-  ASSERT_TRUE(follower->WaitForLine("-- synced", kPatience).ok());
+  ASSERT_TRUE(follower->WaitForLine("synced", kPatience).ok());
   ASSERT_TRUE(Register(*a, "w/private2").ok());
   ASSERT_TRUE(a->client().Release(private_name->buffer_id()).ok());
   ASSERT_TRUE(Register(*a, "w/shared2", v1::VISIBILITY_ANY_USER).ok());
