@@ -12,6 +12,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "tests/testing/process.h"
 
 namespace rdma_agent::testing {
@@ -49,6 +51,24 @@ absl::Status RunAll(const std::vector<std::vector<std::string>>& commands) {
     if (auto done = RunCommand(command); !done.ok()) return done.status();
   }
   return absl::OkStatus();
+}
+
+// Waits until `link` in `netns` is operationally up (a veth: both ends up),
+// so that the first packets sent are not dropped.
+absl::Status AwaitLinkUp(const std::string& netns, const std::string& link) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::string last;
+  while (true) {
+    auto shown = RunCommand({"ip", "-n", netns, "-o", "link", "show", link});
+    if (!shown.ok()) return shown.status();
+    if (absl::StrContains(*shown, " state UP ")) return absl::OkStatus();
+    last = *shown;
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(link, " in ", netns, " is not up: ", last));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
 }
 
 }  // namespace
@@ -203,6 +223,15 @@ absl::Status NetnsSwitch::Build(const std::string& stem, int subnet,
       return done;
     }
   }
+  // Ready when Create returns: every host's link and its bridge port up.
+  for (int i = 0; i < hosts; ++i) {
+    if (absl::Status up = AwaitLinkUp(hosts_[i].netns, kHostLink); !up.ok()) {
+      return up;
+    }
+    if (absl::Status up = AwaitLinkUp(hub_, absl::StrCat("p", i)); !up.ok()) {
+      return up;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -214,9 +243,10 @@ NetnsSwitch::~NetnsSwitch() {
 }
 
 absl::Status NetnsSwitch::SetLink(int i, bool up) {
-  return RunCommand({"ip", "-n", hosts_[i].netns, "link", "set", kHostLink,
-                     up ? "up" : "down"})
-      .status();
+  auto done = RunCommand({"ip", "-n", hosts_[i].netns, "link", "set", kHostLink,
+                          up ? "up" : "down"});
+  if (!done.ok() || !up) return done.status();
+  return AwaitLinkUp(hosts_[i].netns, kHostLink);
 }
 
 }  // namespace rdma_agent::testing

@@ -57,7 +57,7 @@ class NetnsPair {
 // tests, other processes) never clash. Names embed the pid and a counter;
 // the destructor deletes every namespace (and with them the veths and the
 // bridge); Create first deletes switches left behind by test processes that
-// no longer exist.
+// no longer exist, and returns once every link is up.
 class NetnsSwitch {
  public:
   static absl::StatusOr<std::unique_ptr<NetnsSwitch>> Create(int hosts);
@@ -68,8 +68,8 @@ class NetnsSwitch {
   int size() const { return static_cast<int>(hosts_.size()); }
   const std::string& netns(int i) const { return hosts_[i].netns; }
   const std::string& address(int i) const { return hosts_[i].address; }
-  // Sets host i's link to the switch up or down (from inside its namespace):
-  // down cuts it off from every other host.
+  // Sets host i's link to the switch up (returning once it is) or down (from
+  // inside its namespace): down cuts it off from every other host.
   absl::Status SetLink(int i, bool up);
 
  private:
