@@ -1,7 +1,8 @@
-// A 3-member etcd cluster (three real etcd processes) whose leader is
-// killed with SIGKILL while two real agents publish names, resolve them and
-// move bytes by name: no client sees an error, and both agents stay
-// published.
+// A 3-member etcd cluster (three real etcd processes, each alone in a
+// network namespace, a "host" of its own) whose leader is killed with
+// SIGKILL while two real agents, on two more hosts of the same switch,
+// publish names, resolve them and move bytes by name: no client sees an
+// error, and both agents stay published. Needs root (network namespaces).
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
+#include "tests/integration/netns.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/etcd_cluster.h"
 #include "tests/testing/eventually.h"
@@ -25,12 +27,18 @@ namespace {
 namespace v1 = ::rdma::agent::v1;
 
 using ::rdma_agent::testing::AgentProcess;
+using ::rdma_agent::testing::CheckNetnsPrivileges;
 using ::rdma_agent::testing::EtcdCluster;
 using ::rdma_agent::testing::Eventually;
+using ::rdma_agent::testing::NetnsSwitch;
 using ::rdma_agent::testing::TcpAgentOptions;
 using ::testing::IsEmpty;
 
 constexpr absl::Duration kPatience = absl::Seconds(20);
+constexpr int kMembers = 3;
+// Hosts 0..2 run the members, 3 and 4 the agents.
+constexpr int kAgentA = kMembers;
+constexpr int kAgentB = kMembers + 1;
 
 absl::StatusOr<v1::RegisterResponse> Register(AgentProcess& agent,
                                               const std::string& name) {
@@ -73,7 +81,15 @@ absl::Status ReadByName(AgentProcess& agent, uint64_t local,
 }
 
 TEST(NamesClusterTest, KillingTheLeaderIsSeenByNoClient) {
-  auto cluster = EtcdCluster::Start(3);
+  // Not root: fail loudly, never pass silently.
+  ASSERT_TRUE(CheckNetnsPrivileges().ok()) << CheckNetnsPrivileges();
+  auto net = NetnsSwitch::Create(kMembers + 2);
+  ASSERT_TRUE(net.ok()) << net.status();
+  std::vector<EtcdCluster::Host> hosts;
+  for (int i = 0; i < kMembers; ++i) {
+    hosts.push_back({(*net)->netns(i), (*net)->address(i)});
+  }
+  auto cluster = EtcdCluster::Start(hosts);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   absl::StatusOr<int> leader;
   ASSERT_TRUE(Eventually(
@@ -88,16 +104,16 @@ TEST(NamesClusterTest, KillingTheLeaderIsSeenByNoClient) {
   for (int i = 0; i < (*cluster)->size(); ++i) {
     if (i != *leader) order.push_back(i);
   }
-  auto start = [&](const std::string& id) {
+  auto start = [&](int host, const std::string& id) {
     auto agent = AgentProcess::Start(TcpAgentOptions(
-        "127.0.0.1", "",
+        (*net)->address(host), (*net)->netns(host),
         {"--agent_id=" + id, "--directory=" + (*cluster)->directory(order),
          "--directory_prefix=/test", "--directory_lease_ttl=5s"}));
     EXPECT_TRUE(agent.ok()) << agent.status();
     return agent.ok() ? std::move(*agent) : nullptr;
   };
-  auto a = start("agent-a");
-  auto b = start("agent-b");
+  auto a = start(kAgentA, "agent-a");
+  auto b = start(kAgentB, "agent-b");
   ASSERT_TRUE(a && b);
   ASSERT_TRUE(Register(*a, "c/blocks").ok());
   auto near = Register(*b, "");

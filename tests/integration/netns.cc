@@ -5,36 +5,68 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "tests/testing/process.h"
 
 namespace rdma_agent::testing {
 namespace {
 
 constexpr char kNetnsPrefix[] = "ratcp";
+constexpr char kSwitchPrefix[] = "ratsw";
+// Every host's end of its veth (alone in its namespace, so the same name).
+constexpr char kHostLink[] = "eth0";
+constexpr char kBridge[] = "br0";
 
 bool ProcessAlive(pid_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
 
-// Deletes namespaces of earlier test processes that died before cleaning up.
-void SweepStaleNamespaces() {
+// Deletes namespaces named `prefix`<pid>x... of earlier test processes that
+// died before cleaning up.
+void SweepStaleNamespaces(absl::string_view prefix) {
   auto list = RunCommand({"ip", "netns", "list"});
   if (!list.ok()) return;
   for (absl::string_view line : absl::StrSplit(*list, '\n')) {
     const std::string name(line.substr(0, line.find(' ')));
-    if (!absl::StartsWith(name, kNetnsPrefix)) continue;
-    // ratcp<pid>x<n><side>
-    const std::string rest = name.substr(strlen(kNetnsPrefix));
+    if (!absl::StartsWith(name, prefix)) continue;
+    // <prefix><pid>x<n><side or host>
+    const std::string rest = name.substr(prefix.size());
     int pid = 0;
     if (!absl::SimpleAtoi(rest.substr(0, rest.find('x')), &pid)) continue;
     if (pid > 0 && !ProcessAlive(pid)) {
       (void)RunCommand({"ip", "netns", "delete", name});
     }
+  }
+}
+
+// Runs `commands` in order; the first failure ends it.
+absl::Status RunAll(const std::vector<std::vector<std::string>>& commands) {
+  for (const std::vector<std::string>& command : commands) {
+    if (auto done = RunCommand(command); !done.ok()) return done.status();
+  }
+  return absl::OkStatus();
+}
+
+// Waits until `link` in `netns` is operationally up (a veth: both ends up),
+// so that the first packets sent are not dropped.
+absl::Status AwaitLinkUp(const std::string& netns, const std::string& link) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::string last;
+  while (true) {
+    auto shown = RunCommand({"ip", "-n", netns, "-o", "link", "show", link});
+    if (!shown.ok()) return shown.status();
+    if (absl::StrContains(*shown, " state UP ")) return absl::OkStatus();
+    last = *shown;
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(link, " in ", netns, " is not up: ", last));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
   }
 }
 
@@ -59,7 +91,7 @@ absl::StatusOr<std::unique_ptr<NetnsPair>> NetnsPair::Create() {
   if (absl::Status status = CheckNetnsPrivileges(); !status.ok()) {
     return status;
   }
-  SweepStaleNamespaces();
+  SweepStaleNamespaces(kNetnsPrefix);
   static std::atomic<int> counter{0};
   const int n = counter.fetch_add(1);
   const std::string stem = absl::StrCat(kNetnsPrefix, getpid(), "x", n);
@@ -125,6 +157,95 @@ absl::Status NetnsPair::PinNeighbour(int side) {
                      address_[other], "lladdr", mac, "dev", link_[side], "nud",
                      "permanent"})
       .status();
+}
+
+absl::StatusOr<std::unique_ptr<NetnsSwitch>> NetnsSwitch::Create(int hosts) {
+  if (absl::Status status = CheckNetnsPrivileges(); !status.ok()) {
+    return status;
+  }
+  if (hosts < 1 || hosts > 250) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a switch has 1 to 250 hosts, not ", hosts));
+  }
+  SweepStaleNamespaces(kSwitchPrefix);
+  static std::atomic<int> counter{0};
+  const int n = counter.fetch_add(1);
+  std::unique_ptr<NetnsSwitch> net(new NetnsSwitch());
+  // Partly built: the destructor deletes what exists.
+  absl::Status built =
+      net->Build(absl::StrCat(kSwitchPrefix, getpid(), "x", n), n % 256, hosts);
+  if (!built.ok()) return built;
+  return net;
+}
+
+absl::Status NetnsSwitch::Build(const std::string& stem, int subnet,
+                                int hosts) {
+  hub_ = stem + "hub";
+  if (auto made = RunCommand({"ip", "netns", "add", hub_}); !made.ok()) {
+    return made.status();
+  }
+  hub_created_ = true;
+  if (absl::Status done = RunAll({
+          {"ip", "-n", hub_, "link", "set", "lo", "up"},
+          // No STP: ports forward as soon as they are up.
+          {"ip", "-n", hub_, "link", "add", kBridge, "type", "bridge",
+           "stp_state", "0"},
+          {"ip", "-n", hub_, "link", "set", kBridge, "up"},
+      });
+      !done.ok()) {
+    return done;
+  }
+  hosts_.resize(hosts);
+  for (int i = 0; i < hosts; ++i) {
+    Host& host = hosts_[i];
+    host.netns = absl::StrCat(stem, "h", i);
+    host.address = absl::StrCat("10.78.", subnet, ".", i + 1);
+    if (auto made = RunCommand({"ip", "netns", "add", host.netns});
+        !made.ok()) {
+      return made.status();
+    }
+    host.created = true;
+    // The hub's end is created in the hub, the host's straight in its
+    // namespace: neither name is ever seen by this namespace.
+    const std::string port = absl::StrCat("p", i);
+    if (absl::Status done = RunAll({
+            {"ip", "-n", hub_, "link", "add", port, "type", "veth", "peer",
+             "name", kHostLink, "netns", host.netns},
+            {"ip", "-n", hub_, "link", "set", port, "master", kBridge},
+            {"ip", "-n", hub_, "link", "set", port, "up"},
+            {"ip", "-n", host.netns, "link", "set", "lo", "up"},
+            {"ip", "-n", host.netns, "addr", "add", host.address + "/24", "dev",
+             kHostLink},
+            {"ip", "-n", host.netns, "link", "set", kHostLink, "up"},
+        });
+        !done.ok()) {
+      return done;
+    }
+  }
+  // Ready when Create returns: every host's link and its bridge port up.
+  for (int i = 0; i < hosts; ++i) {
+    if (absl::Status up = AwaitLinkUp(hosts_[i].netns, kHostLink); !up.ok()) {
+      return up;
+    }
+    if (absl::Status up = AwaitLinkUp(hub_, absl::StrCat("p", i)); !up.ok()) {
+      return up;
+    }
+  }
+  return absl::OkStatus();
+}
+
+NetnsSwitch::~NetnsSwitch() {
+  for (const Host& host : hosts_) {
+    if (host.created) (void)RunCommand({"ip", "netns", "delete", host.netns});
+  }
+  if (hub_created_) (void)RunCommand({"ip", "netns", "delete", hub_});
+}
+
+absl::Status NetnsSwitch::SetLink(int i, bool up) {
+  auto done = RunCommand({"ip", "-n", hosts_[i].netns, "link", "set", kHostLink,
+                          up ? "up" : "down"});
+  if (!done.ok() || !up) return done.status();
+  return AwaitLinkUp(hosts_[i].netns, kHostLink);
 }
 
 }  // namespace rdma_agent::testing

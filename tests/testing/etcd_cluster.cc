@@ -12,19 +12,42 @@
 
 namespace rdma_agent::testing {
 
-absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members) {
+namespace {
+
+// etcd's own ports, free in a namespace of the member's own.
+constexpr uint16_t kClientPort = 2379;
+constexpr uint16_t kPeerPort = 2380;
+
+// `argv` run inside `netns` unless it is empty.
+std::vector<std::string> InNetns(const std::string& netns,
+                                 std::vector<std::string> argv) {
+  if (!netns.empty()) argv.insert(argv.begin(), {"ip", "netns", "exec", netns});
+  return argv;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(
+    std::vector<Host> hosts) {
   std::unique_ptr<EtcdCluster> cluster(new EtcdCluster());
   cluster->dir_.emplace();
   std::vector<std::string> initial;
-  for (int i = 0; i < members; ++i) {
-    auto client_port = FreeLoopbackPort();
-    auto peer_port = FreeLoopbackPort();
-    if (!client_port.ok()) return client_port.status();
-    if (!peer_port.ok()) return peer_port.status();
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    uint16_t client_port = kClientPort;
+    uint16_t peer_port = kPeerPort;
+    if (hosts[i].netns.empty()) {
+      auto free_client = FreeLoopbackPort();
+      auto free_peer = FreeLoopbackPort();
+      if (!free_client.ok()) return free_client.status();
+      if (!free_peer.ok()) return free_peer.status();
+      client_port = *free_client;
+      peer_port = *free_peer;
+    }
     Member member;
     member.name = absl::StrCat("m", i);
-    member.endpoint = absl::StrCat("127.0.0.1:", *client_port);
-    member.peer_endpoint = absl::StrCat("127.0.0.1:", *peer_port);
+    member.netns = hosts[i].netns;
+    member.endpoint = absl::StrCat(hosts[i].address, ":", client_port);
+    member.peer_endpoint = absl::StrCat(hosts[i].address, ":", peer_port);
     initial.push_back(
         absl::StrCat(member.name, "=http://", member.peer_endpoint));
     cluster->members_.push_back(std::move(member));
@@ -32,21 +55,18 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members) {
   // All members at once: none answers before a quorum has met.
   for (Member& member : cluster->members_) {
     Subprocess::Options options;
-    options.argv = {
-        "etcd",
-        "--name=" + member.name,
-        absl::StrCat("--data-dir=", cluster->dir_->path(), "/", member.name),
-        "--listen-client-urls=http://" + member.endpoint,
-        "--advertise-client-urls=http://" + member.endpoint,
-        "--listen-peer-urls=http://" + member.peer_endpoint,
-        "--initial-advertise-peer-urls=http://" + member.peer_endpoint,
-        "--initial-cluster=" + absl::StrJoin(initial, ","),
-        "--initial-cluster-state=new",
-        "--initial-cluster-token=rdma-agentd-test",
-        "--heartbeat-interval=50",
-        "--election-timeout=500",
-        "--logger=zap",
-        "--log-level=error"};
+    options.argv = InNetns(
+        member.netns,
+        {"etcd", "--name=" + member.name,
+         absl::StrCat("--data-dir=", cluster->dir_->path(), "/", member.name),
+         "--listen-client-urls=http://" + member.endpoint,
+         "--advertise-client-urls=http://" + member.endpoint,
+         "--listen-peer-urls=http://" + member.peer_endpoint,
+         "--initial-advertise-peer-urls=http://" + member.peer_endpoint,
+         "--initial-cluster=" + absl::StrJoin(initial, ","),
+         "--initial-cluster-state=new",
+         "--initial-cluster-token=rdma-agentd-test", "--heartbeat-interval=50",
+         "--election-timeout=500", "--logger=zap", "--log-level=error"});
     options.log_path =
         absl::StrCat(cluster->dir_->path(), "/", member.name, ".log");
     auto process = Subprocess::Spawn(std::move(options));
@@ -106,12 +126,16 @@ void EtcdCluster::Kill(int i) {
 absl::StatusOr<std::string> EtcdCluster::Etcdctl(
     std::vector<std::string> args) {
   std::vector<std::string> running;
+  const Member* first = nullptr;
   for (const Member& member : members_) {
-    if (member.process.has_value()) running.push_back(member.endpoint);
+    if (!member.process.has_value()) continue;
+    running.push_back(member.endpoint);
+    if (first == nullptr) first = &member;
   }
-  std::vector<std::string> argv = {
-      "env", "ETCDCTL_API=3", "etcdctl",
-      "--endpoints=" + absl::StrJoin(running, ",")};
+  std::vector<std::string> argv =
+      InNetns(first == nullptr ? "" : first->netns,
+              {"env", "ETCDCTL_API=3", "etcdctl",
+               "--endpoints=" + absl::StrJoin(running, ",")});
   argv.insert(argv.end(), args.begin(), args.end());
   return RunCommand(argv);
 }
