@@ -16,6 +16,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
+#include "tests/directory/name_calls.h"
 #include "tests/integration/netns.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/etcd_server.h"
@@ -31,6 +32,9 @@ using ::rdma_agent::testing::CheckNetnsPrivileges;
 using ::rdma_agent::testing::EtcdServer;
 using ::rdma_agent::testing::Eventually;
 using ::rdma_agent::testing::NetnsPair;
+using ::rdma_agent::testing::ReadByNameOp;
+using ::rdma_agent::testing::RegisterNamed;
+using ::rdma_agent::testing::SubmitOne;
 using ::rdma_agent::testing::TcpAgentOptions;
 
 constexpr absl::Duration kLeaseTtl = absl::Seconds(3);
@@ -38,42 +42,19 @@ constexpr absl::Duration kPatience = absl::Seconds(30);
 
 absl::StatusOr<v1::RegisterResponse> Register(AgentProcess& agent,
                                               const std::string& name) {
-  auto stub = v1::RdmaAgent::NewStub(agent.client().channel());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kPatience));
-  v1::RegisterRequest request;
-  request.set_allocate_bytes(4096);
-  request.set_access(v1::ACCESS_READ_WRITE);
-  request.set_lifetime(v1::LIFETIME_AGENT);
-  request.set_name(name);
-  v1::RegisterResponse response;
-  const grpc::Status status = stub->Register(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return response;
+  return RegisterNamed(agent, name, kPatience);
 }
 
 // Reads 100 bytes at offset 0 of what `name` stands for into `local`.
 v1::OpResult ReadByName(AgentProcess& agent, uint64_t local,
                         const std::string& name) {
-  auto stub = v1::RdmaAgent::NewStub(agent.client().channel());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kPatience));
-  v1::SubmitRequest request;
-  v1::Op* op = request.add_ops();
-  op->set_type(v1::OP_TYPE_READ_INTO_LOCAL);
-  op->set_local_buffer_id(local);
-  op->set_length(100);
-  op->set_remote_name(name);
-  request.mutable_timeout()->set_seconds(10);
-  v1::SubmitResponse response;
-  const grpc::Status status = stub->Submit(&context, request, &response);
-  if (!status.ok() || response.results_size() != 1) {
-    v1::OpResult failed;
-    failed.set_code(grpc::StatusCode::UNKNOWN);
-    failed.set_message(status.error_message());
-    return failed;
-  }
-  return response.results(0);
+  absl::StatusOr<v1::OpResult> result =
+      SubmitOne(agent, ReadByNameOp(local, name), kPatience);
+  if (result.ok()) return *result;
+  v1::OpResult failed;
+  failed.set_code(grpc::StatusCode::UNKNOWN);
+  failed.set_message(std::string(result.status().message()));
+  return failed;
 }
 
 TEST(NamesPartitionTest, ACutOffAgentStopsClaimingItsNamesUntilItHeals) {

@@ -25,6 +25,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "rdma/agent/v1/agent.grpc.pb.h"
+#include "tests/directory/name_calls.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/etcd_server.h"
 #include "tests/testing/eventually.h"
@@ -38,6 +39,7 @@ namespace v1 = ::rdma::agent::v1;
 using ::rdma_agent::testing::AgentProcess;
 using ::rdma_agent::testing::EtcdServer;
 using ::rdma_agent::testing::Eventually;
+using ::rdma_agent::testing::RegisterNamed;
 using ::rdma_agent::testing::RunfilePath;
 using ::rdma_agent::testing::RunToCompletion;
 using ::rdma_agent::testing::TcpAgentOptions;
@@ -52,39 +54,21 @@ constexpr absl::Duration kPatience = absl::Seconds(20);
 absl::StatusOr<v1::RegisterResponse> Register(
     AgentProcess& agent, const std::string& name,
     v1::Visibility visibility = v1::VISIBILITY_OWNER, uint64_t size = 4096) {
-  auto stub = v1::RdmaAgent::NewStub(agent.client().channel());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kPatience));
-  v1::RegisterRequest request;
-  request.set_allocate_bytes(size);
-  request.set_access(v1::ACCESS_READ_WRITE);
-  request.set_lifetime(v1::LIFETIME_AGENT);
-  request.set_name(name);
-  request.set_name_visibility(visibility);
-  v1::RegisterResponse response;
-  const grpc::Status status = stub->Register(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return response;
+  return RegisterNamed(agent, name, kPatience, visibility, size);
 }
 
 // One op through `agent`'s Submit; its result.
 v1::OpResult SubmitOne(AgentProcess& agent, const v1::Op& op) {
-  auto stub = v1::RdmaAgent::NewStub(agent.client().channel());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kPatience));
-  v1::SubmitRequest request;
-  *request.add_ops() = op;
-  request.mutable_timeout()->set_seconds(10);
-  v1::SubmitResponse response;
-  const grpc::Status status = stub->Submit(&context, request, &response);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  if (response.results_size() != 1) {
+  absl::StatusOr<v1::OpResult> result =
+      testing::SubmitOne(agent, op, kPatience);
+  EXPECT_TRUE(result.ok()) << result.status();
+  if (!result.ok()) {
     v1::OpResult failed;
     failed.set_code(grpc::StatusCode::UNKNOWN);
-    failed.set_message(status.error_message());
+    failed.set_message(std::string(result.status().message()));
     return failed;
   }
-  return response.results(0);
+  return *result;
 }
 
 // Reads [remote_offset, +length) of the remote into `local` at offset 8.
