@@ -56,7 +56,7 @@ import threading
 import time
 import weakref
 from collections import namedtuple
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence, TypeVar, Union
 
 import grpc
 from google.protobuf import duration_pb2
@@ -696,7 +696,53 @@ class Buffer:
                                              ", released" if self._released else "")
 
 
-class RemoteHandle:
+_Kept = TypeVar("_Kept", bound="_KeptOnAgent")
+
+
+class _KeptOnAgent:
+    """What the agent keeps under an id for this client until release():
+    released at most once, close() best effort, a context manager."""
+
+    # "RPC: what %d was already released", for a second release().
+    _ALREADY_RELEASED = ""
+
+    def __init__(self, client: AgentClient, id_: int) -> None:
+        self._client = client
+        self.id: int = id_
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _release_call(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drops it on the agent. NotFoundError when the agent does not know
+        it; FailedPreconditionError when this object released it already."""
+        if self._released:
+            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
+                             self._ALREADY_RELEASED % self.id)
+        self._released = True
+        self._release_call()
+
+    def close(self) -> None:
+        """release(), best effort, unless released already."""
+        if not self._released:
+            try:
+                self.release()
+            except AgentError:
+                pass
+
+    def __enter__(self: _Kept) -> _Kept:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteHandle(_KeptOnAgent):
     """A remote context the agent has parsed, checked and routed once
     (AgentClient.import_remote): an Op whose `remote` is this handle sends
     its 8-byte id instead of the context.
@@ -707,54 +753,30 @@ class RemoteHandle:
     still existing: ops naming it are checked by the serving agent as ops
     carrying the context are. `agent_id`, `buffer_id`, `size_bytes`,
     `access` and `backends` are what the context says (the backends: the
-    agent's that reach it, best first).
+    agent's that reach it, best first). Ops already running with it when it
+    is released finish.
     """
 
+    _ALREADY_RELEASED = "ReleaseRemote: handle %d was already released"
+
     def __init__(self, client: AgentClient, info: Any) -> None:
-        self._client = client
-        self.id: int = info.remote_handle
+        super().__init__(client, info.remote_handle)
         self.agent_id: str = info.agent_id
         self.buffer_id: int = info.buffer_id
         self.size_bytes: int = info.size_bytes
         self.access: int = info.access
         self.backends: list[str] = list(info.backends)
-        self._released = False
 
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        """Drops the handle (ReleaseRemote); ops already running with it
-        finish. NotFoundError when the agent does not know it;
-        FailedPreconditionError when this object released it already."""
-        if self._released:
-            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "ReleaseRemote: handle %d was already released" % self.id)
-        self._released = True
+    def _release_call(self) -> None:
         _rpc(self._client.stub.ReleaseRemote,
              agent_pb2.ReleaseRemoteRequest(remote_handle=self.id), self._client.timeout)
-
-    def close(self) -> None:
-        """release(), best effort, unless released already."""
-        if not self._released:
-            try:
-                self.release()
-            except AgentError:
-                pass
-
-    def __enter__(self) -> RemoteHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return "RemoteHandle(%d, buffer %d of %s%s)" % (
             self.id, self.buffer_id, self.agent_id, ", released" if self._released else "")
 
 
-class PreparedTransfer:
+class PreparedTransfer(_KeptOnAgent):
     """A batch the agent validated once and keeps under an id
     (AgentClient.prepare_transfer): submit() and submit_async() run its ops
     again without sending them, each run exactly as a Submit of those ops
@@ -764,15 +786,11 @@ class PreparedTransfer:
     finish.
     """
 
-    def __init__(self, client: AgentClient, prepared_id: int, op_count: int) -> None:
-        self._client = client
-        self.id = prepared_id
-        self.op_count = op_count
-        self._released = False
+    _ALREADY_RELEASED = "ReleasePrepared: transfer %d was already released"
 
-    @property
-    def released(self) -> bool:
-        return self._released
+    def __init__(self, client: AgentClient, prepared_id: int, op_count: int) -> None:
+        super().__init__(client, prepared_id)
+        self.op_count = op_count
 
     def submit(self, timeout: float | None = None) -> list[OpResult]:
         """Runs the ops once and waits: one OpResult per op. `timeout`
@@ -787,30 +805,9 @@ class PreparedTransfer:
         return self._client._submit_async_request(
             self._client._prepared_request(self.id, timeout))
 
-    def release(self) -> None:
-        """Drops it on the agent (ReleasePrepared). NotFoundError when the
-        agent does not know it; FailedPreconditionError when this object
-        released it already."""
-        if self._released:
-            raise AgentError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "ReleasePrepared: transfer %d was already released" % self.id)
-        self._released = True
+    def _release_call(self) -> None:
         _rpc(self._client.stub.ReleasePrepared,
              agent_pb2.ReleasePreparedRequest(prepared_id=self.id), self._client.timeout)
-
-    def close(self) -> None:
-        """release(), best effort, unless released already."""
-        if not self._released:
-            try:
-                self.release()
-            except AgentError:
-                pass
-
-    def __enter__(self) -> PreparedTransfer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return "PreparedTransfer(%d, %d ops%s)" % (self.id, self.op_count,
