@@ -76,6 +76,18 @@ struct Outcome {
 };
 
 Outcome Ok() { return {}; }
+
+// SIGINT and SIGTERM, blocked in this thread when `block`. Commands that run
+// until interrupted block them before any thread exists (every thread then
+// inherits the mask), so that the signals reach their sigtimedwait.
+sigset_t StopSignals(bool block) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  if (block) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
 Outcome Usage(absl::string_view message) {
   return {kExitUsage, std::string(message)};
 }
@@ -1211,14 +1223,9 @@ class SubmitCommand : public Command {
     for (const OpSpec& op : *ops) total += op.length;
     internal::ProgressLine progress = global.Progress(total);
     // A batch followed with a progress line runs as a transfer the agent
-    // reports on while it runs; signals are blocked before any thread
-    // exists, so that SIGINT reaches sigtimedwait and cancels it.
+    // reports on while it runs; SIGINT cancels it.
     const bool followed = !async_ && progress.enabled();
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGINT);
-    sigaddset(&stop_signals, SIGTERM);
-    if (followed) pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    const sigset_t stop_signals = StopSignals(/*block=*/followed);
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     SubmitOptions options;
@@ -1470,13 +1477,7 @@ class WatchCommand : public Command {
     if (count_.has_value() && *count_ < 1) {
       return Usage("watch: --count must be at least 1");
     }
-    // Before any thread exists, so that every thread inherits the mask and
-    // SIGINT/SIGTERM reach sigtimedwait below.
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGINT);
-    sigaddset(&stop_signals, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    const sigset_t stop_signals = StopSignals(/*block=*/true);
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     absl::Mutex mu;
@@ -1586,12 +1587,7 @@ class NotificationsCommand : public Command {
       }
       return Ok();
     }
-    // As watch: signals blocked before any thread exists.
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGINT);
-    sigaddset(&stop_signals, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    const sigset_t stop_signals = StopSignals(/*block=*/true);
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     absl::Mutex mu;
@@ -1665,12 +1661,7 @@ class NamesCommand : public Command {
     if (count_.has_value() && (*count_ < 1 || !watch_)) {
       return Usage("names: --count needs --watch and at least 1");
     }
-    // As watch: signals blocked before any thread exists.
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGINT);
-    sigaddset(&stop_signals, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    const sigset_t stop_signals = StopSignals(/*block=*/true);
     absl::StatusOr<AgentClient*> client = lazy.Get();
     if (!client.ok()) return Failed("connect", client.status());
     absl::Mutex mu;
