@@ -131,11 +131,8 @@ v1::SubmitResponse OpBatch::Run(const StopToken& stop) {
   return response;
 }
 
-bool OpBatch::RunsOnlyOn(absl::string_view name, uint64_t max_bytes) const {
-  uint64_t bytes = 0;
+bool OpBatch::RunsOnlyOn(absl::string_view name) const {
   for (const Op& op : ready_) {
-    bytes += op.length;
-    if (bytes > max_bytes) return false;
     const std::vector<Backend*> route =
         env_.registry->Route(*op.remote, op.local.get());
     if (route.empty() || route.front()->name() != name) return false;

@@ -114,9 +114,8 @@ class OpBatch final : public TransferWork {
   std::shared_ptr<const TransferProgress> progress() override;
 
   // True when every op that passed its checks is routed first to backend
-  // `name` and together they move at most `max_bytes` (a batch with no
-  // valid op qualifies).
-  bool RunsOnlyOn(absl::string_view name, uint64_t max_bytes) const;
+  // `name` (a batch with no valid op qualifies).
+  bool RunsOnlyOn(absl::string_view name) const;
 
   // What the prepared batch holds besides its request, estimated from
   // above: per-op state, the messages of ops refused and each distinct

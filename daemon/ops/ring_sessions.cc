@@ -347,7 +347,9 @@ void RingSessions::Session::Submit(TakenPtr taken) {
   std::unique_ptr<OpBatch> batch;
   if (MayRunInline(*taken)) {
     batch = prepare();
-    if (batch->RunsOnlyOn("memory", owner_->limits_.inline_bytes)) {
+    // Its size was judged from its entries (MayRunInline): its valid ops
+    // move no more.
+    if (batch->RunsOnlyOn("memory")) {
       return RunInline(std::move(taken), std::move(batch));
     }
   }
