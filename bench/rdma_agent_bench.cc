@@ -150,6 +150,39 @@ absl::StatusOr<int> ReportInfo(AgentClient& agent) {
 
 // ---- latency: one op per Submit, next to its floor -------------------------
 
+// Named kinds of one timed call.
+using TimedKinds =
+    std::vector<std::pair<std::string, std::function<absl::Status()>>>;
+
+// Times --latency_iterations calls of each kind `timed` keeps (all when
+// unset) after --warmup_iterations, interleaved in blocks of 100 so that a
+// noisy moment of a shared machine hits every kind alike: one summary per
+// kind, in order (a kind left out has no samples). The first failed call
+// ends it.
+absl::StatusOr<std::vector<Latency>> TimeInterleaved(
+    const TimedKinds& kinds,
+    const std::function<bool(size_t)>& timed = nullptr) {
+  std::vector<std::vector<absl::Duration>> samples(kinds.size());
+  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
+  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
+  constexpr int kBlock = 100;
+  for (int done = -warmup; done < iterations; done += kBlock) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      if (timed && !timed(k)) continue;
+      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
+        const absl::Time start = absl::Now();
+        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
+        if (i >= 0) samples[k].push_back(absl::Now() - start);
+      }
+    }
+  }
+  std::vector<Latency> latency;
+  for (std::vector<absl::Duration>& kind : samples) {
+    latency.push_back(Summarize(std::move(kind)));
+  }
+  return latency;
+}
+
 // One timed call of each kind; interleaved in blocks so that a noisy moment
 // of a shared machine hits every kind alike. The floor is GetInfo (a gRPC
 // unary call to agent A) plus one TCP round trip to B's host; the rejected
@@ -184,43 +217,29 @@ absl::Status TestLatency(Setup& setup) {
     }
     return absl::OkStatus();
   };
-  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
-      kinds = {
-          {"lat_getinfo", [&] { return agent.GetInfo().status(); }},
-          {"lat_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
-          {"lat_read", [&] { return RunBatch(agent, read, "tcp"); }},
-          {"lat_write", [&] { return RunBatch(agent, write, "tcp"); }},
-          {"lat_submit_rejected", submit_rejected},
-          {"lat_mem_write",
-           [&] { return RunBatch(agent, memory_write, "memory"); }},
-      };
+  const TimedKinds kinds = {
+      {"lat_getinfo", [&] { return agent.GetInfo().status(); }},
+      {"lat_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
+      {"lat_read", [&] { return RunBatch(agent, read, "tcp"); }},
+      {"lat_write", [&] { return RunBatch(agent, write, "tcp"); }},
+      {"lat_submit_rejected", submit_rejected},
+      {"lat_mem_write",
+       [&] { return RunBatch(agent, memory_write, "memory"); }},
+  };
   const std::vector<std::string> wanted = absl::StrSplit(
       absl::GetFlag(FLAGS_latency_kinds), ',', absl::SkipEmpty());
   auto timed = [&](size_t k) {
     return std::find(wanted.begin(), wanted.end(), kinds[k].first.substr(4)) !=
            wanted.end();
   };
-  std::vector<std::vector<absl::Duration>> samples(kinds.size());
-  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
-  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
-  constexpr int kBlock = 100;
-  for (int done = -warmup; done < iterations; done += kBlock) {
-    for (size_t k = 0; k < kinds.size(); ++k) {
-      if (!timed(k)) continue;
-      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
-        const absl::Time start = absl::Now();
-        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
-        if (i >= 0) samples[k].push_back(absl::Now() - start);
-      }
-    }
-  }
-  std::vector<Latency> latency;
+  absl::StatusOr<std::vector<Latency>> timings = TimeInterleaved(kinds, timed);
+  if (!timings.ok()) return timings.status();
+  const std::vector<Latency>& latency = *timings;
   for (size_t k = 0; k < kinds.size(); ++k) {
-    latency.push_back(Summarize(samples[k]));
     if (!timed(k)) continue;
     Report report(kinds[k].first);
     if (k >= 2 && k != 4) report.Add("bytes", static_cast<double>(bytes), 0);
-    Print(report.AddLatency("", latency.back()));
+    Print(report.AddLatency("", latency[k]));
   }
   if (!timed(0) || !timed(1) || !timed(2) || !timed(3)) return absl::OkStatus();
   const double floor = latency[0].p50_us + latency[1].p50_us;
@@ -487,32 +506,19 @@ absl::Status TestRing(Setup& setup) {
     }
     return absl::OkStatus();
   };
-  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
-      kinds = {
-          {"ring_getinfo", [&] { return agent.GetInfo().status(); }},
-          {"ring_submit_mem_write",
-           [&] { return RunBatch(agent, memory_write, "memory"); }},
-          {"ring_mem_write", ring_write},
-      };
-  std::vector<std::vector<absl::Duration>> samples(kinds.size());
-  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
-  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
-  constexpr int kBlock = 100;
-  for (int done = -warmup; done < iterations; done += kBlock) {
-    for (size_t k = 0; k < kinds.size(); ++k) {
-      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
-        const absl::Time start = absl::Now();
-        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
-        if (i >= 0) samples[k].push_back(absl::Now() - start);
-      }
-    }
-  }
-  std::vector<Latency> latency;
+  const TimedKinds kinds = {
+      {"ring_getinfo", [&] { return agent.GetInfo().status(); }},
+      {"ring_submit_mem_write",
+       [&] { return RunBatch(agent, memory_write, "memory"); }},
+      {"ring_mem_write", ring_write},
+  };
+  absl::StatusOr<std::vector<Latency>> timings = TimeInterleaved(kinds);
+  if (!timings.ok()) return timings.status();
+  const std::vector<Latency>& latency = *timings;
   for (size_t k = 0; k < kinds.size(); ++k) {
-    latency.push_back(Summarize(samples[k]));
     Report report(kinds[k].first);
     if (k > 0) report.Add("bytes", static_cast<double>(bytes), 0);
-    Print(report.AddLatency("", latency.back()));
+    Print(report.AddLatency("", latency[k]));
   }
   Print(Report("ring_ratio")
             .Add("submit_vs_ring", latency[1].p50_us / latency[2].p50_us, 2)
@@ -625,33 +631,20 @@ absl::Status TestRingTcp(Setup& setup) {
     if (absl::Status s = ring.ring().Submit(op); !s.ok()) return s;
     return ring.Reap(1, spin).status();
   };
-  const std::vector<std::pair<std::string, std::function<absl::Status()>>>
-      kinds = {
-          {"ring_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
-          {"ring_submit_tcp_write",
-           [&] { return RunBatch(agent, submit_write, "tcp"); }},
-          {"ring_tcp_write", [&] { return one(ring_write); }},
-          {"ring_tcp_read", [&] { return one(ring_read); }},
-      };
-  std::vector<std::vector<absl::Duration>> samples(kinds.size());
-  const int iterations = absl::GetFlag(FLAGS_latency_iterations);
-  const int warmup = absl::GetFlag(FLAGS_warmup_iterations);
-  constexpr int kBlock = 100;
-  for (int done = -warmup; done < iterations; done += kBlock) {
-    for (size_t k = 0; k < kinds.size(); ++k) {
-      for (int i = done; i < std::min(done + kBlock, iterations); ++i) {
-        const absl::Time start = absl::Now();
-        if (absl::Status s = kinds[k].second(); !s.ok()) return s;
-        if (i >= 0) samples[k].push_back(absl::Now() - start);
-      }
-    }
-  }
-  std::vector<Latency> latency;
+  const TimedKinds kinds = {
+      {"ring_tcp_rtt", [&] { return (*ping)->RoundTrip().status(); }},
+      {"ring_submit_tcp_write",
+       [&] { return RunBatch(agent, submit_write, "tcp"); }},
+      {"ring_tcp_write", [&] { return one(ring_write); }},
+      {"ring_tcp_read", [&] { return one(ring_read); }},
+  };
+  absl::StatusOr<std::vector<Latency>> timings = TimeInterleaved(kinds);
+  if (!timings.ok()) return timings.status();
+  const std::vector<Latency>& latency = *timings;
   for (size_t k = 0; k < kinds.size(); ++k) {
-    latency.push_back(Summarize(samples[k]));
     Report report(kinds[k].first);
     if (k > 0) report.Add("bytes", static_cast<double>(bytes), 0);
-    Print(report.AddLatency("", latency.back()));
+    Print(report.AddLatency("", latency[k]));
   }
   Print(
       Report("ring_tcp_ratio")
