@@ -2,6 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 
 namespace rdma_agent {
 
@@ -38,6 +39,23 @@ ServeRequest NotificationTarget(const v1::RemoteBuffer& remote) {
   request.token = remote.token();
   request.proof_only = true;
   return request;
+}
+
+void Backend::Post(absl::Span<const Op> ops, const StopToken& stop,
+                   OpsDone done) {
+  std::move(done)(Submit(ops, stop));
+}
+
+std::vector<absl::Status> Backend::Submit(absl::Span<const Op> ops,
+                                          const StopToken& stop) {
+  std::vector<absl::Status> statuses;
+  absl::Notification ended;
+  Post(ops, stop, [&statuses, &ended](std::vector<absl::Status> posted) {
+    statuses = std::move(posted);
+    ended.Notify();
+  });
+  ended.WaitForNotification();
+  return statuses;
 }
 
 absl::Status Backend::Notify(const v1::RemoteBuffer&,

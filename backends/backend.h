@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -82,11 +83,18 @@ struct Op {
   bool reads_into_local() const { return type == v1::OP_TYPE_READ_INTO_LOCAL; }
 };
 
+// How a batch posted with Backend::Post ends: one status per op, in order.
+using OpsDone = absl::AnyInvocable<void(std::vector<absl::Status>) &&>;
+
 // A transport that moves bytes between this agent's registrations and
 // remote ones.
 //
-// Thread-safe: Register, Submit and destruction of BackendRegistrations may
-// happen concurrently from many RPCs.
+// Thread-safe: Register, Post, Submit and destruction of
+// BackendRegistrations may happen concurrently from many RPCs.
+//
+// A backend implements Post; Submit waits on it. (Until every backend runs
+// Post natively, Post's default runs the backend's own Submit on the
+// calling thread: a backend overrides at least one of the two.)
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -146,13 +154,29 @@ class Backend {
   // endpoint of this backend that this agent can use.
   virtual bool CanReach(const v1::RemoteBuffer& remote) const = 0;
 
-  // Runs `ops` (all reachable by this backend) and returns one status per op,
-  // in order. Returns by `stop.deadline()` (DEADLINE_EXCEEDED for ops not
-  // done) or soon after `stop` is cancelled (ops not done get the
-  // cancellation's reason; "soon" is well under a second), and once it has
-  // returned no part of it reads or writes any op's local memory again.
+  // The asynchronous entry: starts `ops` (all reachable by this backend)
+  // and returns without waiting for them to end. `done` is called exactly
+  // once with one status per op, in order: by `stop.deadline()`
+  // (DEADLINE_EXCEEDED for ops not done) or soon after `stop` is cancelled
+  // (ops not done get the cancellation's reason; "soon" is well under a
+  // second). Once `done` has been called, no part of the batch reads or
+  // writes any op's local memory again.
+  //
+  // `done` runs on whichever thread ends the batch: inside Post itself (a
+  // batch that ends at once, or small ops a backend runs in place), or one
+  // of the backend's own threads (a worker, an event loop, a completion
+  // poller). It must not block; slow follow-up work goes to another thread.
+  // Post itself never waits for a peer, a queue slot or another batch.
+  //
+  // The caller keeps `ops` (and what they point to) and the Cancellation
+  // behind `stop` alive until `done` has been called.
+  virtual void Post(absl::Span<const Op> ops, const StopToken& stop,
+                    OpsDone done);
+
+  // The synchronous entry: Post, then wait for `done`. Returns the statuses
+  // `done` was given, under the same guarantee.
   virtual std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                           const StopToken& stop) = 0;
+                                           const StopToken& stop);
 
   // Sends `data` over this backend's own channel to the agent that issued
   // `remote` (`endpoint` is this backend's entry in it), for the owner of
