@@ -290,4 +290,10 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
   return outcomes;
 }
 
+void BackendRegistry::PostInPlace(absl::Span<Op> ops, const StopToken& stop,
+                                  OutcomesDone done) const {
+  // Until every backend posts natively: the batch runs here.
+  std::move(done)(SubmitInPlace(ops, stop));
+}
+
 }  // namespace rdma_agent

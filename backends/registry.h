@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -74,6 +75,19 @@ class BackendRegistry {
   // its ops.
   std::vector<OpOutcome> SubmitInPlace(absl::Span<Op> ops,
                                        const StopToken& stop) const;
+
+  // How a batch posted with PostInPlace ends: one outcome per op, in order.
+  using OutcomesDone = absl::AnyInvocable<void(std::vector<OpOutcome>) &&>;
+
+  // The asynchronous SubmitInPlace: routes `ops` as it does, posts each
+  // backend's share with Backend::Post, retries an op that ended
+  // UNAVAILABLE once on its next backend, and calls `done` exactly once
+  // with the outcomes, on the thread that ended the last share (possibly
+  // inside PostInPlace). Never waits for a backend; `done` must not block.
+  // The caller keeps `ops` and the Cancellation behind `stop` alive until
+  // `done` has been called; once it has, nothing touches local memory.
+  void PostInPlace(absl::Span<Op> ops, const StopToken& stop,
+                   OutcomesDone done) const;
 
   // Sends `data` to the owner of `remote` over `backend`, the one that ran
   // the ops it announces (Backend::Notify). INTERNAL, "not sent", when this

@@ -1,6 +1,7 @@
-// The contract of backends/backend.h, as cases every backend must pass. Each
-// backend joins with one line in INSTANTIATE_TEST_SUITE_P below (and its
-// target in targets.h): the cases themselves never name a backend.
+// The contract of backends/backend.h, as cases every backend must pass over
+// both of its entries (Post and the Submit that waits on it). Each backend
+// joins with one line in INSTANTIATE_TEST_SUITE_P below (and its target in
+// targets.h): the cases themselves never name a backend.
 //
 // Ops run from agent 0 ("local") against buffers of the last agent
 // ("remote"): a second agent, or the same one for the memory backend.
@@ -10,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -34,11 +36,18 @@ constexpr absl::Duration kLong = absl::Seconds(60);
 // How late after its deadline (or cancellation) a Submit may return.
 constexpr absl::Duration kSlack = absl::Seconds(1);
 
-class BackendContractTest : public ::testing::TestWithParam<BackendTarget> {
+// Which entry of Backend a case goes through.
+enum class Entry { kSubmit, kPost };
+
+class BackendContractTest
+    : public ::testing::TestWithParam<std::tuple<BackendTarget, Entry>> {
  protected:
+  static const BackendTarget& target() { return std::get<0>(GetParam()); }
+  static Entry entry() { return std::get<1>(GetParam()); }
+
   void SetUp() override {
-    world_ = GetParam().make_world();
-    for (int i = 0; i < GetParam().agents; ++i) {
+    world_ = target().make_world();
+    for (int i = 0; i < target().agents; ++i) {
       auto agent =
           TestAgent::Create(absl::StrCat("agent-", i), world_->Factory(i));
       ASSERT_TRUE(agent.ok()) << agent.status();
@@ -55,12 +64,41 @@ class BackendContractTest : public ::testing::TestWithParam<BackendTarget> {
   TestAgent& remote() { return *agents_.back(); }
   Backend& backend() { return local().backend(); }
 
+  // Runs `ops` through the case's entry and waits for them to end.
   std::vector<absl::Status> Submit(const std::vector<Op>& ops,
                                    const StopToken& stop) {
-    std::vector<absl::Status> results = backend().Submit(ops, stop);
+    std::vector<absl::Status> results;
+    if (entry() == Entry::kSubmit) {
+      results = backend().Submit(ops, stop);
+    } else {
+      results = PostAndWait(ops, stop);
+    }
     EXPECT_EQ(results.size(), ops.size()) << "one status per op";
     results.resize(ops.size(), absl::InternalError("no status"));
     return results;
+  }
+
+  // Post, then the wait for its `done`, which must come exactly once.
+  std::vector<absl::Status> PostAndWait(const std::vector<Op>& ops,
+                                        const StopToken& stop) {
+    struct Ended {
+      std::atomic<int> calls{0};
+      std::vector<absl::Status> statuses;
+      absl::Notification notified;
+    };
+    auto ended = std::make_shared<Ended>();
+    backend().Post(ops, stop, [ended](std::vector<absl::Status> statuses) {
+      if (ended->calls.fetch_add(1) == 0) {
+        ended->statuses = std::move(statuses);
+        ended->notified.Notify();
+      }
+    });
+    ended->notified.WaitForNotification();
+    // A second call would come from the thread that ended the batch, at
+    // once; give it a moment to show.
+    absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_EQ(ended->calls.load(), 1) << "done is called exactly once";
+    return std::move(ended->statuses);
   }
 
   // Runs one op and checks every byte of both buffers afterwards (the
@@ -95,7 +133,7 @@ class BackendContractTest : public ::testing::TestWithParam<BackendTarget> {
     std::vector<Op> ops;
   };
   TwoWay MakeTwoWay(uint64_t seed) {
-    const uint64_t length = 2 * GetParam().max_message_bytes + 3;
+    const uint64_t length = 2 * target().max_message_bytes + 3;
     TwoWay two_way;
     two_way.near =
         local().Register(2 * length + 16, v1::ACCESS_READ_WRITE, seed);
@@ -182,7 +220,7 @@ TEST_P(BackendContractTest, ReadAndWriteOddOffsetsAndLengths) {
 }
 
 TEST_P(BackendContractTest, ChunksOpsPastTheLargestMessage) {
-  const uint64_t length = 2 * GetParam().max_message_bytes + 3;
+  const uint64_t length = 2 * target().max_message_bytes + 3;
   TestBuffer near = local().Register(length + 8, v1::ACCESS_READ_WRITE, 21);
   TestBuffer far = remote().Register(length + 8, v1::ACCESS_READ_WRITE, 22);
   MoveAndCheck(kWrite, near, 3, length, far, 5);
@@ -470,11 +508,11 @@ TEST_P(BackendContractTest, SixteenThreadsSubmitAtOnce) {
       for (int round = 0; round < 3 && statuses[t].ok(); ++round) {
         // Write the first half into this thread's slice, read it back into
         // the second half.
-        std::vector<absl::Status> results = backend().Submit(
-            {MakeOp(0, kWrite, nears[t], 1, kSlice - 1, far, slice + 1),
-             MakeOp(1, kRead, nears[t], kSlice + 1, kSlice - 1, far,
-                    slice + 1)},
-            In(kLong));
+        std::vector<absl::Status> results =
+            Submit({MakeOp(0, kWrite, nears[t], 1, kSlice - 1, far, slice + 1),
+                    MakeOp(1, kRead, nears[t], kSlice + 1, kSlice - 1, far,
+                           slice + 1)},
+                   In(kLong));
         for (const absl::Status& status : results) {
           if (!status.ok()) statuses[t] = status;
         }
@@ -497,10 +535,14 @@ TEST_P(BackendContractTest, SixteenThreadsSubmitAtOnce) {
 
 INSTANTIATE_TEST_SUITE_P(
     Backends, BackendContractTest,
-    ::testing::Values(MemoryTarget(), TcpTarget(), SoftIbverbsTarget(),
-                      SoftIbverbsRailsTarget()),
-    [](const ::testing::TestParamInfo<BackendTarget>& info) {
-      return info.param.name;
+    ::testing::Combine(::testing::Values(MemoryTarget(), TcpTarget(),
+                                         SoftIbverbsTarget(),
+                                         SoftIbverbsRailsTarget()),
+                       ::testing::Values(Entry::kSubmit, Entry::kPost)),
+    [](const ::testing::TestParamInfo<std::tuple<BackendTarget, Entry>>& info) {
+      return absl::StrCat(
+          std::get<0>(info.param).name,
+          std::get<1>(info.param) == Entry::kPost ? "_post" : "_submit");
     });
 
 }  // namespace
