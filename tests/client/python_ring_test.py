@@ -443,6 +443,158 @@ class HeldPeerTest(unittest.TestCase):
         self.assertEqual(bytes(local.memory), bytes(expected))
 
 
+class AutomaticRingTest(unittest.TestCase):
+    """AgentClient.submit() through the client's own ring (ring=True, the
+    default): the same results as gRPC, and gRPC whenever the ring cannot
+    take the batch."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.agent = agents.Agent(AGENTD)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.agent.stop()
+
+    def setUp(self):
+        self.client = AgentClient(self.agent.socket, timeout=30)
+        self.addCleanup(self.client.close)
+        self.grpc = AgentClient(self.agent.socket, timeout=30, ring=False)
+        self.addCleanup(self.grpc.close)
+        self.local = self.client.attach(SIZE)
+        self.target = self.client.attach(SIZE)
+        self.addCleanup(self.local.close)
+        self.addCleanup(self.target.close)
+        self.local.memory[:] = pattern(1, SIZE)
+        self.target.memory[:] = pattern(2, SIZE)
+
+    def test_submit_with_contexts_runs_through_the_ring(self):
+        local, target = bytearray(pattern(1, SIZE)), bytearray(pattern(2, SIZE))
+        context = self.target.remote_context
+        for round in range(3):
+            results = self.client.submit([Op("write", self.local, 100, 5000, context, 777),
+                                          Op("read", self.local, 9000, 3000, context, 40000)],
+                                         timeout=10)
+            self.assertEqual([(r.code, r.message, r.backend) for r in results],
+                             [(grpc.StatusCode.OK, "", "memory")] * 2)
+        target[777:5777] = local[100:5100]
+        local[9000:12000] = target[40000:43000]
+        self.assertEqual(bytes(self.target.memory), bytes(target))
+        self.assertEqual(bytes(self.local.memory), bytes(local))
+        self.assertEqual(self.client.ring_batches, 3)
+        self.assertIsNone(self.client.ring_unavailable)
+        # One import for the three batches: one handle of this user.
+        self.assertEqual(len(self.client.list_remotes()), 1)
+
+    def test_failed_ops_read_as_over_grpc(self):
+        context = self.target.remote_context
+        ops = [Op("write", self.local, 0, 16, context, SIZE - 8),
+               Op("read", self.local, 0, 16, context, 0),
+               Op("read", 987654, 0, 16, context, 0)]
+        through_ring = self.client.submit(ops, timeout=10)
+        self.assertEqual(self.client.ring_batches, 1)
+        ops[2] = Op("read", 987654, 0, 16, context, 0)
+        over_grpc = self.grpc.submit(ops, timeout=10)
+        self.assertEqual([(r.code, r.message) for r in through_ring],
+                         [(r.code, r.message) for r in over_grpc])
+        self.assertEqual([r.code for r in through_ring],
+                         [grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.OK,
+                          grpc.StatusCode.NOT_FOUND])
+        self.assertIn("op 0:", through_ring[0].message)
+        self.assertIn("op 2:", through_ring[2].message)
+
+    def test_batches_the_ring_cannot_take_go_over_grpc(self):
+        context = self.target.remote_context
+        # A context the agent will not import: Submit words the error.
+        [bad] = self.client.submit([Op("read", self.local, 0, 16, b"\x01garbage", 0)],
+                                   timeout=10)
+        self.assertEqual(bad.code, grpc.StatusCode.INVALID_ARGUMENT, bad)
+        self.assertIn("op 0:", bad.message)
+        # More ops than the ring has slots.
+        many = [Op("read", self.local, i, 1, context, i) for i in range(100)]
+        results = self.client.submit(many, timeout=10)
+        self.assertTrue(all(r.ok for r in results))
+        self.assertEqual(bytes(self.local.memory[:100]), pattern(2, SIZE)[:100])
+        self.assertEqual(bytes(self.local.memory[100:]), pattern(1, SIZE)[100:])
+        self.assertEqual(self.client.ring_batches, 0)
+        # The same client then runs a small batch through the ring.
+        [result] = self.client.submit([Op("read", self.local, 0, 1, context, 0)])
+        self.assertTrue(result.ok, result)
+        self.assertEqual(self.client.ring_batches, 1)
+
+    def test_no_ring_left_for_the_user_goes_over_grpc(self):
+        # The agent's --max_ring_sessions_per_user (4) taken by other rings.
+        rings = [self.grpc.open_ring(1) for _ in range(4)]
+        for ring in rings:
+            self.addCleanup(ring.close)
+        [result] = self.client.submit(
+            [Op("write", self.local, 0, 64, self.target.remote_context, 64)], timeout=10)
+        self.assertTrue(result.ok, result)
+        self.assertEqual(bytes(self.target.memory[64:128]), pattern(1, SIZE)[:64])
+        self.assertEqual(self.client.ring_batches, 0)
+        self.assertEqual(self.client.ring_unavailable.code,
+                         grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def test_threads_submitting_at_once_all_land(self):
+        context = self.target.remote_context
+        errors = []
+
+        def run(t):
+            try:
+                for i in range(50):
+                    offset = t * 4096 + i * 64
+                    [r] = self.client.submit([Op("read", self.local, offset, 64, context,
+                                                  offset)], timeout=10)
+                    if not r.ok:
+                        errors.append(r)
+            except Exception as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        import threading
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(errors, [])
+        expected = bytearray(pattern(1, SIZE))
+        for t in range(4):
+            expected[t * 4096:t * 4096 + 50 * 64] = \
+                pattern(2, SIZE)[t * 4096:t * 4096 + 50 * 64]
+        self.assertEqual(bytes(self.local.memory), bytes(expected))
+        self.assertGreater(self.client.ring_batches, 0)
+
+
+class AutomaticRingRestartTest(unittest.TestCase):
+
+    def test_a_restarted_agent_gets_a_new_ring_and_a_killed_one_fails_unavailable(self):
+        agent = agents.Agent(AGENTD)
+        try:
+            client = AgentClient(agent.socket, timeout=30, rejoin=False)
+            buffer = client.attach(SIZE)
+            [result] = client.submit([Op("write", buffer, 0, 16, buffer.remote_context, 100)])
+            self.assertTrue(result.ok, result)
+            self.assertEqual(client.ring_batches, 1)
+            agent.kill()
+            agent.restart()
+            buffer = client.attach(SIZE)
+            buffer.memory[:] = pattern(3, SIZE)
+            [result] = client.submit([Op("write", buffer, 0, 16, buffer.remote_context, 100)],
+                                     timeout=10)
+            self.assertTrue(result.ok, result)
+            self.assertEqual(bytes(buffer.memory[100:116]), pattern(3, SIZE)[:16])
+            self.assertEqual(client.ring_batches, 2)
+            agent.kill()
+            started = time.monotonic()
+            with self.assertRaises(rdma_agent.UnavailableError):
+                client.submit([Op("write", buffer, 0, 16, buffer.remote_context, 200)],
+                              timeout=10)
+            self.assertLess(time.monotonic() - started, 10)
+            client.close()
+        finally:
+            agent.stop()
+
+
 # A version 2 header of 4 entries: submissions at 512 (256 bytes),
 # completions at 768 (128), messages at 896 (1024), payloads at 1920
 # (1024), 2944 bytes in all.

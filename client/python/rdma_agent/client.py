@@ -867,12 +867,27 @@ class AgentClient:
     Agent-allocated buffers (allocate(), register(size)) and "agent"
     lifetime ones are not registered again: their memory or their owner is
     the old agent's. What went wrong last is in `rejoin_error`.
+
+    `ring` (default True): submit() runs a batch through a shared-memory
+    ring session of this client (docs/RING.md; opened at the first batch,
+    64 slots, charged to this user's registered bytes and
+    --max_ring_sessions_per_user) instead of a gRPC call, importing each
+    remote context its ops name once (import_remote(); the 256 most
+    recently used are kept). The batch goes over gRPC when the ring cannot
+    take it: no ring here or on the agent (why: `ring_unavailable`), an op
+    named by remote_name, a context the agent will not import, more than 64
+    ops, or another thread's batch on the ring at that moment. A ring whose
+    agent restarted is dropped and the next one opened. `ring_batches`
+    counts the batches that went through it. submit_notify(),
+    submit_async() and prepared transfers go over gRPC; open_ring() gives
+    the ring itself.
     """
 
     def __init__(self, socket_path: str | None = None, attach_socket: str | None = None,
                  timeout: float = 30.0, chunk_bytes: int = 1 << 20, watch: bool = True,
                  rejoin: bool = True,
-                 on_rejoin: Callable[[Buffer, int], None] | None = None) -> None:
+                 on_rejoin: Callable[[Buffer, int], None] | None = None,
+                 ring: bool = True) -> None:
         path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         for prefix in ("unix://", "unix:"):
             if path.startswith(prefix):
@@ -938,12 +953,19 @@ class AgentClient:
         self._rejoin_thread: threading.Thread | None = None
         self._connection_lost = False
         self.rejoin_error: AgentError | None = None
+        # submit()'s shared-memory lane (see the class docstring).
+        self._ring_path: Any = None
+        if ring:
+            from rdma_agent.ring import _RingPath
+            self._ring_path = _RingPath(self)
 
     def close(self) -> None:
         """Releases born registrations whose memory is gone, stops the watch
         (pending futures fail with AgentError CANCELLED) and closes the
         channel."""
         self._release_gone()
+        if self._ring_path is not None:
+            self._ring_path.close()
         with self._lock:
             self._closing = True
             call, thread = self._watch_call, self._watch_thread
@@ -970,6 +992,17 @@ class AgentClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def ring_batches(self) -> int:
+        """Batches submit() ran through its ring (ring=True)."""
+        return 0 if self._ring_path is None else self._ring_path.batches
+
+    @property
+    def ring_unavailable(self) -> AgentError | None:
+        """Why submit() could not open its ring when it last tried (then
+        it goes over gRPC, trying again after 30 s); None otherwise."""
+        return None if self._ring_path is None else self._ring_path.unavailable
 
     def info(self) -> agent_pb2.AgentInfo:
         """The agent's AgentInfo (id, epoch, version, backends)."""
@@ -1430,7 +1463,19 @@ class AgentClient:
 
     def submit(self, ops: Iterable[Op], timeout: float | None = None) -> list[OpResult]:
         """Runs `ops` (Op tuples) as one batch: one OpResult per op. `timeout`
-        (seconds) bounds the batch on the agent; None = the agent's default."""
+        (seconds) bounds the batch on the agent; None = the agent's default.
+        With ring=True (the default) the batch goes through this client's
+        shared-memory ring when it can, else over gRPC; the results are the
+        same either way (see the class docstring)."""
+        if self._ring_path is not None:
+            ops = list(ops)
+            for index, op in enumerate(ops):
+                if not isinstance(op, Op):
+                    raise wrong_type("op %d" % index, op, "an rdma_agent.Op")
+            self._release_gone()
+            results = self._ring_path.submit(ops, timeout)
+            if results is not None:
+                return results
         request = self._submit_request(ops, timeout)
         deadline = (timeout if timeout is not None else self.timeout) + 5
         response = _rpc(self.stub.Submit, request, deadline)

@@ -56,6 +56,7 @@ _LONGEST_SLEEP seconds instead of trusting the doorbell alone.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
@@ -65,12 +66,13 @@ import socket
 import struct
 import threading
 import time
-from collections import deque, namedtuple
+from collections import OrderedDict, deque, namedtuple
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 
-from rdma_agent.client import Op, OpResult, PreparedTransfer, _attach_open, _raise_for
+from rdma_agent.client import (Op, OpResult, PreparedTransfer, RemoteHandle, _attach_open,
+                               _raise_for)
 from rdma_agent.errors import AgentError, invalid, status_code, wrong_type
 from rdma_agent.proto import attach_pb2
 
@@ -726,3 +728,147 @@ class Ring:
     def _check_open(self) -> None:
         if self._closed:
             raise AgentError(grpc.StatusCode.FAILED_PRECONDITION, "ring: closed")
+
+
+class _RingPath:
+    """The ring AgentClient.submit() runs batches through when it can
+    (AgentClient(ring=True)): one ring per client, opened at the first
+    batch that may use it, and a bounded cache of the remote contexts its
+    ops named, imported once (ImportRemote) so that the ring can name them.
+
+    A batch goes over gRPC instead, exactly as before, when the ring cannot
+    take it: the platform or the agent offers no ring (the reason is kept in
+    `unavailable`; opening is tried again after RETRY_OPEN seconds), an op
+    names a published name, an import fails (Submit then reports the op's
+    error in its own words), the batch has more ops than the ring has slots,
+    or another thread's batch holds the ring now. A session that ended
+    before the batch was posted (the agent restarted) is dropped and the
+    batch goes over gRPC; one that ends while the batch runs fails the call
+    UNAVAILABLE, as a Submit cut by the agent's end does."""
+
+    ENTRIES = 64
+    # Contexts kept imported per client; the least recently used is
+    # released past it (each holds one of the user's
+    # --max_remote_handles_per_user on the agent).
+    MAX_HANDLES = 256
+    RETRY_OPEN = 30.0
+
+    def __init__(self, client: AgentClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()  # the ring's opening and the cache
+        self._ring: Ring | None = None
+        self._handles: OrderedDict[bytes, RemoteHandle] = OrderedDict()
+        self._next_open = 0.0
+        self.unavailable: AgentError | None = None
+        self.batches = 0  # run through the ring
+
+    def submit(self, ops: list[Op], timeout: float | None) -> list[OpResult] | None:
+        """The batch's results through the ring, or None: take it to gRPC."""
+        if not ops or len(ops) > self.ENTRIES:
+            return None
+        for _ in range(2):  # a session found ended is replaced once
+            ring = self._ring_now()
+            if ring is None:
+                return None
+            if not ring._lock.acquire(blocking=False):
+                return None  # another thread's batch holds it
+            try:
+                ring._check_ended()
+                if ring.ended is None:
+                    return self._run(ring, ops, timeout)
+            finally:
+                ring._lock.release()
+            self._drop(ring)
+        return None
+
+    def _run(self, ring: Ring, ops: list[Op], timeout: float | None) -> list[OpResult] | None:
+        """submit() on a live session whose lock the caller holds."""
+        if ring._reaped or ring._published():
+            ring._take(None)  # ends of a batch abandoned by a timeout
+        if ring.in_flight + len(ops) > ring.entries:
+            return None
+        named = self._with_handles(ops)
+        if named is None:
+            return None
+        try:
+            results = ring.submit(named, timeout)
+        except AgentError:
+            if ring.ended is not None:
+                self._drop(ring)
+            raise
+        self.batches += 1
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            ring, self._ring = self._ring, None
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for handle in handles:
+            handle.close()
+        if ring is not None:
+            ring.close()
+
+    def _ring_now(self) -> Ring | None:
+        with self._lock:
+            if self._ring is not None:
+                return self._ring
+            if time.monotonic() < self._next_open:
+                return None
+            try:
+                self._ring = Ring._open(self._client, self.ENTRIES)
+                self.unavailable = None
+            except AgentError as error:
+                self.unavailable = error
+                self._next_open = time.monotonic() + self.RETRY_OPEN
+            return self._ring
+
+    def _drop(self, ring: Ring) -> None:
+        """Forgets an ended session and the handles imported for it (an
+        agent that restarted has forgotten them too)."""
+        with self._lock:
+            if self._ring is ring:
+                self._ring = None
+            handles = list(self._handles.values())
+            self._handles.clear()
+        ring.close()
+        for handle in handles:
+            # Never released by id: a restarted agent may have given the
+            # same id to another handle of this user.
+            handle._released = True
+
+    def _with_handles(self, ops: list[Op]) -> list[Op] | None:
+        """`ops` with every remote named by a RemoteHandle, or None."""
+        named = []
+        for op in ops:
+            if op.remote_name:
+                return None
+            if isinstance(op.remote, RemoteHandle):
+                named.append(op)
+                continue
+            handle = self._handle_for(op.remote_context)
+            if handle is None:
+                return None
+            named.append(dataclasses.replace(op, remote=handle))
+        return named
+
+    def _handle_for(self, context: bytes) -> RemoteHandle | None:
+        if not context:
+            return None
+        with self._lock:
+            handle = self._handles.get(context)
+            if handle is not None:
+                self._handles.move_to_end(context)
+                return handle
+        try:
+            handle = self._client.import_remote(context)
+        except AgentError:
+            return None  # Submit reports what is wrong with it
+        with self._lock:
+            self._handles[context] = handle
+            evicted = []
+            while len(self._handles) > self.MAX_HANDLES:
+                evicted.append(self._handles.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        return handle
