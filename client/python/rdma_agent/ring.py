@@ -734,12 +734,14 @@ class _RingPath:
     """The ring AgentClient.submit() runs batches through when it can
     (AgentClient(ring=True)): one ring per client, opened at the first
     batch that may use it, and a bounded cache of the remote contexts its
-    ops named, imported once (ImportRemote) so that the ring can name them.
+    ops named, imported (ImportRemote) at their second use so that the ring
+    can name them.
 
     A batch goes over gRPC instead, exactly as before, when the ring cannot
     take it: the platform or the agent offers no ring (the reason is kept in
     `unavailable`; opening is tried again after RETRY_OPEN seconds), an op
-    names a published name, an import fails (Submit then reports the op's
+    names a published name, a context is used for the first time, an
+    import fails (Submit then reports the op's
     error in its own words), the batch has more ops than the ring has slots,
     or another thread's batch holds the ring now. A session that ended
     before the batch was posted (the agent restarted) is dropped and the
@@ -751,6 +753,8 @@ class _RingPath:
     # released past it (each holds one of the user's
     # --max_remote_handles_per_user on the agent).
     MAX_HANDLES = 256
+    # Contexts used once so far, remembered by hash.
+    MAX_SEEN = 4096
     RETRY_OPEN = 30.0
 
     def __init__(self, client: AgentClient) -> None:
@@ -758,6 +762,7 @@ class _RingPath:
         self._lock = threading.Lock()  # the ring's opening and the cache
         self._ring: Ring | None = None
         self._handles: OrderedDict[bytes, RemoteHandle] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()
         self._next_open = 0.0
         self.unavailable: AgentError | None = None
         self.batches = 0  # run through the ring
@@ -860,6 +865,16 @@ class _RingPath:
             if handle is not None:
                 self._handles.move_to_end(context)
                 return handle
+            # Imported at its second use: a context used once costs one
+            # Submit, not an import as well (nor, past MAX_HANDLES, a
+            # release).
+            seen = hash(context)
+            if seen not in self._seen:
+                self._seen[seen] = None
+                if len(self._seen) > self.MAX_SEEN:
+                    self._seen.popitem(last=False)
+                return None
+            del self._seen[seen]
         try:
             handle = self._client.import_remote(context)
         except AgentError:
