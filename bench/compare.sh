@@ -19,6 +19,8 @@
 #     runs one process on one thread)              then  bench kv, bulk, socket
 #   bench memory, prepared, ring, register, clients, and
 #     bench/python_ring_bench.py (their references are in the bench)
+#   bench ring_idle: agent A's CPU (/proc/PID/stat) while 8 ring sessions
+#     idle for 10 s
 # The table (bench/summarize.py) shows each figure's best round, each ratio
 # as the median of the rounds' own ratios, and every round.
 #
@@ -147,6 +149,7 @@ start_agent() {  # side namespace address
   PIDS+=($!)
 }
 start_agent a "$NS_A" "$ADDR_A"
+AGENT_A_PID="${PIDS[-1]}"  # ip netns exec execs the agent: its own pid
 start_agent b "$NS_B" "$ADDR_B"
 "${IN_B[@]}" "$BENCH" --serve_socket_peer="$ADDR_B:$SOCKET_PEER_PORT" >"$WORK/socket-peer.log" 2>&1 &
 PIDS+=($!)
@@ -205,6 +208,28 @@ python_ring_part() {  # round-dir: the Python ring's rows, appended likewise
     >>"$1/bench.txt" 2>>"$1/bench.err" || echo "py_ring_mem_write failed=exit $?" >>"$1/bench.txt"
 }
 
+# Agent A's CPU time (user + system clock ticks) from /proc.
+agent_ticks() { awk '{print $14 + $15}' "/proc/$AGENT_A_PID/stat"; }
+
+ring_idle_part() {  # round-dir: agent A's CPU while 8 ring sessions idle
+  local out="$1/ring_idle.txt" start end
+  "${IN_A[@]}" "$BENCH" "${BENCH_ARGS[@]}" --seconds=10 --tests=ring_idle >"$out" \
+    2>>"$1/bench.err" &
+  local bench=$!
+  for _ in $(seq 1 300); do grep -q ring_idle_start "$out" && break; sleep 0.1; done
+  start="$(agent_ticks)"
+  wait "$bench" || true
+  end="$(agent_ticks)"
+  if grep -q ring_idle_end "$out"; then
+    # The bench idles 10 s between the two lines; the ticks also hold the
+    # few ms of its last report and of the sessions closing.
+    echo "ring_idle cpu_percent=$(awk -v t=$((end - start)) -v hz="$(getconf CLK_TCK)" \
+      'BEGIN {printf "%.2f", 100 * t / hz / 10}')" >>"$1/bench.txt"
+  else
+    echo "ring_idle failed=1" >>"$1/bench.txt"
+  fi
+}
+
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 {
   echo "date=$(date -u +%Y-%m-%dT%H:%MZ)"
@@ -230,6 +255,7 @@ for round in $(seq 1 "$ROUNDS"); do
   bench_part "$R" kv,bulk,socket
   bench_part "$R" memory,prepared,ring,register,clients
   python_ring_part "$R"
+  ring_idle_part "$R"
 done
 echo "load_end=$(load)" >>"$WORK/meta.txt"
 

@@ -279,6 +279,11 @@ def main():
         f"{fmt(r.best('py_submit_mem_write.p50_us', lowest=True), 1)} (ratio {spread(q)})",
         fmt(median(py_ring), 1) + " µs", "≤ 20 µs",
         verdict(median(py_ring), 20.0, higher_is_better=False))
+    idle = [v for v in r.all("ring_idle.cpu_percent") if isinstance(v, float)]
+    row("ring: agent CPU with 8 idle sessions, % of a core over 10 s",
+        fmt(median(idle), 2) if idle else "—", "—",
+        " / ".join(fmt(v, 2) for v in idle) or "—", "< 1 %",
+        verdict(median(idle), 1.0, higher_is_better=False) if idle else "—")
     q = r.ratios("prepared_ratio.prepared_vs_contexts", scale=1.0)
     row(f"prepared {size_label(r.best('prepared_prepared.op_bytes'))} × "
         f"{count(r.best('prepared_prepared.batch'))} reposted, ops/s",
