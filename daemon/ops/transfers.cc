@@ -984,13 +984,14 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
       take_off_queue = true;
     } else if (record->phase == Record::Phase::kRunning) {
       record->cancel_asked = true;
-      // Cancel() only runs short callbacks (close sockets, move QPs to
-      // ERR), none of which takes this lock.
-      record->cancellation.Cancel(absl::CancelledError(
-          absl::StrCat("transfer ", id, " was cancelled (CancelTransfer)")));
     }
   }
-  if (take_off_queue) {
+  if (!take_off_queue) {
+    // Without the lock: a backend may end the batch inside its
+    // cancellation callback, and its done records the end.
+    record->cancellation.Cancel(absl::CancelledError(
+        absl::StrCat("transfer ", id, " was cancelled (CancelTransfer)")));
+  } else {
     // Start releases the reference it is given; this one stays.
     Start(record, absl::CancelledError(absl::StrCat(
                       "transfer ", id,
@@ -1034,6 +1035,7 @@ absl::StatusOr<std::unique_ptr<TransferTable::Stream>> TransferTable::Watch(
 
 void TransferTable::Shutdown(const absl::Status& reason) {
   std::vector<RecordPtr> queued;
+  std::vector<RecordPtr> running;
   Wakeups wake;
   absl::Status why;
   {
@@ -1054,7 +1056,7 @@ void TransferTable::Shutdown(const absl::Status& reason) {
     }
     turns_.clear();
     ready_users_ = 0;
-    for (auto& [id, record] : running_) record->cancellation.Cancel(why);
+    for (auto& [id, record] : running_) running.push_back(record);
     for (auto& [uid, user] : users_) {
       for (const auto& stream : user.streams) {
         if (!stream->status.ok()) continue;
@@ -1064,6 +1066,9 @@ void TransferTable::Shutdown(const absl::Status& reason) {
     }
     stopping_ = true;
   }
+  // Without the lock, as in Cancel.
+  for (const RecordPtr& record : running) record->cancellation.Cancel(why);
+  running.clear();
   for (const auto& callback : wake) callback->Run();
   for (RecordPtr& record : queued) Start(std::move(record), why);
   // The workers leave once the cancelled transfers have ended (backends end
