@@ -153,7 +153,8 @@ struct TransferTable::Record {
   const uid_t uid;
   const absl::Time deadline;
   const absl::Time create_time = absl::Now();
-  // Owned by whoever took the record off the queue (Finish), until the end.
+  // Started (or skipped) by whoever took the record off the queue, and
+  // destroyed by Finish, before the end is recorded.
   std::unique_ptr<TransferWork> work;
   // Fired by Cancel and Shutdown; the work's StopToken watches it.
   Cancellation cancellation;
