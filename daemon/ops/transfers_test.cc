@@ -142,6 +142,47 @@ class StartedWork : public FakeWork {
   const bool notifies_;
 };
 
+// Work that holds its ops until its stop token is cancelled and then ends
+// inside the cancellation callback, on the cancelling thread, as a backend
+// that fails its queued ops when it is told to stop may. The callback's
+// handle is kept by the test (destroying it inside the callback would wait
+// for itself).
+class EndsWhenCancelled : public TransferWork {
+ public:
+  explicit EndsWhenCancelled(
+      std::unique_ptr<Cancellation::Callback>* registration)
+      : registration_(registration) {}
+
+  v1::SubmitResponse Run(const StopToken& stop) override {
+    (void)stop;
+    ADD_FAILURE() << "Start is the table's entry";
+    return {};
+  }
+  void Start(const StopToken& stop, BlockingExecutor& blocking,
+             TransferDone done) override {
+    (void)blocking;
+    done_ = std::move(done);
+    *registration_ = stop.OnCancel([this, stop] {
+      v1::SubmitResponse response;
+      v1::OpResult* result = response.add_results();
+      const absl::Status status = stop.StopStatus("while held");
+      result->set_code(static_cast<int>(status.code()));
+      result->set_message(std::string(status.message()));
+      TransferDone done = std::move(done_);
+      std::move(done)(std::move(response));
+    });
+  }
+  v1::SubmitResponse Skip(const absl::Status& reason) override {
+    v1::SubmitResponse response;
+    response.add_results()->set_code(static_cast<int>(reason.code()));
+    return response;
+  }
+
+ private:
+  std::unique_ptr<Cancellation::Callback>* const registration_;
+  TransferDone done_;
+};
+
 TransferLimits Limits(size_t workers = 2) {
   TransferLimits limits;
   limits.workers = workers;
@@ -1255,6 +1296,34 @@ TEST_F(TransfersTest, CancelEndsAStartedTransferBeforeItReturns) {
   ASSERT_EQ(cancelled->results_size(), 1);
   EXPECT_EQ(cancelled->results(0).code(), 1);  // CANCELLED
   probe->Join();
+}
+
+TEST_F(TransfersTest, ATransferMayEndInsideItsCancellation) {
+  std::vector<std::unique_ptr<Cancellation::Callback>> registrations(2);
+  TransferLimits limits = Limits(/*workers=*/1);
+  limits.max_running_per_user = 2;
+  TransferTable table(limits);
+  std::vector<uint64_t> ids;
+  for (auto& registration : registrations) {
+    auto charge = table.Reserve(kUser, 0, 1);
+    ASSERT_TRUE(charge.ok()) << charge.status();
+    auto id =
+        table.Submit(kUser, std::make_unique<EndsWhenCancelled>(&registration),
+                     absl::Now() + absl::Seconds(60), std::move(*charge));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  ASSERT_TRUE(Eventually([&] { return table.running(kUser) == 2; }));
+  // Cancel's thread records the end (the table's lock is not held while
+  // the cancellation runs), and Cancel returns it.
+  auto cancelled = table.Cancel(kUser, ids[0]);
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::TRANSFER_STATE_CANCELLED);
+  EXPECT_EQ(cancelled->results(0).code(), 1);  // CANCELLED
+  // So does Shutdown's.
+  table.Shutdown(absl::UnavailableError("the agent is shutting down"));
+  EXPECT_EQ(table.in_flight(), 0u);
+  registrations.clear();
 }
 
 TEST_F(TransfersTest, ShutdownWaitsForStartedTransfersToEnd) {
