@@ -261,14 +261,14 @@ ABSL_FLAG(int64_t, max_connections_per_user,
           "Connections to the RdmaAgent socket one local user may hold.");
 ABSL_FLAG(int64_t, transfer_workers,
           Int64(rdma_agent::TransferLimits().workers),
-          "Threads running asynchronous transfers (SubmitAsync), started "
-          "with the agent; transfers beyond them wait in a queue.");
+          "Threads that start asynchronous transfers (SubmitAsync and ring "
+          "batches) and send the notifications of ended ones, started with "
+          "the agent; a started transfer runs on the backends' threads.");
 ABSL_FLAG(int64_t, max_running_transfers_per_user,
           Int64(rdma_agent::TransferLimits().max_running_per_user),
-          "Asynchronous transfers of one local user running on a transfer "
-          "worker at once; the user's other transfers wait while other "
-          "users' take the free workers. 0: half of --transfer_workers (at "
-          "least 1).");
+          "Asynchronous transfers of one local user started and not ended "
+          "at once; the user's other transfers wait in the queue while "
+          "other users' start. 0: half of --transfer_workers (at least 1).");
 ABSL_FLAG(uint64_t, max_transfer_bytes_per_user,
           rdma_agent::TransferLimits().max_bytes_per_user,
           "Bytes of memory the agent may hold for one local user's "

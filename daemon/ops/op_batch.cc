@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/log_text.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/ops/notification_plan.h"
@@ -113,15 +114,48 @@ const std::string& OpBatch::notification() const {
 v1::SubmitResponse OpBatch::Run(const StopToken& stop) {
   std::vector<OpOutcome> ran;
   if (!ready_.empty()) {
-    ran = env_.registry->SubmitInPlace(absl::MakeSpan(ready_), stop);
-    // Kept whole only when notifications are planned from them.
-    const bool keep = !notification().empty();
-    for (size_t k = 0; k < ready_.size(); ++k) {
-      outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
-    }
+    absl::Notification ended;
+    env_.registry->PostInPlace(absl::MakeSpan(ready_), stop,
+                               [&](std::vector<OpOutcome> outcomes) {
+                                 ran = std::move(outcomes);
+                                 ended.Notify();
+                               });
+    ended.WaitForNotification();
   }
+  Ran(ran);
+  return Conclude(ran, stop);
+}
+
+void OpBatch::Start(const StopToken& stop, BlockingExecutor& blocking,
+                    TransferDone done) {
+  stop_ = stop;
+  done_ = std::move(done);
+  // On the thread that ended the last op: a backend's completion thread,
+  // which must not block, so notifications go to `blocking`.
+  auto ended = [this, &blocking](std::vector<OpOutcome> ran) {
+    Ran(ran);
+    if (!Notifies()) return ConcludeStarted(ran);
+    blocking.Run(
+        [this, ran = std::move(ran)]() mutable { ConcludeStarted(ran); });
+  };
+  if (ready_.empty()) return ended({});
+  // The registry calls `ended` exactly once; `ready_` and the Cancellation
+  // behind stop_ stay until then (the batch is destroyed only by done_).
+  env_.registry->PostInPlace(absl::MakeSpan(ready_), stop_, std::move(ended));
+}
+
+void OpBatch::Ran(std::vector<OpOutcome>& ran) {
+  // Kept whole only when notifications are planned from them.
+  const bool keep = Notifies();
+  for (size_t k = 0; k < ran.size(); ++k) {
+    outcomes_[ready_index_[k]] = keep ? ran[k] : std::move(ran[k]);
+  }
+}
+
+v1::SubmitResponse OpBatch::Conclude(const std::vector<OpOutcome>& ran,
+                                     const StopToken& stop) {
   v1::SubmitResponse response;
-  if (!notification().empty()) {
+  if (Notifies()) {
     for (const PlannedNotification& planned :
          PlanNotifications(ready_, ran, first_refused_)) {
       Notify(planned, stop, response.add_notifications());
@@ -129,6 +163,13 @@ v1::SubmitResponse OpBatch::Run(const StopToken& stop) {
   }
   Finish(response);
   return response;
+}
+
+void OpBatch::ConcludeStarted(const std::vector<OpOutcome>& ran) {
+  v1::SubmitResponse response = Conclude(ran, stop_);
+  // Out of the batch first: done_ may destroy it.
+  TransferDone done = std::move(done_);
+  std::move(done)(std::move(response));
 }
 
 bool OpBatch::RunsOnlyOn(absl::string_view name) const {

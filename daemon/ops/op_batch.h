@@ -61,19 +61,25 @@ struct OpBatchEnvironment {
 };
 
 // The data path: the ops of one SubmitRequest, validated once and run once —
-// by Submit on its own RPC thread, or by a transfer worker (SubmitAsync,
-// as TransferWork).
+// by Submit on its own RPC thread (Run), or started by a transfer worker
+// (SubmitAsync and ring batches, as TransferWork: Start) and ended on the
+// thread that ended its ops.
 //
 // - Prepare checks every op on its own (contract codes; messages name the
 //   op) and pins the registrations of the valid ones; what ops share (each
 //   distinct context, each local buffer) is resolved once (OpPreparer).
-// - Run hands the valid ops to the registry (BackendRegistry::SubmitInPlace),
-//   then sends the batch's notifications through the registry
-//   (PlanNotifications: only after every op on that agent succeeded), and
-//   records every op's end the same way for both RPCs: the result, the
+// - Start posts the valid ops to the registry (BackendRegistry::PostInPlace)
+//   and returns. When they have ended, the batch's notifications (if it has
+//   any) are sent through the registry (PlanNotifications: only after every
+//   op on that agent succeeded) by a task handed to the BlockingExecutor,
+//   never on the completion thread (a backend's poller or event loop); then
+//   every op's end is recorded the same way for every RPC: the result, the
 //   metrics (one label lookup per group of alike ops) and a warning per
-//   failure. Run's guarantee is the registry's: once it returns, nothing of
-//   the batch touches local memory.
+//   failure, and `done` gets the response. A batch without notifications
+//   ends on the completion thread: recording its end does not block.
+// - Run is Start and wait, with the notifications sent on the calling
+//   thread. The guarantee of both is the registry's: once Run returns or
+//   `done` is called, nothing of the batch touches local memory.
 // - Skip ends a batch that never runs (a transfer cancelled in the queue or
 //   past its deadline), with the same bookkeeping.
 class OpBatch final : public TransferWork {
@@ -107,6 +113,9 @@ class OpBatch final : public TransferWork {
   void ReplaceNotification(std::string bytes);
 
   v1::SubmitResponse Run(const StopToken& stop) override;
+  // Once, instead of Run or Skip. `done` may destroy the batch.
+  void Start(const StopToken& stop, BlockingExecutor& blocking,
+             TransferDone done) override;
   v1::SubmitResponse Skip(const absl::Status& reason) override;
   // Starts counting the bytes of the valid ops as backends report them
   // landed; exact (the bytes of the ops that succeeded) once the batch has
@@ -134,6 +143,18 @@ class OpBatch final : public TransferWork {
   absl::StatusOr<Op> PrepareOp(OpPreparer& preparer, size_t i) const;
   // The outcomes of the ops that passed validation, in their order.
   std::vector<OpOutcome> OutcomesOfReady() const;
+  // Keeps the outcomes `ran` of the ready ops (in their order) as their
+  // ops' ends.
+  void Ran(std::vector<OpOutcome>& ran);
+  // True when the batch has notifications to send once its ops have ended.
+  bool Notifies() const { return !notification().empty(); }
+  // Sends the notifications planned from `ran` (the ready ops' outcomes)
+  // and records every op's end: the response. May block (notifications).
+  v1::SubmitResponse Conclude(const std::vector<OpOutcome>& ran,
+                              const StopToken& stop);
+  // Concludes a started batch and hands the response to its `done`; the
+  // batch may be gone once this returns.
+  void ConcludeStarted(const std::vector<OpOutcome>& ran);
   // Sends one planned notification (unless it is blocked) and records what
   // became of it in `result`.
   void Notify(const PlannedNotification& planned, const StopToken& stop,
@@ -161,6 +182,9 @@ class OpBatch final : public TransferWork {
   std::optional<size_t> first_refused_;
   // Counted only when someone follows it (progress()).
   std::shared_ptr<TransferProgress> progress_;
+  // A started batch's stop and end (Start).
+  StopToken stop_{absl::InfiniteFuture()};
+  TransferDone done_;
 };
 
 }  // namespace rdma_agent

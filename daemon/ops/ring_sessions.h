@@ -76,9 +76,12 @@ struct RingSessionInfo {
 // is served by the attach connection that opened it (AttachServer's
 // serve_ring) and acts for that connection's uid. Its batches run
 // asynchronously as transfers of the agent's TransferTable (the same
-// workers, bounds and cancellation as SubmitAsync), so the session keeps
-// reading its ring while they run: several batches may be in flight, and a
-// CANCEL entry reaches a running batch. The ring is hostile input: entries
+// workers, bounds and cancellation as SubmitAsync): a worker starts one and
+// no thread waits for it; its end, on the thread that ended it, only wakes
+// the session (a Poll's callback writes its eventfd), whose thread alone
+// writes the completions. So the session keeps reading its ring while they
+// run: several batches may be in flight, and a CANCEL entry reaches a
+// running batch. The ring is hostile input: entries
 // are copied out once and then checked (common/ring_protocol.h), and a
 // client whose indices are impossible has its session stopped with a
 // reason it can read. Thread-safe; sessions run concurrently on their own

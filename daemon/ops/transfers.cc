@@ -153,7 +153,8 @@ struct TransferTable::Record {
   const uid_t uid;
   const absl::Time deadline;
   const absl::Time create_time = absl::Now();
-  // Owned by whoever took the record off the queue (Finish), until the end.
+  // Started (or skipped) by whoever took the record off the queue, and
+  // destroyed by Finish, before the end is recorded.
   std::unique_ptr<TransferWork> work;
   // Fired by Cancel and Shutdown; the work's StopToken watches it.
   Cancellation cancellation;
@@ -592,18 +593,40 @@ void TransferTable::UpdateTurn(uid_t uid, User& user) {
 }
 
 void TransferTable::WorkLoop() {
-  while (RecordPtr record = NextQueued()) {
-    Finish(std::move(record), absl::OkStatus());
+  while (true) {
+    Job job = NextJob();
+    if (job.task) {
+      std::move(job.task)();
+    } else if (job.record != nullptr) {
+      Start(std::move(job.record), absl::OkStatus());
+    } else {
+      return;
+    }
   }
 }
 
-TransferTable::RecordPtr TransferTable::NextQueued() {
+void TransferTable::Run(Task task) {
   absl::MutexLock lock(&mu_);
+  tasks_.push_back(std::move(task));
+}
+
+TransferTable::Job TransferTable::NextJob() {
+  absl::MutexLock lock(&mu_);
+  // Once stopping, workers stay while transfers run: their ends may still
+  // hand them notifications to send.
   const auto ready = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return ready_users_ > 0 || stopping_;
+    return !tasks_.empty() || ready_users_ > 0 ||
+           (stopping_ && running_.empty());
   };
   mu_.Await(absl::Condition(&ready));
-  if (ready_users_ == 0) return nullptr;
+  Job job;
+  // Tasks first: they end transfers already running.
+  if (!tasks_.empty()) {
+    job.task = std::move(tasks_.front());
+    tasks_.pop_front();
+    return job;
+  }
+  if (ready_users_ == 0) return job;
   // The first user in turn below its cap of running transfers; those at
   // their cap keep their place for when one of theirs ends.
   uid_t uid = 0;
@@ -626,25 +649,39 @@ TransferTable::RecordPtr TransferTable::NextQueued() {
   UpdateTurn(uid, *user);
   record->phase = Record::Phase::kRunning;
   running_.emplace(record->id, record);
-  return record;
+  job.record = std::move(record);
+  return job;
 }
 
-void TransferTable::Finish(RecordPtr record, const absl::Status& skip) {
+void TransferTable::Start(RecordPtr record, const absl::Status& skip) {
   const StopToken stop(record->deadline, &record->cancellation);
-  Outcome outcome;
   if (!skip.ok()) {
-    outcome.response = record->work->Skip(skip);
-  } else if (stop.stopped()) {
-    // Cancelled or expired while queued: nothing of it starts.
-    outcome.response =
-        record->work->Skip(stop.StopStatus("before the transfer started"));
-  } else {
-    {
-      absl::MutexLock lock(&mu_);
-      record->start_time = absl::Now();
-    }
-    outcome.response = record->work->Run(stop);
+    v1::SubmitResponse response = record->work->Skip(skip);
+    return Finish(std::move(record), std::move(response));
   }
+  if (stop.stopped()) {
+    // Cancelled or expired while queued: nothing of it starts.
+    v1::SubmitResponse response =
+        record->work->Skip(stop.StopStatus("before the transfer started"));
+    return Finish(std::move(record), std::move(response));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    record->start_time = absl::Now();
+  }
+  // The record (held by `done`, and by running_) keeps the work and the
+  // Cancellation behind `stop` until the end.
+  TransferWork& work = *record->work;
+  work.Start(
+      stop, *this,
+      [this, record = std::move(record)](v1::SubmitResponse response) mutable {
+        Finish(std::move(record), std::move(response));
+      });
+}
+
+void TransferTable::Finish(RecordPtr record, v1::SubmitResponse response) {
+  Outcome outcome;
+  outcome.response = std::move(response);
   // Before the end is visible: a client that sees the end may submit again
   // at once, and must find the ops and registrations given back.
   record->work.reset();
@@ -948,17 +985,18 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
       take_off_queue = true;
     } else if (record->phase == Record::Phase::kRunning) {
       record->cancel_asked = true;
-      // Cancel() only runs short callbacks (close sockets, move QPs to
-      // ERR), none of which takes this lock.
-      record->cancellation.Cancel(absl::CancelledError(
-          absl::StrCat("transfer ", id, " was cancelled (CancelTransfer)")));
     }
   }
-  if (take_off_queue) {
-    // Finish releases the reference it is given; this one stays.
-    Finish(record, absl::CancelledError(absl::StrCat(
-                       "transfer ", id,
-                       " was cancelled (CancelTransfer) before it started")));
+  if (!take_off_queue) {
+    // Without the lock: a backend may end the batch inside its
+    // cancellation callback, and its done records the end.
+    record->cancellation.Cancel(absl::CancelledError(
+        absl::StrCat("transfer ", id, " was cancelled (CancelTransfer)")));
+  } else {
+    // Start releases the reference it is given; this one stays.
+    Start(record, absl::CancelledError(absl::StrCat(
+                      "transfer ", id,
+                      " was cancelled (CancelTransfer) before it started")));
   }
   // CancelTransfer's contract is to return only once the run has ended, so
   // this one waits (on its own RPC thread).
@@ -998,6 +1036,7 @@ absl::StatusOr<std::unique_ptr<TransferTable::Stream>> TransferTable::Watch(
 
 void TransferTable::Shutdown(const absl::Status& reason) {
   std::vector<RecordPtr> queued;
+  std::vector<RecordPtr> running;
   Wakeups wake;
   absl::Status why;
   {
@@ -1018,7 +1057,7 @@ void TransferTable::Shutdown(const absl::Status& reason) {
     }
     turns_.clear();
     ready_users_ = 0;
-    for (auto& [id, record] : running_) record->cancellation.Cancel(why);
+    for (auto& [id, record] : running_) running.push_back(record);
     for (auto& [uid, user] : users_) {
       for (const auto& stream : user.streams) {
         if (!stream->status.ok()) continue;
@@ -1028,8 +1067,14 @@ void TransferTable::Shutdown(const absl::Status& reason) {
     }
     stopping_ = true;
   }
+  // Without the lock, as in Cancel.
+  for (const RecordPtr& record : running) record->cancellation.Cancel(why);
+  running.clear();
   for (const auto& callback : wake) callback->Run();
-  for (RecordPtr& record : queued) Finish(std::move(record), why);
+  for (RecordPtr& record : queued) Start(std::move(record), why);
+  // The workers leave once the cancelled transfers have ended (backends end
+  // them soon after their cancellation) and their tasks have run: nothing
+  // of a transfer touches local memory once this returns.
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
   }

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <list>
@@ -19,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -42,8 +44,22 @@ struct TransferProgress {
   std::atomic<uint64_t> landed_bytes{0};
 };
 
+// Runs tasks that may block (a notification sent over the network) on
+// threads kept for such work, never on the thread that hands them over (a
+// backend's completion poller or event loop must not block). Every task
+// given is run, also during shutdown.
+class BlockingExecutor {
+ public:
+  using Task = absl::AnyInvocable<void() &&>;
+  virtual ~BlockingExecutor() = default;
+  virtual void Run(Task task) = 0;
+};
+
+// How a started transfer ends: what Run would have returned.
+using TransferDone = absl::AnyInvocable<void(v1::SubmitResponse) &&>;
+
 // What one transfer runs: a validated batch of ops. The submitter
-// (RdmaAgentService) provides it; the table calls exactly one of Run and
+// (RdmaAgentService) provides it; the table calls exactly one of Start and
 // Skip, then destroys it before it reports the end, so whatever the work
 // holds (pinned registrations, admitted ops) is given back by then.
 class TransferWork {
@@ -53,11 +69,23 @@ class TransferWork {
   // order, and what became of the batch's notifications. Returns only when
   // nothing of the work touches local memory.
   virtual v1::SubmitResponse Run(const StopToken& stop) = 0;
+  // Run without a thread waiting on it: starts the ops and returns; `done`
+  // is called exactly once with what Run would return, once nothing of the
+  // work touches local memory, on whichever thread ended it (possibly
+  // inside Start). Work that may block (notifications) goes to `blocking`.
+  // `done` may destroy the work: nothing of it is touched after `done`.
+  // `stop`'s Cancellation outlives the call of `done`. The default, for
+  // work with no asynchronous start, runs Run on the calling thread.
+  virtual void Start(const StopToken& stop, BlockingExecutor& blocking,
+                     TransferDone done) {
+    (void)blocking;
+    std::move(done)(Run(stop));
+  }
   // The outcome of work that never runs: `reason` for each op that had not
   // already failed (and no notification sent).
   virtual v1::SubmitResponse Skip(const absl::Status& reason) = 0;
   // The work's progress, followed from now on; nullptr: none to report.
-  // Called once, before Run or Skip.
+  // Called once, before Start or Skip.
   virtual std::shared_ptr<const TransferProgress> progress() { return nullptr; }
 };
 
@@ -66,12 +94,15 @@ class TransferWork {
 // --max_kept_transfers_per_user, --max_transfer_bytes_*,
 // --transfer_retention).
 struct TransferLimits {
-  // Worker threads running transfers, started with the table.
+  // Worker threads, started with the table: they start queued transfers
+  // (which then run without them) and send the notifications of ended
+  // ones (network calls that may block).
   size_t workers = 4;
-  // Transfers of one user running on a worker at once; 0: half of
+  // Transfers of one user started and not ended, at once; 0: half of
   // `workers` (at least 1). A user at its cap waits while other users'
-  // queued transfers take the free workers, so transfers stuck on a silent
-  // peer hold at most this many workers.
+  // queued transfers start, so one user's transfers stuck on a silent peer
+  // hold at most this many transfers' memory and peer load, and never keep
+  // another user's from starting.
   size_t max_running_per_user = 0;
   // Transfers queued or running, for one user and over all users.
   size_t max_in_flight_per_user = 1024;
@@ -138,11 +169,15 @@ class TransferCharge {
 //   so every reader sees the same final state, and the state never
 //   contradicts the results (a transfer its deadline ended before Cancel
 //   reached it is FAILED with DEADLINE_EXCEEDED).
-// - Workers take queued transfers user by user in turn; a user with
-//   `running_per_user()` transfers running is skipped until one ends, so
-//   one user's stuck transfers never hold every worker.
+// - Workers take queued transfers user by user in turn and start them
+//   (TransferWork::Start): a worker returns to the queue at once, and the
+//   transfer stays running until its done, which records the end on the
+//   thread that ended it (a backend's completion thread, or a worker that
+//   sent its notifications: the table is the work's BlockingExecutor). A
+//   user with `running_per_user()` transfers running is skipped until one
+//   ends, so one user's stuck transfers never hold more than that.
 // - Cancel fires the transfer's Cancellation (or takes it off the queue) and
-//   returns only once its run has ended: TransferWork::Run's guarantee then
+//   returns only once it has ended: TransferWork::Start's guarantee then
 //   means nothing of it touches local memory.
 // - Reading is acknowledging: an ended transfer is kept until a Poll has
 //   reported it (Poll::Report), or for `retention`. Streams do not consume
@@ -176,14 +211,15 @@ class TransferCharge {
 //   sweeps. Dropped records are destroyed (their results freed) after the
 //   table's lock is released; results are copied for readers without it.
 // - Shutdown skips what is queued and cancels what runs with the given
-//   reason, closes every Stream with it, refuses new transfers and joins the
-//   workers.
+//   reason, closes every Stream with it, refuses new transfers, waits for
+//   the running ones to end and joins the workers.
 //
 // Callbacks given to StartPoll and Watch run on whichever thread records
-// the end (a worker, Cancel's or Shutdown's caller), without the table's
+// the end (a backend's completion thread, a worker, Cancel's or Shutdown's
+// caller), without the table's
 // lock; they must be short (hand the news to a gRPC reactor) and must not
 // destroy their own Poll or Stream. Thread-safe.
-class TransferTable {
+class TransferTable final : private BlockingExecutor {
  public:
   // The message of the first non-OK result (and notification) of a
   // transfer whose results did not fit the byte budget when it ended: only
@@ -335,12 +371,14 @@ class TransferTable {
 
   // Ends every transfer with `reason` (queued ones never start, running ones
   // are cancelled), closes every Stream, refuses new transfers and streams,
-  // and joins the workers. Idempotent; the first reason wins.
+  // waits for the running ones to end and joins the workers. Idempotent;
+  // the first reason wins.
   void Shutdown(const absl::Status& reason);
 
   // For metrics and tests: transfers queued or running (for `uid`), running
   // on a worker for `uid`, kept (every state, not yet reported or expired),
   // open streams and polls waiting for ends, bytes charged (for `uid`).
+  // `running(uid)` counts transfers started and not ended.
   size_t in_flight() const;
   size_t in_flight(uid_t uid) const;
   size_t running(uid_t uid) const;
@@ -379,14 +417,25 @@ class TransferTable {
   // What a Report does with one transfer it names.
   struct ReportPlan;
 
+  // What a worker does next: a blocking task, or a queued transfer to
+  // start; neither once stopping and nothing is left to start or finish.
+  struct Job {
+    Task task;
+    RecordPtr record;
+  };
   void WorkLoop();
-  // Takes the next queued transfer of the first user in turn, marking it
-  // running; nullptr once stopping and the queue is empty.
-  RecordPtr NextQueued();
-  // Runs (or skips, when `skip` is not OK or its deadline has passed) the
+  Job NextJob();
+  // BlockingExecutor: `task` runs on a worker, before any queued transfer
+  // starts.
+  void Run(Task task) override;
+  // Starts (or skips, when `skip` is not OK or its deadline has passed) the
   // work of `record`, which the caller has taken off the queue and hands
-  // over, then records its end. Called without the lock.
-  void Finish(RecordPtr record, const absl::Status& skip);
+  // over; its end is recorded by Finish when it is done. Called without
+  // the lock.
+  void Start(RecordPtr record, const absl::Status& skip);
+  // Destroys the work of `record` and records its end with `response`.
+  // Called without the lock, on the thread that ended it.
+  void Finish(RecordPtr record, v1::SubmitResponse response);
   // What Finish worked out of an outcome without the lock.
   struct Outcome;
   // Records the end of `record` with `outcome`; returns the callbacks to
@@ -467,8 +516,11 @@ class TransferTable {
   std::list<uid_t> turns_ ABSL_GUARDED_BY(mu_);
   // Of those, below their cap: what workers wait for.
   size_t ready_users_ ABSL_GUARDED_BY(mu_) = 0;
-  // Transfers running on a worker (cancelled at Shutdown).
+  // Transfers started and not ended (cancelled at Shutdown, which waits
+  // for them).
   absl::flat_hash_map<uint64_t, RecordPtr> running_ ABSL_GUARDED_BY(mu_);
+  // Tasks handed to the workers (Run), first given first.
+  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
   size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   // Every kept end in order with its time (expiry walks it).
   std::list<std::pair<absl::Time, uint64_t>> ends_ ABSL_GUARDED_BY(mu_);

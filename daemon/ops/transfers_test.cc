@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -82,6 +83,106 @@ class FakeWork : public TransferWork {
   std::vector<absl::StatusCode> codes_;
 };
 
+// What happened to one StartedWork besides its Probe.
+struct StartedProbe : Probe {
+  // The thread that ends the work, as a backend's completion thread would;
+  // joined by the test once the work has ended.
+  std::thread completer;
+  std::thread::id starter;   // the thread Start ran on
+  std::thread::id notifier;  // the thread that sent its notification
+  std::atomic<bool> start_returned{false};
+  std::atomic<bool> done_called{false};
+  // Lets the completer end the work only a while after its stop fired, as
+  // a backend draining its queues does.
+  absl::Duration drain = absl::ZeroDuration();
+
+  void Join() {
+    if (completer.joinable()) completer.join();
+  }
+};
+
+// Work that starts without holding the worker, as an OpBatch over backends
+// that post natively does: Start returns at once, and a thread of its own
+// runs FakeWork's ops until they are released or stopped, then calls done,
+// through the BlockingExecutor when it has a notification to send (as
+// OpBatch::Start does).
+class StartedWork : public FakeWork {
+ public:
+  StartedWork(std::shared_ptr<StartedProbe> probe,
+              std::vector<absl::StatusCode> codes, bool notifies)
+      : FakeWork(probe, std::move(codes)),
+        probe_(std::move(probe)),
+        notifies_(notifies) {}
+
+  void Start(const StopToken& stop, BlockingExecutor& blocking,
+             TransferDone done) override {
+    probe_->starter = std::this_thread::get_id();
+    probe_->completer = std::thread([this, stop, &blocking,
+                                     done = std::move(done), probe = probe_,
+                                     notifies = notifies_]() mutable {
+      v1::SubmitResponse response = Run(stop);
+      if (stop.stopped()) absl::SleepFor(probe->drain);
+      const auto end = [probe](TransferDone done, v1::SubmitResponse response) {
+        probe->done_called = true;
+        std::move(done)(std::move(response));
+      };
+      if (!notifies) return end(std::move(done), std::move(response));
+      blocking.Run([end, probe, done = std::move(done),
+                    response = std::move(response)]() mutable {
+        probe->notifier = std::this_thread::get_id();
+        response.add_notifications()->set_code(0);
+        end(std::move(done), std::move(response));
+      });
+    });
+    probe_->start_returned = true;
+  }
+
+ private:
+  const std::shared_ptr<StartedProbe> probe_;
+  const bool notifies_;
+};
+
+// Work that holds its ops until its stop token is cancelled and then ends
+// inside the cancellation callback, on the cancelling thread, as a backend
+// that fails its queued ops when it is told to stop may. The callback's
+// handle is kept by the test (destroying it inside the callback would wait
+// for itself).
+class EndsWhenCancelled : public TransferWork {
+ public:
+  explicit EndsWhenCancelled(
+      std::unique_ptr<Cancellation::Callback>* registration)
+      : registration_(registration) {}
+
+  v1::SubmitResponse Run(const StopToken& stop) override {
+    (void)stop;
+    ADD_FAILURE() << "Start is the table's entry";
+    return {};
+  }
+  void Start(const StopToken& stop, BlockingExecutor& blocking,
+             TransferDone done) override {
+    (void)blocking;
+    done_ = std::move(done);
+    *registration_ = stop.OnCancel([this, stop] {
+      v1::SubmitResponse response;
+      v1::OpResult* result = response.add_results();
+      const absl::Status status = stop.StopStatus("while held");
+      result->set_code(static_cast<int>(status.code()));
+      result->set_message(std::string(status.message()));
+      TransferDone done = std::move(done_);
+      std::move(done)(std::move(response));
+    });
+  }
+  v1::SubmitResponse Skip(const absl::Status& reason) override {
+    v1::SubmitResponse response;
+    response.add_results()->set_code(static_cast<int>(reason.code()));
+    return response;
+  }
+
+ private:
+  std::unique_ptr<Cancellation::Callback>* const registration_;
+  TransferDone done_;
+};
+
 TransferLimits Limits(size_t workers = 2) {
   TransferLimits limits;
   limits.workers = workers;
@@ -107,6 +208,25 @@ class TransfersTest : public ::testing::Test {
     auto id = table.Submit(
         uid, std::make_unique<FakeWork>(std::move(probe), std::move(codes)),
         deadline, std::move(*charge));
+    last_status_ = id.status();
+    return id.ok() ? *id : 0;
+  }
+
+  // Submits StartedWork for `uid`; returns its id, or 0 when refused.
+  uint64_t SubmitStarted(TransferTable& table,
+                         std::shared_ptr<StartedProbe> probe, uid_t uid,
+                         bool notifies = false) {
+    auto charge = table.Reserve(uid, 0, 1);
+    if (!charge.ok()) {
+      last_status_ = charge.status();
+      return 0;
+    }
+    auto id = table.Submit(
+        uid,
+        std::make_unique<StartedWork>(
+            std::move(probe),
+            std::vector<absl::StatusCode>{absl::StatusCode::kOk}, notifies),
+        absl::Now() + absl::Seconds(60), std::move(*charge));
     last_status_ = id.status();
     return id.ok() ? *id : 0;
   }
@@ -1093,6 +1213,144 @@ TEST_F(TransfersTest, IdsSayNothingOfOtherUsersTransfers) {
     if (gap < (uint64_t{1} << 32)) ++small_gaps;
   }
   EXPECT_EQ(small_gaps, 0u) << "ids look like a counter";
+}
+
+// ------------------------------------------------------ started transfers
+
+constexpr uid_t kThirdUser = 1002;
+
+TEST_F(TransfersTest, AWorkerStartsATransferAndGoesBackToTheQueue) {
+  TransferLimits limits = Limits(/*workers=*/1);
+  limits.max_in_flight = 8;
+  TransferTable table(limits);
+  // Two users' transfers that do not end (a peer that holds them) ...
+  auto first = std::make_shared<StartedProbe>();
+  auto second = std::make_shared<StartedProbe>();
+  const uint64_t first_id = SubmitStarted(table, first, kUser);
+  const uint64_t second_id = SubmitStarted(table, second, kOtherUser);
+  ASSERT_NE(first_id, 0u) << last_status_;
+  ASSERT_NE(second_id, 0u) << last_status_;
+  // ... both start on the one worker, and stay running.
+  ASSERT_TRUE(Eventually([&] { return second->started.load(); }))
+      << "the worker waited for the first transfer instead of starting the "
+         "second";
+  EXPECT_EQ(table.running(kUser), 1u);
+  EXPECT_EQ(table.running(kOtherUser), 1u);
+  // A third user's transfer starts and ends while they are held.
+  auto third = std::make_shared<Probe>();
+  third->release.Notify();
+  const uint64_t third_id =
+      Submit(table, third, {absl::StatusCode::kOk}, kThirdUser);
+  ASSERT_NE(third_id, 0u) << last_status_;
+  auto third_end = Get(table, third_id, absl::Seconds(10), kThirdUser);
+  ASSERT_TRUE(third_end.ok()) << third_end.status();
+  EXPECT_EQ(third_end->state(), v1::TRANSFER_STATE_DONE);
+  // The held ones end when their ops do, on their completion threads.
+  first->release.Notify();
+  second->release.Notify();
+  for (auto [probe, uid, id] :
+       {std::make_tuple(first, kUser, first_id),
+        std::make_tuple(second, kOtherUser, second_id)}) {
+    auto end = Get(table, id, absl::Seconds(10), uid);
+    ASSERT_TRUE(end.ok()) << end.status();
+    EXPECT_EQ(end->state(), v1::TRANSFER_STATE_DONE);
+    probe->Join();
+    EXPECT_TRUE(probe->destroyed);
+  }
+  EXPECT_EQ(table.running(kUser), 0u);
+}
+
+TEST_F(TransfersTest, AStartedTransferSendsItsNotificationsOnAWorker) {
+  TransferTable table(Limits(/*workers=*/1));
+  auto probe = std::make_shared<StartedProbe>();
+  const uint64_t id = SubmitStarted(table, probe, kUser, /*notifies=*/true);
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return probe->start_returned.load(); }));
+  probe->release.Notify();
+  auto end = Get(table, id, absl::Seconds(10));
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_EQ(end->state(), v1::TRANSFER_STATE_DONE);
+  ASSERT_EQ(end->notifications_size(), 1);
+  const std::thread::id completer = probe->completer.get_id();
+  probe->Join();
+  // The worker that started it sent the notification; the completion
+  // thread only handed it over.
+  EXPECT_EQ(probe->notifier, probe->starter);
+  EXPECT_NE(probe->notifier, completer);
+}
+
+TEST_F(TransfersTest, CancelEndsAStartedTransferBeforeItReturns) {
+  TransferTable table(Limits(/*workers=*/1));
+  auto probe = std::make_shared<StartedProbe>();
+  probe->drain = absl::Milliseconds(50);
+  const uint64_t id = SubmitStarted(table, probe, kUser);
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return probe->started.load(); }));
+  auto cancelled = table.Cancel(kUser, id);
+  // Its done had been called, and the work destroyed, when Cancel returned
+  // (the completer took `drain` to end it).
+  EXPECT_TRUE(probe->done_called);
+  EXPECT_TRUE(probe->destroyed);
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::TRANSFER_STATE_CANCELLED);
+  ASSERT_EQ(cancelled->results_size(), 1);
+  EXPECT_EQ(cancelled->results(0).code(), 1);  // CANCELLED
+  probe->Join();
+}
+
+TEST_F(TransfersTest, ATransferMayEndInsideItsCancellation) {
+  std::vector<std::unique_ptr<Cancellation::Callback>> registrations(2);
+  TransferLimits limits = Limits(/*workers=*/1);
+  limits.max_running_per_user = 2;
+  TransferTable table(limits);
+  std::vector<uint64_t> ids;
+  for (auto& registration : registrations) {
+    auto charge = table.Reserve(kUser, 0, 1);
+    ASSERT_TRUE(charge.ok()) << charge.status();
+    auto id =
+        table.Submit(kUser, std::make_unique<EndsWhenCancelled>(&registration),
+                     absl::Now() + absl::Seconds(60), std::move(*charge));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  ASSERT_TRUE(Eventually([&] { return table.running(kUser) == 2; }));
+  // Cancel's thread records the end (the table's lock is not held while
+  // the cancellation runs), and Cancel returns it.
+  auto cancelled = table.Cancel(kUser, ids[0]);
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::TRANSFER_STATE_CANCELLED);
+  EXPECT_EQ(cancelled->results(0).code(), 1);  // CANCELLED
+  // So does Shutdown's.
+  table.Shutdown(absl::UnavailableError("the agent is shutting down"));
+  EXPECT_EQ(table.in_flight(), 0u);
+  registrations.clear();
+}
+
+TEST_F(TransfersTest, ShutdownWaitsForStartedTransfersToEnd) {
+  auto probes = {std::make_shared<StartedProbe>(),
+                 std::make_shared<StartedProbe>()};
+  {
+    TransferTable table(Limits(/*workers=*/1));
+    uid_t uid = kUser;
+    for (const auto& probe : probes) {
+      probe->drain = absl::Milliseconds(50);
+      ASSERT_NE(SubmitStarted(table, probe, uid++, /*notifies=*/true), 0u)
+          << last_status_;
+    }
+    for (const auto& probe : probes) {
+      ASSERT_TRUE(Eventually([&] { return probe->started.load(); }));
+    }
+    const absl::Time start = absl::Now();
+    table.Shutdown(absl::UnavailableError("the agent is shutting down"));
+    // Both ended (their notification tasks ran on the worker) before
+    // Shutdown returned, promptly.
+    for (const auto& probe : probes) {
+      EXPECT_TRUE(probe->done_called);
+      EXPECT_TRUE(probe->destroyed);
+    }
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  for (const auto& probe : probes) probe->Join();
 }
 
 }  // namespace
