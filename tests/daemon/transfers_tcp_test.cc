@@ -4,6 +4,8 @@
 // middle of a large transfer returns only when nothing of it writes into
 // local memory any more.
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -256,6 +258,101 @@ TEST_F(TransfersTcpTest, EndedTransferCountsOnlyTheBytesOfOpsThatRan) {
   EXPECT_EQ(end->results(2).code(), 0) << end->results(2).message();
   EXPECT_EQ(end->bytes_total(), kSize + 4096);
   EXPECT_EQ(end->bytes_done(), kSize + 4096);
+}
+
+// One transfer worker, and a transfer to a peer that answers nothing (held
+// with SIGSTOP: its kernel still accepts the connection): the worker only
+// starts it and goes back to the queue, so a second transfer still runs.
+// Before transfers were started by callback, the worker waited on the first
+// until its deadline and the second stayed PENDING.
+TEST(TransfersHeldPeerTest, OneWorkerIsNotHeldByATransferToASilentPeer) {
+  AgentProcess::Options one_worker = TcpAgent();
+  one_worker.extra_flags = {"--transfer_workers=1",
+                            "--max_running_transfers_per_user=4"};
+  auto a = AgentProcess::Start(one_worker);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = AgentProcess::Start(TcpAgent());
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto stub = v1::RdmaAgent::NewStub((*a)->client().channel());
+  constexpr uint64_t kSize = 1 << 20;
+  auto local = (*a)->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(local.ok()) << local.status();
+  auto near = (*a)->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(near.ok()) << near.status();
+  auto remote = (*b)->client().Attach(kSize, v1::ACCESS_READ_WRITE);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  FillPattern(local->bytes(), 1);
+  FillPattern(near->bytes(), 2);
+  FillPattern(remote->bytes(), 3);
+  // A read over tcp first, so that the held peer's connection is pooled.
+  {
+    client::OpSpec warm;
+    warm.type = v1::OP_TYPE_READ_INTO_LOCAL;
+    warm.local_buffer_id = local->id();
+    warm.length = 16;
+    warm.remote_context = remote->remote_context();
+    auto results = (*a)->client().Submit({warm}, absl::Seconds(30));
+    ASSERT_TRUE(results.ok()) << results.status();
+    ASSERT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
+    FillPattern(local->bytes(), 1);
+  }
+  auto submit = [&](const v1::SubmitRequest& request) -> uint64_t {
+    grpc::ClientContext context;
+    v1::SubmitAsyncResponse response;
+    const absl::Status status =
+        FromGrpcStatus(stub->SubmitAsync(&context, request, &response));
+    EXPECT_TRUE(status.ok()) << status;
+    return response.transfer_id();
+  };
+  auto get = [&](uint64_t id, int64_t wait_seconds) {
+    grpc::ClientContext context;
+    v1::GetTransfersRequest request;
+    request.add_transfer_ids(id);
+    request.mutable_wait()->set_seconds(wait_seconds);
+    v1::GetTransfersResponse response;
+    EXPECT_TRUE(stub->GetTransfers(&context, request, &response).ok());
+    return response.transfers_size() == 1 ? response.transfers(0)
+                                          : v1::Transfer();
+  };
+
+  ASSERT_EQ(kill((*b)->pid(), SIGSTOP), 0);
+  struct Resume {
+    pid_t pid;
+    ~Resume() { kill(pid, SIGCONT); }
+  } resume{(*b)->pid()};
+  v1::SubmitRequest held;
+  *held.add_ops() = ReadOp(*local, 0, 4096, *remote, 0);
+  held.mutable_timeout()->set_seconds(60);
+  const uint64_t held_id = submit(held);
+  // The worker takes it at once (PENDING covers queued and running alike).
+  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_EQ(get(held_id, 0).state(), v1::TRANSFER_STATE_PENDING);
+
+  v1::SubmitRequest local_copy;
+  *local_copy.add_ops() = ReadOp(*local, 8192, 4096, *near, 100);
+  local_copy.mutable_timeout()->set_seconds(30);
+  const uint64_t copy_id = submit(local_copy);
+  const v1::Transfer copied = get(copy_id, 10);
+  ASSERT_EQ(copied.state(), v1::TRANSFER_STATE_DONE)
+      << copied.ShortDebugString();
+  EXPECT_EQ(get(held_id, 0).state(), v1::TRANSFER_STATE_PENDING);
+  const absl::Span<const std::byte> bytes = local->bytes();
+  EXPECT_EQ(FindMismatch(bytes.subspan(8192, 4096), 2, 100), std::nullopt);
+  EXPECT_EQ(FindMismatch(bytes.subspan(0, 8192), 1, 0), std::nullopt);
+  EXPECT_EQ(FindMismatch(bytes.subspan(12288), 1, 12288), std::nullopt);
+
+  {
+    grpc::ClientContext context;
+    v1::CancelTransferRequest cancel;
+    cancel.set_transfer_id(held_id);
+    v1::CancelTransferResponse response;
+    ASSERT_TRUE(stub->CancelTransfer(&context, cancel, &response).ok());
+  }
+  EXPECT_EQ(get(held_id, 10).state(), v1::TRANSFER_STATE_CANCELLED);
+  kill((*b)->pid(), SIGCONT);
+  // Nothing of the cancelled read lands once the peer answers.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(FindMismatch(bytes.subspan(0, 4096), 1, 0), std::nullopt);
 }
 
 }  // namespace
