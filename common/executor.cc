@@ -1,0 +1,56 @@
+#include "common/executor.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace rdma_agent {
+
+Executor::Executor(size_t threads, size_t max_queued, const std::string& name)
+    : max_queued_(max_queued) {
+  threads = std::max<size_t>(threads, 1);
+  threads_.reserve(threads);
+  const std::string short_name = name.substr(0, 15);
+  for (size_t i = 0; i < threads; ++i) {
+    threads_.emplace_back([this] { Loop(); });
+    pthread_setname_np(threads_.back().native_handle(), short_name.c_str());
+  }
+}
+
+Executor::~Executor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& thread : threads_) thread.join();
+}
+
+bool Executor::TryPost(Task& task) {
+  absl::MutexLock lock(&mu_);
+  if (queue_.size() >= max_queued_) return false;
+  queue_.push_back(std::move(task));
+  return true;
+}
+
+void Executor::Loop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    mu_.Await(absl::Condition(
+        +[](Executor* executor) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return executor->stopping_ || !executor->queue_.empty();
+        },
+        this));
+    // Stopping drains the queue first: an accepted task always runs.
+    if (queue_.empty()) return;
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    mu_.Unlock();
+    std::move(task)();
+    // Destroyed without the lock: what it captured may take locks.
+    task = nullptr;
+    mu_.Lock();
+  }
+}
+
+}  // namespace rdma_agent
