@@ -8,7 +8,7 @@
 namespace rdma_agent {
 
 Executor::Executor(size_t threads, size_t max_queued, const std::string& name)
-    : max_queued_(max_queued) {
+    : max_queued_(max_queued), slots_(max_queued) {
   threads = std::max<size_t>(threads, 1);
   threads_.reserve(threads);
   const std::string short_name = name.substr(0, 15);
@@ -28,8 +28,9 @@ Executor::~Executor() {
 
 bool Executor::TryPost(Task& task) {
   absl::MutexLock lock(&mu_);
-  if (queue_.size() >= max_queued_) return false;
-  queue_.push_back(std::move(task));
+  if (queued_ == max_queued_) return false;
+  slots_[(next_ + queued_) % max_queued_] = std::move(task);
+  ++queued_;
   return true;
 }
 
@@ -38,13 +39,15 @@ void Executor::Loop() {
   while (true) {
     mu_.Await(absl::Condition(
         +[](Executor* executor) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return executor->stopping_ || !executor->queue_.empty();
+          return executor->stopping_ || executor->queued_ > 0;
         },
         this));
     // Stopping drains the queue first: an accepted task always runs.
-    if (queue_.empty()) return;
-    Task task = std::move(queue_.front());
-    queue_.pop_front();
+    if (queued_ == 0) return;
+    Task task = std::move(slots_[next_]);
+    slots_[next_] = nullptr;
+    next_ = (next_ + 1) % max_queued_;
+    --queued_;
     mu_.Unlock();
     std::move(task)();
     // Destroyed without the lock: what it captured may take locks.

@@ -2,7 +2,6 @@
 #define RDMA_AGENTD_COMMON_EXECUTOR_H_
 
 #include <cstddef>
-#include <deque>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,9 +16,10 @@ namespace rdma_agent {
 // order they were posted: work handed off by a call that must not wait for
 // it (a backend's Post). No thread is started per task.
 //
-// Bounded: at most `max_queued` tasks wait for a thread; TryPost refuses
-// more (the caller then does the work itself, or fails it) instead of
-// waiting for room. The owner joins the threads by destroying the executor,
+// Bounded: at most `max_queued` tasks wait for a thread, in slots made at
+// construction (posting allocates nothing of its own); TryPost refuses more
+// (the caller then does the work itself, or fails it) instead of waiting
+// for room. The owner joins the threads by destroying the executor,
 // which first runs every task already queued: a task, once accepted, always
 // runs. Thread-safe.
 class Executor {
@@ -48,7 +48,11 @@ class Executor {
 
   const size_t max_queued_;
   absl::Mutex mu_;
-  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+  // A ring of max_queued_ slots: the `queued_` tasks from `next_` on
+  // (wrapping) wait, in order.
+  std::vector<Task> slots_ ABSL_GUARDED_BY(mu_);
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t queued_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
