@@ -226,6 +226,8 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
 void BackendRegistry::PostInPlace(absl::Span<Op> ops, const StopToken& stop,
                                   OutcomesDone done) const {
   MarkLocalsUsed(ops);
+  // Owned by its shares together (and by this call until every share is
+  // posted): whoever ends the last one deletes it, in Finish.
   auto* batch = new PostedBatch(ops, stop, std::move(done));
   // By context and, for device memory, local buffer (host memory is
   // reached by every backend, so host-memory ops share their context's).
