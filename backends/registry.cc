@@ -1,22 +1,20 @@
 #include "backends/registry.h"
 
 #include <algorithm>
-#include <functional>
-#include <map>
+#include <atomic>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/status_util.h"
 
 namespace rdma_agent {
 
 BackendRegistry::BackendRegistry(std::vector<std::unique_ptr<Backend>> backends)
-    : backends_(std::move(backends)),
-      fan_out_(std::make_unique<TaskPool>(
-          backends_.empty() ? 0 : backends_.size() - 1)) {
+    : backends_(std::move(backends)) {
   std::stable_sort(backends_.begin(), backends_.end(),
                    [](const auto& a, const auto& b) {
                      return a->transport_level() > b->transport_level();
@@ -101,49 +99,6 @@ std::vector<Backend*> BackendRegistry::Route(const v1::RemoteBuffer& remote,
   return route;
 }
 
-void BackendRegistry::RunOn(Backend* backend, absl::Span<Op> ops,
-                            const std::vector<size_t>& indices,
-                            const StopToken& stop,
-                            std::vector<OpOutcome>& outcomes) const {
-  // The routing decision travels with the op: the backend runs it against
-  // its own entry of the context without looking it up again. Ops of one
-  // batch mostly share their context: its entry is looked up once per run
-  // of ops sharing it.
-  const v1::RemoteBuffer* last_remote = nullptr;
-  const v1::BackendEndpoint* last_endpoint = nullptr;
-  for (size_t i : indices) {
-    if (ops[i].remote.get() != last_remote) {
-      last_remote = ops[i].remote.get();
-      last_endpoint = FindEndpoint(*last_remote, backend->name());
-    }
-    ops[i].endpoint = last_endpoint;
-  }
-  // One run of consecutive ops goes as it lies; scattered ones as copies.
-  std::vector<Op> gathered;
-  absl::Span<const Op> batch;
-  if (indices.back() - indices.front() + 1 == indices.size()) {
-    batch = ops.subspan(indices.front(), indices.size());
-  } else {
-    gathered.reserve(indices.size());
-    for (size_t i : indices) gathered.push_back(ops[i]);
-    batch = gathered;
-  }
-  const absl::Time start = absl::Now();
-  std::vector<absl::Status> statuses = backend->Submit(batch, stop);
-  const absl::Duration latency = absl::Now() - start;
-  for (size_t k = 0; k < indices.size(); ++k) {
-    OpOutcome& outcome = outcomes[indices[k]];
-    if (!outcome.backend.empty()) outcome.retried_from = outcome.backend;
-    outcome.backend = backend->name();
-    outcome.latency = latency;
-    outcome.status = k < statuses.size()
-                         ? AnnotateOp(statuses[k], ops[indices[k]].index)
-                         : absl::InternalError(absl::StrCat(
-                               "op ", ops[indices[k]].index, ": backend ",
-                               backend->name(), " returned no result"));
-  }
-}
-
 namespace {
 
 // Why no backend of this agent carries `op` (UNAVAILABLE), naming device
@@ -212,6 +167,44 @@ void MarkLocalsUsed(absl::Span<const Op> ops) {
 
 }  // namespace
 
+struct BackendRegistry::PostedBatch {
+  PostedBatch(absl::Span<Op> ops, const StopToken& stop, OutcomesDone done)
+      : ops(ops), stop(stop), done(std::move(done)), outcomes(ops.size()) {}
+
+  const absl::Span<Op> ops;
+  const StopToken stop;
+  OutcomesDone done;
+  // Shares write the outcomes of their own ops only, so they need no lock;
+  // the one that finishes the batch reads them all after the count below
+  // (acq_rel) has made every share's writes visible.
+  std::vector<OpOutcome> outcomes;
+  // Each op's backends, best first, as an index into `routes`: ops sharing
+  // a context (one parsed object) share its route, computed once per batch.
+  std::vector<std::vector<Backend*>> routes;
+  std::vector<size_t> route;
+  // Shares posted and not ended, plus one while PostInPlace is posting:
+  // whoever brings it to zero finishes the batch.
+  std::atomic<size_t> outstanding{1};
+};
+
+struct BackendRegistry::Share {
+  PostedBatch* batch = nullptr;
+  Backend* backend = nullptr;
+  std::vector<size_t> indices;
+  // Copies of the ops when `indices` are not one consecutive run.
+  std::vector<Op> gathered;
+  absl::Time start;
+};
+
+void BackendRegistry::Finish(PostedBatch* batch) {
+  MarkLocalsUsed(batch->ops);
+  OutcomesDone done = std::move(batch->done);
+  std::vector<OpOutcome> outcomes = std::move(batch->outcomes);
+  // Nothing of the batch is left once the caller has its outcomes.
+  delete batch;
+  std::move(done)(std::move(outcomes));
+}
+
 std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
                                                const StopToken& stop) const {
   std::vector<Op> routed(ops.begin(), ops.end());
@@ -220,21 +213,34 @@ std::vector<OpOutcome> BackendRegistry::Submit(absl::Span<const Op> ops,
 
 std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
     absl::Span<Op> ops, const StopToken& stop) const {
+  std::vector<OpOutcome> outcomes;
+  absl::Notification ended;
+  PostInPlace(ops, stop, [&outcomes, &ended](std::vector<OpOutcome> posted) {
+    outcomes = std::move(posted);
+    ended.Notify();
+  });
+  ended.WaitForNotification();
+  return outcomes;
+}
+
+void BackendRegistry::PostInPlace(absl::Span<Op> ops, const StopToken& stop,
+                                  OutcomesDone done) const {
   MarkLocalsUsed(ops);
-  std::vector<OpOutcome> outcomes(ops.size());
-  // Each op's backends, best first, as an index into `routes`: ops sharing
-  // a context (one parsed object) share its route, computed once per batch.
-  std::vector<std::vector<Backend*>> routes;
+  // Owned by its shares together (and by this call until every share is
+  // posted): whoever ends the last one deletes it, in Finish.
+  auto* batch = new PostedBatch(ops, stop, std::move(done));
   // By context and, for device memory, local buffer (host memory is
   // reached by every backend, so host-memory ops share their context's).
   absl::flat_hash_map<std::pair<const v1::RemoteBuffer*, const Registration*>,
                       size_t>
       route_of_context;
-  std::vector<size_t> route(ops.size());
-  // Attempt number per op: 0 = best backend, 1 = the retry.
-  std::vector<size_t> attempt(ops.size(), 0);
-  std::vector<size_t> pending;
-  pending.reserve(ops.size());
+  std::vector<std::vector<Backend*>>& routes = batch->routes;
+  std::vector<size_t>& route = batch->route;
+  route.resize(ops.size());
+  // How many routable ops each backend gets first (by position in
+  // backends_), so that each share's indices are allocated once.
+  std::vector<size_t> first_choices(backends_.size(), 0);
+  std::vector<size_t> first_of_route;
   const Registration* previous_device_local = nullptr;
   for (size_t i = 0; i < ops.size(); ++i) {
     const v1::RemoteBuffer* remote = ops[i].remote.get();
@@ -248,52 +254,127 @@ std::vector<OpOutcome> BackendRegistry::SubmitInPlace(
     } else {
       auto [it, added] = route_of_context.try_emplace(
           std::make_pair(remote, device_local), routes.size());
-      if (added) routes.push_back(Route(*remote, device_local));
+      if (added) {
+        routes.push_back(Route(*remote, device_local));
+        size_t first = backends_.size();
+        if (!routes.back().empty()) {
+          for (first = 0; backends_[first].get() != routes.back()[0]; ++first) {
+          }
+        }
+        first_of_route.push_back(first);
+      }
       route[i] = it->second;
     }
     previous_device_local = device_local;
     if (routes[route[i]].empty()) {
-      outcomes[i].status = NoRouteError(ops[i]);
+      batch->outcomes[i].status = NoRouteError(ops[i]);
       continue;
     }
-    pending.push_back(i);
+    ++first_choices[first_of_route[route[i]]];
   }
-
-  while (!pending.empty()) {
-    std::map<Backend*, std::vector<size_t>> groups;
-    for (size_t i : pending) groups[routes[route[i]][attempt[i]]].push_back(i);
-
-    // Backends run their shares at once, on the caller and the fan-out
-    // pool (no thread is started per Submit).
-    std::vector<std::function<void()>> shares;
-    for (auto& [backend, indices] : groups) {
-      shares.push_back([&, backend = backend, &indices = indices] {
-        RunOn(backend, ops, indices, stop, outcomes);
-      });
-    }
-    fan_out_->RunAll(shares);
-
-    std::vector<size_t> retry;
-    for (size_t i : pending) {
-      if (!absl::IsUnavailable(outcomes[i].status)) continue;
-      if (attempt[i] == 0 && routes[route[i]].size() > 1 && !stop.stopped()) {
-        attempt[i] = 1;
-        retry.push_back(i);
-      } else if (routes[route[i]].size() == 1) {
-        outcomes[i].status =
-            NoFallbackForDeviceMemory(ops[i], outcomes[i].status);
+  // One share per backend that is some op's first choice, all posted at
+  // once: a backend's Post returns without waiting for its ops.
+  for (size_t b = 0; b < backends_.size(); ++b) {
+    if (first_choices[b] == 0) continue;
+    std::vector<size_t> indices;
+    indices.reserve(first_choices[b]);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!routes[route[i]].empty() && first_of_route[route[i]] == b) {
+        indices.push_back(i);
       }
     }
-    pending = std::move(retry);
+    PostShare(*batch, backends_[b].get(), std::move(indices));
   }
-  MarkLocalsUsed(ops);
-  return outcomes;
+  if (batch->outstanding.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    Finish(batch);
+  }
 }
 
-void BackendRegistry::PostInPlace(absl::Span<Op> ops, const StopToken& stop,
-                                  OutcomesDone done) const {
-  // Until every backend posts natively: the batch runs here.
-  std::move(done)(SubmitInPlace(ops, stop));
+void BackendRegistry::PostShare(PostedBatch& batch, Backend* backend,
+                                std::vector<size_t> indices) const {
+  absl::Span<Op> ops = batch.ops;
+  // The routing decision travels with the op: the backend runs it against
+  // its own entry of the context without looking it up again. Ops of one
+  // batch mostly share their context: its entry is looked up once per run
+  // of ops sharing it.
+  const v1::RemoteBuffer* last_remote = nullptr;
+  const v1::BackendEndpoint* last_endpoint = nullptr;
+  for (size_t i : indices) {
+    if (ops[i].remote.get() != last_remote) {
+      last_remote = ops[i].remote.get();
+      last_endpoint = FindEndpoint(*last_remote, backend->name());
+    }
+    ops[i].endpoint = last_endpoint;
+  }
+  auto share = std::make_unique<Share>();
+  share->batch = &batch;
+  share->backend = backend;
+  share->indices = std::move(indices);
+  // One run of consecutive ops goes as it lies; scattered ones as copies.
+  const std::vector<size_t>& posted = share->indices;
+  absl::Span<const Op> span;
+  if (posted.back() - posted.front() + 1 == posted.size()) {
+    span = ops.subspan(posted.front(), posted.size());
+  } else {
+    share->gathered.reserve(posted.size());
+    for (size_t i : posted) share->gathered.push_back(ops[i]);
+    span = share->gathered;
+  }
+  batch.outstanding.fetch_add(1, std::memory_order_relaxed);
+  share->start = absl::Now();
+  backend->Post(span, batch.stop,
+                [this, share = std::move(share)](
+                    std::vector<absl::Status> statuses) mutable {
+                  EndShare(std::move(share), std::move(statuses));
+                });
+}
+
+void BackendRegistry::EndShare(std::unique_ptr<Share> share,
+                               std::vector<absl::Status> statuses) const {
+  PostedBatch& batch = *share->batch;
+  Backend* const backend = share->backend;
+  const absl::Duration latency = absl::Now() - share->start;
+  // The ops to retry, by the backend each goes to next (usually one).
+  std::vector<std::pair<Backend*, std::vector<size_t>>> retries;
+  for (size_t k = 0; k < share->indices.size(); ++k) {
+    const size_t i = share->indices[k];
+    const Op& op = batch.ops[i];
+    OpOutcome& outcome = batch.outcomes[i];
+    const bool first_attempt = outcome.backend.empty();
+    if (!first_attempt) outcome.retried_from = outcome.backend;
+    outcome.backend = backend->name();
+    outcome.latency = latency;
+    outcome.status = k < statuses.size()
+                         ? AnnotateOp(statuses[k], op.index)
+                         : absl::InternalError(absl::StrCat(
+                               "op ", op.index, ": backend ", backend->name(),
+                               " returned no result"));
+    if (!absl::IsUnavailable(outcome.status)) continue;
+    const std::vector<Backend*>& candidates = batch.routes[batch.route[i]];
+    if (first_attempt && candidates.size() > 1 && !batch.stop.stopped()) {
+      Backend* next = candidates[1];
+      auto group =
+          std::find_if(retries.begin(), retries.end(),
+                       [next](const auto& g) { return g.first == next; });
+      if (group == retries.end()) {
+        retries.emplace_back(next, std::vector<size_t>());
+        group = retries.end() - 1;
+      }
+      group->second.push_back(i);
+    } else if (candidates.size() == 1) {
+      outcome.status = NoFallbackForDeviceMemory(op, outcome.status);
+    }
+  }
+  // The copies pin registrations: gone before the batch can end.
+  share.reset();
+  // This share still counts as outstanding while its retries are posted,
+  // so the batch cannot end under them.
+  for (auto& [next, indices] : retries) {
+    PostShare(batch, next, std::move(indices));
+  }
+  if (batch.outstanding.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    Finish(&batch);
+  }
 }
 
 }  // namespace rdma_agent

@@ -1,6 +1,7 @@
 #ifndef RDMA_AGENTD_BACKENDS_REGISTRY_H_
 #define RDMA_AGENTD_BACKENDS_REGISTRY_H_
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,7 +11,6 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "backends/backend.h"
-#include "common/task_pool.h"
 
 namespace rdma_agent {
 
@@ -65,14 +65,15 @@ class BackendRegistry {
   // that backend's entry in the op's context (the caller leaves it unset).
   // Backends run their share of the batch concurrently. Returns one outcome
   // per op, in order, with Backend::Submit's guarantee: nothing touches
-  // local memory after it has returned.
+  // local memory after it has returned. (PostInPlace on a copy of `ops`,
+  // and a wait for it.)
   std::vector<OpOutcome> Submit(absl::Span<const Op> ops,
                                 const StopToken& stop) const;
   // Submit for a caller that owns its ops: they are routed where they lie
   // (each op's Op::endpoint is left set to the entry of the backend that
   // ran it last), and a backend's share that is one run of consecutive ops
   // (a whole batch for one backend, usually) is handed over without copying
-  // its ops.
+  // its ops. (PostInPlace, and a wait for it.)
   std::vector<OpOutcome> SubmitInPlace(absl::Span<Op> ops,
                                        const StopToken& stop) const;
 
@@ -86,6 +87,11 @@ class BackendRegistry {
   // inside PostInPlace). Never waits for a backend; `done` must not block.
   // The caller keeps `ops` and the Cancellation behind `stop` alive until
   // `done` has been called; once it has, nothing touches local memory.
+  //
+  // Shares are posted at once, each on its backend's own threads; a retry
+  // is posted from the thread that ended the failed share. What it
+  // allocates is per batch and per share (routes, the outcomes, a share's
+  // op indices), never per op.
   void PostInPlace(absl::Span<Op> ops, const StopToken& stop,
                    OutcomesDone done) const;
 
@@ -96,16 +102,23 @@ class BackendRegistry {
                       absl::string_view data, const StopToken& stop) const;
 
  private:
-  // Runs ops[i] for i in `indices` (ascending) on `backend`, writing into
-  // `outcomes`.
-  void RunOn(Backend* backend, absl::Span<Op> ops,
-             const std::vector<size_t>& indices, const StopToken& stop,
-             std::vector<OpOutcome>& outcomes) const;
+  // One PostInPlace call, until its `done` has been called.
+  struct PostedBatch;
+  // The ops of a batch posted to one backend, until that backend ends them.
+  struct Share;
+
+  // Posts ops[i] for i in `indices` (ascending) to `backend`, for `batch`
+  // (which counts the share outstanding from here).
+  void PostShare(PostedBatch& batch, Backend* backend,
+                 std::vector<size_t> indices) const;
+  // Takes a share's statuses: fills its ops' outcomes, posts the retries,
+  // and finishes the batch when it was the last share outstanding.
+  void EndShare(std::unique_ptr<Share> share,
+                std::vector<absl::Status> statuses) const;
+  // Hands the outcomes to the batch's `done` and deletes the batch.
+  static void Finish(PostedBatch* batch);
 
   std::vector<std::unique_ptr<Backend>> backends_;
-  // One thread per backend beyond the first: a batch spanning every backend
-  // runs them all at once.
-  std::unique_ptr<TaskPool> fan_out_;
 };
 
 }  // namespace rdma_agent

@@ -3,12 +3,16 @@
 #include "backends/registry.h"
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "backends/testing/harness.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -81,6 +85,102 @@ class FakeBackend : public Backend {
   const std::string name_;
   const v1::TransportLevel level_;
   const bool available_;
+};
+
+// A backend whose Post only keeps the batch: the test ends it later, from
+// a thread of its choosing (FakeBackend, through Backend's default Post,
+// ends every batch inside Post).
+class HeldBackend : public FakeBackend {
+ public:
+  using FakeBackend::FakeBackend;
+
+  void Post(absl::Span<const Op> ops, const StopToken& stop,
+            OpsDone done) override {
+    Posted posted{{}, stop, std::move(done), std::this_thread::get_id()};
+    for (const Op& op : ops) {
+      EXPECT_EQ(op.endpoint, FindEndpoint(*op.remote, name()));
+      posted.indices.push_back(op.index);
+    }
+    absl::MutexLock lock(&mu_);
+    posted_.push_back(std::move(posted));
+    ++posts_;
+  }
+
+  // Waits until `count` batches were posted in all.
+  bool AwaitPosts(int count) {
+    absl::MutexLock lock(&mu_);
+    auto posted = [this, count]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return posts_ >= count;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&posted), absl::Seconds(30));
+  }
+  int posts() {
+    absl::MutexLock lock(&mu_);
+    return posts_;
+  }
+  // The op indices and posting thread of the oldest batch not ended.
+  std::vector<size_t> HeldIndices() {
+    absl::MutexLock lock(&mu_);
+    return posted_.empty() ? std::vector<size_t>() : posted_.front().indices;
+  }
+  std::thread::id HeldPostedOn() {
+    absl::MutexLock lock(&mu_);
+    return posted_.front().thread;
+  }
+  // The StopToken the oldest batch not ended was posted with.
+  StopToken HeldStop() {
+    absl::MutexLock lock(&mu_);
+    return posted_.front().stop;
+  }
+  // Ends the oldest batch not ended, on this thread: `statuses` first, OK
+  // for the ops past them.
+  void EndNext(std::vector<absl::Status> statuses = {}) {
+    Posted posted;
+    {
+      absl::MutexLock lock(&mu_);
+      ASSERT_FALSE(posted_.empty());
+      posted = std::move(posted_.front());
+      posted_.pop_front();
+    }
+    statuses.resize(posted.indices.size(), absl::OkStatus());
+    std::move(posted.done)(std::move(statuses));
+  }
+
+ private:
+  struct Posted {
+    std::vector<size_t> indices;
+    StopToken stop = absl::InfiniteFuture();
+    OpsDone done;
+    std::thread::id thread;
+  };
+  absl::Mutex mu_;
+  std::deque<Posted> posted_ ABSL_GUARDED_BY(mu_);
+  int posts_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// What a PostInPlace's done was given, and where and how often it ran.
+struct Ended {
+  std::atomic<int> calls{0};
+  std::vector<OpOutcome> outcomes;
+  std::thread::id thread;
+  absl::Notification notified;
+
+  BackendRegistry::OutcomesDone Done() {
+    return [this](std::vector<OpOutcome> outcomes_given) {
+      if (calls.fetch_add(1) > 0) return;
+      outcomes = std::move(outcomes_given);
+      thread = std::this_thread::get_id();
+      notified.Notify();
+    };
+  }
+  // Waits for done; true when it came exactly once.
+  bool Wait() {
+    if (!notified.WaitForNotificationWithTimeout(absl::Seconds(30))) {
+      return false;
+    }
+    absl::SleepFor(absl::Milliseconds(1));  // a second call shows at once
+    return calls.load() == 1;
+  }
 };
 
 std::shared_ptr<Registration> MakeRegistration() {
@@ -344,6 +444,218 @@ TEST(BackendRegistryTest, StampsLocalBuffersUsedWhenOpsStartAndEnd) {
   EXPECT_GT(seen_by_backend, created) << "stamped when the op started";
   EXPECT_GT(local->last_use_nanos(), seen_by_backend)
       << "stamped again when it ended";
+}
+
+// Backends of three speeds, the given ones held (HeldBackend), the others
+// ending every batch inside Post.
+struct Mixed {
+  FakeBackend* tcp;
+  FakeBackend* nic;
+  FakeBackend* memory;
+  std::unique_ptr<BackendRegistry> registry;
+};
+
+Mixed MakeMixed(bool held_tcp, bool held_nic, bool held_memory) {
+  auto make = [](bool held, std::string name,
+                 v1::TransportLevel level) -> std::unique_ptr<FakeBackend> {
+    if (held) return std::make_unique<HeldBackend>(std::move(name), level);
+    return std::make_unique<FakeBackend>(std::move(name), level);
+  };
+  auto tcp = make(held_tcp, "tcp", v1::TRANSPORT_LEVEL_TCP);
+  auto nic = make(held_nic, "nic", v1::TRANSPORT_LEVEL_NIC);
+  auto memory = make(held_memory, "memory", v1::TRANSPORT_LEVEL_MEMORY);
+  Mixed mixed{tcp.get(), nic.get(), memory.get(), nullptr};
+  std::vector<std::unique_ptr<Backend>> backends;
+  backends.push_back(std::move(tcp));
+  backends.push_back(std::move(nic));
+  backends.push_back(std::move(memory));
+  mixed.registry = std::make_unique<BackendRegistry>(std::move(backends));
+  return mixed;
+}
+
+HeldBackend& Held(FakeBackend* backend) {
+  return *static_cast<HeldBackend*>(backend);
+}
+
+// Every backend ends its share inside Post: so does PostInPlace, on the
+// caller's thread.
+TEST(BackendRegistryPostTest, EndsInsidePostWhenEveryShareDoes) {
+  Mixed mixed = MakeMixed(false, false, false);
+  auto local = MakeRegistration();
+  std::vector<Op> ops = {ReadOp(0, Advertising({"memory", "tcp"}), local),
+                         ReadOp(1, Advertising({"nic", "tcp"}), local)};
+  Ended ended;
+  mixed.registry->PostInPlace(absl::MakeSpan(ops),
+                              absl::Now() + absl::Seconds(5), ended.Done());
+  EXPECT_TRUE(ended.notified.HasBeenNotified()) << "ended inside PostInPlace";
+  ASSERT_TRUE(ended.Wait());
+  EXPECT_EQ(ended.thread, std::this_thread::get_id());
+  ASSERT_EQ(ended.outcomes.size(), 2u);
+  EXPECT_EQ(ended.outcomes[0].backend, "memory");
+  EXPECT_EQ(ended.outcomes[1].backend, "nic");
+  // An empty batch ends at once too.
+  Ended empty;
+  mixed.registry->PostInPlace({}, absl::Now() + absl::Seconds(5), empty.Done());
+  ASSERT_TRUE(empty.Wait());
+  EXPECT_TRUE(empty.outcomes.empty());
+}
+
+// A batch spanning two backends: PostInPlace returns with the slower share
+// still out, and done comes when it ends, on the thread that ended it, with
+// every outcome in order and each share's own latency.
+TEST(BackendRegistryPostTest, ABatchOnTwoBackendsEndsWhenTheSlowerOneDoes) {
+  Mixed mixed = MakeMixed(false, /*held_nic=*/true, false);
+  auto local = MakeRegistration();
+  auto near = Advertising({"memory", "tcp"});
+  auto far = Advertising({"nic", "tcp"});
+  std::vector<Op> ops = {ReadOp(0, far, local), ReadOp(1, near, local),
+                         ReadOp(2, far, local), ReadOp(3, near, local),
+                         ReadOp(4, Advertising({"elsewhere"}), local)};
+  mixed.memory->script = {absl::OkStatus(), absl::NotFoundError("gone")};
+  Ended ended;
+  mixed.registry->PostInPlace(absl::MakeSpan(ops),
+                              absl::Now() + absl::Seconds(5), ended.Done());
+  EXPECT_THAT(mixed.memory->submitted, ElementsAre(1, 3));
+  ASSERT_TRUE(Held(mixed.nic).AwaitPosts(1));
+  EXPECT_THAT(Held(mixed.nic).HeldIndices(), ElementsAre(0, 2));
+  // Scattered ops went over as copies, each with the nic's entry in place.
+  EXPECT_EQ(ops[0].endpoint, FindEndpoint(*far, "nic"));
+  absl::SleepFor(absl::Milliseconds(30));
+  EXPECT_FALSE(ended.notified.HasBeenNotified()) << "the nic's share is out";
+  std::thread::id ender;
+  std::thread end([&] {
+    ender = std::this_thread::get_id();
+    Held(mixed.nic).EndNext({absl::OkStatus(), absl::DataLossError("torn")});
+  });
+  end.join();
+  ASSERT_TRUE(ended.Wait());
+  EXPECT_EQ(ended.thread, ender);
+  const auto& outcomes = ended.outcomes;
+  ASSERT_EQ(outcomes.size(), ops.size());
+  EXPECT_TRUE(outcomes[0].status.ok()) << outcomes[0].status;
+  EXPECT_TRUE(outcomes[1].status.ok()) << outcomes[1].status;
+  EXPECT_EQ(outcomes[2].status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(outcomes[2].status.message(), HasSubstr("op 2: torn"));
+  EXPECT_EQ(outcomes[3].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(outcomes[3].status.message(), HasSubstr("op 3: gone"));
+  EXPECT_EQ(outcomes[4].status.code(), absl::StatusCode::kUnavailable);
+  for (size_t i : {0, 2}) EXPECT_EQ(outcomes[i].backend, "nic") << i;
+  for (size_t i : {1, 3}) EXPECT_EQ(outcomes[i].backend, "memory") << i;
+  EXPECT_GE(outcomes[0].latency, absl::Milliseconds(30));
+  EXPECT_EQ(outcomes[0].latency, outcomes[2].latency) << "the share's";
+  EXPECT_LT(outcomes[1].latency, outcomes[0].latency);
+}
+
+// An op that ended UNAVAILABLE is posted again on its next backend from the
+// thread that ended its share, before the batch ends; retried ops carry
+// the next backend's entry.
+TEST(BackendRegistryPostTest, RetriesFromTheCompletionThreadOnTheNextBackend) {
+  Mixed mixed = MakeMixed(/*held_tcp=*/true, /*held_nic=*/true, false);
+  auto local = MakeRegistration();
+  auto far = Advertising({"nic", "tcp"});
+  std::vector<Op> ops = {ReadOp(0, far, local), ReadOp(1, far, local),
+                         ReadOp(2, far, local)};
+  Ended ended;
+  mixed.registry->PostInPlace(absl::MakeSpan(ops),
+                              absl::Now() + absl::Seconds(5), ended.Done());
+  ASSERT_TRUE(Held(mixed.nic).AwaitPosts(1));
+  std::thread::id ender;
+  std::thread end([&] {
+    ender = std::this_thread::get_id();
+    Held(mixed.nic).EndNext({absl::UnavailableError("link down"),
+                             absl::OkStatus(),
+                             absl::UnavailableError("link down")});
+  });
+  end.join();
+  ASSERT_TRUE(Held(mixed.tcp).AwaitPosts(1));
+  EXPECT_THAT(Held(mixed.tcp).HeldIndices(), ElementsAre(0, 2));
+  EXPECT_EQ(Held(mixed.tcp).HeldPostedOn(), ender);
+  EXPECT_FALSE(ended.notified.HasBeenNotified()) << "the retry is out";
+  EXPECT_EQ(ops[0].endpoint, FindEndpoint(*far, "tcp"));
+  EXPECT_EQ(ops[1].endpoint, FindEndpoint(*far, "nic"));
+  // The retry fails UNAVAILABLE too: no third attempt.
+  Held(mixed.tcp).EndNext({absl::OkStatus(), absl::UnavailableError("down")});
+  ASSERT_TRUE(ended.Wait());
+  EXPECT_EQ(ended.thread, std::this_thread::get_id());
+  const auto& outcomes = ended.outcomes;
+  EXPECT_TRUE(outcomes[0].status.ok()) << outcomes[0].status;
+  EXPECT_EQ(outcomes[0].backend, "tcp");
+  EXPECT_EQ(outcomes[0].retried_from, "nic");
+  EXPECT_EQ(outcomes[1].backend, "nic");
+  EXPECT_EQ(outcomes[1].retried_from, "");
+  EXPECT_EQ(outcomes[2].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(outcomes[2].backend, "tcp");
+  EXPECT_EQ(Held(mixed.tcp).posts(), 1);
+  EXPECT_EQ(Held(mixed.nic).posts(), 1);
+}
+
+// Cancelled while a share is out: the share ends with the cancellation's
+// reason (as a backend does), an UNAVAILABLE it reports is not retried any
+// more, and done still comes once with every outcome.
+TEST(BackendRegistryPostTest, CancelWhileAShareIsOutstanding) {
+  Mixed mixed = MakeMixed(false, /*held_nic=*/true, false);
+  auto local = MakeRegistration();
+  auto far = Advertising({"nic", "tcp"});
+  std::vector<Op> ops = {ReadOp(0, far, local),
+                         ReadOp(1, Advertising({"memory"}), local),
+                         ReadOp(2, far, local)};
+  Cancellation cancellation;
+  Ended ended;
+  mixed.registry->PostInPlace(
+      absl::MakeSpan(ops),
+      StopToken(absl::Now() + absl::Seconds(5), &cancellation), ended.Done());
+  ASSERT_TRUE(Held(mixed.nic).AwaitPosts(1));
+  cancellation.Cancel(absl::CancelledError("client went away"));
+  EXPECT_FALSE(ended.notified.HasBeenNotified());
+  const StopToken held_stop = Held(mixed.nic).HeldStop();
+  ASSERT_TRUE(held_stop.cancelled()) << "the share sees the batch's token";
+  std::thread end([&] {
+    Held(mixed.nic).EndNext(
+        {held_stop.StopStatus("x"), absl::UnavailableError("link down")});
+  });
+  end.join();
+  ASSERT_TRUE(ended.Wait());
+  const auto& outcomes = ended.outcomes;
+  EXPECT_EQ(outcomes[0].status.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(outcomes[0].status.message(), HasSubstr("client went away"));
+  EXPECT_TRUE(outcomes[1].status.ok()) << outcomes[1].status;
+  EXPECT_EQ(outcomes[2].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(mixed.tcp->submitted.empty()) << "no retry once cancelled";
+}
+
+// Shares ending at the same moment on two threads: done comes exactly once
+// per batch, after both, whichever ends last.
+TEST(BackendRegistryPostTest, SharesEndingTogetherEndTheBatchOnce) {
+  Mixed mixed = MakeMixed(/*held_tcp=*/true, /*held_nic=*/true, false);
+  auto local = MakeRegistration();
+  auto by_nic = Advertising({"nic"});
+  auto by_tcp = Advertising({"tcp"});
+  for (int round = 0; round < 200; ++round) {
+    std::vector<Op> ops = {ReadOp(0, by_nic, local), ReadOp(1, by_tcp, local)};
+    Ended ended;
+    mixed.registry->PostInPlace(absl::MakeSpan(ops),
+                                absl::Now() + absl::Seconds(5), ended.Done());
+    ASSERT_TRUE(Held(mixed.nic).AwaitPosts(round + 1));
+    ASSERT_TRUE(Held(mixed.tcp).AwaitPosts(round + 1));
+    absl::Notification go;
+    std::thread a([&] {
+      go.WaitForNotification();
+      Held(mixed.nic).EndNext({absl::DataLossError("nic")});
+    });
+    std::thread b([&] {
+      go.WaitForNotification();
+      Held(mixed.tcp).EndNext();
+    });
+    go.Notify();
+    a.join();
+    b.join();
+    ASSERT_TRUE(ended.Wait()) << "round " << round;
+    ASSERT_EQ(ended.outcomes.size(), 2u);
+    EXPECT_EQ(ended.outcomes[0].status.code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(ended.outcomes[0].backend, "nic");
+    EXPECT_TRUE(ended.outcomes[1].status.ok());
+    EXPECT_EQ(ended.outcomes[1].backend, "tcp");
+  }
 }
 
 TEST(RegistrationTest, MemoryOutlivesReleaseWhileAnOpPinsIt) {

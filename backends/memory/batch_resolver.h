@@ -25,7 +25,7 @@ namespace rdma_agent::memory {
 // parsed the same bytes for them (daemon/op_preparer.h), and a context
 // differing in any byte (another token) is resolved on its own.
 //
-// One per Backend::Submit call, on one thread; not thread-safe.
+// One per batch a memory backend runs, on one thread; not thread-safe.
 class BatchResolver {
  public:
   // `directory` must outlive the resolver.

@@ -9,7 +9,13 @@
 
 namespace rdma_agent::memory {
 
-MemoryBackend::MemoryBackend(BackendEnvironment env) : env_(std::move(env)) {}
+MemoryBackend::MemoryBackend(BackendEnvironment env, MemoryOptions options)
+    : env_(std::move(env)),
+      options_(options),
+      copiers_(options.copy_threads, options.max_queued_batches,
+               "rdma-memcopy") {}
+
+MemoryBackend::~MemoryBackend() = default;
 
 v1::TransportInfo MemoryBackend::transport_info() const {
   v1::TransportInfo info;
@@ -134,8 +140,8 @@ absl::Status RunOp(const Op& op, BatchResolver& remotes, PacedStop& stop) {
 
 }  // namespace
 
-std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
-                                                const StopToken& stop) {
+std::vector<absl::Status> MemoryBackend::Run(absl::Span<const Op> ops,
+                                             const StopToken& stop) {
   // Pins what the ops' remote sides resolve to until every op has ended.
   BatchResolver remotes(env_.directory);
   PacedStop paced(stop);
@@ -146,6 +152,29 @@ std::vector<absl::Status> MemoryBackend::Submit(absl::Span<const Op> ops,
     if (results.back().ok()) served_.Count(!op.reads_into_local(), op.length);
   }
   return results;
+}
+
+void MemoryBackend::Post(absl::Span<const Op> ops, const StopToken& stop,
+                         OpsDone done) {
+  uint64_t bytes = 0;
+  for (const Op& op : ops) {
+    bytes += op.length;
+    if (bytes > options_.inline_batch_bytes) break;
+  }
+  if (bytes > options_.inline_batch_bytes) {
+    // `ops` and the Cancellation behind `stop` live until `done` is called.
+    Executor::Task copy = [this, ops, stop, done = std::move(done)]() mutable {
+      std::vector<absl::Status> results = Run(ops, stop);
+      std::move(done)(std::move(results));
+    };
+    if (copiers_.TryPost(copy)) return;
+    // Every copy thread is busy and the queue full: copy here rather than
+    // wait for room.
+    std::move(copy)();
+    return;
+  }
+  std::vector<absl::Status> results = Run(ops, stop);
+  std::move(done)(std::move(results));
 }
 
 absl::Status MemoryBackend::Notify(const v1::RemoteBuffer& remote,

@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "backends/testing/harness.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
@@ -15,6 +16,7 @@ namespace {
 
 using ::absl::StatusCode;
 using testing::Apply;
+using testing::FindMismatch;
 using testing::FirstChangedByte;
 using testing::FirstDifference;
 using testing::FirstWrongByte;
@@ -27,12 +29,13 @@ using testing::TestBuffer;
 constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
 constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
 
-std::unique_ptr<TestAgent> MemoryAgent(const std::string& agent_id) {
+std::unique_ptr<TestAgent> MemoryAgent(const std::string& agent_id,
+                                       MemoryOptions options = {}) {
   auto agent =
       TestAgent::Create(agent_id,
-                        [](const BackendEnvironment& env)
+                        [options](const BackendEnvironment& env)
                             -> absl::StatusOr<std::unique_ptr<Backend>> {
-                          return std::make_unique<MemoryBackend>(env);
+                          return std::make_unique<MemoryBackend>(env, options);
                         });
   EXPECT_TRUE(agent.ok()) << agent.status();
   return agent.ok() ? std::move(*agent) : nullptr;
@@ -225,6 +228,123 @@ TEST(MemoryBackendTest, ADeadlineOrCancellationDuringALookupStopsSmallOps) {
   EXPECT_EQ(FirstChangedByte(far), std::nullopt);
   EXPECT_EQ(FirstChangedByte(other), std::nullopt);
   EXPECT_EQ(near.registration->bytes_moved(), 0u);
+}
+
+// How a posted batch ended: its statuses and the thread done ran on.
+struct Posted {
+  std::vector<absl::Status> statuses;
+  std::thread::id thread;
+  absl::Notification ended;
+
+  OpsDone Done() {
+    return [this](std::vector<absl::Status> given) {
+      statuses = std::move(given);
+      thread = std::this_thread::get_id();
+      ended.Notify();
+    };
+  }
+};
+
+// Up to MemoryOptions::inline_batch_bytes a batch is copied inside Post, on
+// the posting thread; a larger one on a copy thread.
+TEST(MemoryBackendTest, PostCopiesSmallBatchesInPlaceAndLargeOnesOnAPool) {
+  auto agent = MemoryAgent("agent-m");
+  constexpr uint64_t kInline = MemoryOptions{}.inline_batch_bytes;
+  TestBuffer near = agent->Register(4 * kInline, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(4 * kInline, v1::ACCESS_READ_WRITE, 2);
+  // Two ops of half the bound: the whole batch is inline.
+  const std::vector<Op> small = {
+      MakeOp(0, kWrite, near, 0, kInline / 2, far, 0),
+      MakeOp(1, kRead, near, kInline / 2, kInline / 2, far, kInline)};
+  Posted in_place;
+  agent->backend().Post(small, In(absl::Seconds(10)), in_place.Done());
+  ASSERT_TRUE(in_place.ended.HasBeenNotified()) << "copied inside Post";
+  EXPECT_EQ(in_place.thread, std::this_thread::get_id());
+  for (const absl::Status& status : in_place.statuses) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  // One byte more: the copy threads.
+  const std::vector<Op> large = {
+      MakeOp(0, kWrite, near, 0, kInline / 2, far, 0),
+      MakeOp(1, kRead, near, kInline / 2, kInline / 2 + 1, far, kInline)};
+  Posted pooled;
+  agent->backend().Post(large, In(absl::Seconds(10)), pooled.Done());
+  pooled.ended.WaitForNotification();
+  EXPECT_NE(pooled.thread, std::this_thread::get_id());
+  for (const absl::Status& status : pooled.statuses) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  EXPECT_EQ(
+      FirstWrongByte(near, far.seed, kInline, kInline / 2, kInline / 2 + 1),
+      std::nullopt);
+}
+
+// With every copy thread busy and the queue full, Post copies the batch
+// itself rather than wait for room; the queued batches still end, each
+// once, on the copy thread.
+TEST(MemoryBackendTest, AFullQueueCopiesOnThePostingThreadRatherThanWait) {
+  MemoryOptions options;
+  options.copy_threads = 1;
+  options.max_queued_batches = 1;
+  auto agent = MemoryAgent("agent-m", options);
+  constexpr uint64_t kLength = 256 << 10;
+  TestBuffer near = agent->Register(3 * kLength, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far = agent->Register(3 * kLength, v1::ACCESS_READ_WRITE, 2);
+  std::vector<std::vector<Op>> batches;
+  for (uint64_t b = 0; b < 3; ++b) {
+    batches.push_back(
+        {MakeOp(0, kRead, near, b * kLength, kLength, far, b * kLength)});
+  }
+  // The directory answers only after a while: the one copy thread holds
+  // the first batch there, the second waits in the queue.
+  agent->gate().Close(In(absl::Milliseconds(300)));
+  Posted first, second, third;
+  agent->backend().Post(batches[0], In(absl::Seconds(10)), first.Done());
+  ASSERT_TRUE(agent->gate().AwaitArrivals(1, absl::Seconds(10)));
+  agent->backend().Post(batches[1], In(absl::Seconds(10)), second.Done());
+  agent->backend().Post(batches[2], In(absl::Seconds(10)), third.Done());
+  ASSERT_TRUE(third.ended.HasBeenNotified()) << "copied inside Post";
+  EXPECT_EQ(third.thread, std::this_thread::get_id());
+  first.ended.WaitForNotification();
+  second.ended.WaitForNotification();
+  EXPECT_NE(first.thread, std::this_thread::get_id());
+  EXPECT_EQ(second.thread, first.thread) << "the one copy thread";
+  for (Posted* posted : {&first, &second, &third}) {
+    ASSERT_EQ(posted->statuses.size(), 1u);
+    EXPECT_TRUE(posted->statuses[0].ok()) << posted->statuses[0];
+  }
+  EXPECT_EQ(FindMismatch(near.span().subspan(0, 3 * kLength), far.seed),
+            std::nullopt);
+}
+
+// Batches still queued when the backend goes end first, each once: by the
+// backend's destruction, done has been called for every batch posted.
+TEST(MemoryBackendTest, DestructionEndsEveryQueuedBatch) {
+  MemoryOptions options;
+  options.copy_threads = 1;
+  auto agent = MemoryAgent("agent-m", options);
+  constexpr uint64_t kLength = 256 << 10;
+  constexpr int kBatches = 8;
+  TestBuffer near =
+      agent->Register(kBatches * kLength, v1::ACCESS_READ_WRITE, 1);
+  TestBuffer far =
+      agent->Register(kBatches * kLength, v1::ACCESS_READ_WRITE, 2);
+  std::vector<std::vector<Op>> batches;
+  for (uint64_t b = 0; b < kBatches; ++b) {
+    batches.push_back(
+        {MakeOp(0, kWrite, near, b * kLength, kLength, far, b * kLength)});
+  }
+  std::vector<std::unique_ptr<Posted>> posted;
+  agent->gate().Close(In(absl::Milliseconds(100)));
+  for (const auto& batch : batches) {
+    posted.push_back(std::make_unique<Posted>());
+    agent->backend().Post(batch, In(absl::Seconds(10)), posted.back()->Done());
+  }
+  agent->DestroyBackend();
+  for (int b = 0; b < kBatches; ++b) {
+    ASSERT_TRUE(posted[b]->ended.HasBeenNotified()) << "batch " << b;
+    ASSERT_EQ(posted[b]->statuses.size(), 1u);
+  }
 }
 
 TEST(MemoryBackendTest, StopsBetweenSlicesOfAHugeCopy) {

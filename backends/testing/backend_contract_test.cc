@@ -78,14 +78,15 @@ class BackendContractTest
     return results;
   }
 
-  // Post, then the wait for its `done`, which must come exactly once.
-  std::vector<absl::Status> PostAndWait(const std::vector<Op>& ops,
-                                        const StopToken& stop) {
-    struct Ended {
-      std::atomic<int> calls{0};
-      std::vector<absl::Status> statuses;
-      absl::Notification notified;
-    };
+  // How a posted batch ended, as its `done` saw it.
+  struct Ended {
+    std::atomic<int> calls{0};
+    std::vector<absl::Status> statuses;
+    absl::Notification notified;
+  };
+
+  // Posts `ops`; the returned Ended is notified at the first call of done.
+  std::shared_ptr<Ended> Post(absl::Span<const Op> ops, const StopToken& stop) {
     auto ended = std::make_shared<Ended>();
     backend().Post(ops, stop, [ended](std::vector<absl::Status> statuses) {
       if (ended->calls.fetch_add(1) == 0) {
@@ -93,13 +94,32 @@ class BackendContractTest
         ended->notified.Notify();
       }
     });
-    ended->notified.WaitForNotification();
+    return ended;
+  }
+
+  // Waits for `ended`'s done, which must come exactly once, with one status
+  // per op of its batch of `ops` ops.
+  static std::vector<absl::Status> Wait(Ended& ended, size_t ops) {
+    EXPECT_TRUE(ended.notified.WaitForNotificationWithTimeout(kLong));
     // A second call would come from the thread that ended the batch, at
     // once; give it a moment to show.
     absl::SleepFor(absl::Milliseconds(1));
-    EXPECT_EQ(ended->calls.load(), 1) << "done is called exactly once";
-    return std::move(ended->statuses);
+    EXPECT_EQ(ended.calls.load(), 1) << "done is called exactly once";
+    if (!ended.notified.HasBeenNotified()) {
+      return std::vector<absl::Status>(ops, absl::InternalError("no done"));
+    }
+    EXPECT_EQ(ended.statuses.size(), ops) << "one status per op";
+    return std::move(ended.statuses);
   }
+
+  // Post, then the wait for its `done`, which must come exactly once.
+  std::vector<absl::Status> PostAndWait(const std::vector<Op>& ops,
+                                        const StopToken& stop) {
+    return Wait(*Post(ops, stop), ops.size());
+  }
+
+  // For the cases about Post alone: whether this one runs.
+  static bool PostOnly() { return entry() == Entry::kPost; }
 
   // Runs one op and checks every byte of both buffers afterwards (the
   // buffers are refilled with their own patterns first).
@@ -530,6 +550,133 @@ TEST_P(BackendContractTest, SixteenThreadsSubmitAtOnce) {
     EXPECT_EQ(FindMismatch(far.span().subspan(t * kSlice + 1, kSlice - 1),
                            nears[t].seed, 1),
               std::nullopt);
+  }
+}
+
+// What follows is Post's alone: each case runs under Entry::kPost only.
+
+// Post starts the batch and returns: the op is held on the serving side
+// (or waits for a thread to reach it) while the caller goes on, and done
+// comes once the serving side lets it go. The op is larger than any batch a
+// backend runs inside Post (the memory backend's inline bound, 64 KiB).
+TEST_P(BackendContractTest, PostReturnsWhileTheServingSideIsHeld) {
+  if (!PostOnly()) GTEST_SKIP() << "a case of Post alone";
+  if (!target().posts_natively) {
+    GTEST_SKIP() << "this backend's Post still runs Submit inside Post";
+  }
+  constexpr uint64_t kLength = 1 << 20;
+  TestBuffer near = local().Register(kLength + 64, v1::ACCESS_READ_WRITE, 301);
+  TestBuffer far = remote().Register(kLength + 64, v1::ACCESS_READ_WRITE, 302);
+  const std::vector<Op> ops = {MakeOp(0, kRead, near, 5, kLength, far, 9)};
+  remote().gate().Close();
+  const std::shared_ptr<Ended> ended = Post(ops, In(kLong));
+  // Post has returned; the serving side holds the op.
+  EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(ended->notified.HasBeenNotified())
+      << "done before the serving side let the op go";
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+  remote().gate().Open();
+  const auto results = Wait(*ended, ops.size());
+  ASSERT_TRUE(results[0].ok()) << results[0];
+  EXPECT_EQ(FirstWrongByte(near, far.seed, 9, 5, kLength), std::nullopt);
+}
+
+// A cancellation racing the batch's own end: whichever wins, done comes
+// exactly once, each op either done in full or cancelled, and nothing
+// outside the ops' ranges changes.
+TEST_P(BackendContractTest, DoneComesOnceEvenWhenCancelledAsItEnds) {
+  if (!PostOnly()) GTEST_SKIP() << "a case of Post alone";
+  constexpr int kRounds = 20;
+  constexpr uint64_t kLength = 96 << 10;
+  constexpr int kOps = 4;
+  TestBuffer near =
+      local().Register(kOps * kLength + 64, v1::ACCESS_READ_WRITE, 311);
+  TestBuffer far =
+      remote().Register(kOps * kLength + 64, v1::ACCESS_READ_WRITE, 312);
+  std::vector<Op> ops;
+  for (int k = 0; k < kOps; ++k) {
+    ops.push_back(MakeOp(k, kRead, near, 32 + k * kLength, kLength, far,
+                         16 + k * kLength));
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    Refill(near);
+    Cancellation cancellation;
+    std::shared_ptr<Ended> ended;
+    std::thread cancel([&] {
+      absl::SleepFor(absl::Microseconds(round * 37));
+      cancellation.Cancel(absl::CancelledError("contract: cancelled racing"));
+    });
+    ended = Post(ops, StopToken(In(kLong), &cancellation));
+    const auto results = Wait(*ended, ops.size());
+    cancel.join();
+    for (int k = 0; k < kOps; ++k) {
+      if (results[k].ok()) {
+        EXPECT_EQ(FindMismatch(near.span().subspan(32 + k * kLength, kLength),
+                               far.seed, 16 + k * kLength),
+                  std::nullopt)
+            << "op " << k << " succeeded with wrong bytes";
+      } else {
+        EXPECT_EQ(results[k].code(), StatusCode::kCancelled) << results[k];
+      }
+    }
+    // Outside the ops' ranges nothing changes.
+    EXPECT_EQ(FindMismatch(near.span().subspan(0, 32), near.seed),
+              std::nullopt);
+    EXPECT_EQ(FindMismatch(near.span().subspan(32 + kOps * kLength), near.seed,
+                           32 + kOps * kLength),
+              std::nullopt);
+  }
+  EXPECT_EQ(FirstChangedByte(far), std::nullopt);
+  // The backend goes on serving.
+  MoveAndCheck(kWrite, near, 0, 1000, far, 0);
+}
+
+// One thread posts many batches before any has ended: Post never waits for
+// another batch, a queue slot or a thread. Each ends once, with its own
+// bytes.
+TEST_P(BackendContractTest, ManyPostsInFlightFromOneThread) {
+  if (!PostOnly()) GTEST_SKIP() << "a case of Post alone";
+  constexpr int kBatches = 32;
+  constexpr uint64_t kSlice = 128 << 10;  // past the memory inline bound
+  TestBuffer near =
+      local().Register(kBatches * kSlice, v1::ACCESS_READ_WRITE, 321);
+  TestBuffer far =
+      remote().Register(kBatches * kSlice, v1::ACCESS_READ_WRITE, 322);
+  // Even batches write their slice into far, odd ones read theirs from it.
+  std::vector<std::vector<Op>> batches;
+  for (int b = 0; b < kBatches; ++b) {
+    const uint64_t at = b * kSlice;
+    batches.push_back(
+        {MakeOp(0, b % 2 == 0 ? kWrite : kRead, near, at, kSlice, far, at)});
+  }
+  // A backend that posts natively returns from every Post with the serving
+  // side held; the transitional default would wait for it, so it is not
+  // held then.
+  const bool hold = target().posts_natively;
+  if (hold) remote().gate().Close();
+  std::vector<std::shared_ptr<Ended>> ended;
+  for (const auto& batch : batches) ended.push_back(Post(batch, In(kLong)));
+  if (hold) {
+    EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
+    for (int b = 0; b < kBatches; ++b) {
+      EXPECT_FALSE(ended[b]->notified.HasBeenNotified()) << "batch " << b;
+    }
+    remote().gate().Open();
+  }
+  for (int b = 0; b < kBatches; ++b) {
+    SCOPED_TRACE(absl::StrCat("batch ", b));
+    const auto results = Wait(*ended[b], 1);
+    EXPECT_TRUE(results[0].ok()) << results[0];
+    const uint64_t at = b * kSlice;
+    if (b % 2 == 0) {
+      EXPECT_EQ(FindMismatch(far.span().subspan(at, kSlice), near.seed, at),
+                std::nullopt);
+    } else {
+      EXPECT_EQ(FindMismatch(near.span().subspan(at, kSlice), far.seed, at),
+                std::nullopt);
+    }
   }
 }
 

@@ -90,6 +90,7 @@ BackendTarget MemoryTarget() {
   target.name = "memory";
   target.agents = 1;
   target.max_message_bytes = memory::MemoryBackend::kCopySliceBytes;
+  target.posts_natively = true;
   target.make_world = [] {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
