@@ -257,9 +257,8 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
     }
   }
   try {
-    client->timekeeper_ = std::thread([raw = client.get()] {
-      raw->TimekeeperLoop();
-    });
+    client->timekeeper_ =
+        std::thread([raw = client.get()] { raw->TimekeeperLoop(); });
   } catch (const std::system_error& error) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "tcp client: cannot start the timekeeper thread: ", error.what()));
@@ -410,7 +409,8 @@ void DataClient::FinishRun(SubmitRun* submit) {
   run->on_cancel.reset();
   // After this no lane of this run touches any op's memory: all have ended.
   const bool client_stopped = !run->stop.stopped();
-  for (const auto& peer : run->peers) peer->Finish(run->results, client_stopped);
+  for (const auto& peer : run->peers)
+    peer->Finish(run->results, client_stopped);
   std::vector<absl::Status> results = std::move(run->results);
   OpsDone done = std::move(run->done);
   run.reset();

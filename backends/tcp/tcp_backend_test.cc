@@ -597,7 +597,8 @@ constexpr absl::Duration kHeld = absl::Milliseconds(1500);
 // Threads of this process now.
 int ThreadCount() {
   int threads = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
     (void)entry;
     ++threads;
   }
@@ -629,7 +630,8 @@ TEST(TcpBackendPostTest, PostReturnsWhileThePeerIsHeldAndDoneFollowsItsAnswer) {
   PostTo(Tcp(*a), {&read, 1}, In(absl::Seconds(20)), posted);
   EXPECT_LT(absl::Now() - start, kHeld / 2) << "Post waited for the peer";
   ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
-  EXPECT_FALSE(posted.done.HasBeenNotified()) << "done before the peer answered";
+  EXPECT_FALSE(posted.done.HasBeenNotified())
+      << "done before the peer answered";
   ExpectBytes(local, local_image, "local while the peer is held");
 
   b->gate().Open();
@@ -693,7 +695,8 @@ TEST(TcpBackendPostTest, CancelledBeforePostEndsAtOnceWithTheReason) {
   auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
   auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
   auto local_image = Snapshot(local);
-  const Op read = MakeOp(3, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 512, remote, 0);
+  const Op read =
+      MakeOp(3, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 512, remote, 0);
   Cancellation cancellation;
   cancellation.Cancel(absl::CancelledError("client went away"));
   Posted posted;
@@ -762,8 +765,8 @@ TEST(TcpBackendPostTest, AThousandSmallPostsFromOneThreadNeedNoMoreThreads) {
   for (int i = 0; i < kPosts; ++i) {
     const v1::OpType type =
         i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL : v1::OP_TYPE_WRITE_FROM_LOCAL;
-    ops.push_back(MakeOp(i, type, local, i * 64 + 3, kLength, remote,
-                         i * 64 + 11));
+    ops.push_back(
+        MakeOp(i, type, local, i * 64 + 3, kLength, remote, i * 64 + 11));
   }
   const int threads_before = ThreadCount();
   // Held, so that all of them are in flight at once.
@@ -778,9 +781,11 @@ TEST(TcpBackendPostTest, AThousandSmallPostsFromOneThreadNeedNoMoreThreads) {
   EXPECT_EQ(ThreadCount(), threads_before);
   b->gate().Open();
   for (int i = 0; i < kPosts; ++i) {
-    ASSERT_TRUE(posted[i].done.WaitForNotificationWithTimeout(absl::Seconds(30)))
+    ASSERT_TRUE(
+        posted[i].done.WaitForNotificationWithTimeout(absl::Seconds(30)))
         << "post " << i;
-    EXPECT_TRUE(posted[i].statuses[0].ok()) << i << ": " << posted[i].statuses[0];
+    EXPECT_TRUE(posted[i].statuses[0].ok())
+        << i << ": " << posted[i].statuses[0];
     EXPECT_EQ(posted[i].calls.load(), 1);
   }
   EXPECT_EQ(ThreadCount(), threads_before);
@@ -809,8 +814,8 @@ TEST(TcpBackendPostTest, DoneRunsOnceWhenCancellationRacesCompletion) {
       absl::SleepFor(absl::Microseconds((i % 20) * 10));
       cancellation.Cancel(absl::CancelledError("raced"));
     });
-    PostTo(Tcp(*a), {&write, 1}, StopToken(In(absl::Seconds(20)), &cancellation),
-           posted[i]);
+    PostTo(Tcp(*a), {&write, 1},
+           StopToken(In(absl::Seconds(20)), &cancellation), posted[i]);
     canceller.join();
     ASSERT_TRUE(posted[i].done.WaitForNotificationWithTimeout(absl::Seconds(5)))
         << "round " << i;
