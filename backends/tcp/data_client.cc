@@ -1,5 +1,6 @@
 #include "backends/tcp/data_client.h"
 
+#include <pthread.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -247,8 +248,10 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
   const int threads = client->options_.threads;
   for (int i = 0; i < threads; ++i) {
     try {
-      client->workers_.emplace_back(
-          [raw = client.get()] { raw->WorkerLoop(); });
+      client->workers_.emplace_back([raw = client.get()] {
+        pthread_setname_np(pthread_self(), "tcp-client");
+        raw->WorkerLoop();
+      });
     } catch (const std::system_error& error) {
       // The destructor stops and joins the workers already started.
       return absl::ResourceExhaustedError(
@@ -257,8 +260,10 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
     }
   }
   try {
-    client->timekeeper_ =
-        std::thread([raw = client.get()] { raw->TimekeeperLoop(); });
+    client->timekeeper_ = std::thread([raw = client.get()] {
+      pthread_setname_np(pthread_self(), "tcp-timekeeper");
+      raw->TimekeeperLoop();
+    });
   } catch (const std::system_error& error) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "tcp client: cannot start the timekeeper thread: ", error.what()));

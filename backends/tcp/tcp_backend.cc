@@ -181,7 +181,11 @@ std::vector<DataClient::PeerBatch> TcpBackend::GroupByPeer(
     }
     auto [it, added] =
         batch_of.emplace(JoinHostPort(peer->host, peer->port), batches.size());
-    if (added) batches.push_back({*std::move(peer), {}});
+    if (added) {
+      batches.push_back({*std::move(peer), {}});
+      // Most batches go to one peer: its list is sized once, not doubled.
+      if (batches.size() == 1) batches.back().ops.reserve(ops.size() - i);
+    }
     batches[it->second].ops.push_back(i);
     last_endpoint = endpoint;
     last_batch = it->second;
