@@ -794,6 +794,34 @@ TEST(TcpBackendPostTest, AThousandSmallPostsFromOneThreadNeedNoMoreThreads) {
   ExpectBytes(remote, remote_image, "remote");
 }
 
+TEST(TcpBackendPostTest, DestroyingTheBackendEndsThePostsInFlight) {
+  auto a = Agent(/*epoch=*/75);
+  auto b = Agent(/*epoch=*/76);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  const Op read =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 2048, remote, 0);
+  b->gate().Close(In(kHeld));
+  Posted posted;
+  PostTo(Tcp(*a), {&read, 1}, In(absl::Seconds(30)), posted);
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  const absl::Time start = absl::Now();
+  a->DestroyBackend();
+  // The destructor returned after done, long before the peer answers.
+  EXPECT_TRUE(posted.done.HasBeenNotified());
+  EXPECT_LT(absl::Now() - start, kHeld / 2);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kUnavailable)
+      << posted.statuses[0];
+  b->gate().Open();
+  ASSERT_TRUE(b->gate().AwaitNoneHeld(absl::Seconds(5)));
+  // The answer that came after found nothing to write into.
+  absl::SleepFor(absl::Milliseconds(100));
+  ExpectBytes(local, local_image, "local");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
 TEST(TcpBackendPostTest, DoneRunsOnceWhenCancellationRacesCompletion) {
   auto a = Agent(/*epoch=*/81);
   auto b = Agent(/*epoch=*/82);
