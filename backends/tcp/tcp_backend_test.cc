@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -605,6 +606,18 @@ int ThreadCount() {
   return threads;
 }
 
+// Threads of this process named `name` (the tcp client names its own).
+int ThreadsNamed(absl::string_view name) {
+  int threads = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(entry.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++threads;
+  }
+  return threads;
+}
+
 DataClientOptions Workers(int threads) {
   DataClientOptions options;
   options.threads = threads;
@@ -779,6 +792,10 @@ TEST(TcpBackendPostTest, AThousandSmallPostsFromOneThreadNeedNoMoreThreads) {
   for (const Posted& p : posted) done_early += p.done.HasBeenNotified() ? 1 : 0;
   EXPECT_EQ(done_early, 0) << "posts ended before the peer answered";
   EXPECT_EQ(ThreadCount(), threads_before);
+  // The clients' own (two agents here): each its workers and one
+  // timekeeper, however many runs are in flight.
+  EXPECT_EQ(ThreadsNamed("tcp-client"), 2 * DataClientOptions().threads);
+  EXPECT_EQ(ThreadsNamed("tcp-timekeeper"), 2);
   b->gate().Open();
   for (int i = 0; i < kPosts; ++i) {
     ASSERT_TRUE(
