@@ -118,7 +118,7 @@ struct DataClientOptions {
 class DataClient {
  public:
   // INVALID_ARGUMENT for options out of range, RESOURCE_EXHAUSTED when the
-  // worker threads cannot be started.
+  // threads (workers, timekeeper) cannot be started.
   static absl::StatusOr<std::unique_ptr<DataClient>> Create(
       DataClientOptions options);
   // Ends the runs still in flight (each gets its done: ops not answered are
