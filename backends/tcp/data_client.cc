@@ -281,12 +281,12 @@ DataClient::~DataClient() {
     // down, and the timekeeper finishes the ones whose last lane was queued.
     for (SubmitRun* run = live_; run != nullptr;) {
       SubmitRun* next = run->next;
-      if (AbortLocked(*run)) ended_by_cancel_.push_back(run);
+      if (AbortLocked(*run)) runs_to_finish_.push_back(run);
       run = next;
     }
     timekeeper_cv_.Signal();
     const auto drained = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return live_ == nullptr && ended_by_cancel_.empty();
+      return live_ == nullptr && runs_to_finish_.empty();
     };
     mu_.Await(absl::Condition(&drained));
     stopping_ = true;
@@ -428,7 +428,7 @@ void DataClient::OnCancelled(SubmitRun& submit) {
   // would wait for itself. Whoever still holds a job ends the run; when the
   // abort dropped the last one, the timekeeper does.
   if (AbortLocked(submit)) {
-    ended_by_cancel_.push_back(&submit);
+    runs_to_finish_.push_back(&submit);
     timekeeper_cv_.Signal();
   }
 }
@@ -454,9 +454,9 @@ void DataClient::TimekeeperLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
     timekeeper_wakes_at_ = absl::InfinitePast();
-    if (!ended_by_cancel_.empty()) {
-      SubmitRun* run = ended_by_cancel_.back();
-      ended_by_cancel_.pop_back();
+    if (!runs_to_finish_.empty()) {
+      SubmitRun* run = runs_to_finish_.back();
+      runs_to_finish_.pop_back();
       mu_.Unlock();
       FinishRun(run);
       mu_.Lock();
@@ -473,14 +473,14 @@ void DataClient::TimekeeperLoop() {
       SubmitRun* following = run->next;  // AbortLocked may unlink `run`
       if (!run->aborted) {
         if (run->stop.deadline() <= now) {
-          if (AbortLocked(*run)) ended_by_cancel_.push_back(run);
+          if (AbortLocked(*run)) runs_to_finish_.push_back(run);
         } else {
           next = std::min(next, run->stop.deadline());
         }
       }
       run = following;
     }
-    if (!ended_by_cancel_.empty()) continue;
+    if (!runs_to_finish_.empty()) continue;
     timekeeper_wakes_at_ = next;
     timekeeper_cv_.WaitWithDeadline(&mu_, next);
   }

@@ -211,7 +211,7 @@ class DataClient {
   // The next lane job, taking runs in turn.
   std::optional<LaneJob> NextJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
-  // Ends runs at their deadline, and runs a cancellation ended.
+  // Ends runs at their deadline, and finishes runs_to_finish_.
   void TimekeeperLoop();
   // One lane: a connection to the job's peer carrying chunks until none are
   // left, the connection fails or the Run stops.
@@ -272,8 +272,9 @@ class DataClient {
   // Every run not ended yet (intrusive list: no allocation per run), for
   // the timekeeper's deadlines and the destructor.
   SubmitRun* live_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // Runs a cancellation ended, for the timekeeper to finish.
-  std::vector<SubmitRun*> ended_by_cancel_ ABSL_GUARDED_BY(mu_);
+  // Runs whose last job an abort dropped (a cancellation, the deadline,
+  // the destructor), for the timekeeper to finish.
+  std::vector<SubmitRun*> runs_to_finish_ ABSL_GUARDED_BY(mu_);
   // When the waiting timekeeper wakes next (InfinitePast while it is not
   // waiting: it looks at every run before it waits again). A new run with
   // an earlier deadline wakes it.
