@@ -1,5 +1,6 @@
 #include "backends/tcp/data_client.h"
 
+#include <pthread.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "backends/tcp/pipeline.h"
 #include "backends/tcp/wire.h"
 #include "common/log_text.h"
@@ -16,11 +18,32 @@
 
 namespace rdma_agent::tcp {
 
-// One Run: what its jobs share with it and with its cancellation.
+// One run (a Post or Run): what its jobs share with it and with its
+// cancellation. Owns itself from StartRun until FinishRun frees it.
 struct DataClient::SubmitRun {
-  explicit SubmitRun(const StopToken& stop) : stop(stop) {}
-  const StopToken& stop;
-  // Lane jobs queued or running; Run returns when it is 0.
+  SubmitRun(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
+            std::vector<absl::Status> results, const StopToken& stop,
+            OpsDone done)
+      : ops(ops),
+        batches(std::move(batches)),
+        stop(stop),
+        results(std::move(results)),
+        done(std::move(done)) {}
+
+  const absl::Span<const Op> ops;
+  // The PeerRuns read their op lists from here.
+  const std::vector<PeerBatch> batches;
+  // A copy: the caller's token may go before the run ends (the
+  // Cancellation behind it may not).
+  const StopToken stop;
+  std::vector<std::unique_ptr<PeerRun>> peers;
+  std::vector<absl::Status> results;
+  OpsDone done;
+  // Set by StartRun before the run can end; FinishRun drops it first.
+  std::unique_ptr<Cancellation::Callback> on_cancel;
+
+  // Lane jobs queued or running, plus one while StartRun's caller holds the
+  // run; it ends when this reaches 0.
   size_t unfinished_jobs ABSL_GUARDED_BY(DataClient::mu_) = 0;
   // Cancelled or past the deadline: queued jobs were dropped and the sockets
   // in `active` shut down; nothing new starts.
@@ -29,8 +52,9 @@ struct DataClient::SubmitRun {
   std::vector<int> active ABSL_GUARDED_BY(DataClient::mu_);
   // Lanes not started yet: one entry per connection wanted to a peer.
   std::deque<PeerRun*> queued ABSL_GUARDED_BY(DataClient::mu_);
-  // The lane the Submit's own thread runs, until it starts it.
-  PeerRun* caller_lane ABSL_GUARDED_BY(DataClient::mu_) = nullptr;
+  // DataClient::live_, while the run has not ended.
+  SubmitRun* previous ABSL_GUARDED_BY(DataClient::mu_) = nullptr;
+  SubmitRun* next ABSL_GUARDED_BY(DataClient::mu_) = nullptr;
 };
 
 struct DataClient::Connection {
@@ -143,8 +167,9 @@ class DataClient::PeerRun final : public ChunkSource {
     return *addresses_;
   }
 
-  // Writes each op's outcome into `results` (indexed like Run's ops).
-  void Finish(std::vector<absl::Status>& results) {
+  // Writes each op's outcome into `results` (indexed like the run's ops).
+  // `client_stopped`: the client ended the run (shutting down), not `stop`.
+  void Finish(std::vector<absl::Status>& results, bool client_stopped) {
     absl::MutexLock lock(&mu_);
     for (size_t k = 0; k < indices_.size(); ++k) {
       const Op& op = ops_[indices_[k]];
@@ -159,6 +184,9 @@ class DataClient::PeerRun final : public ChunkSource {
         // Its lanes were dropped from the queue before they ran.
         result =
             stop_.StopStatus(absl::StrCat("before ", name_, " was contacted"));
+      } else if (client_stopped) {
+        result = absl::UnavailableError(absl::StrCat(
+            "the tcp client shut down before ", name_, " was contacted"));
       } else {
         result = absl::InternalError(
             absl::StrCat("no connection to ", name_, " ran the op"));
@@ -220,14 +248,25 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
   const int threads = client->options_.threads;
   for (int i = 0; i < threads; ++i) {
     try {
-      client->workers_.emplace_back(
-          [raw = client.get()] { raw->WorkerLoop(); });
+      client->workers_.emplace_back([raw = client.get()] {
+        pthread_setname_np(pthread_self(), "tcp-client");
+        raw->WorkerLoop();
+      });
     } catch (const std::system_error& error) {
       // The destructor stops and joins the workers already started.
       return absl::ResourceExhaustedError(
           absl::StrCat("tcp client: cannot start worker thread ", i + 1, " of ",
                        threads, ": ", error.what()));
     }
+  }
+  try {
+    client->timekeeper_ = std::thread([raw = client.get()] {
+      pthread_setname_np(pthread_self(), "tcp-timekeeper");
+      raw->TimekeeperLoop();
+    });
+  } catch (const std::system_error& error) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tcp client: cannot start the timekeeper thread: ", error.what()));
   }
   return client;
 }
@@ -238,96 +277,213 @@ DataClient::DataClient(DataClientOptions options)
 DataClient::~DataClient() {
   {
     absl::MutexLock lock(&mu_);
+    // Runs still in flight end now; their lanes see their sockets shut
+    // down, and the timekeeper finishes the ones whose last lane was queued.
+    for (SubmitRun* run = live_; run != nullptr;) {
+      SubmitRun* next = run->next;
+      if (AbortLocked(*run)) runs_to_finish_.push_back(run);
+      run = next;
+    }
+    timekeeper_cv_.Signal();
+    const auto drained = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return live_ == nullptr && runs_to_finish_.empty();
+    };
+    mu_.Await(absl::Condition(&drained));
     stopping_ = true;
     work_cv_.SignalAll();
+    timekeeper_cv_.Signal();
   }
   for (std::thread& worker : workers_) worker.join();
+  if (timekeeper_.joinable()) timekeeper_.join();
   absl::MutexLock lock(&mu_);
   for (auto& [key, idle] : idle_) CloseIdleLocked(key, idle);
   idle_.clear();
 }
 
+void DataClient::Post(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
+                      std::vector<absl::Status> results, const StopToken& stop,
+                      OpsDone done) {
+  SubmitRun* run = StartRun(ops, std::move(batches), std::move(results), stop,
+                            std::move(done), /*own_lane=*/nullptr);
+  EndJob(run);  // the hold: ends the run here when nothing could start
+}
+
 std::vector<absl::Status> DataClient::Run(absl::Span<const Op> ops,
-                                          absl::Span<const PeerBatch> batches,
+                                          std::vector<PeerBatch> batches,
+                                          std::vector<absl::Status> results,
                                           const StopToken& stop) {
-  std::vector<absl::Status> results(ops.size());
+  std::vector<absl::Status> outcome;
+  absl::Notification ended;
+  PeerRun* own_lane = nullptr;
+  SubmitRun* run = StartRun(
+      ops, std::move(batches), std::move(results), stop,
+      [&outcome, &ended](std::vector<absl::Status> statuses) {
+        outcome = std::move(statuses);
+        ended.Notify();
+      },
+      &own_lane);
+  // Under the hold: the run cannot end (nor be freed) while this thread
+  // carries its lane.
+  if (own_lane != nullptr) RunLane(LaneJob{run, own_lane});
+  EndJob(run);
+  ended.WaitForNotification();
+  return outcome;
+}
+
+DataClient::SubmitRun* DataClient::StartRun(absl::Span<const Op> ops,
+                                            std::vector<PeerBatch> batches,
+                                            std::vector<absl::Status> results,
+                                            const StopToken& stop, OpsDone done,
+                                            PeerRun** own_lane) {
   const uint64_t chunk_bytes =
       std::clamp<uint64_t>(options_.chunk_bytes, 1, kMaxPayloadBytes);
-  SubmitRun submit(stop);
-  std::vector<std::unique_ptr<PeerRun>> peers;
-  peers.reserve(batches.size());
-  for (const PeerBatch& batch : batches) {
-    peers.push_back(std::make_unique<PeerRun>(batch, ops, chunk_bytes, stop));
+  auto* run = new SubmitRun(ops, std::move(batches), std::move(results), stop,
+                            std::move(done));
+  run->peers.reserve(run->batches.size());
+  for (const PeerBatch& batch : run->batches) {
+    run->peers.push_back(
+        std::make_unique<PeerRun>(batch, ops, chunk_bytes, run->stop));
   }
-  QueueLanes(submit, peers);
-  // Cancellation shuts the Run's sockets down at once (the callback must not
-  // block: it takes mu_ only briefly).
-  std::unique_ptr<Cancellation::Callback> on_cancel = stop.OnCancel([&] {
+  {
     absl::MutexLock lock(&mu_);
-    AbortLocked(submit);
-    changed_cv_.SignalAll();
-  });
-  WaitForLanes(submit);
-  // Not under mu_: unregistering waits for a callback running right now.
-  on_cancel.reset();
-  // After this no lane of this Run touches any op's memory: all have ended.
-  for (const auto& peer : peers) peer->Finish(results);
-  return results;
-}
+    run->unfinished_jobs = 1;  // the caller's hold
+    run->next = live_;
+    if (live_ != nullptr) live_->previous = run;
+    live_ = run;
+  }
+  // Before any lane is queued: when `stop` is cancelled already the
+  // callback runs right here and the run queues nothing. Cancellation
+  // shuts the run's sockets down at once (the callback takes mu_ only
+  // briefly, and never ends the run itself: see OnCancelled).
+  run->on_cancel = run->stop.OnCancel([this, run] { OnCancelled(*run); });
 
-void DataClient::QueueLanes(
-    SubmitRun& submit, const std::vector<std::unique_ptr<PeerRun>>& peers) {
   absl::MutexLock lock(&mu_);
-  for (const auto& peer : peers) {
+  if (run->aborted) return run;
+  for (const auto& peer : run->peers) {
     const size_t lanes =
         peer->LanesWanted(static_cast<size_t>(options_.connections_per_peer));
-    for (size_t l = 0; l < lanes; ++l) submit.queued.push_back(peer.get());
+    for (size_t l = 0; l < lanes; ++l) run->queued.push_back(peer.get());
   }
-  submit.unfinished_jobs = submit.queued.size();
-  if (submit.queued.empty()) return;
-  // The first lane is the calling thread's own (WaitForLanes): a Submit of
-  // one lane, every small op, never waits for a worker to wake and hand
-  // its result back. Only the rest go to the workers, one wake-up each.
-  submit.caller_lane = submit.queued.front();
-  submit.queued.pop_front();
-  if (submit.queued.empty()) return;
-  runs_.push_back(&submit);
-  for (size_t i = 0; i < submit.queued.size(); ++i) work_cv_.Signal();
+  if (own_lane != nullptr) {
+    // The first lane is the calling thread's own (Run): a run of one lane,
+    // every small op, never waits for a worker to wake and hand its result
+    // back. It is covered by the hold.
+    *own_lane = nullptr;
+    if (!run->queued.empty()) {
+      *own_lane = run->queued.front();
+      run->queued.pop_front();
+    }
+  }
+  if (run->queued.empty()) return run;
+  run->unfinished_jobs += run->queued.size();
+  runs_.push_back(run);
+  for (size_t i = 0; i < run->queued.size(); ++i) work_cv_.Signal();
+  // Queued lanes may wait for busy workers past the deadline.
+  if (run->stop.deadline() < timekeeper_wakes_at_) timekeeper_cv_.Signal();
+  return run;
 }
 
-void DataClient::WaitForLanes(SubmitRun& submit) {
+void DataClient::EndJob(SubmitRun* submit) {
+  bool last;
+  {
+    absl::MutexLock lock(&mu_);
+    last = EndJobLocked(*submit);
+  }
+  if (last) FinishRun(submit);
+}
+
+bool DataClient::EndJobLocked(SubmitRun& submit) {
+  if (--submit.unfinished_jobs > 0) return false;
+  // Ended: off the live list, so that neither the timekeeper nor the
+  // destructor looks at it again.
+  if (submit.previous != nullptr) {
+    submit.previous->next = submit.next;
+  } else {
+    live_ = submit.next;
+  }
+  if (submit.next != nullptr) submit.next->previous = submit.previous;
+  submit.previous = submit.next = nullptr;
+  return true;
+}
+
+void DataClient::FinishRun(SubmitRun* submit) {
+  std::unique_ptr<SubmitRun> run(submit);
+  // Waits for the callback should it be running on another thread right
+  // now; from here on it never runs. (Never called from the callback
+  // itself: it would wait for itself.)
+  run->on_cancel.reset();
+  // After this no lane of this run touches any op's memory: all have ended.
+  const bool client_stopped = !run->stop.stopped();
+  for (const auto& peer : run->peers)
+    peer->Finish(run->results, client_stopped);
+  std::vector<absl::Status> results = std::move(run->results);
+  OpsDone done = std::move(run->done);
+  run.reset();
+  std::move(done)(std::move(results));
+}
+
+void DataClient::OnCancelled(SubmitRun& submit) {
   absl::MutexLock lock(&mu_);
-  while (submit.unfinished_jobs > 0) {
-    if (!submit.aborted && submit.stop.stopped()) {
-      AbortLocked(submit);  // may have dropped the last queued job
-      continue;
-    }
-    if (submit.caller_lane != nullptr) {
-      PeerRun* peer = std::exchange(submit.caller_lane, nullptr);
-      mu_.Unlock();
-      RunLane(LaneJob{&submit, peer});
-      mu_.Lock();
-      --submit.unfinished_jobs;
-      continue;
-    }
-    changed_cv_.WaitWithDeadline(
-        &mu_, submit.aborted ? absl::InfiniteFuture() : submit.stop.deadline());
+  // The callback cannot finish the run: FinishRun unregisters it, which
+  // would wait for itself. Whoever still holds a job ends the run; when the
+  // abort dropped the last one, the timekeeper does.
+  if (AbortLocked(submit)) {
+    runs_to_finish_.push_back(&submit);
+    timekeeper_cv_.Signal();
   }
 }
 
-void DataClient::AbortLocked(SubmitRun& submit) {
-  if (submit.aborted) return;
+bool DataClient::AbortLocked(SubmitRun& submit) {
+  // An ended run (being finished) has nothing left to abort.
+  if (submit.aborted || submit.unfinished_jobs == 0) return false;
   submit.aborted = true;
-  submit.unfinished_jobs -= submit.queued.size();
-  submit.queued.clear();
-  if (submit.caller_lane != nullptr) {
-    submit.caller_lane = nullptr;
-    --submit.unfinished_jobs;
-  }
-  auto it = std::find(runs_.begin(), runs_.end(), &submit);
-  if (it != runs_.end()) runs_.erase(it);
   // Wakes every blocked send, receive, poll and connect of its lanes.
   for (int fd : submit.active) shutdown(fd, SHUT_RDWR);
+  if (submit.queued.empty()) return false;
+  auto it = std::find(runs_.begin(), runs_.end(), &submit);
+  if (it != runs_.end()) runs_.erase(it);
+  // The queued lanes are the last jobs unless a lane runs or the hold is
+  // kept; each dropped lane counts as ended.
+  const size_t dropped = submit.queued.size();
+  submit.queued.clear();
+  submit.unfinished_jobs -= dropped - 1;
+  return EndJobLocked(submit);
+}
+
+void DataClient::TimekeeperLoop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    timekeeper_wakes_at_ = absl::InfinitePast();
+    if (!runs_to_finish_.empty()) {
+      SubmitRun* run = runs_to_finish_.back();
+      runs_to_finish_.pop_back();
+      mu_.Unlock();
+      FinishRun(run);
+      mu_.Lock();
+      continue;
+    }
+    if (stopping_) return;
+    // Runs past their deadline end now: their queued lanes may wait for
+    // workers busy elsewhere, and their running lanes are cut off (each
+    // also watches the deadline itself). O(runs in flight) per wake-up;
+    // it wakes at deadlines, which are far apart compared to a scan.
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();
+    for (SubmitRun* run = live_; run != nullptr;) {
+      SubmitRun* following = run->next;  // AbortLocked may unlink `run`
+      if (!run->aborted) {
+        if (run->stop.deadline() <= now) {
+          if (AbortLocked(*run)) runs_to_finish_.push_back(run);
+        } else {
+          next = std::min(next, run->stop.deadline());
+        }
+      }
+      run = following;
+    }
+    if (!runs_to_finish_.empty()) continue;
+    timekeeper_wakes_at_ = next;
+    timekeeper_cv_.WaitWithDeadline(&mu_, next);
+  }
 }
 
 std::optional<DataClient::LaneJob> DataClient::NextJobLocked() {
@@ -356,8 +512,11 @@ void DataClient::WorkerLoop() {
     mu_.Unlock();
     RunLane(*job);
     mu_.Lock();
-    --job->submit->unfinished_jobs;
-    changed_cv_.SignalAll();
+    if (EndJobLocked(*job->submit)) {
+      mu_.Unlock();
+      FinishRun(job->submit);
+      mu_.Lock();
+    }
   }
 }
 

@@ -60,7 +60,7 @@ struct DataClientOptions {
   // instead of cache-warm socket buffers); worth trying on real NICs.
   bool zero_copy_send = false;
 
-  // Long-lived threads, started with the client, that run every Submit's
+  // Long-lived threads, started with the client, that run every run's
   // connections (one connection at a time each). Peers beyond what they can
   // serve at once wait in a queue. 8 keeps a 2-core host's copies busy with
   // room for a few slow peers.
@@ -98,10 +98,18 @@ struct DataClientOptions {
 // connection. Payloads go from the local mapping into the socket and from the
 // socket into the local mapping with no intermediate buffer.
 //
-// Threads: exactly `threads` workers, started by Create and joined by the
-// destructor. Run's own thread carries one lane of its Submit (for small
-// ops the only one, so they cost no thread hand-off) and queues the others
-// for the workers.
+// Threads: exactly `threads` workers and one timekeeper, started by Create
+// and joined by the destructor; none per run. Workers carry lanes (one
+// connection to one peer each). The timekeeper ends runs whose lanes are
+// still queued when their deadline passes (every worker may be busy with
+// other runs) and runs that a cancellation ended (a Cancellation callback
+// cannot unregister itself). Post hands every lane to the workers; Run's own
+// thread carries one lane of its run (for small ops the only one, so they
+// cost no thread hand-off) and queues the others.
+//
+// A run's state lives on the heap and owns itself: whoever ends its last
+// lane (a worker, the timekeeper, or the posting thread when nothing could
+// start) writes the outcome and calls `done`, without mu_.
 //
 // A peer gets no byte before it has sent a valid server hello (wire.h), and
 // every failure to reach a peer reads the same ("peer H:P is unreachable"),
@@ -110,35 +118,49 @@ struct DataClientOptions {
 class DataClient {
  public:
   // INVALID_ARGUMENT for options out of range, RESOURCE_EXHAUSTED when the
-  // worker threads cannot be started.
+  // threads (workers, timekeeper) cannot be started.
   static absl::StatusOr<std::unique_ptr<DataClient>> Create(
       DataClientOptions options);
-  // Stops the workers (no Run may be in progress) and closes idle
-  // connections.
+  // Ends the runs still in flight (each gets its done: ops not answered are
+  // UNAVAILABLE), stops the threads and closes idle connections. No Post or
+  // Run may be in progress on another thread.
   ~DataClient();
   DataClient(const DataClient&) = delete;
   DataClient& operator=(const DataClient&) = delete;
 
-  // Ops to one peer: indices into Run's `ops`.
+  // Ops to one peer: indices into the run's `ops`.
   struct PeerBatch {
     HostPort peer;
     std::vector<size_t> ops;
   };
 
-  // Runs the ops of `batches` and returns one status per op of `ops` (ops in
-  // no batch stay OK): the serving agent's verdict (e.g. PERMISSION_DENIED,
+  // Starts the ops of `batches` and returns without waiting for them.
+  // `done` is called exactly once with `results` (one status per op of
+  // `ops`; ops in no batch keep theirs) where each batched op's outcome is
+  // written: OK, the serving agent's verdict (e.g. PERMISSION_DENIED,
   // FAILED_PRECONDITION), UNAVAILABLE when the peer is unreachable or a
   // connection broke, DEADLINE_EXCEEDED for what was not answered by
   // `stop.deadline()`, the cancellation's reason once `stop` is cancelled,
   // RESOURCE_EXHAUSTED when no socket could be made.
   //
-  // Returns by the deadline (plus scheduling slack) or within milliseconds
-  // of cancellation, and once it has returned nothing it started reads or
-  // writes any op's local memory: connections with requests outstanding are
-  // shut down and closed, never reused, so late responses are discarded by
-  // the kernel.
+  // `done` comes by the deadline (plus scheduling slack) or within
+  // milliseconds of cancellation, even while every worker is busy with other
+  // runs, and once it has been called nothing of the run reads or writes any
+  // op's local memory: connections with requests outstanding are shut down
+  // and closed, never reused, so late responses are discarded by the
+  // kernel. It runs on a worker, on the timekeeper, or inside Post (nothing
+  // to start), and must not block. `ops` and the Cancellation behind `stop`
+  // must outlive it; `stop` itself is copied.
+  void Post(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
+            std::vector<absl::Status> results, const StopToken& stop,
+            OpsDone done);
+
+  // Post, with the calling thread carrying the run's first lane, then
+  // waiting for the run to end; returns what `done` would be given. Small
+  // ops to one peer then cost no thread hand-off (10-20 us on a loaded VM).
   std::vector<absl::Status> Run(absl::Span<const Op> ops,
-                                absl::Span<const PeerBatch> batches,
+                                std::vector<PeerBatch> batches,
+                                std::vector<absl::Status> results,
                                 const StopToken& stop);
 
   const DataClientOptions& options() const { return options_; }
@@ -169,14 +191,28 @@ class DataClient {
 
   explicit DataClient(DataClientOptions options);
 
-  // Queues a lane job per connection wanted to each peer.
-  void QueueLanes(SubmitRun& submit,
-                  const std::vector<std::unique_ptr<PeerRun>>& peers);
-  // Until every lane job of `submit` has ended; aborts it at its deadline.
-  void WaitForLanes(SubmitRun& submit);
-  // The next lane job, taking Runs in turn.
+  // Makes the run and queues a lane job per connection wanted to each peer,
+  // except the first when `own_lane` is given: it is set to the lane the
+  // caller carries itself (null when none). The run is held (it cannot end)
+  // until the caller calls EndJob once more.
+  SubmitRun* StartRun(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
+                      std::vector<absl::Status> results, const StopToken& stop,
+                      OpsDone done, PeerRun** own_lane);
+  // One lane job (or the caller's hold) of `submit` ended; the last one
+  // finishes the run.
+  void EndJob(SubmitRun* submit);
+  // True when it was the run's last job: the caller then finishes it.
+  bool EndJobLocked(SubmitRun& submit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the run's outcome, calls its done and frees it. Not under mu_,
+  // never inside the run's own cancellation callback.
+  void FinishRun(SubmitRun* submit);
+  // The run's cancellation callback.
+  void OnCancelled(SubmitRun& submit);
+  // The next lane job, taking runs in turn.
   std::optional<LaneJob> NextJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
+  // Ends runs at their deadline, and finishes runs_to_finish_.
+  void TimekeeperLoop();
   // One lane: a connection to the job's peer carrying chunks until none are
   // left, the connection fails or the Run stops.
   void RunLane(const LaneJob& job);
@@ -203,8 +239,9 @@ class DataClient {
   // Outgoing connections open now, in use and idle.
   size_t open_connections();
 
-  // Drops the Run's queued jobs and shuts down its sockets.
-  void AbortLocked(SubmitRun& submit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the run's queued jobs and shuts down its sockets. True when that
+  // ended its last job: the caller then finishes it (or has it finished).
+  bool AbortLocked(SubmitRun& submit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool RegisterActiveLocked(SubmitRun& submit, int fd)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for room under max_connections (closing idle connections first).
@@ -225,11 +262,23 @@ class DataClient {
   // Workers wait here for jobs (and wake now and then to expire idle
   // connections).
   absl::CondVar work_cv_;
-  // Runs wait here for their jobs, dialers for connection slots.
+  // Dialers wait here for connection slots.
   absl::CondVar changed_cv_;
+  // The timekeeper waits here until `timekeeper_wakes_at_`.
+  absl::CondVar timekeeper_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Runs with lane jobs not started yet, served in turn.
   std::deque<SubmitRun*> runs_ ABSL_GUARDED_BY(mu_);
+  // Every run not ended yet (intrusive list: no allocation per run), for
+  // the timekeeper's deadlines and the destructor.
+  SubmitRun* live_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Runs whose last job an abort dropped (a cancellation, the deadline,
+  // the destructor), for the timekeeper to finish.
+  std::vector<SubmitRun*> runs_to_finish_ ABSL_GUARDED_BY(mu_);
+  // When the waiting timekeeper wakes next (InfinitePast while it is not
+  // waiting: it looks at every run before it waits again). A new run with
+  // an earlier deadline wakes it.
+  absl::Time timekeeper_wakes_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Idle connections per peer ("host:port"), oldest first.
   std::map<std::string, std::deque<IdleConnection>> idle_ ABSL_GUARDED_BY(mu_);
   size_t idle_total_ ABSL_GUARDED_BY(mu_) = 0;
@@ -241,6 +290,7 @@ class DataClient {
   std::vector<std::unique_ptr<std::byte[]>> spare_buffers_ ABSL_GUARDED_BY(mu_);
 
   std::vector<std::thread> workers_;
+  std::thread timekeeper_;
 };
 
 }  // namespace rdma_agent::tcp

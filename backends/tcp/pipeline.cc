@@ -108,9 +108,23 @@ PipelineOutcome Pipeline::Run(absl::Time deadline) {
   return outcome;
 }
 
+Pipeline::InFlight& Pipeline::Window::emplace_back() {
+  if (size_ == slots_.size()) {
+    std::vector<InFlight> larger(std::max<size_t>(16, slots_.size() * 2));
+    for (size_t i = 0; i < size_; ++i) larger[i] = (*this)[i];
+    slots_.swap(larger);
+    mask_ = slots_.size() - 1;
+    head_ = 0;
+  }
+  InFlight& slot = (*this)[size_++];
+  slot = InFlight();
+  return slot;
+}
+
 void Pipeline::FailWindow(const absl::Status& status) {
-  for (const InFlight& request : window_)
-    source_.ChunkDone(request.chunk, status);
+  for (size_t i = 0; i < window_.size(); ++i) {
+    source_.ChunkDone(window_[i].chunk, status);
+  }
   window_.clear();
   window_bytes_ = 0;
   sent_ = 0;
@@ -425,7 +439,9 @@ std::string Pipeline::NoProgressMessage() const {
 
 std::string Pipeline::DeadlineMessage() const {
   uint64_t unanswered = 0;
-  for (const InFlight& request : window_) unanswered += request.chunk.length;
+  for (size_t i = 0; i < window_.size(); ++i) {
+    unanswered += window_[i].chunk.length;
+  }
   return absl::StrCat("deadline passed with ", unanswered,
                       " bytes of requests in flight not yet answered by ",
                       peer_);

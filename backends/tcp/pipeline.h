@@ -7,11 +7,11 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -173,7 +173,34 @@ class Pipeline {
 
   // Requests taken from the source and not answered yet, oldest first; the
   // first sent_ of them are on the wire, and send_pos_ bytes of the next.
-  std::deque<InFlight> window_;
+  // The requests in flight, oldest first: a ring that doubles up to the
+  // deepest window the lane reaches and is then reused, so that a lane
+  // allocates nothing per request (a deque allocated a block every few).
+  class Window {
+   public:
+    bool empty() const { return size_ == 0; }
+    size_t size() const { return size_; }
+    InFlight& operator[](size_t i) { return slots_[(head_ + i) & mask_]; }
+    const InFlight& operator[](size_t i) const {
+      return slots_[(head_ + i) & mask_];
+    }
+    InFlight& front() { return (*this)[0]; }
+    // A reset slot at the back; references to others stay valid only
+    // until the next call (the ring may grow).
+    InFlight& emplace_back();
+    void pop_front() {
+      head_ = (head_ + 1) & mask_;
+      --size_;
+    }
+    void clear() { head_ = size_ = 0; }
+
+   private:
+    std::vector<InFlight> slots_;  // a power of two, or empty
+    size_t mask_ = 0;
+    size_t head_ = 0;
+    size_t size_ = 0;
+  };
+  Window window_;
   uint64_t window_bytes_ = 0;  // payload bytes of the requests in window_
   size_t sent_ = 0;
   size_t send_pos_ = 0;

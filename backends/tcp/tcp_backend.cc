@@ -145,16 +145,16 @@ absl::Status TcpBackend::Notify(const v1::RemoteBuffer& remote,
                         env_.identity.agent_id, data, stop);
 }
 
-std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
-                                             const StopToken& stop) {
-  std::vector<absl::Status> results(ops.size());
-  // Ops grouped by the data port that serves them.
+std::vector<DataClient::PeerBatch> TcpBackend::GroupByPeer(
+    absl::Span<const Op> ops, std::vector<absl::Status>& results) const {
   std::vector<DataClient::PeerBatch> batches;
-  std::map<std::string, size_t> batch_of;
   // Ops of one remote context share its endpoint (the registry parses each
-  // context once per Submit): a run of them needs one lookup, not one each.
+  // context once per batch): a run of them needs one lookup, not one each.
+  // Contexts of one peer differ only in their buffer: the last batch's peer
+  // is compared before any name is built.
   const v1::BackendEndpoint* last_endpoint = nullptr;
   size_t last_batch = 0;
+  std::map<std::string, size_t> batch_of;
   for (size_t i = 0; i < ops.size(); ++i) {
     // Never routed here (the registry routes device memory to the backends
     // that registered it), and refused should it be.
@@ -165,31 +165,63 @@ std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
           absl::FailedPreconditionError(absl::StrCat("local ", host.message()));
       continue;
     }
-    if (ops[i].endpoint != nullptr && ops[i].endpoint == last_endpoint) {
+    const v1::BackendEndpoint* endpoint = ops[i].endpoint;
+    if (endpoint != nullptr && !batches.empty() &&
+        (endpoint == last_endpoint ||
+         (endpoint->tcp().port() == batches[last_batch].peer.port &&
+          endpoint->tcp().host() == batches[last_batch].peer.host))) {
       batches[last_batch].ops.push_back(i);
+      last_endpoint = endpoint;
       continue;
     }
-    auto peer = PeerOf(*ops[i].endpoint);
+    auto peer = PeerOf(*endpoint);
     if (!peer.ok()) {
       results[i] = peer.status();
       continue;
     }
     auto [it, added] =
         batch_of.emplace(JoinHostPort(peer->host, peer->port), batches.size());
-    if (added) batches.push_back({*peer, {}});
+    if (added) {
+      batches.push_back({*std::move(peer), {}});
+      // Most batches go to one peer: its list is sized once, not doubled.
+      if (batches.size() == 1) batches.back().ops.reserve(ops.size() - i);
+    }
     batches[it->second].ops.push_back(i);
-    last_endpoint = ops[i].endpoint;
+    last_endpoint = endpoint;
     last_batch = it->second;
   }
+  return batches;
+}
 
-  std::vector<absl::Status> statuses = client_->Run(ops, batches, stop);
-  for (const auto& batch : batches) {
-    for (size_t i : batch.ops) results[i] = std::move(statuses[i]);
-  }
+void TcpBackend::Conclude(absl::Span<const Op> ops,
+                          std::vector<absl::Status>& results) {
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (results[i].ok()) ops[i].local->CountMoved(ops[i].length);
-    results[i] = AnnotateOp(results[i], ops[i].index);
+    if (results[i].ok()) {
+      ops[i].local->CountMoved(ops[i].length);
+    } else {
+      results[i] = AnnotateOp(results[i], ops[i].index);
+    }
   }
+}
+
+void TcpBackend::Post(absl::Span<const Op> ops, const StopToken& stop,
+                      OpsDone done) {
+  std::vector<absl::Status> results(ops.size());
+  std::vector<DataClient::PeerBatch> batches = GroupByPeer(ops, results);
+  client_->Post(ops, std::move(batches), std::move(results), stop,
+                [ops, done = std::move(done)](
+                    std::vector<absl::Status> statuses) mutable {
+                  Conclude(ops, statuses);
+                  std::move(done)(std::move(statuses));
+                });
+}
+
+std::vector<absl::Status> TcpBackend::Submit(absl::Span<const Op> ops,
+                                             const StopToken& stop) {
+  std::vector<absl::Status> results(ops.size());
+  std::vector<DataClient::PeerBatch> batches = GroupByPeer(ops, results);
+  results = client_->Run(ops, std::move(batches), std::move(results), stop);
+  Conclude(ops, results);
   return results;
 }
 

@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,6 +23,7 @@
 #include "backends/tcp/wire.h"
 #include "backends/testing/harness.h"
 #include "common/shared_memory.h"
+#include "common/stop_token.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pattern.h"
 
@@ -564,6 +568,313 @@ TEST(TcpBackendRestartTest, ReconnectsToARestartedPeer) {
   ASSERT_TRUE(results[0].ok()) << results[0];
   Apply(fresh, local_image, new_remote_image);
   ExpectBytes(new_remote, new_remote_image, "new remote");
+}
+
+// --- The asynchronous entry: Post returns at once, done comes later. ---
+
+// What one Post delivered to its done: the statuses, and how often it ran.
+struct Posted {
+  std::atomic<int> calls{0};
+  std::vector<absl::Status> statuses;
+  absl::Notification done;
+  absl::Time at;
+};
+
+void PostTo(Backend& backend, absl::Span<const Op> ops, const StopToken& stop,
+            Posted& posted) {
+  backend.Post(ops, stop, [&posted](std::vector<absl::Status> statuses) {
+    if (posted.calls.fetch_add(1) == 0) {
+      posted.statuses = std::move(statuses);
+      posted.at = absl::Now();
+      posted.done.Notify();
+    }
+  });
+}
+
+// How long tests hold the serving side: below its handshake timeout (2 s),
+// which would close the held connections.
+constexpr absl::Duration kHeld = absl::Milliseconds(1500);
+
+// Threads of this process now.
+int ThreadCount() {
+  int threads = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    (void)entry;
+    ++threads;
+  }
+  return threads;
+}
+
+// Threads of this process named `name` (the tcp client names its own).
+int ThreadsNamed(absl::string_view name) {
+  int threads = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(entry.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++threads;
+  }
+  return threads;
+}
+
+DataClientOptions Workers(int threads) {
+  DataClientOptions options;
+  options.threads = threads;
+  options.connections_per_peer = 1;
+  return options;
+}
+
+TEST(TcpBackendPostTest, PostReturnsWhileThePeerIsHeldAndDoneFollowsItsAnswer) {
+  auto a = Agent(/*epoch=*/31);
+  auto b = Agent(/*epoch=*/32);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const Op read =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 100, 1000, remote, 7);
+
+  // Bounded, so that a Post that waits for the answer fails instead of
+  // hanging (and below the serving side's 2 s handshake timeout).
+  b->gate().Close(In(kHeld));
+  Posted posted;
+  const absl::Time start = absl::Now();
+  PostTo(Tcp(*a), {&read, 1}, In(absl::Seconds(20)), posted);
+  EXPECT_LT(absl::Now() - start, kHeld / 2) << "Post waited for the peer";
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  EXPECT_FALSE(posted.done.HasBeenNotified())
+      << "done before the peer answered";
+  ExpectBytes(local, local_image, "local while the peer is held");
+
+  b->gate().Open();
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_EQ(posted.statuses.size(), 1u);
+  EXPECT_TRUE(posted.statuses[0].ok()) << posted.statuses[0];
+  Apply(read, local_image, remote_image);
+  ExpectBytes(local, local_image, "local after the answer");
+  EXPECT_EQ(local.registration->bytes_moved(), 1000u);
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendPostTest, RunQueuedBehindBusyWorkersEndsAtItsDeadline) {
+  auto a = Agent(/*epoch=*/41, 0, Workers(2));
+  auto b = Agent(/*epoch=*/42);
+  auto local = a->Register(3 * 4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(3 * 4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  std::vector<Op> held;
+  for (int i = 0; i < 2; ++i) {
+    held.push_back(MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, i * 4096, 4096,
+                          remote, i * 4096));
+  }
+  const Op late =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 2 * 4096, 4096, remote, 0);
+
+  // Both workers carry a held run; the third run can only queue.
+  b->gate().Close(In(kHeld));
+  Posted first, second, queued;
+  PostTo(Tcp(*a), {&held[0], 1}, In(absl::Seconds(30)), first);
+  PostTo(Tcp(*a), {&held[1], 1}, In(absl::Seconds(30)), second);
+  ASSERT_TRUE(b->gate().AwaitArrivals(2, absl::Seconds(10)));
+  const absl::Duration timeout = absl::Milliseconds(300);
+  const absl::Time deadline = absl::Now() + timeout;
+  PostTo(Tcp(*a), {&late, 1}, deadline, queued);
+
+  ASSERT_TRUE(queued.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_GE(queued.at, deadline);
+  EXPECT_LT(queued.at - deadline, absl::Milliseconds(250))
+      << "the queued run ended late";
+  EXPECT_EQ(queued.statuses[0].code(), StatusCode::kDeadlineExceeded)
+      << queued.statuses[0];
+  EXPECT_FALSE(first.done.HasBeenNotified());
+  EXPECT_FALSE(second.done.HasBeenNotified());
+
+  b->gate().Open();
+  for (Posted* posted : {&first, &second}) {
+    ASSERT_TRUE(posted->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    EXPECT_TRUE(posted->statuses[0].ok()) << posted->statuses[0];
+  }
+  for (const Op& op : held) Apply(op, local_image, remote_image);
+  // The run that ended at its deadline never touched its range.
+  ExpectBytes(local, local_image, "local");
+  EXPECT_EQ(queued.calls.load(), 1);
+}
+
+TEST(TcpBackendPostTest, CancelledBeforePostEndsAtOnceWithTheReason) {
+  auto a = Agent(/*epoch=*/51);
+  auto b = Agent(/*epoch=*/52);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  const Op read =
+      MakeOp(3, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 512, remote, 0);
+  Cancellation cancellation;
+  cancellation.Cancel(absl::CancelledError("client went away"));
+  Posted posted;
+  PostTo(Tcp(*a), {&read, 1}, StopToken(In(absl::Seconds(20)), &cancellation),
+         posted);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(1)));
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kCancelled);
+  EXPECT_NE(posted.statuses[0].message().find("op 3"), std::string::npos)
+      << posted.statuses[0];
+  EXPECT_NE(posted.statuses[0].message().find("client went away"),
+            std::string::npos)
+      << posted.statuses[0];
+  ExpectBytes(local, local_image, "local");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendPostTest, CancellingAQueuedRunEndsItWhileTheWorkersStayBusy) {
+  auto a = Agent(/*epoch=*/61, 0, Workers(1));
+  auto b = Agent(/*epoch=*/62);
+  auto local = a->Register(2 * 4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(2 * 4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const Op held =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 4096, remote, 0);
+  const Op queued_op =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 4096, 4096, remote, 4096);
+
+  b->gate().Close(In(kHeld));
+  Posted first, queued;
+  PostTo(Tcp(*a), {&held, 1}, In(absl::Seconds(30)), first);
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  Cancellation cancellation;
+  PostTo(Tcp(*a), {&queued_op, 1},
+         StopToken(In(absl::Seconds(30)), &cancellation), queued);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(queued.done.HasBeenNotified());
+  const absl::Time cancelled_at = absl::Now();
+  cancellation.Cancel(absl::CancelledError("transfer cancelled"));
+  ASSERT_TRUE(queued.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_LT(queued.at - cancelled_at, absl::Milliseconds(200));
+  EXPECT_EQ(queued.statuses[0].code(), StatusCode::kCancelled)
+      << queued.statuses[0];
+  EXPECT_FALSE(first.done.HasBeenNotified()) << "the held run ended too";
+
+  b->gate().Open();
+  ASSERT_TRUE(first.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(first.statuses[0].ok()) << first.statuses[0];
+  Apply(held, local_image, remote_image);
+  ExpectBytes(local, local_image, "local");
+  EXPECT_EQ(queued.calls.load(), 1);
+}
+
+TEST(TcpBackendPostTest, AThousandSmallPostsFromOneThreadNeedNoMoreThreads) {
+  constexpr int kPosts = 1000;
+  constexpr uint64_t kLength = 40;
+  auto a = Agent(/*epoch=*/71);
+  auto b = Agent(/*epoch=*/72);
+  // Every other 64-byte slot: the bytes between ops must stay as they were.
+  auto local = a->Register(kPosts * 64, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(kPosts * 64, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  std::vector<Op> ops;
+  ops.reserve(kPosts);
+  for (int i = 0; i < kPosts; ++i) {
+    const v1::OpType type =
+        i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL : v1::OP_TYPE_WRITE_FROM_LOCAL;
+    ops.push_back(
+        MakeOp(i, type, local, i * 64 + 3, kLength, remote, i * 64 + 11));
+  }
+  const int threads_before = ThreadCount();
+  // Held, so that all of them are in flight at once.
+  b->gate().Close(In(kHeld));
+  std::vector<Posted> posted(kPosts);
+  for (int i = 0; i < kPosts; ++i) {
+    PostTo(Tcp(*a), {&ops[i], 1}, In(absl::Seconds(60)), posted[i]);
+  }
+  int done_early = 0;
+  for (const Posted& p : posted) done_early += p.done.HasBeenNotified() ? 1 : 0;
+  EXPECT_EQ(done_early, 0) << "posts ended before the peer answered";
+  EXPECT_EQ(ThreadCount(), threads_before);
+  // The clients' own (two agents here): each its workers and one
+  // timekeeper, however many runs are in flight.
+  EXPECT_EQ(ThreadsNamed("tcp-client"), 2 * DataClientOptions().threads);
+  EXPECT_EQ(ThreadsNamed("tcp-timekeeper"), 2);
+  b->gate().Open();
+  for (int i = 0; i < kPosts; ++i) {
+    ASSERT_TRUE(
+        posted[i].done.WaitForNotificationWithTimeout(absl::Seconds(30)))
+        << "post " << i;
+    EXPECT_TRUE(posted[i].statuses[0].ok())
+        << i << ": " << posted[i].statuses[0];
+    EXPECT_EQ(posted[i].calls.load(), 1);
+  }
+  EXPECT_EQ(ThreadCount(), threads_before);
+  for (const Op& op : ops) Apply(op, local_image, remote_image);
+  ExpectBytes(local, local_image, "local");
+  ExpectBytes(remote, remote_image, "remote");
+}
+
+TEST(TcpBackendPostTest, DestroyingTheBackendEndsThePostsInFlight) {
+  auto a = Agent(/*epoch=*/75);
+  auto b = Agent(/*epoch=*/76);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  const Op read =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 2048, remote, 0);
+  b->gate().Close(In(kHeld));
+  Posted posted;
+  PostTo(Tcp(*a), {&read, 1}, In(absl::Seconds(30)), posted);
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  const absl::Time start = absl::Now();
+  a->DestroyBackend();
+  // The destructor returned after done, long before the peer answers.
+  EXPECT_TRUE(posted.done.HasBeenNotified());
+  EXPECT_LT(absl::Now() - start, kHeld / 2);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kUnavailable)
+      << posted.statuses[0];
+  b->gate().Open();
+  ASSERT_TRUE(b->gate().AwaitNoneHeld(absl::Seconds(5)));
+  // The answer that came after found nothing to write into.
+  absl::SleepFor(absl::Milliseconds(100));
+  ExpectBytes(local, local_image, "local");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendPostTest, DoneRunsOnceWhenCancellationRacesCompletion) {
+  auto a = Agent(/*epoch=*/81);
+  auto b = Agent(/*epoch=*/82);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  const Op write =
+      MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 64, remote, 0);
+  constexpr int kRounds = 200;
+  std::vector<Posted> posted(kRounds);
+  std::vector<std::unique_ptr<Cancellation>> cancellations;
+  int cancelled = 0;
+  for (int i = 0; i < kRounds; ++i) {
+    cancellations.push_back(std::make_unique<Cancellation>());
+    Cancellation& cancellation = *cancellations.back();
+    // Cancelled from another thread at about the time the answer lands;
+    // a varying head start moves the race across the run's life.
+    std::thread canceller([&cancellation, i] {
+      absl::SleepFor(absl::Microseconds((i % 20) * 10));
+      cancellation.Cancel(absl::CancelledError("raced"));
+    });
+    PostTo(Tcp(*a), {&write, 1},
+           StopToken(In(absl::Seconds(20)), &cancellation), posted[i]);
+    canceller.join();
+    ASSERT_TRUE(posted[i].done.WaitForNotificationWithTimeout(absl::Seconds(5)))
+        << "round " << i;
+    const absl::Status& status = posted[i].statuses[0];
+    EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCancelled)
+        << status;
+    cancelled += status.ok() ? 0 : 1;
+  }
+  // A late second call would show here.
+  absl::SleepFor(absl::Milliseconds(100));
+  for (int i = 0; i < kRounds; ++i) {
+    EXPECT_EQ(posted[i].calls.load(), 1) << "round " << i;
+  }
+  std::printf("cancelled %d of %d\n", cancelled, kRounds);
 }
 
 }  // namespace

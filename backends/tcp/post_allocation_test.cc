@@ -1,0 +1,135 @@
+// Heap allocations of a tcp Post grow with the batch's peers, not its ops.
+// Both agents live in this process: allocations are counted on the
+// requesting side's threads only (the posting thread, the client's workers
+// and timekeeper, known by their names), not on the serving side's.
+
+#include <sys/prctl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "backends/tcp/tcp_backend.h"
+#include "backends/testing/harness.h"
+#include "gtest/gtest.h"
+
+namespace {
+std::atomic<uint64_t> allocations{0};
+std::atomic<bool> counting{false};
+thread_local bool posting_thread = false;
+
+bool OnRequestingSide() {
+  if (posting_thread) return true;
+  char name[16] = {};
+  prctl(PR_GET_NAME, name);
+  return std::strncmp(name, "tcp-client", 10) == 0 ||
+         std::strncmp(name, "tcp-timekeeper", 14) == 0;
+}
+}  // namespace
+
+void* operator new(size_t size) {
+  if (counting.load(std::memory_order_relaxed) && OnRequestingSide()) {
+    allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+
+namespace rdma_agent::tcp {
+namespace {
+
+using ::rdma_agent::testing::In;
+using ::rdma_agent::testing::MakeOp;
+using ::rdma_agent::testing::TestAgent;
+using ::rdma_agent::testing::TestBuffer;
+
+std::unique_ptr<TestAgent> Agent(uint64_t epoch) {
+  TcpOptions options;
+  options.listen = "127.0.0.1:0";
+  auto agent = TestAgent::Create(
+      absl::StrCat("agent-", epoch),
+      [options](const BackendEnvironment& env)
+          -> absl::StatusOr<std::unique_ptr<Backend>> {
+        auto backend = TcpBackend::Create(options, env);
+        if (!backend.ok()) return backend.status();
+        return std::unique_ptr<Backend>(std::move(*backend));
+      },
+      epoch);
+  EXPECT_TRUE(agent.ok()) << agent.status();
+  return agent.ok() ? std::move(*agent) : nullptr;
+}
+
+// Allocations on the requesting side of one Post of `ops`, from the call
+// to its done.
+uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops) {
+  absl::Notification ended;
+  bool all_ok = true;
+  const uint64_t before = allocations.load();
+  backend.Post(ops, In(absl::Seconds(20)),
+               [&](std::vector<absl::Status> statuses) {
+                 for (const absl::Status& status : statuses) {
+                   all_ok = all_ok && status.ok();
+                 }
+                 ended.Notify();
+               });
+  ended.WaitForNotification();
+  const uint64_t after = allocations.load();
+  EXPECT_TRUE(all_ok);
+  return after - before;
+}
+
+TEST(TcpPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
+  posting_thread = true;
+  counting = true;
+  auto a = Agent(/*epoch=*/91);
+  auto b = Agent(/*epoch=*/92);
+  constexpr int kMany = 4096;
+  constexpr int kFew = 64;
+  auto local = a->Register(kMany * 128, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(kMany * 128, v1::ACCESS_READ_WRITE, 2);
+  auto batch = [&](int count) {
+    std::vector<Op> ops;
+    for (int i = 0; i < count; ++i) {
+      ops.push_back(MakeOp(i,
+                           i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL
+                                      : v1::OP_TYPE_WRITE_FROM_LOCAL,
+                           local, i * 128, 64, remote, i * 128 + 8));
+    }
+    return ops;
+  };
+  const std::vector<Op> many = batch(kMany);
+  const std::vector<Op> few = batch(kFew);
+  // Warm: pooled connections, spare receive buffers, grown windows.
+  for (int i = 0; i < 3; ++i) {
+    AllocationsOfPost(a->backend(), many);
+    AllocationsOfPost(a->backend(), few);
+  }
+  // The least of a few tries: a worker's idle-connection expiry or a log
+  // line may fall into one.
+  uint64_t for_many = ~0ull;
+  uint64_t for_few = ~0ull;
+  for (int i = 0; i < 5; ++i) {
+    for_many = std::min(for_many, AllocationsOfPost(a->backend(), many));
+    for_few = std::min(for_few, AllocationsOfPost(a->backend(), few));
+  }
+  std::printf("allocations per Post: %d ops %llu, %d ops %llu\n", kFew,
+              static_cast<unsigned long long>(for_few), kMany,
+              static_cast<unsigned long long>(for_many));
+  // 64x the ops, the same peer: the same allocations per batch and per
+  // lane, but for the lanes' request windows, which double (from 16 up to
+  // 1024 requests, 7 times at most per lane) to the deepest window they
+  // reach. One allocation per 64 ops would add 63.
+  EXPECT_LT(for_many, for_few + 32);
+}
+
+}  // namespace
+}  // namespace rdma_agent::tcp
