@@ -105,6 +105,7 @@ BackendTarget TcpTarget() {
   BackendTarget target;
   target.name = "tcp";
   target.max_message_bytes = kTcpChunkBytes;
+  target.posts_natively = true;
   target.make_world = [] {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
