@@ -1,12 +1,13 @@
 // Transfer ids of another local user, while the transfer is still PENDING
-// (queued behind a busy transfer worker), and what transfers_users_test does
-// not cover: another user's id answers NOT_FOUND with exactly the message an
-// unknown id gets (GetTransfers and CancelTransfer), a GetTransfers naming
-// one's own id with another user's fails NOT_FOUND and reports nothing (the
-// own transfer stays readable), a CancelTransfer of another user's id does
-// not stop it (it still ends DONE with its bytes), and a watch of the other
-// user open while the transfer ends never sees it. Client processes drop to
-// uids 65533 (owner) and 65534 (other) before connecting: needs root.
+// (queued behind the memory backend's busy copy threads), and what
+// transfers_users_test does not cover: another user's id answers NOT_FOUND with
+// exactly the message an unknown id gets (GetTransfers and CancelTransfer), a
+// GetTransfers naming one's own id with another user's fails NOT_FOUND and
+// reports nothing (the own transfer stays readable), a CancelTransfer of
+// another user's id does not stop it (it still ends DONE with its bytes), and a
+// watch of the other user open while the transfer ends never sees it. Client
+// processes drop to uids 65533 (owner) and 65534 (other) before connecting:
+// needs root.
 
 #include <unistd.h>
 
@@ -54,41 +55,45 @@ std::string WithoutId(const std::string& answer, const std::string& id) {
 
 TEST(TransfersUsersPendingTest, AnotherUsersPendingTransferIsInvisible) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run other users";
-  AgentOptions options;
-  options.transfers.workers = 1;  // transfers queue behind the blocker
-  auto agent = InProcessAgent::Start(std::move(options));
+  auto agent = InProcessAgent::Start(AgentOptions());
   ASSERT_TRUE(agent.ok()) << agent.status();
   WorkerProcess owner = StartWorker(**agent, kOwner);
   WorkerProcess other = StartWorker(**agent, kOther);
 
-  // Root keeps the one transfer worker busy.
+  // Root keeps both of the memory backend's copy threads busy: batches over
+  // its inline bound queue behind them, PENDING.
   auto blocker_buffer = (*agent)->Allocate(2 * kBlockerHalf);
   ASSERT_TRUE(blocker_buffer.ok()) << blocker_buffer.status();
-  auto blocker = SubmitAsync(
-      (*agent)->stub(),
-      MakeBatch(std::vector<v1::Op>(
-                    kBlockerOps,
-                    MakeWireOp(v1::OP_TYPE_READ_INTO_LOCAL,
-                               blocker_buffer->buffer_id(), 0, kBlockerHalf,
-                               blocker_buffer->remote_context(), kBlockerHalf)),
-                absl::Minutes(10)));
-  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  std::vector<uint64_t> blockers;
+  for (int i = 0; i < 2; ++i) {
+    auto blocker = SubmitAsync(
+        (*agent)->stub(),
+        MakeBatch(
+            std::vector<v1::Op>(
+                kBlockerOps,
+                MakeWireOp(v1::OP_TYPE_READ_INTO_LOCAL,
+                           blocker_buffer->buffer_id(), 0, kBlockerHalf,
+                           blocker_buffer->remote_context(), kBlockerHalf)),
+            absl::Minutes(10)));
+    ASSERT_TRUE(blocker.ok()) << blocker.status();
+    blockers.push_back(*blocker);
+  }
 
-  // Each user queues a transfer of its own behind it: owner copies 4 KiB of
-  // pattern 7 into its buffer at 4096.
-  auto words = owner.CallWords(absl::StrCat("allocate 8192 ", kReadWrite));
+  // Each user queues a transfer of its own behind them: owner copies 128 KiB
+  // of pattern 7 into its buffer at 128 KiB.
+  auto words = owner.CallWords(absl::StrCat("allocate 262144 ", kReadWrite));
   ASSERT_TRUE(words.ok()) << words.status();
   auto buffer = ParseRegistered(*words);
   ASSERT_TRUE(buffer.ok()) << buffer.status();
   ASSERT_EQ(owner.Answer(absl::StrCat("fill ", buffer->id, " 7")), "ok");
   const std::string id = TransferId(owner.Answer(absl::StrCat(
-      "submit_async read ", buffer->id, " 4096 4096 0 ", buffer->context)));
-  auto mine = other.CallWords(absl::StrCat("allocate 8192 ", kReadWrite));
+      "submit_async read ", buffer->id, " 131072 131072 0 ", buffer->context)));
+  auto mine = other.CallWords(absl::StrCat("allocate 262144 ", kReadWrite));
   ASSERT_TRUE(mine.ok()) << mine.status();
   auto own = ParseRegistered(*mine);
   ASSERT_TRUE(own.ok()) << own.status();
   const std::string own_id = TransferId(other.Answer(absl::StrCat(
-      "submit_async read ", own->id, " 0 100 200 ", own->context)));
+      "submit_async read ", own->id, " 0 100000 200 ", own->context)));
   ASSERT_EQ(owner.Answer(absl::StrCat("transfer_get ", id)),
             "status OK TRANSFER_STATE_PENDING");
 
@@ -116,7 +121,9 @@ TEST(TransfersUsersPendingTest, AnotherUsersPendingTransferIsInvisible) {
   // The other user watches while both transfers run and end.
   ASSERT_TRUE(other.process().WriteLine("transfer_watch 3000").ok());
   absl::SleepFor(absl::Milliseconds(500));  // most likely open by now
-  ASSERT_TRUE(CancelTransfer((*agent)->stub(), *blocker).ok());
+  for (uint64_t blocker : blockers) {
+    ASSERT_TRUE(CancelTransfer((*agent)->stub(), blocker).ok());
+  }
   auto events = other.process().ReadLine(absl::Seconds(60));
   ASSERT_TRUE(events.ok()) << events.status();
   EXPECT_EQ(*events, absl::StrCat("events ", own_id));
@@ -130,9 +137,10 @@ TEST(TransfersUsersPendingTest, AnotherUsersPendingTransferIsInvisible) {
       },
       absl::Seconds(30)));
   EXPECT_EQ(answer, "status OK TRANSFER_STATE_DONE");
-  // Bytes [4096, 8192) hold pattern 7 from position 0, the rest its own.
+  // Bytes [128 KiB, 256 KiB) hold pattern 7 from position 0, the rest its
+  // own.
   EXPECT_EQ(
-      owner.Answer(absl::StrCat("verify ", buffer->id, " 7 0 4096 4096 7")),
+      owner.Answer(absl::StrCat("verify ", buffer->id, " 7 0 131072 131072 7")),
       "ok");
 }
 
