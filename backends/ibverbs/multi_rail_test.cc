@@ -514,8 +514,7 @@ TEST_F(FailoverTest, APostedBatchFailsOverWhenARailIsUnpluggedMidTransfer) {
                  done.Notify();
                });
   ASSERT_FALSE(done.HasBeenNotified()) << "Post waited for the transfer";
-  while (fabric_.bytes_moved("a1") < (512u << 10) &&
-         !done.HasBeenNotified()) {
+  while (fabric_.bytes_moved("a1") < (512u << 10) && !done.HasBeenNotified()) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   ASSERT_FALSE(done.HasBeenNotified())

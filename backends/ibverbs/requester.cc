@@ -396,9 +396,8 @@ void Requester::Post(absl::Span<const Op> ops, const StopToken& stop,
   f.batch->SetListener(flight);
   Hold(f);  // this thread's posting
   if (stop.deadline() < absl::InfiniteFuture()) {
-    f.deadline = timer_->At(stop.deadline(), [this, flight] {
-      Stopped(*flight);
-    });
+    f.deadline =
+        timer_->At(stop.deadline(), [this, flight] { Stopped(*flight); });
   }
   // The cancelling thread only hands the cut to the timer thread.
   f.on_cancel = stop.OnCancel([this, flight] {
@@ -1348,8 +1347,7 @@ void Requester::CutShort(const std::vector<PeerPlan>& plans, PostedBatch& batch,
   for (size_t i : late) batch.Override(i, cut);
 }
 
-std::shared_ptr<QueuePairConnection> Requester::ConnectedNow(
-    const Lane& lane) {
+std::shared_ptr<QueuePairConnection> Requester::ConnectedNow(const Lane& lane) {
   absl::MutexLock lock(&mu_);
   if (lane.connection == nullptr || lane.connection->broken()) return nullptr;
   return lane.connection;

@@ -29,8 +29,8 @@ namespace rdma_agent::ibverbs {
 class DeadlineTimer;
 class WorkQueue;
 
-// The requesting half of the ibverbs backend: posted batches over lanes (a rail of
-// this agent paired with a rail of the peer, striping.h), their handshakes
+// The requesting half of the ibverbs backend: posted batches over lanes (a rail
+// of this agent paired with a rail of the peer, striping.h), their handshakes
 // and grants through the peers' Peer services, striped posting, failover to
 // the other lanes when one fails, probes of lanes whose cooldown ran out,
 // and the drain at the deadline (IbverbsBackend's comment says how).
@@ -224,8 +224,8 @@ class Requester {
                                        const StopToken& stop);
   // The grant for op's remote buffer over `lane`'s `connection` when it is
   // cached and its session needs no refresh; nullopt otherwise.
-  std::optional<RemoteGrant> CachedGrant(
-      const Op& op, const Lane& lane, const QueuePairConnection& connection);
+  std::optional<RemoteGrant> CachedGrant(const Op& op, const Lane& lane,
+                                         const QueuePairConnection& connection);
   // The grant for op's remote buffer over `lane`'s `connection`: cached,
   // or asked for with GrantBuffer (cut short by `stop`).
   absl::StatusOr<RemoteGrant> GrantFor(const Op& op, Lane& lane,
