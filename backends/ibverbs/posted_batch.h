@@ -40,7 +40,7 @@ class PostedBatch : public CompletionSink {
   struct Retry {
     Range range;
     // The lane they failed on: for comparison only, never dereferenced (it
-    // may be gone when the Retry is read after its Submit).
+    // may be gone when the Retry is read after its batch ended).
     const Lane* lane = nullptr;
     absl::Status why;
     // The lane's path failed (the transport retried out), as opposed to

@@ -111,7 +111,7 @@ class Requester {
 
   // "agent_id/epoch": whom an op goes to.
   static std::string PeerKey(const v1::RemoteBuffer& remote);
-  // Holds `peer`'s state for a Submit, making room (an unused peer's
+  // Holds `peer`'s state for a batch, making room (an unused peer's
   // lanes, never-connected ones first) past max_requester_peers;
   // RESOURCE_EXHAUSTED when every peer held is in use. ReleasePeer ends
   // the hold.
@@ -174,7 +174,7 @@ class Requester {
               const std::vector<size_t>& plan_of_op,
               std::vector<PostedBatch::Retry> retries,
               const std::shared_ptr<PostedBatch>& batch, const StopToken& stop);
-  // The least loaded lane of `plan` still standing in this Submit for op
+  // The least loaded lane of `plan` still standing in this batch for op
   // `op`, connected (a lane that fails to connect is left out and the next
   // one tried): one near the op's buffers first, then any of the plan;
   // when none is left, a pair the plan left out (AddLane). nullptr when
@@ -246,7 +246,7 @@ class Requester {
 
   mutable absl::Mutex mu_;
   // One per lane key: serialises handshakes of the same lane, so concurrent
-  // Submits connect it once, while a slow peer does not hold up handshakes
+  // batches connect it once, while a slow peer does not hold up handshakes
   // with others.
   std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
       ABSL_GUARDED_BY(mu_);
@@ -256,7 +256,7 @@ class Requester {
   // Rotates ties among equally loaded lanes, per peer ("agent/epoch").
   std::map<std::string, size_t> round_robin_ ABSL_GUARDED_BY(mu_);
   // Peers with state (lanes, connect locks, round robin) by "agent/epoch":
-  // Submits using each now, and when one last did. At most
+  // batches using each now, and when one last did. At most
   // options.max_requester_peers; idle ones expire (ExpireIdle).
   struct PeerUse {
     int in_use = 0;
