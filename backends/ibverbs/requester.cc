@@ -160,8 +160,9 @@ struct Requester::InFlight : PostedBatch::Listener {
   const StopToken stop;
   OpsDone done;
   const std::shared_ptr<PostedBatch> batch;
-  // Written before posting starts; then read, and lanes added by reposts,
-  // only under a hold (one step at a time).
+  // Written before posting starts. Then each posting step works on its own
+  // lane's LaneUse; a repost (which may add lanes), the cut and End run
+  // with no other step under way.
   std::vector<PeerPlan> plans;
   std::vector<size_t> plan_of_op;
   // Peers held for the batch (AdmitPeer).
@@ -483,7 +484,8 @@ void Requester::Kick(InFlight& flight, bool may_block) {
     if (flight.batch->AllDone()) {
       flight.ended = true;
       next = Next::kEnd;
-    } else if (flight.stopped || flight.stop.cancelled()) {
+    } else if (flight.stopped || flight.stop.stopped()) {
+      // (Past the deadline before the timer said so: cut, not reposted.)
       ++flight.holds;
       next = Next::kCut;
       keep = flight.self;
