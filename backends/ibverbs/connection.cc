@@ -1,5 +1,7 @@
 #include "backends/ibverbs/connection.h"
 
+#include <pthread.h>
+
 #include <array>
 #include <cstring>
 #include <random>
@@ -14,7 +16,12 @@ namespace {
 // How often a wait that nothing else wakes checks for cancellation.
 constexpr absl::Duration kCancellationCheckInterval = absl::Milliseconds(50);
 
+// Set on a CompletionPoller's thread.
+thread_local bool on_poller_thread = false;
+
 }  // namespace
+
+bool OnCompletionPollerThread() { return on_poller_thread; }
 
 // --- OpTracker ----------------------------------------------------------
 
@@ -146,6 +153,9 @@ CompletionPoller::CompletionPoller(std::unique_ptr<verbs::CompletionQueue> cq,
                                    uint32_t entries, absl::Duration busy_poll)
     : cq_(std::move(cq)), entries_(entries), busy_poll_(busy_poll) {
   thread_ = std::thread([this] { Run(); });
+  // Named for ps and debuggers; the backend's tests also check that posted
+  // batches end here.
+  pthread_setname_np(thread_.native_handle(), "ibv-cq-poller");
 }
 
 CompletionPoller::~CompletionPoller() {
@@ -190,6 +200,7 @@ void CompletionPoller::Dispatch(absl::Span<const ibv_wc> wcs) {
 }
 
 void CompletionPoller::Run() {
+  on_poller_thread = true;
   std::array<ibv_wc, 32> wcs;
   absl::Time last_completion = absl::Now();
   while (true) {
@@ -410,6 +421,27 @@ absl::Status QueuePairConnection::Post(ibv_send_wr& wr,
   if (credits_ == 0) {
     return stop.StopStatus("waiting for a send-queue slot");
   }
+  return PostLocked(wr, std::move(sink), cookie, std::move(pin));
+}
+
+absl::Status QueuePairConnection::TryPost(ibv_send_wr& wr,
+                                          std::shared_ptr<CompletionSink> sink,
+                                          uint64_t cookie,
+                                          std::shared_ptr<Registration> pin) {
+  absl::MutexLock lock(&mu_);
+  if (broken_.load() || stop_) {
+    return absl::UnavailableError(
+        "the RDMA queue pair failed; the next submit reconnects");
+  }
+  if (credits_ == 0) {
+    return absl::ResourceExhaustedError("the send queue is full");
+  }
+  return PostLocked(wr, std::move(sink), cookie, std::move(pin));
+}
+
+absl::Status QueuePairConnection::PostLocked(
+    ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink, uint64_t cookie,
+    std::shared_ptr<Registration> pin) {
   const uint64_t id = next_wr_id_++;
   wr.wr_id = id;
   wr.next = nullptr;

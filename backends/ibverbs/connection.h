@@ -90,6 +90,10 @@ absl::Status CompletionStatus(const ibv_wc& wc);
 
 class QueuePairConnection;
 
+// True on a CompletionPoller's thread: whoever may run there (a sink's
+// follow-up) then knows not to drop the last reference to a connection.
+bool OnCompletionPollerThread();
+
 // One completion queue that queue pairs of one device share, and the thread
 // that polls it: it busy-polls for `busy_poll` after a completion, then arms
 // the CQ and blocks on its completion channel, and hands each completion to
@@ -211,6 +215,10 @@ class QueuePairConnection {
   absl::Status Post(ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink,
                     uint64_t cookie, std::shared_ptr<Registration> pin,
                     const StopToken& stop);
+  // Post without waiting: RESOURCE_EXHAUSTED (and the sink never hears of
+  // the WR) when no send-queue credit is free now.
+  absl::Status TryPost(ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink,
+                       uint64_t cookie, std::shared_ptr<Registration> pin);
   // The same for a WR of op `op` of `tracker`, which hears of it either way
   // (WrPosted, then WrCompleted with the error when it was not posted).
   absl::Status Post(ibv_send_wr& wr, const std::shared_ptr<OpTracker>& tracker,
@@ -238,6 +246,10 @@ class QueuePairConnection {
                       absl::Duration drain_timeout,
                       std::shared_ptr<CompletionPoller> poller,
                       std::unique_ptr<verbs::QueuePair> qp);
+  // Takes a credit and posts (credits_ > 0, the QP not broken).
+  absl::Status PostLocked(ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink,
+                          uint64_t cookie, std::shared_ptr<Registration> pin)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hands a completion to its sink and frees its credit (on the poller's
   // thread).
   void Reap(const ibv_wc& wc);

@@ -1065,9 +1065,9 @@ absl::Status IbverbsBackend::AcceptNotification(
                                      request.data());
 }
 
-std::vector<absl::Status> IbverbsBackend::Submit(absl::Span<const Op> ops,
-                                                 const StopToken& stop) {
-  return requester_->Submit(ops, stop);
+void IbverbsBackend::Post(absl::Span<const Op> ops, const StopToken& stop,
+                          OpsDone done) {
+  requester_->Post(ops, stop, std::move(done));
 }
 
 uint64_t IbverbsBackend::connections_established() const {

@@ -52,7 +52,7 @@ class Requester;
 // it) and off the session (gone when it is replaced). This agent's own
 // requester QPs refuse inbound RDMA.
 //
-// Submit() (its Requester, requester.h) pairs this agent's rails with the
+// Post() (its Requester, requester.h) pairs this agent's rails with the
 // peer's (striping.h), connects an RC QP per pair (lane) on first use
 // through the Peer service, asks for a grant on first use of each remote
 // buffer over it (cached per lane, with the token that earned it), splits
@@ -66,7 +66,12 @@ class Requester;
 // when no lane is left does the op fail UNAVAILABLE (the registry then
 // retries it on tcp). At the deadline, or when cancelled, every QP still
 // holding WRs of the batch is moved to ERR and drained, so no WR touches
-// memory after Submit returns; the next Submit reconnects.
+// memory once done is called; the next batch reconnects. No thread waits on
+// a posted batch: WRs of lanes already connected go out on the caller's
+// thread, handshakes, grants and full send queues on posting threads, and
+// the batch ends on the thread that settles its last byte (usually a
+// completion poller) or, at its deadline or cancellation, on the timer
+// thread. Submit is Backend's: Post, then wait.
 class IbverbsBackend : public Backend {
  public:
   // Never fails for a missing device or port: the backend is then
@@ -98,8 +103,8 @@ class IbverbsBackend : public Backend {
   absl::StatusOr<std::unique_ptr<BackendRegistration>> Register(
       const Registration& registration, v1::BackendEndpoint* endpoint) override;
   bool CanReach(const v1::RemoteBuffer& remote) const override;
-  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   const StopToken& stop) override;
+  void Post(absl::Span<const Op> ops, const StopToken& stop,
+            OpsDone done) override;
   // Peer.Notify to the target agent's Peer listener (the address its
   // context advertises), once the ops' completions are in: RC completions
   // mean the bytes are in the target's memory.

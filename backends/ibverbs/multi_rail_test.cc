@@ -496,6 +496,40 @@ TEST_F(FailoverTest, RequesterRailUnpluggedMidTransferFailsOverToTheOthers) {
   EXPECT_EQ(Counter(backend, "rail.a2:1.errors"), errors);
 }
 
+TEST_F(FailoverTest, APostedBatchFailsOverWhenARailIsUnpluggedMidTransfer) {
+  auto a = Agent("agent-a", a_devices_, Options(absl::Minutes(10)));
+  auto b = Agent("agent-b", b_devices_, Options(absl::Minutes(10)));
+  TestBuffer near = a->Register(kLength + 64, v1::ACCESS_READ_WRITE, 81);
+  TestBuffer far = b->Register(kLength + 64, v1::ACCESS_READ_WRITE, 82);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  // Posted from this thread, which then pulls the cable: nobody waits on
+  // the batch, and the failed rail's bytes are posted again from the
+  // poller's word alone.
+  const std::vector<Op> ops = {MakeOp(0, kWrite, near, 3, kLength, far, 7)};
+  absl::Status result = absl::UnknownError("done not called");
+  absl::Notification done;
+  backend.Post(ops, In(absl::Seconds(60)),
+               [&](std::vector<absl::Status> statuses) {
+                 result = statuses.at(0);
+                 done.Notify();
+               });
+  ASSERT_FALSE(done.HasBeenNotified()) << "Post waited for the transfer";
+  while (fabric_.bytes_moved("a1") < (512u << 10) && !done.HasBeenNotified()) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_FALSE(done.HasBeenNotified())
+      << "the transfer ended before the cable was pulled";
+  ASSERT_TRUE(fabric_.Unplug("a1").ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(result.ok()) << result;
+  EXPECT_EQ(FirstWrongByte(far, near.seed, 3, 7, kLength), std::nullopt);
+  EXPECT_EQ(FirstChangedByte(near), std::nullopt);
+  const std::vector<uint64_t> bytes = RailBytes(backend);
+  EXPECT_LT(bytes[1], kLength / 4);
+  EXPECT_EQ(bytes[0] + bytes[1] + bytes[2] + bytes[3], kLength);
+  EXPECT_GT(Counter(backend, "rail.a1:1.reposted_bytes"), 0u);
+}
+
 TEST_F(FailoverTest, ResponderRailUnpluggedMidTransferFailsOverToTheOthers) {
   auto a = Agent("agent-a", a_devices_, Options(absl::Minutes(10)));
   auto b = Agent("agent-b", b_devices_, Options(absl::Minutes(10)));

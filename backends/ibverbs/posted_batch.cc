@@ -14,6 +14,16 @@ PostedBatch::PostedBatch(absl::Span<const Op> ops) : ops_(ops.size()) {
   }
 }
 
+void PostedBatch::SetListener(std::weak_ptr<Listener> listener) {
+  listener_ = std::move(listener);
+}
+
+void PostedBatch::Wake() {
+  if (std::shared_ptr<Listener> listener = listener_.lock()) {
+    listener->OnBatchWoken();
+  }
+}
+
 uint64_t PostedBatch::WrPosting(const Range& range, const Lane& lane) {
   lane.load->bytes += range.length;
   absl::MutexLock lock(&mu_);
@@ -31,49 +41,62 @@ void PostedBatch::WrNotPosted(uint64_t cookie) {
 }
 
 void PostedBatch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
-  absl::MutexLock lock(&mu_);
-  auto it = wrs_.find(cookie);
-  if (it == wrs_.end()) return;
-  Wr wr = std::move(it->second);
-  wrs_.erase(it);
-  wr.load->bytes -= wr.range.length;
-  RailCounters& counters = wr.rail->counters;
-  if (wc.status == IBV_WC_SUCCESS) {
-    counters.bytes += wr.range.length;
-    ++counters.work_requests;
-    if (std::atomic<uint64_t>* landed = ops_[wr.range.op].landed) {
-      landed->fetch_add(wr.range.length, std::memory_order_relaxed);
+  bool woken = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = wrs_.find(cookie);
+    if (it == wrs_.end()) return;
+    Wr wr = std::move(it->second);
+    wrs_.erase(it);
+    wr.load->bytes -= wr.range.length;
+    RailCounters& counters = wr.rail->counters;
+    if (wc.status == IBV_WC_SUCCESS) {
+      counters.bytes += wr.range.length;
+      ++counters.work_requests;
+      if (std::atomic<uint64_t>* landed = ops_[wr.range.op].landed) {
+        landed->fetch_add(wr.range.length, std::memory_order_relaxed);
+      }
+      woken = SettleLocked(wr.range.op, wr.range.length, absl::OkStatus());
+    } else {
+      ++counters.errors;
+      // Which rail pair failed is part of what went wrong.
+      absl::Status status = Prefixed(CompletionStatus(wc),
+                                     absl::StrCat("on rail ", wr.lane_name));
+      if (status.code() == absl::StatusCode::kUnavailable &&
+          ops_[wr.range.op].status.ok()) {
+        const bool path = wc.status == IBV_WC_RETRY_EXC_ERR ||
+                          wc.status == IBV_WC_RNR_RETRY_EXC_ERR;
+        retries_.push_back(Retry{wr.range, wr.lane, std::move(status), path});
+        woken = true;
+      } else {
+        woken = SettleLocked(wr.range.op, wr.range.length, status);
+      }
     }
-    SettleLocked(wr.range.op, wr.range.length, absl::OkStatus());
-    return;
   }
-  ++counters.errors;
-  // Which rail pair failed is part of what went wrong.
-  absl::Status status =
-      Prefixed(CompletionStatus(wc), absl::StrCat("on rail ", wr.lane_name));
-  if (status.code() == absl::StatusCode::kUnavailable &&
-      ops_[wr.range.op].status.ok()) {
-    const bool path = wc.status == IBV_WC_RETRY_EXC_ERR ||
-                      wc.status == IBV_WC_RNR_RETRY_EXC_ERR;
-    retries_.push_back(Retry{wr.range, wr.lane, std::move(status), path});
-    return;
-  }
-  SettleLocked(wr.range.op, wr.range.length, status);
+  if (woken) Wake();
 }
 
 void PostedBatch::Settle(const Range& range, const absl::Status& status) {
-  absl::MutexLock lock(&mu_);
-  SettleLocked(range.op, range.length, status);
+  bool woken;
+  {
+    absl::MutexLock lock(&mu_);
+    woken = SettleLocked(range.op, range.length, status);
+  }
+  if (woken) Wake();
 }
 
 void PostedBatch::Requeue(const Range& range, const Lane* lane,
                           absl::Status why) {
-  absl::MutexLock lock(&mu_);
-  if (!ops_[range.op].status.ok()) {
-    SettleLocked(range.op, range.length, why);
-    return;
+  bool woken = true;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!ops_[range.op].status.ok()) {
+      woken = SettleLocked(range.op, range.length, why);
+    } else {
+      retries_.push_back(Retry{range, lane, std::move(why), false});
+    }
   }
-  retries_.push_back(Retry{range, lane, std::move(why), false});
+  if (woken) Wake();
 }
 
 std::vector<PostedBatch::Retry> PostedBatch::TakeRetries() {
@@ -88,28 +111,25 @@ bool PostedBatch::HasError(size_t op) {
   return !ops_[op].status.ok();
 }
 
-void PostedBatch::SettleLocked(size_t op, uint64_t length,
+bool PostedBatch::SettleLocked(size_t op, uint64_t length,
                                const absl::Status& status) {
   OpState& state = ops_[op];
   if (state.status.ok() && !status.ok()) state.status = status;
-  if (length == 0 || state.unsettled == 0) return;
+  if (length == 0 || state.unsettled == 0) return false;
   state.unsettled -= std::min(length, state.unsettled);
-  if (state.unsettled == 0) --not_done_;
-}
-
-bool PostedBatch::Woken() const {
-  return not_done_ == 0 || !retries_.empty() || interrupted_;
-}
-
-bool PostedBatch::Wait(absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
-  mu_.AwaitWithDeadline(absl::Condition(this, &PostedBatch::Woken), deadline);
+  if (state.unsettled > 0) return false;
+  --not_done_;
   return not_done_ == 0;
 }
 
-void PostedBatch::Interrupt() {
+bool PostedBatch::AllDone() {
   absl::MutexLock lock(&mu_);
-  interrupted_ = true;
+  return not_done_ == 0;
+}
+
+bool PostedBatch::HasRetries() {
+  absl::MutexLock lock(&mu_);
+  return !retries_.empty();
 }
 
 bool PostedBatch::AwaitNoWrs(absl::Time deadline) {

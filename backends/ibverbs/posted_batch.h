@@ -20,13 +20,14 @@
 
 namespace rdma_agent::ibverbs {
 
-// The bytes of one Submit's ops as they go over lanes and complete. An op
-// is done once each of its bytes has moved or been given up on (Settle);
-// its status is its first error. A WR that fails in a way another rail can
-// fix (its completion means UNAVAILABLE: retry exceeded, flushed) while its
-// op has no error is not given up on: its bytes wait as a Retry for the
-// Submit to post elsewhere. Thread-safe: completions arrive on pollers'
-// threads.
+// The bytes of one posted batch's ops as they go over lanes and complete.
+// An op is done once each of its bytes has moved or been given up on
+// (Settle); its status is its first error. A WR that fails in a way another
+// rail can fix (its completion means UNAVAILABLE: retry exceeded, flushed)
+// while its op has no error is not given up on: its bytes wait as a Retry
+// for the batch's owner to post elsewhere. The owner hears, through its
+// Listener, when every op is done or a Retry is queued; nobody waits.
+// Thread-safe: completions arrive on pollers' threads.
 class PostedBatch : public CompletionSink {
  public:
   // A byte range of an op.
@@ -39,7 +40,7 @@ class PostedBatch : public CompletionSink {
   struct Retry {
     Range range;
     // The lane they failed on: for comparison only, never dereferenced (it
-    // may be gone when the Retry is read after its Submit).
+    // may be gone when the Retry is read after its batch ended).
     const Lane* lane = nullptr;
     absl::Status why;
     // The lane's path failed (the transport retried out), as opposed to
@@ -47,7 +48,21 @@ class PostedBatch : public CompletionSink {
     bool path_failed = false;
   };
 
+  // Told when the batch may need its owner: every op is done, or a Retry
+  // was queued. Called on whichever thread settled the bytes (a completion
+  // poller, or the posting path), with no lock of the batch held; must not
+  // block.
+  class Listener {
+   public:
+    virtual ~Listener() = default;
+    virtual void OnBatchWoken() = 0;
+  };
+
   explicit PostedBatch(absl::Span<const Op> ops);
+
+  // Whom to tell; set once, before the first WR is posted. Held weakly: a
+  // listener gone is told nothing.
+  void SetListener(std::weak_ptr<Listener> listener);
 
   // Records a WR of `range` about to be posted on `lane` (its load and its
   // rail's counters follow it); returns the WR's cookie.
@@ -69,12 +84,10 @@ class PostedBatch : public CompletionSink {
   // True when the op has an error: its remaining bytes need not move.
   bool HasError(size_t op);
 
-  // Waits until every op is done, a Retry is queued, `deadline` passes or
-  // Interrupt() is called; true when every op is done.
-  bool Wait(absl::Time deadline);
-  // Ends every Wait now (and every later one at once): the Submit was
-  // cancelled. Callable from any thread; does not block.
-  void Interrupt();
+  // Every op is done.
+  bool AllDone();
+  // A Retry is queued.
+  bool HasRetries();
 
   // Waits until no WR is outstanding (every posted WR's completion has
   // been taken), at most until `deadline`; true when none is.
@@ -102,10 +115,12 @@ class PostedBatch : public CompletionSink {
     Rail* rail = nullptr;
   };
 
-  // Settles `length` bytes of `op` with `status`.
-  void SettleLocked(size_t op, uint64_t length, const absl::Status& status)
+  // Settles `length` bytes of `op` with `status`; true when that made
+  // every op done.
+  bool SettleLocked(size_t op, uint64_t length, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool Woken() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the listener (called without mu_ held).
+  void Wake();
 
   absl::Mutex mu_;
   std::vector<OpState> ops_ ABSL_GUARDED_BY(mu_);
@@ -113,7 +128,8 @@ class PostedBatch : public CompletionSink {
   uint64_t next_cookie_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, Wr> wrs_ ABSL_GUARDED_BY(mu_);
   std::vector<Retry> retries_ ABSL_GUARDED_BY(mu_);
-  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
+  // Set before any WR, read unlocked afterwards.
+  std::weak_ptr<Listener> listener_;
 };
 
 }  // namespace rdma_agent::ibverbs

@@ -16,13 +16,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "backends/ibverbs/deadline_timer.h"
 #include "backends/ibverbs/registration_state.h"
 #include "backends/ibverbs/striping.h"
+#include "backends/ibverbs/work_queue.h"
 #include "backends/peer_tls.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/status_util.h"
-#include "common/task_pool.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent::ibverbs {
@@ -102,6 +103,10 @@ struct Requester::LaneUse {
   // Its handshake failed: the peer's Peer service did not answer, which
   // other lanes would find too (their handshakes go to the same address).
   bool connect_failed = false;
+  // Where posting `work` stopped to go on elsewhere (RunLane): the range,
+  // and the bytes of it already dealt with.
+  size_t next_range = 0;
+  uint64_t next_offset = 0;
 };
 
 // Ops of one peer plan whose buffers are near the same rails on both sides,
@@ -135,6 +140,47 @@ struct Requester::PeerPlan {
   std::map<size_t, size_t> class_of_op;
 };
 
+// One posted batch from Post until its done is called: what its posting
+// threads, reposts and cut share. It keeps itself alive (`self`) until it
+// ends; the batch tells it of progress (PostedBatch::Listener).
+struct Requester::InFlight : PostedBatch::Listener {
+  InFlight(Requester& requester, absl::Span<const Op> ops,
+           const StopToken& stop, OpsDone done)
+      : requester(requester),
+        ops(ops),
+        stop(stop),
+        done(std::move(done)),
+        batch(std::make_shared<PostedBatch>(ops)) {}
+
+  // On a poller, or the posting path: nothing there may block.
+  void OnBatchWoken() override { requester.Kick(*this, /*may_block=*/false); }
+
+  Requester& requester;
+  const absl::Span<const Op> ops;
+  const StopToken stop;
+  OpsDone done;
+  const std::shared_ptr<PostedBatch> batch;
+  // Written before posting starts. Then each posting step works on its own
+  // lane's LaneUse; a repost (which may add lanes), the cut and End run
+  // with no other step under way.
+  std::vector<PeerPlan> plans;
+  std::vector<size_t> plan_of_op;
+  // Peers held for the batch (AdmitPeer).
+  std::vector<std::string> admitted;
+  std::unique_ptr<Cancellation::Callback> on_cancel;
+  std::optional<DeadlineTimer::Handle> deadline;
+  std::shared_ptr<InFlight> self;
+
+  absl::Mutex mu;
+  // Steps under way: the posting path, a posting thread's lane or probe, a
+  // repost, a cut.
+  int holds ABSL_GUARDED_BY(mu) = 0;
+  // The deadline passed or the stop was cancelled.
+  bool stopped ABSL_GUARDED_BY(mu) = false;
+  // End has begun (once).
+  bool ended ABSL_GUARDED_BY(mu) = false;
+};
+
 Requester::Requester(const BackendEnvironment& env,
                      const IbverbsOptions& options,
                      const std::vector<std::unique_ptr<Rail>>& rails,
@@ -143,9 +189,12 @@ Requester::Requester(const BackendEnvironment& env,
       options_(options),
       rails_(rails),
       backend_(std::move(backend)),
-      posting_pool_(std::make_unique<TaskPool>(kPostingThreads)) {}
+      posting_(std::make_unique<WorkQueue>(kPostingThreads, "ibv-posting")),
+      timer_(std::make_unique<DeadlineTimer>("ibv-deadline")) {}
 
 Requester::~Requester() {
+  timer_.reset();
+  posting_.reset();
   // Lanes' connections drain and stop their pollers before the rest goes.
   std::map<std::string, std::shared_ptr<Lane>> lanes;
   {
@@ -340,83 +389,182 @@ absl::Status Requester::CheckOp(const Op& op) const {
   return absl::OkStatus();
 }
 
-std::vector<absl::Status> Requester::Submit(absl::Span<const Op> ops,
-                                            const StopToken& stop) {
-  auto batch = std::make_shared<PostedBatch>(ops);
-  // A cancellation ends the waits below; the QPs are then moved to ERR and
-  // drained exactly as at the deadline.
-  const auto on_cancel = stop.OnCancel([batch] { batch->Interrupt(); });
+void Requester::Post(absl::Span<const Op> ops, const StopToken& stop,
+                     OpsDone done) {
+  auto flight = std::make_shared<InFlight>(*this, ops, stop, std::move(done));
+  InFlight& f = *flight;
+  f.self = flight;
+  f.batch->SetListener(flight);
+  Hold(f);  // this thread's posting
+  if (stop.deadline() < absl::InfiniteFuture()) {
+    f.deadline =
+        timer_->At(stop.deadline(), [this, flight] { Stopped(*flight); });
+  }
+  // The cancelling thread only hands the cut to the timer thread.
+  f.on_cancel = stop.OnCancel([this, flight] {
+    timer_->At(absl::InfinitePast(), [this, flight] { Stopped(*flight); });
+  });
   // Ops grouped by peer (agent and epoch), each group in batch order.
   std::map<std::string, std::vector<size_t>> groups;
   for (size_t i = 0; i < ops.size(); ++i) {
     absl::Status checked = stop.Check("before posting");
     if (checked.ok()) checked = CheckOp(ops[i]);
     if (!checked.ok()) {
-      batch->Settle({i, 0, ops[i].length}, checked);
+      f.batch->Settle({i, 0, ops[i].length}, checked);
       continue;
     }
     groups[PeerKey(*ops[i].remote)].push_back(i);
   }
-  // Each peer's state is held for the Submit (never evicted under it);
+  // Each peer's state is held for the batch (never evicted under it);
   // past --ibverbs_max_requester_peers in use, its ops are refused.
-  std::vector<std::string> admitted;
-  const auto release = absl::MakeCleanup([this, &admitted] {
-    for (const std::string& peer : admitted) ReleasePeer(peer);
-  });
-  std::vector<PeerPlan> plans;
-  std::vector<size_t> plan_of_op(ops.size(), 0);
-  plans.reserve(groups.size());
+  f.plan_of_op.assign(ops.size(), 0);
+  f.plans.reserve(groups.size());
   for (auto& [peer, indices] : groups) {
     if (absl::Status status = AdmitPeer(peer); !status.ok()) {
-      for (size_t i : indices) batch->Settle({i, 0, ops[i].length}, status);
+      for (size_t i : indices) f.batch->Settle({i, 0, ops[i].length}, status);
       continue;
     }
-    admitted.push_back(peer);
-    plans.push_back(PlanPeer(ops, std::move(indices), *batch));
-    for (size_t i : plans.back().ops) plan_of_op[i] = plans.size() - 1;
+    f.admitted.push_back(peer);
+    f.plans.push_back(PlanPeer(ops, std::move(indices), *f.batch));
+    for (size_t i : f.plans.back().ops) f.plan_of_op[i] = f.plans.size() - 1;
   }
 
-  // Every lane connects and posts at once, so that a full send queue or a
-  // slow handshake on one does not hold up the others.
-  std::vector<std::function<void()>> tasks;
-  for (PeerPlan& plan : plans) {
+  // Lanes already connected are posted to here; the others connect and
+  // post on the posting threads, all at once, so that a slow handshake or
+  // a full send queue on one does not hold up the others.
+  for (PeerPlan& plan : f.plans) {
     for (LaneUse& use : plan.lanes) {
       if (use.work.empty()) continue;
-      tasks.push_back([this, ops, &plan, &use, &batch, &stop] {
-        RunLane(ops, plan, use, batch, stop);
+      if (RunLane(f, plan, use, /*may_block=*/false)) continue;
+      Hold(f);
+      posting_->Run([this, flight, &plan, &use] {
+        RunLane(*flight, plan, use, /*may_block=*/true);
+        Release(*flight, /*may_block=*/true);
       });
     }
     for (const std::shared_ptr<Lane>& lane : plan.probes) {
-      tasks.push_back([this, ops, &plan, lane, &stop] {
-        ProbeLane(ops, plan, lane, stop);
+      Hold(f);
+      posting_->Run([this, flight, &plan, lane] {
+        ProbeLane(flight->ops, plan, lane, flight->stop);
+        Release(*flight, /*may_block=*/true);
       });
     }
   }
-  posting_pool_->RunAll(tasks);
+  Release(f, /*may_block=*/false);
+}
 
-  // Bytes whose rail failed go over the remaining lanes, until every op is
-  // done, or the deadline or a cancellation cuts the batch short.
-  while (!batch->Wait(stop.deadline()) && !stop.stopped()) {
-    Repost(ops, plans, plan_of_op, batch->TakeRetries(), batch, stop);
+void Requester::Hold(InFlight& flight) {
+  absl::MutexLock lock(&flight.mu);
+  ++flight.holds;
+}
+
+void Requester::Release(InFlight& flight, bool may_block) {
+  {
+    absl::MutexLock lock(&flight.mu);
+    --flight.holds;
   }
-  if (batch->Wait(absl::Now())) {
+  Kick(flight, may_block);
+}
+
+void Requester::Stopped(InFlight& flight) {
+  {
+    absl::MutexLock lock(&flight.mu);
+    flight.stopped = true;
+  }
+  Kick(flight, /*may_block=*/true);
+}
+
+void Requester::Kick(InFlight& flight, bool may_block) {
+  enum class Next { kWait, kEnd, kCut, kRepost };
+  Next next = Next::kWait;
+  std::shared_ptr<InFlight> keep;  // for a step handed to another thread
+  {
+    absl::MutexLock lock(&flight.mu);
+    if (flight.ended || flight.holds > 0) return;
+    if (flight.batch->AllDone()) {
+      flight.ended = true;
+      next = Next::kEnd;
+    } else if (flight.stopped || flight.stop.stopped()) {
+      // (Past the deadline before the timer said so: cut, not reposted.)
+      ++flight.holds;
+      next = Next::kCut;
+      keep = flight.self;
+    } else if (flight.batch->HasRetries()) {
+      ++flight.holds;
+      next = Next::kRepost;
+      keep = flight.self;
+    }
+  }
+  switch (next) {
+    case Next::kWait:
+      return;
+    case Next::kEnd:
+      End(flight, /*cut=*/false);
+      return;
+    case Next::kCut:
+      // Draining waits for the pollers: never on one of them.
+      if (may_block) {
+        CutAndEnd(flight);
+      } else {
+        timer_->At(absl::InfinitePast(),
+                   [this, keep = std::move(keep)] { CutAndEnd(*keep); });
+      }
+      return;
+    case Next::kRepost:
+      // A repost may connect another lane (a handshake): a posting thread.
+      posting_->Run([this, keep = std::move(keep)] {
+        InFlight& f = *keep;
+        Repost(f.ops, f.plans, f.plan_of_op, f.batch->TakeRetries(), f.batch,
+               f.stop);
+        Release(f, /*may_block=*/true);
+      });
+      return;
+  }
+}
+
+void Requester::CutAndEnd(InFlight& flight) {
+  CutShort(flight.plans, *flight.batch, flight.stop);
+  {
+    absl::MutexLock lock(&flight.mu);
+    --flight.holds;
+    flight.ended = true;
+  }
+  End(flight, /*cut=*/true);
+}
+
+void Requester::End(InFlight& flight, bool cut) {
+  // Nothing else runs on the batch now (it ended with no hold left); it
+  // goes once this returns.
+  const std::shared_ptr<InFlight> keep = std::move(flight.self);
+  // Before done: the caller may destroy the Cancellation then.
+  flight.on_cancel.reset();
+  if (flight.deadline.has_value()) timer_->Cancel(*flight.deadline);
+  if (!cut) {
     // Lanes that carried their bytes without a failure are healthy, even
     // those tried while cooling down because no other was left.
-    for (PeerPlan& plan : plans) {
+    for (PeerPlan& plan : flight.plans) {
       for (LaneUse& use : plan.lanes) {
         if (!use.posted || !use.failed.ok()) continue;
         absl::MutexLock lock(&use.lane->health->mu);
         if (!use.lane->health->probing) use.lane->health->cooldown.Recover();
       }
     }
-  } else {
-    CutShort(plans, *batch, stop);
   }
-  std::vector<absl::Status> results = batch->Results();
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (results[i].ok()) ops[i].local->CountMoved(ops[i].length);
+  for (const std::string& peer : flight.admitted) ReleasePeer(peer);
+  std::vector<absl::Status> results = flight.batch->Results();
+  for (size_t i = 0; i < flight.ops.size(); ++i) {
+    if (results[i].ok()) flight.ops[i].local->CountMoved(flight.ops[i].length);
   }
-  return results;
+  // The plans' references to lanes and queue pairs may be the last ones (a
+  // lane expired or reconnected meanwhile): a queue pair's last reference
+  // drains it, which its own poller must not do. They go here, not with
+  // the batch's state, whose last reference a poller may drop later.
+  std::vector<PeerPlan> plans = std::move(flight.plans);
+  if (OnCompletionPollerThread() && !plans.empty()) {
+    posting_->Run([plans = std::move(plans)]() mutable { plans.clear(); });
+  }
+  plans.clear();
+  std::move(flight.done)(std::move(results));
 }
 
 std::vector<Rail*> Requester::UsableRails() {
@@ -760,54 +908,83 @@ void Requester::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
   }
 }
 
-void Requester::RunLane(absl::Span<const Op> ops, const PeerPlan& plan,
-                        LaneUse& use, const std::shared_ptr<PostedBatch>& batch,
-                        const StopToken& stop) {
-  auto connection = ConnectLane(*use.lane, ops, plan.ops, stop);
-  if (!connection.ok()) {
-    // A lane that cannot connect leaves its bytes to the others; a refused
-    // proof, a stale epoch or the stop is the ops' own answer.
-    if (connection.status().code() == absl::StatusCode::kUnavailable &&
-        !stop.stopped()) {
-      use.failed = connection.status();
-      use.connect_failed = true;
-      for (const PostedBatch::Range& range : use.work) {
-        batch->Requeue(range, use.lane.get(), use.failed);
+bool Requester::RunLane(InFlight& flight, const PeerPlan& plan, LaneUse& use,
+                        bool may_block) {
+  const std::shared_ptr<PostedBatch>& batch = flight.batch;
+  const StopToken& stop = flight.stop;
+  if (use.connection == nullptr && !may_block) {
+    use.connection = ConnectedNow(*use.lane);
+    if (use.connection == nullptr) return false;
+  }
+  if (use.connection == nullptr) {
+    auto connection = ConnectLane(*use.lane, flight.ops, plan.ops, stop);
+    if (!connection.ok()) {
+      // A lane that cannot connect leaves its bytes to the others; a
+      // refused proof, a stale epoch or the stop is the ops' own answer.
+      const bool requeue =
+          connection.status().code() == absl::StatusCode::kUnavailable &&
+          !stop.stopped();
+      if (requeue) {
+        use.failed = connection.status();
+        use.connect_failed = true;
       }
-    } else {
-      for (const PostedBatch::Range& range : use.work) {
-        batch->Settle(range, connection.status());
+      for (size_t r = use.next_range; r < use.work.size(); ++r) {
+        const PostedBatch::Range& range = use.work[r];
+        if (requeue) {
+          batch->Requeue(range, use.lane.get(), use.failed);
+        } else {
+          batch->Settle(range, connection.status());
+        }
       }
+      use.next_range = use.work.size();
+      return true;
     }
-    return;
+    use.connection = *connection;
   }
-  use.connection = *connection;
-  for (const PostedBatch::Range& range : use.work) {
-    PostRange(ops[range.op], range, use, batch, stop);
+  for (; use.next_range < use.work.size();
+       ++use.next_range, use.next_offset = 0) {
+    const PostedBatch::Range& range = use.work[use.next_range];
+    const PostedBatch::Range rest = {range.op, range.offset + use.next_offset,
+                                     range.length - use.next_offset};
+    const uint64_t dealt =
+        PostRange(flight.ops[rest.op], rest, use, batch, stop, may_block);
+    if (dealt < rest.length) {
+      use.next_offset += dealt;
+      return false;
+    }
   }
+  return true;
 }
 
-void Requester::PostRange(const Op& op, const PostedBatch::Range& range,
-                          LaneUse& use,
-                          const std::shared_ptr<PostedBatch>& batch,
-                          const StopToken& stop) {
+uint64_t Requester::PostRange(const Op& op, const PostedBatch::Range& range,
+                              LaneUse& use,
+                              const std::shared_ptr<PostedBatch>& batch,
+                              const StopToken& stop, bool may_block) {
   // Nothing is posted once the deadline has passed (say, after a handshake
   // that answered just then): it could not end in time.
   if (stop.stopped()) {
     batch->Settle(range, stop.StopStatus("before posting"));
-    return;
+    return range.length;
   }
   // An op that failed needs none of its other bytes.
   if (batch->HasError(range.op)) {
     batch->Settle(range, absl::OkStatus());
-    return;
+    return range.length;
   }
   if (!use.failed.ok()) {
     batch->Requeue(range, use.lane.get(), use.failed);
-    return;
+    return range.length;
   }
   Lane& lane = *use.lane;
-  auto grant = GrantFor(op, lane, *use.connection, stop);
+  absl::StatusOr<RemoteGrant> grant;
+  if (may_block) {
+    grant = GrantFor(op, lane, *use.connection, stop);
+  } else if (std::optional<RemoteGrant> cached =
+                 CachedGrant(op, lane, *use.connection)) {
+    grant = *cached;
+  } else {
+    return 0;  // asking the peer waits for its answer
+  }
   if (!grant.ok()) {
     if (grant.status().code() == absl::StatusCode::kUnavailable &&
         !stop.stopped()) {
@@ -816,7 +993,7 @@ void Requester::PostRange(const Op& op, const PostedBatch::Range& range,
     } else {
       batch->Settle(range, grant.status());
     }
-    return;
+    return range.length;
   }
   // The grant is the remote's word on the buffer's real size, which a
   // forged context may overstate: the contract's code rather than the NIC's
@@ -825,7 +1002,7 @@ void Requester::PostRange(const Op& op, const PostedBatch::Range& range,
           CheckRange(op.remote_offset, op.length, grant->size_bytes, "remote");
       !bounds.ok()) {
     batch->Settle(range, bounds);
-    return;
+    return range.length;
   }
   const auto& local = dynamic_cast<const IbverbsRegistration&>(
       *op.local->backend_state(backend_));
@@ -849,13 +1026,17 @@ void Requester::PostRange(const Op& op, const PostedBatch::Range& range,
     wr.wr.rdma.rkey = grant->rkey;
     const uint64_t cookie = batch->WrPosting(piece, lane);
     const absl::Status posted =
-        use.connection->Post(wr, batch, cookie, op.local, stop);
+        may_block ? use.connection->Post(wr, batch, cookie, op.local, stop)
+                  : use.connection->TryPost(wr, batch, cookie, op.local);
     if (posted.ok()) {
       use.posted = true;
       done += piece.length;
       continue;
     }
     batch->WrNotPosted(cookie);
+    if (!may_block && posted.code() == absl::StatusCode::kResourceExhausted) {
+      return done;  // the send queue is full: a posting thread waits
+    }
     const PostedBatch::Range rest = {range.op, range.offset + done,
                                      range.length - done};
     if (posted.code() == absl::StatusCode::kUnavailable && !stop.stopped()) {
@@ -865,8 +1046,9 @@ void Requester::PostRange(const Op& op, const PostedBatch::Range& range,
     } else {
       batch->Settle(rest, posted);
     }
-    return;
+    return range.length;
   }
+  return range.length;
 }
 
 void Requester::Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
@@ -910,7 +1092,8 @@ void Requester::Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
                   : absl::StrCat(" (", absl::StrJoin(others, "; "), ")"))));
       continue;
     }
-    PostRange(ops[retry.range.op], retry.range, *target, batch, stop);
+    PostRange(ops[retry.range.op], retry.range, *target, batch, stop,
+              /*may_block=*/true);
   }
 }
 
@@ -1166,6 +1349,12 @@ void Requester::CutShort(const std::vector<PeerPlan>& plans, PostedBatch& batch,
   for (size_t i : late) batch.Override(i, cut);
 }
 
+std::shared_ptr<QueuePairConnection> Requester::ConnectedNow(const Lane& lane) {
+  absl::MutexLock lock(&mu_);
+  if (lane.connection == nullptr || lane.connection->broken()) return nullptr;
+  return lane.connection;
+}
+
 absl::StatusOr<std::shared_ptr<QueuePairConnection>> Requester::ConnectLane(
     Lane& lane, absl::Span<const Op> ops, const std::vector<size_t>& indices,
     const StopToken& stop) {
@@ -1338,6 +1527,30 @@ absl::StatusOr<Requester::Handshaken> Requester::Handshake(
   return result;
 }
 
+namespace {
+
+// Whether `lane`'s session should be named to its peer again (GrantBuffer)
+// before its idle timeout: a third of it has passed.
+bool SessionNeedsRefresh(const Lane& lane) {
+  return lane.session_idle_timeout > absl::ZeroDuration() &&
+         absl::Now() - lane.session_refreshed >= lane.session_idle_timeout / 3;
+}
+
+}  // namespace
+
+std::optional<RemoteGrant> Requester::CachedGrant(
+    const Op& op, const Lane& lane, const QueuePairConnection& connection) {
+  absl::MutexLock lock(&mu_);
+  if (lane.connection.get() != &connection) return std::nullopt;
+  auto grant = lane.grants.find(op.remote->buffer_id());
+  if (grant == lane.grants.end() ||
+      !TokensEqual(grant->second.token, op.remote->token()) ||
+      SessionNeedsRefresh(lane)) {
+    return std::nullopt;
+  }
+  return grant->second;
+}
+
 absl::StatusOr<RemoteGrant> Requester::GrantFor(
     const Op& op, Lane& lane, const QueuePairConnection& connection,
     const StopToken& stop) {
@@ -1356,9 +1569,7 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
     auto grant = lane.grants.find(remote.buffer_id());
     // The peer drops sessions nobody names for its idle timeout: one in use
     // is named again (GrantBuffer answers the same grant) well before.
-    const bool refresh =
-        lane.session_idle_timeout > absl::ZeroDuration() &&
-        absl::Now() - lane.session_refreshed >= lane.session_idle_timeout / 3;
+    const bool refresh = SessionNeedsRefresh(lane);
     // The token too: another local user's forged context naming the same
     // buffer id must not ride on a grant earned by a real one.
     proven = grant != lane.grants.end() &&

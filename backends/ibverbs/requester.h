@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,21 +24,29 @@
 #include "common/stop_token.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
-namespace rdma_agent {
-class TaskPool;
-}  // namespace rdma_agent
-
 namespace rdma_agent::ibverbs {
 
-// The requesting half of the ibverbs backend: Submit over lanes (a rail of
-// this agent paired with a rail of the peer, striping.h), their handshakes
+class DeadlineTimer;
+class WorkQueue;
+
+// The requesting half of the ibverbs backend: posted batches over lanes (a rail
+// of this agent paired with a rail of the peer, striping.h), their handshakes
 // and grants through the peers' Peer services, striped posting, failover to
 // the other lanes when one fails, probes of lanes whose cooldown ran out,
 // and the drain at the deadline (IbverbsBackend's comment says how).
 //
 // Owned by IbverbsBackend, whose environment, options and rails it uses:
-// they outlive it, and the rails are set up before the first Submit and
+// they outlive it, and the rails are set up before the first Post and
 // never change afterwards. Thread-safe.
+//
+// No thread waits on a posted batch. Post plans the lanes and posts the
+// WRs of lanes already connected on the caller's thread; a lane that must
+// connect (a handshake over the Peer service), ask for a grant, or wait for
+// a send-queue slot goes on a posting thread. The batch ends where its last
+// byte settles: on a completion poller (the last WR's completion), or a
+// posting thread; bytes of failed WRs are posted again from a posting
+// thread; the deadline and a cancellation end it from the timer thread
+// (queue pairs moved to ERR and drained there, never on a poller).
 class Requester {
  public:
   // `backend` is the backend's name, under which registrations keep its
@@ -45,15 +54,15 @@ class Requester {
   Requester(const BackendEnvironment& env, const IbverbsOptions& options,
             const std::vector<std::unique_ptr<Rail>>& rails,
             std::string backend);
-  // Lanes' connections drain and stop their pollers.
+  // Lanes' connections drain and stop their pollers. No batch may be in
+  // flight (every Post's done was called).
   ~Requester();
   Requester(const Requester&) = delete;
   Requester& operator=(const Requester&) = delete;
 
-  // Backend::Submit: one status per op, and once it returns no WR of the
-  // batch touches memory.
-  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   const StopToken& stop);
+  // Backend::Post: `done` gets one status per op, and once it is called
+  // no WR of the batch touches memory.
+  void Post(absl::Span<const Op> ops, const StopToken& stop, OpsDone done);
 
   // The Peer service of the agent at `address` (one channel per address,
   // with the agent's Peer TLS credentials when configured).
@@ -81,10 +90,28 @@ class Requester {
   struct LaneUse;
   struct PeerPlan;
   struct AffinityClass;
+  struct InFlight;
+
+  // A posted batch's steps. Holds keep it from ending while a posting
+  // thread works on it; Release ends the hold and moves it on.
+  void Hold(InFlight& flight);
+  void Release(InFlight& flight, bool may_block);
+  // Moves the batch on once no hold is left: ends it when every op is
+  // done, cuts it short once stopped (on this thread when `may_block`,
+  // otherwise on the timer thread), or posts its Retries again on a
+  // posting thread.
+  void Kick(InFlight& flight, bool may_block);
+  // The deadline passed or the stop was cancelled (on the timer thread).
+  void Stopped(InFlight& flight);
+  // CutShort, then End.
+  void CutAndEnd(InFlight& flight);
+  // Marks healthy lanes, counts moved bytes, lets the peers go and calls
+  // done. `cut`: CutShort ran.
+  void End(InFlight& flight, bool cut);
 
   // "agent_id/epoch": whom an op goes to.
   static std::string PeerKey(const v1::RemoteBuffer& remote);
-  // Holds `peer`'s state for a Submit, making room (an unused peer's
+  // Holds `peer`'s state for a batch, making room (an unused peer's
   // lanes, never-connected ones first) past max_requester_peers;
   // RESOURCE_EXHAUSTED when every peer held is in use. ReleasePeer ends
   // the hold.
@@ -101,7 +128,7 @@ class Requester {
   // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
 
-  // Submit's steps. The rail pairs ops to one peer go over, and which bytes
+  // Post's steps. The rail pairs ops to one peer go over, and which bytes
   // each lane carries; the ops fail at once when no rail can be used.
   PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
                     PostedBatch& batch);
@@ -126,16 +153,20 @@ class Requester {
   // Rails usable now (their port's failure cooled down, or they never
   // failed); when none is, the rails whose ports are ACTIVE now.
   std::vector<Rail*> UsableRails();
-  // Connects `use`'s lane and posts the bytes planned for it.
-  void RunLane(absl::Span<const Op> ops, const PeerPlan& plan, LaneUse& use,
-               const std::shared_ptr<PostedBatch>& batch,
-               const StopToken& stop);
+  // Connects `use`'s lane and posts the bytes planned for it, from where
+  // an earlier call stopped. Without `may_block`, stops (false) at the
+  // first step that would wait: a handshake, a grant not cached, a full
+  // send queue; true once every byte is posted or settled.
+  bool RunLane(InFlight& flight, const PeerPlan& plan, LaneUse& use,
+               bool may_block);
   // Posts `range` of its op over `use`'s connected lane as WRs of at most
   // the smaller max message size of both rails. What cannot be posted
-  // because the lane failed is requeued; other failures settle it.
-  void PostRange(const Op& op, const PostedBatch::Range& range, LaneUse& use,
-                 const std::shared_ptr<PostedBatch>& batch,
-                 const StopToken& stop);
+  // because the lane failed is requeued; other failures settle it. Returns
+  // the bytes of `range` dealt with: all of them, or (without `may_block`)
+  // those before the step that would wait.
+  uint64_t PostRange(const Op& op, const PostedBatch::Range& range,
+                     LaneUse& use, const std::shared_ptr<PostedBatch>& batch,
+                     const StopToken& stop, bool may_block);
   // Posts the bytes of failed WRs again over the other lanes to their peer
   // (connecting one if needed), or settles them UNAVAILABLE when none is
   // left.
@@ -143,7 +174,7 @@ class Requester {
               const std::vector<size_t>& plan_of_op,
               std::vector<PostedBatch::Retry> retries,
               const std::shared_ptr<PostedBatch>& batch, const StopToken& stop);
-  // The least loaded lane of `plan` still standing in this Submit for op
+  // The least loaded lane of `plan` still standing in this batch for op
   // `op`, connected (a lane that fails to connect is left out and the next
   // one tried): one near the op's buffers first, then any of the plan;
   // when none is left, a pair the plan left out (AddLane). nullptr when
@@ -172,6 +203,9 @@ class Requester {
   // The lane `rail` -> `remote` to `peer`, created on first use.
   std::shared_ptr<Lane> LaneFor(const std::string& peer, Rail& rail,
                                 const RemoteRail& remote);
+  // The lane's queue pair when it is connected and not broken; nullptr
+  // otherwise.
+  std::shared_ptr<QueuePairConnection> ConnectedNow(const Lane& lane);
   // The lane's connection. The handshake needs the proof of one buffer:
   // those of the `indices` ops are tried in turn (a few at most), so that
   // one forged or released context does not fail the others.
@@ -188,6 +222,10 @@ class Requester {
                                        const v1::IbverbsEndpoint& endpoint,
                                        const std::string& session,
                                        const StopToken& stop);
+  // The grant for op's remote buffer over `lane`'s `connection` when it is
+  // cached and its session needs no refresh; nullopt otherwise.
+  std::optional<RemoteGrant> CachedGrant(const Op& op, const Lane& lane,
+                                         const QueuePairConnection& connection);
   // The grant for op's remote buffer over `lane`'s `connection`: cached,
   // or asked for with GrantBuffer (cut short by `stop`).
   absl::StatusOr<RemoteGrant> GrantFor(const Op& op, Lane& lane,
@@ -198,15 +236,17 @@ class Requester {
   const IbverbsOptions& options_;
   const std::vector<std::unique_ptr<Rail>>& rails_;
   const std::string backend_;
-  // A batch for several lanes connects and posts to them at once: the
-  // caller and these threads (more lanes than threads: the caller runs the
-  // rest in turn).
+  // What may block in a posted batch (handshakes, grants, a full send
+  // queue, reposts) runs on these threads; lanes connect and post at once
+  // up to their number.
   static constexpr size_t kPostingThreads = 3;
-  std::unique_ptr<TaskPool> posting_pool_;
+  std::unique_ptr<WorkQueue> posting_;
+  // Ends batches at their deadline or cancellation.
+  std::unique_ptr<DeadlineTimer> timer_;
 
   mutable absl::Mutex mu_;
   // One per lane key: serialises handshakes of the same lane, so concurrent
-  // Submits connect it once, while a slow peer does not hold up handshakes
+  // batches connect it once, while a slow peer does not hold up handshakes
   // with others.
   std::map<std::string, std::shared_ptr<absl::Mutex>> connect_locks_
       ABSL_GUARDED_BY(mu_);
@@ -216,7 +256,7 @@ class Requester {
   // Rotates ties among equally loaded lanes, per peer ("agent/epoch").
   std::map<std::string, size_t> round_robin_ ABSL_GUARDED_BY(mu_);
   // Peers with state (lanes, connect locks, round robin) by "agent/epoch":
-  // Submits using each now, and when one last did. At most
+  // batches using each now, and when one last did. At most
   // options.max_requester_peers; idle ones expire (ExpireIdle).
   struct PeerUse {
     int in_use = 0;

@@ -1,0 +1,123 @@
+// WorkQueue and DeadlineTimer: the posting threads and the deadline thread
+// of posted batches.
+#include "backends/ibverbs/work_queue.h"
+
+#include <pthread.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "backends/ibverbs/deadline_timer.h"
+#include "gtest/gtest.h"
+
+namespace rdma_agent::ibverbs {
+namespace {
+
+std::string ThreadName() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  return name;
+}
+
+TEST(WorkQueueTest, RunsTasksOnItsThreadsWithoutTheCallerWaiting) {
+  WorkQueue queue(2, "test-queue");
+  EXPECT_EQ(queue.threads(), 2u);
+  absl::Notification release;
+  absl::BlockingCounter started(2);
+  std::atomic<int> on_queue{0};
+  // Two tasks block both threads; Run still returns at once.
+  for (int i = 0; i < 2; ++i) {
+    queue.Run([&] {
+      if (ThreadName() == "test-queue") ++on_queue;
+      started.DecrementCount();
+      release.WaitForNotification();
+    });
+  }
+  absl::Notification third;
+  queue.Run([&] { third.Notify(); });
+  started.Wait();
+  EXPECT_FALSE(third.HasBeenNotified());
+  release.Notify();
+  EXPECT_TRUE(third.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(on_queue.load(), 2);
+}
+
+TEST(WorkQueueTest, DestructionRunsTheTasksStillQueued) {
+  std::atomic<int> ran{0};
+  {
+    WorkQueue queue(1, "test-queue");
+    absl::Notification release;
+    queue.Run([&] { release.WaitForNotification(); });
+    for (int i = 0; i < 10; ++i) queue.Run([&] { ++ran; });
+    release.Notify();
+  }
+  EXPECT_EQ(ran.load(), 10);
+}
+
+TEST(DeadlineTimerTest, RunsTasksAtTheirTimeInTimeOrderOnItsThread) {
+  DeadlineTimer timer("test-timer");
+  absl::Mutex mu;
+  std::vector<int> order;
+  std::vector<absl::Duration> late;
+  absl::BlockingCounter ran(3);
+  const absl::Time start = absl::Now();
+  for (int i : {3, 1, 2}) {
+    const absl::Time when = start + absl::Milliseconds(100 * i);
+    timer.At(when, [&, i, when] {
+      absl::MutexLock lock(&mu);
+      EXPECT_EQ(ThreadName(), "test-timer");
+      order.push_back(i);
+      late.push_back(absl::Now() - when);
+      ran.DecrementCount();
+    });
+  }
+  ran.Wait();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+  for (absl::Duration d : late) {
+    EXPECT_GE(d, absl::ZeroDuration());
+    EXPECT_LT(d, absl::Seconds(1));
+  }
+}
+
+TEST(DeadlineTimerTest, ATimePassedRunsAtOnce) {
+  DeadlineTimer timer("test-timer");
+  absl::Notification ran;
+  timer.At(absl::InfinitePast(), [&] { ran.Notify(); });
+  EXPECT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(5)));
+}
+
+TEST(DeadlineTimerTest, CancelDropsATaskNotStarted) {
+  DeadlineTimer timer("test-timer");
+  std::atomic<bool> cancelled_ran{false};
+  const DeadlineTimer::Handle handle = timer.At(
+      absl::Now() + absl::Milliseconds(200), [&] { cancelled_ran = true; });
+  absl::Notification later;
+  timer.At(absl::Now() + absl::Milliseconds(400), [&] { later.Notify(); });
+  timer.Cancel(handle);
+  EXPECT_TRUE(later.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_FALSE(cancelled_ran.load());
+}
+
+TEST(DeadlineTimerTest, ATaskMayCancelItselfAndScheduleMore) {
+  DeadlineTimer timer("test-timer");
+  DeadlineTimer::Handle self;
+  absl::Notification scheduled;
+  absl::Notification again;
+  self = timer.At(absl::Now() + absl::Milliseconds(50), [&] {
+    scheduled.WaitForNotification();
+    timer.Cancel(self);  // running already: nothing to drop, no wait
+    timer.At(absl::InfinitePast(), [&] { again.Notify(); });
+  });
+  scheduled.Notify();
+  EXPECT_TRUE(again.WaitForNotificationWithTimeout(absl::Seconds(5)));
+}
+
+}  // namespace
+}  // namespace rdma_agent::ibverbs
