@@ -41,11 +41,6 @@ ServeRequest NotificationTarget(const v1::RemoteBuffer& remote) {
   return request;
 }
 
-void Backend::Post(absl::Span<const Op> ops, const StopToken& stop,
-                   OpsDone done) {
-  std::move(done)(Submit(ops, stop));
-}
-
 std::vector<absl::Status> Backend::Submit(absl::Span<const Op> ops,
                                           const StopToken& stop) {
   std::vector<absl::Status> statuses;

@@ -92,9 +92,9 @@ using OpsDone = absl::AnyInvocable<void(std::vector<absl::Status>) &&>;
 // Thread-safe: Register, Post, Submit and destruction of
 // BackendRegistrations may happen concurrently from many RPCs.
 //
-// A backend implements Post; Submit waits on it. (Until every backend runs
-// Post natively, Post's default runs the backend's own Submit on the
-// calling thread: a backend overrides at least one of the two.)
+// A backend implements Post; Submit waits on it (a backend may override
+// Submit to lend the calling thread to its own batch, through the same
+// machinery).
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -171,7 +171,7 @@ class Backend {
   // The caller keeps `ops` (and what they point to) and the Cancellation
   // behind `stop` alive until `done` has been called.
   virtual void Post(absl::Span<const Op> ops, const StopToken& stop,
-                    OpsDone done);
+                    OpsDone done) = 0;
 
   // The synchronous entry: Post, then wait for `done`. Returns the statuses
   // `done` was given, under the same guarantee.

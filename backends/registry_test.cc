@@ -54,8 +54,8 @@ class FakeBackend : public Backend {
   bool CanReach(const v1::RemoteBuffer& remote) const override {
     return FindEndpoint(remote, name_) != nullptr;
   }
-  std::vector<absl::Status> Submit(absl::Span<const Op> ops,
-                                   const StopToken&) override {
+  // Ends every batch inside Post.
+  void Post(absl::Span<const Op> ops, const StopToken&, OpsDone done) override {
     std::vector<absl::Status> results;
     for (const Op& op : ops) {
       // The registry hands over the route it chose: this backend's entry.
@@ -70,7 +70,7 @@ class FakeBackend : public Backend {
         script.erase(script.begin());
       }
     }
-    return results;
+    std::move(done)(std::move(results));
   }
 
   absl::Status register_error;
@@ -88,8 +88,7 @@ class FakeBackend : public Backend {
 };
 
 // A backend whose Post only keeps the batch: the test ends it later, from
-// a thread of its choosing (FakeBackend, through Backend's default Post,
-// ends every batch inside Post).
+// a thread of its choosing (FakeBackend ends every batch inside Post).
 class HeldBackend : public FakeBackend {
  public:
   using FakeBackend::FakeBackend;

@@ -561,9 +561,6 @@ TEST_P(BackendContractTest, SixteenThreadsSubmitAtOnce) {
 // backend runs inside Post (the memory backend's inline bound, 64 KiB).
 TEST_P(BackendContractTest, PostReturnsWhileTheServingSideIsHeld) {
   if (!PostOnly()) GTEST_SKIP() << "a case of Post alone";
-  if (!target().posts_natively) {
-    GTEST_SKIP() << "this backend's Post still runs Submit inside Post";
-  }
   constexpr uint64_t kLength = 1 << 20;
   TestBuffer near = local().Register(kLength + 64, v1::ACCESS_READ_WRITE, 301);
   TestBuffer far = remote().Register(kLength + 64, v1::ACCESS_READ_WRITE, 302);
@@ -651,20 +648,15 @@ TEST_P(BackendContractTest, ManyPostsInFlightFromOneThread) {
     batches.push_back(
         {MakeOp(0, b % 2 == 0 ? kWrite : kRead, near, at, kSlice, far, at)});
   }
-  // A backend that posts natively returns from every Post with the serving
-  // side held; the transitional default would wait for it, so it is not
-  // held then.
-  const bool hold = target().posts_natively;
-  if (hold) remote().gate().Close();
+  // Every Post returns with the serving side held.
+  remote().gate().Close();
   std::vector<std::shared_ptr<Ended>> ended;
   for (const auto& batch : batches) ended.push_back(Post(batch, In(kLong)));
-  if (hold) {
-    EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
-    for (int b = 0; b < kBatches; ++b) {
-      EXPECT_FALSE(ended[b]->notified.HasBeenNotified()) << "batch " << b;
-    }
-    remote().gate().Open();
+  EXPECT_TRUE(remote().gate().AwaitArrivals(1, kLong));
+  for (int b = 0; b < kBatches; ++b) {
+    EXPECT_FALSE(ended[b]->notified.HasBeenNotified()) << "batch " << b;
   }
+  remote().gate().Open();
   for (int b = 0; b < kBatches; ++b) {
     SCOPED_TRACE(absl::StrCat("batch ", b));
     const auto results = Wait(*ended[b], 1);

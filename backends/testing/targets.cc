@@ -90,7 +90,6 @@ BackendTarget MemoryTarget() {
   target.name = "memory";
   target.agents = 1;
   target.max_message_bytes = memory::MemoryBackend::kCopySliceBytes;
-  target.posts_natively = true;
   target.make_world = [] {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)
@@ -105,7 +104,6 @@ BackendTarget TcpTarget() {
   BackendTarget target;
   target.name = "tcp";
   target.max_message_bytes = kTcpChunkBytes;
-  target.posts_natively = true;
   target.make_world = [] {
     return std::make_unique<SimpleWorld>(
         [](const BackendEnvironment& env)

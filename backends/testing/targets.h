@@ -33,11 +33,6 @@ struct BackendTarget {
   // Largest piece of an op the configured backend moves at once (message,
   // chunk, slice): the suite moves ops longer than this.
   uint64_t max_message_bytes = 0;
-  // Whether the backend implements Backend::Post itself (returns before its
-  // ops end) rather than through Backend's transitional default, which runs
-  // Submit inside Post: the cases that hold a posted batch in flight need
-  // it.
-  bool posts_natively = false;
   std::function<std::unique_ptr<TargetWorld>()> make_world;
 };
 
