@@ -279,6 +279,14 @@ def main():
         f"{fmt(r.best('py_submit_mem_write.p50_us', lowest=True), 1)} (ratio {spread(q)})",
         fmt(median(py_ring), 1) + " µs", "≤ 20 µs",
         verdict(median(py_ring), 20.0, higher_is_better=False))
+    py_auto = [v for v in r.all("py_auto_mem_write.p50_us") if isinstance(v, float)]
+    q = r.ratios("py_ring_ratio.submit_vs_auto", scale=1.0)
+    row(f"Python submit() through its own ring: {lat_bytes} WRITE, memory, p50 µs",
+        fmt(r.best("py_auto_mem_write.p50_us", lowest=True), 1),
+        f"Python submit over gRPC "
+        f"{fmt(r.best('py_submit_mem_write.p50_us', lowest=True), 1)} (ratio {spread(q)})",
+        (fmt(median(py_auto), 1) + " µs") if py_auto else "—", "≤ 20 µs",
+        verdict(median(py_auto), 20.0, higher_is_better=False) if py_auto else "—")
     idle = [v for v in r.all("ring_idle.cpu_percent") if isinstance(v, float)]
     row("ring: agent CPU with 8 idle sessions, % of a core over 10 s",
         fmt(median(idle), 2) if idle else "—", "—",
@@ -427,7 +435,8 @@ def main():
         ("ring_mem_write.p50_us", "ring: memory WRITE µs", 1),
         ("ring_submit_mem_write.p50_us", "ring: Submit memory µs", 1),
         ("py_ring_mem_write.p50_us", "Python ring memory µs", 1),
-        ("py_submit_mem_write.p50_us", "Python submit memory µs", 1),
+        ("py_auto_mem_write.p50_us", "Python submit() ring µs", 1),
+        ("py_submit_mem_write.p50_us", "Python gRPC submit µs", 1),
         ("prepared_ratio.prepared_vs_contexts", "prepared / contexts", 2),
     ]
     for key, label, decimals in per_round:
