@@ -116,6 +116,9 @@ class OpBatch final : public TransferWork {
   // Once, instead of Run or Skip. `done` may destroy the batch.
   void Start(const StopToken& stop, BlockingExecutor& blocking,
              TransferDone done) override;
+  // Start only posts (BackendRegistry::PostInPlace) and hands
+  // notifications to `blocking`.
+  bool StartsWithoutBlocking() const override { return true; }
   v1::SubmitResponse Skip(const absl::Status& reason) override;
   // Starts counting the bytes of the valid ops as backends report them
   // landed; exact (the bytes of the ops that succeeded) once the batch has

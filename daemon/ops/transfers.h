@@ -81,6 +81,9 @@ class TransferWork {
     (void)blocking;
     std::move(done)(Run(stop));
   }
+  // True when Start returns without waiting for the work (it only posts):
+  // the table may then start it on the submitting thread.
+  virtual bool StartsWithoutBlocking() const { return false; }
   // The outcome of work that never runs: `reason` for each op that had not
   // already failed (and no notification sent).
   virtual v1::SubmitResponse Skip(const absl::Status& reason) = 0;
@@ -341,6 +344,11 @@ class TransferTable final : private BlockingExecutor {
   // transfers in flight, or `uid` keeps its bound of transfers and none of
   // its ends has been delivered by a Stream; the shutdown reason after
   // Shutdown().
+  //
+  // When `work` starts without blocking (StartsWithoutBlocking), no
+  // transfer waits for a worker and `uid` is below its cap of running
+  // transfers, the transfer is started on the calling thread before Submit
+  // returns, and may have ended by then.
   absl::StatusOr<uint64_t> Submit(uid_t uid, std::unique_ptr<TransferWork> work,
                                   absl::Time deadline, TransferCharge charge);
 
@@ -425,6 +433,12 @@ class TransferTable final : private BlockingExecutor {
   };
   void WorkLoop();
   Job NextJob();
+  // Submit's checks and bookkeeping, under the lock. Sets `start_now` to
+  // the new record when the caller is to start it (see Submit).
+  absl::StatusOr<uint64_t> Admit(
+      uid_t uid, std::unique_ptr<TransferWork> work, absl::Time deadline,
+      TransferCharge charge, std::shared_ptr<const TransferProgress> progress,
+      RecordPtr& start_now);
   // BlockingExecutor: `task` runs on a worker, before any queued transfer
   // starts.
   void Run(Task task) override;

@@ -95,6 +95,8 @@ struct StartedProbe : Probe {
   // Lets the completer end the work only a while after its stop fired, as
   // a backend draining its queues does.
   absl::Duration drain = absl::ZeroDuration();
+  // What the work answers to StartsWithoutBlocking.
+  bool starts_without_blocking = false;
 
   void Join() {
     if (completer.joinable()) completer.join();
@@ -135,6 +137,9 @@ class StartedWork : public FakeWork {
       });
     });
     probe_->start_returned = true;
+  }
+  bool StartsWithoutBlocking() const override {
+    return probe_->starts_without_blocking;
   }
 
  private:
@@ -1258,6 +1263,51 @@ TEST_F(TransfersTest, AWorkerStartsATransferAndGoesBackToTheQueue) {
     EXPECT_TRUE(probe->destroyed);
   }
   EXPECT_EQ(table.running(kUser), 0u);
+}
+
+// Work that only posts starts on the submitting thread when nobody waits
+// for a worker and its user is below its cap; otherwise it queues for the
+// workers as before, behind those who wait.
+TEST_F(TransfersTest, WorkThatOnlyPostsStartsOnTheSubmittingThread) {
+  TransferLimits limits = Limits(/*workers=*/1);
+  limits.max_running_per_user = 1;
+  TransferTable table(limits);
+  auto first = std::make_shared<StartedProbe>();
+  first->starts_without_blocking = true;
+  const uint64_t first_id = SubmitStarted(table, first, kUser);
+  ASSERT_NE(first_id, 0u) << last_status_;
+  // Started before Submit returned, here.
+  EXPECT_TRUE(first->start_returned.load());
+  EXPECT_EQ(first->starter, std::this_thread::get_id());
+  EXPECT_EQ(table.running(kUser), 1u);
+  // The user is at its cap: the next one queues, and a worker starts it
+  // once the first has ended.
+  auto second = std::make_shared<StartedProbe>();
+  second->starts_without_blocking = true;
+  const uint64_t second_id = SubmitStarted(table, second, kUser);
+  ASSERT_NE(second_id, 0u) << last_status_;
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(second->start_returned.load());
+  // Work that may block never starts here, whatever the queue.
+  auto blocking = std::make_shared<StartedProbe>();
+  const uint64_t blocking_id = SubmitStarted(table, blocking, kOtherUser);
+  ASSERT_NE(blocking_id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return blocking->start_returned.load(); }));
+  EXPECT_NE(blocking->starter, std::this_thread::get_id());
+  first->release.Notify();
+  ASSERT_TRUE(Eventually([&] { return second->start_returned.load(); }));
+  EXPECT_NE(second->starter, std::this_thread::get_id());
+  second->release.Notify();
+  blocking->release.Notify();
+  for (auto [probe, uid, id] :
+       {std::make_tuple(first, kUser, first_id),
+        std::make_tuple(second, kUser, second_id),
+        std::make_tuple(blocking, kOtherUser, blocking_id)}) {
+    auto end = Get(table, id, absl::Seconds(10), uid);
+    ASSERT_TRUE(end.ok()) << end.status();
+    EXPECT_EQ(end->state(), v1::TRANSFER_STATE_DONE);
+    probe->Join();
+  }
 }
 
 TEST_F(TransfersTest, AStartedTransferSendsItsNotificationsOnAWorker) {
