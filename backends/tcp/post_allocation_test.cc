@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "backends/tcp/tcp_backend.h"
+#include "backends/tcp/test_agent.h"
 #include "backends/testing/harness.h"
 #include "gtest/gtest.h"
 
@@ -52,21 +53,7 @@ using ::rdma_agent::testing::MakeOp;
 using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
 
-std::unique_ptr<TestAgent> Agent(uint64_t epoch) {
-  TcpOptions options;
-  options.listen = "127.0.0.1:0";
-  auto agent = TestAgent::Create(
-      absl::StrCat("agent-", epoch),
-      [options](const BackendEnvironment& env)
-          -> absl::StatusOr<std::unique_ptr<Backend>> {
-        auto backend = TcpBackend::Create(options, env);
-        if (!backend.ok()) return backend.status();
-        return std::unique_ptr<Backend>(std::move(*backend));
-      },
-      epoch);
-  EXPECT_TRUE(agent.ok()) << agent.status();
-  return agent.ok() ? std::move(*agent) : nullptr;
-}
+std::unique_ptr<TestAgent> Agent(uint64_t epoch) { return TcpTestAgent(epoch); }
 
 // Allocations on the requesting side of one Post of `ops`, from the call
 // to its done.

@@ -20,6 +20,7 @@
 #include "backends/buffer_table.h"
 #include "backends/tcp/pool_probe.h"
 #include "backends/tcp/socket_util.h"
+#include "backends/tcp/test_agent.h"
 #include "backends/tcp/wire.h"
 #include "backends/testing/harness.h"
 #include "common/shared_memory.h"
@@ -42,23 +43,9 @@ using ::rdma_agent::testing::Snapshot;
 using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
 
-// Creates an in-process agent whose tcp backend listens on 127.0.0.1:port.
 std::unique_ptr<TestAgent> Agent(uint64_t epoch, uint16_t port = 0,
                                  DataClientOptions client = {}) {
-  TcpOptions options;
-  options.listen = absl::StrCat("127.0.0.1:", port);
-  options.client = client;
-  auto agent = TestAgent::Create(
-      absl::StrCat("agent-", epoch),
-      [options](const BackendEnvironment& env)
-          -> absl::StatusOr<std::unique_ptr<Backend>> {
-        auto backend = TcpBackend::Create(options, env);
-        if (!backend.ok()) return backend.status();
-        return std::unique_ptr<Backend>(std::move(*backend));
-      },
-      epoch);
-  EXPECT_TRUE(agent.ok()) << agent.status();
-  return agent.ok() ? std::move(*agent) : nullptr;
+  return TcpTestAgent(epoch, port, client);
 }
 
 TcpBackend& Tcp(TestAgent& agent) { return agent.backend<TcpBackend>(); }
