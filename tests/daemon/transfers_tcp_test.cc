@@ -48,6 +48,29 @@ v1::Op ReadOp(const client::Buffer& local, uint64_t local_offset,
   return op;
 }
 
+absl::StatusOr<uint64_t> SubmitAsyncTo(v1::RdmaAgent::Stub& stub,
+                                       const v1::SubmitRequest& request) {
+  grpc::ClientContext context;
+  v1::SubmitAsyncResponse response;
+  const absl::Status status =
+      FromGrpcStatus(stub.SubmitAsync(&context, request, &response));
+  if (!status.ok()) return status;
+  return response.transfer_id();
+}
+
+absl::StatusOr<v1::Transfer> GetFrom(v1::RdmaAgent::Stub& stub, uint64_t id,
+                                     int64_t wait_seconds = 0) {
+  grpc::ClientContext context;
+  v1::GetTransfersRequest request;
+  request.add_transfer_ids(id);
+  request.mutable_wait()->set_seconds(wait_seconds);
+  v1::GetTransfersResponse response;
+  const absl::Status status =
+      FromGrpcStatus(stub.GetTransfers(&context, request, &response));
+  if (!status.ok()) return status;
+  return response.transfers(0);
+}
+
 class TransfersTcpTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -68,24 +91,11 @@ class TransfersTcpTest : public ::testing::Test {
   }
 
   absl::StatusOr<uint64_t> SubmitAsync(const v1::SubmitRequest& request) {
-    grpc::ClientContext context;
-    v1::SubmitAsyncResponse response;
-    const absl::Status status =
-        FromGrpcStatus(stub_->SubmitAsync(&context, request, &response));
-    if (!status.ok()) return status;
-    return response.transfer_id();
+    return SubmitAsyncTo(*stub_, request);
   }
 
   absl::StatusOr<v1::Transfer> Get(uint64_t id, int64_t wait_seconds = 0) {
-    grpc::ClientContext context;
-    v1::GetTransfersRequest request;
-    request.add_transfer_ids(id);
-    request.mutable_wait()->set_seconds(wait_seconds);
-    v1::GetTransfersResponse response;
-    const absl::Status status =
-        FromGrpcStatus(stub_->GetTransfers(&context, request, &response));
-    if (!status.ok()) return status;
-    return response.transfers(0);
+    return GetFrom(*stub_, id, wait_seconds);
   }
 
   std::unique_ptr<AgentProcess> a_;
@@ -297,22 +307,14 @@ TEST(TransfersHeldPeerTest, OneWorkerIsNotHeldByATransferToASilentPeer) {
     FillPattern(local->bytes(), 1);
   }
   auto submit = [&](const v1::SubmitRequest& request) -> uint64_t {
-    grpc::ClientContext context;
-    v1::SubmitAsyncResponse response;
-    const absl::Status status =
-        FromGrpcStatus(stub->SubmitAsync(&context, request, &response));
-    EXPECT_TRUE(status.ok()) << status;
-    return response.transfer_id();
+    absl::StatusOr<uint64_t> id = SubmitAsyncTo(*stub, request);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : 0;
   };
   auto get = [&](uint64_t id, int64_t wait_seconds) {
-    grpc::ClientContext context;
-    v1::GetTransfersRequest request;
-    request.add_transfer_ids(id);
-    request.mutable_wait()->set_seconds(wait_seconds);
-    v1::GetTransfersResponse response;
-    EXPECT_TRUE(stub->GetTransfers(&context, request, &response).ok());
-    return response.transfers_size() == 1 ? response.transfers(0)
-                                          : v1::Transfer();
+    absl::StatusOr<v1::Transfer> transfer = GetFrom(*stub, id, wait_seconds);
+    EXPECT_TRUE(transfer.ok()) << transfer.status();
+    return transfer.ok() ? *transfer : v1::Transfer();
   };
 
   ASSERT_EQ(kill((*b)->pid(), SIGSTOP), 0);
