@@ -1469,9 +1469,6 @@ class AgentClient:
         same either way (see the class docstring)."""
         if self._ring_path is not None:
             ops = list(ops)
-            for index, op in enumerate(ops):
-                if not isinstance(op, Op):
-                    raise wrong_type("op %d" % index, op, "an rdma_agent.Op")
             self._release_gone()
             results = self._ring_path.submit(ops, timeout)
             if results is not None:

@@ -768,8 +768,10 @@ class _RingPath:
         self.batches = 0  # run through the ring
 
     def submit(self, ops: list[Op], timeout: float | None) -> list[OpResult] | None:
-        """The batch's results through the ring, or None: take it to gRPC."""
-        if not ops or len(ops) > self.ENTRIES:
+        """The batch's results through the ring, or None: take it to gRPC
+        (which also words what is wrong with a batch that is not all Ops)."""
+        if not ops or len(ops) > self.ENTRIES or \
+                not all(isinstance(op, Op) for op in ops):
             return None
         for _ in range(2):  # a session found ended is replaced once
             ring = self._ring_now()
