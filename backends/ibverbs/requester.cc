@@ -21,7 +21,6 @@
 #include "backends/ibverbs/deadline_timer.h"
 #include "backends/ibverbs/registration_state.h"
 #include "backends/ibverbs/striping.h"
-#include "backends/ibverbs/work_queue.h"
 #include "backends/peer_tls.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
@@ -191,7 +190,8 @@ Requester::Requester(const BackendEnvironment& env,
       options_(options),
       rails_(rails),
       backend_(std::move(backend)),
-      posting_(std::make_unique<WorkQueue>(kPostingThreads, "ibv-posting")),
+      posting_(std::make_unique<Executor>(
+          kPostingThreads, options.max_queued_posting_tasks, "ibv-posting")),
       timer_(std::make_unique<DeadlineTimer>("ibv-deadline")) {}
 
 Requester::~Requester() {
@@ -468,22 +468,29 @@ void Requester::Post(absl::Span<const Op> ops, const StopToken& stop,
   // Lanes already connected are posted to here; the others connect and
   // post on the posting threads, all at once, so that a slow handshake or
   // a full send queue on one does not hold up the others.
+  // Past the posting threads' bound, a lane's bytes fail at once and a
+  // probe waits for a later batch.
   for (PeerPlan& plan : f.plans) {
     for (LaneUse& use : plan.lanes) {
       if (use.work.empty()) continue;
       if (RunLane(f, plan, use, /*may_block=*/false)) continue;
       Hold(f);
-      posting_->Run([this, flight, &plan, &use] {
+      Executor::Task task = [this, flight, &plan, &use] {
         RunLane(*flight, plan, use, /*may_block=*/true);
         Release(*flight, /*may_block=*/true);
-      });
+      };
+      if (!posting_->TryPost(task)) {
+        SettleRest(f, use, RefusedPosting());
+        Release(f, /*may_block=*/false);
+      }
     }
     for (const std::shared_ptr<Lane>& lane : plan.probes) {
       Hold(f);
-      posting_->Run([this, flight, &plan, lane] {
+      Executor::Task task = [this, flight, &plan, lane] {
         ProbeLane(flight->ops, plan, lane, flight->stop);
         Release(*flight, /*may_block=*/true);
-      });
+      };
+      if (!posting_->TryPost(task)) Release(f, /*may_block=*/false);
     }
   }
   Release(f, /*may_block=*/false);
@@ -546,15 +553,42 @@ void Requester::Kick(InFlight& flight, bool may_block) {
                    [this, keep = std::move(keep)] { CutAndEnd(*keep); });
       }
       return;
-    case Next::kRepost:
-      // A repost may connect another lane (a handshake): a posting thread.
-      posting_->Run([this, keep = std::move(keep)] {
+    case Next::kRepost: {
+      // A repost may connect another lane (a handshake): a posting thread;
+      // when their queue is full, the bytes fail here instead.
+      Executor::Task task = [this, keep = std::move(keep)] {
         InFlight& f = *keep;
         Repost(f.ops, f.plans, f.plan_of_op, f.class_of_op,
                f.batch->TakeRetries(), f.batch, f.stop);
         Release(f, /*may_block=*/true);
-      });
+      };
+      if (!posting_->TryPost(task)) {
+        const absl::Status refused = RefusedPosting();
+        for (const PostedBatch::Retry& retry : flight.batch->TakeRetries()) {
+          flight.batch->Settle(retry.range, refused);
+        }
+        Release(flight, may_block);
+      }
       return;
+    }
+  }
+}
+
+absl::Status Requester::RefusedPosting() const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the ibverbs backend's posting threads already have ",
+      options_.max_queued_posting_tasks,
+      " tasks queued (IbverbsOptions::max_queued_posting_tasks); not posted"));
+}
+
+void Requester::SettleRest(InFlight& flight, LaneUse& use,
+                           const absl::Status& why) {
+  for (; use.next_range < use.work.size();
+       ++use.next_range, use.next_offset = 0) {
+    const PostedBatch::Range& range = use.work[use.next_range];
+    flight.batch->Settle({range.op, range.offset + use.next_offset,
+                          range.length - use.next_offset},
+                         why);
   }
 }
 
@@ -596,8 +630,9 @@ void Requester::End(InFlight& flight, bool cut) {
   // drains it, which its own poller must not do. They go here, not with
   // the batch's state, whose last reference a poller may drop later.
   std::vector<PeerPlan> plans = std::move(flight.plans);
+  // Never refused (one per batch ending on a poller).
   if (OnCompletionPollerThread() && !plans.empty()) {
-    posting_->Run([plans = std::move(plans)]() mutable { plans.clear(); });
+    posting_->Post([plans = std::move(plans)]() mutable { plans.clear(); });
   }
   plans.clear();
   std::move(flight.done)(std::move(results));

@@ -21,13 +21,13 @@
 #include "backends/ibverbs/options.h"
 #include "backends/ibverbs/posted_batch.h"
 #include "backends/ibverbs/rails.h"
+#include "common/executor.h"
 #include "common/stop_token.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
 namespace rdma_agent::ibverbs {
 
 class DeadlineTimer;
-class WorkQueue;
 
 // The requesting half of the ibverbs backend: posted batches over lanes (a rail
 // of this agent paired with a rail of the peer, striping.h), their handshakes
@@ -105,6 +105,10 @@ class Requester {
   void Stopped(InFlight& flight);
   // CutShort, then End.
   void CutAndEnd(InFlight& flight);
+  // Why bytes a posting thread would have taken fail: its queue is full.
+  absl::Status RefusedPosting() const;
+  // The bytes planned for `use` not dealt with yet fail with `why`.
+  void SettleRest(InFlight& flight, LaneUse& use, const absl::Status& why);
   // Marks healthy lanes, counts moved bytes, lets the peers go and calls
   // done. `cut`: CutShort ran.
   void End(InFlight& flight, bool cut);
@@ -244,9 +248,10 @@ class Requester {
   const std::string backend_;
   // What may block in a posted batch (handshakes, grants, a full send
   // queue, reposts) runs on these threads; lanes connect and post at once
-  // up to their number.
+  // up to their number. At most options.max_queued_posting_tasks wait:
+  // past it, what would have queued fails (RefusedPosting).
   static constexpr size_t kPostingThreads = 3;
-  std::unique_ptr<WorkQueue> posting_;
+  std::unique_ptr<Executor> posting_;
   // Ends batches at their deadline or cancellation.
   std::unique_ptr<DeadlineTimer> timer_;
 
