@@ -18,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
-#include "backends/ibverbs/deadline_timer.h"
 #include "backends/ibverbs/registration_state.h"
 #include "backends/ibverbs/striping.h"
 #include "backends/peer_tls.h"

@@ -21,13 +21,12 @@
 #include "backends/ibverbs/options.h"
 #include "backends/ibverbs/posted_batch.h"
 #include "backends/ibverbs/rails.h"
+#include "common/deadline_timer.h"
 #include "common/executor.h"
 #include "common/stop_token.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
 namespace rdma_agent::ibverbs {
-
-class DeadlineTimer;
 
 // The requesting half of the ibverbs backend: posted batches over lanes (a rail
 // of this agent paired with a rail of the peer, striping.h), their handshakes

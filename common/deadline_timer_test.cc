@@ -1,6 +1,6 @@
 // DeadlineTimer: the thread ending posted batches at their deadline or
 // cancellation.
-#include "backends/ibverbs/deadline_timer.h"
+#include "common/deadline_timer.h"
 
 #include <pthread.h>
 
@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent::ibverbs {
+namespace rdma_agent {
 namespace {
 
 std::string ThreadName() {
@@ -83,4 +83,4 @@ TEST(DeadlineTimerTest, ATaskMayCancelItselfAndScheduleMore) {
 }
 
 }  // namespace
-}  // namespace rdma_agent::ibverbs
+}  // namespace rdma_agent

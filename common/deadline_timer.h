@@ -1,5 +1,5 @@
-#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_DEADLINE_TIMER_H_
-#define RDMA_AGENTD_BACKENDS_IBVERBS_DEADLINE_TIMER_H_
+#ifndef RDMA_AGENTD_COMMON_DEADLINE_TIMER_H_
+#define RDMA_AGENTD_COMMON_DEADLINE_TIMER_H_
 
 #include <cstdint>
 #include <map>
@@ -12,7 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace rdma_agent::ibverbs {
+namespace rdma_agent {
 
 // One thread running tasks at given times: what ends posted batches at
 // their deadline (or soon after their cancellation) without a thread
@@ -52,6 +52,6 @@ class DeadlineTimer {
   std::thread thread_;
 };
 
-}  // namespace rdma_agent::ibverbs
+}  // namespace rdma_agent
 
-#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_DEADLINE_TIMER_H_
+#endif  // RDMA_AGENTD_COMMON_DEADLINE_TIMER_H_
