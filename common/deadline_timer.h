@@ -14,11 +14,11 @@
 
 namespace rdma_agent {
 
-// One thread running tasks at given times: what ends posted batches at
-// their deadline (or soon after their cancellation) without a thread
-// waiting on each. Tasks run one at a time, in time order, on that thread;
-// they may block briefly (a queue pair's drain), which delays the others.
-// Thread-safe.
+// One thread running tasks at given times: what ends a backend's posted
+// batches at their deadline (or soon after their cancellation) without a
+// thread waiting on each. Tasks run one at a time, in time order, on that
+// thread; they may block briefly (e.g. an ibverbs queue pair's drain),
+// which delays the others. Thread-safe.
 class DeadlineTimer {
  public:
   using Task = absl::AnyInvocable<void() &&>;
