@@ -61,10 +61,33 @@ void* operator new(size_t size, std::align_val_t align) {
   }
   throw std::bad_alloc();
 }
+// Every other form too, so that all of them count and pair with free
+// (under AddressSanitizer, a form not replaced here would be its own).
+void* operator new[](size_t size) { return operator new(size); }
+void* operator new[](size_t size, std::align_val_t align) {
+  return operator new(size, align);
+}
+void* operator new(size_t size, const std::nothrow_t&) noexcept {
+  Count();
+  return std::malloc(size == 0 ? 1 : size);
+}
+void* operator new[](size_t size, const std::nothrow_t& nothrow) noexcept {
+  return operator new(size, nothrow);
+}
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, size_t) noexcept { std::free(p); }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
   std::free(p);
 }
 
