@@ -125,8 +125,8 @@ void AttachServer::Serve(Connection* connection) {
         fd_out = std::move(connection->fd);
         charge = std::move(connection->charge);
       }
-      options_.open_ring(std::move(fd_out), std::move(charge),
-                         connection->peer, request.open_ring());
+      options_.open_ring(std::move(fd_out), std::move(charge), connection->peer,
+                         request.open_ring());
       break;
     }
     // `reply.buffer` pins the registration until its fd has been sent.

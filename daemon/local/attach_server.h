@@ -23,9 +23,10 @@ namespace rdma_agent {
 // ask for the fd of their own host-memory registrations to map them. Each
 // connection is served on its own thread, within the attach-connection quota of
 // its user and of everybody, until it opens a ring: then it is handed over,
-// with its place in the quota, and its thread ends. Attached memory is admitted before it is mapped:
-// its size against the largest registration and the bytes quota, the fd against
-// the parked-attachment quota. Whatever is refused is closed at once.
+// with its place in the quota, and its thread ends. Attached memory is admitted
+// before it is mapped: its size against the largest registration and the bytes
+// quota, the fd against the parked-attachment quota. Whatever is refused is
+// closed at once.
 class AttachServer {
  public:
   struct Options {

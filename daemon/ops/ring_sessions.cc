@@ -168,8 +168,8 @@ class RingSessions::Session {
   bool ending_ = false;
   uint32_t seen_tail_ = 0;  // sq_tail as the last turn read it
   uint32_t head_ = 0;       // next submission to take
-  uint32_t cq_tail_ = 0;   // next completion slot
-  uint32_t reserved_ = 0;  // completion slots of batches taken
+  uint32_t cq_tail_ = 0;    // next completion slot
+  uint32_t reserved_ = 0;   // completion slots of batches taken
   ring::Batch batch_;
   std::vector<TakenPtr> running_;  // in the order taken
   TakenPtr waiting_;  // taken, waiting for room under the ops bound
@@ -587,9 +587,9 @@ class RingSessions::Thread {
     UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
     UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!epoll.valid() || !wakeup.valid()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "ring thread ", index, ": no epoll set or eventfd: ",
-          std::strerror(errno)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ring thread ", index,
+                       ": no epoll set or eventfd: ", std::strerror(errno)));
     }
     // The eventfd's events carry no session.
     struct epoll_event event = {};
@@ -788,8 +788,7 @@ bool RingSessions::Thread::Sleep() {
   return slept || work;
 }
 
-void RingSessions::Thread::Handle(const struct epoll_event* events,
-                                  int count) {
+void RingSessions::Thread::Handle(const struct epoll_event* events, int count) {
   for (int i = 0; i < count; ++i) {
     auto* session = static_cast<Session*>(events[i].data.ptr);
     if (session == nullptr) {
@@ -820,13 +819,13 @@ RingSessions::RingSessions(const RingLimits& limits,
           {limits.max_sessions_per_user, limits.max_sessions})) {}
 
 absl::StatusOr<std::unique_ptr<RingSessions>> RingSessions::Start(
-    const RingLimits& limits, const OpBatchEnvironment& env,
-    ActiveCalls* calls, std::shared_ptr<ResourceQuota> bytes,
-    TransferTable* transfers, const PreparedTransferTable* prepared) {
+    const RingLimits& limits, const OpBatchEnvironment& env, ActiveCalls* calls,
+    std::shared_ptr<ResourceQuota> bytes, TransferTable* transfers,
+    const PreparedTransferTable* prepared) {
   if (limits.threads < 1 || limits.threads > kMaxRingThreads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--ring_threads must be 1 to ", kMaxRingThreads, ", not ",
-        limits.threads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ring_threads must be 1 to ", kMaxRingThreads, ", not ",
+                     limits.threads));
   }
   std::unique_ptr<RingSessions> rings(new RingSessions(
       limits, env, calls, std::move(bytes), transfers, prepared));
@@ -910,8 +909,8 @@ void RingSessions::Open(UniqueFd connection, QuotaCharge connection_charge,
   // Answered before the hand-over: from then on only the ring thread
   // touches the connection.
   if (!SendFdMessage(fd, response, memfd).ok()) return Forget(session.get());
-  spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid,
-                peer.pid, geometry->entries);
+  spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid, peer.pid,
+                geometry->entries);
   absl::MutexLock lock(&mu_);
   if (closed_) {
     // The threads are ending: this session, which took nothing, ends here

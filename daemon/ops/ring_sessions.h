@@ -40,8 +40,8 @@ struct RingLimits {
   uint32_t max_entries = 4096;
   // Sessions open at once, for one user and over all users. Each holds an
   // attach connection, a memfd and its mapping, and a place on a ring
-  // thread: a process needs one per submitting thread at most, so 4 covers a few
-  // worker threads per user, and 64 in all stays a quarter of the attach
+  // thread: a process needs one per submitting thread at most, so 4 covers a
+  // few worker threads per user, and 64 in all stays a quarter of the attach
   // connections' total (256), so rings never starve plain attach traffic.
   uint64_t max_sessions_per_user = 4;
   uint64_t max_sessions = 64;
