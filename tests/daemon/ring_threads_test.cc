@@ -372,6 +372,7 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
   EXPECT_TRUE(held_);
   auto again = a_->client().OpenRing(8);
   EXPECT_TRUE(again.ok()) << again.status();
+  Resume();  // before `far` is released on B
 }
 
 TEST_F(RingThreadsTest, AStoppingAgentEndsTheSessionsOfEveryRingThread) {
