@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "backends/buffer_table.h"
+#include "common/unique_fd.h"
 #include "daemon/limits/quota.h"
 #include "daemon/local/attach_tokens.h"
 #include "daemon/local/unix_socket.h"
