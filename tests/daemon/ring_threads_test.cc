@@ -23,12 +23,15 @@
 #include "absl/time/clock.h"
 #include "client/rdma_agent_client.h"
 #include "client/ring.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/worker_process.h"
 #include "tests/daemon/agent_gauges.h"
 #include "tests/testing/agent_process.h"
 #include "tests/testing/eventually.h"
 #include "tests/testing/pattern.h"
+#include "tests/testing/process.h"
+#include "tests/testing/temp_dir.h"
 
 namespace rdma_agent::testing {
 namespace {
@@ -38,6 +41,7 @@ using client::Buffer;
 using client::Ring;
 using client::RingCompletion;
 using client::RingOp;
+using ::testing::HasSubstr;
 
 constexpr uint64_t kSize = 4096;
 constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
@@ -167,6 +171,21 @@ class RingThreadsTest : public ::testing::Test {
   std::unique_ptr<AgentProcess> b_;
   bool held_ = false;
 };
+
+TEST_F(RingThreadsTest, RingThreadsOutOfRangeAreRefusedAtStart) {
+  for (const char* threads : {"0", "65"}) {
+    TempDir dir;
+    auto result = RunToCompletion(
+        {RunfilePath("daemon/rdma-agentd"), "--runtime_dir=" + dir.path(),
+         "--state_dir=" + dir.path() + "/state", "--backends=memory",
+         absl::StrCat("--ring_threads=", threads)},
+        "", absl::Seconds(20));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->exit_code, 2) << threads;
+    EXPECT_THAT(result->out + result->err,
+                HasSubstr("--ring_threads must be 1 to 64"));
+  }
+}
 
 TEST_F(RingThreadsTest, EightSessionsOnOneRingThreadAddNoThreads) {
   constexpr int kSessions = 8;
