@@ -669,7 +669,7 @@ void RingSessions::Thread::Run() {
   const absl::Duration spin = owner_->limits_.spin;
   absl::Time last_work = absl::Now();
   struct epoll_event events[kEvents];
-  int idle_turns = 0;
+  uint32_t passes = 0;
   for (;;) {
     if (has_incoming_.load(std::memory_order_acquire) && TakeIncoming()) {
       last_work = absl::Now();
@@ -703,16 +703,15 @@ void RingSessions::Thread::Run() {
     }
     if (worked) {
       last_work = absl::Now();
+    } else if (!may_spin || absl::Now() - last_work >= spin) {
+      if (Sleep()) last_work = absl::Now();
       continue;
     }
-    if (may_spin && absl::Now() - last_work < spin) {
-      // Doorbells and closes are looked at now and then while spinning.
-      if (++idle_turns % 64 == 0) {
-        Handle(events, ::epoll_wait(epoll_.get(), events, kEvents, 0));
-      }
-      continue;
+    // Busy or spinning: the connections are looked at now and then, so
+    // that a session's close is seen while others keep the thread busy.
+    if (++passes % 64 == 0) {
+      Handle(events, ::epoll_wait(epoll_.get(), events, kEvents, 0));
     }
-    if (Sleep()) last_work = absl::Now();
   }
 }
 

@@ -11,10 +11,12 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -369,29 +371,62 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
   ASSERT_TRUE(Eventually([&] {
     return ScrapeSum(*a_, "rdma_agentd_transfers_in_flight").value_or(0) == 1;
   }));
+
+  // The other session on the thread keeps it busy meanwhile: 4 WRITEs in
+  // flight at all times, each reaped within 2 s.
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> completed{0};
+  absl::Status busy_error;
+  std::thread busy([&] {
+    uint64_t tag = 100;
+    while (!stop.load() || ring->in_flight() > 0) {
+      while (!stop.load() && ring->in_flight() < 4) {
+        const RingOp op = Op(kWrite, local.id(), 8 * (tag % 64), 8, near_handle,
+                             8 * (tag % 64), tag);
+        busy_error = ring->Submit({&op, 1});
+        if (!busy_error.ok()) return;
+        ++tag;
+      }
+      std::vector<RingCompletion> ends;
+      auto got = ring->Wait(&ends, absl::Seconds(2));
+      if (!got.ok()) {
+        busy_error = got.status();
+        return;
+      }
+      for (const RingCompletion& end : ends) {
+        if (!end.status.ok()) busy_error = end.status;
+      }
+      if (!busy_error.ok()) return;
+      completed += ends.size();
+    }
+  });
   worker->process().Signal(SIGKILL);
   ASSERT_TRUE(worker->process().Wait(absl::Seconds(30)).ok());
-
-  // The other session on the thread keeps going meanwhile and after.
-  for (uint64_t i = 0; i < 50; ++i) {
-    const RingCompletion end = WriteOnce(
-        *ring, local.id(), near_handle, 8 * (i % 64), 10 + i, absl::Seconds(2));
-    ASSERT_TRUE(end.status.ok()) << "op " << i << ": " << end.status;
-  }
   // The killed session ended while B is still held: its batch cancelled,
-  // its place, its ring's and buffer's bytes and its ops given back.
+  // its place and its ring's and buffer's bytes given back.
   EXPECT_TRUE(Eventually([&] {
     return ScrapeSum(*a_, "rdma_agentd_ring_sessions").value_or(-1) == 1 &&
            ScrapeSum(*a_, "rdma_agentd_transfers_in_flight").value_or(-1) ==
                0 &&
-           ScrapeSum(*a_, "rdma_agentd_ops_in_flight").value_or(-1) == 0 &&
            ScrapeSum(*a_, "rdma_agentd_registered_bytes").value_or(-1) ==
                *bytes_before;
+  }));
+  const uint64_t before_stop = completed.load();
+  stop = true;
+  busy.join();
+  EXPECT_TRUE(busy_error.ok()) << busy_error;
+  EXPECT_GT(before_stop, 0u);
+  // And its ops' admission.
+  EXPECT_TRUE(Eventually([&] {
+    return ScrapeSum(*a_, "rdma_agentd_ops_in_flight").value_or(-1) == 0;
   }));
   EXPECT_TRUE(held_);
   auto again = a_->client().OpenRing(8);
   EXPECT_TRUE(again.ok()) << again.status();
   Resume();  // before `far` is released on B
+  // Every WRITE moved local [0, 512) onto the same range of `near` alone.
+  EXPECT_EQ(FirstMismatch(near.bytes(), 5, 0, 0, 512, 6), std::nullopt);
+  EXPECT_EQ(FindMismatch(local.bytes(), 5), std::nullopt);
 }
 
 TEST_F(RingThreadsTest, AStoppingAgentEndsTheSessionsOfEveryRingThread) {
