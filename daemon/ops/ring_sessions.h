@@ -66,7 +66,7 @@ struct RingLimits {
   absl::Duration spin = absl::Microseconds(200);
   // A batch whose ops all run on the memory backend (both sides on this
   // agent) and move at most this many bytes in all runs on the session's
-  // own thread: it cannot wait on anything outside the agent and ends
+  // ring thread: it cannot wait on anything outside the agent and ends
   // within microseconds, so handing it to a transfer worker would cost
   // more than running it. Every other batch runs as a transfer (and only
   // those can be reached by a CANCEL before they end). 0: none inline.
