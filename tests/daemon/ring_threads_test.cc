@@ -275,9 +275,18 @@ TEST_F(RingThreadsTest, StalledSessionsHoldUpOnlyThemselvesOnTheirThread) {
   Buffer near = Filled(*a_, 4);
   const uint64_t near_handle = Import(near);
 
-  // Session 1: a READ from the held peer, running until B resumes.
+  // Session 1: a READ from the held peer, running until B resumes. One
+  // READ before the hold connects A to B, so that the held one waits on B
+  // alone.
   std::unique_ptr<Ring> held = Open();
   ASSERT_NE(held, nullptr);
+  Buffer warm = Filled(*a_, 9);
+  const RingOp warm_read = Op(kRead, warm.id(), 0, 64, far_handle, 0, 0);
+  ASSERT_TRUE(held->Submit({&warm_read, 1}).ok());
+  std::vector<RingCompletion> warmed = Reap(*held, 1);
+  ASSERT_EQ(warmed.size(), 1u);
+  ASSERT_TRUE(warmed[0].status.ok()) << warmed[0].status;
+  EXPECT_EQ(FirstMismatch(warm.bytes(), 2, 0, 0, 64, 9), std::nullopt);
   Hold();
   const RingOp far_read =
       Op(kRead, held_local.id(), 100, 1000, far_handle, 200, 1);
@@ -316,7 +325,7 @@ TEST_F(RingThreadsTest, StalledSessionsHoldUpOnlyThemselvesOnTheirThread) {
   EXPECT_EQ(held->in_flight(), 1u);
   std::vector<RingCompletion> early;
   ASSERT_TRUE(held->Poll(&early).ok());
-  EXPECT_TRUE(early.empty());
+  EXPECT_TRUE(early.empty()) << early[0].status;
 
   // Both stalls clear on their own: B resumes, the client reaps.
   Resume();
@@ -379,8 +388,10 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
   absl::Status busy_error;
   std::thread busy([&] {
     uint64_t tag = 100;
-    while (!stop.load() || ring->in_flight() > 0) {
-      while (!stop.load() && ring->in_flight() < 4) {
+    // Until stopped, and at least 64 WRITEs: every offset below 512 once.
+    const auto more = [&] { return !stop.load() || tag < 164; };
+    while (more() || ring->in_flight() > 0) {
+      while (more() && ring->in_flight() < 4) {
         const RingOp op = Op(kWrite, local.id(), 8 * (tag % 64), 8, near_handle,
                              8 * (tag % 64), tag);
         busy_error = ring->Submit({&op, 1});
@@ -400,6 +411,7 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
       completed += ends.size();
     }
   });
+  EXPECT_TRUE(Eventually([&] { return completed.load() >= 8; }));
   worker->process().Signal(SIGKILL);
   ASSERT_TRUE(worker->process().Wait(absl::Seconds(30)).ok());
   // The killed session ended while B is still held: its batch cancelled,
@@ -411,11 +423,12 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
            ScrapeSum(*a_, "rdma_agentd_registered_bytes").value_or(-1) ==
                *bytes_before;
   }));
-  const uint64_t before_stop = completed.load();
+  // The busy session still runs.
+  const uint64_t after_end = completed.load();
+  EXPECT_TRUE(Eventually([&] { return completed.load() > after_end + 8; }));
   stop = true;
   busy.join();
   EXPECT_TRUE(busy_error.ok()) << busy_error;
-  EXPECT_GT(before_stop, 0u);
   // And its ops' admission.
   EXPECT_TRUE(Eventually([&] {
     return ScrapeSum(*a_, "rdma_agentd_ops_in_flight").value_or(-1) == 0;
