@@ -93,6 +93,16 @@ class Pipeline {
 
   PipelineOutcome Run(absl::Time deadline);
 
+  // What Pump asks its caller to wait for.
+  enum class Wait { kNone, kReadable, kReadableOrWritable };
+  // Run for an event loop: never blocks (and never splices). Sends what
+  // the socket takes and takes in what has arrived. kNone: the lane ended,
+  // as `outcome` says (healthy when every chunk was answered); else call
+  // again once the socket is ready as asked. The deadline is not watched:
+  // the caller shuts the socket down when it passes (the next Pump then
+  // fails).
+  Wait Pump(PipelineOutcome& outcome);
+
   // Fails every chunk still in the window with `status`.
   void FailWindow(const absl::Status& status);
 
@@ -159,6 +169,8 @@ class Pipeline {
   PipelineOutcome& Ended(const absl::Status& status, PipelineOutcome& outcome);
 
   bool zero_copy_send_;  // cleared if no PageSender can be made
+  // Set by Pump, cleared by Run: no call blocks.
+  bool nonblocking_ = false;
   const absl::Duration no_progress_timeout_;
   std::optional<PageSender> pages_;
   ChunkSource& source_;
