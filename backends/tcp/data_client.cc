@@ -244,6 +244,9 @@ struct DataClient::LoopLane final : public ClientLoop::Watcher {
 
 namespace {
 
+// The longest the timekeeper sleeps: 10 wake-ups a second, however idle.
+constexpr absl::Duration kTimekeeperTick = absl::Milliseconds(100);
+
 // The one message for a peer that could not be reached, whatever the
 // reason: refused, timed out, reset, not an agent. Callers must not learn
 // more about other services than "not an agent they can use".
@@ -341,8 +344,10 @@ void DataClient::Post(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
   SubmitRun* run = StartRun(ops, std::move(batches), std::move(results), stop,
                             std::move(done), small ? &own_lane : nullptr,
                             /*one_lane=*/small);
-  // Under the hold: the run cannot end while this thread starts its lane.
-  if (own_lane != nullptr && !StartLoopLane(*run, *own_lane)) {
+  if (own_lane != nullptr) {
+    // The loop's lane takes the hold over: its done comes from the loop
+    // even when the answer arrives before this thread gets here.
+    if (StartLoopLane(*run, *own_lane)) return;
     QueueLane(LaneJob{run, own_lane});
   }
   EndJob(run);  // the hold: ends the run here when nothing could start
@@ -371,10 +376,10 @@ bool DataClient::StartLoopLane(SubmitRun& submit, PeerRun& peer) {
   lane->pipeline.Restart(lane->connection.fd.get(), lane->connection.armed);
   {
     absl::MutexLock lock(&mu_);
-    ++submit.unfinished_jobs;  // the lane's, ended by EndLoopLane
     // Nothing but the timekeeper ends the lane at the deadline.
     if (submit.stop.deadline() < timekeeper_wakes_at_) timekeeper_cv_.Signal();
   }
+  // The caller's hold is the lane's job from here.
   PumpLoopLane(lane, /*armed=*/false);
   return true;
 }
@@ -627,6 +632,10 @@ void DataClient::TimekeeperLoop() {
       run = following;
     }
     if (!runs_to_finish_.empty()) continue;
+    // Never asleep for longer than a tick: a run whose deadline is further
+    // away than that need not wake it (a loop's small batch would otherwise
+    // pay a thread wake-up to post).
+    next = std::min(next, now + kTimekeeperTick);
     timekeeper_wakes_at_ = next;
     timekeeper_cv_.WaitWithDeadline(&mu_, next);
   }

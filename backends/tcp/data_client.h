@@ -229,8 +229,10 @@ class DataClient {
   bool FitsALoop(absl::Span<const Op> ops,
                  const std::vector<PeerBatch>& batches) const;
   // Starts `peer`'s lane of a held run on a loop: sends on an idle pooled
-  // connection from this thread and arms the socket. False (nothing
-  // started) when no idle connection to the peer is open.
+  // connection from this thread and arms the socket. True: the lane took
+  // the caller's hold over as its job (the caller must not touch the run
+  // again). False (nothing started, the hold kept) when no idle connection
+  // to the peer is open.
   bool StartLoopLane(SubmitRun& submit, PeerRun& peer);
   // On the lane's loop (or the posting thread, first): sends and receives
   // what the socket allows, and arms it again or ends the lane.
