@@ -48,6 +48,11 @@ struct DataClient::SubmitRun {
   // Cancelled or past the deadline: queued jobs were dropped and the sockets
   // in `active` shut down; nothing new starts.
   bool aborted ABSL_GUARDED_BY(DataClient::mu_) = false;
+  // A loop's lane not answered in full by then has stalled (it holds no
+  // thread to notice, so the timekeeper does): the run is aborted and
+  // `stalled` set.
+  absl::Time stall_at ABSL_GUARDED_BY(DataClient::mu_) = absl::InfiniteFuture();
+  bool stalled ABSL_GUARDED_BY(DataClient::mu_) = false;
   // Sockets its lanes use right now (dialling or carrying requests).
   std::vector<int> active ABSL_GUARDED_BY(DataClient::mu_);
   // Lanes not started yet: one entry per connection wanted to a peer.
@@ -376,8 +381,15 @@ bool DataClient::StartLoopLane(SubmitRun& submit, PeerRun& peer) {
   lane->pipeline.Restart(lane->connection.fd.get(), lane->connection.armed);
   {
     absl::MutexLock lock(&mu_);
-    // Nothing but the timekeeper ends the lane at the deadline.
-    if (submit.stop.deadline() < timekeeper_wakes_at_) timekeeper_cv_.Signal();
+    // Nothing but the timekeeper ends the lane at its deadline, or when it
+    // stalls.
+    if (options_.no_progress_timeout > absl::ZeroDuration()) {
+      submit.stall_at = absl::Now() + options_.no_progress_timeout;
+    }
+    if (std::min(submit.stop.deadline(), submit.stall_at) <
+        timekeeper_wakes_at_) {
+      timekeeper_cv_.Signal();
+    }
   }
   // The caller's hold is the lane's job from here.
   PumpLoopLane(lane, /*armed=*/false);
@@ -412,19 +424,25 @@ void DataClient::EndLoopLane(LoopLane* lane, bool armed,
   if (armed) lane->loop.Forget(lane->connection.fd.get());
   Release(submit, peer, std::move(lane->connection), outcome.healthy);
   if (!outcome.healthy) {
-    if (outcome.answered == 0 && !submit.stop.stopped()) {
-      // The pooled connection was most likely stale (peer restarted): a
-      // worker re-sends the window on a fresh one, as RunLane does. The
-      // lane's job goes with it.
+    bool stalled;
+    {
       absl::MutexLock lock(&mu_);
-      if (!submit.aborted) {
+      stalled = submit.stalled;
+      if (!submit.aborted && outcome.answered == 0 && !submit.stop.stopped()) {
+        // The pooled connection was most likely stale (peer restarted): a
+        // worker re-sends the window on a fresh one, as RunLane does. The
+        // lane's job goes with it.
+        submit.stall_at = absl::InfiniteFuture();  // the worker watches it
         submit.queued.push_back(LaneJob{&submit, &peer, owned.release()});
         if (submit.queued.size() == 1) runs_.push_back(&submit);
         work_cv_.Signal();
         return;
       }
     }
-    const absl::Status status = LaneFailure(submit.stop, peer, outcome);
+    const absl::Status status =
+        stalled && !submit.stop.stopped()
+            ? absl::UnavailableError(lane->pipeline.NoProgressMessage())
+            : LaneFailure(submit.stop, peer, outcome);
     lane->pipeline.FailWindow(status);
     peer.LaneGaveUp(status, /*unreachable=*/false);
   }
@@ -615,9 +633,10 @@ void DataClient::TimekeeperLoop() {
     }
     if (stopping_) return;
     // Runs past their deadline end now: their queued lanes may wait for
-    // workers busy elsewhere, and their running lanes are cut off (each
-    // also watches the deadline itself). O(runs in flight) per wake-up;
-    // it wakes at deadlines, which are far apart compared to a scan.
+    // workers busy elsewhere, and their running lanes are cut off (a
+    // worker's also watches the deadline itself; a loop's does not, nor
+    // whether it stalled). O(runs in flight) per wake-up; it wakes at
+    // deadlines and at most every tick, rarely compared to a scan.
     const absl::Time now = absl::Now();
     absl::Time next = absl::InfiniteFuture();
     for (SubmitRun* run = live_; run != nullptr;) {
@@ -625,8 +644,11 @@ void DataClient::TimekeeperLoop() {
       if (!run->aborted) {
         if (run->stop.deadline() <= now) {
           if (AbortLocked(*run)) runs_to_finish_.push_back(run);
+        } else if (run->stall_at <= now) {
+          run->stalled = true;
+          if (AbortLocked(*run)) runs_to_finish_.push_back(run);
         } else {
-          next = std::min(next, run->stop.deadline());
+          next = std::min({next, run->stop.deadline(), run->stall_at});
         }
       }
       run = following;

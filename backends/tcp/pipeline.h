@@ -106,6 +106,10 @@ class Pipeline {
   // Fails every chunk still in the window with `status`.
   void FailWindow(const absl::Status& status);
 
+  // Why a lane gave up on a peer that moved nothing for
+  // `no_progress_timeout` (names the flag).
+  std::string NoProgressMessage() const;
+
  private:
   struct InFlight {
     Chunk chunk;
@@ -164,8 +168,6 @@ class Pipeline {
 
   absl::Status ProtocolError(absl::string_view what) const;
   std::string DeadlineMessage() const;
-  // Why Run gave up on a peer that moved nothing.
-  std::string NoProgressMessage() const;
   PipelineOutcome& Ended(const absl::Status& status, PipelineOutcome& outcome);
 
   bool zero_copy_send_;  // cleared if no PageSender can be made

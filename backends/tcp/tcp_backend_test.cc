@@ -1075,6 +1075,39 @@ TEST(TcpBackendLoopTest, CancellingALoopOpEndsItAtOnce) {
   EXPECT_EQ(posted.calls.load(), 1);
 }
 
+TEST(TcpBackendLoopTest, AStalledLoopOpIsUnavailableLongBeforeItsDeadline) {
+  DataClientOptions options;
+  options.no_progress_timeout = absl::Milliseconds(200);
+  auto a = Agent(/*epoch=*/135, 0, options);
+  auto b = Agent(/*epoch=*/136);
+  WarmPool(*a, *b);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  const Op held =
+      MakeOp(2, v1::OP_TYPE_READ_INTO_LOCAL, local, 8, 8, remote, 64);
+
+  b->gate().Close(In(kHeld));
+  const absl::Time start = absl::Now();
+  Posted posted;
+  PostTo(Tcp(*a), {&held, 1}, In(absl::Seconds(30)), posted);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_GE(posted.at - start, options.no_progress_timeout);
+  EXPECT_LT(posted.at - start,
+            options.no_progress_timeout + absl::Milliseconds(250));
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kUnavailable)
+      << posted.statuses[0];
+  EXPECT_NE(posted.statuses[0].message().find("--tcp_no_progress_timeout"),
+            std::string::npos)
+      << posted.statuses[0];
+  EXPECT_EQ(posted.thread, kLoopThread);
+  b->gate().Open();
+  ASSERT_TRUE(b->gate().AwaitNoneHeld(absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(50));
+  ExpectBytes(local, local_image, "local after the stall");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
 TEST(TcpBackendLoopTest, PeerDyingMidAnswerIsUnavailableFromTheLoop) {
   auto a = Agent(/*epoch=*/141);
   FakePeer peer;
