@@ -70,7 +70,8 @@ void ClientLoop::Forget(int fd) {
 
 absl::Status ClientLoop::Control(int op, int fd, bool write, Watcher* watcher) {
   epoll_event event{};
-  event.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT | (write ? EPOLLOUT : 0);
+  event.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  if (write) event.events |= EPOLLOUT;
   event.data.ptr = watcher;
   if (epoll_ctl(epoll_.get(), op, fd, &event) < 0) {
     return absl::UnavailableError(
