@@ -272,9 +272,8 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
       options.connect_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tcp client options out of range: connections per peer, max in "
-        "flight, threads and max connections must be >= 1, loops >= 0, chunk "
-        "bytes in "
-        "[1, ",
+        "flight, threads and max connections must be >= 1, loops >= 0, "
+        "chunk bytes in [1, ",
         kMaxPayloadBytes,
         "], socket buffer bytes and idle connection limits >= 0, idle and "
         "connect timeouts > 0"));
