@@ -36,15 +36,15 @@ absl::StatusOr<std::unique_ptr<ClientLoop>> ClientLoop::Start(
     return Errno("epoll_ctl");
   }
   try {
-    loop->thread_ =
-        std::thread([raw = loop.get(), name = std::string(thread_name)] {
-          pthread_setname_np(pthread_self(), name.c_str());
-          raw->Loop();
-        });
+    loop->thread_ = std::thread([raw = loop.get()] { raw->Loop(); });
   } catch (const std::system_error& error) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "tcp client loop: cannot start its thread: ", error.what()));
   }
+  // Named before Start returns (not by the thread itself, later), so that
+  // whoever counts threads by name right after sees it.
+  pthread_setname_np(loop->thread_.native_handle(),
+                     std::string(thread_name).c_str());
   return loop;
 }
 
