@@ -196,7 +196,7 @@ TEST_F(AbandonedTcpWorkTest, KilledClientsConnectionsToAStalledPeerClose) {
                                           absl::Base64Escape(peer.Context())))
                   .ok());
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
-  while (!peer.talking() > 0 && absl::Now() < give_up) {
+  while (peer.talking() == 0 && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   ASSERT_TRUE(peer.talking() > 0) << "the Submit never reached the peer";
