@@ -3,9 +3,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,11 +39,50 @@ class FailedOpLog {
   void Op(const PeerCredentials& caller, absl::string_view rpc,
           const v1::Op& op, const std::string& backend,
           const absl::Status& status);
+  // The same for an op of the agent's own paths (a ring's native batches).
+  void Op(const PeerCredentials& caller, absl::string_view rpc,
+          const OpSpec& op, const std::string& backend,
+          const absl::Status& status);
   void Notification(const PeerCredentials& caller, absl::string_view rpc,
                     const v1::RemoteBuffer& remote, const absl::Status& status);
 
  private:
+  // One line (a warning when the limiter let it pass: `suppressed` set,
+  // else at debug); `remote` says where the op went.
+  void Log(std::optional<uint64_t> suppressed, const PeerCredentials& caller,
+           absl::string_view rpc,
+           v1::OpType type, uint64_t length, uint64_t local_buffer_id,
+           const std::string& remote, const std::string& backend,
+           const absl::Status& status);
+
   LogRateLimiter limiter_{absl::Seconds(1), 20};
+};
+
+// The metrics of a batch's ended ops, as every path records them: ops that
+// ended alike (backend, type, code, latency) are counted together, one
+// label lookup per group rather than per op; each retry is counted on its
+// own. Add every op, then Record once. Without metrics, does nothing.
+class OpEndTally {
+ public:
+  explicit OpEndTally(AgentMetrics* metrics) : metrics_(metrics) {}
+
+  void Add(v1::OpType type, uint64_t length, const OpOutcome& outcome);
+  // Records the groups; the tally is empty again.
+  void Record();
+
+ private:
+  struct Alike {
+    uint64_t count = 0;
+    uint64_t bytes = 0;
+  };
+  using Key = std::tuple<std::string, int, int, int64_t>;
+
+  AgentMetrics* const metrics_;
+  std::map<Key, Alike> alike_;
+  // Consecutive ops mostly ended alike: their group is found without a
+  // map lookup.
+  const Key* last_key_ = nullptr;
+  Alike* last_ = nullptr;
 };
 
 // What every batch of an agent runs with. Everything outlives the batches.

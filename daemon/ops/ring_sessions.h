@@ -50,13 +50,6 @@ struct RingLimits {
   // How long a session keeps looking at its ring after work before it sets
   // NEEDS_WAKEUP and sleeps on its connection.
   absl::Duration spin = absl::Microseconds(200);
-  // A batch whose ops all run on the memory backend (both sides on this
-  // agent) and move at most this many bytes in all runs on the session's
-  // own thread: it cannot wait on anything outside the agent and ends
-  // within microseconds, so handing it to a transfer worker would cost
-  // more than running it. Every other batch runs as a transfer (and only
-  // those can be reached by a CANCEL before they end). 0: none inline.
-  uint64_t inline_bytes = 64 * 1024;
 };
 
 // One open session as GetInfo reports it.
@@ -75,15 +68,18 @@ struct RingSessionInfo {
 // The shared-memory rings of local clients (docs/RING.md). Each session
 // is served by the attach connection that opened it (AttachServer's
 // serve_ring) and acts for that connection's uid. Its batches run
-// asynchronously as transfers of the agent's TransferTable (the same
-// workers, bounds and cancellation as SubmitAsync): a worker starts one and
-// no thread waits for it; its end, on the thread that ended it, only wakes
-// the session (a Poll's callback writes its eventfd), whose thread alone
-// writes the completions. So the session keeps reading its ring while they
-// run: several batches may be in flight, and a CANCEL entry reaches a
-// running batch. The ring is hostile input: entries
-// are copied out once and then checked (common/ring_protocol.h), and a
-// client whose indices are impossible has its session stopped with a
+// asynchronously: a batch of READs and WRITEs is prepared from its entries
+// into the session's own reused vectors and posted to the backends
+// (BackendRegistry::PostInPlace) by the session's thread, without protobuf
+// and without a transfer; a batch with a notification (which may block)
+// runs as a transfer of the agent's TransferTable. No thread waits for
+// either: a batch's end, on the thread that ended it, only wakes the session
+// (a memory batch usually ends inside PostInPlace, and completes on the
+// same turn), whose thread alone writes the completions. So the session
+// keeps reading its ring while they run: several batches may be in flight,
+// and a CANCEL entry reaches a running batch. The ring is hostile input:
+// entries are copied out once and then checked (common/ring_protocol.h),
+// and a client whose indices are impossible has its session stopped with a
 // reason it can read. Thread-safe; sessions run concurrently on their own
 // connections' threads.
 class RingSessions {
