@@ -688,11 +688,13 @@ void RingSessions::Session::CancelAll() {
   absl::Status reason = owner_->stopping_.reason();
   if (reason.ok()) reason = absl::CancelledError("the ring session ended");
   if (waiting_ != nullptr) Complete(std::move(waiting_), reason, false);
+  // Running ops end CANCELLED, as a CANCEL would end them.
+  const absl::Status cancelled = absl::CancelledError(reason.message());
   for (const TakenPtr& running : running_) {
     if (running->poll != nullptr) {
       (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
     } else {
-      running->cancel->Cancel(reason);
+      running->cancel->Cancel(cancelled);
     }
   }
   // Cancel returned once each transfer had ended; native batches end
