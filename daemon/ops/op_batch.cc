@@ -1,7 +1,5 @@
 #include "daemon/ops/op_batch.h"
 
-#include <map>
-#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -90,32 +88,40 @@ void FailedOpLog::Log(std::optional<uint64_t> suppressed,
 void OpEndTally::Add(v1::OpType type, uint64_t length,
                      const OpOutcome& outcome) {
   if (metrics_ == nullptr) return;
-  const int code = static_cast<int>(outcome.status.code());
-  const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
-  if (last_ == nullptr || std::get<3>(*last_key_) != nanos ||
-      std::get<2>(*last_key_) != code || std::get<1>(*last_key_) != type ||
-      std::get<0>(*last_key_) != outcome.backend) {
-    auto it = alike_.try_emplace(Key{outcome.backend, type, code, nanos}).first;
-    last_key_ = &it->first;
-    last_ = &it->second;
+  // Every other type counts as "invalid": a caller's made-up types make no
+  // more groups than one.
+  if (type != v1::OP_TYPE_READ_INTO_LOCAL &&
+      type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
+    type = v1::OP_TYPE_UNSPECIFIED;
   }
-  ++last_->count;
-  last_->bytes += length;
+  if (last_ >= groups_.size() || !groups_[last_].Holds(type, outcome)) {
+    last_ = 0;
+    while (last_ < groups_.size() && !groups_[last_].Holds(type, outcome)) {
+      ++last_;
+    }
+    if (last_ == groups_.size()) {
+      Group& group = groups_.emplace_back();
+      group.backend = outcome.backend;
+      group.type = type;
+      group.code = outcome.status.code();
+      group.latency = outcome.latency;
+    }
+  }
+  Group& group = groups_[last_];
+  ++group.count;
+  group.bytes += length;
   if (!outcome.retried_from.empty()) {
     metrics_->RecordRetry(outcome.retried_from, outcome.backend);
   }
 }
 
 void OpEndTally::Record() {
-  for (const auto& [key, group] : alike_) {
-    const auto& [backend, type, code, nanos] = key;
-    metrics_->RecordOps(backend, static_cast<v1::OpType>(type),
-                        static_cast<absl::StatusCode>(code), group.count,
-                        group.bytes, absl::Nanoseconds(nanos));
+  for (const Group& group : groups_) {
+    metrics_->RecordOps(group.backend, group.type, group.code, group.count,
+                        group.bytes, group.latency);
   }
-  alike_.clear();
-  last_key_ = nullptr;
-  last_ = nullptr;
+  groups_.clear();
+  last_ = 0;
 }
 
 std::unique_ptr<OpBatch> OpBatch::Prepare(const OpBatchEnvironment& env,

@@ -3,11 +3,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -50,10 +48,9 @@ class FailedOpLog {
   // One line (a warning when the limiter let it pass: `suppressed` set,
   // else at debug); `remote` says where the op went.
   void Log(std::optional<uint64_t> suppressed, const PeerCredentials& caller,
-           absl::string_view rpc,
-           v1::OpType type, uint64_t length, uint64_t local_buffer_id,
-           const std::string& remote, const std::string& backend,
-           const absl::Status& status);
+           absl::string_view rpc, v1::OpType type, uint64_t length,
+           uint64_t local_buffer_id, const std::string& remote,
+           const std::string& backend, const absl::Status& status);
 
   LogRateLimiter limiter_{absl::Seconds(1), 20};
 };
@@ -61,7 +58,8 @@ class FailedOpLog {
 // The metrics of a batch's ended ops, as every path records them: ops that
 // ended alike (backend, type, code, latency) are counted together, one
 // label lookup per group rather than per op; each retry is counted on its
-// own. Add every op, then Record once. Without metrics, does nothing.
+// own. Add every op, then Record once; a tally kept from batch to batch
+// (a ring session's) keeps its room. Without metrics, does nothing.
 class OpEndTally {
  public:
   explicit OpEndTally(AgentMetrics* metrics) : metrics_(metrics) {}
@@ -71,18 +69,25 @@ class OpEndTally {
   void Record();
 
  private:
-  struct Alike {
+  struct Group {
+    std::string backend;
+    v1::OpType type = v1::OP_TYPE_UNSPECIFIED;
+    absl::StatusCode code = absl::StatusCode::kOk;
+    absl::Duration latency;
     uint64_t count = 0;
     uint64_t bytes = 0;
+
+    bool Holds(v1::OpType t, const OpOutcome& outcome) const {
+      return latency == outcome.latency && code == outcome.status.code() &&
+             type == t && backend == outcome.backend;
+    }
   };
-  using Key = std::tuple<std::string, int, int, int64_t>;
 
   AgentMetrics* const metrics_;
-  std::map<Key, Alike> alike_;
-  // Consecutive ops mostly ended alike: their group is found without a
-  // map lookup.
-  const Key* last_key_ = nullptr;
-  Alike* last_ = nullptr;
+  // A batch's groups are few (its backends' shares, a few codes): found by
+  // a linear search, consecutive ops' mostly at once.
+  std::vector<Group> groups_;
+  size_t last_ = 0;
 };
 
 // What every batch of an agent runs with. Everything outlives the batches.

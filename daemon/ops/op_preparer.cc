@@ -161,8 +161,8 @@ absl::StatusOr<Op> OpPreparer::PrepareResolved(
   absl::Status status =
       CheckRange(spec.local_offset, spec.length, (*local)->size(), "local");
   if (!status.ok()) return status;
-  status = CheckRange(spec.remote_offset, spec.length,
-                      (*remote)->size_bytes(), "remote");
+  status = CheckRange(spec.remote_offset, spec.length, (*remote)->size_bytes(),
+                      "remote");
   if (!status.ok()) return status;
   const bool reads = op.reads_into_local();
   if (reads ? !(*local)->writable() : !(*local)->readable()) {

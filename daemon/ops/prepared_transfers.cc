@@ -39,11 +39,10 @@ absl::StatusOr<uint64_t> PreparedTransferTable::Prepare(
   // The copy of the ops (their known fields only) and one plain
   // description per op, estimated from above before anything is copied.
   const size_t count = static_cast<size_t>(request.ops_size());
-  uint64_t copy_bytes = PreparedTransferLimits::kOverheadBytes +
-                        sizeof(PreparedTransfer) +
-                        StringCopyBytes(request.notification()) +
-                        count * (sizeof(v1::Op) + sizeof(void*) + kBlockBytes +
-                                 sizeof(OpSpec));
+  uint64_t copy_bytes =
+      PreparedTransferLimits::kOverheadBytes + sizeof(PreparedTransfer) +
+      StringCopyBytes(request.notification()) +
+      count * (sizeof(v1::Op) + sizeof(void*) + kBlockBytes + sizeof(OpSpec));
   for (const v1::Op& op : request.ops()) {
     copy_bytes += StringCopyBytes(op.remote_context());
   }

@@ -484,9 +484,9 @@ void RingSessions::Session::Conclude(TakenPtr taken) {
     }
     const ring::Submission& entry = taken->entries[i];
     const bool valid = taken->checks[i].ok();
-    tally_.Add(valid ? static_cast<v1::OpType>(entry.opcode)
-                     : v1::OP_TYPE_UNSPECIFIED,
-               valid ? entry.length : 0, outcome);
+    tally_.Add(
+        valid ? static_cast<v1::OpType>(entry.opcode) : v1::OP_TYPE_UNSPECIFIED,
+        valid ? entry.length : 0, outcome);
     if (!outcome.status.ok()) {
       owner_->env_.failures->Op(peer_, "Ring", SpecOf(entry), outcome.backend,
                                 outcome.status);
