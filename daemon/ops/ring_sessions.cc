@@ -165,6 +165,8 @@ class RingSessions::Session {
   // Cancels every started batch and waits for their ends.
   void CancelAll();
   TakenPtr NewTaken();
+  // The room for ops (or entries) `taken` keeps: its largest vector's.
+  static size_t Room(const Taken& taken);
   // Stops the session: the reason for the client, STOPPED, a doorbell.
   void Stop(const absl::Status& reason);
 
@@ -183,7 +185,7 @@ class RingSessions::Session {
   std::vector<TakenPtr> running_;  // in the order taken
   TakenPtr waiting_;  // taken, waiting for room under the ops bound
   std::vector<TakenPtr> spare_;
-  // Ops' room the spare batches keep (bounded by the ring's entries).
+  // Room the spare batches keep (Room), at most the ring's entries in all.
   size_t spare_room_ = 0;
   // Checks and resolves the ops of this session's native batches, batch
   // after batch (cleared between them).
@@ -258,11 +260,16 @@ void RingSessions::Session::Stop(const absl::Status& reason) {
                peer_.pid, LogSafe(text));
 }
 
+size_t RingSessions::Session::Room(const Taken& taken) {
+  return std::max({taken.entries.capacity(), taken.checks.capacity(),
+                   taken.posted.capacity(), taken.outcomes.capacity()});
+}
+
 RingSessions::Session::TakenPtr RingSessions::Session::NewTaken() {
   if (spare_.empty()) return std::make_unique<Taken>();
   TakenPtr taken = std::move(spare_.back());
   spare_.pop_back();
-  spare_room_ -= taken->posted.capacity();
+  spare_room_ -= Room(*taken);
   return taken;
 }
 
@@ -666,7 +673,7 @@ void RingSessions::Session::Complete(TakenPtr taken,
     Ring(fd_);
   }
   // Kept for the next batch, with its vectors' room; the spare batches keep
-  // room for no more ops than the ring has entries in all.
+  // room for no more ops (or entries) than the ring has entries in all.
   taken->request.reset();
   taken->prepared.reset();
   taken->notification.clear();
@@ -674,8 +681,10 @@ void RingSessions::Session::Complete(TakenPtr taken,
   taken->transfer_id = 0;
   taken->outcomes.clear();
   taken->notified = absl::OkStatus();
-  const size_t room = taken->posted.capacity();
+  const size_t room = Room(*taken);
   if (spare_room_ + room > geometry_.entries) {
+    taken->entries = std::vector<ring::Submission>();
+    taken->checks = std::vector<absl::Status>();
     taken->posted = std::vector<Op>();
     taken->outcomes = std::vector<OpOutcome>();
   } else {
