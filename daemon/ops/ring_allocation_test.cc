@@ -1,18 +1,17 @@
 // No heap allocation per op on a ring's native path: a RingSessions served
 // over a socket pair, its batches of READs and WRITEs posted to the memory
 // backend between two registrations through an imported handle, with the
-// agent's metrics. This binary replaces the global allocation functions to
-// count every allocation of the process (the session's thread included);
+// agent's metrics. Every allocation of the process is counted
+// (//tests/testing:allocation_count; the session's thread included);
 // in steady state a batch of 64 ops must allocate no more than one of 8.
 #include <sys/mman.h>
 #include <sys/socket.h>
 
-#include <atomic>
-#include <cstdlib>
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <memory>
-#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,32 +29,7 @@
 #include "daemon/ops/remote_handles.h"
 #include "daemon/ops/ring_sessions.h"
 #include "gtest/gtest.h"
-
-namespace {
-std::atomic<int64_t> allocations{0};
-}  // namespace
-
-void* operator new(std::size_t size) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t size, std::align_val_t align) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  const std::size_t alignment = static_cast<std::size_t>(align);
-  const std::size_t rounded = (size + alignment - 1) / alignment * alignment;
-  if (void* p =
-          std::aligned_alloc(alignment, rounded == 0 ? alignment : rounded)) {
-    return p;
-  }
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
+#include "tests/testing/allocation_count.h"
 
 namespace rdma_agent {
 namespace {
@@ -166,7 +140,7 @@ class RingAllocationTest : public ::testing::Test {
       entry.remote_offset = i * kOpBytes;
     }
     entries[count - 1].flags = ring::kEndOfBatch;
-    const int64_t before = allocations.load();
+    const int64_t before = testing::Allocations();
     for (size_t i = 0; i < count; ++i) {
       std::memcpy(base_ + geometry_.submissions_offset +
                       uint64_t{(sq_tail_ + i) & geometry_.mask()} *
@@ -183,7 +157,7 @@ class RingAllocationTest : public ::testing::Test {
                expected &&
            absl::Now() < deadline) {
     }
-    const int64_t after = allocations.load();
+    const int64_t after = testing::Allocations();
     EXPECT_EQ(Word(ring::kCqTailOffset).load(), expected);
     std::string message;
     for (; cq_head_ != expected; ++cq_head_) {
