@@ -392,6 +392,26 @@ absl::Status TestMemory(Setup& setup) {
 
 // ---- prepared transfers and imported remotes, memory backend ----------------
 
+// What the prepared tests run: --prepared_batch WRITEs of
+// --prepared_op_bytes from agent A's local buffer into `other`, a buffer of
+// agent A made for them, each carrying its context.
+struct PreparedOps {
+  Buffer other;
+  std::vector<OpSpec> with_contexts;
+};
+
+absl::StatusOr<PreparedOps> MakePreparedOps(Setup& setup) {
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
+  const int count = absl::GetFlag(FLAGS_prepared_batch);
+  auto other = AttachPrefaulted(*setup.local_agent, op_bytes * count, 3);
+  if (!other.ok()) return other.status();
+  std::vector<OpSpec> ops =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), op_bytes, count, op_bytes * count,
+              std::min(setup.local->size(), other->size()));
+  return PreparedOps{std::move(*other), std::move(ops)};
+}
+
 // The same --prepared_batch WRITEs of --prepared_op_bytes between two
 // buffers of agent A, three ways: every op carrying its remote context in
 // each Submit, every op naming an imported handle, and one prepared
@@ -400,12 +420,10 @@ absl::Status TestPrepared(Setup& setup) {
   AgentClient& agent = *setup.local_agent;
   const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
   const int count = absl::GetFlag(FLAGS_prepared_batch);
-  auto other = AttachPrefaulted(agent, op_bytes * count, 3);
-  if (!other.ok()) return other.status();
-  const std::vector<OpSpec> with_contexts =
-      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
-              other->remote_context(), op_bytes, count, op_bytes * count,
-              std::min(setup.local->size(), other->size()));
+  auto made = MakePreparedOps(setup);
+  if (!made.ok()) return made.status();
+  const Buffer* other = &made->other;
+  const std::vector<OpSpec>& with_contexts = made->with_contexts;
   auto handle = agent.ImportRemote(other->remote_context());
   if (!handle.ok()) return handle.status();
   std::vector<OpSpec> with_handles = with_contexts;
@@ -557,11 +575,35 @@ double Rate(const Timed& timed) {
          absl::ToDoubleSeconds(timed.elapsed);
 }
 
-// A ring's op rate beside the same run's Submits: `prefix`_submit_write,
-// `prefix`_write and `prefix`_ratio lines.
-void PrintOpRates(const std::string& prefix, const Timed& by_submit,
-                  const Timed& by_ring, uint64_t op_bytes, int batch,
-                  const std::string& backend) {
+// Ring batches kept in flight by the op-rate tests (a ring of 4 batches).
+constexpr int kRingBatchesInFlight = 4;
+
+// A ring's op rate beside the same run's Submits: `ring_ops` as one ring
+// batch, kRingBatchesInFlight of them kept posted, against Submits of
+// `submit_ops` (the same ops), in alternating 100 ms slices; prints the
+// `prefix`_submit_write, `prefix`_write and `prefix`_ratio lines.
+absl::Status CompareOpRates(AgentClient& agent, client::Ring& ring,
+                            const std::vector<client::RingOp>& ring_ops,
+                            const std::vector<OpSpec>& submit_ops,
+                            absl::Duration spin, const std::string& backend,
+                            const std::string& prefix) {
+  const int batch = static_cast<int>(ring_ops.size());
+  const uint64_t op_bytes = ring_ops.front().length;
+  auto ring_slice = [&](absl::Duration length) {
+    return RingSlice(ring, ring_ops, kRingBatchesInFlight, length, spin,
+                     backend);
+  };
+  auto submit_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
+    auto run =
+        RunFor(length, 1, [&] { return RunBatch(agent, submit_ops, backend); });
+    if (run.ok()) run->steps *= batch;  // ops
+    return run;
+  };
+  Timed by_ring, by_submit;
+  if (absl::Status s = Alternate(submit_slice, ring_slice, by_submit, by_ring);
+      !s.ok()) {
+    return s;
+  }
   for (const auto& [name, timed] :
        {std::pair<std::string, Timed>{prefix + "_submit_write", by_submit},
         std::pair<std::string, Timed>{prefix + "_write", by_ring}}) {
@@ -575,6 +617,7 @@ void PrintOpRates(const std::string& prefix, const Timed& by_submit,
   }
   Print(Report(prefix + "_ratio")
             .Add("ring_vs_submit", Rate(by_ring) / Rate(by_submit), 2));
+  return absl::OkStatus();
 }
 
 // --small_op_bytes WRITEs between two buffers of agent A, --ring_batch per
@@ -584,14 +627,13 @@ absl::Status TestRingMemoryOps(Setup& setup) {
   AgentClient& agent = *setup.local_agent;
   const uint64_t op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
   const int batch = std::max(1, absl::GetFlag(FLAGS_ring_batch));
-  constexpr int kBatchesInFlight = 4;
   const uint64_t window = op_bytes * batch;
   auto other = AttachPrefaulted(agent, window, 3);
   if (!other.ok()) return other.status();
   auto handle = agent.ImportRemote(other->remote_context());
   if (!handle.ok()) return handle.status();
   uint32_t entries = 1;
-  while (entries < static_cast<uint32_t>(batch * kBatchesInFlight)) {
+  while (entries < static_cast<uint32_t>(batch * kRingBatchesInFlight)) {
     entries *= 2;
   }
   auto ring = agent.OpenRing(entries);
@@ -609,22 +651,12 @@ absl::Status TestRingMemoryOps(Setup& setup) {
     ring_ops[i].remote_offset = submit_ops[i].remote_offset;
     ring_ops[i].user_tag = static_cast<uint64_t>(i);
   }
-  auto ring_slice = [&](absl::Duration length) {
-    return RingSlice(**ring, ring_ops, kBatchesInFlight, length,
-                     absl::Milliseconds(1), "memory");
-  };
-  auto submit_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
-    auto run = RunFor(length, 1,
-                      [&] { return RunBatch(agent, submit_ops, "memory"); });
-    if (run.ok()) run->steps *= batch;  // ops
-    return run;
-  };
-  Timed by_ring, by_submit;
-  if (absl::Status s = Alternate(submit_slice, ring_slice, by_submit, by_ring);
+  if (absl::Status s =
+          CompareOpRates(agent, **ring, ring_ops, submit_ops,
+                         absl::Milliseconds(1), "memory", "ring_mem_ops");
       !s.ok()) {
     return s;
   }
-  PrintOpRates("ring_mem_ops", by_submit, by_ring, op_bytes, batch, "memory");
   (void)agent.ReleaseRemote(handle->handle);
   return absl::OkStatus();
 }
@@ -637,12 +669,9 @@ absl::Status TestRingPrepared(Setup& setup) {
   AgentClient& agent = *setup.local_agent;
   const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
   const int count = absl::GetFlag(FLAGS_prepared_batch);
-  auto other = AttachPrefaulted(agent, op_bytes * count, 3);
-  if (!other.ok()) return other.status();
-  const std::vector<OpSpec> with_contexts =
-      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
-              other->remote_context(), op_bytes, count, op_bytes * count,
-              std::min(setup.local->size(), other->size()));
+  auto made = MakePreparedOps(setup);
+  if (!made.ok()) return made.status();
+  const std::vector<OpSpec>& with_contexts = made->with_contexts;
   auto prepared = agent.PrepareTransfer(with_contexts);
   if (!prepared.ok()) return prepared.status();
   auto ring = agent.OpenRing(8);
@@ -804,9 +833,8 @@ absl::Status TestRingTcp(Setup& setup) {
   const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
   const uint64_t op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
   const int batch = std::max(1, absl::GetFlag(FLAGS_ring_batch));
-  constexpr int kBatchesInFlight = 4;
   uint32_t entries = 1;
-  while (entries < static_cast<uint32_t>(batch * kBatchesInFlight)) {
+  while (entries < static_cast<uint32_t>(batch * kRingBatchesInFlight)) {
     entries *= 2;
   }
   auto opened = TcpRing::Open(setup, entries);
@@ -858,22 +886,11 @@ absl::Status TestRingTcp(Setup& setup) {
               setup.local->size());
   const auto ring_ops = ring.Ops(v1::OP_TYPE_WRITE_FROM_LOCAL,
                                  setup.local->id(), op_bytes, batch, window);
-  auto ring_slice = [&](absl::Duration length) {
-    return RingSlice(ring.ring(), ring_ops, kBatchesInFlight, length, spin,
-                     "tcp");
-  };
-  auto submit_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
-    auto run =
-        RunFor(length, 1, [&] { return RunBatch(agent, submit_ops, "tcp"); });
-    if (run.ok()) run->steps *= batch;  // ops
-    return run;
-  };
-  Timed by_ring, by_submit;
-  if (absl::Status s = Alternate(submit_slice, ring_slice, by_submit, by_ring);
+  if (absl::Status s = CompareOpRates(agent, ring.ring(), ring_ops, submit_ops,
+                                      spin, "tcp", "ring_tcp_ops");
       !s.ok()) {
     return s;
   }
-  PrintOpRates("ring_tcp_ops", by_submit, by_ring, op_bytes, batch, "tcp");
   (void)agent.ReleaseRemote(ring.handle());
   return absl::OkStatus();
 }
