@@ -108,8 +108,8 @@ struct OpBatchEnvironment {
 
 // The data path: the ops of one SubmitRequest, validated once and run once —
 // by Submit on its own RPC thread (Run), or started by a transfer worker
-// (SubmitAsync and ring batches, as TransferWork: Start) and ended on the
-// thread that ended its ops.
+// (SubmitAsync and ring batches with a notification, as TransferWork:
+// Start) and ended on the thread that ended its ops.
 //
 // - Prepare checks every op on its own (contract codes; messages name the
 //   op) and pins the registrations of the valid ones; what ops share (each
