@@ -234,15 +234,6 @@ void OpBatch::ConcludeStarted(const std::vector<OpOutcome>& ran) {
   std::move(done)(std::move(response));
 }
 
-bool OpBatch::RunsOnlyOn(absl::string_view name) const {
-  for (const Op& op : ready_) {
-    const std::vector<Backend*> route =
-        env_.registry->Route(*op.remote, op.local.get());
-    if (route.empty() || route.front()->name() != name) return false;
-  }
-  return true;
-}
-
 std::shared_ptr<const TransferProgress> OpBatch::progress() {
   if (progress_ == nullptr) {
     uint64_t total = 0;

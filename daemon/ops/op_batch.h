@@ -171,10 +171,6 @@ class OpBatch final : public TransferWork {
   // ended.
   std::shared_ptr<const TransferProgress> progress() override;
 
-  // True when every op that passed its checks is routed first to backend
-  // `name` (a batch with no valid op qualifies).
-  bool RunsOnlyOn(absl::string_view name) const;
-
   // What the prepared batch holds besides its request, estimated from
   // above: per-op state, the messages of ops refused and each distinct
   // parsed remote context (SpaceUsedLong). SubmitAsync charges it to the
