@@ -582,7 +582,10 @@ bool RingSessions::Session::PostEnded() {
     it = running_.erase(it);
     posted = true;
     if (taken->poll == nullptr) {
-      // Ended's writes are seen: it stored `ended` (release) after them.
+      // Ended stored `ended` under ends_mu_, and still holds it (writing the
+      // wake-up); once this thread has held it too, Ended is done with the
+      // session, which may then go at any time.
+      { absl::MutexLock lock(&ends_mu_); }
       Conclude(std::move(taken));
       continue;
     }
