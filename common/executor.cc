@@ -34,20 +34,44 @@ bool Executor::TryPost(Task& task) {
   return true;
 }
 
+void Executor::Post(Task task) {
+  absl::MutexLock lock(&mu_);
+  if (queued_ == max_queued_) {
+    overflow_.push_back(std::move(task));
+    return;
+  }
+  slots_[(next_ + queued_) % max_queued_] = std::move(task);
+  ++queued_;
+}
+
 void Executor::Loop() {
   absl::MutexLock lock(&mu_);
   while (true) {
     mu_.Await(absl::Condition(
         +[](Executor* executor) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return executor->stopping_ || executor->queued_ > 0;
+          return executor->stopping_ || executor->queued_ > 0 ||
+                 !executor->overflow_.empty();
         },
         this));
     // Stopping drains the queue first: an accepted task always runs.
-    if (queued_ == 0) return;
-    Task task = std::move(slots_[next_]);
-    slots_[next_] = nullptr;
-    next_ = (next_ + 1) % max_queued_;
-    --queued_;
+    if (queued_ == 0 && overflow_.empty()) return;
+    Task task;
+    if (queued_ == 0) {  // no slots at all (max_queued 0)
+      task = std::move(overflow_.front());
+      overflow_.pop_front();
+    } else {
+      task = std::move(slots_[next_]);
+      slots_[next_] = nullptr;
+      next_ = (next_ + 1) % max_queued_;
+      --queued_;
+      // The oldest overflowing task takes the slot freed, at the back: the
+      // order stays that of posting.
+      if (!overflow_.empty()) {
+        slots_[(next_ + queued_) % max_queued_] = std::move(overflow_.front());
+        overflow_.pop_front();
+        ++queued_;
+      }
+    }
     mu_.Unlock();
     std::move(task)();
     // Destroyed without the lock: what it captured may take locks.

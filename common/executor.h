@@ -2,6 +2,7 @@
 #define RDMA_AGENTD_COMMON_EXECUTOR_H_
 
 #include <cstddef>
+#include <deque>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,9 +20,11 @@ namespace rdma_agent {
 // Bounded: at most `max_queued` tasks wait for a thread, in slots made at
 // construction (posting allocates nothing of its own); TryPost refuses more
 // (the caller then does the work itself, or fails it) instead of waiting
-// for room. The owner joins the threads by destroying the executor,
-// which first runs every task already queued: a task, once accepted, always
-// runs. Thread-safe.
+// for room. Post is for the little work that must not be refused
+// (releasing what ended work held): past the slots it waits in a list of
+// its own, behind them. The owner joins the threads by destroying the
+// executor, which first runs every task already queued: a task, once
+// accepted, always runs. Thread-safe.
 class Executor {
  public:
   using Task = absl::AnyInvocable<void() &&>;
@@ -39,6 +42,11 @@ class Executor {
   // (and `task` untouched, for the caller to run or fail) when `max_queued`
   // tasks already wait.
   [[nodiscard]] bool TryPost(Task& task);
+  // Queues `task` whatever waits already (after it, in order): never
+  // refused, so not bounded by `max_queued`; the caller bounds how many
+  // such tasks there can be (e.g. one per batch in flight). Allocates when
+  // the slots are full.
+  void Post(Task task);
 
   size_t threads() const { return threads_.size(); }
   size_t max_queued() const { return max_queued_; }
@@ -53,6 +61,10 @@ class Executor {
   std::vector<Task> slots_ ABSL_GUARDED_BY(mu_);
   size_t next_ ABSL_GUARDED_BY(mu_) = 0;
   size_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  // Tasks Post queued while every slot was taken, in order, behind the
+  // slots' (each moves into the slot a thread frees): not empty only while
+  // the slots are full.
+  std::deque<Task> overflow_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

@@ -1,7 +1,10 @@
 #include "common/executor.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -11,6 +14,12 @@
 
 namespace rdma_agent {
 namespace {
+
+std::string ThreadName() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  return name;
+}
 
 TEST(ExecutorTest, RunsTasksOnItsOwnThreadsAndTryPostReturnsAtOnce) {
   Executor executor(2, 16, "test-exec");
@@ -92,6 +101,67 @@ TEST(ExecutorTest, DestructionRunsEveryQueuedTaskThenJoins) {
   }
   executor.reset();
   EXPECT_EQ(ran.load(), 500);
+}
+
+TEST(ExecutorTest, ItsThreadsCarryItsName) {
+  Executor executor(2, 4, "test-exec");
+  absl::Notification ran;
+  std::string name;
+  Executor::Task task = [&] {
+    name = ThreadName();
+    ran.Notify();
+  };
+  ASSERT_TRUE(executor.TryPost(task));
+  ran.WaitForNotification();
+  EXPECT_EQ(name, "test-exec");
+}
+
+// Post is for work that must run: past the bound it still queues, behind
+// what waits already, while TryPost is still refused.
+TEST(ExecutorTest, PostIsNeverRefusedAndKeepsTheOrder) {
+  absl::Mutex mu;
+  std::vector<int> order;
+  const auto record = [&](int i) {
+    return [&, i] {
+      absl::MutexLock lock(&mu);
+      order.push_back(i);
+    };
+  };
+  absl::Notification release;
+  absl::Notification started;
+  {
+    Executor executor(1, 2, "test-exec");
+    Executor::Task hold = [&] {
+      started.Notify();
+      release.WaitForNotification();
+    };
+    ASSERT_TRUE(executor.TryPost(hold));
+    started.WaitForNotification();
+    for (int i = 0; i < 2; ++i) {
+      Executor::Task task = record(i);
+      ASSERT_TRUE(executor.TryPost(task)) << i;
+    }
+    for (int i = 2; i < 5; ++i) executor.Post(record(i));
+    Executor::Task refused = record(-1);
+    EXPECT_FALSE(executor.TryPost(refused));
+    release.Notify();
+    // Room comes back once the overflow has moved into the slots and run.
+    Executor::Task last = record(5);
+    while (!executor.TryPost(last)) absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+}
+
+// Without slots, TryPost refuses everything and Post still runs.
+TEST(ExecutorTest, PostRunsWithoutSlots) {
+  std::atomic<int> ran{0};
+  {
+    Executor executor(1, 0, "test-exec");
+    Executor::Task refused = [&] { ran += 100; };
+    EXPECT_FALSE(executor.TryPost(refused));
+    for (int i = 0; i < 3; ++i) executor.Post([&] { ++ran; });
+  }
+  EXPECT_EQ(ran.load(), 3);
 }
 
 // What a task captured is destroyed once it has run, before the executor

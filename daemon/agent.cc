@@ -442,8 +442,8 @@ absl::Status Agent::StartApiServer() {
       std::make_unique<RemoteHandleTable>(options_.remote_handles);
   prepared_transfers_ =
       std::make_unique<PreparedTransferTable>(options_.prepared_transfers);
-  // Before the service, which lists their sessions; served by the attach
-  // server (StartAttachServer).
+  // Before the service, which lists their sessions; opened on the attach
+  // server (StartAttachServer), served by their own ring threads.
   RingLimits ring_limits = options_.rings;
   ring_limits.default_timeout = options_.api.default_submit_timeout;
   ring_limits.max_timeout = options_.api.max_submit_timeout;
@@ -454,9 +454,11 @@ absl::Status Agent::StartApiServer() {
                               &ring_failures_,
                               options_.api.max_remote_context_bytes,
                               remote_handles_.get()};
-  rings_ = std::make_unique<RingSessions>(ring_limits, ring_env, calls_.get(),
-                                          quotas_.bytes, transfers_.get(),
-                                          prepared_transfers_.get());
+  auto rings =
+      RingSessions::Start(ring_limits, ring_env, calls_.get(), quotas_.bytes,
+                          transfers_.get(), prepared_transfers_.get());
+  if (!rings.ok()) return rings.status();
+  rings_ = std::move(*rings);
   service_ = std::make_unique<RdmaAgentService>(
       options_.api, identity_, registry_.get(), buffers_.get(),
       attach_tokens_.get(), callers_.get(), calls_.get(), quotas_,
@@ -531,10 +533,11 @@ absl::Status Agent::StartAttachServer() {
   attach_options.path = options_.attach_socket_path;
   attach_options.max_buffer_bytes = options_.api.max_buffer_bytes;
   attach_options.quotas = quotas_;
-  attach_options.serve_ring = [rings = rings_.get()](
-                                  int fd, const PeerCredentials& peer,
-                                  const v1::OpenRing& request) {
-    rings->Serve(fd, peer, request);
+  attach_options.open_ring = [rings = rings_.get()](
+                                 UniqueFd connection, QuotaCharge charge,
+                                 const PeerCredentials& peer,
+                                 const v1::OpenRing& request) {
+    rings->Open(std::move(connection), std::move(charge), peer, request);
   };
   auto attach =
       AttachServer::Start(attach_options, attach_tokens_.get(), buffers_.get());
@@ -607,8 +610,9 @@ void Agent::Shutdown() {
   // Health checks on open connections say so during the grace below.
   if (server_ != nullptr)
     server_->GetHealthCheckService()->SetServingStatus(false);
-  // Ring sessions end at their next turn (a running batch is cancelled), so
-  // that the attach server joins their threads at once.
+  // Ring sessions end (their running batches cancelled, their completions
+  // posted) and the ring threads are joined, before the transfers they
+  // started are ended below.
   if (rings_ != nullptr) {
     rings_->Shutdown(absl::UnavailableError("the agent is shutting down"));
   }

@@ -66,6 +66,10 @@ absl::Status AgentOptions::Validate() const {
     return absl::InvalidArgumentError(
         "--max_ring_sessions_per_user must be 1 to --max_ring_sessions");
   }
+  if (rings.threads < 1 || rings.threads > kMaxRingThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ring_threads must be 1 to ", kMaxRingThreads));
+  }
   if (api.max_remote_context_bytes < 1 ||
       api.max_remote_context_bytes > kMaxRemoteContextBytesLimit) {
     return absl::InvalidArgumentError(

@@ -319,7 +319,13 @@ QueuePairConnection::QueuePairConnection(
       psn_(RandomPsn()),
       poller_(std::move(poller)),
       qp_(std::move(qp)),
-      credits_(params.sq_depth) {}
+      credits_(params.sq_depth),
+      in_flight_(params.sq_depth) {
+  free_slots_.reserve(params.sq_depth);
+  for (uint32_t slot = params.sq_depth; slot > 0; --slot) {
+    free_slots_.push_back(slot - 1);
+  }
+}
 
 QueuePairConnection::~QueuePairConnection() {
   MoveToErrorAndDrain(drain_timeout_);
@@ -442,16 +448,20 @@ absl::Status QueuePairConnection::TryPost(ibv_send_wr& wr,
 absl::Status QueuePairConnection::PostLocked(
     ibv_send_wr& wr, std::shared_ptr<CompletionSink> sink, uint64_t cookie,
     std::shared_ptr<Registration> pin) {
-  const uint64_t id = next_wr_id_++;
+  // A credit was free, so a slot is.
+  const uint32_t slot = free_slots_.back();
+  free_slots_.pop_back();
+  const uint64_t id = (next_sequence_++ << 32) | slot;
   wr.wr_id = id;
   wr.next = nullptr;
   wr.send_flags |= IBV_SEND_SIGNALED;
   --credits_;
-  in_flight_[id] = InFlight{std::move(sink), cookie, std::move(pin)};
+  in_flight_[slot] = InFlight{id, std::move(sink), cookie, std::move(pin)};
   ibv_send_wr* bad = nullptr;
   const int err = qp_->PostSend(&wr, &bad);
   if (err == 0) return absl::OkStatus();
-  in_flight_.erase(id);
+  in_flight_[slot] = InFlight{};
+  free_slots_.push_back(slot);
   ++credits_;
   return absl::InternalError(
       absl::StrCat("ibv_post_send: ", std::strerror(err)));
@@ -479,25 +489,29 @@ bool QueuePairConnection::MoveToErrorAndDrain(absl::Duration limit) {
   (void)qp_->Modify(attr, IBV_QP_STATE);  // ERR is reachable from any state
   absl::MutexLock lock(&mu_);
   const auto drained = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return in_flight_.empty();
+    return free_slots_.size() == in_flight_.size();
   };
   mu_.AwaitWithTimeout(absl::Condition(&drained), limit);
-  return in_flight_.empty();
+  return free_slots_.size() == in_flight_.size();
 }
 
 uint64_t QueuePairConnection::outstanding() const {
   absl::MutexLock lock(&mu_);
-  return in_flight_.size();
+  return in_flight_.size() - free_slots_.size();
 }
 
 void QueuePairConnection::Reap(const ibv_wc& wc) {
   InFlight done;
   {
     absl::MutexLock lock(&mu_);
-    auto it = in_flight_.find(wc.wr_id);
-    if (it == in_flight_.end()) return;
-    done = std::move(it->second);
-    in_flight_.erase(it);
+    const uint32_t slot = static_cast<uint32_t>(wc.wr_id & 0xffffffffu);
+    if (slot >= in_flight_.size() || in_flight_[slot].wr_id != wc.wr_id ||
+        wc.wr_id == 0) {
+      return;
+    }
+    done = std::move(in_flight_[slot]);
+    in_flight_[slot] = InFlight{};
+    free_slots_.push_back(slot);
     ++credits_;
     if (wc.status != IBV_WC_SUCCESS) broken_ = true;
   }

@@ -234,7 +234,9 @@ class QueuePairConnection {
   uint64_t outstanding() const;
 
  private:
+  // A posted WR's record, in the slot its wr_id's low 32 bits name.
   struct InFlight {
+    uint64_t wr_id = 0;  // 0: the slot is free
     std::shared_ptr<CompletionSink> sink;
     uint64_t cookie = 0;
     std::shared_ptr<Registration> pin;
@@ -264,9 +266,16 @@ class QueuePairConnection {
   std::atomic<bool> broken_{false};
 
   mutable absl::Mutex mu_;
+  // Free send-queue slots: the entries of free_slots_.
   uint32_t credits_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_wr_id_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<uint64_t, InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
+  // Counts posts; a WR's wr_id is it (high 32 bits) and its slot, so that
+  // a completion of a slot's earlier WR is told apart.
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  // One record per send-queue entry (sq_depth), made with the connection,
+  // and the free ones (a stack of slot numbers, its capacity sq_depth):
+  // posting and reaping allocate nothing.
+  std::vector<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -43,6 +43,12 @@ struct IbverbsOptions {
   absl::Duration responder_idle_timeout = absl::Minutes(10);
   // Registrations one peer session may be granted (one MR each in its PD).
   size_t max_grants_per_peer = 4096;
+  // Tasks waiting for the posting threads (what in a posted batch may
+  // block: a lane's handshake, grant or full send queue, a probe, a
+  // repost), in slots made at start. Past it a lane's ops fail at once
+  // with RESOURCE_EXHAUSTED (a probe waits for a later batch) rather than
+  // queue without bound. Fixed: no flag.
+  size_t max_queued_posting_tasks = 1024;
   // Peer agents (agent id and epoch, as contexts name them) the requesting
   // side keeps lanes, QPs and handshake state for, and Peer channels
   // (addresses) it keeps open; past it the least recently used idle one

@@ -20,6 +20,7 @@
 #include "backends/testing/harness.h"
 #include "backends/testing/ibverbs_agent.h"
 #include "common/stop_token.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent::ibverbs {
@@ -257,6 +258,78 @@ TEST_F(PostTest, TwoHundredBatchesPostedAtOnceFromOneThreadAllLand) {
   EXPECT_GT(on_poller.load(), 0);
   EXPECT_EQ(FirstDifference(local_, local_image), std::nullopt);
   EXPECT_EQ(FirstDifference(remote_, remote_image), std::nullopt);
+}
+
+// The posting threads' queue is bounded: with every posting thread held (a
+// handshake each, held by its peer) and the queue full, the ops of a lane
+// that needs a posting thread fail at once with RESOURCE_EXHAUSTED naming
+// the bound, and move nothing; the batches queued end once the peers
+// answer.
+TEST(PostingQueueTest, PastItsBoundALanesOpsAreRefused) {
+  SoftFabric fabric;
+  const std::vector<std::string> peers = {"b", "c", "d"};
+  for (const std::string& name : {"a", "b", "c", "d"}) {
+    SoftDeviceConfig config;
+    config.name = "nic_" + name;
+    ASSERT_TRUE(fabric.AddDevice(config).ok());
+  }
+  IbverbsOptions options;
+  options.max_queued_posting_tasks = 2;
+  std::unique_ptr<TestAgent> a =
+      SoftIbverbsAgent(fabric, "agent-a", "nic_a", options);
+  ASSERT_NE(a, nullptr);
+  TestBuffer local = a->Register(1 << 16, v1::ACCESS_READ_WRITE, 11);
+  std::vector<std::unique_ptr<TestAgent>> agents;
+  std::vector<TestBuffer> remotes;
+  for (const std::string& name : peers) {
+    agents.push_back(SoftIbverbsAgent(fabric, "agent-" + name, "nic_" + name));
+    ASSERT_NE(agents.back(), nullptr);
+    remotes.push_back(agents.back()->Register(1 << 16, v1::ACCESS_READ_WRITE,
+                                              22 + remotes.size()));
+    agents.back()->gate().Close();
+  }
+  // Batch i reads 100 bytes into its own 4 KiB of `local`: batches 0-2
+  // from b, c and d, batches 3-5 from b again.
+  constexpr size_t kBatches = 6;
+  std::vector<std::vector<Op>> batches(kBatches);
+  for (size_t i = 0; i < kBatches; ++i) {
+    batches[i] = {
+        MakeOp(0, kRead, local, i * 4096, 100, remotes[i < 3 ? i : 0], 10)};
+  }
+  std::vector<Ending> endings(kBatches);
+  IbverbsBackend& backend = a->backend<IbverbsBackend>();
+  // Each of the three posting threads is held in a handshake.
+  for (size_t i = 0; i < 3; ++i) {
+    backend.Post(batches[i], In(absl::Seconds(20)), endings[i].Done());
+    ASSERT_TRUE(agents[i]->gate().AwaitArrivals(1, absl::Seconds(10))) << i;
+  }
+  // Two more fill the queue; the next is refused at once.
+  backend.Post(batches[3], In(absl::Seconds(20)), endings[3].Done());
+  backend.Post(batches[4], In(absl::Seconds(20)), endings[4].Done());
+  backend.Post(batches[5], In(absl::Seconds(20)), endings[5].Done());
+  ASSERT_TRUE(endings[5].called()) << "a refused lane waited";
+  ASSERT_EQ(endings[5].statuses().size(), 1u);
+  const absl::Status refused = endings[5].statuses()[0];
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::HasSubstr("2 tasks queued "
+                                   "(IbverbsOptions::max_queued_posting_"
+                                   "tasks)"));
+  for (size_t i = 0; i < 5; ++i) EXPECT_FALSE(endings[i].called()) << i;
+
+  for (auto& agent : agents) agent->gate().Open();
+  std::vector<uint8_t> local_image = Snapshot(local);
+  for (size_t i = 0; i < 5; ++i) {
+    ASSERT_TRUE(endings[i].Await(absl::Seconds(20))) << i;
+    ASSERT_EQ(endings[i].statuses().size(), 1u);
+    EXPECT_TRUE(endings[i].statuses()[0].ok()) << i << endings[i].statuses()[0];
+    EXPECT_EQ(endings[i].calls(), 1);
+    std::vector<uint8_t> remote_image = Snapshot(remotes[i < 3 ? i : 0]);
+    Apply(batches[i][0], local_image, remote_image);
+  }
+  // Batches 0-4 landed; the refused one's range and every other byte kept.
+  EXPECT_EQ(FirstDifference(local, local_image), std::nullopt);
+  EXPECT_EQ(endings[5].calls(), 1);
 }
 
 }  // namespace

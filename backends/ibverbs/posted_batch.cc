@@ -7,6 +7,7 @@
 namespace rdma_agent::ibverbs {
 
 PostedBatch::PostedBatch(absl::Span<const Op> ops) : ops_(ops.size()) {
+  wrs_.reserve(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
     ops_[i].unsettled = ops[i].length;
     ops_[i].landed = ops[i].landed;
@@ -27,49 +28,75 @@ void PostedBatch::Wake() {
 uint64_t PostedBatch::WrPosting(const Range& range, const Lane& lane) {
   lane.load->bytes += range.length;
   absl::MutexLock lock(&mu_);
-  const uint64_t cookie = next_cookie_++;
-  wrs_[cookie] = Wr{range, &lane, lane.name(), lane.load, lane.rail};
-  return cookie;
+  size_t slot = free_wr_;
+  if (slot == kNoSlot) {
+    slot = wrs_.size();
+    wrs_.emplace_back();
+  } else {
+    free_wr_ = wrs_[slot].next_free;
+  }
+  Wr& wr = wrs_[slot];
+  wr.range = range;
+  wr.lane = &lane;
+  wr.load = lane.load;
+  wr.rail = lane.rail;
+  wr.in_use = true;
+  ++outstanding_wrs_;
+  return slot;
+}
+
+PostedBatch::Wr* PostedBatch::WrOf(uint64_t cookie) {
+  if (cookie >= wrs_.size() || !wrs_[cookie].in_use) return nullptr;
+  return &wrs_[cookie];
+}
+
+void PostedBatch::FreeWr(Wr& wr) {
+  wr.load->bytes -= wr.range.length;
+  wr.load.reset();
+  wr.in_use = false;
+  wr.next_free = free_wr_;
+  free_wr_ = static_cast<size_t>(&wr - wrs_.data());
+  --outstanding_wrs_;
 }
 
 void PostedBatch::WrNotPosted(uint64_t cookie) {
   absl::MutexLock lock(&mu_);
-  auto it = wrs_.find(cookie);
-  if (it == wrs_.end()) return;
-  it->second.load->bytes -= it->second.range.length;
-  wrs_.erase(it);
+  if (Wr* wr = WrOf(cookie)) FreeWr(*wr);
 }
 
 void PostedBatch::OnCompletion(uint64_t cookie, const ibv_wc& wc) {
   bool woken = false;
   {
     absl::MutexLock lock(&mu_);
-    auto it = wrs_.find(cookie);
-    if (it == wrs_.end()) return;
-    Wr wr = std::move(it->second);
-    wrs_.erase(it);
-    wr.load->bytes -= wr.range.length;
-    RailCounters& counters = wr.rail->counters;
-    if (wc.status == IBV_WC_SUCCESS) {
-      counters.bytes += wr.range.length;
+    Wr* wr = WrOf(cookie);
+    if (wr == nullptr) return;
+    const Range range = wr->range;
+    const Lane* const lane = wr->lane;
+    RailCounters& counters = wr->rail->counters;
+    absl::Status status;
+    if (wc.status != IBV_WC_SUCCESS) {
+      // Which rail pair failed is part of what went wrong.
+      status = Prefixed(CompletionStatus(wc),
+                        absl::StrCat("on rail ", wr->load->lane_name));
+    }
+    FreeWr(*wr);
+    if (status.ok()) {
+      counters.bytes += range.length;
       ++counters.work_requests;
-      if (std::atomic<uint64_t>* landed = ops_[wr.range.op].landed) {
-        landed->fetch_add(wr.range.length, std::memory_order_relaxed);
+      if (std::atomic<uint64_t>* landed = ops_[range.op].landed) {
+        landed->fetch_add(range.length, std::memory_order_relaxed);
       }
-      woken = SettleLocked(wr.range.op, wr.range.length, absl::OkStatus());
+      woken = SettleLocked(range.op, range.length, absl::OkStatus());
     } else {
       ++counters.errors;
-      // Which rail pair failed is part of what went wrong.
-      absl::Status status = Prefixed(CompletionStatus(wc),
-                                     absl::StrCat("on rail ", wr.lane_name));
       if (status.code() == absl::StatusCode::kUnavailable &&
-          ops_[wr.range.op].status.ok()) {
+          ops_[range.op].status.ok()) {
         const bool path = wc.status == IBV_WC_RETRY_EXC_ERR ||
                           wc.status == IBV_WC_RNR_RETRY_EXC_ERR;
-        retries_.push_back(Retry{wr.range, wr.lane, std::move(status), path});
+        retries_.push_back(Retry{range, lane, std::move(status), path});
         woken = true;
       } else {
-        woken = SettleLocked(wr.range.op, wr.range.length, status);
+        woken = SettleLocked(range.op, range.length, status);
       }
     }
   }
@@ -134,10 +161,11 @@ bool PostedBatch::HasRetries() {
 
 bool PostedBatch::AwaitNoWrs(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  const auto none = [this]()
-                        ABSL_NO_THREAD_SAFETY_ANALYSIS { return wrs_.empty(); };
+  const auto none = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return outstanding_wrs_ == 0;
+  };
   mu_.AwaitWithDeadline(absl::Condition(&none), deadline);
-  return wrs_.empty();
+  return outstanding_wrs_ == 0;
 }
 
 std::vector<size_t> PostedBatch::NotDone() {
@@ -151,7 +179,7 @@ std::vector<size_t> PostedBatch::NotDone() {
 
 uint64_t PostedBatch::OutstandingWrs() {
   absl::MutexLock lock(&mu_);
-  return wrs_.size();
+  return outstanding_wrs_;
 }
 
 std::vector<absl::Status> PostedBatch::Results() {

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -107,13 +106,24 @@ class PostedBatch : public CompletionSink {
     absl::Status status;
     std::atomic<uint64_t>* landed = nullptr;  // Op::landed
   };
+  // A WR posted (or about to be): its record's slot in wrs_ is its
+  // cookie.
   struct Wr {
     Range range;
     const Lane* lane = nullptr;
-    std::string lane_name;
+    // The lane's load and name, kept past the lane.
     std::shared_ptr<LaneLoad> load;
     Rail* rail = nullptr;
+    bool in_use = false;
+    // While not in use: the next free slot (kNoSlot: none).
+    size_t next_free = 0;
   };
+  static constexpr size_t kNoSlot = ~size_t{0};
+
+  // The record of `cookie` while it is in use; nullptr otherwise.
+  Wr* WrOf(uint64_t cookie) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees `wr`'s slot (its load released).
+  void FreeWr(Wr& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Settles `length` bytes of `op` with `status`; true when that made
   // every op done.
@@ -125,8 +135,13 @@ class PostedBatch : public CompletionSink {
   absl::Mutex mu_;
   std::vector<OpState> ops_ ABSL_GUARDED_BY(mu_);
   size_t not_done_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_cookie_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<uint64_t, Wr> wrs_ ABSL_GUARDED_BY(mu_);
+  // WR records by cookie, their free slots linked from free_wr_: slots
+  // made for one WR per op at construction and reused as WRs complete, so
+  // that posting an op allocates nothing (more only when ops are cut into
+  // several WRs each, amortized).
+  std::vector<Wr> wrs_ ABSL_GUARDED_BY(mu_);
+  size_t free_wr_ ABSL_GUARDED_BY(mu_) = kNoSlot;
+  uint64_t outstanding_wrs_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Retry> retries_ ABSL_GUARDED_BY(mu_);
   // Set before any WR, read unlocked afterwards.
   std::weak_ptr<Listener> listener_;

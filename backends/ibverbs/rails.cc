@@ -49,9 +49,16 @@ std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint) {
 }
 
 std::vector<bool> RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint) {
+  std::vector<bool> near;
+  RemoteNearRailsOf(endpoint, near);
+  return near;
+}
+
+void RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint,
+                       std::vector<bool>& near) {
   const size_t count =
       std::clamp<size_t>(endpoint.rails_size(), 1, kMaxRemoteRails);
-  std::vector<bool> near(count, false);
+  near.assign(count, false);
   bool any = false;
   for (uint32_t index : endpoint.near_rails()) {
     if (index >= count) continue;  // past the rails used, or forged
@@ -59,11 +66,14 @@ std::vector<bool> RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint) {
     any = true;
   }
   if (!any) near.assign(count, true);
-  return near;
 }
 
-std::string Lane::name() const {
-  return absl::StrCat(rail->name, "->", remote.name());
-}
+Lane::Lane(std::string key, std::string peer, Rail* rail, RemoteRail remote)
+    : key(std::move(key)),
+      peer(std::move(peer)),
+      rail(rail),
+      remote(std::move(remote)),
+      load(std::make_shared<LaneLoad>(
+          absl::StrCat(rail->name, "->", this->remote.name()))) {}
 
 }  // namespace rdma_agent::ibverbs

@@ -145,20 +145,32 @@ std::vector<RemoteRail> RemoteRailsOf(const v1::IbverbsEndpoint& endpoint);
 // those its `near_rails` name; every rail when it names none that exists
 // (a context without affinity: old agents, one rail, nodes unknown).
 std::vector<bool> RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint);
+// The same into `near` (resized), reusing its storage: once per op.
+void RemoteNearRailsOf(const v1::IbverbsEndpoint& endpoint,
+                       std::vector<bool>& near);
 
-// What a peer granted this agent for one of its buffers over one session.
-struct RemoteGrant {
-  std::string token;  // the token that earned it: a cache hit needs it too
+// Where a granted buffer is for this agent's WRs: what posting needs of a
+// grant (plain values, copied per op without allocating).
+struct GrantedBuffer {
   uint32_t rkey = 0;
   uint64_t address = 0;
   uint64_t size_bytes = 0;
 };
 
-// Bytes a lane carries that have not completed yet (posted, or planned by
-// a Submit that is posting them), for placing small ops. Apart from the
-// Lane so that completions update it without keeping the lane (and its
-// queue pair) alive.
+// What a peer granted this agent for one of its buffers over one session.
+struct RemoteGrant {
+  std::string token;  // the token that earned it: a cache hit needs it too
+  GrantedBuffer buffer;
+};
+
+// What a lane's WRs carry to their completions: the lane's name (for their
+// errors), and the bytes it carries that have not completed yet (posted,
+// or planned by a Submit that is posting them), for placing small ops.
+// Apart from the Lane so that completions use it without keeping the lane
+// (and its queue pair) alive; shared, so that a WR copies no string.
 struct LaneLoad {
+  explicit LaneLoad(std::string lane_name) : lane_name(std::move(lane_name)) {}
+  const std::string lane_name;  // "nic_a:1->nic_b:1"
   std::atomic<uint64_t> bytes{0};
 };
 
@@ -176,20 +188,16 @@ struct LaneHealth {
 // with what the peer granted it), its load and its health. Owned by the
 // Requester's lane table (requester.h) and by the Submits using it.
 struct Lane {
-  Lane(std::string key, std::string peer, Rail* rail, RemoteRail remote)
-      : key(std::move(key)),
-        peer(std::move(peer)),
-        rail(rail),
-        remote(std::move(remote)) {}
+  Lane(std::string key, std::string peer, Rail* rail, RemoteRail remote);
 
   // "nic_a:1->nic_b:1" (the peer is said apart).
-  std::string name() const;
+  const std::string& name() const { return load->lane_name; }
 
   const std::string key;   // "agent/epoch/nic_a:1>nic_b:1"
   const std::string peer;  // "agent/epoch"
   Rail* const rail;
   const RemoteRail remote;
-  const std::shared_ptr<LaneLoad> load = std::make_shared<LaneLoad>();
+  const std::shared_ptr<LaneLoad> load;
   const std::shared_ptr<LaneHealth> health = std::make_shared<LaneHealth>();
 
   // Guarded by the Requester's mutex: the queue pair (when connected), its

@@ -13,13 +13,13 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "backends/ibverbs/deadline_timer.h"
+#include "absl/strings/string_view.h"
 #include "backends/ibverbs/registration_state.h"
 #include "backends/ibverbs/striping.h"
-#include "backends/ibverbs/work_queue.h"
 #include "backends/peer_tls.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
@@ -136,8 +136,6 @@ struct Requester::PeerPlan {
   // Lanes whose cooldown ran out while others are healthy: probed aside.
   std::vector<std::shared_ptr<Lane>> probes;
   std::vector<AffinityClass> classes;
-  // Each op's class, by op index.
-  std::map<size_t, size_t> class_of_op;
 };
 
 // One posted batch from Post until its done is called: what its posting
@@ -164,7 +162,9 @@ struct Requester::InFlight : PostedBatch::Listener {
   // lane's LaneUse; a repost (which may add lanes), the cut and End run
   // with no other step under way.
   std::vector<PeerPlan> plans;
+  // Each op's plan, and its affinity class in that plan, by op index.
   std::vector<size_t> plan_of_op;
+  std::vector<size_t> class_of_op;
   // Peers held for the batch (AdmitPeer).
   std::vector<std::string> admitted;
   std::unique_ptr<Cancellation::Callback> on_cancel;
@@ -189,7 +189,8 @@ Requester::Requester(const BackendEnvironment& env,
       options_(options),
       rails_(rails),
       backend_(std::move(backend)),
-      posting_(std::make_unique<WorkQueue>(kPostingThreads, "ibv-posting")),
+      posting_(std::make_unique<Executor>(
+          kPostingThreads, options.max_queued_posting_tasks, "ibv-posting")),
       timer_(std::make_unique<DeadlineTimer>("ibv-deadline")) {}
 
 Requester::~Requester() {
@@ -404,8 +405,22 @@ void Requester::Post(absl::Span<const Op> ops, const StopToken& stop,
   f.on_cancel = stop.OnCancel([this, flight] {
     timer_->At(absl::InfinitePast(), [this, flight] { Stopped(*flight); });
   });
-  // Ops grouped by peer (agent and epoch), each group in batch order.
-  std::map<std::string, std::vector<size_t>> groups;
+  // Ops grouped by peer (agent and epoch), each group in batch order, the
+  // groups in the order their peers first appear. No string is built per
+  // op: ops name their peer's agent id and epoch, which are compared (with
+  // the previous op's peer first: batches mostly go to one peer).
+  struct Group {
+    const v1::RemoteBuffer* remote;
+    size_t count = 0;
+    std::vector<size_t> indices;
+  };
+  constexpr size_t kSettled = ~size_t{0};
+  std::vector<Group> groups;
+  absl::flat_hash_map<std::pair<absl::string_view, uint64_t>, size_t>
+      group_of_peer;
+  f.plan_of_op.assign(ops.size(), kSettled);  // the group, until planned
+  f.class_of_op.assign(ops.size(), 0);
+  size_t last = kSettled;
   for (size_t i = 0; i < ops.size(); ++i) {
     absl::Status checked = stop.Check("before posting");
     if (checked.ok()) checked = CheckOp(ops[i]);
@@ -413,41 +428,68 @@ void Requester::Post(absl::Span<const Op> ops, const StopToken& stop,
       f.batch->Settle({i, 0, ops[i].length}, checked);
       continue;
     }
-    groups[PeerKey(*ops[i].remote)].push_back(i);
+    const v1::RemoteBuffer& remote = *ops[i].remote;
+    if (last == kSettled ||
+        groups[last].remote->agent_epoch() != remote.agent_epoch() ||
+        groups[last].remote->agent_id() != remote.agent_id()) {
+      last = group_of_peer
+                 .try_emplace({remote.agent_id(), remote.agent_epoch()},
+                              groups.size())
+                 .first->second;
+      if (last == groups.size()) groups.push_back(Group{&remote, 0, {}});
+    }
+    f.plan_of_op[i] = last;
+    ++groups[last].count;
+  }
+  for (Group& group : groups) group.indices.reserve(group.count);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (f.plan_of_op[i] != kSettled) {
+      groups[f.plan_of_op[i]].indices.push_back(i);
+    }
   }
   // Each peer's state is held for the batch (never evicted under it);
   // past --ibverbs_max_requester_peers in use, its ops are refused.
-  f.plan_of_op.assign(ops.size(), 0);
   f.plans.reserve(groups.size());
-  for (auto& [peer, indices] : groups) {
+  for (Group& group : groups) {
+    std::string peer = PeerKey(*group.remote);
     if (absl::Status status = AdmitPeer(peer); !status.ok()) {
-      for (size_t i : indices) f.batch->Settle({i, 0, ops[i].length}, status);
+      for (size_t i : group.indices) {
+        f.batch->Settle({i, 0, ops[i].length}, status);
+      }
       continue;
     }
-    f.admitted.push_back(peer);
-    f.plans.push_back(PlanPeer(ops, std::move(indices), *f.batch));
+    f.plans.push_back(
+        PlanPeer(ops, peer, std::move(group.indices), *f.batch, f.class_of_op));
+    f.admitted.push_back(std::move(peer));
     for (size_t i : f.plans.back().ops) f.plan_of_op[i] = f.plans.size() - 1;
   }
 
   // Lanes already connected are posted to here; the others connect and
   // post on the posting threads, all at once, so that a slow handshake or
   // a full send queue on one does not hold up the others.
+  // Past the posting threads' bound, a lane's bytes fail at once and a
+  // probe waits for a later batch.
   for (PeerPlan& plan : f.plans) {
     for (LaneUse& use : plan.lanes) {
       if (use.work.empty()) continue;
       if (RunLane(f, plan, use, /*may_block=*/false)) continue;
       Hold(f);
-      posting_->Run([this, flight, &plan, &use] {
+      Executor::Task task = [this, flight, &plan, &use] {
         RunLane(*flight, plan, use, /*may_block=*/true);
         Release(*flight, /*may_block=*/true);
-      });
+      };
+      if (!posting_->TryPost(task)) {
+        SettleRest(f, use, RefusedPosting());
+        Release(f, /*may_block=*/false);
+      }
     }
     for (const std::shared_ptr<Lane>& lane : plan.probes) {
       Hold(f);
-      posting_->Run([this, flight, &plan, lane] {
+      Executor::Task task = [this, flight, &plan, lane] {
         ProbeLane(flight->ops, plan, lane, flight->stop);
         Release(*flight, /*may_block=*/true);
-      });
+      };
+      if (!posting_->TryPost(task)) Release(f, /*may_block=*/false);
     }
   }
   Release(f, /*may_block=*/false);
@@ -510,15 +552,42 @@ void Requester::Kick(InFlight& flight, bool may_block) {
                    [this, keep = std::move(keep)] { CutAndEnd(*keep); });
       }
       return;
-    case Next::kRepost:
-      // A repost may connect another lane (a handshake): a posting thread.
-      posting_->Run([this, keep = std::move(keep)] {
+    case Next::kRepost: {
+      // A repost may connect another lane (a handshake): a posting thread;
+      // when their queue is full, the bytes fail here instead.
+      Executor::Task task = [this, keep = std::move(keep)] {
         InFlight& f = *keep;
-        Repost(f.ops, f.plans, f.plan_of_op, f.batch->TakeRetries(), f.batch,
-               f.stop);
+        Repost(f.ops, f.plans, f.plan_of_op, f.class_of_op,
+               f.batch->TakeRetries(), f.batch, f.stop);
         Release(f, /*may_block=*/true);
-      });
+      };
+      if (!posting_->TryPost(task)) {
+        const absl::Status refused = RefusedPosting();
+        for (const PostedBatch::Retry& retry : flight.batch->TakeRetries()) {
+          flight.batch->Settle(retry.range, refused);
+        }
+        Release(flight, may_block);
+      }
       return;
+    }
+  }
+}
+
+absl::Status Requester::RefusedPosting() const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the ibverbs backend's posting threads already have ",
+      options_.max_queued_posting_tasks,
+      " tasks queued (IbverbsOptions::max_queued_posting_tasks); not posted"));
+}
+
+void Requester::SettleRest(InFlight& flight, LaneUse& use,
+                           const absl::Status& why) {
+  for (; use.next_range < use.work.size();
+       ++use.next_range, use.next_offset = 0) {
+    const PostedBatch::Range& range = use.work[use.next_range];
+    flight.batch->Settle({range.op, range.offset + use.next_offset,
+                          range.length - use.next_offset},
+                         why);
   }
 }
 
@@ -560,8 +629,9 @@ void Requester::End(InFlight& flight, bool cut) {
   // drains it, which its own poller must not do. They go here, not with
   // the batch's state, whose last reference a poller may drop later.
   std::vector<PeerPlan> plans = std::move(flight.plans);
+  // Never refused (one per batch ending on a poller).
   if (OnCompletionPollerThread() && !plans.empty()) {
-    posting_->Run([plans = std::move(plans)]() mutable { plans.clear(); });
+    posting_->Post([plans = std::move(plans)]() mutable { plans.clear(); });
   }
   plans.clear();
   std::move(flight.done)(std::move(results));
@@ -635,10 +705,12 @@ std::shared_ptr<Lane> Requester::LaneFor(const std::string& peer, Rail& rail,
 }
 
 Requester::PeerPlan Requester::PlanPeer(absl::Span<const Op> ops,
+                                        const std::string& peer,
                                         std::vector<size_t> indices,
-                                        PostedBatch& batch) {
+                                        PostedBatch& batch,
+                                        std::vector<size_t>& class_of_op) {
   PeerPlan plan;
-  plan.peer = PeerKey(*ops[indices.front()].remote);
+  plan.peer = peer;
   plan.ops = std::move(indices);
   // Every op of the group names the same agent and epoch, so the same rails.
   plan.remote_rails = RemoteRailsOf(ops[plan.ops.front()].endpoint->ibverbs());
@@ -670,8 +742,8 @@ Requester::PeerPlan Requester::PlanPeer(absl::Span<const Op> ops,
           LaneFor(plan.peer, *rails[l], plan.remote_rails[r]));
     }
   }
-  PlanAffinity(ops, rails, healthy, plan);
-  AssignWork(ops, plan);
+  PlanAffinity(ops, rails, healthy, plan, class_of_op);
+  AssignWork(ops, plan, class_of_op);
   return plan;
 }
 
@@ -753,7 +825,7 @@ std::vector<RailPair> PairsOrWider(
 void Requester::PlanAffinity(absl::Span<const Op> ops,
                              const std::vector<Rail*>& rails,
                              const std::vector<std::vector<bool>>& healthy,
-                             PeerPlan& plan) {
+                             PeerPlan& plan, std::vector<size_t>& class_of_op) {
   std::vector<double> local_gbps;
   for (Rail* rail : rails) local_gbps.push_back(rail->speed_gbps);
   std::vector<double> remote_gbps;
@@ -798,15 +870,19 @@ void Requester::PlanAffinity(absl::Span<const Op> ops,
   // Classes by which rails are near the ops' buffers: as many as distinct
   // (local node, remote node) pairs among the ops, each paired once (and by
   // whether large ops keep to the near rails on either side).
-  std::map<std::tuple<std::vector<bool>, std::vector<bool>, bool, bool>, size_t>
-      classes;
+  using ClassKey = std::tuple<std::vector<bool>, std::vector<bool>, bool, bool>;
+  std::map<ClassKey, size_t> classes;
+  // The op at hand's key, its storage reused from op to op (copied only
+  // for a new class).
+  ClassKey key;
+  auto& [local, remote, local_only, remote_only] = key;
   for (size_t i : plan.ops) {
     // Near rails of ours that are usable now; all usable ones when none of
     // them is (far rails take over).
-    std::vector<bool> local = every_local;
-    std::vector<bool> remote = every_remote;
-    bool local_only = false;
-    bool remote_only = false;
+    local = every_local;
+    remote = every_remote;
+    local_only = false;
+    remote_only = false;
     if (nearest) {
       const RailAffinity& near = dynamic_cast<const IbverbsRegistration&>(
                                      *ops[i].local->backend_state(backend_))
@@ -817,16 +893,17 @@ void Requester::PlanAffinity(absl::Span<const Op> ops,
       }
       local_only = near.near_rails_only;
       if (!Any(local)) local = every_local;
-      remote = RemoteNearRailsOf(ops[i].endpoint->ibverbs());
+      RemoteNearRailsOf(ops[i].endpoint->ibverbs(), remote);
       remote.resize(plan.remote_rails.size(), false);
       remote_only = ops[i].endpoint->ibverbs().near_rails_only();
       if (!Any(remote)) remote = every_remote;
     }
-    auto [it, added] =
-        classes.emplace(std::tuple{local, remote, local_only, remote_only},
-                        plan.classes.size());
-    plan.class_of_op[i] = it->second;
-    if (!added) continue;
+    if (auto it = classes.find(key); it != classes.end()) {
+      class_of_op[i] = it->second;
+      continue;
+    }
+    class_of_op[i] = plan.classes.size();
+    classes.emplace(key, plan.classes.size());
     AffinityClass affinity;
     add_lanes(PairsOrWider(local_gbps, remote_gbps, local, remote, healthy),
               affinity.small_lanes, affinity.small_weights);
@@ -846,7 +923,7 @@ void Requester::PlanAffinity(absl::Span<const Op> ops,
     for (size_t l = 0; l < rails.size(); ++l) {
       affinity.local_near[rails[l]->index] = local[l];
     }
-    affinity.remote_near = std::move(remote);
+    affinity.remote_near = remote;
     plan.classes.push_back(std::move(affinity));
   }
 }
@@ -875,7 +952,8 @@ std::vector<std::vector<bool>> Requester::FailedPairs(
   return failed;
 }
 
-void Requester::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
+void Requester::AssignWork(absl::Span<const Op> ops, PeerPlan& plan,
+                           const std::vector<size_t>& class_of_op) {
   std::vector<double> loads;  // bytes in flight, then planned too
   for (const LaneUse& use : plan.lanes) {
     loads.push_back(static_cast<double>(use.lane->load->bytes.load()));
@@ -885,14 +963,21 @@ void Requester::AssignWork(absl::Span<const Op> ops, PeerPlan& plan) {
     absl::MutexLock lock(&mu_);
     round_robin = round_robin_[plan.peer]++;
   }
+  // Room for an even share of the ops on each lane (a striped op puts one
+  // piece on each lane of its class): the lanes' vectors are sized once,
+  // not grown op by op.
+  const size_t share =
+      plan.ops.size() / std::max<size_t>(plan.lanes.size(), 1) + 1;
+  for (LaneUse& use : plan.lanes) use.work.reserve(share);
   std::vector<double> class_loads;
+  std::vector<Piece> pieces;
   for (size_t i : plan.ops) {
-    const AffinityClass& affinity = plan.classes[plan.class_of_op[i]];
+    const AffinityClass& affinity = plan.classes[class_of_op[i]];
     const uint64_t length = ops[i].length;
     if (length >= options_.stripe_threshold_bytes &&
         affinity.large_lanes.size() > 1) {
-      for (const Piece& piece :
-           SplitByWeight(length, affinity.large_weights, kStripeAlign)) {
+      SplitByWeight(length, affinity.large_weights, kStripeAlign, pieces);
+      for (const Piece& piece : pieces) {
         const size_t lane = affinity.large_lanes[piece.lane];
         plan.lanes[lane].work.push_back({i, piece.offset, piece.length});
         loads[lane] += static_cast<double>(piece.length);
@@ -976,10 +1061,10 @@ uint64_t Requester::PostRange(const Op& op, const PostedBatch::Range& range,
     return range.length;
   }
   Lane& lane = *use.lane;
-  absl::StatusOr<RemoteGrant> grant;
+  absl::StatusOr<GrantedBuffer> grant;
   if (may_block) {
     grant = GrantFor(op, lane, *use.connection, stop);
-  } else if (std::optional<RemoteGrant> cached =
+  } else if (std::optional<GrantedBuffer> cached =
                  CachedGrant(op, lane, *use.connection)) {
     grant = *cached;
   } else {
@@ -1053,6 +1138,7 @@ uint64_t Requester::PostRange(const Op& op, const PostedBatch::Range& range,
 
 void Requester::Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
                        const std::vector<size_t>& plan_of_op,
+                       const std::vector<size_t>& class_of_op,
                        std::vector<PostedBatch::Retry> retries,
                        const std::shared_ptr<PostedBatch>& batch,
                        const StopToken& stop) {
@@ -1074,7 +1160,7 @@ void Requester::Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
       batch->Settle(retry.range, absl::OkStatus());
       continue;
     }
-    LaneUse* target = PickLane(ops, plan, retry.range.op, stop);
+    LaneUse* target = PickLane(ops, plan, class_of_op[retry.range.op], stop);
     if (target == nullptr) {
       std::vector<std::string> others;
       for (const LaneUse& use : plan.lanes) {
@@ -1098,9 +1184,9 @@ void Requester::Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
 }
 
 Requester::LaneUse* Requester::PickLane(absl::Span<const Op> ops,
-                                        PeerPlan& plan, size_t op,
+                                        PeerPlan& plan, size_t affinity_class,
                                         const StopToken& stop) {
-  const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
+  const AffinityClass& affinity = plan.classes[affinity_class];
   // How many of the lane's two rails are far from the op's buffers.
   const auto far_ends = [&](const LaneUse& use) {
     const size_t remote = static_cast<size_t>(
@@ -1146,11 +1232,12 @@ Requester::LaneUse* Requester::PickLane(absl::Span<const Op> ops,
       // links as they had. With no lane standing, any pair will do.
       LaneUse* added = nullptr;
       if (best == nullptr) {
-        added = AddLane(plan, op, 2);
+        added = AddLane(plan, affinity_class, 2);
       } else {
-        added = AddLane(plan, op, 0);
+        added = AddLane(plan, affinity_class, 0);
         if (added == nullptr) {
-          added = AddLane(plan, op, far_ends(*best), /*fresh_rails=*/true);
+          added = AddLane(plan, affinity_class, far_ends(*best),
+                          /*fresh_rails=*/true);
         }
       }
       if (added != nullptr) best = added;
@@ -1168,12 +1255,12 @@ Requester::LaneUse* Requester::PickLane(absl::Span<const Op> ops,
   return nullptr;
 }
 
-Requester::LaneUse* Requester::AddLane(PeerPlan& plan, size_t op,
+Requester::LaneUse* Requester::AddLane(PeerPlan& plan, size_t affinity_class,
                                        int max_far_ends, bool fresh_rails) {
   // E.g. this agent's rail whose partner failed, with the partner of a rail
   // of this agent whose port went down. Pairs near the op's buffers on both
   // sides first, then near on one side, then far.
-  const AffinityClass& affinity = plan.classes[plan.class_of_op[op]];
+  const AffinityClass& affinity = plan.classes[affinity_class];
   const absl::Time now = absl::Now();
   const std::vector<Rail*> rails = UsableRails();
   // Rails of both sides the plan's standing lanes use.
@@ -1275,14 +1362,14 @@ void Requester::ProbeLane(absl::Span<const Op> ops, const PeerPlan& plan,
     give_up(connection.status());
     return;
   }
-  RemoteGrant grant;
+  GrantedBuffer grant;
   {
     absl::MutexLock lock(&mu_);
     if (lane->connection != *connection || lane->grants.empty()) {
       give_up(absl::UnavailableError("the queue pair was replaced"));
       return;
     }
-    grant = lane->grants.begin()->second;
+    grant = lane->grants.begin()->second.buffer;
   }
   // Zero bytes: names no memory, yet crosses both ports and is answered
   // only by the peer's NIC. It touches nothing, so it may outlive the
@@ -1521,9 +1608,9 @@ absl::StatusOr<Requester::Handshaken> Requester::Handshake(
       absl::Milliseconds(response.session_idle_timeout_ms());
   result.buffer_id = remote.buffer_id();
   result.grant.token = remote.token();
-  result.grant.rkey = response.grant().rkey();
-  result.grant.address = response.grant().address();
-  result.grant.size_bytes = response.grant().size_bytes();
+  result.grant.buffer.rkey = response.grant().rkey();
+  result.grant.buffer.address = response.grant().address();
+  result.grant.buffer.size_bytes = response.grant().size_bytes();
   return result;
 }
 
@@ -1538,7 +1625,7 @@ bool SessionNeedsRefresh(const Lane& lane) {
 
 }  // namespace
 
-std::optional<RemoteGrant> Requester::CachedGrant(
+std::optional<GrantedBuffer> Requester::CachedGrant(
     const Op& op, const Lane& lane, const QueuePairConnection& connection) {
   absl::MutexLock lock(&mu_);
   if (lane.connection.get() != &connection) return std::nullopt;
@@ -1548,10 +1635,10 @@ std::optional<RemoteGrant> Requester::CachedGrant(
       SessionNeedsRefresh(lane)) {
     return std::nullopt;
   }
-  return grant->second;
+  return grant->second.buffer;
 }
 
-absl::StatusOr<RemoteGrant> Requester::GrantFor(
+absl::StatusOr<GrantedBuffer> Requester::GrantFor(
     const Op& op, Lane& lane, const QueuePairConnection& connection,
     const StopToken& stop) {
   const v1::RemoteBuffer& remote = *op.remote;
@@ -1574,7 +1661,7 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
     // buffer id must not ride on a grant earned by a real one.
     proven = grant != lane.grants.end() &&
              TokensEqual(grant->second.token, remote.token());
-    if (proven && !refresh) return grant->second;
+    if (proven && !refresh) return grant->second.buffer;
     session = lane.session;
   }
   v1::GrantBufferRequest request;
@@ -1622,15 +1709,15 @@ absl::StatusOr<RemoteGrant> Requester::GrantFor(
   }
   RemoteGrant grant;
   grant.token = remote.token();
-  grant.rkey = response.grant().rkey();
-  grant.address = response.grant().address();
-  grant.size_bytes = response.grant().size_bytes();
+  grant.buffer.rkey = response.grant().rkey();
+  grant.buffer.address = response.grant().address();
+  grant.buffer.size_bytes = response.grant().size_bytes();
   absl::MutexLock lock(&mu_);
   if (lane.connection.get() == &connection) {
     lane.grants[remote.buffer_id()] = grant;
     lane.session_refreshed = absl::Now();
   }
-  return grant;
+  return grant.buffer;
 }
 
 }  // namespace rdma_agent::ibverbs

@@ -21,13 +21,12 @@
 #include "backends/ibverbs/options.h"
 #include "backends/ibverbs/posted_batch.h"
 #include "backends/ibverbs/rails.h"
+#include "common/deadline_timer.h"
+#include "common/executor.h"
 #include "common/stop_token.h"
 #include "rdma/agent/v1/peer.grpc.pb.h"
 
 namespace rdma_agent::ibverbs {
-
-class DeadlineTimer;
-class WorkQueue;
 
 // The requesting half of the ibverbs backend: posted batches over lanes (a rail
 // of this agent paired with a rail of the peer, striping.h), their handshakes
@@ -105,6 +104,10 @@ class Requester {
   void Stopped(InFlight& flight);
   // CutShort, then End.
   void CutAndEnd(InFlight& flight);
+  // Why bytes a posting thread would have taken fail: its queue is full.
+  absl::Status RefusedPosting() const;
+  // The bytes planned for `use` not dealt with yet fail with `why`.
+  void SettleRest(InFlight& flight, LaneUse& use, const absl::Status& why);
   // Marks healthy lanes, counts moved bytes, lets the peers go and calls
   // done. `cut`: CutShort ran.
   void End(InFlight& flight, bool cut);
@@ -128,10 +131,13 @@ class Requester {
   // What the contract does not cover before posting: the local MR.
   absl::Status CheckOp(const Op& op) const;
 
-  // Post's steps. The rail pairs ops to one peer go over, and which bytes
-  // each lane carries; the ops fail at once when no rail can be used.
-  PeerPlan PlanPeer(absl::Span<const Op> ops, std::vector<size_t> indices,
-                    PostedBatch& batch);
+  // Post's steps. The rail pairs the ops `indices` to `peer` go over, and
+  // which bytes each lane carries; the ops fail at once when no rail can
+  // be used. `class_of_op` (by op index, over the whole batch) gets each
+  // op's affinity class in the plan.
+  PeerPlan PlanPeer(absl::Span<const Op> ops, const std::string& peer,
+                    std::vector<size_t> indices, PostedBatch& batch,
+                    std::vector<size_t>& class_of_op);
   // Which of `rails` x `plan`'s remote rails failed and were not shown to
   // work since; `expired` gets those whose cooldown ran out (worth a
   // probe).
@@ -142,14 +148,16 @@ class Requester {
   // pairs rails for each group: near ones for small ops, far ones joining
   // for large ops when the near ones' speed is a small share, any usable
   // ones when no near pair is healthy. `rails` are the usable rails,
-  // `healthy` their pairs with the peer's rails.
+  // `healthy` their pairs with the peer's rails; each op's class goes to
+  // `class_of_op`.
   void PlanAffinity(absl::Span<const Op> ops, const std::vector<Rail*>& rails,
                     const std::vector<std::vector<bool>>& healthy,
-                    PeerPlan& plan);
+                    PeerPlan& plan, std::vector<size_t>& class_of_op);
   // Cuts `plan`'s ops over the lanes of their affinity class: large ones
   // in proportion to the lanes' shares, small ones whole to the least
   // loaded lane.
-  void AssignWork(absl::Span<const Op> ops, PeerPlan& plan);
+  void AssignWork(absl::Span<const Op> ops, PeerPlan& plan,
+                  const std::vector<size_t>& class_of_op);
   // Rails usable now (their port's failure cooled down, or they never
   // failed); when none is, the rails whose ports are ACTIVE now.
   std::vector<Rail*> UsableRails();
@@ -172,21 +180,22 @@ class Requester {
   // left.
   void Repost(absl::Span<const Op> ops, std::vector<PeerPlan>& plans,
               const std::vector<size_t>& plan_of_op,
+              const std::vector<size_t>& class_of_op,
               std::vector<PostedBatch::Retry> retries,
               const std::shared_ptr<PostedBatch>& batch, const StopToken& stop);
-  // The least loaded lane of `plan` still standing in this batch for op
-  // `op`, connected (a lane that fails to connect is left out and the next
-  // one tried): one near the op's buffers first, then any of the plan;
-  // when none is left, a pair the plan left out (AddLane). nullptr when
-  // there is none either.
-  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan, size_t op,
-                    const StopToken& stop);
+  // The least loaded lane of `plan` still standing in this batch for an op
+  // of its `affinity_class`, connected (a lane that fails to connect is
+  // left out and the next one tried): one near the op's buffers first,
+  // then any of the plan; when none is left, a pair the plan left out
+  // (AddLane). nullptr when there is none either.
+  LaneUse* PickLane(absl::Span<const Op> ops, PeerPlan& plan,
+                    size_t affinity_class, const StopToken& stop);
   // Adds to `plan` a lane between usable rails that it does not have yet
-  // and that is not cooling down, rails near op `op`'s buffers first, with
-  // at most `max_far_ends` (0-2) of its two rails far from them and, with
-  // `fresh_rails`, neither rail used by a lane of the plan still standing;
-  // nullptr when there is none.
-  LaneUse* AddLane(PeerPlan& plan, size_t op, int max_far_ends,
+  // and that is not cooling down, rails near the buffers of the ops of
+  // `affinity_class` first, with at most `max_far_ends` (0-2) of its two
+  // rails far from them and, with `fresh_rails`, neither rail used by a
+  // lane of the plan still standing; nullptr when there is none.
+  LaneUse* AddLane(PeerPlan& plan, size_t affinity_class, int max_far_ends,
                    bool fresh_rails = false);
   // Leaves out `lane` (or its rail, when its port is not ACTIVE) for a
   // while after its path failed with `why`.
@@ -224,13 +233,13 @@ class Requester {
                                        const StopToken& stop);
   // The grant for op's remote buffer over `lane`'s `connection` when it is
   // cached and its session needs no refresh; nullopt otherwise.
-  std::optional<RemoteGrant> CachedGrant(const Op& op, const Lane& lane,
-                                         const QueuePairConnection& connection);
+  std::optional<GrantedBuffer> CachedGrant(
+      const Op& op, const Lane& lane, const QueuePairConnection& connection);
   // The grant for op's remote buffer over `lane`'s `connection`: cached,
   // or asked for with GrantBuffer (cut short by `stop`).
-  absl::StatusOr<RemoteGrant> GrantFor(const Op& op, Lane& lane,
-                                       const QueuePairConnection& connection,
-                                       const StopToken& stop);
+  absl::StatusOr<GrantedBuffer> GrantFor(const Op& op, Lane& lane,
+                                         const QueuePairConnection& connection,
+                                         const StopToken& stop);
 
   const BackendEnvironment& env_;
   const IbverbsOptions& options_;
@@ -238,9 +247,10 @@ class Requester {
   const std::string backend_;
   // What may block in a posted batch (handshakes, grants, a full send
   // queue, reposts) runs on these threads; lanes connect and post at once
-  // up to their number.
+  // up to their number. At most options.max_queued_posting_tasks wait:
+  // past it, what would have queued fails (RefusedPosting).
   static constexpr size_t kPostingThreads = 3;
-  std::unique_ptr<WorkQueue> posting_;
+  std::unique_ptr<Executor> posting_;
   // Ends batches at their deadline or cancellation.
   std::unique_ptr<DeadlineTimer> timer_;
 

@@ -91,7 +91,14 @@ std::vector<Piece> SplitByWeight(uint64_t length,
                                  absl::Span<const double> weights,
                                  uint64_t align) {
   std::vector<Piece> pieces;
-  if (length == 0) return pieces;
+  SplitByWeight(length, weights, align, pieces);
+  return pieces;
+}
+
+void SplitByWeight(uint64_t length, absl::Span<const double> weights,
+                   uint64_t align, std::vector<Piece>& pieces) {
+  pieces.clear();
+  if (length == 0) return;
   if (align == 0) align = 1;
   double total = 0;
   size_t last = weights.size();
@@ -101,7 +108,7 @@ std::vector<Piece> SplitByWeight(uint64_t length,
       last = i;
     }
   }
-  if (last == weights.size()) return pieces;
+  if (last == weights.size()) return;
   uint64_t offset = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     if (weights[i] <= 0) continue;
@@ -116,7 +123,6 @@ std::vector<Piece> SplitByWeight(uint64_t length,
     pieces.push_back({i, offset, share});
     offset += share;
   }
-  return pieces;
 }
 
 size_t LeastLoaded(absl::Span<const double> load_bytes,

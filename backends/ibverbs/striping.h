@@ -65,6 +65,9 @@ struct Piece {
 std::vector<Piece> SplitByWeight(uint64_t length,
                                  absl::Span<const double> weights,
                                  uint64_t align);
+// The same into `pieces` (cleared first), reusing its storage: once per op.
+void SplitByWeight(uint64_t length, absl::Span<const double> weights,
+                   uint64_t align, std::vector<Piece>& pieces);
 
 // The lane for an op too small to split: the least loaded for its weight
 // (load / weight, bytes not yet completed), ties to the first at or after

@@ -374,6 +374,11 @@ ABSL_FLAG(uint64_t, max_ring_sessions_per_user,
           "its memory is created.");
 ABSL_FLAG(uint64_t, max_ring_sessions, rdma_agent::RingLimits().max_sessions,
           "The same over all local users.");
+ABSL_FLAG(int32_t, ring_threads, rdma_agent::RingLimits().threads,
+          "Threads serving every shared-memory ring session (1 to 64), "
+          "started with the agent: sessions are spread over them, the least "
+          "loaded first; each spins briefly after work, then sleeps until a "
+          "doorbell or a batch's end.");
 ABSL_FLAG(absl::Duration, shutdown_grace,
           rdma_agent::AgentOptions().shutdown_grace,
           "At SIGTERM/SIGINT, transfers in flight are cancelled and the "
@@ -573,6 +578,7 @@ absl::StatusOr<AgentOptions> AgentOptionsFromFlags() {
   options.rings.max_sessions_per_user =
       absl::GetFlag(FLAGS_max_ring_sessions_per_user);
   options.rings.max_sessions = absl::GetFlag(FLAGS_max_ring_sessions);
+  options.rings.threads = absl::GetFlag(FLAGS_ring_threads);
   options.prepared_transfers.max_per_user =
       absl::GetFlag(FLAGS_max_prepared_transfers_per_user);
   options.prepared_transfers.max_total =

@@ -52,7 +52,8 @@ AttachServer::~AttachServer() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (Connection& connection : connections_) {
-      ::shutdown(connection.fd.get(), SHUT_RDWR);
+      // A connection handed to a ring session has none left here.
+      if (connection.fd) ::shutdown(connection.fd.get(), SHUT_RDWR);
     }
     connections.swap(connections_);
   }
@@ -109,15 +110,23 @@ void AttachServer::Serve(Connection* connection) {
       break;
     }
     if (request.request_case() == v1::AttachRequest::kOpenRing) {
-      if (!options_.serve_ring) {
+      if (!options_.open_ring) {
         (void)SendFdMessage(connection->fd.get(),
                             ErrorResponse(absl::UnimplementedError(
                                 "open ring: this agent serves no rings")));
         continue;
       }
-      // The connection is the session's from now on, until it ends.
-      options_.serve_ring(connection->fd.get(), connection->peer,
-                          request.open_ring());
+      // The connection and its place in the quota are the session's from
+      // now on, until it ends; this thread's work is done.
+      UniqueFd fd_out;
+      QuotaCharge charge;
+      {
+        absl::MutexLock lock(&mu_);
+        fd_out = std::move(connection->fd);
+        charge = std::move(connection->charge);
+      }
+      options_.open_ring(std::move(fd_out), std::move(charge), connection->peer,
+                         request.open_ring());
       break;
     }
     // `reply.buffer` pins the registration until its fd has been sent.

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "backends/buffer_table.h"
+#include "common/unique_fd.h"
 #include "daemon/limits/quota.h"
 #include "daemon/local/attach_tokens.h"
 #include "daemon/local/unix_socket.h"
@@ -22,9 +23,11 @@ namespace rdma_agent {
 // memfds or device memory dma-bufs over (answered with an attach token) and
 // ask for the fd of their own host-memory registrations to map them. Each
 // connection is served on its own thread, within the attach-connection quota of
-// its user and of everybody. Attached memory is admitted before it is mapped:
-// its size against the largest registration and the bytes quota, the fd against
-// the parked-attachment quota. Whatever is refused is closed at once.
+// its user and of everybody, until it opens a ring: then it is handed over,
+// with its place in the quota, and its thread ends. Attached memory is admitted
+// before it is mapped: its size against the largest registration and the bytes
+// quota, the fd against the parked-attachment quota. Whatever is refused is
+// closed at once.
 class AttachServer {
  public:
   struct Options {
@@ -35,13 +38,15 @@ class AttachServer {
     uint64_t max_buffer_bytes = uint64_t{64} << 30;
     // bytes, pending_attach and attach_connections are used; all must be set.
     AgentQuotas quotas;
-    // Serves a ring session (OpenRing, docs/RING.md) on connection `fd` for
-    // `peer`, on the connection's thread, answering the request itself;
-    // returns when the session has ended. Unset: OpenRing is refused
-    // UNIMPLEMENTED.
-    std::function<void(int fd, const PeerCredentials& peer,
+    // Opens a ring session (OpenRing, docs/RING.md) for `peer`: answers the
+    // request on `connection`, on the connection's thread, and keeps the
+    // connection and `charge` (its place in the attach-connection quota)
+    // for as long as the session lasts, served elsewhere; returns without
+    // waiting for the session. Unset: OpenRing is refused UNIMPLEMENTED.
+    std::function<void(UniqueFd connection, QuotaCharge charge,
+                       const PeerCredentials& peer,
                        const v1::OpenRing& request)>
-        serve_ring;
+        open_ring;
   };
 
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(

@@ -13,7 +13,6 @@
 #include <iostream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -62,14 +61,14 @@ class RingAllocationTest : public ::testing::Test {
     env.metrics = &metrics_;
     env.failures = &failures_;
     env.handles = &handles_;
-    rings_ = std::make_unique<RingSessions>(RingLimits{}, env, &calls_, bytes_,
-                                            nullptr, &prepared_);
+    auto rings = RingSessions::Start(RingLimits{}, env, &calls_, bytes_,
+                                     nullptr, &prepared_);
+    EXPECT_TRUE(rings.ok()) << rings.status();
+    rings_ = std::move(*rings);
   }
 
   ~RingAllocationTest() override {
     rings_->Shutdown(absl::CancelledError("test over"));
-    if (client_.valid()) ::shutdown(client_.get(), SHUT_RDWR);
-    if (server_.joinable()) server_.join();
     if (base_ != nullptr) ::munmap(base_, geometry_.total_bytes);
   }
 
@@ -100,15 +99,15 @@ class RingAllocationTest : public ::testing::Test {
     int fds[2];
     ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
     client_ = UniqueFd(fds[0]);
-    server_ = std::thread([this, fd = fds[1]] {
-      UniqueFd owned(fd);
-      PeerCredentials peer;
-      peer.uid = kUid;
-      peer.pid = 1234;
-      v1::OpenRing request;
-      request.set_entries(kEntries);
-      rings_->Serve(owned.get(), peer, request);
-    });
+    PeerCredentials peer;
+    peer.uid = kUid;
+    peer.pid = 1234;
+    v1::OpenRing request;
+    request.set_entries(kEntries);
+    // Answered on this thread; the session is then served by a ring thread.
+    auto charge = connections_->Reserve(kUid, 1);
+    ASSERT_TRUE(charge.ok()) << charge.status();
+    rings_->Open(UniqueFd(fds[1]), std::move(*charge), peer, request);
     v1::AttachResponse response;
     auto memfd = ReceiveFdMessage(client_.get(), &response);
     ASSERT_TRUE(memfd.ok()) << memfd.status();
@@ -232,8 +231,9 @@ class RingAllocationTest : public ::testing::Test {
   AgentMetrics metrics_;
   FailedOpLog failures_;
   std::unique_ptr<RingSessions> rings_;
+  std::shared_ptr<ResourceQuota> connections_ = ResourceQuota::Create(
+      "attach connections", "per_user", "total", {16, 16});
   UniqueFd client_;
-  std::thread server_;
   ring::Geometry geometry_;
   std::byte* base_ = nullptr;
   uint32_t sq_tail_ = 0;

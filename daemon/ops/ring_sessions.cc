@@ -1,6 +1,7 @@
 #include "daemon/ops/ring_sessions.h"
 
-#include <poll.h>
+#include <pthread.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -20,7 +22,6 @@
 #include "common/ring_protocol.h"
 #include "common/shared_memory.h"
 #include "common/status_util.h"
-#include "common/unique_fd.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -56,37 +57,75 @@ absl::Status StatusOf(int32_t code, const std::string& message) {
   return absl::Status(static_cast<absl::StatusCode>(code), message);
 }
 
+void WriteEventFd(int fd) {
+  const uint64_t one = 1;
+  (void)!::write(fd, &one, sizeof(one));
+}
+
 }  // namespace
 
-// One open ring: its mapping (the agent's geometry, never read back from
-// it), the agent's own head and completion tail, the batches it has taken
-// and not completed, and the loop that serves it on the connection's
-// thread. Only that thread posts completions.
+// One open ring: its connection and the charges it holds, its mapping (the
+// agent's geometry, never read back from it), the agent's own head and
+// completion tail, and the batches it has taken and not completed. Served
+// by one ring thread, which alone calls its methods but Wake and Info (so
+// only that thread posts completions).
 class RingSessions::Session {
  public:
-  Session(RingSessions* owner, int fd, const PeerCredentials& peer,
-          SharedMemory memory, const ring::Geometry& geometry, UniqueFd wakeup)
+  // Whether a session may sleep (ArmWakeup).
+  enum class Wakeup {
+    kIdle,     // nothing published: it sleeps until woken
+    kPending,  // work it cannot take yet (no room): it looks again soon
+    kWork,     // published since its last turn: it does not sleep
+  };
+
+  Session(RingSessions* owner, UniqueFd fd, QuotaCharge connection_charge,
+          QuotaCharge slot, const PeerCredentials& peer, SharedMemory memory,
+          const ring::Geometry& geometry, int wakeup)
       : owner_(owner),
-        fd_(fd),
+        connection_(std::move(fd)),
+        fd_(connection_.get()),
+        connection_charge_(std::move(connection_charge)),
+        slot_(std::move(slot)),
         peer_(peer),
         memory_(std::move(memory)),
         geometry_(geometry),
         base_(memory_.data()),
-        wakeup_(std::move(wakeup)),
+        wakeup_(wakeup),
         opened_(absl::Now()),
         preparer_(owner->env_.buffers, peer.uid, owner->env_.handles,
                   owner->env_.names),
         tally_(owner->env_.metrics) {}
 
-  // Serves until the session ends, then cancels what it has running and
-  // waits for it.
-  void Serve();
+  int fd() const { return fd_; }
   // Wakes the serving thread (a batch ended, the agent stops).
-  void Wake() const {
-    const uint64_t one = 1;
-    (void)!::write(wakeup_.get(), &one, sizeof(one));
-  }
+  void Wake() const { WriteEventFd(wakeup_); }
   RingSessionInfo Info() const;
+
+  // One turn: posts the batches that ended, then takes and starts at most
+  // one batch. False when the session must end (stopped).
+  bool Turn(bool* worked);
+  // Reads doorbell bytes (a bounded number: a client that keeps ringing
+  // costs only its own turns); false when the client closed the
+  // connection.
+  bool Drain();
+  // Sets NEEDS_WAKEUP, then looks at the ring once more (RING.md,
+  // wake-ups): whether the session may sleep.
+  Wakeup ArmWakeup();
+  void DisarmWakeup() {
+    Word(ring::kAgentFlagsOffset).fetch_and(~ring::kAgentNeedsWakeup);
+  }
+  // Whether batches it took are running (their ends will wake the thread).
+  bool running() const { return !running_.empty(); }
+  // Begins the session's end: nothing more is taken, a batch waiting for
+  // room is refused and running ones are cancelled; their ends are posted
+  // by PostEnded as they come. Idempotent.
+  void BeginEnd();
+  bool ending() const { return ending_; }
+  // Ending, and no batch of it is left: nothing of it touches local memory
+  // or the ring any more, and it may be destroyed.
+  bool ended() const { return ending_ && running_.empty(); }
+  // Posts the completions of every started batch that ended; true if any.
+  bool PostEnded();
 
  private:
   // A batch taken and not yet completed: the copies of its entries, and
@@ -126,14 +165,6 @@ class RingSessions::Session {
   std::atomic<uint32_t>& Word(size_t offset) {
     return ring::Word(base_, offset);
   }
-  // Reads doorbell bytes; false when the client closed the connection.
-  bool Drain();
-  // Sleeps on the connection and the wake-up until either or `timeout`;
-  // false when the client closed the connection.
-  bool Sleep(absl::Duration timeout);
-  // One turn: posts the batches that ended, then takes and starts at most
-  // one batch. False when the session must end (stopped).
-  bool Turn(bool* worked);
   // Starts a batch just taken (or answers it at once: CANCEL, refusals).
   void Start(TakenPtr taken);
   // Admits and starts `taken` (not a CANCEL), natively or as a transfer;
@@ -157,12 +188,10 @@ class RingSessions::Session {
                       std::unique_ptr<ActiveCalls::OpsCharge> charge);
   // CANCEL: cancels the running batch holding the tag; its own completion.
   void Cancel(TakenPtr taken);
-  // Posts the completions of every started batch that ended; true if any.
-  bool PostEnded();
   // Posts one completion per entry of `taken`: each entry's own check
   // first, then `refused` (every op), else (`ran`) its outcomes.
   void Complete(TakenPtr taken, const absl::Status& refused, bool ran);
-  // Cancels every started batch and waits for their ends.
+  // Cancels every started batch, without waiting for their ends.
   void CancelAll();
   TakenPtr NewTaken();
   // The room for ops (or entries) `taken` keeps: its largest vector's.
@@ -171,16 +200,21 @@ class RingSessions::Session {
   void Stop(const absl::Status& reason);
 
   RingSessions* const owner_;
-  const int fd_;
+  const UniqueFd connection_;
+  const int fd_;                   // connection_'s
+  QuotaCharge connection_charge_;  // in the attach-connection quota
+  QuotaCharge slot_;               // in the ring-session quota
   const PeerCredentials peer_;
   SharedMemory memory_;
   const ring::Geometry geometry_;
   std::byte* const base_;
-  const UniqueFd wakeup_;  // eventfd
+  const int wakeup_;  // the ring thread's eventfd
   const absl::Time opened_;
-  uint32_t head_ = 0;      // next submission to take
-  uint32_t cq_tail_ = 0;   // next completion slot
-  uint32_t reserved_ = 0;  // completion slots of batches taken
+  bool ending_ = false;
+  uint32_t seen_tail_ = 0;  // sq_tail as the last turn read it
+  uint32_t head_ = 0;       // next submission to take
+  uint32_t cq_tail_ = 0;    // next completion slot
+  uint32_t reserved_ = 0;   // completion slots of batches taken
   ring::Batch batch_;
   std::vector<TakenPtr> running_;  // in the order taken
   TakenPtr waiting_;  // taken, waiting for room under the ops bound
@@ -216,30 +250,36 @@ RingSessionInfo RingSessions::Session::Info() const {
 }
 
 bool RingSessions::Session::Drain() {
-  char bytes[64];
-  for (;;) {
+  char bytes[256];
+  // What is left is read at the next wake-up (the epoll set is level
+  // triggered): the thread goes on to its other sessions meanwhile.
+  for (int reads = 0; reads < 4; ++reads) {
     const ssize_t n = ::recv(fd_, bytes, sizeof(bytes), MSG_DONTWAIT);
     if (n > 0) continue;
     if (n == 0) return false;
     if (errno == EINTR) continue;
     return errno == EAGAIN || errno == EWOULDBLOCK;
   }
+  return true;
 }
 
-bool RingSessions::Session::Sleep(absl::Duration timeout) {
-  struct pollfd pfds[2] = {{fd_, POLLIN, 0}, {wakeup_.get(), POLLIN, 0}};
-  const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
-  const int ready = ::poll(pfds, 2, ms);
-  if (ready <= 0) return true;
-  if ((pfds[1].revents & POLLIN) != 0) {
-    uint64_t count;
-    (void)!::read(wakeup_.get(), &count, sizeof(count));
-  }
-  if ((pfds[0].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0 &&
-      (pfds[0].revents & POLLIN) == 0) {
-    return false;
-  }
-  return (pfds[0].revents & POLLIN) == 0 || Drain();
+RingSessions::Session::Wakeup RingSessions::Session::ArmWakeup() {
+  // Sequentially consistent, as the client's store of sq_tail and load of
+  // agent_flags: either it sees NEEDS_WAKEUP and rings, or the load below
+  // sees its tail.
+  Word(ring::kAgentFlagsOffset).fetch_or(ring::kAgentNeedsWakeup);
+  // Room under the ops bound (or a client reaping completions) comes
+  // without a doorbell: such a session is looked at again soon.
+  if (waiting_ != nullptr) return Wakeup::kPending;
+  const uint32_t tail = Word(ring::kSqTailOffset).load();
+  if (tail != seen_tail_) return Wakeup::kWork;
+  return tail == head_ ? Wakeup::kIdle : Wakeup::kPending;
+}
+
+void RingSessions::Session::BeginEnd() {
+  if (ending_) return;
+  ending_ = true;
+  CancelAll();
 }
 
 void RingSessions::Session::Stop(const absl::Status& reason) {
@@ -284,6 +324,7 @@ bool RingSessions::Session::Turn(bool* worked) {
   }
   const uint32_t tail =
       Word(ring::kSqTailOffset).load(std::memory_order_acquire);
+  seen_tail_ = tail;
   const uint32_t cq_head =
       Word(ring::kCqHeadOffset).load(std::memory_order_acquire);
   auto free = ring::FreeCompletions(cq_head, cq_tail_, geometry_.entries);
@@ -700,53 +741,243 @@ void RingSessions::Session::CancelAll() {
   absl::Status reason = owner_->stopping_.reason();
   if (reason.ok()) reason = absl::CancelledError("the ring session ended");
   if (waiting_ != nullptr) Complete(std::move(waiting_), reason, false);
-  // Running ops end CANCELLED, as a CANCEL would end them.
+  // Running ops end CANCELLED, as a CANCEL would end them. Their ends wake
+  // the ring thread, which posts them (PostEnded): it serves its other
+  // sessions meanwhile.
   const absl::Status cancelled = absl::CancelledError(reason.message());
   for (const TakenPtr& running : running_) {
     if (running->poll != nullptr) {
-      (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
+      (void)owner_->transfers_->StartCancel(peer_.uid, running->transfer_id);
     } else {
       running->cancel->Cancel(cancelled);
     }
   }
-  // Cancel returned once each transfer had ended; native batches end
-  // promptly once cancelled.
-  for (const TakenPtr& running : running_) {
-    if (running->poll == nullptr) AwaitEnd(*running);
-  }
   PostEnded();
-  // Every batch has ended and was posted above; an end not reported (it
-  // cannot be) is dropped with its poll.
-  running_.clear();
 }
 
-void RingSessions::Session::Serve() {
+// One ring thread: its sessions, the epoll set of their connections and of
+// its eventfd, and the loop that turns them. Only this thread touches
+// `sessions_` and calls into them (but Wake and Info).
+class RingSessions::Thread {
+ public:
+  static absl::StatusOr<std::unique_ptr<Thread>> Start(RingSessions* owner,
+                                                       int index) {
+    UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
+    UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!epoll.valid() || !wakeup.valid()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ring thread ", index,
+                       ": no epoll set or eventfd: ", std::strerror(errno)));
+    }
+    // The eventfd's events carry no session.
+    struct epoll_event event = {};
+    event.events = EPOLLIN;
+    event.data.ptr = nullptr;
+    if (::epoll_ctl(epoll.get(), EPOLL_CTL_ADD, wakeup.get(), &event) != 0) {
+      return absl::InternalError(absl::StrCat(
+          "ring thread ", index, ": epoll_ctl: ", std::strerror(errno)));
+    }
+    std::unique_ptr<Thread> thread(
+        new Thread(owner, std::move(epoll), std::move(wakeup)));
+    thread->thread_ = std::thread([raw = thread.get()] { raw->Run(); });
+    const std::string name = absl::StrCat("rdma-ring-", index);
+    pthread_setname_np(thread->thread_.native_handle(), name.c_str());
+    return thread;
+  }
+  Thread(const Thread&) = delete;
+  Thread& operator=(const Thread&) = delete;
+  ~Thread() { Join(); }
+
+  int wakeup_fd() const { return wakeup_.get(); }
+  // Sessions handed to this thread and not yet ended.
+  size_t load() const { return load_.load(std::memory_order_relaxed); }
+
+  // Hands `session` (answered, listed) to this thread.
+  void Adopt(std::unique_ptr<Session> session) {
+    load_.fetch_add(1, std::memory_order_relaxed);
+    {
+      absl::MutexLock lock(&mu_);
+      incoming_.push_back(std::move(session));
+    }
+    has_incoming_.store(true, std::memory_order_release);
+    Wake();
+  }
+  void Wake() const { WriteEventFd(wakeup_.get()); }
+  // Returns once the thread has ended every session (after the owner's
+  // stopping_ fired) and exited.
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  static constexpr int kEvents = 64;
+
+  Thread(RingSessions* owner, UniqueFd epoll, UniqueFd wakeup)
+      : owner_(owner), epoll_(std::move(epoll)), wakeup_(std::move(wakeup)) {}
+
+  void Run();
+  // Moves the sessions handed over into the set; false when none was
+  // waiting.
+  bool TakeIncoming();
+  // Ends `session`: out of the epoll set (a closed connection stays
+  // readable), its batches cancelled. Its ends are still posted.
+  void End(Session& session);
+  // Destroys the sessions whose last batch has ended: their connections
+  // close and their charges go back.
+  void FreeEnded();
+  // Sets NEEDS_WAKEUP on every session and, unless one had work published
+  // meanwhile, waits in epoll: without a timeout, or 1 ms when a session
+  // has work it cannot take yet. False when it did not sleep.
+  bool Sleep();
+  // Doorbells (drained), closes (the session ends), the eventfd (read).
+  void Handle(const struct epoll_event* events, int count);
+
+  RingSessions* const owner_;
+  const UniqueFd epoll_;
+  const UniqueFd wakeup_;  // eventfd: batch ends, new sessions, shutdown
+  std::thread thread_;
+  std::atomic<size_t> load_{0};
+  std::atomic<bool> has_incoming_{false};
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Session>> incoming_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Session>> sessions_;  // in turn order
+};
+
+void RingSessions::Thread::Run() {
+  const absl::Duration spin = owner_->limits_.spin;
   absl::Time last_work = absl::Now();
-  int turns = 0;
-  while (!owner_->stopping_.cancelled()) {
+  struct epoll_event events[kEvents];
+  uint32_t passes = 0;
+  for (;;) {
+    if (has_incoming_.load(std::memory_order_acquire) && TakeIncoming()) {
+      last_work = absl::Now();
+    }
+    const bool stopping = owner_->stopping_.cancelled();
+    // One turn of each session in round: each takes at most one batch, so
+    // a busy ring cannot starve the others.
     bool worked = false;
-    if (!Turn(&worked)) break;
+    bool may_spin = false;
+    for (const std::unique_ptr<Session>& session : sessions_) {
+      bool session_worked = false;
+      if (stopping) End(*session);
+      if (session->ending()) {
+        session_worked = session->PostEnded();
+      } else if (!session->Turn(&session_worked)) {
+        End(*session);  // stopped: its reason is written
+      }
+      worked = worked || session_worked;
+      // Spinning serves only sessions with nothing running: ends of
+      // running batches write the eventfd, and their threads need the
+      // cores a spinning ring thread would take.
+      may_spin = may_spin || (!session->ending() && !session->running());
+    }
+    FreeEnded();
+    if (stopping && sessions_.empty()) {
+      // Open hands nothing over once the owner is closed, which it is
+      // before stopping_ fires.
+      absl::MutexLock lock(&mu_);
+      if (incoming_.empty()) return;
+      continue;
+    }
     if (worked) {
       last_work = absl::Now();
+    } else if (!may_spin || absl::Now() - last_work >= spin) {
+      if (Sleep()) last_work = absl::Now();
       continue;
     }
-    // Spinning: the connection is looked at now and then, for its closing.
-    // Not while batches run: their workers need the cores a spinning
-    // session would take, and their ends write the wake-up.
-    if (running_.empty() && absl::Now() - last_work < owner_->limits_.spin) {
-      if (++turns % 64 == 0 && !Drain()) break;
-      continue;
+    // Busy or spinning: the connections are looked at now and then, so
+    // that a session's close is seen while others keep the thread busy.
+    if (++passes % 64 == 0) {
+      Handle(events, ::epoll_wait(epoll_.get(), events, kEvents, 0));
     }
-    // Asleep: a client that publishes work sees NEEDS_WAKEUP and rings; a
-    // batch's end writes the wake-up.
-    Word(ring::kAgentFlagsOffset).fetch_or(ring::kAgentNeedsWakeup);
-    const uint32_t tail = Word(ring::kSqTailOffset).load();
-    const bool pending = tail != head_ || waiting_ != nullptr;
-    if (!Sleep(pending ? absl::Milliseconds(1) : absl::Seconds(1))) break;
-    Word(ring::kAgentFlagsOffset).fetch_and(~ring::kAgentNeedsWakeup);
-    if (!pending) last_work = absl::Now();
   }
-  CancelAll();
+}
+
+bool RingSessions::Thread::TakeIncoming() {
+  absl::MutexLock lock(&mu_);
+  has_incoming_.store(false, std::memory_order_relaxed);
+  if (incoming_.empty()) return false;
+  for (std::unique_ptr<Session>& session : incoming_) {
+    struct epoll_event event = {};
+    event.events = EPOLLIN | EPOLLRDHUP;
+    event.data.ptr = session.get();
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, session->fd(), &event) != 0) {
+      // Not expected (the fd is open and new to the set); unserved, the
+      // session ends at once.
+      spdlog::error("ring session of uid {} pid {}: epoll_ctl: {}",
+                    session->Info().uid, session->Info().pid,
+                    std::strerror(errno));
+      session->BeginEnd();
+    }
+    sessions_.push_back(std::move(session));
+  }
+  incoming_.clear();
+  return true;
+}
+
+void RingSessions::Thread::End(Session& session) {
+  if (session.ending()) return;
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, session.fd(), nullptr);
+  session.BeginEnd();
+}
+
+void RingSessions::Thread::FreeEnded() {
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (!(*it)->ended()) {
+      ++it;
+      continue;
+    }
+    owner_->Forget(it->get());
+    it = sessions_.erase(it);
+    load_.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+bool RingSessions::Thread::Sleep() {
+  bool pending = false;
+  bool work = false;
+  for (const std::unique_ptr<Session>& session : sessions_) {
+    if (session->ending()) continue;
+    switch (session->ArmWakeup()) {
+      case Session::Wakeup::kIdle:
+        break;
+      case Session::Wakeup::kPending:
+        pending = true;
+        break;
+      case Session::Wakeup::kWork:
+        work = true;
+        break;
+    }
+    if (work) break;
+  }
+  bool slept = false;
+  if (!work) {
+    struct epoll_event events[kEvents];
+    const int count =
+        ::epoll_wait(epoll_.get(), events, kEvents, pending ? 1 : -1);
+    Handle(events, count);
+    // A timed sleep that ended on its timeout is no activity.
+    slept = !pending || count > 0;
+  }
+  for (const std::unique_ptr<Session>& session : sessions_) {
+    session->DisarmWakeup();
+  }
+  return slept || work;
+}
+
+void RingSessions::Thread::Handle(const struct epoll_event* events, int count) {
+  for (int i = 0; i < count; ++i) {
+    auto* session = static_cast<Session*>(events[i].data.ptr);
+    if (session == nullptr) {
+      uint64_t wakeups;
+      (void)!::read(wakeup_.get(), &wakeups, sizeof(wakeups));
+      continue;
+    }
+    if (session->ending()) continue;
+    const bool hung_up = (events[i].events & (EPOLLHUP | EPOLLERR)) != 0 &&
+                         (events[i].events & EPOLLIN) == 0;
+    if (hung_up || !session->Drain()) End(*session);
+  }
 }
 
 RingSessions::RingSessions(const RingLimits& limits,
@@ -764,8 +995,49 @@ RingSessions::RingSessions(const RingLimits& limits,
           "ring sessions", "max_ring_sessions_per_user", "max_ring_sessions",
           {limits.max_sessions_per_user, limits.max_sessions})) {}
 
-void RingSessions::Serve(int fd, const PeerCredentials& peer,
-                         const v1::OpenRing& request) {
+absl::StatusOr<std::unique_ptr<RingSessions>> RingSessions::Start(
+    const RingLimits& limits, const OpBatchEnvironment& env, ActiveCalls* calls,
+    std::shared_ptr<ResourceQuota> bytes, TransferTable* transfers,
+    const PreparedTransferTable* prepared) {
+  if (limits.threads < 1 || limits.threads > kMaxRingThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ring_threads must be 1 to ", kMaxRingThreads, ", not ",
+                     limits.threads));
+  }
+  std::unique_ptr<RingSessions> rings(new RingSessions(
+      limits, env, calls, std::move(bytes), transfers, prepared));
+  for (int i = 0; i < limits.threads; ++i) {
+    auto thread = Thread::Start(rings.get(), i);
+    if (!thread.ok()) return thread.status();  // the started ones are joined
+    rings->threads_.push_back(std::move(*thread));
+  }
+  return rings;
+}
+
+RingSessions::~RingSessions() {
+  Shutdown(absl::CancelledError("the ring sessions were destroyed"));
+}
+
+RingSessions::Thread& RingSessions::LeastLoaded() const {
+  // Least loaded rather than in turn: sessions end at any time, so turns
+  // would leave one thread with the long-lived ones.
+  Thread* least = threads_.front().get();
+  for (const std::unique_ptr<Thread>& thread : threads_) {
+    if (thread->load() < least->load()) least = thread.get();
+  }
+  return *least;
+}
+
+void RingSessions::Forget(const Session* session) {
+  absl::MutexLock lock(&mu_);
+  open_sessions_.remove(const_cast<Session*>(session));
+  open_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void RingSessions::Open(UniqueFd connection, QuotaCharge connection_charge,
+                        const PeerCredentials& peer,
+                        const v1::OpenRing& request) {
+  const int fd = connection.get();
   auto refuse = [&](const absl::Status& status) {
     (void)SendFdMessage(fd, Refusal(Prefixed(status, "open ring")));
   };
@@ -780,11 +1052,6 @@ void RingSessions::Serve(int fd, const PeerCredentials& peer,
   // Counted before anything of the session exists; held until it ends.
   auto slot = sessions_->Reserve(peer.uid, 1);
   if (!slot.ok()) return refuse(slot.status());
-  UniqueFd wakeup(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wakeup.valid()) {
-    return refuse(absl::ResourceExhaustedError(
-        absl::StrCat("no eventfd for the session: ", std::strerror(errno))));
-  }
   // Charged like registered memory, before the memfd exists.
   auto memory = SharedMemory::Allocate(
       geometry->total_bytes, "rdma-agentd-ring",
@@ -796,33 +1063,53 @@ void RingSessions::Serve(int fd, const PeerCredentials& peer,
   if (!memory.ok()) return refuse(memory.status());
   ring::WriteHeader(memory->data(), *geometry);
   const int memfd = memory->fd();  // owned by the session from here
-  Session session(this, fd, peer, std::move(*memory), *geometry,
-                  std::move(wakeup));
+  Thread& thread = LeastLoaded();
+  auto session = std::make_unique<Session>(
+      this, std::move(connection), std::move(connection_charge),
+      std::move(*slot), peer, std::move(*memory), *geometry,
+      thread.wakeup_fd());
   // Listed and counted before the client has its ring, so that whoever it
   // tells finds the session.
+  absl::Status closed;
   {
     absl::MutexLock lock(&mu_);
-    open_sessions_.push_back(&session);
+    if (closed_) {
+      closed = closed_reason_;
+    } else {
+      open_sessions_.push_back(session.get());
+    }
   }
+  if (!closed.ok()) return refuse(closed);
   open_.fetch_add(1, std::memory_order_relaxed);
   v1::AttachResponse response;
   response.set_size_bytes(geometry->total_bytes);
-  if (SendFdMessage(fd, response, memfd).ok()) {
-    spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid,
-                  peer.pid, geometry->entries);
-    session.Serve();
+  // Answered before the hand-over: from then on only the ring thread
+  // touches the connection.
+  if (!SendFdMessage(fd, response, memfd).ok()) return Forget(session.get());
+  spdlog::debug("uid {} pid {} opened a ring of {} entries", peer.uid, peer.pid,
+                geometry->entries);
+  absl::MutexLock lock(&mu_);
+  if (closed_) {
+    // The threads are ending: this session, which took nothing, ends here
+    // (its connection closes: the client sees the agent go).
+    open_sessions_.remove(session.get());
+    open_.fetch_sub(1, std::memory_order_relaxed);
+    return;
   }
-  {
-    absl::MutexLock lock(&mu_);
-    open_sessions_.remove(&session);
-  }
-  open_.fetch_sub(1, std::memory_order_relaxed);
+  thread.Adopt(std::move(session));
 }
 
 void RingSessions::Shutdown(const absl::Status& reason) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    closed_ = true;
+    closed_reason_ = reason;
+  }
+  // After closed_: a thread that sees stopping_ knows nothing more comes.
   stopping_.Cancel(reason);
-  absl::MutexLock lock(&mu_);
-  for (const Session* session : open_sessions_) session->Wake();
+  for (const std::unique_ptr<Thread>& thread : threads_) thread->Wake();
+  for (const std::unique_ptr<Thread>& thread : threads_) thread->Join();
 }
 
 std::vector<RingSessionInfo> RingSessions::List(

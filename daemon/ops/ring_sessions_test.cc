@@ -1,23 +1,26 @@
 // RingSessions' admission of sessions, driven over socket pairs with
 // chosen peer credentials (two users without a second real one): the
 // per-user and total session bounds are counted before the memfd exists
-// and given back when a session ends.
+// and given back when a session ends, with the attach connection's place
+// the session kept; sessions are served by the fixed ring threads, none
+// started per session.
 #include "daemon/ops/ring_sessions.h"
 
 #include <sys/socket.h>
 
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "common/fd_message.h"
 #include "common/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/eventually.h"
 
 namespace rdma_agent {
 namespace {
 
+using ::rdma_agent::testing::Eventually;
 using ::testing::HasSubstr;
 
 class RingSessionsTest : public ::testing::Test {
@@ -25,47 +28,39 @@ class RingSessionsTest : public ::testing::Test {
   RingSessionsTest()
       : calls_(InFlightLimits{}),
         bytes_(ResourceQuota::Create("registered bytes", "per_user", "total",
-                                     {uint64_t{1} << 30, uint64_t{1} << 30})) {
+                                     {uint64_t{1} << 30, uint64_t{1} << 30})),
+        connections_(ResourceQuota::Create("attach connections", "per_user",
+                                           "total", {16, 16})) {
     RingLimits limits;
     limits.max_sessions_per_user = 2;
     limits.max_sessions = 3;
+    limits.threads = 2;
     // No batch runs here: no transfer table or prepared transfers needed.
-    rings_ = std::make_unique<RingSessions>(limits, OpBatchEnvironment{},
-                                            &calls_, bytes_, nullptr, nullptr);
+    auto rings = RingSessions::Start(limits, OpBatchEnvironment{}, &calls_,
+                                     bytes_, nullptr, nullptr);
+    EXPECT_TRUE(rings.ok()) << rings.status();
+    rings_ = std::move(*rings);
   }
 
-  ~RingSessionsTest() override {
-    rings_->Shutdown(absl::CancelledError("test over"));
-    for (Session& session : sessions_) {
-      ::shutdown(session.client.get(), SHUT_RDWR);
-      session.server.join();
-    }
-  }
-
-  struct Session {
-    UniqueFd client;
-    std::thread server;
-  };
-
-  // Opens a ring of 4 entries as `uid`: the agent's answer (OK with the
-  // memfd, or its refusal). The session, if any, stays open until the test
-  // closes it.
+  // Opens a ring of 4 entries as `uid`, the way the attach server hands a
+  // connection over (with its place in the connection quota): the agent's
+  // answer (OK with the memfd, or its refusal). The session, if any, stays
+  // open until the test closes it.
   absl::Status Open(uid_t uid) {
     int fds[2];
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
-    Session& session = sessions_.emplace_back();
-    session.client = UniqueFd(fds[0]);
+    clients_.emplace_back(fds[0]);
     PeerCredentials peer;
     peer.uid = uid;
     peer.pid = 1000 + static_cast<pid_t>(uid);
-    session.server = std::thread([this, fd = fds[1], peer] {
-      UniqueFd owned(fd);
-      v1::OpenRing request;
-      request.set_entries(4);
-      rings_->Serve(owned.get(), peer, request);
-    });
+    auto charge = connections_->Reserve(uid, 1);
+    EXPECT_TRUE(charge.ok()) << charge.status();
+    v1::OpenRing request;
+    request.set_entries(4);
+    // Returns once answered: the session is served by a ring thread.
+    rings_->Open(UniqueFd(fds[1]), std::move(*charge), peer, request);
     v1::AttachResponse response;
-    auto memfd = ReceiveFdMessage(session.client.get(), &response);
+    auto memfd = ReceiveFdMessage(clients_.back().get(), &response);
     if (!memfd.ok()) return memfd.status();
     if (response.code() != 0) {
       return absl::Status(static_cast<absl::StatusCode>(response.code()),
@@ -76,16 +71,16 @@ class RingSessionsTest : public ::testing::Test {
   }
 
   // Closes session `i` (the client hangs up) and waits for its end.
-  void Close(size_t i) {
-    ::shutdown(sessions_[i].client.get(), SHUT_RDWR);
-    sessions_[i].server.join();
-    sessions_[i].server = std::thread([] {});
+  void Close(size_t i, int64_t left) {
+    clients_[i].reset();
+    EXPECT_TRUE(Eventually([&] { return rings_->open() == left; }));
   }
 
   ActiveCalls calls_;
   std::shared_ptr<ResourceQuota> bytes_;
+  std::shared_ptr<ResourceQuota> connections_;
   std::unique_ptr<RingSessions> rings_;
-  std::vector<Session> sessions_;
+  std::vector<UniqueFd> clients_;
 };
 
 TEST_F(RingSessionsTest, SessionsAreBoundedPerUserAndInTotal) {
@@ -114,10 +109,33 @@ TEST_F(RingSessionsTest, SessionsAreBoundedPerUserAndInTotal) {
   EXPECT_EQ(rings_->List(502)[0].uid, 502u);
   EXPECT_EQ(rings_->List(std::nullopt).size(), 3u);
 
-  // A session's end gives its place back.
-  Close(0);
-  EXPECT_EQ(rings_->open(), 2);
+  // A session's end gives its place back, its memory's charge and its
+  // connection's place in the attach-connection quota.
+  EXPECT_EQ(connections_->used(501), 2u);  // the refused one's went back
+  Close(0, 2);
+  EXPECT_EQ(bytes_->used(501), two_rings / 2);
+  EXPECT_EQ(connections_->used(501), 1u);
   EXPECT_TRUE(Open(502).ok());
+}
+
+TEST_F(RingSessionsTest, ShutdownEndsEverySessionAndRefusesNewOnes) {
+  ASSERT_TRUE(Open(501).ok());
+  ASSERT_TRUE(Open(501).ok());
+  ASSERT_TRUE(Open(502).ok());
+  rings_->Shutdown(absl::UnavailableError("the agent is shutting down"));
+  // Ended on every thread and the threads joined: nothing is held.
+  EXPECT_EQ(rings_->open(), 0);
+  EXPECT_EQ(bytes_->used(501), 0u);
+  EXPECT_EQ(connections_->used(501), 0u);
+  EXPECT_EQ(connections_->used(502), 0u);
+  // Each client sees its connection close.
+  for (const UniqueFd& client : clients_) {
+    char byte;
+    EXPECT_EQ(::recv(client.get(), &byte, 1, 0), 0);
+  }
+  const absl::Status refused = Open(503);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("shutting down"));
 }
 
 }  // namespace

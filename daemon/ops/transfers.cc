@@ -994,7 +994,8 @@ absl::StatusOr<std::vector<v1::Transfer>> TransferTable::Get(
   return (*poll)->Report();
 }
 
-absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
+absl::StatusOr<TransferTable::RecordPtr> TransferTable::FireCancel(
+    uid_t uid, uint64_t id) {
   RecordPtr record;
   bool take_off_queue = false;
   {
@@ -1025,6 +1026,17 @@ absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
                       "transfer ", id,
                       " was cancelled (CancelTransfer) before it started")));
   }
+  return record;
+}
+
+absl::Status TransferTable::StartCancel(uid_t uid, uint64_t id) {
+  return FireCancel(uid, id).status();
+}
+
+absl::StatusOr<v1::Transfer> TransferTable::Cancel(uid_t uid, uint64_t id) {
+  auto fired = FireCancel(uid, id);
+  if (!fired.ok()) return fired.status();
+  const RecordPtr record = std::move(*fired);
   // CancelTransfer's contract is to return only once the run has ended, so
   // this one waits (on its own RPC thread).
   v1::Transfer transfer;

@@ -371,6 +371,10 @@ class TransferTable final : private BlockingExecutor {
   // final state (not reported: Get and streams still see it). A transfer
   // that had ended is returned as it ended. NOT_FOUND as StartPoll.
   absl::StatusOr<v1::Transfer> Cancel(uid_t uid, uint64_t id);
+  // Cancels transfer `id` of `uid` as Cancel does, without waiting: its end
+  // comes as any end does (Polls, Streams), soon after by the backends'
+  // contract. NOT_FOUND as StartPoll.
+  absl::Status StartCancel(uid_t uid, uint64_t id);
 
   // Opens a Stream of uid's ends. `on_ready` is called each time an end is
   // queued for it, and when it closes; the shutdown reason after Shutdown().
@@ -401,6 +405,9 @@ class TransferTable final : private BlockingExecutor {
   struct Record;
   class Locked;
   using RecordPtr = std::shared_ptr<Record>;
+  // Cancel's first half: the cancellation fired (or the transfer taken off
+  // the queue and ended); the record, which may not have ended yet.
+  absl::StatusOr<RecordPtr> FireCancel(uid_t uid, uint64_t id);
   using Wakeups = std::vector<std::shared_ptr<RevocableCallback>>;
   // What the table keeps for one user.
   struct User {

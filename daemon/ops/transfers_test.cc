@@ -1348,6 +1348,34 @@ TEST_F(TransfersTest, CancelEndsAStartedTransferBeforeItReturns) {
   probe->Join();
 }
 
+TEST_F(TransfersTest, StartCancelReturnsBeforeTheEndWhichComesAsAnyEnd) {
+  TransferTable table(Limits(/*workers=*/1));
+  auto probe = std::make_shared<StartedProbe>();
+  // Far longer than StartCancel takes: its end cannot have come by then.
+  probe->drain = absl::Seconds(1);
+  const uint64_t id = SubmitStarted(table, probe, kUser);
+  ASSERT_NE(id, 0u) << last_status_;
+  ASSERT_TRUE(Eventually([&] { return probe->started.load(); }));
+  std::atomic<bool> settled{false};
+  auto poll = table.StartPoll(kUser, absl::MakeConstSpan(&id, 1),
+                              [&] { settled = true; });
+  ASSERT_TRUE(poll.ok()) << poll.status();
+  ASSERT_TRUE(table.StartCancel(kUser, id).ok());
+  EXPECT_FALSE(probe->done_called);
+  EXPECT_FALSE((*poll)->settled());
+  // The end comes to the poll as any end does.
+  ASSERT_TRUE(Eventually([&] { return settled.load(); }));
+  auto ended = (*poll)->Report();
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  ASSERT_EQ(ended->size(), 1u);
+  EXPECT_EQ(ended->front().state(), v1::TRANSFER_STATE_CANCELLED);
+  ASSERT_EQ(ended->front().results_size(), 1);
+  EXPECT_EQ(ended->front().results(0).code(), 1);  // CANCELLED
+  EXPECT_EQ(table.StartCancel(kUser, id + 1).code(),
+            absl::StatusCode::kNotFound);
+  probe->Join();
+}
+
 TEST_F(TransfersTest, ATransferMayEndInsideItsCancellation) {
   std::vector<std::unique_ptr<Cancellation::Callback>> registrations(2);
   TransferLimits limits = Limits(/*workers=*/1);

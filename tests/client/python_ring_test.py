@@ -336,8 +336,11 @@ class RingTest(unittest.TestCase):
         self.assertEqual(self.ring.in_flight, 0)
 
     def test_a_lying_tail_stops_the_ring_with_its_reason(self):
-        # What a hostile client does: a tail far past the agent's head.
+        # What a hostile client does: a tail far past the agent's head, and
+        # the doorbell a client rings after moving its tail (an agent asleep
+        # looks at the ring only when rung).
         self.ring._words[64 // 4] = 1000
+        self.ring._doorbell()
         with self.assertRaises(rdma_agent.FailedPreconditionError) as raised:
             self.ring.wait(timeout=30)
         self.assertIn("the agent stopped this ring", raised.exception.message)

@@ -1,5 +1,6 @@
 #include "backends/ibverbs/soft/soft_verbs.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -135,12 +136,38 @@ struct SoftWr {
   uint64_t wr_id = 0;
   ibv_wr_opcode opcode = IBV_WR_RDMA_WRITE;
   bool signaled = false;
-  std::vector<ibv_sge> sges;
+  // Inline: posting allocates nothing, as with a real provider.
+  absl::InlinedVector<ibv_sge, 4> sges;
   uint64_t remote_addr = 0;
   uint32_t rkey = 0;
   absl::Time ready_at = absl::InfinitePast();
   enum class Fate { kExecute, kDrop, kFail } fate = Fate::kExecute;
   ibv_wc_status fail_status = IBV_WC_GENERAL_ERR;
+};
+
+// A QP's send queue: WRs posted and not executed yet, at most max_send_wr
+// (PostSend refuses more), in slots made with the QP so that posting
+// allocates nothing, as with a real provider.
+class SendQueue {
+ public:
+  void Resize(size_t slots) { slots_.resize(slots); }
+  bool empty() const { return size_ == 0; }
+  bool full() const { return size_ == slots_.size(); }
+  SoftWr& front() { return slots_[head_]; }
+  void push_back(SoftWr wr) {
+    slots_[(head_ + size_) % slots_.size()] = std::move(wr);
+    ++size_;
+  }
+  void pop_front() {
+    head_ = (head_ + 1) % slots_.size();
+    --size_;
+  }
+  void clear() { head_ = size_ = 0; }
+
+ private:
+  std::vector<SoftWr> slots_;
+  size_t head_ = 0;
+  size_t size_ = 0;
 };
 
 struct FabricState;
@@ -165,7 +192,7 @@ struct QpState {
   uint8_t retry_cnt ABSL_GUARDED_BY(mu) = 0;
   uint8_t max_dest_rd_atomic ABSL_GUARDED_BY(mu) = 0;
   int outstanding ABSL_GUARDED_BY(mu) = 0;
-  std::deque<SoftWr> queue ABSL_GUARDED_BY(mu);
+  SendQueue queue ABSL_GUARDED_BY(mu);
   bool stopping ABSL_GUARDED_BY(mu) = false;
 };
 
@@ -225,7 +252,8 @@ class SoftCompletionQueue : public CompletionQueue {
   }
 
   absl::StatusOr<int> Poll(absl::Span<ibv_wc> wc) override {
-    std::vector<std::weak_ptr<QpState>> freed;
+    // Inline for the poller's usual batch: polling allocates nothing.
+    absl::InlinedVector<std::weak_ptr<QpState>, 32> freed;
     int n = 0;
     {
       absl::MutexLock lock(&state_->mu);
@@ -364,6 +392,9 @@ class SoftQueuePair : public QueuePair {
   explicit SoftQueuePair(std::shared_ptr<QpState> state)
       : state_(std::move(state)) {
     worker_ = std::thread([qp = state_.get()] { Run(*qp); });
+    // The NIC's own thread, told apart from the backend's (which it would
+    // otherwise be named after: threads inherit their creator's name).
+    pthread_setname_np(worker_.native_handle(), "soft-nic-qp");
   }
 
   ~SoftQueuePair() override {
@@ -485,7 +516,7 @@ class SoftQueuePair : public QueuePair {
         err = EINVAL;  // this NIC only does one-sided ops
       } else if (wr->num_sge < 0 || wr->num_sge > qp.max_send_sge) {
         err = EINVAL;
-      } else if (qp.outstanding >= qp.max_send_wr) {
+      } else if (qp.outstanding >= qp.max_send_wr || qp.queue.full()) {
         err = ENOMEM;
       }
       if (err != 0) {
@@ -868,6 +899,10 @@ class SoftProtectionDomain : public ProtectionDomain {
     state->pd_id = id_;
     state->cq = cq->state();
     state->max_send_wr = static_cast<int>(init.cap.max_send_wr);
+    {
+      absl::MutexLock lock(&state->mu);
+      state->queue.Resize(init.cap.max_send_wr);
+    }
     state->max_send_sge = static_cast<int>(std::max(1u, init.cap.max_send_sge));
     state->sq_sig_all = init.sq_sig_all;
     state->weak = state;

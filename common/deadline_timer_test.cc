@@ -1,63 +1,26 @@
-// WorkQueue and DeadlineTimer: the posting threads and the deadline thread
-// of posted batches.
-#include "backends/ibverbs/work_queue.h"
+// DeadlineTimer: the thread ending posted batches at their deadline or
+// cancellation.
+#include "common/deadline_timer.h"
 
 #include <pthread.h>
 
 #include <atomic>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "backends/ibverbs/deadline_timer.h"
 #include "gtest/gtest.h"
 
-namespace rdma_agent::ibverbs {
+namespace rdma_agent {
 namespace {
 
 std::string ThreadName() {
   char name[16] = {};
   pthread_getname_np(pthread_self(), name, sizeof(name));
   return name;
-}
-
-TEST(WorkQueueTest, RunsTasksOnItsThreadsWithoutTheCallerWaiting) {
-  WorkQueue queue(2, "test-queue");
-  EXPECT_EQ(queue.threads(), 2u);
-  absl::Notification release;
-  absl::BlockingCounter started(2);
-  std::atomic<int> on_queue{0};
-  // Two tasks block both threads; Run still returns at once.
-  for (int i = 0; i < 2; ++i) {
-    queue.Run([&] {
-      if (ThreadName() == "test-queue") ++on_queue;
-      started.DecrementCount();
-      release.WaitForNotification();
-    });
-  }
-  absl::Notification third;
-  queue.Run([&] { third.Notify(); });
-  started.Wait();
-  EXPECT_FALSE(third.HasBeenNotified());
-  release.Notify();
-  EXPECT_TRUE(third.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_EQ(on_queue.load(), 2);
-}
-
-TEST(WorkQueueTest, DestructionRunsTheTasksStillQueued) {
-  std::atomic<int> ran{0};
-  {
-    WorkQueue queue(1, "test-queue");
-    absl::Notification release;
-    queue.Run([&] { release.WaitForNotification(); });
-    for (int i = 0; i < 10; ++i) queue.Run([&] { ++ran; });
-    release.Notify();
-  }
-  EXPECT_EQ(ran.load(), 10);
 }
 
 TEST(DeadlineTimerTest, RunsTasksAtTheirTimeInTimeOrderOnItsThread) {
@@ -120,4 +83,4 @@ TEST(DeadlineTimerTest, ATaskMayCancelItselfAndScheduleMore) {
 }
 
 }  // namespace
-}  // namespace rdma_agent::ibverbs
+}  // namespace rdma_agent

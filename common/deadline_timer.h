@@ -1,5 +1,5 @@
-#ifndef RDMA_AGENTD_BACKENDS_IBVERBS_DEADLINE_TIMER_H_
-#define RDMA_AGENTD_BACKENDS_IBVERBS_DEADLINE_TIMER_H_
+#ifndef RDMA_AGENTD_COMMON_DEADLINE_TIMER_H_
+#define RDMA_AGENTD_COMMON_DEADLINE_TIMER_H_
 
 #include <cstdint>
 #include <map>
@@ -12,13 +12,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace rdma_agent::ibverbs {
+namespace rdma_agent {
 
-// One thread running tasks at given times: what ends posted batches at
-// their deadline (or soon after their cancellation) without a thread
-// waiting on each. Tasks run one at a time, in time order, on that thread;
-// they may block briefly (a queue pair's drain), which delays the others.
-// Thread-safe.
+// One thread running tasks at given times: what ends a backend's posted
+// batches at their deadline (or soon after their cancellation) without a
+// thread waiting on each. Tasks run one at a time, in time order, on that
+// thread; they may block briefly (e.g. an ibverbs queue pair's drain),
+// which delays the others. Thread-safe.
 class DeadlineTimer {
  public:
   using Task = absl::AnyInvocable<void() &&>;
@@ -52,6 +52,6 @@ class DeadlineTimer {
   std::thread thread_;
 };
 
-}  // namespace rdma_agent::ibverbs
+}  // namespace rdma_agent
 
-#endif  // RDMA_AGENTD_BACKENDS_IBVERBS_DEADLINE_TIMER_H_
+#endif  // RDMA_AGENTD_COMMON_DEADLINE_TIMER_H_

@@ -1,8 +1,8 @@
-#include "backends/ibverbs/deadline_timer.h"
+#include "common/deadline_timer.h"
 
 #include <pthread.h>
 
-namespace rdma_agent::ibverbs {
+namespace rdma_agent {
 
 DeadlineTimer::DeadlineTimer(const std::string& name)
     : thread_([this] { Loop(); }) {
@@ -58,4 +58,4 @@ void DeadlineTimer::Loop() {
   }
 }
 
-}  // namespace rdma_agent::ibverbs
+}  // namespace rdma_agent
