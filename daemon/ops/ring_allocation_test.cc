@@ -2,7 +2,7 @@
 // over a socket pair, its batches of READs and WRITEs posted to the memory
 // backend between two registrations through an imported handle, with the
 // agent's metrics. Every allocation of the process is counted
-// (//tests/testing:allocation_count; the session's thread included);
+// (//tests/testing:allocation_count; the ring thread included);
 // in steady state a batch of 64 ops must allocate no more than one of 8.
 #include <sys/mman.h>
 #include <sys/socket.h>
