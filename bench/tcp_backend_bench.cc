@@ -3,6 +3,10 @@
 // Measures the data plane's own cost per op, next to a plain TCP ping-pong
 // in the same run:
 //   - 8 B READ, one op per Submit: p50/p99 latency vs the ping-pong's;
+//   - 8 B READ, one op per Post (`post`), done awaited by spinning as a
+//     ring client does: through the client's loop (--tcp_client_loops=1,
+//     the default) and through its workers (0), in alternating slices of
+//     the same run, vs the ping-pong's;
 //   - 4 KiB WRITE and READ, 1000 ops per Submit: ops/s;
 //   - 64 KiB x 256 per Submit (KV-cache-sized blocks) and one 256 MiB op
 //     per Submit, WRITE and READ: MiB/s.
@@ -10,10 +14,10 @@
 //   bazel run -c opt //bench:tcp_backend_bench -- [seconds [rows]]
 //
 // `rows` picks what runs (comma-separated; default all but sizes): latency,
-// write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per Submit in
-// ops of 16 KiB to 4 MiB: what a request costs beyond its bytes). One row alone
-// is what to run under `perf stat` / `perf record` to see one kind of op's
-// system calls and profile.
+// post, write4k, read4k, kv (or kvwrite, kvread), bulk, sizes (16 MiB per
+// Submit in ops of 16 KiB to 4 MiB: what a request costs beyond its bytes). One
+// row alone is what to run under `perf stat` / `perf record` to see one kind of
+// op's system calls and profile.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/resource.h>
@@ -21,10 +25,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -43,9 +49,10 @@ using ::rdma_agent::testing::MakeOp;
 using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
 
-std::unique_ptr<TestAgent> Agent(uint64_t epoch) {
+std::unique_ptr<TestAgent> Agent(uint64_t epoch, int loops = 1) {
   tcp::TcpOptions options;
   options.listen = "127.0.0.1:0";
+  options.client.loops = loops;
   auto agent = TestAgent::Create(
       absl::StrCat("agent-", epoch),
       [options](const BackendEnvironment& env)
@@ -137,6 +144,54 @@ int Main(double seconds, const std::string& rows) {
         "8 B READ  p50 %.1f us p99 %.1f us | TCP ping-pong p50 %.1f us "
         "p99 %.1f us | p50 ratio %.2f\n",
         read50, read99, ping50, ping99, read50 / ping50);
+  }
+
+  if (wanted("post")) {
+    const auto [ping50, ping99] = PingPong(20000);
+    // The same op posted by a client with loops and by one without, to
+    // the same peer; done is awaited by spinning, so that the waiter's own
+    // wake-up is not measured.
+    auto workers_only = Agent(13, /*loops=*/0);
+    TestBuffer local0 =
+        workers_only->Register(kBytes, v1::ACCESS_READ_WRITE, 1);
+    Backend& tcp0 = workers_only->backend();
+    const std::vector<Op> loop_op = {
+        MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 8, remote, 0)};
+    const std::vector<Op> worker_op = {
+        MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local0, 0, 8, remote, 0)};
+    auto post = [](Backend& backend, const std::vector<Op>& op) {
+      std::atomic<bool> ended{false};
+      bool ok = false;
+      backend.Post(op, absl::Now() + absl::Seconds(10),
+                   [&](std::vector<absl::Status> statuses) {
+                     ok = statuses[0].ok();
+                     ended.store(true, std::memory_order_release);
+                   });
+      while (!ended.load(std::memory_order_acquire)) {
+      }
+      if (!ok) {
+        std::fprintf(stderr, "posted 8 B READ failed\n");
+        std::exit(1);
+      }
+    };
+    // Alternating slices of 1000, so that both see the same noise.
+    std::vector<double> loop_us, worker_us;
+    for (int slice = 0; slice < 20; ++slice) {
+      for (auto [backend, op, us] :
+           {std::make_tuple(&tcp, &loop_op, &loop_us),
+            std::make_tuple(&tcp0, &worker_op, &worker_us)}) {
+        const auto [p50, p99] = Latency(1000, [&] { post(*backend, *op); });
+        (void)p99;
+        us->push_back(p50);
+      }
+    }
+    const double loop50 = Percentile(loop_us, 0.5);
+    const double worker50 = Percentile(worker_us, 0.5);
+    std::printf(
+        "8 B READ Post p50 (median of 20 slices): loop %.1f us, workers "
+        "%.1f us | TCP ping-pong p50 %.1f us | over the ping-pong: loop "
+        "%.1f us, workers %.1f us\n",
+        loop50, worker50, ping50, loop50 - ping50, worker50 - ping50);
   }
 
   // Ops of `size` bytes, `count` per Submit, laid out back to back (wrapping

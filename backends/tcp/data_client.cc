@@ -48,10 +48,15 @@ struct DataClient::SubmitRun {
   // Cancelled or past the deadline: queued jobs were dropped and the sockets
   // in `active` shut down; nothing new starts.
   bool aborted ABSL_GUARDED_BY(DataClient::mu_) = false;
+  // A loop's lane not answered in full by then has stalled (it holds no
+  // thread to notice, so the timekeeper does): the run is aborted and
+  // `stalled` set.
+  absl::Time stall_at ABSL_GUARDED_BY(DataClient::mu_) = absl::InfiniteFuture();
+  bool stalled ABSL_GUARDED_BY(DataClient::mu_) = false;
   // Sockets its lanes use right now (dialling or carrying requests).
   std::vector<int> active ABSL_GUARDED_BY(DataClient::mu_);
   // Lanes not started yet: one entry per connection wanted to a peer.
-  std::deque<PeerRun*> queued ABSL_GUARDED_BY(DataClient::mu_);
+  std::deque<LaneJob> queued ABSL_GUARDED_BY(DataClient::mu_);
   // DataClient::live_, while the run has not ended.
   SubmitRun* previous ABSL_GUARDED_BY(DataClient::mu_) = nullptr;
   SubmitRun* next ABSL_GUARDED_BY(DataClient::mu_) = nullptr;
@@ -216,7 +221,36 @@ class DataClient::PeerRun final : public ChunkSource {
       ABSL_GUARDED_BY(resolve_mu_);
 };
 
+// A small batch's lane on a loop: its pipeline on a pooled connection.
+// Touched by one thread at a time: the posting thread until the socket is
+// armed, then the loop (one-shot events), or the worker it is handed to.
+struct DataClient::LoopLane final : public ClientLoop::Watcher {
+  LoopLane(DataClient& client, ClientLoop& loop, SubmitRun& submit,
+           PeerRun& peer, Connection connection)
+      : client(client),
+        loop(loop),
+        submit(submit),
+        peer(peer),
+        connection(std::move(connection)),
+        pipeline(peer, client.options_.max_in_flight,
+                 client.options_.in_flight_bytes, client.next_request_id_,
+                 peer.name(), /*zero_copy_send=*/false,
+                 client.options_.no_progress_timeout) {}
+
+  void OnReady() override { client.PumpLoopLane(this, /*armed=*/true); }
+
+  DataClient& client;
+  ClientLoop& loop;
+  SubmitRun& submit;
+  PeerRun& peer;
+  Connection connection;
+  Pipeline pipeline;
+};
+
 namespace {
+
+// The longest the timekeeper sleeps: 10 wake-ups a second, however idle.
+constexpr absl::Duration kTimekeeperTick = absl::Milliseconds(100);
 
 // The one message for a peer that could not be reached, whatever the
 // reason: refused, timed out, reset, not an agent. Callers must not learn
@@ -232,14 +266,14 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
   if (options.connections_per_peer < 1 || options.max_in_flight < 1 ||
       options.chunk_bytes < 1 || options.chunk_bytes > kMaxPayloadBytes ||
       options.socket_buffer_bytes < 0 || options.threads < 1 ||
-      options.max_connections < 1 || options.max_idle_connections < 0 ||
-      options.max_idle_per_peer < 0 ||
+      options.loops < 0 || options.max_connections < 1 ||
+      options.max_idle_connections < 0 || options.max_idle_per_peer < 0 ||
       options.idle_timeout <= absl::ZeroDuration() ||
       options.connect_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tcp client options out of range: connections per peer, max in "
-        "flight, threads and max connections must be >= 1, chunk bytes in "
-        "[1, ",
+        "flight, threads and max connections must be >= 1, loops >= 0, "
+        "chunk bytes in [1, ",
         kMaxPayloadBytes,
         "], socket buffer bytes and idle connection limits >= 0, idle and "
         "connect timeouts > 0"));
@@ -258,6 +292,11 @@ absl::StatusOr<std::unique_ptr<DataClient>> DataClient::Create(
           absl::StrCat("tcp client: cannot start worker thread ", i + 1, " of ",
                        threads, ": ", error.what()));
     }
+  }
+  for (int i = 0; i < client->options_.loops; ++i) {
+    auto loop = ClientLoop::Start("tcp-client-loop");
+    if (!loop.ok()) return loop.status();
+    client->loops_.push_back(std::move(*loop));
   }
   try {
     client->timekeeper_ = std::thread([raw = client.get()] {
@@ -295,6 +334,7 @@ DataClient::~DataClient() {
   }
   for (std::thread& worker : workers_) worker.join();
   if (timekeeper_.joinable()) timekeeper_.join();
+  loops_.clear();  // no socket is armed: every run has ended
   absl::MutexLock lock(&mu_);
   for (auto& [key, idle] : idle_) CloseIdleLocked(key, idle);
   idle_.clear();
@@ -303,9 +343,122 @@ DataClient::~DataClient() {
 void DataClient::Post(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
                       std::vector<absl::Status> results, const StopToken& stop,
                       OpsDone done) {
+  const bool small = FitsALoop(ops, batches);
+  PeerRun* own_lane = nullptr;
   SubmitRun* run = StartRun(ops, std::move(batches), std::move(results), stop,
-                            std::move(done), /*own_lane=*/nullptr);
+                            std::move(done), small ? &own_lane : nullptr,
+                            /*one_lane=*/small);
+  if (own_lane != nullptr) {
+    // The loop's lane takes the hold over: its done comes from the loop
+    // even when the answer arrives before this thread gets here.
+    if (StartLoopLane(*run, *own_lane)) return;
+    QueueLane(LaneJob{run, own_lane});
+  }
   EndJob(run);  // the hold: ends the run here when nothing could start
+}
+
+bool DataClient::FitsALoop(absl::Span<const Op> ops,
+                           const std::vector<PeerBatch>& batches) const {
+  if (loops_.empty() || batches.size() != 1) return false;
+  uint64_t bytes = 0;
+  for (size_t i : batches[0].ops) {
+    bytes += ops[i].length;
+    if (bytes > kLoopBatchBytes) return false;
+  }
+  return true;
+}
+
+bool DataClient::StartLoopLane(SubmitRun& submit, PeerRun& peer) {
+  std::optional<absl::StatusOr<Connection>> idle = TakeIdle(submit, peer);
+  // None idle: a worker dials. Aborted: QueueLane drops the lane.
+  if (!idle.has_value() || !idle->ok()) return false;
+  ClientLoop& loop =
+      *loops_[next_loop_.fetch_add(1, std::memory_order_relaxed) %
+              loops_.size()];
+  auto* lane = new LoopLane(*this, loop, submit, peer, std::move(**idle));
+  lane->pipeline.LendBuffer(TakeSpareBuffer());
+  lane->pipeline.Restart(lane->connection.fd.get(), lane->connection.armed);
+  {
+    absl::MutexLock lock(&mu_);
+    // Nothing but the timekeeper ends the lane at its deadline, or when it
+    // stalls.
+    if (options_.no_progress_timeout > absl::ZeroDuration()) {
+      submit.stall_at = absl::Now() + options_.no_progress_timeout;
+    }
+    if (std::min(submit.stop.deadline(), submit.stall_at) <
+        timekeeper_wakes_at_) {
+      timekeeper_cv_.Signal();
+    }
+  }
+  // The caller's hold is the lane's job from here.
+  PumpLoopLane(lane, /*armed=*/false);
+  return true;
+}
+
+void DataClient::PumpLoopLane(LoopLane* lane, bool armed) {
+  PipelineOutcome outcome;
+  const Pipeline::Wait wait = lane->pipeline.Pump(outcome);
+  if (wait == Pipeline::Wait::kNone) {
+    EndLoopLane(lane, armed, outcome);
+    return;
+  }
+  const int fd = lane->connection.fd.get();
+  const bool write = wait == Pipeline::Wait::kReadableOrWritable;
+  // From here the loop owns the lane: it may already run on it.
+  absl::Status status = armed ? lane->loop.Rearm(fd, write, lane)
+                              : lane->loop.Watch(fd, write, lane);
+  if (status.ok()) return;
+  outcome.healthy = false;
+  outcome.status = std::move(status);
+  EndLoopLane(lane, armed, outcome);
+}
+
+void DataClient::EndLoopLane(LoopLane* lane, bool armed,
+                             const PipelineOutcome& outcome) {
+  std::unique_ptr<LoopLane> owned(lane);
+  SubmitRun& submit = lane->submit;
+  PeerRun& peer = lane->peer;
+  // Out of the set before the connection is pooled (another lane may arm
+  // it at once) or closed.
+  if (armed) lane->loop.Forget(lane->connection.fd.get());
+  Release(submit, peer, std::move(lane->connection), outcome.healthy);
+  if (!outcome.healthy) {
+    bool stalled;
+    {
+      absl::MutexLock lock(&mu_);
+      stalled = submit.stalled;
+      if (!submit.aborted && outcome.answered == 0 && !submit.stop.stopped()) {
+        // The pooled connection was most likely stale (peer restarted): a
+        // worker re-sends the window on a fresh one, as RunLane does. The
+        // lane's job goes with it.
+        submit.stall_at = absl::InfiniteFuture();  // the worker watches it
+        submit.queued.push_back(LaneJob{&submit, &peer, owned.release()});
+        if (submit.queued.size() == 1) runs_.push_back(&submit);
+        work_cv_.Signal();
+        return;
+      }
+    }
+    const absl::Status status =
+        stalled && !submit.stop.stopped()
+            ? absl::UnavailableError(lane->pipeline.NoProgressMessage())
+            : LaneFailure(submit.stop, peer, outcome);
+    lane->pipeline.FailWindow(status);
+    peer.LaneGaveUp(status, /*unreachable=*/false);
+  }
+  ReturnSpareBuffer(lane->pipeline.TakeBuffer());
+  owned.reset();
+  EndJob(&submit);
+}
+
+void DataClient::QueueLane(const LaneJob& job) {
+  SubmitRun& submit = *job.submit;
+  absl::MutexLock lock(&mu_);
+  if (submit.aborted) return;  // its ops get the run's stop status
+  submit.queued.push_back(job);
+  ++submit.unfinished_jobs;
+  if (submit.queued.size() == 1) runs_.push_back(&submit);
+  work_cv_.Signal();
+  if (submit.stop.deadline() < timekeeper_wakes_at_) timekeeper_cv_.Signal();
 }
 
 std::vector<absl::Status> DataClient::Run(absl::Span<const Op> ops,
@@ -334,7 +487,7 @@ DataClient::SubmitRun* DataClient::StartRun(absl::Span<const Op> ops,
                                             std::vector<PeerBatch> batches,
                                             std::vector<absl::Status> results,
                                             const StopToken& stop, OpsDone done,
-                                            PeerRun** own_lane) {
+                                            PeerRun** own_lane, bool one_lane) {
   const uint64_t chunk_bytes =
       std::clamp<uint64_t>(options_.chunk_bytes, 1, kMaxPayloadBytes);
   auto* run = new SubmitRun(ops, std::move(batches), std::move(results), stop,
@@ -360,9 +513,11 @@ DataClient::SubmitRun* DataClient::StartRun(absl::Span<const Op> ops,
   absl::MutexLock lock(&mu_);
   if (run->aborted) return run;
   for (const auto& peer : run->peers) {
-    const size_t lanes =
-        peer->LanesWanted(static_cast<size_t>(options_.connections_per_peer));
-    for (size_t l = 0; l < lanes; ++l) run->queued.push_back(peer.get());
+    const size_t lanes = peer->LanesWanted(
+        one_lane ? 1 : static_cast<size_t>(options_.connections_per_peer));
+    for (size_t l = 0; l < lanes; ++l) {
+      run->queued.push_back(LaneJob{run, peer.get()});
+    }
   }
   if (own_lane != nullptr) {
     // The first lane is the calling thread's own (Run): a run of one lane,
@@ -370,7 +525,7 @@ DataClient::SubmitRun* DataClient::StartRun(absl::Span<const Op> ops,
     // back. It is covered by the hold.
     *own_lane = nullptr;
     if (!run->queued.empty()) {
-      *own_lane = run->queued.front();
+      *own_lane = run->queued.front().peer;
       run->queued.pop_front();
     }
   }
@@ -445,6 +600,19 @@ bool DataClient::AbortLocked(SubmitRun& submit) {
   // The queued lanes are the last jobs unless a lane runs or the hold is
   // kept; each dropped lane counts as ended.
   const size_t dropped = submit.queued.size();
+  for (const LaneJob& job : submit.queued) {
+    if (job.resume == nullptr) continue;
+    // A loop lane waiting for its fresh connection: its chunks were sent
+    // on a connection that broke, and are not sent again.
+    job.peer->LaneGaveUp(submit.stop.stopped()
+                             ? submit.stop.StopStatus(absl::StrCat(
+                                   "before ", job.peer->name(), " answered"))
+                             : absl::UnavailableError(absl::StrCat(
+                                   "the tcp client shut down before ",
+                                   job.peer->name(), " answered")),
+                         /*unreachable=*/false);
+    delete job.resume;
+  }
   submit.queued.clear();
   submit.unfinished_jobs -= dropped - 1;
   return EndJobLocked(submit);
@@ -464,9 +632,10 @@ void DataClient::TimekeeperLoop() {
     }
     if (stopping_) return;
     // Runs past their deadline end now: their queued lanes may wait for
-    // workers busy elsewhere, and their running lanes are cut off (each
-    // also watches the deadline itself). O(runs in flight) per wake-up;
-    // it wakes at deadlines, which are far apart compared to a scan.
+    // workers busy elsewhere, and their running lanes are cut off (a
+    // worker's also watches the deadline itself; a loop's does not, nor
+    // whether it stalled). O(runs in flight) per wake-up; it wakes at
+    // deadlines and at most every tick, rarely compared to a scan.
     const absl::Time now = absl::Now();
     absl::Time next = absl::InfiniteFuture();
     for (SubmitRun* run = live_; run != nullptr;) {
@@ -474,13 +643,20 @@ void DataClient::TimekeeperLoop() {
       if (!run->aborted) {
         if (run->stop.deadline() <= now) {
           if (AbortLocked(*run)) runs_to_finish_.push_back(run);
+        } else if (run->stall_at <= now) {
+          run->stalled = true;
+          if (AbortLocked(*run)) runs_to_finish_.push_back(run);
         } else {
-          next = std::min(next, run->stop.deadline());
+          next = std::min({next, run->stop.deadline(), run->stall_at});
         }
       }
       run = following;
     }
     if (!runs_to_finish_.empty()) continue;
+    // Never asleep for longer than a tick: a run whose deadline is further
+    // away than that need not wake it (a loop's small batch would otherwise
+    // pay a thread wake-up to post).
+    next = std::min(next, now + kTimekeeperTick);
     timekeeper_wakes_at_ = next;
     timekeeper_cv_.WaitWithDeadline(&mu_, next);
   }
@@ -492,7 +668,7 @@ std::optional<DataClient::LaneJob> DataClient::NextJobLocked() {
   // of peers does not make the next Submit wait for all of them.
   SubmitRun* submit = runs_.front();
   runs_.pop_front();
-  LaneJob job{submit, submit->queued.front()};
+  LaneJob job = submit->queued.front();
   submit->queued.pop_front();
   if (!submit->queued.empty()) runs_.push_back(submit);
   return job;
@@ -523,7 +699,12 @@ void DataClient::WorkerLoop() {
 void DataClient::RunLane(const LaneJob& job) {
   SubmitRun& submit = *job.submit;
   PeerRun& peer = *job.peer;
-  const StopToken& stop = submit.stop;
+  if (job.resume != nullptr) {
+    std::unique_ptr<LoopLane> lane(job.resume);
+    CarryLane(submit, peer, lane->pipeline, /*attempt=*/1);
+    ReturnSpareBuffer(lane->pipeline.TakeBuffer());
+    return;
+  }
   if (!peer.HasWork()) {
     // Nothing left for this lane, or another lane found the peer
     // unreachable: no dial.
@@ -542,11 +723,17 @@ void DataClient::RunLane(const LaneJob& job) {
     Pipeline* pipeline;
     ~GiveBack() { client->ReturnSpareBuffer(pipeline->TakeBuffer()); }
   } give_back{this, &pipeline};
+  CarryLane(submit, peer, pipeline, /*attempt=*/0);
+}
+
+void DataClient::CarryLane(SubmitRun& submit, PeerRun& peer, Pipeline& pipeline,
+                           int attempt) {
+  const StopToken& stop = submit.stop;
   // A reused connection that breaks before answering anything was most
   // likely stale (peer restarted): one retry on a freshly dialled one.
   // Re-sending is safe: nothing reached local memory, and writing the same
   // bytes again to the remote range is idempotent.
-  for (int attempt = 0; attempt < 2; ++attempt) {
+  for (; attempt < 2; ++attempt) {
     if (stop.stopped()) {
       const absl::Status status =
           stop.StopStatus(absl::StrCat("before sending to ", peer.name()));
@@ -570,19 +757,23 @@ void DataClient::RunLane(const LaneJob& job) {
     const bool reused = connection->reused;
     Release(submit, peer, std::move(*connection), /*reusable=*/false);
     if (reused && outcome.answered == 0 && !stop.stopped()) continue;
-    // Shut down by the Run (cancelled, or at its deadline): say why, not
-    // "closed by the peer".
-    const bool cut_by_run =
-        stop.cancelled() ||
-        (stop.stopped() && !absl::IsDeadlineExceeded(outcome.status));
-    const absl::Status status =
-        cut_by_run ? stop.StopStatus(absl::StrCat("before ", peer.name(),
-                                                  " answered every request"))
-                   : outcome.status;
+    const absl::Status status = LaneFailure(stop, peer, outcome);
     pipeline.FailWindow(status);
     peer.LaneGaveUp(status, /*unreachable=*/false);
     return;
   }
+}
+
+absl::Status DataClient::LaneFailure(const StopToken& stop, const PeerRun& peer,
+                                     const PipelineOutcome& outcome) {
+  // Shut down by the Run (cancelled, or at its deadline): say why, not
+  // "closed by the peer".
+  const bool cut_by_run =
+      stop.cancelled() ||
+      (stop.stopped() && !absl::IsDeadlineExceeded(outcome.status));
+  return cut_by_run ? stop.StopStatus(absl::StrCat("before ", peer.name(),
+                                                   " answered every request"))
+                    : outcome.status;
 }
 
 std::unique_ptr<std::byte[]> DataClient::TakeSpareBuffer() {
@@ -605,37 +796,44 @@ absl::StatusOr<DataClient::Connection> DataClient::Checkout(SubmitRun& submit,
                                                             PeerRun& peer,
                                                             bool fresh) {
   if (!fresh) {
-    absl::MutexLock lock(&mu_);
-    ExpireIdleLocked();
-    auto it = idle_.find(peer.name());
-    while (it != idle_.end() && !it->second.empty()) {
-      // Newest first: the least likely to have been closed by the peer.
-      UniqueFd fd = std::move(it->second.back().fd);
-      const absl::Duration armed[2] = {it->second.back().armed[0],
-                                       it->second.back().armed[1]};
-      it->second.pop_back();
-      --idle_total_;
-      if (it->second.empty()) idle_.erase(it);
-      // A peer that restarted closed its end: dial it afresh instead.
-      if (IdleConnectionAlive(fd.get())) {
-        if (!RegisterActiveLocked(submit, fd.get())) {
-          idle_[peer.name()].push_back(
-              {std::move(fd), absl::Now(), {armed[0], armed[1]}});
-          ++idle_total_;
-          return submit.stop.StopStatus(
-              absl::StrCat("before sending to ", peer.name()));
-        }
-        Connection connection{std::move(fd), /*reused=*/true};
-        connection.armed[0] = armed[0];
-        connection.armed[1] = armed[1];
-        return connection;
-      }
-      fd.reset();
-      ReleaseConnectionSlotLocked(peer.name());
-      it = idle_.find(peer.name());
-    }
+    std::optional<absl::StatusOr<Connection>> idle = TakeIdle(submit, peer);
+    if (idle.has_value()) return *std::move(idle);
   }
   return Dial(submit, peer);
+}
+
+std::optional<absl::StatusOr<DataClient::Connection>> DataClient::TakeIdle(
+    SubmitRun& submit, PeerRun& peer) {
+  absl::MutexLock lock(&mu_);
+  ExpireIdleLocked();
+  auto it = idle_.find(peer.name());
+  while (it != idle_.end() && !it->second.empty()) {
+    // Newest first: the least likely to have been closed by the peer.
+    UniqueFd fd = std::move(it->second.back().fd);
+    const absl::Duration armed[2] = {it->second.back().armed[0],
+                                     it->second.back().armed[1]};
+    it->second.pop_back();
+    --idle_total_;
+    if (it->second.empty()) idle_.erase(it);
+    // A peer that restarted closed its end: dial it afresh instead.
+    if (IdleConnectionAlive(fd.get())) {
+      if (!RegisterActiveLocked(submit, fd.get())) {
+        idle_[peer.name()].push_back(
+            {std::move(fd), absl::Now(), {armed[0], armed[1]}});
+        ++idle_total_;
+        return submit.stop.StopStatus(
+            absl::StrCat("before sending to ", peer.name()));
+      }
+      Connection connection{std::move(fd), /*reused=*/true};
+      connection.armed[0] = armed[0];
+      connection.armed[1] = armed[1];
+      return connection;
+    }
+    fd.reset();
+    ReleaseConnectionSlotLocked(peer.name());
+    it = idle_.find(peer.name());
+  }
+  return std::nullopt;
 }
 
 bool DataClient::RegisterActiveLocked(SubmitRun& submit, int fd) {

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "backends/backend.h"
+#include "backends/tcp/client_loop.h"
 #include "backends/tcp/socket_util.h"
 #include "common/stop_token.h"
 #include "common/unique_fd.h"
@@ -27,6 +28,8 @@ namespace rdma_agent::tcp {
 namespace testing {
 class PoolProbe;
 }  // namespace testing
+class Pipeline;
+struct PipelineOutcome;
 
 // How a DataClient moves bytes.
 struct DataClientOptions {
@@ -65,6 +68,13 @@ struct DataClientOptions {
   // serve at once wait in a queue. 8 keeps a 2-core host's copies busy with
   // room for a few slow peers.
   int threads = 8;
+  // Event-loop threads that take in the answers of small posted batches
+  // (DataClient::kLoopBatchBytes): such a batch's requests are sent by the
+  // posting thread on a pooled connection, and its done is called by the
+  // loop that reads the last answer, so the op costs one thread wake-up
+  // (the loop's, by the network) instead of three. 0: every batch goes to
+  // the workers.
+  int loops = 1;
   // Outgoing data connections open at once, in use and idle together. A new
   // dial past it first closes the oldest idle connection, else waits.
   int max_connections = 256;
@@ -98,14 +108,19 @@ struct DataClientOptions {
 // connection. Payloads go from the local mapping into the socket and from the
 // socket into the local mapping with no intermediate buffer.
 //
-// Threads: exactly `threads` workers and one timekeeper, started by Create
-// and joined by the destructor; none per run. Workers carry lanes (one
-// connection to one peer each). The timekeeper ends runs whose lanes are
-// still queued when their deadline passes (every worker may be busy with
-// other runs) and runs that a cancellation ended (a Cancellation callback
-// cannot unregister itself). Post hands every lane to the workers; Run's own
-// thread carries one lane of its run (for small ops the only one, so they
-// cost no thread hand-off) and queues the others.
+// Threads: exactly `threads` workers, `loops` event loops and one
+// timekeeper, started by Create and joined by the destructor; none per run.
+// Workers carry lanes (one connection to one peer each). The timekeeper
+// ends runs whose lanes are still queued when their deadline passes (every
+// worker may be busy with other runs), shuts down the sockets of runs past
+// their deadline (which ends their lanes on the loops), and finishes runs
+// that a cancellation ended (a Cancellation callback cannot unregister
+// itself). Run's own thread carries one lane of its run (for small ops the
+// only one, so they cost no thread hand-off) and queues the others. Post
+// sends a small batch to one peer (kLoopBatchBytes) on a pooled connection
+// itself and leaves its answers to a loop; other batches, and small ones
+// finding no idle connection to their peer (the first to a peer: dialling
+// blocks), go to the workers.
 //
 // A run's state lives on the heap and owns itself: whoever ends its last
 // lane (a worker, the timekeeper, or the posting thread when nothing could
@@ -128,6 +143,13 @@ class DataClient {
   DataClient(const DataClient&) = delete;
   DataClient& operator=(const DataClient&) = delete;
 
+  // The most payload bytes a posted batch to one peer may carry to go
+  // through a loop (one lane); larger ones are striped over workers' lanes.
+  // 64 KiB: well inside a socket buffer, so the posting thread's send
+  // rarely finds it full, and a loop is not kept from other sockets' answers
+  // for longer than a copy of that many bytes.
+  static constexpr uint64_t kLoopBatchBytes = 64 << 10;
+
   // Ops to one peer: indices into the run's `ops`.
   struct PeerBatch {
     HostPort peer;
@@ -148,9 +170,9 @@ class DataClient {
   // runs, and once it has been called nothing of the run reads or writes any
   // op's local memory: connections with requests outstanding are shut down
   // and closed, never reused, so late responses are discarded by the
-  // kernel. It runs on a worker, on the timekeeper, or inside Post (nothing
-  // to start), and must not block. `ops` and the Cancellation behind `stop`
-  // must outlive it; `stop` itself is copied.
+  // kernel. It runs on a worker, a loop, the timekeeper, or inside Post
+  // (nothing to start, or a send failed at once), and must not block. `ops` and
+  // the Cancellation behind `stop` must outlive it; `stop` itself is copied.
   void Post(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
             std::vector<absl::Status> results, const StopToken& stop,
             OpsDone done);
@@ -177,9 +199,13 @@ class DataClient {
   struct SubmitRun;
   class PeerRun;
   struct Connection;
+  struct LoopLane;
   struct LaneJob {
     SubmitRun* submit;
     PeerRun* peer;
+    // A loop's lane whose pooled connection broke before any answer: the
+    // worker re-sends its window on a fresh connection (owned by the job).
+    LoopLane* resume = nullptr;
   };
   struct IdleConnection {
     UniqueFd fd;
@@ -191,13 +217,32 @@ class DataClient {
 
   explicit DataClient(DataClientOptions options);
 
-  // Makes the run and queues a lane job per connection wanted to each peer,
-  // except the first when `own_lane` is given: it is set to the lane the
-  // caller carries itself (null when none). The run is held (it cannot end)
-  // until the caller calls EndJob once more.
+  // Makes the run and queues a lane job per connection wanted to each peer
+  // (one when `one_lane`), except the first when `own_lane` is given: it is
+  // set to the lane the caller carries itself (null when none). The run is
+  // held (it cannot end) until the caller calls EndJob once more.
   SubmitRun* StartRun(absl::Span<const Op> ops, std::vector<PeerBatch> batches,
                       std::vector<absl::Status> results, const StopToken& stop,
-                      OpsDone done, PeerRun** own_lane);
+                      OpsDone done, PeerRun** own_lane, bool one_lane = false);
+  // True when Post's batch may go through a loop: one peer, at most
+  // kLoopBatchBytes.
+  bool FitsALoop(absl::Span<const Op> ops,
+                 const std::vector<PeerBatch>& batches) const;
+  // Starts `peer`'s lane of a held run on a loop: sends on an idle pooled
+  // connection from this thread and arms the socket. True: the lane took
+  // the caller's hold over as its job (the caller must not touch the run
+  // again). False (nothing started, the hold kept) when no idle connection
+  // to the peer is open.
+  bool StartLoopLane(SubmitRun& submit, PeerRun& peer);
+  // On the lane's loop (or the posting thread, first): sends and receives
+  // what the socket allows, and arms it again or ends the lane.
+  void PumpLoopLane(LoopLane* lane, bool armed);
+  // The loop lane ended: its connection goes back or is closed, its
+  // outcome is told, its job ends (which may finish the run here).
+  void EndLoopLane(LoopLane* lane, bool armed, const PipelineOutcome& outcome);
+  // Queues a lane job of a held run for the workers (nothing when the run
+  // was aborted meanwhile).
+  void QueueLane(const LaneJob& job);
   // One lane job (or the caller's hold) of `submit` ended; the last one
   // finishes the run.
   void EndJob(SubmitRun* submit);
@@ -216,10 +261,21 @@ class DataClient {
   // One lane: a connection to the job's peer carrying chunks until none are
   // left, the connection fails or the Run stops.
   void RunLane(const LaneJob& job);
+  // Carries `pipeline` over connections to `peer`, starting at `attempt`
+  // (1: a fresh dial, no pooled connection).
+  void CarryLane(SubmitRun& submit, PeerRun& peer, Pipeline& pipeline,
+                 int attempt);
+  // Why a lane that did not end healthy failed its chunks.
+  static absl::Status LaneFailure(const StopToken& stop, const PeerRun& peer,
+                                  const PipelineOutcome& outcome);
   // A pooled connection (unless `fresh`) or a new one, registered with the
   // Run so cancellation can shut it down.
   absl::StatusOr<Connection> Checkout(SubmitRun& submit, PeerRun& peer,
                                       bool fresh);
+  // The newest live idle connection to `peer`, registered with the run;
+  // nullopt when there is none, the run's stop status when it was aborted.
+  std::optional<absl::StatusOr<Connection>> TakeIdle(SubmitRun& submit,
+                                                     PeerRun& peer);
   absl::StatusOr<Connection> Dial(SubmitRun& submit, PeerRun& peer);
   // Unregisters `connection` from its Run; pools it when `reusable` and the
   // Run did not shut it down, else closes it.
@@ -291,6 +347,9 @@ class DataClient {
 
   std::vector<std::thread> workers_;
   std::thread timekeeper_;
+  // Destroyed (joined) explicitly once no run is left.
+  std::vector<std::unique_ptr<ClientLoop>> loops_;
+  std::atomic<size_t> next_loop_{0};
 };
 
 }  // namespace rdma_agent::tcp

@@ -90,6 +90,11 @@ ABSL_FLAG(int32_t, tcp_client_threads,
           rdma_agent::tcp::DataClientOptions().threads,
           "Worker threads that run every outgoing transfer (started with the "
           "agent). Peers beyond what they serve at once wait in a queue.");
+ABSL_FLAG(int32_t, tcp_client_loops, rdma_agent::tcp::DataClientOptions().loops,
+          "Event-loop threads (tcp-client-loop) that read the answers of "
+          "small posted batches (one peer, at most 64 KiB), sent by the "
+          "posting thread on a pooled connection, and end them: one thread "
+          "hand-off per op. 0: every batch goes to the worker threads.");
 ABSL_FLAG(int32_t, tcp_client_max_connections,
           rdma_agent::tcp::DataClientOptions().max_connections,
           "Outgoing data connections open at once, in use and idle; more "
@@ -146,6 +151,7 @@ BackendFactory MakeTcpBackendFactoryFromFlags() {
     options.server.threads = absl::GetFlag(FLAGS_tcp_server_threads);
     options.server.bulk_threads = absl::GetFlag(FLAGS_tcp_server_bulk_threads);
     options.client.threads = absl::GetFlag(FLAGS_tcp_client_threads);
+    options.client.loops = absl::GetFlag(FLAGS_tcp_client_loops);
     options.client.max_connections =
         absl::GetFlag(FLAGS_tcp_client_max_connections);
     options.client.max_idle_connections =

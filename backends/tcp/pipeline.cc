@@ -55,6 +55,7 @@ void Pipeline::Restart(int fd, absl::Duration* armed) {
 }
 
 PipelineOutcome Pipeline::Run(absl::Time deadline) {
+  nonblocking_ = false;
   PipelineOutcome outcome;
   // A peer that takes nothing and sends nothing for no_progress_timeout_
   // is stuck (or hostile): the lane gives up long before a long deadline,
@@ -106,6 +107,41 @@ PipelineOutcome Pipeline::Run(absl::Time deadline) {
   outcome.healthy = true;
   outcome.answered = answered_;
   return outcome;
+}
+
+Pipeline::Wait Pipeline::Pump(PipelineOutcome& outcome) {
+  nonblocking_ = true;
+  // Again only while answers come in: they may open the window to more
+  // requests, or end the lane. (Sending alone does not make an answer
+  // arrive sooner than the socket says so.)
+  bool received = true;
+  bool want_write = false;
+  while (received) {
+    bool sent = false;
+    received = false;
+    want_write = false;
+    bool want_read = false;
+    // Neither call waits: the deadline is the caller's.
+    absl::Status status = Send(absl::InfiniteFuture(), &sent, &want_write);
+    if (status.ok()) {
+      status = Receive(absl::InfiniteFuture(), &received, &want_read);
+    }
+    if (!status.ok()) {
+      Ended(status, outcome);
+      return Wait::kNone;
+    }
+    if (window_.empty() && !Refill()) {
+      if (io_.buffered() > 0) {
+        Ended(ProtocolError("unsolicited bytes after the last response"),
+              outcome);
+        return Wait::kNone;
+      }
+      outcome.healthy = true;
+      outcome.answered = answered_;
+      return Wait::kNone;
+    }
+  }
+  return want_write ? Wait::kReadableOrWritable : Wait::kReadable;
 }
 
 Pipeline::InFlight& Pipeline::Window::emplace_back() {
@@ -180,7 +216,7 @@ bool Pipeline::ReadOutstanding() const {
 absl::Status Pipeline::Send(absl::Time deadline, bool* progress,
                             bool* want_write) {
   while (CanSend()) {
-    const bool block = !ReadOutstanding();
+    const bool block = !nonblocking_ && !ReadOutstanding();
     if (block && Spliceable(sent_)) {
       if (absl::Status status = SendSpliced(deadline, progress); !status.ok()) {
         return status;
@@ -330,7 +366,7 @@ absl::Status Pipeline::Receive(absl::Time deadline, bool* progress,
       return status;
     }
     if (window_.empty()) break;
-    const bool block = !CanSend() && sent_ > 0;
+    const bool block = !nonblocking_ && !CanSend() && sent_ > 0;
     if (block) {
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return absl::OkStatus();

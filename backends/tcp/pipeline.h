@@ -93,8 +93,22 @@ class Pipeline {
 
   PipelineOutcome Run(absl::Time deadline);
 
+  // What Pump asks its caller to wait for.
+  enum class Wait { kNone, kReadable, kReadableOrWritable };
+  // Run for an event loop: never blocks (and never splices). Sends what
+  // the socket takes and takes in what has arrived. kNone: the lane ended,
+  // as `outcome` says (healthy when every chunk was answered); else call
+  // again once the socket is ready as asked. The deadline is not watched:
+  // the caller shuts the socket down when it passes (the next Pump then
+  // fails).
+  Wait Pump(PipelineOutcome& outcome);
+
   // Fails every chunk still in the window with `status`.
   void FailWindow(const absl::Status& status);
+
+  // Why a lane gave up on a peer that moved nothing for
+  // `no_progress_timeout` (names the flag).
+  std::string NoProgressMessage() const;
 
  private:
   struct InFlight {
@@ -154,11 +168,11 @@ class Pipeline {
 
   absl::Status ProtocolError(absl::string_view what) const;
   std::string DeadlineMessage() const;
-  // Why Run gave up on a peer that moved nothing.
-  std::string NoProgressMessage() const;
   PipelineOutcome& Ended(const absl::Status& status, PipelineOutcome& outcome);
 
   bool zero_copy_send_;  // cleared if no PageSender can be made
+  // Set by Pump, cleared by Run: no call blocks.
+  bool nonblocking_ = false;
   const absl::Duration no_progress_timeout_;
   std::optional<PageSender> pages_;
   ChunkSource& source_;

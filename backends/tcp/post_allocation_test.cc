@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -56,21 +57,25 @@ using ::rdma_agent::testing::TestBuffer;
 std::unique_ptr<TestAgent> Agent(uint64_t epoch) { return TcpTestAgent(epoch); }
 
 // Allocations on the requesting side of one Post of `ops`, from the call
-// to its done.
-uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops) {
+// to its done. `ended_on`: the name of the thread that called done.
+uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops,
+                           std::string* ended_on = nullptr) {
   absl::Notification ended;
   bool all_ok = true;
+  char name[16] = {};
   const uint64_t before = allocations.load();
   backend.Post(ops, In(absl::Seconds(20)),
                [&](std::vector<absl::Status> statuses) {
                  for (const absl::Status& status : statuses) {
                    all_ok = all_ok && status.ok();
                  }
+                 prctl(PR_GET_NAME, name);
                  ended.Notify();
                });
   ended.WaitForNotification();
   const uint64_t after = allocations.load();
   EXPECT_TRUE(all_ok);
+  if (ended_on != nullptr) *ended_on = name;
   return after - before;
 }
 
@@ -116,6 +121,59 @@ TEST(TcpPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
   // 1024 requests, 7 times at most per lane) to the deepest window they
   // reach. One allocation per 64 ops would add 63.
   EXPECT_LT(for_many, for_few + 32);
+}
+
+// Small batches (at most DataClient::kLoopBatchBytes) are sent by the
+// posting thread and answered on a loop (tcp-client-loop, counted too).
+TEST(TcpPostAllocationTest, LoopBatchAllocationsDoNotGrowWithTheOps) {
+  posting_thread = true;
+  counting = true;
+  auto a = Agent(/*epoch=*/93);
+  auto b = Agent(/*epoch=*/94);
+  constexpr int kMany = 256;
+  constexpr int kFew = 4;
+  constexpr uint64_t kLength = 8;
+  static_assert(kMany * kLength <= DataClient::kLoopBatchBytes);
+  auto local = a->Register(kMany * 64, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(kMany * 64, v1::ACCESS_READ_WRITE, 2);
+  auto batch = [&](int count) {
+    std::vector<Op> ops;
+    for (int i = 0; i < count; ++i) {
+      ops.push_back(MakeOp(i,
+                           i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL
+                                      : v1::OP_TYPE_WRITE_FROM_LOCAL,
+                           local, i * 64, kLength, remote, i * 64 + 8));
+    }
+    return ops;
+  };
+  const std::vector<Op> many = batch(kMany);
+  const std::vector<Op> few = batch(kFew);
+  // Warm: a pooled connection (the first Post dials it on a worker), spare
+  // receive buffers.
+  for (int i = 0; i < 3; ++i) {
+    AllocationsOfPost(a->backend(), many);
+    AllocationsOfPost(a->backend(), few);
+  }
+  uint64_t for_many = ~0ull;
+  uint64_t for_few = ~0ull;
+  for (int i = 0; i < 5; ++i) {
+    std::string ended_on;
+    for_many =
+        std::min(for_many, AllocationsOfPost(a->backend(), many, &ended_on));
+    // The loop, or in place when the answer was there at once: never a
+    // worker.
+    EXPECT_NE(ended_on, "tcp-client");
+    for_few =
+        std::min(for_few, AllocationsOfPost(a->backend(), few, &ended_on));
+    EXPECT_NE(ended_on, "tcp-client");
+  }
+  std::printf("allocations per looped Post: %d ops %llu, %d ops %llu\n", kFew,
+              static_cast<unsigned long long>(for_few), kMany,
+              static_cast<unsigned long long>(for_many));
+  // 64x the ops: the same allocations per batch and lane but for the
+  // lane's request window, which doubles from 16 to 256 requests (4 more).
+  // One allocation per op would add 252.
+  EXPECT_LT(for_many, for_few + 16);
 }
 
 }  // namespace

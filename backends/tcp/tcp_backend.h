@@ -68,10 +68,14 @@ class TcpBackend : public Backend {
       const Registration& registration, v1::BackendEndpoint* endpoint) override;
   // True when `remote` advertises a usable tcp endpoint (host and port).
   bool CanReach(const v1::RemoteBuffer& remote) const override;
-  // Queues the ops' connections for the client's worker threads and
-  // returns; `done` runs on the worker that ends the batch (or the client's
+  // Starts the ops and returns. A small batch to one peer (at most
+  // DataClient::kLoopBatchBytes) with an idle pooled connection to it is
+  // sent from this thread and its answers read by the client's loops;
+  // other batches' connections are queued for its worker threads. `done`
+  // runs on the loop or worker that ends the batch (or the client's
   // timekeeper at the deadline or after a cancellation; or inside Post when
-  // no op could start). No thread is started here. An endpoint naming a host
+  // no op could start, or a small batch's answer was there at once). No
+  // thread is started here. An endpoint naming a host
   // instead of an IP address is INVALID_ARGUMENT unless
   // `client.allow_host_names`.
   void Post(absl::Span<const Op> ops, const StopToken& stop,

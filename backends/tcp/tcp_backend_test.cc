@@ -1,5 +1,6 @@
 #include "backends/tcp/tcp_backend.h"
 
+#include <sys/prctl.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -348,6 +349,10 @@ class FakePeer {
     std::byte hello[kServerHelloBytes];
     EncodeServerHello(hello);  // as a DataServer does at accept
     (void)send(conn_.get(), hello, sizeof(hello), MSG_NOSIGNAL);
+    return ReadRequest();
+  }
+  // Reads the next request header (and token) on the accepted connection.
+  absl::StatusOr<RequestHeader> ReadRequest() {
     std::byte bytes[kRequestHeaderBytes];
     if (auto s = ReadFull(conn_.get(), bytes, sizeof(bytes)); !s.ok()) {
       return s;
@@ -362,6 +367,25 @@ class FakePeer {
   }
   int conn() const { return conn_.get(); }
   void Close() { conn_.reset(); }
+  // Answers READ `request` with its header and the first `payload_bytes` of
+  // a payload of 0xee bytes (all of it: a whole answer).
+  void AnswerRead(const RequestHeader& request, uint64_t payload_bytes) {
+    ResponseHeader response;
+    response.request_id = request.request_id;
+    response.payload_bytes = request.length;
+    std::byte bytes[kResponseHeaderBytes];
+    EncodeResponseHeader(response, bytes);
+    std::vector<std::byte> payload(payload_bytes, std::byte{0xee});
+    iovec iov[2] = {{bytes, sizeof(bytes)}, {payload.data(), payload.size()}};
+    (void)WriteFull(conn_.get(), iov, 2);
+  }
+  // The peer dies: no more dials, and its connection is reset.
+  void Die() {
+    listener_.reset();
+    const linger reset{1, 0};
+    setsockopt(conn_.get(), SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    conn_.reset();
+  }
 
  private:
   uint16_t port_ = 0;
@@ -565,6 +589,8 @@ struct Posted {
   std::vector<absl::Status> statuses;
   absl::Notification done;
   absl::Time at;
+  // The name of the thread that called done.
+  std::string thread;
 };
 
 void PostTo(Backend& backend, absl::Span<const Op> ops, const StopToken& stop,
@@ -573,6 +599,9 @@ void PostTo(Backend& backend, absl::Span<const Op> ops, const StopToken& stop,
     if (posted.calls.fetch_add(1) == 0) {
       posted.statuses = std::move(statuses);
       posted.at = absl::Now();
+      char name[16] = {};
+      prctl(PR_GET_NAME, name);
+      posted.thread = name;
       posted.done.Notify();
     }
   });
@@ -862,6 +891,325 @@ TEST(TcpBackendPostTest, DoneRunsOnceWhenCancellationRacesCompletion) {
     EXPECT_EQ(posted[i].calls.load(), 1) << "round " << i;
   }
   std::printf("cancelled %d of %d\n", cancelled, kRounds);
+}
+
+// --- Small posted batches: sent by the posting thread, ended by a loop. ---
+
+constexpr char kLoopThread[] = "tcp-client-loop";
+
+// A pooled connection from `a` to `b`, so that the next small Post to b
+// goes through a loop (the first to a peer is dialled by a worker).
+void WarmPool(TestAgent& a, TestAgent& b) {
+  auto local = a.Register(64, v1::ACCESS_READ_WRITE, 99);
+  auto remote = b.Register(64, v1::ACCESS_READ_WRITE, 98);
+  const Op op = MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 0, 8, remote, 0);
+  ASSERT_TRUE(Tcp(a).Submit({op}, In(absl::Seconds(10)))[0].ok());
+  ASSERT_GE(
+      PoolProbe(Tcp(a)).idle_connections(HostPort{"127.0.0.1", Tcp(b).port()}),
+      1u);
+}
+
+TEST(TcpBackendLoopTest, SmallPostedReadAndWriteEndOnTheClientLoop) {
+  auto a = Agent(/*epoch=*/111);
+  auto b = Agent(/*epoch=*/112);
+  WarmPool(*a, *b);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const std::vector<Op> ops = {
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 100, 8, remote, 7),
+      MakeOp(1, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 1000, 8, remote, 2000),
+      MakeOp(2, v1::OP_TYPE_READ_INTO_LOCAL, local, 3000, 1000, remote, 50)};
+  // Held until Post has returned, so that the answer arrives on the loop
+  // (one already there when the posting thread looks ends the batch in
+  // Post, which loopback's synchronous delivery often makes it).
+  for (const Op& op : ops) {
+    b->gate().Close(In(kHeld));
+    Posted posted;
+    PostTo(Tcp(*a), {&op, 1}, In(absl::Seconds(10)), posted);
+    ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+    EXPECT_FALSE(posted.done.HasBeenNotified());
+    b->gate().Open();
+    ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    ASSERT_EQ(posted.statuses.size(), 1u);
+    EXPECT_TRUE(posted.statuses[0].ok()) << posted.statuses[0];
+    EXPECT_EQ(posted.thread, kLoopThread) << "op " << op.index;
+    EXPECT_EQ(posted.calls.load(), 1);
+    Apply(op, local_image, remote_image);
+    // Every byte: the op's range changed, nothing around it.
+    ExpectBytes(local, local_image, "local");
+    ExpectBytes(remote, remote_image, "remote");
+  }
+  // Several ops in one small batch: one lane, one loop.
+  b->gate().Close(In(kHeld));
+  Posted batch;
+  PostTo(Tcp(*a), ops, In(absl::Seconds(10)), batch);
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  b->gate().Open();
+  ASSERT_TRUE(batch.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  for (const absl::Status& status : batch.statuses) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  EXPECT_EQ(batch.thread, kLoopThread);
+  for (const Op& op : ops) Apply(op, local_image, remote_image);
+  ExpectBytes(local, local_image, "local after the batch");
+  ExpectBytes(remote, remote_image, "remote after the batch");
+}
+
+TEST(TcpBackendLoopTest, BatchesOverTheLoopBytesGoToTheWorkers) {
+  auto a = Agent(/*epoch=*/113);
+  auto b = Agent(/*epoch=*/114);
+  WarmPool(*a, *b);
+  constexpr uint64_t kLength = DataClient::kLoopBatchBytes + 1;
+  auto local = a->Register(2 * kLength, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(2 * kLength, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const Op read =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 5, kLength, remote, 9);
+  Posted posted;
+  PostTo(Tcp(*a), {&read, 1}, In(absl::Seconds(10)), posted);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(posted.statuses[0].ok()) << posted.statuses[0];
+  EXPECT_NE(posted.thread, kLoopThread);
+  Apply(read, local_image, remote_image);
+  ExpectBytes(local, local_image, "local");
+}
+
+TEST(TcpBackendLoopTest, HeldPeerEndsALoopOpAtItsDeadlineAndAFreshOneWorks) {
+  auto a = Agent(/*epoch=*/121);
+  auto b = Agent(/*epoch=*/122);
+  WarmPool(*a, *b);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const Op held =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 8, remote, 64);
+
+  b->gate().Close(In(kHeld));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(300);
+  Posted posted;
+  PostTo(Tcp(*a), {&held, 1}, deadline, posted);
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_GE(posted.at, deadline);
+  EXPECT_LT(posted.at - deadline, absl::Milliseconds(250))
+      << "the loop's op ended late";
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kDeadlineExceeded)
+      << posted.statuses[0];
+  EXPECT_EQ(posted.thread, kLoopThread);
+  b->gate().Open();
+  ASSERT_TRUE(b->gate().AwaitNoneHeld(absl::Seconds(5)));
+  // The late answer reached nothing: the connection was closed, not pooled.
+  absl::SleepFor(absl::Milliseconds(50));
+  ExpectBytes(local, local_image, "local after the deadline");
+  EXPECT_EQ(PoolProbe(Tcp(*a)).idle_connections(
+                HostPort{"127.0.0.1", Tcp(*b).port()}),
+            0u);
+
+  // Then a fresh connection (none is idle: a worker dials it), which is
+  // pooled, and the next op goes through the loop on it.
+  for (int round = 0; round < 2; ++round) {
+    const Op op =
+        MakeOp(0, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 500, 8, remote, 700);
+    b->gate().Close(In(kHeld));
+    Posted next;
+    PostTo(Tcp(*a), {&op, 1}, In(absl::Seconds(10)), next);
+    ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+    b->gate().Open();
+    ASSERT_TRUE(next.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    EXPECT_TRUE(next.statuses[0].ok()) << next.statuses[0];
+    EXPECT_EQ(next.thread, round == 0 ? "tcp-client" : kLoopThread);
+    EXPECT_EQ(PoolProbe(Tcp(*a)).idle_connections(
+                  HostPort{"127.0.0.1", Tcp(*b).port()}),
+              1u);
+    Apply(op, local_image, remote_image);
+  }
+  ExpectBytes(local, local_image, "local");
+  ExpectBytes(remote, remote_image, "remote");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendLoopTest, CancellingALoopOpEndsItAtOnce) {
+  auto a = Agent(/*epoch=*/131);
+  auto b = Agent(/*epoch=*/132);
+  WarmPool(*a, *b);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const Op held =
+      MakeOp(4, v1::OP_TYPE_READ_INTO_LOCAL, local, 8, 8, remote, 64);
+
+  b->gate().Close(In(kHeld));
+  Cancellation cancellation;
+  Posted posted;
+  PostTo(Tcp(*a), {&held, 1}, StopToken(In(absl::Seconds(30)), &cancellation),
+         posted);
+  ASSERT_TRUE(b->gate().AwaitArrivals(1, absl::Seconds(10)));
+  EXPECT_FALSE(posted.done.HasBeenNotified());
+  const absl::Time cancelled_at = absl::Now();
+  cancellation.Cancel(absl::CancelledError("transfer cancelled"));
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_LT(posted.at - cancelled_at, absl::Milliseconds(200));
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kCancelled)
+      << posted.statuses[0];
+  EXPECT_NE(posted.statuses[0].message().find("op 4"), std::string::npos)
+      << posted.statuses[0];
+  EXPECT_EQ(posted.thread, kLoopThread);
+  b->gate().Open();
+  ASSERT_TRUE(b->gate().AwaitNoneHeld(absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(50));
+  ExpectBytes(local, local_image, "local after the cancellation");
+
+  const Op op =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 100, 8, remote, 9);
+  Posted next;
+  PostTo(Tcp(*a), {&op, 1}, In(absl::Seconds(10)), next);
+  ASSERT_TRUE(next.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(next.statuses[0].ok()) << next.statuses[0];
+  Apply(op, local_image, remote_image);
+  ExpectBytes(local, local_image, "local");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendLoopTest, AStalledLoopOpIsUnavailableLongBeforeItsDeadline) {
+  DataClientOptions options;
+  options.no_progress_timeout = absl::Milliseconds(200);
+  auto a = Agent(/*epoch=*/135, 0, options);
+  auto b = Agent(/*epoch=*/136);
+  WarmPool(*a, *b);
+  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  const Op held =
+      MakeOp(2, v1::OP_TYPE_READ_INTO_LOCAL, local, 8, 8, remote, 64);
+
+  b->gate().Close(In(kHeld));
+  const absl::Time start = absl::Now();
+  Posted posted;
+  PostTo(Tcp(*a), {&held, 1}, In(absl::Seconds(30)), posted);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_GE(posted.at - start, options.no_progress_timeout);
+  EXPECT_LT(posted.at - start,
+            options.no_progress_timeout + absl::Milliseconds(250));
+  EXPECT_EQ(posted.statuses[0].code(), StatusCode::kUnavailable)
+      << posted.statuses[0];
+  EXPECT_NE(posted.statuses[0].message().find("--tcp_no_progress_timeout"),
+            std::string::npos)
+      << posted.statuses[0];
+  EXPECT_EQ(posted.thread, kLoopThread);
+  b->gate().Open();
+  ASSERT_TRUE(b->gate().AwaitNoneHeld(absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(50));
+  ExpectBytes(local, local_image, "local after the stall");
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendLoopTest, PeerDyingMidAnswerIsUnavailableFromTheLoop) {
+  auto a = Agent(/*epoch=*/141);
+  FakePeer peer;
+  constexpr uint64_t kLength = 64;
+  auto local = a->Register(1024, v1::ACCESS_READ_WRITE, 1);
+  auto local_image = Snapshot(local);
+  TestBuffer remote;
+  remote.context = ContextAt(peer.port(), 4096);
+  const Op warm =
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, kLength, remote, 0);
+  const std::vector<Op> ops = {
+      MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 200, kLength, remote, 0),
+      MakeOp(1, v1::OP_TYPE_READ_INTO_LOCAL, local, 400, kLength, remote, 0)};
+
+  absl::Notification answered_warm;
+  std::thread fake([&] {
+    auto request = peer.AcceptAndReadRequest();
+    if (!request.ok()) return;
+    peer.AnswerRead(*request, request->length);
+    answered_warm.Notify();
+    // The posted batch, on the pooled connection: the first op answered,
+    // half of the second's payload, then the peer dies.
+    auto first = peer.ReadRequest();
+    auto second = peer.ReadRequest();
+    if (!first.ok() || !second.ok()) return;
+    peer.AnswerRead(*first, first->length);
+    peer.AnswerRead(*second, second->length / 2);
+    absl::SleepFor(absl::Milliseconds(20));
+    peer.Die();
+  });
+  ASSERT_TRUE(Tcp(*a).Submit({warm}, In(absl::Seconds(10)))[0].ok());
+  ASSERT_TRUE(answered_warm.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  Posted posted;
+  const absl::Time start = absl::Now();
+  PostTo(Tcp(*a), ops, In(absl::Seconds(30)), posted);
+  ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  fake.join();
+  EXPECT_LT(posted.at - start, absl::Seconds(2));
+  EXPECT_TRUE(posted.statuses[0].ok()) << posted.statuses[0];
+  EXPECT_EQ(posted.statuses[1].code(), StatusCode::kUnavailable)
+      << posted.statuses[1];
+  EXPECT_NE(posted.statuses[1].message().find("op 1"), std::string::npos)
+      << posted.statuses[1];
+  EXPECT_EQ(posted.thread, kLoopThread);
+  // The answered ranges hold the peer's bytes; nothing outside the ops'
+  // ranges changed (part of the cut op's range may have).
+  for (uint64_t offset : {0, 200}) {
+    for (uint64_t i = 0; i < kLength; ++i) {
+      ASSERT_EQ(local.span()[offset + i], std::byte{0xee}) << offset + i;
+    }
+  }
+  const std::pair<uint64_t, uint64_t> untouched[] = {
+      {kLength, 200}, {200 + kLength, 400}, {400 + kLength, 1024}};
+  for (const auto& [from, to] : untouched) {
+    EXPECT_EQ(
+        FindMismatch(local.span().subspan(from, to - from), local.seed, from),
+        std::nullopt)
+        << from;
+  }
+  EXPECT_EQ(posted.calls.load(), 1);
+}
+
+TEST(TcpBackendLoopTest,
+     AThousandSmallPostsEndInPlaceOrOnTheLoopWithNoNewThread) {
+  constexpr int kPosts = 1000;
+  constexpr uint64_t kLength = 8;
+  auto a = Agent(/*epoch=*/151);
+  auto b = Agent(/*epoch=*/152);
+  WarmPool(*a, *b);
+  auto local = a->Register(kPosts * 32, v1::ACCESS_READ_WRITE, 1);
+  auto remote = b->Register(kPosts * 32, v1::ACCESS_READ_WRITE, 2);
+  auto local_image = Snapshot(local);
+  auto remote_image = Snapshot(remote);
+  const int threads_before = ThreadCount();
+  EXPECT_EQ(ThreadsNamed(kLoopThread), 2 * DataClientOptions().loops);
+  char posting_thread[16] = {};
+  prctl(PR_GET_NAME, posting_thread);
+  int on_loop = 0;
+  int in_place = 0;
+  for (int i = 0; i < kPosts; ++i) {
+    const Op op = MakeOp(
+        i,
+        i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL : v1::OP_TYPE_WRITE_FROM_LOCAL,
+        local, i * 32 + 3, kLength, remote, i * 32 + 11);
+    Posted posted;
+    PostTo(Tcp(*a), {&op, 1}, In(absl::Seconds(10)), posted);
+    ASSERT_TRUE(posted.done.WaitForNotificationWithTimeout(absl::Seconds(10)))
+        << "post " << i;
+    ASSERT_TRUE(posted.statuses[0].ok()) << i << ": " << posted.statuses[0];
+    // Never a worker's: the answer is read where it is found first.
+    on_loop += posted.thread == kLoopThread ? 1 : 0;
+    in_place += posted.thread == posting_thread ? 1 : 0;
+    Apply(op, local_image, remote_image);
+    if (i == kPosts / 2) {
+      EXPECT_EQ(ThreadCount(), threads_before);
+    }
+  }
+  std::printf("%d posts ended on the loop, %d in Post\n", on_loop, in_place);
+  EXPECT_EQ(on_loop + in_place, kPosts);
+  EXPECT_EQ(ThreadCount(), threads_before);
+  ExpectBytes(local, local_image, "local");
+  ExpectBytes(remote, remote_image, "remote");
 }
 
 }  // namespace

@@ -91,7 +91,11 @@ TEST(WireTest, NotificationPayloadRoundTripsAndRejectsJunk) {
   // Truncated, and an id longer than the payload or than allowed.
   EXPECT_EQ(DecodeNotification("x").status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(DecodeNotification(std::string("\x09\x00abc", 5)).status().code(),
+  EXPECT_EQ(DecodeNotification(std::string("\x09\x00"
+                                           "abc",
+                                           5))
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
   std::string huge = EncodeNotification(std::string(300, 'a'), "d");
   huge[0] = static_cast<char>(0x2c);  // 300: past kMaxTokenBytes
