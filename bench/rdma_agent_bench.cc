@@ -392,6 +392,26 @@ absl::Status TestMemory(Setup& setup) {
 
 // ---- prepared transfers and imported remotes, memory backend ----------------
 
+// What the prepared tests run: --prepared_batch WRITEs of
+// --prepared_op_bytes from agent A's local buffer into `other`, a buffer of
+// agent A made for them, each carrying its context.
+struct PreparedOps {
+  Buffer other;
+  std::vector<OpSpec> with_contexts;
+};
+
+absl::StatusOr<PreparedOps> MakePreparedOps(Setup& setup) {
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
+  const int count = absl::GetFlag(FLAGS_prepared_batch);
+  auto other = AttachPrefaulted(*setup.local_agent, op_bytes * count, 3);
+  if (!other.ok()) return other.status();
+  std::vector<OpSpec> ops =
+      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
+              other->remote_context(), op_bytes, count, op_bytes * count,
+              std::min(setup.local->size(), other->size()));
+  return PreparedOps{std::move(*other), std::move(ops)};
+}
+
 // The same --prepared_batch WRITEs of --prepared_op_bytes between two
 // buffers of agent A, three ways: every op carrying its remote context in
 // each Submit, every op naming an imported handle, and one prepared
@@ -400,12 +420,10 @@ absl::Status TestPrepared(Setup& setup) {
   AgentClient& agent = *setup.local_agent;
   const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
   const int count = absl::GetFlag(FLAGS_prepared_batch);
-  auto other = AttachPrefaulted(agent, op_bytes * count, 3);
-  if (!other.ok()) return other.status();
-  const std::vector<OpSpec> with_contexts =
-      MakeOps(v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(),
-              other->remote_context(), op_bytes, count, op_bytes * count,
-              std::min(setup.local->size(), other->size()));
+  auto made = MakePreparedOps(setup);
+  if (!made.ok()) return made.status();
+  const Buffer* other = &made->other;
+  const std::vector<OpSpec>& with_contexts = made->with_contexts;
   auto handle = agent.ImportRemote(other->remote_context());
   if (!handle.ok()) return handle.status();
   std::vector<OpSpec> with_handles = with_contexts;
@@ -473,6 +491,227 @@ absl::Status TestPrepared(Setup& setup) {
 
 // ---- the shared-memory ring, memory backend ---------------------------------
 
+// Waits (spinning up to `spin`) until at least `count` completions of `ring`
+// have been read; each must be OK and run by `backend`. Returns how many
+// were read.
+absl::StatusOr<size_t> ReapRing(client::Ring& ring, size_t count,
+                                absl::Duration spin, const std::string& backend,
+                                std::vector<client::RingCompletion>& ends) {
+  size_t got = 0;
+  while (got < count) {
+    ends.clear();
+    auto reaped = ring.Wait(&ends, absl::Seconds(120), spin);
+    if (!reaped.ok()) return reaped.status();
+    for (const client::RingCompletion& end : ends) {
+      if (!end.status.ok()) return end.status;
+      if (end.backend != backend) {
+        return absl::InternalError("ring: an op ran on " + end.backend);
+      }
+    }
+    got += *reaped;
+  }
+  return got;
+}
+
+// One slice of a ring's op rate: keeps `in_flight` batches of `ops` posted
+// (whenever a batch's worth of room is free another is posted) for
+// `length`, then waits for what is in flight. Counts ops (Timed::steps).
+absl::StatusOr<Timed> RingSlice(client::Ring& ring,
+                                const std::vector<client::RingOp>& ops,
+                                int in_flight, absl::Duration length,
+                                absl::Duration spin,
+                                const std::string& backend) {
+  Timed timed;
+  std::vector<client::RingCompletion> ends;
+  const uint32_t batch = static_cast<uint32_t>(ops.size());
+  const absl::Time start = absl::Now();
+  auto fill = [&]() -> absl::Status {
+    while (ring.in_flight() + batch <= batch * in_flight) {
+      if (absl::Status s = ring.Submit(ops); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = fill(); !s.ok()) return s;
+  while (absl::Now() - start < length) {
+    auto got = ReapRing(ring, batch, spin, backend, ends);
+    if (!got.ok()) return got.status();
+    timed.steps += static_cast<int64_t>(*got);
+    if (absl::Status s = fill(); !s.ok()) return s;
+  }
+  auto rest = ReapRing(ring, ring.in_flight(), spin, backend, ends);
+  if (!rest.ok()) return rest.status();
+  timed.steps += static_cast<int64_t>(*rest);
+  timed.elapsed = absl::Now() - start;
+  return timed;
+}
+
+// `first` and `second` in alternating 100 ms slices for --seconds, so that
+// both see the same noise; each called once untimed first.
+template <typename First, typename Second>
+absl::Status Alternate(First first, Second second, Timed& by_first,
+                       Timed& by_second) {
+  if (auto warm = first(absl::ZeroDuration()); !warm.ok()) {
+    return warm.status();
+  }
+  if (auto warm = second(absl::ZeroDuration()); !warm.ok()) {
+    return warm.status();
+  }
+  const absl::Duration slice = absl::Milliseconds(100);
+  for (absl::Duration spent; spent < Seconds(); spent += 2 * slice) {
+    auto a = first(slice);
+    if (!a.ok()) return a.status();
+    auto b = second(slice);
+    if (!b.ok()) return b.status();
+    by_first.steps += a->steps;
+    by_first.elapsed += a->elapsed;
+    by_second.steps += b->steps;
+    by_second.elapsed += b->elapsed;
+  }
+  return absl::OkStatus();
+}
+
+double Rate(const Timed& timed) {
+  return static_cast<double>(timed.steps) /
+         absl::ToDoubleSeconds(timed.elapsed);
+}
+
+// Ring batches kept in flight by the op-rate tests (a ring of 4 batches).
+constexpr int kRingBatchesInFlight = 4;
+
+// A ring's op rate beside the same run's Submits: `ring_ops` as one ring
+// batch, kRingBatchesInFlight of them kept posted, against Submits of
+// `submit_ops` (the same ops), in alternating 100 ms slices; prints the
+// `prefix`_submit_write, `prefix`_write and `prefix`_ratio lines.
+absl::Status CompareOpRates(AgentClient& agent, client::Ring& ring,
+                            const std::vector<client::RingOp>& ring_ops,
+                            const std::vector<OpSpec>& submit_ops,
+                            absl::Duration spin, const std::string& backend,
+                            const std::string& prefix) {
+  const int batch = static_cast<int>(ring_ops.size());
+  const uint64_t op_bytes = ring_ops.front().length;
+  auto ring_slice = [&](absl::Duration length) {
+    return RingSlice(ring, ring_ops, kRingBatchesInFlight, length, spin,
+                     backend);
+  };
+  auto submit_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
+    auto run =
+        RunFor(length, 1, [&] { return RunBatch(agent, submit_ops, backend); });
+    if (run.ok()) run->steps *= batch;  // ops
+    return run;
+  };
+  Timed by_ring, by_submit;
+  if (absl::Status s = Alternate(submit_slice, ring_slice, by_submit, by_ring);
+      !s.ok()) {
+    return s;
+  }
+  for (const auto& [name, timed] :
+       {std::pair<std::string, Timed>{prefix + "_submit_write", by_submit},
+        std::pair<std::string, Timed>{prefix + "_write", by_ring}}) {
+    Print(Report(name)
+              .Add("ops_per_s", Rate(timed), 0)
+              .Add("MiB_per_s",
+                   Rate(timed) * static_cast<double>(op_bytes) / (1 << 20))
+              .Add("op_bytes", static_cast<double>(op_bytes), 0)
+              .Add("batch", batch, 0)
+              .Add("backend", backend));
+  }
+  Print(Report(prefix + "_ratio")
+            .Add("ring_vs_submit", Rate(by_ring) / Rate(by_submit), 2));
+  return absl::OkStatus();
+}
+
+// --small_op_bytes WRITEs between two buffers of agent A, --ring_batch per
+// ring batch with 4 batches in flight, next to Submits of the same ops
+// (contexts), in alternating 100 ms slices.
+absl::Status TestRingMemoryOps(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
+  const int batch = std::max(1, absl::GetFlag(FLAGS_ring_batch));
+  const uint64_t window = op_bytes * batch;
+  auto other = AttachPrefaulted(agent, window, 3);
+  if (!other.ok()) return other.status();
+  auto handle = agent.ImportRemote(other->remote_context());
+  if (!handle.ok()) return handle.status();
+  uint32_t entries = 1;
+  while (entries < static_cast<uint32_t>(batch * kRingBatchesInFlight)) {
+    entries *= 2;
+  }
+  auto ring = agent.OpenRing(entries);
+  if (!ring.ok()) return ring.status();
+  const auto submit_ops = MakeOps(
+      v1::OP_TYPE_WRITE_FROM_LOCAL, setup.local->id(), other->remote_context(),
+      op_bytes, batch, window, std::min(setup.local->size(), other->size()));
+  std::vector<client::RingOp> ring_ops(batch);
+  for (int i = 0; i < batch; ++i) {
+    ring_ops[i].type = v1::OP_TYPE_WRITE_FROM_LOCAL;
+    ring_ops[i].local_buffer_id = setup.local->id();
+    ring_ops[i].local_offset = submit_ops[i].local_offset;
+    ring_ops[i].length = op_bytes;
+    ring_ops[i].remote_handle = handle->handle;
+    ring_ops[i].remote_offset = submit_ops[i].remote_offset;
+    ring_ops[i].user_tag = static_cast<uint64_t>(i);
+  }
+  if (absl::Status s =
+          CompareOpRates(agent, **ring, ring_ops, submit_ops,
+                         absl::Milliseconds(1), "memory", "ring_mem_ops");
+      !s.ok()) {
+    return s;
+  }
+  (void)agent.ReleaseRemote(handle->handle);
+  return absl::OkStatus();
+}
+
+// A prepared transfer of --prepared_batch WRITEs of --prepared_op_bytes
+// between two buffers of agent A, run by one RUN_PREPARED ring entry (post,
+// spin for its completion) next to Submits of the same ops with their
+// contexts, in alternating 100 ms slices (as `prepared`'s ratio).
+absl::Status TestRingPrepared(Setup& setup) {
+  AgentClient& agent = *setup.local_agent;
+  const uint64_t op_bytes = absl::GetFlag(FLAGS_prepared_op_bytes);
+  const int count = absl::GetFlag(FLAGS_prepared_batch);
+  auto made = MakePreparedOps(setup);
+  if (!made.ok()) return made.status();
+  const std::vector<OpSpec>& with_contexts = made->with_contexts;
+  auto prepared = agent.PrepareTransfer(with_contexts);
+  if (!prepared.ok()) return prepared.status();
+  auto ring = agent.OpenRing(8);
+  if (!ring.ok()) return ring.status();
+  std::vector<client::RingCompletion> ends;
+  auto ring_slice = [&](absl::Duration length) {
+    return RunFor(length, 1, [&]() -> absl::Status {
+      if (absl::Status s = (*ring)->RunPrepared(*prepared, 1); !s.ok()) {
+        return s;
+      }
+      return ReapRing(**ring, 1, absl::Milliseconds(1), "memory", ends)
+          .status();
+    });
+  };
+  auto submit_slice = [&](absl::Duration length) {
+    return RunFor(length, 1,
+                  [&] { return RunBatch(agent, with_contexts, "memory"); });
+  };
+  Timed by_ring, by_submit;
+  if (absl::Status s = Alternate(submit_slice, ring_slice, by_submit, by_ring);
+      !s.ok()) {
+    return s;
+  }
+  for (const auto& [name, timed] :
+       {std::pair<std::string, Timed>{"ring_prepared_submit_contexts",
+                                      by_submit},
+        std::pair<std::string, Timed>{"ring_prepared", by_ring}}) {
+    Print(Report(name)
+              .Add("ops_per_s", Rate(timed) * count, 0)
+              .Add("op_bytes", static_cast<double>(op_bytes), 0)
+              .Add("batch", count, 0)
+              .Add("backend", "memory"));
+  }
+  Print(Report("ring_prepared_ratio")
+            .Add("ring_prepared_vs_contexts", Rate(by_ring) / Rate(by_submit),
+                 2));
+  (void)agent.ReleasePrepared(*prepared);
+  return absl::OkStatus();
+}
+
 // One --latency_bytes WRITE between two buffers of agent A through a ring
 // session (post one entry, spin for its completion), next to the same op by
 // Submit and to GetInfo, interleaved in blocks as `latency` is.
@@ -524,7 +763,8 @@ absl::Status TestRing(Setup& setup) {
             .Add("submit_vs_ring", latency[1].p50_us / latency[2].p50_us, 2)
             .Add("getinfo_vs_ring", latency[0].p50_us / latency[2].p50_us, 2));
   (void)agent.ReleaseRemote(handle->handle);
-  return absl::OkStatus();
+  if (absl::Status s = TestRingMemoryOps(setup); !s.ok()) return s;
+  return TestRingPrepared(setup);
 }
 
 // ---- the shared-memory ring, tcp backend across the two agents --------------
@@ -568,20 +808,7 @@ class TcpRing {
   // Waits (spinning up to `spin`) until at least `count` completions have
   // been read; each must be OK on tcp. Returns how many were read.
   absl::StatusOr<size_t> Reap(size_t count, absl::Duration spin) {
-    size_t got = 0;
-    while (got < count) {
-      ends_.clear();
-      auto reaped = ring_->Wait(&ends_, absl::Seconds(120), spin);
-      if (!reaped.ok()) return reaped.status();
-      for (const client::RingCompletion& end : ends_) {
-        if (!end.status.ok()) return end.status;
-        if (end.backend != "tcp") {
-          return absl::InternalError("ring: an op ran on " + end.backend);
-        }
-      }
-      got += *reaped;
-    }
-    return got;
+    return ReapRing(*ring_, count, spin, "tcp", ends_);
   }
 
  private:
@@ -606,9 +833,8 @@ absl::Status TestRingTcp(Setup& setup) {
   const uint64_t bytes = absl::GetFlag(FLAGS_latency_bytes);
   const uint64_t op_bytes = absl::GetFlag(FLAGS_small_op_bytes);
   const int batch = std::max(1, absl::GetFlag(FLAGS_ring_batch));
-  constexpr int kBatchesInFlight = 4;
   uint32_t entries = 1;
-  while (entries < static_cast<uint32_t>(batch * kBatchesInFlight)) {
+  while (entries < static_cast<uint32_t>(batch * kRingBatchesInFlight)) {
     entries *= 2;
   }
   auto opened = TcpRing::Open(setup, entries);
@@ -660,72 +886,11 @@ absl::Status TestRingTcp(Setup& setup) {
               setup.local->size());
   const auto ring_ops = ring.Ops(v1::OP_TYPE_WRITE_FROM_LOCAL,
                                  setup.local->id(), op_bytes, batch, window);
-  // A slice keeps kBatchesInFlight batches posted: whenever a batch's worth
-  // of room is free another is posted; what is in flight at the end is
-  // waited for within it. Counts ops (Timed::steps).
-  auto ring_slice = [&](absl::Duration length) -> absl::StatusOr<Timed> {
-    Timed timed;
-    const absl::Time start = absl::Now();
-    client::Ring& r = ring.ring();
-    auto fill = [&]() -> absl::Status {
-      while (r.in_flight() + static_cast<uint32_t>(batch) <=
-             static_cast<uint32_t>(batch * kBatchesInFlight)) {
-        if (absl::Status s = r.Submit(ring_ops); !s.ok()) return s;
-      }
-      return absl::OkStatus();
-    };
-    if (absl::Status s = fill(); !s.ok()) return s;
-    while (absl::Now() - start < length) {
-      auto got = ring.Reap(batch, spin);
-      if (!got.ok()) return got.status();
-      timed.steps += static_cast<int64_t>(*got);
-      if (absl::Status s = fill(); !s.ok()) return s;
-    }
-    auto rest = ring.Reap(r.in_flight(), spin);
-    if (!rest.ok()) return rest.status();
-    timed.steps += static_cast<int64_t>(*rest);
-    timed.elapsed = absl::Now() - start;
-    return timed;
-  };
-  auto submit_slice = [&](absl::Duration length) {
-    return RunFor(length, 1,
-                  [&] { return RunBatch(agent, submit_ops, "tcp"); });
-  };
-  if (auto warm = ring_slice(absl::ZeroDuration()); !warm.ok()) {
-    return warm.status();
+  if (absl::Status s = CompareOpRates(agent, ring.ring(), ring_ops, submit_ops,
+                                      spin, "tcp", "ring_tcp_ops");
+      !s.ok()) {
+    return s;
   }
-  if (auto warm = submit_slice(absl::ZeroDuration()); !warm.ok()) {
-    return warm.status();
-  }
-  Timed by_ring, by_submit;
-  const absl::Duration slice = absl::Milliseconds(100);
-  for (absl::Duration spent; spent < Seconds(); spent += 2 * slice) {
-    auto a = submit_slice(slice);
-    if (!a.ok()) return a.status();
-    auto b = ring_slice(slice);
-    if (!b.ok()) return b.status();
-    by_submit.steps += a->steps * batch;
-    by_submit.elapsed += a->elapsed;
-    by_ring.steps += b->steps;
-    by_ring.elapsed += b->elapsed;
-  }
-  const auto rate = [&](const Timed& timed) {  // steps: ops
-    return static_cast<double>(timed.steps) /
-           absl::ToDoubleSeconds(timed.elapsed);
-  };
-  for (const auto& [name, timed] :
-       {std::pair<std::string, Timed>{"ring_tcp_ops_submit_write", by_submit},
-        std::pair<std::string, Timed>{"ring_tcp_ops_write", by_ring}}) {
-    Print(Report(name)
-              .Add("ops_per_s", rate(timed), 0)
-              .Add("MiB_per_s",
-                   rate(timed) * static_cast<double>(op_bytes) / (1 << 20))
-              .Add("op_bytes", static_cast<double>(op_bytes), 0)
-              .Add("batch", batch, 0)
-              .Add("backend", "tcp"));
-  }
-  Print(Report("ring_tcp_ops_ratio")
-            .Add("ring_vs_submit", rate(by_ring) / rate(by_submit), 2));
   (void)agent.ReleaseRemote(ring.handle());
   return absl::OkStatus();
 }

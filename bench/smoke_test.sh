@@ -46,6 +46,8 @@ for line in info lat_getinfo lat_tcp_rtt lat_read lat_write lat_floor \
     ops_write ops_read async_write kv_write kv_read bulk_write bulk_read \
     mem_write prepared_contexts prepared_handles prepared_prepared prepared_ratio \
     ring_getinfo ring_submit_mem_write ring_mem_write ring_ratio \
+    ring_mem_ops_submit_write ring_mem_ops_write ring_mem_ops_ratio \
+    ring_prepared_submit_contexts ring_prepared ring_prepared_ratio \
     ring_tcp_rtt ring_submit_tcp_write ring_tcp_write ring_tcp_read ring_tcp_ratio \
     ring_tcp_ops_submit_write ring_tcp_ops_write ring_tcp_ops_ratio \
     register_release getinfo_x2 register_ratio clients_write \

@@ -18,9 +18,8 @@ struct MemoryOptions {
   // op, 8 B to 256 KiB); 64 KiB take 0.6 us to copy from cache and about
   // as long as that hand-off from memory (~10 GB/s), so a smaller batch is
   // never worth a thread, and the posting thread is held up by one
-  // hand-off's time at most. The ring's inline batches
-  // (RingLimits::inline_bytes) are no larger. Larger batches go to the copy
-  // threads.
+  // hand-off's time at most. So a ring batch this small ends inside its
+  // post, on the ring thread. Larger batches go to the copy threads.
   uint64_t inline_batch_bytes = 64 << 10;
   // Long-lived threads that copy the larger batches, fixed at start.
   size_t copy_threads = 2;

@@ -1,13 +1,10 @@
 // No heap allocation per op on the posting path: BackendRegistry::PostInPlace
 // over the memory backend, for batches copied inside Post and batches copied
-// on the copy threads. This binary replaces the global allocation functions
-// to count every allocation of the process (the copy threads' included); a
-// batch of 1024 ops must allocate exactly as often as one of 256.
-#include <atomic>
-#include <cstdlib>
+// on the copy threads. Every allocation of the process is counted
+// (//tests/testing:allocation_count; the copy threads' included); a batch of
+// 1024 ops must allocate exactly as often as one of 256.
 #include <iostream>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -18,32 +15,7 @@
 #include "backends/registry.h"
 #include "common/shared_memory.h"
 #include "gtest/gtest.h"
-
-namespace {
-std::atomic<int64_t> allocations{0};
-}  // namespace
-
-void* operator new(std::size_t size) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t size, std::align_val_t align) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  const std::size_t alignment = static_cast<std::size_t>(align);
-  const std::size_t rounded = (size + alignment - 1) / alignment * alignment;
-  if (void* p =
-          std::aligned_alloc(alignment, rounded == 0 ? alignment : rounded)) {
-    return p;
-  }
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
+#include "tests/testing/allocation_count.h"
 
 namespace rdma_agent::memory {
 namespace {
@@ -112,14 +84,14 @@ class PostAllocationTest : public ::testing::Test {
     auto ended = std::make_unique<absl::Notification>();
     std::vector<OpOutcome> outcomes;
     outcomes.reserve(ops.size());
-    const int64_t before = allocations.load();
+    const int64_t before = testing::Allocations();
     registry_->PostInPlace(absl::MakeSpan(ops), absl::Now() + absl::Seconds(30),
                            [&outcomes, &ended](std::vector<OpOutcome> given) {
                              outcomes = std::move(given);
                              ended->Notify();
                            });
     ended->WaitForNotification();
-    const int64_t after = allocations.load();
+    const int64_t after = testing::Allocations();
     EXPECT_EQ(outcomes.size(), ops.size());
     for (const OpOutcome& outcome : outcomes) {
       EXPECT_TRUE(outcome.status.ok()) << outcome.status;

@@ -521,7 +521,7 @@ grpc::Status RdmaAgentService::Submit(grpc::ServerContext* context,
   auto prepared = PreparedFor(*request, caller->uid, "Submit");
   if (!prepared.ok()) return ToGrpcStatus(prepared.status());
   const size_t count = *prepared != nullptr
-                           ? static_cast<size_t>((*prepared)->remotes.size())
+                           ? static_cast<size_t>((*prepared)->ops.size())
                            : static_cast<size_t>(request->ops_size());
   // Admitted before anything is built for it; stopped when its client goes
   // away or the agent shuts down.
@@ -556,7 +556,7 @@ grpc::Status RdmaAgentService::SubmitAsync(grpc::ServerContext* context,
   auto prepared = PreparedFor(*request, caller->uid, "SubmitAsync");
   if (!prepared.ok()) return ToGrpcStatus(prepared.status());
   const size_t count = *prepared != nullptr
-                           ? static_cast<size_t>((*prepared)->remotes.size())
+                           ? static_cast<size_t>((*prepared)->ops.size())
                            : static_cast<size_t>(request->ops_size());
   auto admitted = Admit(*context, "SubmitAsync");
   if (!admitted.ok()) return ToGrpcStatus(admitted.status());

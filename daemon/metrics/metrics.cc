@@ -199,29 +199,52 @@ void AgentMetrics::DeclareRpcMethods(const std::vector<std::string>& methods) {
   }
 }
 
+AgentMetrics::OpSeries AgentMetrics::SeriesFor(absl::string_view backend,
+                                               v1::OpType type,
+                                               absl::StatusCode code) {
+  const std::string op = OpName(type);
+  const std::string backend_name(backend.empty() ? "none" : backend);
+  const auto key = std::make_tuple(backend_name, op, static_cast<int>(code));
+  absl::MutexLock lock(&series_mu_);
+  auto it = series_.find(key);
+  if (it != series_.end()) return it->second;
+  OpSeries series;
+  series.ops = &ops_.Add({{"backend", backend_name},
+                          {"op", op},
+                          {"code", absl::StatusCodeToString(code)}});
+  if (code == absl::StatusCode::kOk) {
+    series.bytes = &bytes_.Add({{"backend", backend_name}, {"op", op}});
+  }
+  series.seconds =
+      &op_seconds_.Add({{"backend", backend_name}}, LatencyBuckets());
+  // Codes outside the canonical ones (a peer's) are not kept: the map stays
+  // as small as the label sets it stands for.
+  if (static_cast<int>(code) >= 0 && static_cast<int>(code) <= 16) {
+    series_.emplace(key, series);
+  }
+  return series;
+}
+
 void AgentMetrics::RecordOps(absl::string_view backend, v1::OpType type,
                              absl::StatusCode code, uint64_t count,
                              uint64_t bytes, absl::Duration latency) {
   if (count == 0) return;
-  const std::string op = OpName(type);
-  const std::string backend_name(backend.empty() ? "none" : backend);
-  ops_.Add({{"backend", backend_name},
-            {"op", op},
-            {"code", absl::StatusCodeToString(code)}})
-      .Increment(static_cast<double>(count));
-  if (code == absl::StatusCode::kOk) {
-    bytes_.Add({{"backend", backend_name}, {"op", op}})
-        .Increment(static_cast<double>(bytes));
+  const OpSeries series = SeriesFor(backend, type, code);
+  series.ops->Increment(static_cast<double>(count));
+  if (series.bytes != nullptr) {
+    series.bytes->Increment(static_cast<double>(bytes));
   }
   // `count` observations of the same latency: one bucket update.
   const auto& buckets = LatencyBuckets();
   const double seconds = absl::ToDoubleSeconds(latency);
-  std::vector<double> increments(buckets.size() + 1, 0);
+  // Reused by each thread: no allocation per batch.
+  thread_local std::vector<double> increments;
+  increments.assign(buckets.size() + 1, 0);
   increments[static_cast<size_t>(
       std::lower_bound(buckets.begin(), buckets.end(), seconds) -
       buckets.begin())] = static_cast<double>(count);
-  op_seconds_.Add({{"backend", backend_name}}, buckets)
-      .ObserveMultiple(increments, seconds * static_cast<double>(count));
+  series.seconds->ObserveMultiple(increments,
+                                  seconds * static_cast<double>(count));
 }
 
 void AgentMetrics::RecordRpc(absl::string_view method, absl::StatusCode code,

@@ -6,11 +6,15 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -123,6 +127,19 @@ class AgentMetrics {
 
  private:
   class Callbacks;
+  // The series one group of ops is counted in.
+  struct OpSeries {
+    prometheus::Counter* ops = nullptr;
+    prometheus::Counter* bytes = nullptr;  // OK groups only
+    prometheus::Histogram* seconds = nullptr;
+  };
+
+  // The series of (backend, op, code), found in their families once: a
+  // family's lookup builds label maps (a few dozen allocations), which a
+  // batch's end must not pay. Series are never removed, so the pointers
+  // stay valid.
+  OpSeries SeriesFor(absl::string_view backend, ::rdma::agent::v1::OpType type,
+                     absl::StatusCode code);
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<Callbacks> callbacks_;
@@ -134,6 +151,11 @@ class AgentMetrics {
   prometheus::Family<prometheus::Counter>& retries_;
   prometheus::Family<prometheus::Counter>& refusals_;
   prometheus::Family<prometheus::Counter>& notifications_sent_;
+  absl::Mutex series_mu_;
+  // By backend, op name and code: a few dozen at most (backends, 3 op
+  // names, 17 codes).
+  absl::flat_hash_map<std::tuple<std::string, std::string, int>, OpSeries>
+      series_ ABSL_GUARDED_BY(series_mu_);
 };
 
 }  // namespace rdma_agent

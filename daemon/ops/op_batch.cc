@@ -1,7 +1,5 @@
 #include "daemon/ops/op_batch.h"
 
-#include <map>
-#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -49,10 +47,35 @@ void FailedOpLog::Op(const PeerCredentials& caller, absl::string_view rpc,
     remote = absl::StrCat("buffer ", context.buffer_id(), " of agent ",
                           LogSafe(context.agent_id()));
   }
+  Log(suppressed, caller, rpc, op.type(), op.length(), op.local_buffer_id(),
+      remote, backend, status);
+}
+
+void FailedOpLog::Op(const PeerCredentials& caller, absl::string_view rpc,
+                     const OpSpec& op, const std::string& backend,
+                     const absl::Status& status) {
+  const auto suppressed = limiter_.Allow();
+  if (!suppressed && !spdlog::should_log(spdlog::level::debug)) return;
+  std::string remote = "no remote side";
+  if (op.remote_handle != 0) {
+    remote = absl::StrCat("remote handle ", op.remote_handle);
+  } else if (op.remote != nullptr) {
+    remote = absl::StrCat("buffer ", op.remote->buffer_id(), " of agent ",
+                          LogSafe(op.remote->agent_id()));
+  }
+  Log(suppressed, caller, rpc, op.type, op.length, op.local_buffer_id, remote,
+      backend, status);
+}
+
+void FailedOpLog::Log(std::optional<uint64_t> suppressed,
+                      const PeerCredentials& caller, absl::string_view rpc,
+                      v1::OpType type, uint64_t length,
+                      uint64_t local_buffer_id, const std::string& remote,
+                      const std::string& backend, const absl::Status& status) {
   const std::string line = absl::StrCat(
       rpc, " from uid ", caller.uid, " pid ", caller.pid, ": ",
-      op.type() == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ",
-      op.length(), " bytes, local buffer ", op.local_buffer_id(), ", ", remote,
+      type == v1::OP_TYPE_READ_INTO_LOCAL ? "READ" : "WRITE", " of ", length,
+      " bytes, local buffer ", local_buffer_id, ", ", remote,
       backend.empty() ? "" : absl::StrCat(" over ", backend),
       " failed: ", LogSafe(status.ToString()));
   if (suppressed) {
@@ -60,6 +83,45 @@ void FailedOpLog::Op(const PeerCredentials& caller, absl::string_view rpc,
   } else {
     spdlog::debug("{}", line);
   }
+}
+
+void OpEndTally::Add(v1::OpType type, uint64_t length,
+                     const OpOutcome& outcome) {
+  if (metrics_ == nullptr) return;
+  // Every other type counts as "invalid": a caller's made-up types make no
+  // more groups than one.
+  if (type != v1::OP_TYPE_READ_INTO_LOCAL &&
+      type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
+    type = v1::OP_TYPE_UNSPECIFIED;
+  }
+  if (last_ >= groups_.size() || !groups_[last_].Holds(type, outcome)) {
+    last_ = 0;
+    while (last_ < groups_.size() && !groups_[last_].Holds(type, outcome)) {
+      ++last_;
+    }
+    if (last_ == groups_.size()) {
+      Group& group = groups_.emplace_back();
+      group.backend = outcome.backend;
+      group.type = type;
+      group.code = outcome.status.code();
+      group.latency = outcome.latency;
+    }
+  }
+  Group& group = groups_[last_];
+  ++group.count;
+  group.bytes += length;
+  if (!outcome.retried_from.empty()) {
+    metrics_->RecordRetry(outcome.retried_from, outcome.backend);
+  }
+}
+
+void OpEndTally::Record() {
+  for (const Group& group : groups_) {
+    metrics_->RecordOps(group.backend, group.type, group.code, group.count,
+                        group.bytes, group.latency);
+  }
+  groups_.clear();
+  last_ = 0;
 }
 
 std::unique_ptr<OpBatch> OpBatch::Prepare(const OpBatchEnvironment& env,
@@ -172,15 +234,6 @@ void OpBatch::ConcludeStarted(const std::vector<OpOutcome>& ran) {
   std::move(done)(std::move(response));
 }
 
-bool OpBatch::RunsOnlyOn(absl::string_view name) const {
-  for (const Op& op : ready_) {
-    const std::vector<Backend*> route =
-        env_.registry->Route(*op.remote, op.local.get());
-    if (route.empty() || route.front()->name() != name) return false;
-  }
-  return true;
-}
-
 std::shared_ptr<const TransferProgress> OpBatch::progress() {
   if (progress_ == nullptr) {
     uint64_t total = 0;
@@ -231,7 +284,7 @@ absl::StatusOr<Op> OpBatch::PrepareOp(OpPreparer& preparer, size_t i) const {
   // A prepared op's context was parsed (or its handle resolved) when it was
   // prepared; everything else is checked again.
   if (prepared_ != nullptr) {
-    return preparer.PrepareWithRemote(wire, i, prepared_->remotes[i]);
+    return preparer.Prepare(prepared_->ops[i], i);
   }
   // Its context's size before anything of it is parsed.
   const absl::Status size = CheckRemoteContextSize(
@@ -315,39 +368,11 @@ void OpBatch::Finish(v1::SubmitResponse& response) {
       *response.mutable_results();
   results.Reserve(static_cast<int>(outcomes_.size()));
   for (size_t i = 0; i < outcomes_.size(); ++i) results.Add();
-  // Ops that ended alike are counted together: a few label lookups per
-  // batch, not one per op.
-  struct Alike {
-    uint64_t count = 0;
-    uint64_t bytes = 0;
-  };
-  using Key = std::tuple<std::string, int, int, int64_t>;
-  std::map<Key, Alike> alike;
-  // Consecutive ops mostly ended alike: their group is found without a
-  // map lookup.
-  const Key* last_key = nullptr;
-  Alike* last = nullptr;
+  OpEndTally tally(env_.metrics);
   for (size_t i = 0; i < outcomes_.size(); ++i) {
     const v1::Op& wire = request_->ops(static_cast<int>(i));
     const OpOutcome& outcome = outcomes_[i];
-    if (env_.metrics != nullptr) {
-      const int type = wire.type();
-      const int code = static_cast<int>(outcome.status.code());
-      const int64_t nanos = absl::ToInt64Nanoseconds(outcome.latency);
-      if (last == nullptr || std::get<3>(*last_key) != nanos ||
-          std::get<2>(*last_key) != code || std::get<1>(*last_key) != type ||
-          std::get<0>(*last_key) != outcome.backend) {
-        auto it =
-            alike.try_emplace(Key{outcome.backend, type, code, nanos}).first;
-        last_key = &it->first;
-        last = &it->second;
-      }
-      ++last->count;
-      last->bytes += wire.length();
-      if (!outcome.retried_from.empty()) {
-        env_.metrics->RecordRetry(outcome.retried_from, outcome.backend);
-      }
-    }
+    tally.Add(wire.type(), wire.length(), outcome);
     if (!outcome.status.ok()) {
       env_.failures->Op(caller_, rpc_, wire, outcome.backend, outcome.status);
     }
@@ -359,12 +384,7 @@ void OpBatch::Finish(v1::SubmitResponse& response) {
     }
     result.set_backend(outcome.backend);
   }
-  for (const auto& [key, group] : alike) {
-    const auto& [backend, type, code, nanos] = key;
-    env_.metrics->RecordOps(backend, static_cast<v1::OpType>(type),
-                            static_cast<absl::StatusCode>(code), group.count,
-                            group.bytes, absl::Nanoseconds(nanos));
-  }
+  tally.Record();
 }
 
 }  // namespace rdma_agent

@@ -37,11 +37,57 @@ class FailedOpLog {
   void Op(const PeerCredentials& caller, absl::string_view rpc,
           const v1::Op& op, const std::string& backend,
           const absl::Status& status);
+  // The same for an op of the agent's own paths (a ring's native batches).
+  void Op(const PeerCredentials& caller, absl::string_view rpc,
+          const OpSpec& op, const std::string& backend,
+          const absl::Status& status);
   void Notification(const PeerCredentials& caller, absl::string_view rpc,
                     const v1::RemoteBuffer& remote, const absl::Status& status);
 
  private:
+  // One line (a warning when the limiter let it pass: `suppressed` set,
+  // else at debug); `remote` says where the op went.
+  void Log(std::optional<uint64_t> suppressed, const PeerCredentials& caller,
+           absl::string_view rpc, v1::OpType type, uint64_t length,
+           uint64_t local_buffer_id, const std::string& remote,
+           const std::string& backend, const absl::Status& status);
+
   LogRateLimiter limiter_{absl::Seconds(1), 20};
+};
+
+// The metrics of a batch's ended ops, as every path records them: ops that
+// ended alike (backend, type, code, latency) are counted together, one
+// label lookup per group rather than per op; each retry is counted on its
+// own. Add every op, then Record once; a tally kept from batch to batch
+// (a ring session's) keeps its room. Without metrics, does nothing.
+class OpEndTally {
+ public:
+  explicit OpEndTally(AgentMetrics* metrics) : metrics_(metrics) {}
+
+  void Add(v1::OpType type, uint64_t length, const OpOutcome& outcome);
+  // Records the groups; the tally is empty again.
+  void Record();
+
+ private:
+  struct Group {
+    std::string backend;
+    v1::OpType type = v1::OP_TYPE_UNSPECIFIED;
+    absl::StatusCode code = absl::StatusCode::kOk;
+    absl::Duration latency;
+    uint64_t count = 0;
+    uint64_t bytes = 0;
+
+    bool Holds(v1::OpType t, const OpOutcome& outcome) const {
+      return latency == outcome.latency && code == outcome.status.code() &&
+             type == t && backend == outcome.backend;
+    }
+  };
+
+  AgentMetrics* const metrics_;
+  // A batch's groups are few (its backends' shares, a few codes): found by
+  // a linear search, consecutive ops' mostly at once.
+  std::vector<Group> groups_;
+  size_t last_ = 0;
 };
 
 // What every batch of an agent runs with. Everything outlives the batches.
@@ -62,8 +108,8 @@ struct OpBatchEnvironment {
 
 // The data path: the ops of one SubmitRequest, validated once and run once —
 // by Submit on its own RPC thread (Run), or started by a transfer worker
-// (SubmitAsync and ring batches, as TransferWork: Start) and ended on the
-// thread that ended its ops.
+// (SubmitAsync and ring batches with a notification, as TransferWork:
+// Start) and ended on the thread that ended its ops.
 //
 // - Prepare checks every op on its own (contract codes; messages name the
 //   op) and pins the registrations of the valid ones; what ops share (each
@@ -124,10 +170,6 @@ class OpBatch final : public TransferWork {
   // landed; exact (the bytes of the ops that succeeded) once the batch has
   // ended.
   std::shared_ptr<const TransferProgress> progress() override;
-
-  // True when every op that passed its checks is routed first to backend
-  // `name` (a batch with no valid op qualifies).
-  bool RunsOnlyOn(absl::string_view name) const;
 
   // What the prepared batch holds besides its request, estimated from
   // above: per-op state, the messages of ops refused and each distinct

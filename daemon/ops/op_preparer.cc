@@ -91,45 +91,83 @@ absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>> OpPreparer::Remote(
   return Context(wire.remote_context());
 }
 
-absl::Status OpPreparer::CheckShape(const v1::Op& wire) {
-  if (wire.type() != v1::OP_TYPE_READ_INTO_LOCAL &&
-      wire.type() != v1::OP_TYPE_WRITE_FROM_LOCAL) {
+absl::Status OpPreparer::CheckShape(v1::OpType type, uint64_t length) {
+  if (type != v1::OP_TYPE_READ_INTO_LOCAL &&
+      type != v1::OP_TYPE_WRITE_FROM_LOCAL) {
     return absl::InvalidArgumentError(
         "type must be OP_TYPE_READ_INTO_LOCAL or OP_TYPE_WRITE_FROM_LOCAL");
   }
-  if (wire.length() == 0) {
+  if (length == 0) {
     return absl::InvalidArgumentError("length must be positive");
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<Op> OpPreparer::Prepare(const v1::Op& wire, size_t index) {
-  if (absl::Status shape = CheckShape(wire); !shape.ok()) return shape;
-  auto remote = Remote(wire);
-  if (!remote.ok()) return remote.status();
-  return PrepareWithRemote(wire, index, *remote);
+OpSpec OpPreparer::SpecOf(const v1::Op& wire,
+                          std::shared_ptr<const v1::RemoteBuffer> remote) {
+  OpSpec spec;
+  spec.type = wire.type();
+  spec.local_buffer_id = wire.local_buffer_id();
+  spec.local_offset = wire.local_offset();
+  spec.length = wire.length();
+  spec.remote_handle = wire.remote_handle();
+  spec.remote = std::move(remote);
+  spec.remote_offset = wire.remote_offset();
+  return spec;
 }
 
-absl::StatusOr<Op> OpPreparer::PrepareWithRemote(
-    const v1::Op& wire, size_t index,
+void OpPreparer::Clear() {
+  names_seen_.clear();
+  handles_seen_.clear();
+  contexts_.clear();
+  last_context_ = nullptr;
+  locals_.clear();
+}
+
+absl::StatusOr<Op> OpPreparer::Prepare(const v1::Op& wire, size_t index) {
+  if (absl::Status shape = CheckShape(wire.type(), wire.length());
+      !shape.ok()) {
+    return shape;
+  }
+  auto remote = Remote(wire);
+  if (!remote.ok()) return remote.status();
+  return PrepareResolved(SpecOf(wire, nullptr), index, *remote);
+}
+
+absl::StatusOr<Op> OpPreparer::Prepare(const OpSpec& spec, size_t index) {
+  if (absl::Status shape = CheckShape(spec.type, spec.length); !shape.ok()) {
+    return shape;
+  }
+  if (spec.remote != nullptr) return PrepareResolved(spec, index, spec.remote);
+  if (spec.remote_handle == 0) {
+    // As an Op that names no remote side.
+    return absl::InvalidArgumentError(
+        "remote_context is empty and no remote_handle or remote_name is set");
+  }
+  const auto& remote = Handle(spec.remote_handle);
+  if (!remote.ok()) return remote.status();
+  return PrepareResolved(spec, index, *remote);
+}
+
+absl::StatusOr<Op> OpPreparer::PrepareResolved(
+    const OpSpec& spec, size_t index,
     const std::shared_ptr<const v1::RemoteBuffer>& remote_context) {
-  if (absl::Status shape = CheckShape(wire); !shape.ok()) return shape;
   Op op;
   op.index = index;
-  op.type = wire.type();
+  op.type = spec.type;
   const std::shared_ptr<const v1::RemoteBuffer>* remote = &remote_context;
-  const auto& local = Local(wire.local_buffer_id());
+  const auto& local = Local(spec.local_buffer_id);
   if (!local.ok()) return local.status();
   absl::Status status =
-      CheckRange(wire.local_offset(), wire.length(), (*local)->size(), "local");
+      CheckRange(spec.local_offset, spec.length, (*local)->size(), "local");
   if (!status.ok()) return status;
-  status = CheckRange(wire.remote_offset(), wire.length(),
-                      (*remote)->size_bytes(), "remote");
+  status = CheckRange(spec.remote_offset, spec.length, (*remote)->size_bytes(),
+                      "remote");
   if (!status.ok()) return status;
   const bool reads = op.reads_into_local();
   if (reads ? !(*local)->writable() : !(*local)->readable()) {
     return absl::PermissionDeniedError(absl::StrCat(
-        "local buffer ", wire.local_buffer_id(), " has access ",
+        "local buffer ", spec.local_buffer_id, " has access ",
         v1::Access_Name((*local)->access()), "; ",
         reads ? "reading into it needs WRITE" : "writing from it needs READ"));
   }
@@ -141,10 +179,10 @@ absl::StatusOr<Op> OpPreparer::PrepareWithRemote(
         reads ? "reading it needs READ" : "writing into it needs WRITE"));
   }
   op.local = *local;
-  op.local_offset = wire.local_offset();
-  op.length = wire.length();
+  op.local_offset = spec.local_offset;
+  op.length = spec.length;
   op.remote = *remote;
-  op.remote_offset = wire.remote_offset();
+  op.remote_offset = spec.remote_offset;
   return op;
 }
 

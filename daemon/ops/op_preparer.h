@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -40,6 +41,19 @@ namespace rdma_agent {
 using NameResolver = std::function<absl::StatusOr<std::string>(
     uid_t caller, const std::string& name)>;
 
+// One op as the agent's own paths describe it, without protobuf: a ring
+// entry, or a prepared transfer's op. Its remote side is either resolved
+// already (`remote`) or named by the caller's imported `remote_handle`.
+struct OpSpec {
+  v1::OpType type = v1::OP_TYPE_UNSPECIFIED;
+  uint64_t local_buffer_id = 0;
+  uint64_t local_offset = 0;
+  uint64_t length = 0;
+  uint64_t remote_handle = 0;
+  std::shared_ptr<const v1::RemoteBuffer> remote;  // set: used as it is
+  uint64_t remote_offset = 0;
+};
+
 class OpPreparer {
  public:
   // `buffers`, `handles` and `names` must outlive the preparer; without
@@ -57,12 +71,20 @@ class OpPreparer {
   // prefix, which the caller adds).
   absl::StatusOr<Op> Prepare(const v1::Op& wire, size_t index);
 
-  // The same with the op's remote side already resolved (`remote`, which
-  // Remote() returned for this op earlier): a prepared transfer's ops are
-  // checked again at every run, but their contexts are not looked up again.
-  absl::StatusOr<Op> PrepareWithRemote(
-      const v1::Op& wire, size_t index,
-      const std::shared_ptr<const v1::RemoteBuffer>& remote);
+  // The same for a plain description, with the same codes and messages:
+  // its `remote` when set (a prepared transfer's ops are checked again at
+  // every run, but their contexts are not looked up again), else its
+  // remote_handle.
+  absl::StatusOr<Op> Prepare(const OpSpec& spec, size_t index);
+
+  // `wire` as a plain description whose remote side is `remote`.
+  static OpSpec SpecOf(const v1::Op& wire,
+                       std::shared_ptr<const v1::RemoteBuffer> remote);
+
+  // Forgets what earlier ops looked up (and lets go of what that pinned),
+  // keeping the room: a preparer reused batch after batch (a ring
+  // session's) starts each batch afresh without allocating.
+  void Clear();
 
   // The parsed context an op names: its remote_context, the caller's
   // imported remote_handle, or the context its remote_name stands for;
@@ -72,7 +94,11 @@ class OpPreparer {
 
  private:
   // Type and length, which need nothing looked up.
-  static absl::Status CheckShape(const v1::Op& wire);
+  static absl::Status CheckShape(v1::OpType type, uint64_t length);
+  // The checks that follow the remote side's resolution.
+  absl::StatusOr<Op> PrepareResolved(
+      const OpSpec& spec, size_t index,
+      const std::shared_ptr<const v1::RemoteBuffer>& remote);
   // The caller's imported `handle`, looked up on first sight.
   const absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>& Handle(
       uint64_t handle);

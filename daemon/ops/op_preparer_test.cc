@@ -228,5 +228,70 @@ TEST_F(OpPreparerTest, TypeAndLengthAreCheckedBeforeTheContext) {
             std::string::npos);
 }
 
+// A plain description is judged as the same op on the wire: the same codes
+// and messages, with its remote side resolved already or named by handle.
+TEST_F(OpPreparerTest, APlainOpIsCheckedAsTheSameWireOp) {
+  const uint64_t local = Add(v1::ACCESS_READ_WRITE);
+  const uint64_t remote_id = Add(v1::ACCESS_READ);
+  const std::string context =
+      Context(remote_id, v1::ACCESS_READ).SerializeAsString();
+  const std::vector<v1::Op> wires = {
+      Wire(kRead, local, 0, 8, context, 0),
+      Wire(kWrite, local, 0, 8, context, 0),  // the remote is read-only
+      Wire(kRead, local, kSize - 4, 8, context, 0),
+      Wire(kRead, local, 0, 8, context, kSize),
+      Wire(kRead, local + 100, 0, 8, context, 0),
+      Wire(v1::OP_TYPE_UNSPECIFIED, local, 0, 8, context, 0),
+      Wire(kRead, local, 0, 0, context, 0),
+  };
+  const auto by_wire = PrepareAll(wires);
+  OpPreparer preparer(&table_, kOwner);
+  auto remote = preparer.Remote(wires[0]);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  for (size_t i = 0; i < wires.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("op ", i));
+    const absl::StatusOr<Op> op =
+        preparer.Prepare(OpPreparer::SpecOf(wires[i], *remote), i);
+    EXPECT_EQ(op.status(), by_wire[i].status());
+    if (op.ok()) {
+      EXPECT_EQ(op->index, i);
+      EXPECT_EQ(op->remote.get(), remote->get());
+      EXPECT_EQ(op->local->id(), local);
+    }
+  }
+  // No remote side at all, or a handle that is not imported (no table).
+  OpSpec none = OpPreparer::SpecOf(wires[0], nullptr);
+  EXPECT_EQ(preparer.Prepare(none, 0).status(),
+            absl::InvalidArgumentError("remote_context is empty and no "
+                                       "remote_handle or remote_name is set"));
+  none.remote_handle = 42;
+  EXPECT_EQ(preparer.Prepare(none, 0).status(),
+            absl::NotFoundError("remote handle 42 is not imported"));
+}
+
+// A reused preparer forgets what it looked up: a buffer released between
+// two batches is no longer found, and nothing of it stays pinned.
+TEST_F(OpPreparerTest, ClearForgetsAndUnpinsWhatWasLookedUp) {
+  const uint64_t local = Add(v1::ACCESS_READ_WRITE);
+  const std::string context =
+      Context(Add(v1::ACCESS_READ_WRITE), v1::ACCESS_READ_WRITE)
+          .SerializeAsString();
+  OpPreparer preparer(&table_, kOwner);
+  const v1::Op wire = Wire(kRead, local, 0, 8, context, 0);
+  std::weak_ptr<Registration> registration;
+  {
+    auto op = preparer.Prepare(wire, 0);
+    ASSERT_TRUE(op.ok()) << op.status();
+    registration = op->local;
+  }
+  ASSERT_TRUE(table_.Remove(local, kOwner).ok());
+  // Still cached (and pinned) until cleared.
+  EXPECT_TRUE(preparer.Prepare(wire, 0).ok());
+  EXPECT_FALSE(registration.expired());
+  preparer.Clear();
+  EXPECT_TRUE(registration.expired());
+  EXPECT_EQ(preparer.Prepare(wire, 0).status().code(), StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace rdma_agent

@@ -36,14 +36,13 @@ absl::StatusOr<uint64_t> PreparedTransferTable::Prepare(
     OpPreparer& preparer, size_t max_context_bytes) {
   auto slot = slots_->Reserve(owner, 1);
   if (!slot.ok()) return slot.status();
-  // The copy of the ops (their known fields only) and one resolved pointer
-  // per op, estimated from above before anything is copied.
+  // The copy of the ops (their known fields only) and one plain
+  // description per op, estimated from above before anything is copied.
   const size_t count = static_cast<size_t>(request.ops_size());
-  uint64_t copy_bytes = PreparedTransferLimits::kOverheadBytes +
-                        sizeof(PreparedTransfer) +
-                        StringCopyBytes(request.notification()) +
-                        count * (sizeof(v1::Op) + sizeof(void*) + kBlockBytes +
-                                 sizeof(std::shared_ptr<void>));
+  uint64_t copy_bytes =
+      PreparedTransferLimits::kOverheadBytes + sizeof(PreparedTransfer) +
+      StringCopyBytes(request.notification()) +
+      count * (sizeof(v1::Op) + sizeof(void*) + kBlockBytes + sizeof(OpSpec));
   for (const v1::Op& op : request.ops()) {
     copy_bytes += StringCopyBytes(op.remote_context());
   }
@@ -51,7 +50,7 @@ absl::StatusOr<uint64_t> PreparedTransferTable::Prepare(
   if (!bytes.ok()) return bytes.status();
 
   auto prepared = std::make_shared<PreparedTransfer>();
-  prepared->remotes.reserve(count);
+  prepared->ops.reserve(count);
   // Each distinct parsed context is charged once (ops sharing a context or
   // a handle share one).
   absl::flat_hash_set<const v1::RemoteBuffer*> distinct;
@@ -64,16 +63,16 @@ absl::StatusOr<uint64_t> PreparedTransferTable::Prepare(
         size.ok()
             ? preparer.Remote(wire)
             : absl::StatusOr<std::shared_ptr<const v1::RemoteBuffer>>(size);
+    if (!remote.ok()) return AnnotateOp(remote.status(), i);
+    OpSpec spec = OpPreparer::SpecOf(wire, *remote);
     // Checked as a Submit would check it now; what it pins is let go.
-    absl::StatusOr<Op> op = remote.ok()
-                                ? preparer.PrepareWithRemote(wire, i, *remote)
-                                : absl::StatusOr<Op>(remote.status());
+    absl::StatusOr<Op> op = preparer.Prepare(spec, i);
     if (!op.ok()) return AnnotateOp(op.status(), i);
     if (distinct.insert(remote->get()).second) {
       parsed_bytes += (*remote)->SpaceUsedLong() + kBlockBytes +
                       sizeof(std::shared_ptr<void>) * 2;
     }
-    prepared->remotes.push_back(std::move(*remote));
+    prepared->ops.push_back(std::move(spec));
   }
   auto parsed = bytes_->Reserve(owner, parsed_bytes);
   if (!parsed.ok()) return parsed.status();

@@ -23,8 +23,9 @@ namespace rdma_agent {
 struct PreparedTransferLimits {
   uint64_t max_per_user = 1024;
   uint64_t max_total = 4096;
-  // Bytes of agent memory: the copy of the ops, one resolved context
-  // pointer per op, each distinct parsed context and the table's share.
+  // Bytes of agent memory: the copy of the ops, their plain descriptions
+  // (with one resolved context pointer each), each distinct parsed context
+  // and the table's share.
   uint64_t max_bytes_per_user = uint64_t{64} << 20;
   uint64_t max_bytes_total = uint64_t{256} << 20;
 
@@ -34,10 +35,13 @@ struct PreparedTransferLimits {
 // A batch of ops validated once (PrepareTransfer) and run again by id.
 // Immutable; shared by the table and by the batches running it.
 struct PreparedTransfer {
-  // The ops and notification as prepared (`timeout` unset).
+  // The ops and notification as prepared (`timeout` unset): what a run
+  // through OpBatch (Submit, a ring batch with NOTIFY) reports against.
   v1::SubmitRequest request;
-  // Per op of `request`: its remote side, resolved when it was prepared.
-  std::vector<std::shared_ptr<const v1::RemoteBuffer>> remotes;
+  // Per op of `request`: the op as a plain description, its remote side
+  // resolved when it was prepared. A run checks these again (OpPreparer)
+  // and a ring's native run builds nothing else.
+  std::vector<OpSpec> ops;
   // Given back when the last reference goes.
   QuotaCharge slot;
   QuotaCharge bytes;         // the copy of the ops

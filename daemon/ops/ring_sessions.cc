@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -37,6 +38,18 @@ v1::AttachResponse Refusal(const absl::Status& status) {
 void Ring(int fd) {
   const char byte = 1;
   (void)::send(fd, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+// A READ or WRITE entry (checked) as the preparer takes it.
+OpSpec SpecOf(const ring::Submission& entry) {
+  OpSpec spec;
+  spec.type = static_cast<v1::OpType>(entry.opcode);
+  spec.local_buffer_id = entry.local_buffer_id;
+  spec.local_offset = entry.local_offset;
+  spec.length = entry.length;
+  spec.remote_handle = entry.remote_handle;
+  spec.remote_offset = entry.remote_offset;
+  return spec;
 }
 
 absl::Status StatusOf(int32_t code, const std::string& message) {
@@ -78,7 +91,10 @@ class RingSessions::Session {
         geometry_(geometry),
         base_(memory_.data()),
         wakeup_(wakeup),
-        opened_(absl::Now()) {}
+        opened_(absl::Now()),
+        preparer_(owner->env_.buffers, peer.uid, owner->env_.handles,
+                  owner->env_.names),
+        tally_(owner->env_.metrics) {}
 
   int fd() const { return fd_; }
   // Wakes the serving thread (a batch ended, the agent stops).
@@ -113,19 +129,36 @@ class RingSessions::Session {
 
  private:
   // A batch taken and not yet completed: the copies of its entries, and
-  // once started, the transfer running it. Reused from batch to batch.
+  // once started, what runs it. Reused from batch to batch, with its
+  // vectors' room.
   struct Taken {
     std::vector<ring::Submission> entries;
     std::vector<absl::Status> checks;
     // Not yet started: what it will run.
-    std::unique_ptr<v1::SubmitRequest> request;
     std::shared_ptr<const PreparedTransfer> prepared;
     std::string notification;
     absl::Time deadline;
     size_t ops = 0;
-    // Started: its transfer, and the poll that tells of its end.
+    // A batch with a notification runs as a transfer: its request, its
+    // transfer and the poll that tells of its end.
+    std::unique_ptr<v1::SubmitRequest> request;
     uint64_t transfer_id = 0;
     std::unique_ptr<TransferTable::Poll> poll;
+    // Every other batch is posted natively: the admission of its ops, its
+    // valid ops as posted (pinning their registrations), and the
+    // Cancellation behind its stop, until its end.
+    std::unique_ptr<ActiveCalls::OpsCharge> charge;
+    std::vector<Op> posted;
+    std::optional<Cancellation> cancel;
+    // Set by the end of a native batch (any thread, under ends_mu_): the
+    // outcomes of `posted`, in order.
+    std::vector<OpOutcome> ran;
+    bool in_post = false;  // PostInPlace has not returned yet
+    std::atomic<bool> ended{false};
+    // Ended: what became of each op (entry, or prepared op), and of the
+    // notification.
+    std::vector<OpOutcome> outcomes;
+    absl::Status notified;
   };
   using TakenPtr = std::unique_ptr<Taken>;
 
@@ -134,23 +167,35 @@ class RingSessions::Session {
   }
   // Starts a batch just taken (or answers it at once: CANCEL, refusals).
   void Start(TakenPtr taken);
-  // Admits and submits `taken` (not a CANCEL); keeps it as waiting_ while
-  // its user's ops in flight leave no room.
+  // Admits and starts `taken` (not a CANCEL), natively or as a transfer;
+  // keeps it as waiting_ while its user's ops in flight leave no room.
   void Submit(TakenPtr taken);
-  // Whether `taken` is small enough to be run inline (RingLimits::
-  // inline_bytes), judged from its entries before anything is prepared.
-  bool MayRunInline(const Taken& taken) const;
-  // Runs `batch` (prepared from `taken`) on this thread and completes it.
-  void RunInline(TakenPtr taken, std::unique_ptr<OpBatch> batch);
+  // Whether `taken` runs without a transfer: it has no notification.
+  static bool RunsNatively(const Taken& taken);
+  // Prepares the ops of `taken` (admitted: `charge`) and posts them; a
+  // batch that ends inside PostInPlace (memory) completes at once.
+  void Post(TakenPtr taken, std::unique_ptr<ActiveCalls::OpsCharge> charge);
+  // The end of a native batch, on the thread that ended it: hands `ran` to
+  // the session.
+  void Ended(Taken* taken, std::vector<OpOutcome> ran);
+  // Gives back what a native batch held and records its ops' ends (metrics,
+  // failures), then completes it.
+  void Conclude(TakenPtr taken);
+  // Waits until the native batch `taken` has ended.
+  void AwaitEnd(const Taken& taken);
+  // Starts a batch with a notification as a transfer.
+  void SubmitTransfer(TakenPtr taken,
+                      std::unique_ptr<ActiveCalls::OpsCharge> charge);
   // CANCEL: cancels the running batch holding the tag; its own completion.
   void Cancel(TakenPtr taken);
   // Posts one completion per entry of `taken`: each entry's own check
-  // first, then `refused` (every op), else the transfer's results.
-  void Complete(TakenPtr taken, const absl::Status& refused,
-                const v1::Transfer* transfer);
+  // first, then `refused` (every op), else (`ran`) its outcomes.
+  void Complete(TakenPtr taken, const absl::Status& refused, bool ran);
   // Cancels every started batch, without waiting for their ends.
   void CancelAll();
   TakenPtr NewTaken();
+  // The room for ops (or entries) `taken` keeps: its largest vector's.
+  static size_t Room(const Taken& taken);
   // Stops the session: the reason for the client, STOPPED, a doorbell.
   void Stop(const absl::Status& reason);
 
@@ -174,7 +219,14 @@ class RingSessions::Session {
   std::vector<TakenPtr> running_;  // in the order taken
   TakenPtr waiting_;  // taken, waiting for room under the ops bound
   std::vector<TakenPtr> spare_;
-  std::vector<uint64_t> ids_;
+  // Room the spare batches keep (Room), at most the ring's entries in all.
+  size_t spare_room_ = 0;
+  // Checks and resolves the ops of this session's native batches, batch
+  // after batch (cleared between them).
+  OpPreparer preparer_;
+  OpEndTally tally_;
+  // The ends of native batches (Taken::ran, in_post, ended).
+  absl::Mutex ends_mu_;
   // For Info(), from other threads.
   std::atomic<uint64_t> batches_in_flight_{0};
   std::atomic<uint64_t> ops_in_flight_{0};
@@ -248,10 +300,16 @@ void RingSessions::Session::Stop(const absl::Status& reason) {
                peer_.pid, LogSafe(text));
 }
 
+size_t RingSessions::Session::Room(const Taken& taken) {
+  return std::max({taken.entries.capacity(), taken.checks.capacity(),
+                   taken.posted.capacity(), taken.outcomes.capacity()});
+}
+
 RingSessions::Session::TakenPtr RingSessions::Session::NewTaken() {
   if (spare_.empty()) return std::make_unique<Taken>();
   TakenPtr taken = std::move(spare_.back());
   spare_.pop_back();
+  spare_room_ -= Room(*taken);
   return taken;
 }
 
@@ -312,7 +370,7 @@ void RingSessions::Session::Start(TakenPtr taken) {
                         "timeout ", absl::FormatDuration(timeout),
                         " exceeds the agent's limit of ",
                         absl::FormatDuration(owner_->limits_.max_timeout))),
-                    nullptr);
+                    false);
   }
   // Queueing included, as a SubmitAsync's.
   taken->deadline = absl::Now() + timeout;
@@ -321,19 +379,23 @@ void RingSessions::Session::Start(TakenPtr taken) {
     auto prepared = owner_->prepared_->Find(peer_.uid, last.remote_handle);
     if (!prepared.ok()) {
       return Complete(std::move(taken),
-                      Prefixed(prepared.status(), "RUN_PREPARED"), nullptr);
+                      Prefixed(prepared.status(), "RUN_PREPARED"), false);
     }
     taken->prepared = std::move(*prepared);
-    taken->ops = taken->prepared->remotes.size();
+    taken->ops = taken->prepared->ops.size();
     ops_in_flight_.fetch_add(taken->ops, std::memory_order_relaxed);
     return Submit(std::move(taken));
   }
   if (std::none_of(taken->checks.begin(), taken->checks.end(),
                    [](const absl::Status& check) { return check.ok(); })) {
-    return Complete(std::move(taken), absl::OkStatus(), nullptr);
+    return Complete(std::move(taken), absl::OkStatus(), false);
   }
-  // One request per batch; an entry that failed its checks is kept in place
-  // (as an op no check passes) so that every op's index is its entry's.
+  taken->ops = taken->entries.size();
+  ops_in_flight_.fetch_add(taken->ops, std::memory_order_relaxed);
+  if (RunsNatively(*taken)) return Submit(std::move(taken));
+  // One request per batch with a notification; an entry that failed its
+  // checks is kept in place (as an op no check passes) so that every op's
+  // index is its entry's.
   auto request = std::make_unique<v1::SubmitRequest>();
   request->mutable_ops()->Reserve(static_cast<int>(taken->entries.size()));
   for (size_t i = 0; i < taken->entries.size(); ++i) {
@@ -348,15 +410,18 @@ void RingSessions::Session::Start(TakenPtr taken) {
     op->set_remote_offset(entry.remote_offset);
   }
   request->set_notification(taken->notification);
-  taken->ops = taken->entries.size();
   taken->request = std::move(request);
-  ops_in_flight_.fetch_add(taken->ops, std::memory_order_relaxed);
   Submit(std::move(taken));
 }
 
+bool RingSessions::Session::RunsNatively(const Taken& taken) {
+  if (taken.prepared == nullptr) return taken.notification.empty();
+  return !taken.entries[0].notify() &&
+         taken.prepared->request.notification().empty();
+}
+
 void RingSessions::Session::Submit(TakenPtr taken) {
-  const uid_t uid = peer_.uid;
-  auto charge = owner_->calls_->ChargeOps(uid, taken->ops);
+  auto charge = owner_->calls_->ChargeOps(peer_.uid, taken->ops);
   if (!charge.ok()) {
     // Over the user's ops in flight: the batch waits for room, within its
     // deadline, while the session keeps serving (and completing) the rest.
@@ -365,45 +430,146 @@ void RingSessions::Session::Submit(TakenPtr taken) {
       waiting_ = std::move(taken);
       return;
     }
-    return Complete(std::move(taken), charge.status(), nullptr);
+    return Complete(std::move(taken), charge.status(), false);
   }
+  if (RunsNatively(*taken)) return Post(std::move(taken), std::move(*charge));
+  SubmitTransfer(std::move(taken), std::move(*charge));
+}
+
+void RingSessions::Session::Post(
+    TakenPtr taken, std::unique_ptr<ActiveCalls::OpsCharge> charge) {
+  taken->charge = std::move(charge);
+  const size_t count = taken->ops;
+  taken->outcomes.resize(count);
+  taken->posted.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    absl::StatusOr<Op> op;
+    if (taken->prepared != nullptr) {
+      // Checked again; its remote side was resolved when it was prepared.
+      op = preparer_.Prepare(taken->prepared->ops[i], i);
+    } else if (!taken->checks[i].ok()) {
+      // Counted and logged as a refused op; its completion says why.
+      taken->outcomes[i].status = AnnotateOp(taken->checks[i], i);
+      continue;
+    } else {
+      op = preparer_.Prepare(SpecOf(taken->entries[i]), i);
+    }
+    if (!op.ok()) {
+      taken->outcomes[i].status = AnnotateOp(op.status(), i);
+      continue;
+    }
+    taken->posted.push_back(std::move(*op));
+  }
+  // What the lookups pinned is held by the ops alone.
+  preparer_.Clear();
+  if (taken->posted.empty()) return Conclude(std::move(taken));
+  taken->cancel.emplace();
+  taken->ended.store(false, std::memory_order_relaxed);
+  {
+    absl::MutexLock lock(&ends_mu_);
+    taken->in_post = true;
+  }
+  Taken* const posting = taken.get();
+  // The batch (its ops and Cancellation) stays until `Ended` has run: it is
+  // in running_ until then, and CancelAll waits for it.
+  owner_->env_.registry->PostInPlace(
+      absl::MakeSpan(posting->posted),
+      StopToken(posting->deadline, &*posting->cancel),
+      [this, posting](std::vector<OpOutcome> ran) {
+        Ended(posting, std::move(ran));
+      });
+  bool ended;
+  {
+    absl::MutexLock lock(&ends_mu_);
+    posting->in_post = false;
+    ended = posting->ended.load(std::memory_order_relaxed);
+  }
+  // Ended inside PostInPlace (a small memory batch): completed on this turn,
+  // with no wake-up.
+  if (ended) return Conclude(std::move(taken));
+  running_.push_back(std::move(taken));
+}
+
+void RingSessions::Session::Ended(Taken* taken, std::vector<OpOutcome> ran) {
+  absl::MutexLock lock(&ends_mu_);
+  taken->ran = std::move(ran);
+  taken->ended.store(true, std::memory_order_release);
+  // Under the lock: once AwaitEnd has seen the end, nothing here touches
+  // the session again.
+  if (!taken->in_post) Wake();
+}
+
+void RingSessions::Session::AwaitEnd(const Taken& taken) {
+  absl::MutexLock lock(&ends_mu_);
+  ends_mu_.Await(absl::Condition(
+      +[](const Taken* t) { return t->ended.load(std::memory_order_relaxed); },
+      &taken));
+}
+
+void RingSessions::Session::Conclude(TakenPtr taken) {
+  for (size_t k = 0; k < taken->ran.size() && k < taken->posted.size(); ++k) {
+    taken->outcomes[taken->posted[k].index] = std::move(taken->ran[k]);
+  }
+  // Their registrations are unpinned and their admission given back before
+  // the client hears of their end.
+  taken->posted.clear();
+  taken->ran = std::vector<OpOutcome>();
+  taken->charge.reset();
+  taken->cancel.reset();
+  // Recorded as OpBatch records a batch's ops; an entry that failed its
+  // checks counts as the op it could not be.
+  const PreparedTransfer* prepared = taken->prepared.get();
+  for (size_t i = 0; i < taken->outcomes.size(); ++i) {
+    const OpOutcome& outcome = taken->outcomes[i];
+    if (prepared != nullptr) {
+      const OpSpec& spec = prepared->ops[i];
+      tally_.Add(spec.type, spec.length, outcome);
+      if (!outcome.status.ok()) {
+        owner_->env_.failures->Op(peer_, "Ring", spec, outcome.backend,
+                                  outcome.status);
+      }
+      continue;
+    }
+    const ring::Submission& entry = taken->entries[i];
+    const bool valid = taken->checks[i].ok();
+    tally_.Add(
+        valid ? static_cast<v1::OpType>(entry.opcode) : v1::OP_TYPE_UNSPECIFIED,
+        valid ? entry.length : 0, outcome);
+    if (!outcome.status.ok()) {
+      owner_->env_.failures->Op(peer_, "Ring", SpecOf(entry), outcome.backend,
+                                outcome.status);
+    }
+  }
+  tally_.Record();
+  Complete(std::move(taken), absl::OkStatus(), true);
+}
+
+void RingSessions::Session::SubmitTransfer(
+    TakenPtr taken, std::unique_ptr<ActiveCalls::OpsCharge> charge) {
+  const uid_t uid = peer_.uid;
   TransferTable* transfers = owner_->transfers_;
   const uint64_t request_bytes = RequestCopyBytes(
       taken->request != nullptr ? *taken->request : v1::SubmitRequest());
-  const auto prepare = [&] {
-    std::unique_ptr<OpBatch> prepared;
-    if (taken->prepared != nullptr) {
-      prepared = OpBatch::Prepare(owner_->env_, peer_, taken->prepared,
-                                  std::move(*charge), "Ring");
-      if (taken->entries[0].notify()) {
-        prepared->ReplaceNotification(taken->notification);
-      }
-    } else {
-      prepared =
-          OpBatch::Prepare(owner_->env_, peer_, std::move(taken->request),
-                           std::move(*charge), "Ring");
-    }
-    return prepared;
-  };
-  std::unique_ptr<OpBatch> batch;
-  if (MayRunInline(*taken)) {
-    batch = prepare();
-    // Its size was judged from its entries (MayRunInline): its valid ops
-    // move no more.
-    if (batch->RunsOnlyOn("memory")) {
-      return RunInline(std::move(taken), std::move(batch));
-    }
-  }
   auto bytes = transfers->Reserve(uid, request_bytes, taken->ops);
-  if (!bytes.ok()) return Complete(std::move(taken), bytes.status(), nullptr);
-  if (batch == nullptr) batch = prepare();
+  if (!bytes.ok()) return Complete(std::move(taken), bytes.status(), false);
+  std::unique_ptr<OpBatch> batch;
+  if (taken->prepared != nullptr) {
+    batch = OpBatch::Prepare(owner_->env_, peer_, taken->prepared,
+                             std::move(charge), "Ring");
+    if (taken->entries[0].notify()) {
+      batch->ReplaceNotification(taken->notification);
+    }
+  } else {
+    batch = OpBatch::Prepare(owner_->env_, peer_, std::move(taken->request),
+                             std::move(charge), "Ring");
+  }
   if (absl::Status grown = transfers->Grow(*bytes, batch->PreparedBytes());
       !grown.ok()) {
-    return Complete(std::move(taken), grown, nullptr);
+    return Complete(std::move(taken), grown, false);
   }
   auto id = transfers->Submit(uid, std::move(batch), taken->deadline,
                               std::move(*bytes));
-  if (!id.ok()) return Complete(std::move(taken), id.status(), nullptr);
+  if (!id.ok()) return Complete(std::move(taken), id.status(), false);
   taken->transfer_id = *id;
   auto poll = transfers->StartPoll(uid, absl::MakeConstSpan(&*id, 1),
                                    [this] { Wake(); });
@@ -411,40 +577,10 @@ void RingSessions::Session::Submit(TakenPtr taken) {
     // Not expected (the transfer is kept until reported); it must not run
     // untracked.
     (void)transfers->Cancel(uid, *id);
-    return Complete(std::move(taken), poll.status(), nullptr);
+    return Complete(std::move(taken), poll.status(), false);
   }
   taken->poll = std::move(*poll);
   running_.push_back(std::move(taken));
-}
-
-bool RingSessions::Session::MayRunInline(const Taken& taken) const {
-  const uint64_t limit = owner_->limits_.inline_bytes;
-  if (limit == 0) return false;
-  uint64_t bytes = 0;
-  if (taken.prepared != nullptr) {
-    for (const v1::Op& op : taken.prepared->request.ops()) {
-      bytes += op.length();
-      if (bytes > limit) return false;
-    }
-    return true;
-  }
-  for (const ring::Submission& entry : taken.entries) {
-    bytes += entry.length;
-    if (bytes > limit) return false;
-  }
-  return true;
-}
-
-void RingSessions::Session::RunInline(TakenPtr taken,
-                                      std::unique_ptr<OpBatch> batch) {
-  // The agent's stop cancels it, as it cancels the transfers.
-  v1::SubmitResponse response =
-      batch->Run(StopToken(taken->deadline, &owner_->stopping_));
-  batch.reset();  // its ops' admission and pins are given back first
-  v1::Transfer ended;
-  ended.mutable_results()->Swap(response.mutable_results());
-  ended.mutable_notifications()->Swap(response.mutable_notifications());
-  Complete(std::move(taken), absl::OkStatus(), &ended);
 }
 
 void RingSessions::Session::Cancel(TakenPtr taken) {
@@ -459,84 +595,110 @@ void RingSessions::Session::Cancel(TakenPtr taken) {
     // As CancelTransfer: on return, nothing of the batch touches local
     // memory; its ops that had not ended end CANCELLED. Its completions
     // are posted with the other ends.
-    (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
+    if (running->poll != nullptr) {
+      (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
+    } else {
+      running->cancel->Cancel(absl::CancelledError(absl::StrCat(
+          "the batch holding tag ", tag, " was cancelled (CANCEL)")));
+      AwaitEnd(*running);
+    }
     found = absl::OkStatus();
     break;
   }
-  Complete(std::move(taken), found, nullptr);
+  Complete(std::move(taken), found, false);
 }
 
 bool RingSessions::Session::PostEnded() {
   bool posted = false;
   for (auto it = running_.begin(); it != running_.end();) {
-    if (!(*it)->poll->settled()) {
+    Taken& running = **it;
+    const bool ended = running.poll != nullptr
+                           ? running.poll->settled()
+                           : running.ended.load(std::memory_order_acquire);
+    if (!ended) {
       ++it;
       continue;
     }
     TakenPtr taken = std::move(*it);
     it = running_.erase(it);
+    posted = true;
+    if (taken->poll == nullptr) {
+      // Ended stored `ended` under ends_mu_, and still holds it (writing the
+      // wake-up); once this thread has held it too, Ended is done with the
+      // session, which may then go at any time.
+      { absl::MutexLock lock(&ends_mu_); }
+      Conclude(std::move(taken));
+      continue;
+    }
     auto report = taken->poll->Report();
     taken->poll.reset();
     if (!report.ok() || report->size() != 1) {
       Complete(std::move(taken),
                report.ok() ? absl::InternalError("the batch's end was lost")
                            : report.status(),
-               nullptr);
-    } else {
-      Complete(std::move(taken), absl::OkStatus(), &report->front());
+               false);
+      continue;
     }
-    posted = true;
+    const v1::Transfer& transfer = report->front();
+    taken->outcomes.clear();
+    for (const v1::OpResult& result : transfer.results()) {
+      OpOutcome& outcome = taken->outcomes.emplace_back();
+      outcome.status = StatusOf(result.code(), result.message());
+      outcome.backend = result.backend();
+    }
+    for (const v1::NotificationResult& sent : transfer.notifications()) {
+      if (sent.code() != 0) {
+        taken->notified = StatusOf(
+            sent.code(), absl::StrCat("notification: ", sent.message()));
+        break;
+      }
+    }
+    Complete(std::move(taken), absl::OkStatus(), true);
   }
   return posted;
 }
 
 void RingSessions::Session::Complete(TakenPtr taken,
-                                     const absl::Status& refused,
-                                     const v1::Transfer* transfer) {
+                                     const absl::Status& refused, bool ran) {
   const size_t count = taken->entries.size();
   const bool prepared = taken->prepared != nullptr;
+  const std::vector<OpOutcome>& outcomes = taken->outcomes;
+  static const OpOutcome kMissing;
   bool all_ok = true;
   for (size_t i = 0; i < count; ++i) {
     ring::Completion completion;
     completion.user_tag = taken->entries[i].user_tag;
     absl::Status status;
-    std::string backend;
+    const std::string* backend = &kMissing.backend;
     if (!taken->checks[i].ok()) {
       status = AnnotateOp(taken->checks[i], i);
-    } else if (!refused.ok() || transfer == nullptr) {
+    } else if (!refused.ok() || !ran) {
       status = AnnotateOp(refused, i);
     } else if (prepared) {
       // One completion for every op of the prepared transfer: the first
       // failure (its message names its index there), else OK.
-      for (const v1::OpResult& result : transfer->results()) {
-        if (backend.empty()) backend = result.backend();
-        if (result.code() != 0) {
-          status = StatusOf(result.code(), result.message());
-          backend = result.backend();
+      for (const OpOutcome& outcome : outcomes) {
+        if (backend->empty()) backend = &outcome.backend;
+        if (!outcome.status.ok()) {
+          status = outcome.status;
+          backend = &outcome.backend;
           break;
         }
       }
-    } else if (static_cast<int>(i) < transfer->results_size()) {
-      const v1::OpResult& result = transfer->results(static_cast<int>(i));
-      status = StatusOf(result.code(), result.message());
-      backend = result.backend();
+    } else if (i < outcomes.size()) {
+      status = outcomes[i].status;
+      backend = &outcomes[i].backend;
     } else {
       status = absl::InternalError(absl::StrCat("op ", i, ": no result"));
     }
     all_ok = all_ok && status.ok();
     // The notification's outcome rides on the last entry, when every op
     // succeeded and it could not be sent.
-    if (i + 1 == count && all_ok && transfer != nullptr) {
-      for (const v1::NotificationResult& sent : transfer->notifications()) {
-        if (sent.code() != 0) {
-          status = StatusOf(sent.code(),
-                            absl::StrCat("notification: ", sent.message()));
-          break;
-        }
-      }
+    if (i + 1 == count && all_ok && ran && !taken->notified.ok()) {
+      status = taken->notified;
     }
     completion.code = static_cast<int32_t>(status.code());
-    completion.backend = ring::BackendCode(backend);
+    completion.backend = ring::BackendCode(*backend);
     ring::WriteCompletion(base_, geometry_, cq_tail_ + static_cast<uint32_t>(i),
                           completion, std::string(status.message()));
   }
@@ -554,25 +716,41 @@ void RingSessions::Session::Complete(TakenPtr taken,
     Word(ring::kClientFlagsOffset).fetch_and(~ring::kClientWaiting);
     Ring(fd_);
   }
-  // Kept for the next batch, with its vectors' room.
+  // Kept for the next batch, with its vectors' room; the spare batches keep
+  // room for no more ops (or entries) than the ring has entries in all.
   taken->request.reset();
   taken->prepared.reset();
   taken->notification.clear();
   taken->ops = 0;
   taken->transfer_id = 0;
+  taken->outcomes.clear();
+  taken->notified = absl::OkStatus();
+  const size_t room = Room(*taken);
+  if (spare_room_ + room > geometry_.entries) {
+    taken->entries = std::vector<ring::Submission>();
+    taken->checks = std::vector<absl::Status>();
+    taken->posted = std::vector<Op>();
+    taken->outcomes = std::vector<OpOutcome>();
+  } else {
+    spare_room_ += room;
+  }
   spare_.push_back(std::move(taken));
 }
 
 void RingSessions::Session::CancelAll() {
-  if (waiting_ != nullptr) {
-    absl::Status reason = owner_->stopping_.reason();
-    if (reason.ok()) reason = absl::CancelledError("the ring session ended");
-    Complete(std::move(waiting_), reason, nullptr);
-  }
-  // Their ends wake the ring thread, which posts them (PostEnded): it
-  // serves its other sessions meanwhile.
+  absl::Status reason = owner_->stopping_.reason();
+  if (reason.ok()) reason = absl::CancelledError("the ring session ended");
+  if (waiting_ != nullptr) Complete(std::move(waiting_), reason, false);
+  // Running ops end CANCELLED, as a CANCEL would end them. Their ends wake
+  // the ring thread, which posts them (PostEnded): it serves its other
+  // sessions meanwhile.
+  const absl::Status cancelled = absl::CancelledError(reason.message());
   for (const TakenPtr& running : running_) {
-    (void)owner_->transfers_->StartCancel(peer_.uid, running->transfer_id);
+    if (running->poll != nullptr) {
+      (void)owner_->transfers_->StartCancel(peer_.uid, running->transfer_id);
+    } else {
+      running->cancel->Cancel(cancelled);
+    }
   }
   PostEnded();
 }

@@ -64,13 +64,6 @@ struct RingLimits {
   // How long a ring thread keeps looking at its rings after work before it
   // sets NEEDS_WAKEUP on them and sleeps.
   absl::Duration spin = absl::Microseconds(200);
-  // A batch whose ops all run on the memory backend (both sides on this
-  // agent) and move at most this many bytes in all runs on the session's
-  // ring thread: it cannot wait on anything outside the agent and ends
-  // within microseconds, so handing it to a transfer worker would cost
-  // more than running it. Every other batch runs as a transfer (and only
-  // those can be reached by a CANCEL before they end). 0: none inline.
-  uint64_t inline_bytes = 64 * 1024;
 };
 
 // One open session as GetInfo reports it.
@@ -93,16 +86,19 @@ struct RingSessionInfo {
 // each of its sessions in round, spins briefly after work, then sets
 // NEEDS_WAKEUP on its rings and sleeps in epoll on their connections
 // (doorbells, closes) and its eventfd (batch ends, new sessions, shutdown).
-// A session's batches run asynchronously as transfers of the agent's
-// TransferTable (the same workers, bounds and cancellation as SubmitAsync):
-// a worker starts one and no thread waits for it; its end, on the thread
-// that ended it, only wakes the ring thread (a Poll's callback writes its
-// eventfd), which alone writes the session's completions. So a session
-// keeps being read while its batches run: several may be in flight, and a
-// CANCEL entry reaches a running batch. The ring is hostile input: entries
-// are copied out once and then checked (common/ring_protocol.h), and a
-// client whose indices are impossible has its session stopped with a
-// reason it can read. Thread-safe.
+// A session's batches run asynchronously: a batch of READs and WRITEs is
+// prepared from its entries into the session's own reused vectors and
+// posted to the backends (BackendRegistry::PostInPlace) by its ring thread,
+// without protobuf and without a transfer; a batch with a notification
+// (which may block) runs as a transfer of the agent's TransferTable. No
+// thread waits for either: a batch's end, on the thread that ended it, only
+// wakes the ring thread (a memory batch usually ends inside PostInPlace,
+// and completes on the same turn), which alone writes the session's
+// completions. So a session keeps being read while its batches run:
+// several may be in flight, and a CANCEL entry reaches a running batch. The
+// ring is hostile input: entries are copied out once and then checked
+// (common/ring_protocol.h), and a client whose indices are impossible has
+// its session stopped with a reason it can read. Thread-safe.
 class RingSessions {
  public:
   // Starts `limits.threads` ring threads. `env`, `calls`, `transfers` and

@@ -386,6 +386,21 @@ class KilledAgentTest(unittest.TestCase):
             agent.stop()
 
 
+def wait_stopped(pid: int) -> None:
+    """Returns once every thread of `pid` is stopped: kill() returns before
+    they are, and a thread still running could answer the next op."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir("/proc/%d/task" % pid):
+            with open("/proc/%d/task/%s/stat" % (pid, task)) as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError("process %d did not stop" % pid)
+
+
 class HeldPeerTest(unittest.TestCase):
     """CANCEL of a running batch: its remote is on a second agent over tcp,
     held with SIGSTOP (the kernel accepts its connections; nothing answers)."""
@@ -424,6 +439,7 @@ class HeldPeerTest(unittest.TestCase):
 
         os.kill(self.b.process.pid, signal.SIGSTOP)
         self.held = True
+        wait_stopped(self.b.process.pid)
         self.addCleanup(self.resume)  # before the peer's buffer is released
         ring.post([Op("read", local, 0, 1000, handle, 0),
                    Op("read", local, 2000, 1000, handle, 2000)], timeout=30, tags=[5, 6])

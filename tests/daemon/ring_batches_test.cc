@@ -47,7 +47,7 @@ class RingBatchesTest : public ::testing::Test {
     AgentOptions options;
     options.backends = {MemoryFactory(), LoopbackTcpFactory()};
     options.in_flight.max_ops_per_user = kMaxOpsPerUser;
-    // Two workers: a held batch takes one, and the inline test holds both.
+    // Two workers: batches with a notification run on them as transfers.
     options.transfers.workers = 2;
     auto a = InProcessAgent::Start(std::move(options));
     ASSERT_TRUE(a.ok()) << a.status();
@@ -162,10 +162,19 @@ class RingBatchesTest : public ::testing::Test {
     return by_tag;
   }
 
-  // Until the agent has taken `count` batches and they run as transfers.
+  // The batches of this process's ring sessions taken and not completed.
+  uint64_t RingBatchesInFlight() {
+    uint64_t batches = 0;
+    for (const RingSessionInfo& session :
+         a_->agent().rings().List(::geteuid())) {
+      batches += session.batches_in_flight;
+    }
+    return batches;
+  }
+
+  // Until the agent has taken `count` batches that have not ended.
   bool Running(size_t count) {
-    return Eventually(
-        [&] { return a_->agent().transfers().in_flight() == count; });
+    return Eventually([&] { return RingBatchesInFlight() == count; });
   }
 
   std::unique_ptr<InProcessAgent> a_;
@@ -285,6 +294,9 @@ TEST_F(RingBatchesTest, ACancelEndsTheRunningBatchHoldingItsTag) {
       << ends[5].status;
   EXPECT_EQ(ends[6].status.code(), absl::StatusCode::kCancelled)
       << ends[6].status;
+  EXPECT_THAT(ends[6].status.message(), HasSubstr("CANCEL"));
+  EXPECT_EQ(RingBatchesInFlight(), 0u);
+  // It ran without a transfer.
   EXPECT_EQ(a_->agent().transfers().in_flight(), 0u);
 
   // No batch holds the tag any more, nor ever held this one.
@@ -343,10 +355,10 @@ TEST_F(RingBatchesTest, SeveralBatchesRunAtOnceAndEndInAnyOrder) {
   EXPECT_EQ(Read(a_->stub(), local), expected);
 }
 
-// A small batch between buffers of this agent runs on the session's own
-// thread: it completes while every transfer worker waits on a held peer,
-// and it is no transfer.
-TEST_F(RingBatchesTest, ASmallLocalBatchRunsWhileEveryWorkerIsBusy) {
+// A small batch between buffers of this agent ends inside its post, on the
+// session's own thread: it completes while batches wait on a held peer.
+// None of them is a transfer, so none takes a transfer worker.
+TEST_F(RingBatchesTest, ASmallLocalBatchCompletesWhileOthersWaitOnAPeer) {
   const uint64_t local = Local(30);
   const uint64_t handle = Import(remote_contexts_[Remote(31)]);
   const uint64_t other = Local(32);
@@ -366,7 +378,8 @@ TEST_F(RingBatchesTest, ASmallLocalBatchRunsWhileEveryWorkerIsBusy) {
   EXPECT_TRUE(ends[3].status.ok()) << ends[3].status;
   EXPECT_TRUE(ends[4].status.ok()) << ends[4].status;
   EXPECT_EQ(ends[4].backend, "memory");
-  EXPECT_EQ(a_->agent().transfers().in_flight(), 2u);
+  EXPECT_EQ(RingBatchesInFlight(), 2u);
+  EXPECT_EQ(a_->agent().transfers().in_flight(), 0u);
   // A CANCEL naming it finds it ended.
   ASSERT_TRUE(ring_->Cancel(3, 5).ok());
   auto cancelled = Reap(1);
@@ -428,6 +441,7 @@ TEST_F(RingBatchesTest, AClosedSessionCancelsItsBatchesAndGivesAllBack) {
   EXPECT_TRUE(Eventually([&] { return a_->agent().rings().open() == 0; }));
   EXPECT_EQ(a_->agent().transfers().in_flight(), 0u);
   EXPECT_EQ(a_->agent().transfers().bytes(), 0u);
+  EXPECT_TRUE(a_->agent().rings().List(std::nullopt).empty());
   Resume();
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(Read(a_->stub(), local), PatternString(14, 0, kSize));

@@ -191,6 +191,31 @@ TEST_F(RingTest, EveryBadEntryGetsItsCodeAndTheOthersRun) {
   EXPECT_EQ(Read(local), expected);
   EXPECT_EQ(Read(remote), PatternString(4, 0, kSize));
 
+  // The same ops by Submit fail with the same messages, but for entries 0
+  // and 2, which the ring's own checks refuse (an opcode that is no op
+  // type; a remote_handle of 0, where Submit would want a context).
+  v1::SubmitRequest request;
+  for (const RingOp& ring_op : ops) {
+    v1::Op* op = request.add_ops();
+    op->set_type(ring_op.type);
+    op->set_local_buffer_id(ring_op.local_buffer_id);
+    op->set_local_offset(ring_op.local_offset);
+    op->set_length(ring_op.length);
+    op->set_remote_handle(ring_op.remote_handle);
+    op->set_remote_offset(ring_op.remote_offset);
+  }
+  grpc::ClientContext call;
+  v1::SubmitResponse response;
+  ASSERT_TRUE(agent_->stub().Submit(&call, request, &response).ok());
+  ASSERT_EQ(response.results_size(), static_cast<int>(cases.size()));
+  for (size_t i = 1; i < cases.size(); ++i) {
+    if (i == 2) continue;
+    SCOPED_TRACE(absl::StrCat("op ", i));
+    const v1::OpResult& result = response.results(static_cast<int>(i));
+    EXPECT_EQ(result.code(), static_cast<int>(ends[i].status.code()));
+    EXPECT_EQ(result.message(), ends[i].status.message());
+  }
+
   // A timeout past --max_submit_timeout fails the batch's ops.
   const RingOp op = Op(kRead, local, 0, 8, handle, 0, 9);
   ASSERT_TRUE(ring->Submit({&op, 1}, absl::Hours(2)).ok());
