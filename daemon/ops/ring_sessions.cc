@@ -123,7 +123,7 @@ class RingSessions::Session {
   bool ending() const { return ending_; }
   // Ending, and no batch of it is left: nothing of it touches local memory
   // or the ring any more, and it may be destroyed.
-  bool ended() const { return ending_ && running_.empty(); }
+  bool ended() const { return ending_ && running_.empty() && cancels_.empty(); }
   // Posts the completions of every started batch that ended; true if any.
   bool PostEnded();
 
@@ -159,6 +159,9 @@ class RingSessions::Session {
     // notification.
     std::vector<OpOutcome> outcomes;
     absl::Status notified;
+    // A CANCEL that found its batch: that batch, still running. The CANCEL
+    // completes just before it, once it has ended.
+    const Taken* cancelled = nullptr;
   };
   using TakenPtr = std::unique_ptr<Taken>;
 
@@ -181,13 +184,16 @@ class RingSessions::Session {
   // Gives back what a native batch held and records its ops' ends (metrics,
   // failures), then completes it.
   void Conclude(TakenPtr taken);
-  // Waits until the native batch `taken` has ended.
-  void AwaitEnd(const Taken& taken);
   // Starts a batch with a notification as a transfer.
   void SubmitTransfer(TakenPtr taken,
                       std::unique_ptr<ActiveCalls::OpsCharge> charge);
-  // CANCEL: cancels the running batch holding the tag; its own completion.
+  // CANCEL: starts cancelling the running batch holding the tag, without
+  // waiting for it (the ring thread serves other sessions); the CANCEL's own
+  // completion is posted when that batch has ended (CompleteCancels), or at
+  // once when no batch holds the tag.
   void Cancel(TakenPtr taken);
+  // Completes the CANCELs waiting for `ended`, which has just ended.
+  void CompleteCancels(const Taken* ended);
   // Posts one completion per entry of `taken`: each entry's own check
   // first, then `refused` (every op), else (`ran`) its outcomes.
   void Complete(TakenPtr taken, const absl::Status& refused, bool ran);
@@ -217,6 +223,7 @@ class RingSessions::Session {
   uint32_t reserved_ = 0;   // completion slots of batches taken
   ring::Batch batch_;
   std::vector<TakenPtr> running_;  // in the order taken
+  std::vector<TakenPtr> cancels_;  // CANCELs waiting for their batch's end
   TakenPtr waiting_;  // taken, waiting for room under the ops bound
   std::vector<TakenPtr> spare_;
   // Room the spare batches keep (Room), at most the ring's entries in all.
@@ -499,13 +506,6 @@ void RingSessions::Session::Ended(Taken* taken, std::vector<OpOutcome> ran) {
   if (!taken->in_post) Wake();
 }
 
-void RingSessions::Session::AwaitEnd(const Taken& taken) {
-  absl::MutexLock lock(&ends_mu_);
-  ends_mu_.Await(absl::Condition(
-      +[](const Taken* t) { return t->ended.load(std::memory_order_relaxed); },
-      &taken));
-}
-
 void RingSessions::Session::Conclude(TakenPtr taken) {
   for (size_t k = 0; k < taken->ran.size() && k < taken->posted.size(); ++k) {
     taken->outcomes[taken->posted[k].index] = std::move(taken->ran[k]);
@@ -585,27 +585,41 @@ void RingSessions::Session::SubmitTransfer(
 
 void RingSessions::Session::Cancel(TakenPtr taken) {
   const uint64_t tag = taken->entries[0].remote_handle;
-  absl::Status found = absl::NotFoundError(
-      absl::StrCat("CANCEL: no batch taken and not completed holds tag ", tag));
   for (const TakenPtr& running : running_) {
     const bool holds = std::any_of(
         running->entries.begin(), running->entries.end(),
         [tag](const ring::Submission& entry) { return entry.user_tag == tag; });
     if (!holds) continue;
-    // As CancelTransfer: on return, nothing of the batch touches local
-    // memory; its ops that had not ended end CANCELLED. Its completions
-    // are posted with the other ends.
+    // Its ops that had not ended end CANCELLED; the CANCEL completes once the
+    // batch has ended, so that, as on CancelTransfer's return, nothing of it
+    // touches local memory by then.
     if (running->poll != nullptr) {
-      (void)owner_->transfers_->Cancel(peer_.uid, running->transfer_id);
+      (void)owner_->transfers_->StartCancel(peer_.uid, running->transfer_id);
     } else {
       running->cancel->Cancel(absl::CancelledError(absl::StrCat(
           "the batch holding tag ", tag, " was cancelled (CANCEL)")));
-      AwaitEnd(*running);
     }
-    found = absl::OkStatus();
-    break;
+    taken->cancelled = running.get();
+    cancels_.push_back(std::move(taken));
+    return;
   }
-  Complete(std::move(taken), found, false);
+  Complete(std::move(taken),
+           absl::NotFoundError(absl::StrCat(
+               "CANCEL: no batch taken and not completed holds tag ", tag)),
+           false);
+}
+
+void RingSessions::Session::CompleteCancels(const Taken* ended) {
+  for (auto it = cancels_.begin(); it != cancels_.end();) {
+    if ((*it)->cancelled != ended) {
+      ++it;
+      continue;
+    }
+    TakenPtr cancel = std::move(*it);
+    it = cancels_.erase(it);
+    cancel->cancelled = nullptr;
+    Complete(std::move(cancel), absl::OkStatus(), false);
+  }
 }
 
 bool RingSessions::Session::PostEnded() {
@@ -622,6 +636,8 @@ bool RingSessions::Session::PostEnded() {
     TakenPtr taken = std::move(*it);
     it = running_.erase(it);
     posted = true;
+    // A CANCEL's completion comes before those of the batch it cancelled.
+    if (!cancels_.empty()) CompleteCancels(taken.get());
     if (taken->poll == nullptr) {
       // Ended stored `ended` under ends_mu_, and still holds it (writing the
       // wake-up); once this thread has held it too, Ended is done with the

@@ -149,13 +149,19 @@ class RingBatchesTest : public ::testing::Test {
   }
 
   // Waits for `count` completions, by tag.
-  std::map<uint64_t, RingCompletion> Reap(size_t count) {
+  // The next `count` completions, in the order posted.
+  std::vector<RingCompletion> ReapInOrder(size_t count) {
     std::vector<RingCompletion> ends;
     while (ends.size() < count) {
       auto got = ring_->Wait(&ends, absl::Seconds(20));
       EXPECT_TRUE(got.ok()) << got.status();
       if (!got.ok()) break;
     }
+    return ends;
+  }
+
+  std::map<uint64_t, RingCompletion> Reap(size_t count) {
+    std::vector<RingCompletion> ends = ReapInOrder(count);
     std::map<uint64_t, RingCompletion> by_tag;
     for (RingCompletion& end : ends) by_tag[end.user_tag] = std::move(end);
     EXPECT_EQ(by_tag.size(), ends.size()) << "a tag completed twice";
@@ -288,7 +294,12 @@ TEST_F(RingBatchesTest, ACancelEndsTheRunningBatchHoldingItsTag) {
   ASSERT_TRUE(ring_->Submit(ops).ok());
   ASSERT_TRUE(Running(1));
   ASSERT_TRUE(ring_->Cancel(6, 50).ok());
-  auto ends = Reap(3);
+  const std::vector<RingCompletion> in_order = ReapInOrder(3);
+  ASSERT_EQ(in_order.size(), 3u);
+  // Posted once the batch has ended, just before the batch's own.
+  EXPECT_EQ(in_order[0].user_tag, 50u);
+  std::map<uint64_t, RingCompletion> ends;
+  for (const RingCompletion& end : in_order) ends[end.user_tag] = end;
   EXPECT_TRUE(ends[50].status.ok()) << ends[50].status;
   EXPECT_EQ(ends[5].status.code(), absl::StatusCode::kCancelled)
       << ends[5].status;
