@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -25,9 +24,9 @@
 #include "backends/testing/harness.h"
 #include "backends/testing/ibverbs_agent.h"
 #include "gtest/gtest.h"
+#include "tests/testing/allocation_count.h"
 
 namespace {
-std::atomic<uint64_t> allocations{0};
 std::atomic<bool> counting{false};
 thread_local bool posting_thread = false;
 
@@ -40,57 +39,17 @@ bool OnRequestingSide() {
          std::strcmp(name, "ibv-cq-poller") == 0;
 }
 
-void Count() {
-  if (counting.load(std::memory_order_relaxed) && OnRequestingSide()) {
-    allocations.fetch_add(1, std::memory_order_relaxed);
-  }
+// What //tests/testing:allocation_count counts: the requesting side's
+// allocations while a test measures.
+bool Counted() {
+  return counting.load(std::memory_order_relaxed) && OnRequestingSide();
 }
-}  // namespace
 
-void* operator new(size_t size) {
-  Count();
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(size_t size, std::align_val_t align) {
-  Count();
-  const size_t alignment = static_cast<size_t>(align);
-  const size_t rounded = (size + alignment - 1) / alignment * alignment;
-  if (void* p =
-          std::aligned_alloc(alignment, rounded == 0 ? alignment : rounded)) {
-    return p;
-  }
-  throw std::bad_alloc();
-}
-// Every other form too, so that all of them count and pair with free
-// (under AddressSanitizer, a form not replaced here would be its own).
-void* operator new[](size_t size) { return operator new(size); }
-void* operator new[](size_t size, std::align_val_t align) {
-  return operator new(size, align);
-}
-void* operator new(size_t size, const std::nothrow_t&) noexcept {
-  Count();
-  return std::malloc(size == 0 ? 1 : size);
-}
-void* operator new[](size_t size, const std::nothrow_t& nothrow) noexcept {
-  return operator new(size, nothrow);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
+const bool kCountedOnly = [] {
+  rdma_agent::testing::CountOnly(&Counted);
+  return true;
+}();
+}  // namespace
 
 namespace rdma_agent::ibverbs {
 namespace {
@@ -114,7 +73,8 @@ constexpr uint64_t kLength = 64;
 uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops) {
   absl::Notification ended;
   bool all_ok = true;
-  const uint64_t before = allocations.load();
+  const uint64_t before =
+      static_cast<uint64_t>(::rdma_agent::testing::Allocations());
   backend.Post(ops, In(absl::Seconds(20)),
                [&](std::vector<absl::Status> statuses) {
                  for (const absl::Status& status : statuses) {
@@ -123,7 +83,8 @@ uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops) {
                  ended.Notify();
                });
   ended.WaitForNotification();
-  const uint64_t after = allocations.load();
+  const uint64_t after =
+      static_cast<uint64_t>(::rdma_agent::testing::Allocations());
   EXPECT_TRUE(all_ok);
   return after - before;
 }

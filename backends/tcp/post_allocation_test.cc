@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -21,9 +20,9 @@
 #include "backends/tcp/test_agent.h"
 #include "backends/testing/harness.h"
 #include "gtest/gtest.h"
+#include "tests/testing/allocation_count.h"
 
 namespace {
-std::atomic<uint64_t> allocations{0};
 std::atomic<bool> counting{false};
 thread_local bool posting_thread = false;
 
@@ -34,17 +33,18 @@ bool OnRequestingSide() {
   return std::strncmp(name, "tcp-client", 10) == 0 ||
          std::strncmp(name, "tcp-timekeeper", 14) == 0;
 }
-}  // namespace
 
-void* operator new(size_t size) {
-  if (counting.load(std::memory_order_relaxed) && OnRequestingSide()) {
-    allocations.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
+// What //tests/testing:allocation_count counts: the requesting side's
+// allocations while a test measures.
+bool Counted() {
+  return counting.load(std::memory_order_relaxed) && OnRequestingSide();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
+
+const bool kCountedOnly = [] {
+  rdma_agent::testing::CountOnly(&Counted);
+  return true;
+}();
+}  // namespace
 
 namespace rdma_agent::tcp {
 namespace {
@@ -63,7 +63,8 @@ uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops,
   absl::Notification ended;
   bool all_ok = true;
   char name[16] = {};
-  const uint64_t before = allocations.load();
+  const uint64_t before =
+      static_cast<uint64_t>(::rdma_agent::testing::Allocations());
   backend.Post(ops, In(absl::Seconds(20)),
                [&](std::vector<absl::Status> statuses) {
                  for (const absl::Status& status : statuses) {
@@ -73,7 +74,8 @@ uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops,
                  ended.Notify();
                });
   ended.WaitForNotification();
-  const uint64_t after = allocations.load();
+  const uint64_t after =
+      static_cast<uint64_t>(::rdma_agent::testing::Allocations());
   EXPECT_TRUE(all_ok);
   if (ended_on != nullptr) *ended_on = name;
   return after - before;

@@ -7,9 +7,21 @@
 namespace rdma_agent::testing {
 namespace {
 std::atomic<int64_t> allocations{0};
+std::atomic<bool (*)()> filter{nullptr};
+
+void Count() {
+  bool (*counted)() = filter.load(std::memory_order_relaxed);
+  if (counted == nullptr || counted()) {
+    allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+}
 }  // namespace
 
 int64_t Allocations() { return allocations.load(std::memory_order_relaxed); }
+
+void CountOnly(bool (*counted)()) {
+  filter.store(counted, std::memory_order_relaxed);
+}
 
 }  // namespace rdma_agent::testing
 
@@ -17,12 +29,12 @@ int64_t Allocations() { return allocations.load(std::memory_order_relaxed); }
 // (malloc/free underneath), so that all are counted and each pairs with its
 // delete (AddressSanitizer reports a form left to it and freed here).
 void* operator new(std::size_t size) {
-  rdma_agent::testing::allocations.fetch_add(1, std::memory_order_relaxed);
+  rdma_agent::testing::Count();
   if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
   throw std::bad_alloc();
 }
 void* operator new(std::size_t size, std::align_val_t align) {
-  rdma_agent::testing::allocations.fetch_add(1, std::memory_order_relaxed);
+  rdma_agent::testing::Count();
   const std::size_t alignment = static_cast<std::size_t>(align);
   const std::size_t rounded = (size + alignment - 1) / alignment * alignment;
   if (void* p =
@@ -32,7 +44,7 @@ void* operator new(std::size_t size, std::align_val_t align) {
   throw std::bad_alloc();
 }
 void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  rdma_agent::testing::allocations.fetch_add(1, std::memory_order_relaxed);
+  rdma_agent::testing::Count();
   return std::malloc(size == 0 ? 1 : size);
 }
 void* operator new(std::size_t size, std::align_val_t align,

@@ -11,6 +11,11 @@ namespace rdma_agent::testing {
 // readings around the code under test.
 int64_t Allocations();
 
+// From now on, counts only the allocations for which `filter` answers true
+// (e.g. those on some threads, while a test measures); nullptr counts all.
+// `filter` runs inside operator new: it must not allocate.
+void CountOnly(bool (*filter)());
+
 }  // namespace rdma_agent::testing
 
 #endif  // RDMA_AGENTD_TESTS_TESTING_ALLOCATION_COUNT_H_
