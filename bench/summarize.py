@@ -271,6 +271,26 @@ def main():
             [v for v in r.all("ring_mem_write.p50_us") if isinstance(v, float)]), 1) + " µs",
         "≤ 5 µs", verdict(median([v for v in r.all("ring_mem_write.p50_us")
                                  if isinstance(v, float)]), 5.0, higher_is_better=False))
+    # The ring's memory op rate and RUN_PREPARED repost, each beside the same
+    # run's Submit of the same ops.
+    mem_ops = [v for v in r.all("ring_mem_ops_write.ops_per_s")
+               if isinstance(v, float)]
+    q = r.ratios("ring_mem_ops_ratio.ring_vs_submit", scale=1.0)
+    row(f"ring: {small} WRITE × {count(r.best('ring_mem_ops_write.batch'))}, "
+        "memory backend, 4 batches in flight, ops/s",
+        fmt(r.best("ring_mem_ops_write.ops_per_s")),
+        f"Submit × {count(r.best('ring_mem_ops_write.batch'))} "
+        f"{fmt(r.best('ring_mem_ops_submit_write.ops_per_s'))} (ratio {spread(q)})",
+        (fmt(median(mem_ops) / 1e6, 2) + " M") if mem_ops else "—", "≥ 2.5 M",
+        verdict(median(mem_ops), 2.5e6) if mem_ops else "—")
+    q = r.ratios("ring_prepared_ratio.ring_prepared_vs_contexts", scale=1.0)
+    row(f"ring: prepared {size_label(r.best('ring_prepared.op_bytes'))} × "
+        f"{count(r.best('ring_prepared.batch'))} reposted by one RUN_PREPARED "
+        "entry, ops/s",
+        fmt(r.best("ring_prepared.ops_per_s")),
+        f"contexts in every Submit "
+        f"{fmt(r.best('ring_prepared_submit_contexts.ops_per_s'))}",
+        spread(q), "≥ 2", verdict(median(q), 2.0))
     py_ring = [v for v in r.all("py_ring_mem_write.p50_us") if isinstance(v, float)]
     q = r.ratios("py_ring_ratio.submit_vs_ring", scale=1.0)
     row(f"Python ring: {lat_bytes} WRITE, memory backend, p50 µs",
