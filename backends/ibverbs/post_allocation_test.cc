@@ -7,8 +7,6 @@
 // what it does on the backend's threads (ibv_post_send, ibv_poll_cq)
 // allocates nothing per WR, as a real provider's does not.
 
-#include <sys/prctl.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -26,31 +24,6 @@
 #include "gtest/gtest.h"
 #include "tests/testing/allocation_count.h"
 
-namespace {
-std::atomic<bool> counting{false};
-thread_local bool posting_thread = false;
-
-bool OnRequestingSide() {
-  if (posting_thread) return true;
-  char name[16] = {};
-  prctl(PR_GET_NAME, name);
-  return std::strcmp(name, "ibv-posting") == 0 ||
-         std::strcmp(name, "ibv-deadline") == 0 ||
-         std::strcmp(name, "ibv-cq-poller") == 0;
-}
-
-// What //tests/testing:allocation_count counts: the requesting side's
-// allocations while a test measures.
-bool Counted() {
-  return counting.load(std::memory_order_relaxed) && OnRequestingSide();
-}
-
-const bool kCountedOnly = [] {
-  rdma_agent::testing::CountOnly(&Counted);
-  return true;
-}();
-}  // namespace
-
 namespace rdma_agent::ibverbs {
 namespace {
 
@@ -63,6 +36,13 @@ using ::rdma_agent::testing::Snapshot;
 using ::rdma_agent::testing::SoftIbverbsAgent;
 using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
+
+// Counts the requesting side's allocations only: this (the posting) thread
+// and the backend's own threads, known by their names.
+void CountRequestingSide() {
+  ::rdma_agent::testing::CountOnlyOn(
+      {"ibv-posting", "ibv-deadline", "ibv-cq-poller"});
+}
 
 constexpr size_t kSizes[] = {64, 256, 1024};
 constexpr uint64_t kSpacing = 128;
@@ -93,7 +73,6 @@ uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops) {
 // lanes connected, the grants cached, the send queues' records made.
 std::vector<uint64_t> LeastAllocations(
     Backend& backend, const std::vector<std::vector<Op>>& batches) {
-  counting = true;
   for (int i = 0; i < 3; ++i) {
     for (const std::vector<Op>& ops : batches) AllocationsOfPost(backend, ops);
   }
@@ -105,7 +84,6 @@ std::vector<uint64_t> LeastAllocations(
       least[s] = std::min(least[s], AllocationsOfPost(backend, batches[s]));
     }
   }
-  counting = false;
   for (size_t s = 0; s < batches.size(); ++s) {
     std::printf("allocations per Post of %zu ops: %llu\n", batches[s].size(),
                 static_cast<unsigned long long>(least[s]));
@@ -137,7 +115,7 @@ void AddDevices(verbs::SoftFabric& fabric,
 }
 
 TEST(IbverbsPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
-  posting_thread = true;
+  CountRequestingSide();
   verbs::SoftFabric fabric;
   AddDevices(fabric, {"nic_a", "nic_b"});
   std::unique_ptr<TestAgent> a = SoftIbverbsAgent(fabric, "agent-a", "nic_a");
@@ -175,7 +153,7 @@ TEST(IbverbsPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
 // Two rails on each side: small ops spread over the lanes, and one op in
 // 16 of 64 KiB, striped over them.
 TEST(IbverbsPostAllocationTest, AllocationsDoNotGrowWithTheOpsOverTwoRails) {
-  posting_thread = true;
+  CountRequestingSide();
   verbs::SoftFabric fabric;
   AddDevices(fabric, {"nic_a1", "nic_a2", "nic_b1", "nic_b2"});
   std::unique_ptr<TestAgent> a = SoftIbverbsAgent(

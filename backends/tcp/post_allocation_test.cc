@@ -22,30 +22,6 @@
 #include "gtest/gtest.h"
 #include "tests/testing/allocation_count.h"
 
-namespace {
-std::atomic<bool> counting{false};
-thread_local bool posting_thread = false;
-
-bool OnRequestingSide() {
-  if (posting_thread) return true;
-  char name[16] = {};
-  prctl(PR_GET_NAME, name);
-  return std::strncmp(name, "tcp-client", 10) == 0 ||
-         std::strncmp(name, "tcp-timekeeper", 14) == 0;
-}
-
-// What //tests/testing:allocation_count counts: the requesting side's
-// allocations while a test measures.
-bool Counted() {
-  return counting.load(std::memory_order_relaxed) && OnRequestingSide();
-}
-
-const bool kCountedOnly = [] {
-  rdma_agent::testing::CountOnly(&Counted);
-  return true;
-}();
-}  // namespace
-
 namespace rdma_agent::tcp {
 namespace {
 
@@ -53,6 +29,12 @@ using ::rdma_agent::testing::In;
 using ::rdma_agent::testing::MakeOp;
 using ::rdma_agent::testing::TestAgent;
 using ::rdma_agent::testing::TestBuffer;
+
+// Counts the requesting side's allocations only: this (the posting) thread
+// and the backend's own threads, known by their names.
+void CountRequestingSide() {
+  ::rdma_agent::testing::CountOnlyOn({"tcp-client", "tcp-timekeeper"});
+}
 
 std::unique_ptr<TestAgent> Agent(uint64_t epoch) { return TcpTestAgent(epoch); }
 
@@ -82,8 +64,7 @@ uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops,
 }
 
 TEST(TcpPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
-  posting_thread = true;
-  counting = true;
+  CountRequestingSide();
   auto a = Agent(/*epoch=*/91);
   auto b = Agent(/*epoch=*/92);
   constexpr int kMany = 4096;
@@ -128,8 +109,7 @@ TEST(TcpPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
 // Small batches (at most DataClient::kLoopBatchBytes) are sent by the
 // posting thread and answered on a loop (tcp-client-loop, counted too).
 TEST(TcpPostAllocationTest, LoopBatchAllocationsDoNotGrowWithTheOps) {
-  posting_thread = true;
-  counting = true;
+  CountRequestingSide();
   auto a = Agent(/*epoch=*/93);
   auto b = Agent(/*epoch=*/94);
   constexpr int kMany = 256;

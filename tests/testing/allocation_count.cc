@@ -1,26 +1,48 @@
 #include "tests/testing/allocation_count.h"
 
+#include <sys/prctl.h>
+
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <new>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace rdma_agent::testing {
 namespace {
 std::atomic<int64_t> allocations{0};
-std::atomic<bool (*)()> filter{nullptr};
+// Set once by CountOnlyOn, before `only_named` makes it read.
+std::vector<std::string>* name_prefixes = nullptr;
+std::atomic<bool> only_named{false};
+thread_local bool on_counted_thread = false;
+
+bool Counted() {
+  if (!only_named.load(std::memory_order_acquire) || on_counted_thread) {
+    return true;
+  }
+  char name[16] = {};
+  ::prctl(PR_GET_NAME, name);
+  for (const std::string& prefix : *name_prefixes) {
+    if (std::strncmp(name, prefix.c_str(), prefix.size()) == 0) return true;
+  }
+  return false;
+}
 
 void Count() {
-  bool (*counted)() = filter.load(std::memory_order_relaxed);
-  if (counted == nullptr || counted()) {
-    allocations.fetch_add(1, std::memory_order_relaxed);
-  }
+  if (Counted()) allocations.fetch_add(1, std::memory_order_relaxed);
 }
 }  // namespace
 
 int64_t Allocations() { return allocations.load(std::memory_order_relaxed); }
 
-void CountOnly(bool (*counted)()) {
-  filter.store(counted, std::memory_order_relaxed);
+void CountOnlyOn(std::vector<std::string> prefixes) {
+  on_counted_thread = true;
+  // The first call's prefixes stand: other threads may be reading them.
+  if (name_prefixes != nullptr) return;
+  name_prefixes = new std::vector<std::string>(std::move(prefixes));
+  only_named.store(true, std::memory_order_release);
 }
 
 }  // namespace rdma_agent::testing

@@ -2,6 +2,8 @@
 #define RDMA_AGENTD_TESTS_TESTING_ALLOCATION_COUNT_H_
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace rdma_agent::testing {
 
@@ -11,10 +13,12 @@ namespace rdma_agent::testing {
 // readings around the code under test.
 int64_t Allocations();
 
-// From now on, counts only the allocations for which `filter` answers true
-// (e.g. those on some threads, while a test measures); nullptr counts all.
-// `filter` runs inside operator new: it must not allocate.
-void CountOnly(bool (*filter)());
+// From now on, counts only the allocations made on the calling thread or on
+// threads whose names (PR_GET_NAME) start with one of `name_prefixes`: one
+// side of a path (e.g. the requesting side's posting, worker and completion
+// threads) when both sides live in the test process. The first call's
+// prefixes stand for the process; later calls only add their thread.
+void CountOnlyOn(std::vector<std::string> name_prefixes);
 
 }  // namespace rdma_agent::testing
 
