@@ -73,15 +73,7 @@ size_t Count(const std::vector<std::string>& names, const std::string& name) {
 RingOp Op(v1::OpType type, uint64_t local, uint64_t local_offset,
           uint64_t length, uint64_t handle, uint64_t remote_offset,
           uint64_t tag) {
-  RingOp op;
-  op.type = type;
-  op.local_buffer_id = local;
-  op.local_offset = local_offset;
-  op.length = length;
-  op.remote_handle = handle;
-  op.remote_offset = remote_offset;
-  op.user_tag = tag;
-  return op;
+  return RingOp{type, local, local_offset, length, handle, remote_offset, tag};
 }
 
 // Waits for `count` completions on `ring`, each within `each`.
