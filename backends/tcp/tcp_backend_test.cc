@@ -909,14 +909,33 @@ void WarmPool(TestAgent& a, TestAgent& b) {
       1u);
 }
 
+// Two agents whose pool already holds a connection from a to b (WarmPool),
+// a buffer of `bytes` on each and their images.
+struct WarmedPair {
+  std::unique_ptr<TestAgent> a;
+  std::unique_ptr<TestAgent> b;
+  TestBuffer local;
+  TestBuffer remote;
+  std::vector<uint8_t> local_image;
+  std::vector<uint8_t> remote_image;
+};
+
+// Agent a has epoch `epoch` and client `options`, agent b `epoch` + 1.
+WarmedPair Warmed(uint64_t epoch, uint64_t bytes = 4096,
+                  DataClientOptions options = {}) {
+  WarmedPair pair;
+  pair.a = Agent(epoch, 0, options);
+  pair.b = Agent(epoch + 1);
+  WarmPool(*pair.a, *pair.b);
+  pair.local = pair.a->Register(bytes, v1::ACCESS_READ_WRITE, 1);
+  pair.remote = pair.b->Register(bytes, v1::ACCESS_READ_WRITE, 2);
+  pair.local_image = Snapshot(pair.local);
+  pair.remote_image = Snapshot(pair.remote);
+  return pair;
+}
+
 TEST(TcpBackendLoopTest, SmallPostedReadAndWriteEndOnTheClientLoop) {
-  auto a = Agent(/*epoch=*/111);
-  auto b = Agent(/*epoch=*/112);
-  WarmPool(*a, *b);
-  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  auto local_image = Snapshot(local);
-  auto remote_image = Snapshot(remote);
+  auto [a, b, local, remote, local_image, remote_image] = Warmed(/*epoch=*/111);
   const std::vector<Op> ops = {
       MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 100, 8, remote, 7),
       MakeOp(1, v1::OP_TYPE_WRITE_FROM_LOCAL, local, 1000, 8, remote, 2000),
@@ -958,14 +977,9 @@ TEST(TcpBackendLoopTest, SmallPostedReadAndWriteEndOnTheClientLoop) {
 }
 
 TEST(TcpBackendLoopTest, BatchesOverTheLoopBytesGoToTheWorkers) {
-  auto a = Agent(/*epoch=*/113);
-  auto b = Agent(/*epoch=*/114);
-  WarmPool(*a, *b);
   constexpr uint64_t kLength = DataClient::kLoopBatchBytes + 1;
-  auto local = a->Register(2 * kLength, v1::ACCESS_READ_WRITE, 1);
-  auto remote = b->Register(2 * kLength, v1::ACCESS_READ_WRITE, 2);
-  auto local_image = Snapshot(local);
-  auto remote_image = Snapshot(remote);
+  auto [a, b, local, remote, local_image, remote_image] =
+      Warmed(/*epoch=*/113, 2 * kLength);
   const Op read =
       MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 5, kLength, remote, 9);
   Posted posted;
@@ -978,13 +992,7 @@ TEST(TcpBackendLoopTest, BatchesOverTheLoopBytesGoToTheWorkers) {
 }
 
 TEST(TcpBackendLoopTest, HeldPeerEndsALoopOpAtItsDeadlineAndAFreshOneWorks) {
-  auto a = Agent(/*epoch=*/121);
-  auto b = Agent(/*epoch=*/122);
-  WarmPool(*a, *b);
-  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  auto local_image = Snapshot(local);
-  auto remote_image = Snapshot(remote);
+  auto [a, b, local, remote, local_image, remote_image] = Warmed(/*epoch=*/121);
   const Op held =
       MakeOp(0, v1::OP_TYPE_READ_INTO_LOCAL, local, 0, 8, remote, 64);
 
@@ -1033,13 +1041,7 @@ TEST(TcpBackendLoopTest, HeldPeerEndsALoopOpAtItsDeadlineAndAFreshOneWorks) {
 }
 
 TEST(TcpBackendLoopTest, CancellingALoopOpEndsItAtOnce) {
-  auto a = Agent(/*epoch=*/131);
-  auto b = Agent(/*epoch=*/132);
-  WarmPool(*a, *b);
-  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  auto local_image = Snapshot(local);
-  auto remote_image = Snapshot(remote);
+  auto [a, b, local, remote, local_image, remote_image] = Warmed(/*epoch=*/131);
   const Op held =
       MakeOp(4, v1::OP_TYPE_READ_INTO_LOCAL, local, 8, 8, remote, 64);
 
@@ -1078,12 +1080,8 @@ TEST(TcpBackendLoopTest, CancellingALoopOpEndsItAtOnce) {
 TEST(TcpBackendLoopTest, AStalledLoopOpIsUnavailableLongBeforeItsDeadline) {
   DataClientOptions options;
   options.no_progress_timeout = absl::Milliseconds(200);
-  auto a = Agent(/*epoch=*/135, 0, options);
-  auto b = Agent(/*epoch=*/136);
-  WarmPool(*a, *b);
-  auto local = a->Register(4096, v1::ACCESS_READ_WRITE, 1);
-  auto remote = b->Register(4096, v1::ACCESS_READ_WRITE, 2);
-  auto local_image = Snapshot(local);
+  auto [a, b, local, remote, local_image, remote_image] =
+      Warmed(/*epoch=*/135, 4096, options);
   const Op held =
       MakeOp(2, v1::OP_TYPE_READ_INTO_LOCAL, local, 8, 8, remote, 64);
 
@@ -1174,13 +1172,8 @@ TEST(TcpBackendLoopTest,
      AThousandSmallPostsEndInPlaceOrOnTheLoopWithNoNewThread) {
   constexpr int kPosts = 1000;
   constexpr uint64_t kLength = 8;
-  auto a = Agent(/*epoch=*/151);
-  auto b = Agent(/*epoch=*/152);
-  WarmPool(*a, *b);
-  auto local = a->Register(kPosts * 32, v1::ACCESS_READ_WRITE, 1);
-  auto remote = b->Register(kPosts * 32, v1::ACCESS_READ_WRITE, 2);
-  auto local_image = Snapshot(local);
-  auto remote_image = Snapshot(remote);
+  auto [a, b, local, remote, local_image, remote_image] =
+      Warmed(/*epoch=*/151, kPosts * 32);
   const int threads_before = ThreadCount();
   EXPECT_EQ(ThreadsNamed(kLoopThread), 2 * DataClientOptions().loops);
   char posting_thread[16] = {};
