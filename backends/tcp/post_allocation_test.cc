@@ -63,6 +63,51 @@ uint64_t AllocationsOfPost(Backend& backend, const std::vector<Op>& ops,
   return after - before;
 }
 
+// `count` ops alternating READ and WRITE, `length` bytes each, `spacing`
+// apart in both buffers.
+std::vector<Op> Alternating(const TestBuffer& local, const TestBuffer& remote,
+                            int count, uint64_t spacing, uint64_t length) {
+  std::vector<Op> ops;
+  for (int i = 0; i < count; ++i) {
+    ops.push_back(MakeOp(
+        i,
+        i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL : v1::OP_TYPE_WRITE_FROM_LOCAL,
+        local, i * spacing, length, remote, i * spacing + 8));
+  }
+  return ops;
+}
+
+struct Least {
+  uint64_t many = ~0ull;
+  uint64_t few = ~0ull;
+};
+
+// The least allocations per Post of `many` and of `few` over five tries (a
+// worker's idle-connection expiry or a log line may fall into one), after
+// three warm-ups (pooled connections, spare receive buffers, grown
+// windows). With `never_on_a_worker`, every try must end on a loop or in
+// Post.
+Least LeastAllocations(Backend& backend, const std::vector<Op>& many,
+                       const std::vector<Op>& few, bool never_on_a_worker) {
+  for (int i = 0; i < 3; ++i) {
+    AllocationsOfPost(backend, many);
+    AllocationsOfPost(backend, few);
+  }
+  Least least;
+  for (int i = 0; i < 5; ++i) {
+    for (const auto& [ops, kept] :
+         {std::pair{&many, &least.many}, std::pair{&few, &least.few}}) {
+      std::string ended_on;
+      *kept = std::min(*kept, AllocationsOfPost(backend, *ops, &ended_on));
+      if (never_on_a_worker) EXPECT_NE(ended_on, "tcp-client");
+    }
+  }
+  std::printf("allocations per Post: %zu ops %llu, %zu ops %llu\n", few.size(),
+              static_cast<unsigned long long>(least.few), many.size(),
+              static_cast<unsigned long long>(least.many));
+  return least;
+}
+
 TEST(TcpPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
   CountRequestingSide();
   auto a = Agent(/*epoch=*/91);
@@ -71,39 +116,14 @@ TEST(TcpPostAllocationTest, AllocationsDoNotGrowWithTheOps) {
   constexpr int kFew = 64;
   auto local = a->Register(kMany * 128, v1::ACCESS_READ_WRITE, 1);
   auto remote = b->Register(kMany * 128, v1::ACCESS_READ_WRITE, 2);
-  auto batch = [&](int count) {
-    std::vector<Op> ops;
-    for (int i = 0; i < count; ++i) {
-      ops.push_back(MakeOp(i,
-                           i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL
-                                      : v1::OP_TYPE_WRITE_FROM_LOCAL,
-                           local, i * 128, 64, remote, i * 128 + 8));
-    }
-    return ops;
-  };
-  const std::vector<Op> many = batch(kMany);
-  const std::vector<Op> few = batch(kFew);
-  // Warm: pooled connections, spare receive buffers, grown windows.
-  for (int i = 0; i < 3; ++i) {
-    AllocationsOfPost(a->backend(), many);
-    AllocationsOfPost(a->backend(), few);
-  }
-  // The least of a few tries: a worker's idle-connection expiry or a log
-  // line may fall into one.
-  uint64_t for_many = ~0ull;
-  uint64_t for_few = ~0ull;
-  for (int i = 0; i < 5; ++i) {
-    for_many = std::min(for_many, AllocationsOfPost(a->backend(), many));
-    for_few = std::min(for_few, AllocationsOfPost(a->backend(), few));
-  }
-  std::printf("allocations per Post: %d ops %llu, %d ops %llu\n", kFew,
-              static_cast<unsigned long long>(for_few), kMany,
-              static_cast<unsigned long long>(for_many));
+  const Least least = LeastAllocations(
+      a->backend(), Alternating(local, remote, kMany, 128, 64),
+      Alternating(local, remote, kFew, 128, 64), /*never_on_a_worker=*/false);
   // 64x the ops, the same peer: the same allocations per batch and per
   // lane, but for the lanes' request windows, which double (from 16 up to
   // 1024 requests, 7 times at most per lane) to the deepest window they
   // reach. One allocation per 64 ops would add 63.
-  EXPECT_LT(for_many, for_few + 32);
+  EXPECT_LT(least.many, least.few + 32);
 }
 
 // Small batches (at most DataClient::kLoopBatchBytes) are sent by the
@@ -118,44 +138,16 @@ TEST(TcpPostAllocationTest, LoopBatchAllocationsDoNotGrowWithTheOps) {
   static_assert(kMany * kLength <= DataClient::kLoopBatchBytes);
   auto local = a->Register(kMany * 64, v1::ACCESS_READ_WRITE, 1);
   auto remote = b->Register(kMany * 64, v1::ACCESS_READ_WRITE, 2);
-  auto batch = [&](int count) {
-    std::vector<Op> ops;
-    for (int i = 0; i < count; ++i) {
-      ops.push_back(MakeOp(i,
-                           i % 2 == 0 ? v1::OP_TYPE_READ_INTO_LOCAL
-                                      : v1::OP_TYPE_WRITE_FROM_LOCAL,
-                           local, i * 64, kLength, remote, i * 64 + 8));
-    }
-    return ops;
-  };
-  const std::vector<Op> many = batch(kMany);
-  const std::vector<Op> few = batch(kFew);
-  // Warm: a pooled connection (the first Post dials it on a worker), spare
-  // receive buffers.
-  for (int i = 0; i < 3; ++i) {
-    AllocationsOfPost(a->backend(), many);
-    AllocationsOfPost(a->backend(), few);
-  }
-  uint64_t for_many = ~0ull;
-  uint64_t for_few = ~0ull;
-  for (int i = 0; i < 5; ++i) {
-    std::string ended_on;
-    for_many =
-        std::min(for_many, AllocationsOfPost(a->backend(), many, &ended_on));
-    // The loop, or in place when the answer was there at once: never a
-    // worker.
-    EXPECT_NE(ended_on, "tcp-client");
-    for_few =
-        std::min(for_few, AllocationsOfPost(a->backend(), few, &ended_on));
-    EXPECT_NE(ended_on, "tcp-client");
-  }
-  std::printf("allocations per looped Post: %d ops %llu, %d ops %llu\n", kFew,
-              static_cast<unsigned long long>(for_few), kMany,
-              static_cast<unsigned long long>(for_many));
+  // The warm-ups dial the pooled connection on a worker; the tries end on
+  // the loop, or in Post when the answer was there at once.
+  const Least least = LeastAllocations(
+      a->backend(), Alternating(local, remote, kMany, 64, kLength),
+      Alternating(local, remote, kFew, 64, kLength),
+      /*never_on_a_worker=*/true);
   // 64x the ops: the same allocations per batch and lane but for the
   // lane's request window, which doubles from 16 to 256 requests (4 more).
   // One allocation per op would add 252.
-  EXPECT_LT(for_many, for_few + 16);
+  EXPECT_LT(least.many, least.few + 16);
 }
 
 }  // namespace
