@@ -1,12 +1,12 @@
 #include "common/deadline_timer.h"
 
-#include <pthread.h>
+#include "common/thread_name.h"
 
 namespace rdma_agent {
 
 DeadlineTimer::DeadlineTimer(const std::string& name)
     : thread_([this] { Loop(); }) {
-  pthread_setname_np(thread_.native_handle(), name.substr(0, 15).c_str());
+  NameThread(thread_, name);
 }
 
 DeadlineTimer::~DeadlineTimer() {

@@ -2,8 +2,6 @@
 // cancellation.
 #include "common/deadline_timer.h"
 
-#include <pthread.h>
-
 #include <atomic>
 #include <string>
 #include <vector>
@@ -12,16 +10,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/thread_name.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent {
 namespace {
-
-std::string ThreadName() {
-  char name[16] = {};
-  pthread_getname_np(pthread_self(), name, sizeof(name));
-  return name;
-}
 
 TEST(DeadlineTimerTest, RunsTasksAtTheirTimeInTimeOrderOnItsThread) {
   DeadlineTimer timer("test-timer");
@@ -34,7 +27,7 @@ TEST(DeadlineTimerTest, RunsTasksAtTheirTimeInTimeOrderOnItsThread) {
     const absl::Time when = start + absl::Milliseconds(100 * i);
     timer.At(when, [&, i, when] {
       absl::MutexLock lock(&mu);
-      EXPECT_EQ(ThreadName(), "test-timer");
+      EXPECT_EQ(CurrentThreadName(), "test-timer");
       order.push_back(i);
       late.push_back(absl::Now() - when);
       ran.DecrementCount();

@@ -1,9 +1,9 @@
 #include "common/executor.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <utility>
+
+#include "common/thread_name.h"
 
 namespace rdma_agent {
 
@@ -11,10 +11,9 @@ Executor::Executor(size_t threads, size_t max_queued, const std::string& name)
     : max_queued_(max_queued), slots_(max_queued) {
   threads = std::max<size_t>(threads, 1);
   threads_.reserve(threads);
-  const std::string short_name = name.substr(0, 15);
   for (size_t i = 0; i < threads; ++i) {
     threads_.emplace_back([this] { Loop(); });
-    pthread_setname_np(threads_.back().native_handle(), short_name.c_str());
+    NameThread(threads_.back(), name);
   }
 }
 

@@ -1,7 +1,5 @@
 #include "common/executor.h"
 
-#include <pthread.h>
-
 #include <atomic>
 #include <memory>
 #include <string>
@@ -10,16 +8,11 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/thread_name.h"
 #include "gtest/gtest.h"
 
 namespace rdma_agent {
 namespace {
-
-std::string ThreadName() {
-  char name[16] = {};
-  pthread_getname_np(pthread_self(), name, sizeof(name));
-  return name;
-}
 
 TEST(ExecutorTest, RunsTasksOnItsOwnThreadsAndTryPostReturnsAtOnce) {
   Executor executor(2, 16, "test-exec");
@@ -108,7 +101,7 @@ TEST(ExecutorTest, ItsThreadsCarryItsName) {
   absl::Notification ran;
   std::string name;
   Executor::Task task = [&] {
-    name = ThreadName();
+    name = CurrentThreadName();
     ran.Notify();
   };
   ASSERT_TRUE(executor.TryPost(task));

@@ -4,8 +4,6 @@
 // deadline timer), the deadline and a cancellation end a posted batch with
 // nothing touched afterwards, and many batches posted at once from one
 // thread all land.
-#include <pthread.h>
-
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -20,6 +18,7 @@
 #include "backends/testing/harness.h"
 #include "backends/testing/ibverbs_agent.h"
 #include "common/stop_token.h"
+#include "common/thread_name.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -42,12 +41,6 @@ using verbs::SoftFault;
 constexpr v1::OpType kRead = v1::OP_TYPE_READ_INTO_LOCAL;
 constexpr v1::OpType kWrite = v1::OP_TYPE_WRITE_FROM_LOCAL;
 
-std::string ThreadName() {
-  char name[16] = {};
-  pthread_getname_np(pthread_self(), name, sizeof(name));
-  return name;
-}
-
 // How one posted batch ended: its statuses, when, and on which thread.
 class Ending {
  public:
@@ -55,7 +48,7 @@ class Ending {
     return [this](std::vector<absl::Status> statuses) {
       absl::MutexLock lock(&mu_);
       statuses_ = std::move(statuses);
-      thread_ = ThreadName();
+      thread_ = CurrentThreadName();
       at_ = absl::Now();
       ++calls_;
     };
@@ -245,7 +238,7 @@ TEST_F(PostTest, TwoHundredBatchesPostedAtOnceFromOneThreadAllLand) {
     backend().Post(batches[i], In(absl::Seconds(30)),
                    [&](std::vector<absl::Status> statuses) {
                      if (statuses.size() != 1 || !statuses[0].ok()) ++failed;
-                     if (ThreadName() == "ibv-cq-poller") ++on_poller;
+                     if (CurrentThreadName() == "ibv-cq-poller") ++on_poller;
                      ++calls;
                      ended.DecrementCount();
                    });

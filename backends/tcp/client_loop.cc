@@ -1,6 +1,5 @@
 #include "backends/tcp/client_loop.h"
 
-#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -10,6 +9,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "common/thread_name.h"
 
 namespace rdma_agent::tcp {
 namespace {
@@ -43,8 +43,7 @@ absl::StatusOr<std::unique_ptr<ClientLoop>> ClientLoop::Start(
   }
   // Named before Start returns (not by the thread itself, later), so that
   // whoever counts threads by name right after sees it.
-  pthread_setname_np(loop->thread_.native_handle(),
-                     std::string(thread_name).c_str());
+  NameThread(loop->thread_, thread_name);
   return loop;
 }
 

@@ -1,6 +1,5 @@
 #include "daemon/ops/ring_sessions.h"
 
-#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -22,6 +21,7 @@
 #include "common/ring_protocol.h"
 #include "common/shared_memory.h"
 #include "common/status_util.h"
+#include "common/thread_name.h"
 #include "spdlog/spdlog.h"
 
 namespace rdma_agent {
@@ -796,8 +796,7 @@ class RingSessions::Thread {
     std::unique_ptr<Thread> thread(
         new Thread(owner, std::move(epoll), std::move(wakeup)));
     thread->thread_ = std::thread([raw = thread.get()] { raw->Run(); });
-    const std::string name = absl::StrCat("rdma-ring-", index);
-    pthread_setname_np(thread->thread_.native_handle(), name.c_str());
+    NameThread(thread->thread_, absl::StrCat("rdma-ring-", index));
     return thread;
   }
   Thread(const Thread&) = delete;

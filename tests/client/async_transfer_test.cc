@@ -5,7 +5,6 @@
 // user, stopping a watch with ends pending, an agent that goes away under a
 // watch, and a watching client process killed outright.
 
-#include <pthread.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/rdma_agent_client.h"
+#include "common/thread_name.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/worker_process.h"
@@ -84,12 +84,6 @@ int WatchThreads() {
   return ThreadsNamed(kWatchThread) + ThreadsNamed(kCallbackThread);
 }
 
-std::string ThisThreadName() {
-  char name[16] = {};
-  pthread_getname_np(pthread_self(), name, sizeof(name));
-  return name;
-}
-
 // What OnDone callbacks received, by transfer id.
 class Ends {
  public:
@@ -97,7 +91,7 @@ class Ends {
     return [this, id](absl::StatusOr<TransferResult> end) {
       absl::MutexLock lock(&mu_);
       ++calls_[id];
-      if (ThisThreadName() != kCallbackThread) ++off_callback_thread_;
+      if (CurrentThreadName() != kCallbackThread) ++off_callback_thread_;
       ends_.insert_or_assign(id, std::move(end));
     };
   }
@@ -480,11 +474,11 @@ TEST_F(AsyncTransferTest, OnDoneNeedsAWatchUnlessTheEndIsKnown) {
   ASSERT_TRUE(transfer
                   ->OnDone([&](absl::StatusOr<TransferResult> end) {
                     called = end.ok() && end->ok();
-                    ran_on = ThisThreadName();
+                    ran_on = CurrentThreadName();
                   })
                   .ok());
   EXPECT_TRUE(called);
-  EXPECT_EQ(ran_on, ThisThreadName());
+  EXPECT_EQ(ran_on, CurrentThreadName());
   EXPECT_EQ(transfer->OnDone(nullptr).code(),
             absl::StatusCode::kInvalidArgument);
 }
@@ -677,8 +671,8 @@ TEST_F(AsyncTransferTest, ACallbackMayWaitForAnotherTransfer) {
   std::promise<std::pair<std::string, absl::StatusOr<TransferResult>>> waited;
   ASSERT_TRUE(first
                   ->OnDone([&](absl::StatusOr<TransferResult>) {
-                    waited.set_value(
-                        {ThisThreadName(), second->Wait(absl::Seconds(120))});
+                    waited.set_value({CurrentThreadName(),
+                                      second->Wait(absl::Seconds(120))});
                   })
                   .ok());
   auto future = waited.get_future();
