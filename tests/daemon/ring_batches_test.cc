@@ -7,7 +7,6 @@
 // for as long as a test needs; bytes are checked inside and outside every
 // op's range, and after the peer resumes, to show nothing of a cancelled
 // batch lands.
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,21 +64,10 @@ class RingBatchesTest : public ::testing::Test {
   }
 
   void TearDown() override {
-    Resume();
+    if (b_ != nullptr) b_->Resume();
     if (HasFailure() && b_ != nullptr) {
       ADD_FAILURE() << "agent b log:\n" << b_->Log();
     }
-  }
-
-  // Holds the remote agent: its tcp data plane accepts (the kernel does)
-  // but answers nothing until Resume.
-  void Hold() {
-    ASSERT_EQ(::kill(b_->pid(), SIGSTOP), 0);
-    held_ = true;
-  }
-  void Resume() {
-    if (held_) ::kill(b_->pid(), SIGCONT);
-    held_ = false;
   }
 
   static uint64_t Allocated(v1::RdmaAgent::Stub& stub, int seed,
@@ -182,7 +170,6 @@ class RingBatchesTest : public ::testing::Test {
   std::unique_ptr<Ring> ring_;
   std::map<uint64_t, std::string> contexts_;
   std::map<uint64_t, std::string> remote_contexts_;
-  bool held_ = false;
 };
 
 TEST_F(RingBatchesTest, APreparedTransferRunsAsOneEntry) {
@@ -281,7 +268,7 @@ TEST_F(RingBatchesTest, ANotificationReachesTheRemoteOwnerAfterItsBytes) {
 TEST_F(RingBatchesTest, ACancelEndsTheRunningBatchHoldingItsTag) {
   const uint64_t local = Local(6);
   const uint64_t handle = Import(remote_contexts_[Remote(7)]);
-  Hold();
+  b_->Hold();
   const RingOp ops[] = {Op(kRead, local, 0, 1000, handle, 0, 5),
                         Op(kRead, local, 2000, 1000, handle, 2000, 6)};
   ASSERT_TRUE(ring_->Submit(ops).ok());
@@ -312,7 +299,7 @@ TEST_F(RingBatchesTest, ACancelEndsTheRunningBatchHoldingItsTag) {
   EXPECT_THAT(ends[52].status.message(), HasSubstr("tag 424242"));
 
   // The peer answers at last: nothing of the cancelled batch lands.
-  Resume();
+  b_->Resume();
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(Read(a_->stub(), local), PatternString(6, 0, kSize));
 }
@@ -322,7 +309,7 @@ TEST_F(RingBatchesTest, SeveralBatchesRunAtOnceAndEndInAnyOrder) {
   const uint64_t remote = Remote(9);
   const uint64_t handle = Import(remote_contexts_[remote]);
   const uint64_t same_host = Import(contexts_[Local(10)]);
-  Hold();
+  b_->Hold();
   const RingOp slow = Op(kRead, local, 0, 100, handle, 100, 1);
   ASSERT_TRUE(ring_->Submit({&slow, 1}).ok());
   ASSERT_TRUE(Running(1));
@@ -348,7 +335,7 @@ TEST_F(RingBatchesTest, SeveralBatchesRunAtOnceAndEndInAnyOrder) {
   EXPECT_EQ(sessions[0].ops_completed, 2u);
   EXPECT_TRUE(sessions[0].stopped_reason.empty());
   EXPECT_TRUE(a_->agent().rings().List(::geteuid() + 1).empty());
-  Resume();
+  b_->Resume();
   ends = Reap(1);
   EXPECT_TRUE(ends[1].status.ok()) << ends[1].status;
   EXPECT_EQ(ends[1].backend, "tcp");
@@ -367,7 +354,7 @@ TEST_F(RingBatchesTest, ASmallLocalBatchCompletesWhileOthersWaitOnAPeer) {
   const uint64_t handle = Import(remote_contexts_[Remote(31)]);
   const uint64_t other = Local(32);
   const uint64_t same_host = Import(contexts_[other]);
-  Hold();
+  b_->Hold();
   const RingOp slow[] = {Op(kRead, local, 0, 100, handle, 0, 1)};
   const RingOp slower[] = {Op(kRead, local, 100, 100, handle, 100, 2)};
   ASSERT_TRUE(ring_->Submit(slow).ok());
@@ -389,7 +376,7 @@ TEST_F(RingBatchesTest, ASmallLocalBatchCompletesWhileOthersWaitOnAPeer) {
   auto cancelled = Reap(1);
   ASSERT_EQ(cancelled.count(5), 1u);
   EXPECT_EQ(cancelled[5].status.code(), absl::StatusCode::kNotFound);
-  Resume();
+  b_->Resume();
   ends = Reap(2);
   EXPECT_TRUE(ends[1].status.ok()) << ends[1].status;
   EXPECT_TRUE(ends[2].status.ok()) << ends[2].status;
@@ -411,7 +398,7 @@ TEST_F(RingBatchesTest, ABatchOverTheOpsBoundWaitsForRoom) {
                          absl::Seconds(10));
   ASSERT_TRUE(ring.ok()) << ring.status();
   ring_ = std::move(*ring);
-  Hold();
+  b_->Hold();
   std::vector<RingOp> slow;
   for (uint64_t i = 0; i < kMaxOpsPerUser - 2; ++i) {
     slow.push_back(Op(kRead, local, i, 1, handle, i, 100 + i));
@@ -426,7 +413,7 @@ TEST_F(RingBatchesTest, ABatchOverTheOpsBoundWaitsForRoom) {
   absl::SleepFor(absl::Milliseconds(300));
   std::vector<RingCompletion> none;
   EXPECT_EQ(*ring_->Poll(&none), 0u);
-  Resume();
+  b_->Resume();
   auto ends = Reap(slow.size() + 3);
   for (uint64_t tag = 1; tag <= 3; ++tag) {
     EXPECT_TRUE(ends[tag].status.ok()) << tag << ": " << ends[tag].status;
@@ -437,7 +424,7 @@ TEST_F(RingBatchesTest, ABatchOverTheOpsBoundWaitsForRoom) {
 TEST_F(RingBatchesTest, AClosedSessionCancelsItsBatchesAndGivesAllBack) {
   const uint64_t local = Local(14);
   const uint64_t handle = Import(remote_contexts_[Remote(15)]);
-  Hold();
+  b_->Hold();
   const RingOp ops[] = {Op(kRead, local, 0, 3000, handle, 0, 1)};
   ASSERT_TRUE(ring_->Submit(ops).ok());
   ASSERT_TRUE(Running(1));
@@ -446,7 +433,7 @@ TEST_F(RingBatchesTest, AClosedSessionCancelsItsBatchesAndGivesAllBack) {
   EXPECT_EQ(a_->agent().transfers().in_flight(), 0u);
   EXPECT_EQ(a_->agent().transfers().bytes(), 0u);
   EXPECT_TRUE(a_->agent().rings().List(std::nullopt).empty());
-  Resume();
+  b_->Resume();
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(Read(a_->stub(), local), PatternString(14, 0, kSize));
 
@@ -472,7 +459,7 @@ TEST_F(RingBatchesTest, AClosedSessionCancelsItsBatchesAndGivesAllBack) {
 TEST_F(RingBatchesTest, AStoppingAgentEndsRunningBatchesFirst) {
   const uint64_t local = Local(17);
   const uint64_t handle = Import(remote_contexts_[Remote(18)]);
-  Hold();
+  b_->Hold();
   const RingOp op = Op(kRead, local, 0, 1000, handle, 0, 1);
   ASSERT_TRUE(ring_->Submit({&op, 1}).ok());
   ASSERT_TRUE(Running(1));

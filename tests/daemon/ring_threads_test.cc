@@ -91,7 +91,7 @@ std::vector<RingCompletion> Reap(Ring& ring, size_t count,
 class RingThreadsTest : public ::testing::Test {
  protected:
   void TearDown() override {
-    Resume();
+    if (b_ != nullptr) b_->Resume();
     if (!HasFailure()) return;
     if (a_ != nullptr) ADD_FAILURE() << "agent a log:\n" << a_->Log();
     if (b_ != nullptr) ADD_FAILURE() << "agent b log:\n" << b_->Log();
@@ -129,17 +129,6 @@ class RingThreadsTest : public ::testing::Test {
     b_ = std::move(*b);
   }
 
-  // Holds agent B: its tcp data plane accepts (the kernel does) but
-  // answers nothing until Resume.
-  void Hold() {
-    ASSERT_EQ(::kill(b_->pid(), SIGSTOP), 0);
-    held_ = true;
-  }
-  void Resume() {
-    if (held_) ::kill(b_->pid(), SIGCONT);
-    held_ = false;
-  }
-
   // A buffer of `agent`'s, mapped here, filled with pattern `seed`.
   static Buffer Filled(AgentProcess& agent, int seed) {
     auto buffer = agent.client().Allocate(kSize, v1::ACCESS_READ_WRITE);
@@ -175,7 +164,6 @@ class RingThreadsTest : public ::testing::Test {
 
   std::unique_ptr<AgentProcess> a_;
   std::unique_ptr<AgentProcess> b_;
-  bool held_ = false;
 };
 
 TEST_F(RingThreadsTest, RingThreadsOutOfRangeAreRefusedAtStart) {
@@ -291,7 +279,7 @@ TEST_F(RingThreadsTest, StalledSessionsHoldUpOnlyThemselvesOnTheirThread) {
   ASSERT_EQ(warmed.size(), 1u);
   ASSERT_TRUE(warmed[0].status.ok()) << warmed[0].status;
   EXPECT_EQ(FirstMismatch(warm.bytes(), 2, 0, 0, 64, 9), std::nullopt);
-  Hold();
+  b_->Hold();
   const RingOp far_read =
       Op(kRead, held_local.id(), 100, 1000, far_handle, 200, 1);
   ASSERT_TRUE(held->Submit({&far_read, 1}, absl::Seconds(60)).ok());
@@ -332,7 +320,7 @@ TEST_F(RingThreadsTest, StalledSessionsHoldUpOnlyThemselvesOnTheirThread) {
   EXPECT_TRUE(early.empty()) << early[0].status;
 
   // Both stalls clear on their own: B resumes, the client reaps.
-  Resume();
+  b_->Resume();
   std::vector<RingCompletion> far_end = Reap(*held, 1);
   ASSERT_EQ(far_end.size(), 1u);
   EXPECT_TRUE(far_end[0].status.ok()) << far_end[0].status;
@@ -376,7 +364,7 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
   // Both places of the user are taken.
   EXPECT_EQ(a_->client().OpenRing(8).status().code(),
             absl::StatusCode::kResourceExhausted);
-  Hold();
+  b_->Hold();
   ASSERT_TRUE(worker->process()
                   .WriteLine(absl::StrCat("ring_op read ", worker_buffer->id,
                                           " 0 1000 0 ", (*imported)[1]))
@@ -434,10 +422,10 @@ TEST_F(RingThreadsTest, AKilledClientEndsOnlyItsOwnSession) {
   EXPECT_TRUE(Eventually([&] {
     return ScrapeSum(*a_, "rdma_agentd_ops_in_flight").value_or(-1) == 0;
   }));
-  EXPECT_TRUE(held_);
+  EXPECT_TRUE(b_->held());
   auto again = a_->client().OpenRing(8);
   EXPECT_TRUE(again.ok()) << again.status();
-  Resume();  // before `far` is released on B
+  b_->Resume();  // before `far` is released on B
   // Every WRITE moved local [0, 512) onto the same range of `near` alone.
   EXPECT_EQ(FirstMismatch(near.bytes(), 5, 0, 0, 512, 6), std::nullopt);
   EXPECT_EQ(FindMismatch(local.bytes(), 5), std::nullopt);
@@ -456,7 +444,7 @@ TEST_F(RingThreadsTest, AStoppingAgentEndsTheSessionsOfEveryRingThread) {
   std::vector<std::unique_ptr<Ring>> rings;
   // Four sessions, two per thread (the least loaded takes the next), each
   // with a READ from the held peer running.
-  Hold();
+  b_->Hold();
   for (uint64_t i = 0; i < 4; ++i) {
     locals.push_back(Filled(*a_, 20 + i));
     rings.push_back(Open());
@@ -482,7 +470,7 @@ TEST_F(RingThreadsTest, AStoppingAgentEndsTheSessionsOfEveryRingThread) {
         << ends[0].status;
     EXPECT_EQ(rings[i]->Poll(&ends).status().code(),
               absl::StatusCode::kUnavailable);
-    Resume();
+    if (b_ != nullptr) b_->Resume();
     EXPECT_EQ(FindMismatch(locals[i].bytes(), 20 + i), std::nullopt);
   }
 }

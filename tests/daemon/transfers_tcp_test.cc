@@ -4,8 +4,6 @@
 // middle of a large transfer returns only when nothing of it writes into
 // local memory any more.
 
-#include <signal.h>
-
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -317,11 +315,7 @@ TEST(TransfersHeldPeerTest, OneWorkerIsNotHeldByATransferToASilentPeer) {
     return transfer.ok() ? *transfer : v1::Transfer();
   };
 
-  ASSERT_EQ(kill((*b)->pid(), SIGSTOP), 0);
-  struct Resume {
-    pid_t pid;
-    ~Resume() { kill(pid, SIGCONT); }
-  } resume{(*b)->pid()};
+  (*b)->Hold();
   v1::SubmitRequest held;
   *held.add_ops() = ReadOp(*local, 0, 4096, *remote, 0);
   held.mutable_timeout()->set_seconds(60);
@@ -351,7 +345,7 @@ TEST(TransfersHeldPeerTest, OneWorkerIsNotHeldByATransferToASilentPeer) {
     ASSERT_TRUE(stub->CancelTransfer(&context, cancel, &response).ok());
   }
   EXPECT_EQ(get(held_id, 10).state(), v1::TRANSFER_STATE_CANCELLED);
-  kill((*b)->pid(), SIGCONT);
+  (*b)->Resume();
   // Nothing of the cancelled read lands once the peer answers.
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(FindMismatch(bytes.subspan(0, 4096), 1, 0), std::nullopt);

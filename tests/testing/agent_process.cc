@@ -170,7 +170,20 @@ void AgentProcess::Kill() {
   client_.reset();
   if (!process_) return;
   process_->Signal(SIGKILL);
+  held_ = false;
   Reap();
+}
+
+void AgentProcess::Hold() {
+  if (!process_ || held_) return;
+  process_->Signal(SIGSTOP);
+  held_ = true;
+}
+
+void AgentProcess::Resume() {
+  if (!process_ || !held_) return;
+  process_->Signal(SIGCONT);
+  held_ = false;
 }
 
 absl::Status AgentProcess::Restart() {
@@ -183,6 +196,7 @@ absl::StatusOr<int> AgentProcess::Stop(int signal, absl::Duration timeout) {
   if (!process_)
     return absl::FailedPreconditionError("rdma-agentd not started");
   process_->Signal(signal);
+  Resume();  // a held daemon takes the signal once it runs
   absl::StatusOr<int> code = process_->Wait(timeout);
   if (code.ok() && drain_.joinable()) drain_.join();
   return code;

@@ -90,6 +90,12 @@ class AgentProcess {
   // Drops client(), then SIGKILL and reap; the runtime dir stays for
   // Restart.
   void Kill();
+  // Holds the daemon with SIGSTOP (its kernel still accepts connections; it
+  // answers nothing) until Resume (SIGCONT); idempotent both ways. Stop,
+  // Kill, Restart and the destructor work on a held daemon.
+  void Hold();
+  void Resume();
+  bool held() const { return held_; }
   // Kills the daemon if it runs and starts it again with the same options in
   // the same runtime dir (same agent id, new epoch) and on the same tcp data
   // port; client() is connected anew.
@@ -112,6 +118,7 @@ class AgentProcess {
   const std::string runtime_dir_;
   const std::string log_path_;
   std::optional<Subprocess> process_;  // empty until the first Launch
+  bool held_ = false;                  // SIGSTOPped by Hold
   std::thread drain_;
   std::unique_ptr<client::AgentClient> client_;
 };
