@@ -478,7 +478,8 @@ void RingSessions::Session::Post(
   }
   Taken* const posting = taken.get();
   // The batch (its ops and Cancellation) stays until `Ended` has run: it is
-  // in running_ until then, and CancelAll waits for it.
+  // in running_ until then, and a session is freed only once running_ is
+  // empty (ended()).
   owner_->env_.registry->PostInPlace(
       absl::MakeSpan(posting->posted),
       StopToken(posting->deadline, &*posting->cancel),
@@ -501,8 +502,8 @@ void RingSessions::Session::Ended(Taken* taken, std::vector<OpOutcome> ran) {
   absl::MutexLock lock(&ends_mu_);
   taken->ran = std::move(ran);
   taken->ended.store(true, std::memory_order_release);
-  // Under the lock: once AwaitEnd has seen the end, nothing here touches
-  // the session again.
+  // Under the lock: once PostEnded has seen the end and taken the lock in
+  // turn, nothing here touches the session again.
   if (!taken->in_post) Wake();
 }
 
